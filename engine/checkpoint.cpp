@@ -1,0 +1,154 @@
+#include "engine/checkpoint.h"
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+
+#include "engine/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace tessel {
+namespace {
+
+constexpr const char* kMarker = "COMPLETE";
+
+std::string read_text(const fs::path& p) {
+  std::ifstream f(p);
+  if (!f) throw UserError(p.string() + ": cannot read");
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+std::string ckpt_dir(const Config& c) {
+  return c.checkpoint.dir.empty() ? (fs::path(c.run.output_dir) / "checkpoints").string() : c.checkpoint.dir;
+}
+
+void prune(const fs::path& root, int64_t keep) {
+  if (keep <= 0) return;
+  std::vector<std::pair<int64_t, fs::path>> done;
+  std::regex re("step_([0-9]+)");
+  for (const auto& e : fs::directory_iterator(root)) {
+    std::smatch m;
+    std::string name = e.path().filename().string();
+    if (e.is_directory() && std::regex_match(name, m, re) && fs::exists(e.path() / kMarker))
+      done.emplace_back(std::stoll(m[1]), e.path());
+  }
+  std::sort(done.begin(), done.end());
+  for (size_t i = 0; i + static_cast<size_t>(keep) < done.size(); ++i) fs::remove_all(done[i].second);
+}
+
+}  // namespace
+
+std::string save_checkpoint(const Config& c, models::Decoder& model, const FlatAdamW& opt,
+                            const CheckpointState& st) {
+  const fs::path root = ckpt_dir(c);
+  const fs::path dir = root / ("step_" + std::to_string(st.step));
+  const fs::path tmp = root / ("step_" + std::to_string(st.step) + ".tmp");
+  fs::create_directories(root);
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  for (const auto& p : model->named_parameters()) tensors.emplace_back(p.key(), p.value().detach());
+  for (const auto& s : opt.slots()) {
+    auto shape = model->named_parameters()[s.name].sizes();
+    tensors.emplace_back("optim.master." + s.name, opt.master().narrow(0, s.offset, s.numel).view(shape));
+    tensors.emplace_back("optim.exp_avg." + s.name, opt.exp_avg().narrow(0, s.offset, s.numel).view(shape));
+    tensors.emplace_back("optim.exp_avg_sq." + s.name, opt.exp_avg_sq().narrow(0, s.offset, s.numel).view(shape));
+  }
+  tensors.emplace_back("optim.step", opt.step_count());
+  const std::string file = "rank_00000.safetensors";
+  write_safetensors((tmp / file).string(), tensors, {{"format", "tessel"}});
+
+  nlohmann::json index = {{"format", "tessel-checkpoint-1"}, {"step", st.step},
+                          {"consumed_samples", st.consumed_samples}, {"world_size", 1},
+                          {"arch", c.model.arch}, {"tensors", nlohmann::json::object()}};
+  for (const auto& [name, t] : tensors) {
+    nlohmann::json slice = nlohmann::json::array();
+    for (auto d : t.sizes()) slice.push_back({0, d});
+    index["tensors"][name] = {{"shape", t.sizes().vec()}, {"dtype", c10::toString(t.scalar_type())},
+                              {"shards", {{{"file", file}, {"slice", slice}}}}};
+  }
+  write_file_atomic((tmp / "index.json").string(), index.dump(1));
+  write_file_atomic((tmp / "config.yaml").string(), dump_config(c));
+  // The marker goes last; only then does the folder get its final name and `latest` point at it.
+  write_file_atomic((tmp / kMarker).string(), std::to_string(st.step) + "\n");
+  fs::remove_all(dir);
+  fs::rename(tmp, dir);
+  write_file_atomic((root / "latest").string(), dir.filename().string() + "\n");
+  prune(root, c.checkpoint.keep);
+  return dir.string();
+}
+
+std::string resolve_checkpoint(const std::string& dir) {
+  fs::path p(dir);
+  if (!fs::is_directory(p)) throw UserError(dir + ": no such checkpoint folder");
+  if (!fs::exists(p / "index.json") && fs::exists(p / "latest")) {
+    std::string name = read_text(p / "latest");
+    name.erase(name.find_last_not_of(" \n\r\t") + 1);
+    p /= name;
+  }
+  if (!fs::exists(p / kMarker))
+    throw UserError(p.string() + ": not a complete checkpoint (no " + std::string(kMarker) +
+                    " marker: the save was interrupted or this is not a step folder)");
+  return p.string();
+}
+
+models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::string& prefix) {
+  const fs::path dir(step_dir);
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(read_text(dir / "index.json"));
+  } catch (const nlohmann::json::exception& e) {
+    throw UserError((dir / "index.json").string() + ": not valid JSON: " + e.what());
+  }
+  std::map<std::string, SafetensorsFile> files;
+  models::Weights out;
+  for (const auto& [name, e] : index.at("tensors").items()) {
+    if (name.rfind(prefix, 0) != 0) continue;
+    torch::Tensor global;
+    for (const auto& shard : e.at("shards")) {
+      std::string file = shard.at("file");
+      if (!files.count(file)) files[file] = read_safetensors((dir / file).string());
+      auto it = files[file].tensors.find(name);
+      if (it == files[file].tensors.end())
+        throw UserError((dir / file).string() + ": missing tensor '" + name + "' listed in index.json");
+      if (!global.defined()) global = torch::empty(e.at("shape").get<std::vector<int64_t>>(), it->second.options());
+      auto view = global;
+      int dim = 0;
+      for (const auto& r : shard.at("slice")) {
+        view = view.slice(dim++, r[0].get<int64_t>(), r[1].get<int64_t>());
+      }
+      view.copy_(it->second);
+    }
+    out[name] = global;
+  }
+  return out;
+}
+
+void export_hf(const std::string& checkpoint_dir, const std::string& out_dir) {
+  const std::string dir = resolve_checkpoint(checkpoint_dir);
+  Config c = load_config((fs::path(dir) / "config.yaml").string());
+  // The fp32 master copy is exact for bf16 runs too (their model weights are its rounding).
+  auto all = read_checkpoint_tensors(dir);
+  models::Weights w;
+  for (auto& [name, t] : all)
+    if (name.rfind("optim.", 0) != 0) {
+      auto master = all.find("optim.master." + name);
+      w[name] = (master != all.end() ? master->second : t).to(torch::kFloat32);
+    }
+  const auto& arch = models::arch(c.model.arch);
+  fs::create_directories(out_dir);
+  write_safetensors((fs::path(out_dir) / "model.safetensors").string(), arch.to_hf(w, c.model), {{"format", "pt"}});
+  write_file_atomic((fs::path(out_dir) / "config.json").string(), arch.hf_config(c.model).dump(2) + "\n");
+  spdlog::info("exported {} ({} tensors) to {}", dir, w.size(), out_dir);
+}
+
+}  // namespace tessel

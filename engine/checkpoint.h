@@ -1,0 +1,36 @@
+// Checkpoints: <checkpoint.dir>/step_<N>/ holding one safetensors file per rank
+// (rank_<r>.safetensors), index.json (every tensor's global shape and which file holds which
+// slice), config.yaml (the resolved plan) and COMPLETE, written last. Files are written under
+// temporary names, fsynced and renamed; <checkpoint.dir>/latest is replaced atomically after the
+// marker. A directory without COMPLETE is never read.
+#pragma once
+
+#include <string>
+
+#include "engine/config.h"
+#include "engine/optim.h"
+#include "models/registry.h"
+
+namespace tessel {
+
+struct CheckpointState {
+  int64_t step;
+  int64_t consumed_samples;  // the data position: one counter
+};
+
+/// Writes step_<N> for this (single) rank: model weights by global name, fp32 master weights and
+/// AdamW moments (optim.*), and the run state. Prunes beyond checkpoint.keep. Returns the folder.
+std::string save_checkpoint(const Config& c, models::Decoder& model, const FlatAdamW& opt,
+                            const CheckpointState& st);
+
+/// The checkpoint folder a user named: a step_<N> folder, or a checkpoint.dir (then its latest).
+/// Throws UserError unless the folder is complete.
+std::string resolve_checkpoint(const std::string& dir);
+
+/// Global tensors of a complete checkpoint whose names start with `prefix` (slices assembled).
+models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::string& prefix = "");
+
+/// `tessel-train export`: Hugging Face-named model.safetensors + config.json into out_dir.
+void export_hf(const std::string& checkpoint_dir, const std::string& out_dir);
+
+}  // namespace tessel

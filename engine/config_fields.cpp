@@ -1,0 +1,151 @@
+// The one declaration of every plan field: key, default, help, and its range or choices.
+#include "engine/config.h"
+
+namespace tessel {
+namespace {
+using S = std::string;
+using Strings = std::vector<std::string>;
+using Doubles = std::vector<double>;
+}  // namespace
+
+std::vector<Field> bind_fields(Config& c) {
+  std::vector<Field> f;
+  auto add = [&f](S key, FieldRef ref, FieldValue def, S help) -> Field& {
+    f.push_back(Field{std::move(key), ref, std::move(def), std::move(help)});
+    return f.back();
+  };
+  // run
+  add("run.name", &c.run.name, S("tessel"), "Name shown in logs and metrics.");
+  add("run.seed", &c.run.seed, int64_t{1234},
+      "Seed of the initial weights (keyed by parameter name) and of the data order.")
+      .range(0);
+  add("run.output_dir", &c.run.output_dir, S("runs/tessel"),
+      "Folder for metrics.jsonl, the resolved plan (config.yaml) and checkpoints.");
+
+  // model
+  add("model.arch", &c.model.arch, S("gpt2"), "Architecture.").one_of({"gpt2", "llama"});
+  add("model.layers", &c.model.layers, int64_t{2}, "Transformer blocks.").range(1);
+  add("model.hidden", &c.model.hidden, int64_t{64}, "Model width.").range(1);
+  add("model.heads", &c.model.heads, int64_t{4}, "Attention (query) heads.").range(1);
+  add("model.kv_heads", &c.model.kv_heads, int64_t{0},
+      "Key/value heads (grouped-query attention; llama). auto = heads.")
+      .range(0)
+      .allow_auto();
+  add("model.ffn_hidden", &c.model.ffn_hidden, int64_t{0},
+      "MLP width. auto = 4·hidden (gpt2) or 8/3·hidden rounded up to a multiple of 64 (llama).")
+      .range(0)
+      .allow_auto();
+  add("model.vocab_size", &c.model.vocab_size, int64_t{257},
+      "Vocabulary size (text data needs at least 257: bytes plus end-of-document).")
+      .range(1);
+  add("model.max_seq_len", &c.model.max_seq_len, int64_t{256},
+      "Longest sequence (gpt2: rows of the position table).")
+      .range(1);
+  add("model.tie_embeddings", &c.model.tie_embeddings, S("auto"),
+      "Share input embedding and output head. auto = true for gpt2, false for llama.")
+      .one_of({"auto", "true", "false"});
+  add("model.norm_eps", &c.model.norm_eps, 1e-5, "Epsilon of LayerNorm / RMSNorm.").range(0);
+  add("model.rope_theta", &c.model.rope_theta, 10000.0, "RoPE base (llama).").range(1);
+  add("model.init_std", &c.model.init_std, 0.02, "Std of the normal initial weights.").range(0);
+  add("model.init_from", &c.model.init_from, S(""),
+      "Start from these weights: a model.safetensors with Hugging Face names (save_pretrained of "
+      "GPT2LMHeadModel / LlamaForCausalLM) or Tessel names. Empty = seeded init.");
+
+  // parallel
+  add("parallel.dp", &c.parallel.dp, int64_t{0},
+      "Data-parallel degree. auto = world size / (tp·cp·pp).")
+      .range(0)
+      .allow_auto();
+  add("parallel.tp", &c.parallel.tp, int64_t{1}, "Tensor-parallel degree.").range(1);
+  add("parallel.pp", &c.parallel.pp, int64_t{1}, "Pipeline-parallel degree.").range(1);
+  add("parallel.cp", &c.parallel.cp, int64_t{1}, "Context-parallel degree.").range(1);
+
+  // training
+  add("training.device", &c.training.device, S("auto"), "auto = cuda when available, else cpu.")
+      .one_of({"auto", "cpu", "cuda"});
+  add("training.dtype", &c.training.dtype, S("fp32"),
+      "fp32, or bf16 weights and activations with fp32 master weights and fp32 gradient "
+      "accumulation.")
+      .one_of({"fp32", "bf16"});
+  add("training.steps", &c.training.steps, int64_t{100}, "Optimizer steps.").range(1);
+  add("training.global_batch", &c.training.global_batch, int64_t{8},
+      "Sequences per optimizer step, over all data-parallel ranks.")
+      .range(1);
+  add("training.micro_batch", &c.training.micro_batch, int64_t{8},
+      "Sequences per forward/backward; micro-batches per step = global_batch / (dp·micro_batch).")
+      .range(1);
+  add("training.seq_len", &c.training.seq_len, int64_t{128}, "Tokens per sequence.").range(1);
+  add("training.grad_clip", &c.training.grad_clip, 1.0,
+      "Clip the global gradient norm to this value; 0 = no clipping.")
+      .range(0);
+  add("training.eval_every", &c.training.eval_every, int64_t{0},
+      "Validation loss every N steps (and at the last step); 0 = never.")
+      .range(0);
+  add("training.eval_batches", &c.training.eval_batches, int64_t{4},
+      "Global batches of validation data per evaluation.")
+      .range(1);
+  add("training.threads", &c.training.threads, int64_t{0},
+      "CPU threads for intra-op parallelism. auto = torch's default.")
+      .range(0)
+      .allow_auto();
+  add("training.optimizer.lr", &c.training.optimizer.lr, 3e-4, "Peak learning rate (AdamW).")
+      .range(0);
+  add("training.optimizer.betas", &c.training.optimizer.betas, Doubles{0.9, 0.95},
+      "AdamW betas [beta1, beta2].");
+  add("training.optimizer.eps", &c.training.optimizer.eps, 1e-8, "AdamW epsilon.").range(0);
+  add("training.optimizer.weight_decay", &c.training.optimizer.weight_decay, 0.1,
+      "Decoupled weight decay.")
+      .range(0);
+  add("training.optimizer.no_decay", &c.training.optimizer.no_decay,
+      Strings{"*norm*", "*.bias", "embed.*", "pos_embed.*"},
+      "Parameter-name globs exempt from weight decay (Tessel names, e.g. layers.0.attn.q.bias).");
+  add("training.schedule.warmup_steps", &c.training.schedule.warmup_steps, int64_t{0},
+      "Linear warmup: lr·s/warmup_steps at step s.")
+      .range(0);
+  add("training.schedule.decay", &c.training.schedule.decay, S("cosine"),
+      "Decay from lr to min_lr over the steps after warmup.")
+      .one_of({"cosine", "linear", "constant"});
+  add("training.schedule.min_lr", &c.training.schedule.min_lr, 0.0, "Final learning rate.")
+      .range(0);
+
+  // data
+  add("data.format", &c.data.format, S("text"),
+      "text: UTF-8 files as byte tokens 0-255 plus end-of-document 256; megatron: .bin/.idx "
+      "indexed datasets (path = prefix); tokens: flat little-endian token files.")
+      .one_of({"text", "megatron", "tokens"});
+  add("data.path", &c.data.path, Strings{},
+      "Files, globs (text, tokens) or prefixes (megatron); relative to the working directory.");
+  add("data.val_fraction", &c.data.val_fraction, 0.0,
+      "Share of the token stream (its end) held out for validation.")
+      .range(0, 0.5);
+  add("data.shuffle", &c.data.shuffle, true,
+      "Shuffle the sample order each epoch (a pure function of run.seed and the epoch).");
+  add("data.token_dtype", &c.data.token_dtype, S("uint16"), "Element type of `tokens` files.")
+      .one_of({"uint16", "uint32"});
+
+  // checkpoint
+  add("checkpoint.dir", &c.checkpoint.dir, S(""),
+      "Checkpoint folder. Empty = <run.output_dir>/checkpoints.");
+  add("checkpoint.every", &c.checkpoint.every, int64_t{0},
+      "Save every N steps; the last step is always saved. 0 = only the last.")
+      .range(0);
+  add("checkpoint.keep", &c.checkpoint.keep, int64_t{0},
+      "Keep the newest N checkpoints. 0 = keep all.")
+      .range(0);
+  add("checkpoint.resume", &c.checkpoint.resume, S("never"),
+      "never: start from step 0 (resumable runs arrive with the checkpoint-resume work).")
+      .one_of({"never"});
+
+  // logging
+  add("logging.every", &c.logging.every, int64_t{1}, "Console and metrics line every N steps.")
+      .range(1);
+  add("logging.metrics_file", &c.logging.metrics_file, S("metrics.jsonl"),
+      "JSON-lines metrics, relative to run.output_dir.");
+  add("logging.peak_tflops", &c.logging.peak_tflops, 0.0,
+      "Peak TFLOP/s per device for MFU. 0 = the device table (GPUs) or a matmul measured at start "
+      "(CPU).")
+      .range(0);
+  return f;
+}
+
+}  // namespace tessel

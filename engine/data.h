@@ -1,0 +1,90 @@
+// Training data. Every format becomes one read-only token stream (documents back to back, each
+// ending in its end-of-document token); the stream is cut into windows of seq_len+1 tokens
+// (window i starts at token i·seq_len, so neighbours share one token: the last target of one is
+// the first input of the next); the end of the stream is held out for validation.
+// The global order of samples is a pure function of (seed, epoch), and a run's position is one
+// counter (samples consumed), so a resumed run reads exactly what an uninterrupted one would.
+#pragma once
+
+#include <torch/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/config.h"
+
+namespace tessel::data {
+
+constexpr int64_t kTextEod = 256;  // text format: bytes 0-255, then end-of-document
+constexpr int64_t kTextVocab = 257;
+
+/// One contiguous run of tokens inside a file (memory-mapped or owned).
+struct Span {
+  const void* data;
+  int64_t tokens;
+  int elem_size;       // 1, 2, 4 or 8 bytes, little-endian unsigned (signed for int16/32/64 data)
+  bool is_signed;
+  int file;            // index into TokenStream::files
+  int64_t file_token;  // first token's index within that file (for messages)
+};
+
+/// Documents concatenated into one stream of token ids.
+class TokenStream {
+ public:
+  int64_t size() const { return total_; }
+  /// Copies tokens [begin, begin+n) into out.
+  void read(int64_t begin, int64_t n, int64_t* out) const;
+  /// "<file> (token <k>)" for the stream position, for messages.
+  std::string where(int64_t pos) const;
+
+  std::vector<std::string> files;
+  void add(Span s);
+  std::vector<std::shared_ptr<void>> storage;  // keeps mappings and buffers alive
+
+ private:
+  std::vector<Span> spans_;
+  std::vector<int64_t> starts_;  // stream position of each span
+  int64_t total_ = 0;
+};
+
+/// Opens the plan's data (text files/globs, megatron prefixes, or token files).
+TokenStream open_stream(const DataConfig& d);
+
+/// Megatron-LM MMapIndexedDataset: prefix.idx + prefix.bin. Errors name the file and what is wrong.
+void add_megatron(TokenStream& s, const std::string& prefix);
+
+/// Writes prefix.bin / prefix.idx (uint16 tokens, version 1) with one sequence per document.
+void write_megatron(const std::string& prefix, const std::vector<std::vector<uint16_t>>& docs);
+
+class Dataset {
+ public:
+  Dataset(const Config& c);
+  int64_t train_samples() const { return train_n_; }
+  int64_t val_samples() const { return val_n_; }
+  int64_t train_tokens() const { return val_begin_; }
+
+  /// Rows at global positions [first, first+count) of the training order: [count, seq_len+1].
+  torch::Tensor train_batch(int64_t first, int64_t count);
+  /// Validation rows [first, first+count) (in stream order, wrapping): [count, seq_len+1].
+  torch::Tensor val_batch(int64_t first, int64_t count) const;
+
+  /// Which window the global position `pos` reads (pure in seed, epoch; exposed for tests).
+  int64_t sample_at(int64_t pos);
+
+ private:
+  torch::Tensor windows(const std::vector<int64_t>& starts, int64_t first_label) const;
+
+  TokenStream stream_;
+  int64_t seq_len_, vocab_, seed_;
+  bool shuffle_;
+  int64_t val_begin_, train_n_, val_n_;
+  int64_t perm_epoch_ = -1;
+  std::vector<int64_t> perm_;
+};
+
+/// The sample order of one epoch: a Fisher-Yates shuffle of [0, n) driven by splitmix64 seeded
+/// from (seed, epoch). Our own generator, so the order never changes with the torch version.
+std::vector<int64_t> epoch_permutation(int64_t n, int64_t seed, int64_t epoch);
+
+}  // namespace tessel::data

@@ -1,0 +1,103 @@
+#include "engine/metrics.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+namespace tessel {
+
+double flops_per_token(models::Decoder& model, int64_t seq_len) {
+  const auto& m = model->options().model;
+  double n = 0;
+  for (const auto& p : model->named_parameters()) {
+    const bool input_embedding = p.key() == "pos_embed.weight" || (p.key() == "embed.weight" && !m.tied());
+    if (!input_embedding) n += static_cast<double>(p.value().numel());
+  }
+  return 6.0 * n + 12.0 * m.layers * m.heads * m.head_dim() * static_cast<double>(seq_len);
+}
+
+Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType dtype) {
+  if (c.logging.peak_tflops > 0) return {c.logging.peak_tflops, "logging.peak_tflops"};
+  const bool bf16 = dtype == torch::kBFloat16;
+  std::string name = "CPU";
+  if (device.is_cuda()) {
+    name = at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index())->name;
+    // Dense peaks (no sparsity): bf16 tensor cores; fp32 without TF32 (torch's fp32 default).
+    struct Row { const char* key; double bf16, fp32; };
+    const Row table[] = {{"H200", 989, 67}, {"H100", 989, 67}, {"A100", 312, 19.5}};
+    for (const auto& r : table)
+      if (name.find(r.key) != std::string::npos)
+        return {bf16 ? r.bf16 : r.fp32, name + std::string(bf16 ? " dense bf16" : " fp32") + " datasheet peak"};
+  }
+  // No table entry: measure. A 1024^3 matmul in the run's dtype, best of five, after a warm-up.
+  auto opts = torch::TensorOptions().dtype(dtype).device(device);
+  auto a = torch::randn({1024, 1024}, opts), b = torch::randn({1024, 1024}, opts);
+  double best = 0;
+  for (int i = 0; i < 6; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto out = torch::matmul(a, b);
+    out.sum().item<double>();  // synchronises CUDA; negligible next to the matmul
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0) best = std::max(best, 2.0 * 1024 * 1024 * 1024 / s / 1e12);
+  }
+  return {best, "measured " + std::string(bf16 ? "bf16" : "fp32") + " matmul on " + name + " (no datasheet entry)"};
+}
+
+int64_t memory_bytes(const torch::Device& device) {
+  if (device.is_cuda()) {
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+    int64_t peak = stats.allocated_bytes[0].peak;  // StatType::AGGREGATE
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
+    return peak;
+  }
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
+
+MetricsLog::MetricsLog(const Config& c) {
+  std::filesystem::create_directories(c.run.output_dir);
+  path_ = (std::filesystem::path(c.run.output_dir) / c.logging.metrics_file).string();
+  f_ = std::fopen(path_.c_str(), "w");
+  if (!f_) throw UserError(path_ + ": cannot write metrics: " + std::strerror(errno));
+}
+
+MetricsLog::~MetricsLog() {
+  if (f_) std::fclose(f_);
+}
+
+namespace {
+std::string duration(double s) {
+  long t = static_cast<long>(s + 0.5);
+  return t >= 3600 ? fmt::format("{}h{:02d}m", t / 3600, (t / 60) % 60) : fmt::format("{}m{:02d}s", t / 60, t % 60);
+}
+}  // namespace
+
+void MetricsLog::step(const StepLine& s) {
+  nlohmann::json j = {{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
+                      {"ms_per_step", s.ms_per_step}, {"tokens_per_s", s.tokens_per_s},
+                      {"tflops_per_device", s.tflops_per_device}, {"mfu", s.mfu}, {"mem_bytes", s.mem_bytes}};
+  std::fprintf(f_, "%s\n", j.dump().c_str());
+  std::fflush(f_);
+  spdlog::info("step {:>{}}/{} | loss {:.4f} | lr {:.3e} | norm {:.3f} | {:.1f} ms | {:.0f} tok/s | {:.3f} TFLOP/s | MFU {:.2f}% | mem {:.2f} GiB | ETA {}",
+               s.step, std::to_string(s.steps).size(), s.steps, s.loss, s.lr, s.grad_norm, s.ms_per_step,
+               s.tokens_per_s, s.tflops_per_device, 100.0 * s.mfu, static_cast<double>(s.mem_bytes) / (1 << 30),
+               duration(s.eta_s));
+}
+
+void MetricsLog::eval(int64_t step, double val_loss, double ms) {
+  nlohmann::json j = {{"step", step}, {"val_loss", val_loss}, {"eval_ms", ms}};
+  std::fprintf(f_, "%s\n", j.dump().c_str());
+  std::fflush(f_);
+  spdlog::info("eval step {} | val_loss {:.4f} | {:.0f} ms", step, val_loss, ms);
+}
+
+}  // namespace tessel

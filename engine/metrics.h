@@ -1,0 +1,52 @@
+// What a step costs and achieves, printed the way the anchors print it, and metrics.jsonl.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdio>
+#include <string>
+
+#include "engine/config.h"
+#include "models/layers.h"
+
+namespace tessel {
+
+/// PaLM (appendix B) training FLOPs per token: 6·N + 12·L·H·Q·T, with N the parameters excluding
+/// the input embeddings (the token table counts when it is tied to the head), L layers, H heads,
+/// Q head dim, T sequence length. Full attention term, not halved for the causal mask.
+double flops_per_token(models::Decoder& model, int64_t seq_len);
+constexpr const char* kFlopsConvention =
+    "PaLM 6N + 12·L·H·Q·T per token (N without input embeddings; attention term not halved)";
+
+struct Peak {
+  double tflops;       // per device
+  std::string source;  // where the figure comes from, printed once at start
+};
+/// logging.peak_tflops when set; else the dense peak of known GPUs for the dtype; else (CPU or an
+/// unknown GPU) a large matmul measured now in the run's dtype, which the start line says.
+Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType dtype);
+
+/// Bytes in use: CUDA peak allocated since the last call, or the process's resident set on CPU.
+int64_t memory_bytes(const torch::Device& device);
+
+struct StepLine {
+  int64_t step, steps;
+  double loss, lr, grad_norm, ms_per_step, tokens_per_s, tflops_per_device, mfu;
+  int64_t mem_bytes;
+  double eta_s;
+};
+
+/// Appends to <output_dir>/<metrics_file> (one JSON object per line) and prints the console line.
+class MetricsLog {
+ public:
+  explicit MetricsLog(const Config& c);
+  ~MetricsLog();
+  void step(const StepLine& s);
+  void eval(int64_t step, double val_loss, double ms);
+
+ private:
+  FILE* f_ = nullptr;
+  std::string path_;
+};
+
+}  // namespace tessel

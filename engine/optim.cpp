@@ -1,0 +1,96 @@
+#include "engine/optim.h"
+
+#include <ATen/ops/_fused_adamw.h>
+#include <fnmatch.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+namespace tessel {
+
+double lr_at(const TrainingConfig& t, int64_t step) {
+  const auto& s = t.schedule;
+  const double peak = t.optimizer.lr;
+  if (step <= s.warmup_steps) return peak * static_cast<double>(step) / static_cast<double>(s.warmup_steps);
+  if (s.decay == "constant") return peak;
+  const double progress = static_cast<double>(step - s.warmup_steps) /
+                          static_cast<double>(std::max<int64_t>(1, t.steps - s.warmup_steps));
+  const double frac = s.decay == "cosine" ? 0.5 * (1.0 + std::cos(M_PI * progress)) : 1.0 - progress;
+  return s.min_lr + (peak - s.min_lr) * frac;
+}
+
+bool exempt_from_decay(const std::string& name, const std::vector<std::string>& globs) {
+  for (const auto& g : globs)
+    if (fnmatch(g.c_str(), name.c_str(), 0) == 0) return true;
+  return false;
+}
+
+FlatAdamW::FlatAdamW(models::Decoder& model, const TrainingConfig& t) : t_(t) {
+  auto params = model->named_parameters();
+  auto device = params.values().front().device();
+  low_precision_ = params.values().front().scalar_type() != torch::kFloat32;
+  // Layout: the decay group first, then the rest, each in the model's (name) order.
+  for (int pass = 0; pass < 2; ++pass)
+    for (const auto& p : params) {
+      bool decay = !exempt_from_decay(p.key(), t.optimizer.no_decay) && t.optimizer.weight_decay > 0;
+      if (decay != (pass == 0)) continue;
+      slots_.push_back({p.key(), n_, p.value().numel(), decay});
+      n_ += p.value().numel();
+      if (decay) n_decay_ = n_;
+    }
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  master_ = torch::empty({n_}, f32);
+  grad_ = torch::zeros({n_}, f32);
+  exp_avg_ = torch::zeros({n_}, f32);
+  exp_avg_sq_ = torch::zeros({n_}, f32);
+  step_count_ = torch::zeros({}, f32);
+  if (low_precision_) {
+    params16_ = torch::empty({n_}, f32.dtype(params.values().front().scalar_type()));
+    grads16_ = torch::zeros_like(params16_);
+  }
+  // Re-seat every parameter (and its .grad) as a view of the flat buffers, so backward
+  // accumulates straight into them and the optimizer updates them in place.
+  torch::NoGradGuard no_grad;
+  torch::Tensor& weights = low_precision_ ? params16_ : master_;
+  torch::Tensor& grads = low_precision_ ? grads16_ : grad_;
+  for (const auto& s : slots_) {
+    auto& p = params[s.name];
+    master_.narrow(0, s.offset, s.numel).copy_(p.flatten());
+    auto w = weights.narrow(0, s.offset, s.numel).view(p.sizes());
+    if (low_precision_) w.copy_(p);
+    p.set_data(w);
+    p.mutable_grad() = grads.narrow(0, s.offset, s.numel).view(p.sizes());
+  }
+}
+
+void FlatAdamW::accumulate_microbatch() {
+  if (!low_precision_) return;
+  grad_.add_(grads16_);
+  grads16_.zero_();
+}
+
+torch::Tensor FlatAdamW::clip_grad_norm(double max_norm) {
+  auto norm = grad_.norm(2);
+  if (max_norm > 0) {
+    // As torch.nn.utils.clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6)), on device.
+    grad_.mul_((max_norm / (norm + 1e-6)).clamp_max(1.0));
+  }
+  return norm;
+}
+
+void FlatAdamW::step(double lr) {
+  step_count_.add_(1);
+  const auto& o = t_.optimizer;
+  auto run = [&](int64_t begin, int64_t end, double wd) {
+    if (end <= begin) return;
+    auto sl = [&](const torch::Tensor& x) { return x.narrow(0, begin, end - begin); };
+    at::_fused_adamw_({sl(master_)}, {sl(grad_)}, {sl(exp_avg_)}, {sl(exp_avg_sq_)}, {}, {step_count_}, lr,
+                      o.betas[0], o.betas[1], wd, o.eps, /*amsgrad=*/false, /*maximize=*/false);
+  };
+  run(0, n_decay_, o.weight_decay);
+  run(n_decay_, n_, 0.0);
+  if (low_precision_) params16_.copy_(master_);
+  grad_.zero_();
+}
+
+}  // namespace tessel

@@ -1,0 +1,64 @@
+// AdamW over flat buffers. Parameters are laid out once, by global name, decay group first:
+//   master [N] fp32   the weights AdamW updates (fp32 runs: the model's parameters are views of it)
+//   grad   [N] fp32   gradients accumulate here over micro-batches
+//   exp_avg, exp_avg_sq [N] fp32
+// bf16 runs keep the model's parameters and their per-micro-batch gradients in flat bf16 buffers:
+// each micro-batch's bf16 gradient is added into the fp32 `grad` (fp32 accumulation), and after
+// the step the fp32 master is copied back into the bf16 weights. One fused AdamW call per group
+// (decay / no decay) runs over a contiguous slice; the same layout is what ZeRO will shard.
+#pragma once
+
+#include <torch/types.h>
+
+#include <string>
+#include <vector>
+
+#include "engine/config.h"
+#include "models/layers.h"
+
+namespace tessel {
+
+/// Learning rate at optimizer step `step` (1-based): linear warmup lr·step/warmup, then cosine,
+/// linear or constant from lr (at step = warmup) to min_lr (at the last step).
+double lr_at(const TrainingConfig& t, int64_t step);
+
+/// Whether a parameter is exempt from weight decay (its name matches a no_decay glob).
+bool exempt_from_decay(const std::string& name, const std::vector<std::string>& globs);
+
+struct ParamSlot {
+  std::string name;
+  int64_t offset, numel;
+  bool decay;
+};
+
+class FlatAdamW {
+ public:
+  /// Takes over `model`'s parameters (already on their device and in the run's dtype).
+  FlatAdamW(models::Decoder& model, const TrainingConfig& t);
+
+  /// bf16 only: adds this micro-batch's gradients into the fp32 accumulator and clears them.
+  void accumulate_microbatch();
+  /// Global L2 norm of the gradient (before clipping), clipped to max_norm in place when > 0.
+  /// Returns the norm as a device scalar: no host synchronisation.
+  torch::Tensor clip_grad_norm(double max_norm);
+  /// One AdamW step at learning rate `lr`, then clears the gradients.
+  void step(double lr);
+
+  const std::vector<ParamSlot>& slots() const { return slots_; }
+  int64_t numel() const { return n_; }
+  torch::Tensor master() const { return master_; }
+  torch::Tensor grad() const { return grad_; }
+  torch::Tensor exp_avg() const { return exp_avg_; }
+  torch::Tensor exp_avg_sq() const { return exp_avg_sq_; }
+  torch::Tensor step_count() const { return step_count_; }
+
+ private:
+  TrainingConfig t_;
+  std::vector<ParamSlot> slots_;
+  int64_t n_ = 0, n_decay_ = 0;
+  bool low_precision_;
+  torch::Tensor master_, grad_, exp_avg_, exp_avg_sq_, step_count_;
+  torch::Tensor params16_, grads16_;  // bf16 runs only
+};
+
+}  // namespace tessel

@@ -1,0 +1,132 @@
+#include "engine/train.h"
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+
+#include "engine/checkpoint.h"
+#include "engine/safetensors.h"
+
+namespace tessel {
+
+torch::Device resolve_device(const std::string& device) {
+  const bool cuda = torch::cuda::is_available();
+  if (device == "cuda" && !cuda)
+    throw UserError("training.device is cuda but no CUDA device is available (torch::cuda::is_available() is false)");
+  return (device == "cuda" || (device == "auto" && cuda)) ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+}
+
+torch::ScalarType resolve_dtype(const std::string& dtype) {
+  return dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
+}
+
+models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype) {
+  auto model = models::build_model(c.model, c.run.seed);
+  if (!c.model.init_from.empty()) models::load_weights(model, c.model.init_from);
+  model->to(device, dtype);
+  return model;
+}
+
+torch::Tensor token_loss_sum(models::Decoder& model, const torch::Tensor& rows) {
+  const int64_t t = rows.size(1) - 1;
+  auto logits = model->forward(rows.narrow(1, 0, t));  // [b, T, V]
+  auto targets = rows.narrow(1, 1, t).reshape({-1});
+  return torch::nn::functional::cross_entropy(
+      logits.to(torch::kFloat32).view({-1, logits.size(-1)}), targets,
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+}
+
+Trainer::Trainer(Config c)
+    : c_(std::move(c)), device_(resolve_device(c_.training.device)), dtype_(resolve_dtype(c_.training.dtype)) {
+  if (c_.training.threads > 0) torch::set_num_threads(static_cast<int>(c_.training.threads));
+  std::filesystem::create_directories(c_.run.output_dir);
+  write_file_atomic((std::filesystem::path(c_.run.output_dir) / "config.yaml").string(), dump_config(c_));
+  data_ = std::make_unique<data::Dataset>(c_);
+  model_ = make_model(c_, device_, dtype_);
+  opt_ = std::make_unique<FlatAdamW>(model_, c_.training);
+  metrics_ = std::make_unique<MetricsLog>(c_);
+  flops_per_token_ = flops_per_token(model_, c_.training.seq_len);
+  peak_ = device_peak(c_, device_, dtype_);
+  spdlog::info("model {} | {} parameters | {} | {} on {}", c_.model.arch, opt_->numel(),
+               c_.model.init_from.empty() ? "seeded init" : "weights from " + c_.model.init_from,
+               c_.training.dtype, device_.str());
+  spdlog::info("data {} | {} training samples ({} tokens), {} validation samples", c_.data.format,
+               data_->train_samples(), data_->train_tokens(), data_->val_samples());
+  spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
+               kFlopsConvention, peak_.tflops, peak_.source);
+}
+
+Trainer::StepOut Trainer::train_step(int64_t step) {
+  const auto& t = c_.training;
+  // The global batch of this step: positions [(step-1)·B, step·B) of the global sample order.
+  auto batch = data_->train_batch((step - 1) * t.global_batch, t.global_batch).to(device_, /*non_blocking=*/true);
+  // The loss rule: sum of token losses over the global batch / its number of target tokens.
+  const double scale = 1.0 / static_cast<double>(t.global_batch * t.seq_len);
+  auto loss = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
+  for (int64_t first = 0; first < t.global_batch; first += t.micro_batch) {
+    auto mb_loss = token_loss_sum(model_, batch.narrow(0, first, t.micro_batch)) * scale;
+    mb_loss.backward();
+    opt_->accumulate_microbatch();
+    loss += mb_loss.detach();
+  }
+  auto norm = opt_->clip_grad_norm(t.grad_clip);
+  opt_->step(lr_at(t, step));
+  return {loss, norm};
+}
+
+double Trainer::evaluate() {
+  torch::NoGradGuard no_grad;
+  const auto& t = c_.training;
+  double total = 0;
+  const int64_t rows = t.eval_batches * t.global_batch;
+  auto last = std::chrono::steady_clock::now();
+  for (int64_t first = 0; first < rows; first += t.micro_batch) {
+    auto mb = data_->val_batch(first, t.micro_batch).to(device_);
+    total += token_loss_sum(model_, mb).item<double>();
+    if (std::chrono::steady_clock::now() - last > std::chrono::seconds(2)) {
+      last = std::chrono::steady_clock::now();
+      spdlog::info("eval: {}/{} sequences", first + t.micro_batch, rows);
+    }
+  }
+  return total / static_cast<double>(rows * t.seq_len);
+}
+
+void Trainer::log_step(int64_t step, const StepOut& out) {
+  const double loss = out.loss.item<double>(), norm = out.grad_norm.item<double>();  // host sync
+  const auto now = std::chrono::steady_clock::now();
+  const double ms = std::chrono::duration<double, std::milli>(now - last_log_time_).count() /
+                    static_cast<double>(step - last_log_step_);
+  last_log_time_ = now;
+  last_log_step_ = step;
+  const double tokens_per_s = static_cast<double>(c_.training.global_batch * c_.training.seq_len) / (ms / 1e3);
+  const double tflops = flops_per_token_ * tokens_per_s / 1e12;
+  const double elapsed = std::chrono::duration<double>(now - start_time_).count();
+  const double eta = elapsed / static_cast<double>(step) * static_cast<double>(c_.training.steps - step);
+  metrics_->step({step, c_.training.steps, loss, lr_at(c_.training, step), norm, ms, tokens_per_s, tflops,
+                  peak_.tflops > 0 ? tflops / peak_.tflops : 0.0, memory_bytes(device_), eta});
+}
+
+void Trainer::train() {
+  const auto& t = c_.training;
+  start_time_ = last_log_time_ = std::chrono::steady_clock::now();
+  for (int64_t step = 1; step <= t.steps; ++step) {
+    StepOut out = train_step(step);
+    const bool last = step == t.steps;
+    if (step % c_.logging.every == 0 || last) log_step(step, out);
+    if (t.eval_every > 0 && (step % t.eval_every == 0 || last)) {
+      auto t0 = std::chrono::steady_clock::now();
+      double val = evaluate();
+      metrics_->eval(step, val, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      last_log_time_ += std::chrono::steady_clock::now() - t0;  // keep evaluation out of ms/step
+    }
+    if ((c_.checkpoint.every > 0 && step % c_.checkpoint.every == 0) || last) {
+      auto t0 = std::chrono::steady_clock::now();
+      auto dir = save_checkpoint(c_, model_, *opt_, {step, step * t.global_batch});
+      spdlog::info("checkpoint {}", dir);
+      last_log_time_ += std::chrono::steady_clock::now() - t0;
+    }
+  }
+}
+
+}  // namespace tessel

@@ -1,0 +1,48 @@
+// Architecture registry: arch name -> how to build it and how its weights map to and from
+// Hugging Face transformers' names (GPT2LMHeadModel, LlamaForCausalLM).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "models/layers.h"
+
+namespace tessel::models {
+
+using Weights = std::map<std::string, torch::Tensor>;  // global name -> global tensor
+
+struct Arch {
+  std::string name;
+  DecoderOptions (*options)(const ModelConfig&);
+  /// Hugging Face names and layouts -> Tessel names; throws UserError naming missing keys.
+  Weights (*from_hf)(const Weights& hf, const ModelConfig&, const std::string& source);
+  /// Tessel -> Hugging Face names and layouts (what save_pretrained writes).
+  std::vector<std::pair<std::string, torch::Tensor>> (*to_hf)(const Weights&, const ModelConfig&);
+  /// config.json for transformers' from_pretrained.
+  nlohmann::json (*hf_config)(const ModelConfig&);
+};
+
+const Arch& arch(const std::string& name);
+
+/// Builds the model of a validated plan, every weight drawn from the generator keyed by
+/// (seed, global parameter name): the same global model whatever the layout.
+Decoder build_model(const ModelConfig& m, int64_t seed);
+
+/// Fills every parameter from the keyed generator (see init.cpp for the rules).
+void init_weights(Decoder& model, int64_t seed);
+
+/// Loads weights with Tessel names or Hugging Face names (detected), checking that names and
+/// shapes match the model exactly; the file is named in every error.
+void load_weights(Decoder& model, const std::string& path);
+
+/// This model's parameters by global name (CPU copies in their dtype).
+Weights model_weights(Decoder& model);
+
+/// Checks `w` against the model (names and shapes) and copies it in.
+void assign_weights(Decoder& model, const Weights& w, const std::string& source);
+
+}  // namespace tessel::models

@@ -1,0 +1,51 @@
+# Finds every dependency; nothing is downloaded here (third_party/setup.sh installs them first).
+#
+# LibTorch: Torch_DIR when the user gives one, else the torch in .env (a link to the per-user
+# environment that setup.sh maintains).
+if(NOT Torch_DIR AND NOT DEFINED ENV{Torch_DIR})
+  set(_tessel_py ${CMAKE_SOURCE_DIR}/.env/bin/python)
+  if(NOT EXISTS ${_tessel_py})
+    message(FATAL_ERROR "No LibTorch: run `make build` (it runs third_party/setup.sh) or set Torch_DIR")
+  endif()
+  execute_process(COMMAND ${_tessel_py} -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'share', 'cmake', 'Torch'))"
+                  OUTPUT_VARIABLE Torch_DIR OUTPUT_STRIP_TRAILING_WHITESPACE COMMAND_ERROR_IS_FATAL ANY)
+endif()
+# The CUDA wheel's config enables CUDA and looks for the toolkit; no GPU is needed to build.
+if(NOT CMAKE_CUDA_ARCHITECTURES)
+  set(CMAKE_CUDA_ARCHITECTURES 90)
+endif()
+if(NOT TORCH_CUDA_ARCH_LIST)
+  set(TORCH_CUDA_ARCH_LIST "9.0")
+endif()
+find_package(Torch REQUIRED)
+message(STATUS "LibTorch ${Torch_VERSION} from ${Torch_DIR}")
+
+# TORCH_LIBRARIES carries its own compile flags through the `torch` target. torch_cuda must stay
+# linked although no symbol of ours references it, else CUDA cannot initialise at run time.
+add_library(tessel_torch INTERFACE)
+add_library(tessel::torch ALIAS tessel_torch)
+target_link_libraries(tessel_torch INTERFACE ${TORCH_LIBRARIES})
+if(TARGET torch_cuda)
+  target_link_libraries(tessel_torch INTERFACE "-Wl,--no-as-needed,$<TARGET_FILE:torch_cuda>,--as-needed")
+endif()
+
+find_package(yaml-cpp REQUIRED)
+find_package(spdlog REQUIRED)
+find_package(fmt REQUIRED)
+find_package(CLI11 REQUIRED)
+find_package(nlohmann_json REQUIRED)
+find_package(GTest REQUIRED)
+
+# LibTorch's include folder carries its own fmt (12.x) which would shadow Debian's fmt 9 that
+# Debian's spdlog is built against (spdlog then fails to compile). A folder holding only a link to
+# Debian's fmt goes first on the include path. The two fmt versions live in different inline
+# namespaces (fmt::v9, fmt::v12), so their symbols cannot collide.
+get_target_property(_fmt_inc fmt::fmt INTERFACE_INCLUDE_DIRECTORIES)
+if(NOT _fmt_inc)
+  set(_fmt_inc /usr/include)
+endif()
+list(GET _fmt_inc 0 _fmt_inc)
+set(TESSEL_FMT_SHIM ${CMAKE_BINARY_DIR}/fmt-shim)
+file(MAKE_DIRECTORY ${TESSEL_FMT_SHIM})
+file(CREATE_LINK ${_fmt_inc}/fmt ${TESSEL_FMT_SHIM}/fmt SYMBOLIC)
+target_include_directories(tessel_torch SYSTEM BEFORE INTERFACE ${TESSEL_FMT_SHIM})
