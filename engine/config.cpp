@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <functional>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -13,10 +15,13 @@ namespace tessel {
 namespace {
 
 std::string fmt_double(double v) {
-  std::ostringstream s;
-  s.precision(17);
-  s << v;
-  std::string t = s.str();
+  // The shortest of %.15g..%.17g that reads back to the same double: 0.9, not 0.90000000000000002.
+  char buf[32];
+  for (int precision = 15; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof buf, "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  std::string t = buf;
   // Keep a visible decimal point so the dumped YAML re-reads as a float.
   if (t.find_first_of(".eEn") == std::string::npos) t += ".0";
   return t;
@@ -379,7 +384,9 @@ std::string nearest_key(const std::string& key) {
   std::string leaf = key.substr(key.rfind('.') + 1);
   for (const auto& k : all_keys()) {
     // Compare whole keys, and leaves too, so that a right name in the wrong section is found.
-    size_t d = std::min(edit_distance(key, k), edit_distance(leaf, k.substr(k.rfind('.') + 1)) + 1);
+    const std::string k_leaf = k.substr(k.rfind('.') + 1);
+    size_t d = std::min(edit_distance(key, k), edit_distance(leaf, k_leaf) + 1);
+    if (!leaf.empty() && k_leaf.rfind(leaf, 0) == 0) d = std::min<size_t>(d, 1);  // an abbreviation
     if (d < best_d) best_d = d, best = k;
   }
   return best;

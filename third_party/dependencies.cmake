@@ -11,9 +11,6 @@ if(NOT Torch_DIR AND NOT DEFINED ENV{Torch_DIR})
                   OUTPUT_VARIABLE Torch_DIR OUTPUT_STRIP_TRAILING_WHITESPACE COMMAND_ERROR_IS_FATAL ANY)
 endif()
 # The CUDA wheel's config enables CUDA and looks for the toolkit; no GPU is needed to build.
-if(NOT CMAKE_CUDA_ARCHITECTURES)
-  set(CMAKE_CUDA_ARCHITECTURES 90)
-endif()
 if(NOT TORCH_CUDA_ARCH_LIST)
   set(TORCH_CUDA_ARCH_LIST "9.0")
 endif()
@@ -28,6 +25,12 @@ target_link_libraries(tessel_torch INTERFACE ${TORCH_LIBRARIES})
 if(TARGET torch_cuda)
   target_link_libraries(tessel_torch INTERFACE "-Wl,--no-as-needed,$<TARGET_FILE:torch_cuda>,--as-needed")
 endif()
+
+# libtorch.so and libtorch_cpu.so export a statically linked, older std::filesystem. Symbols bind
+# to the first library in load order that defines them, and libtorch comes before libstdc++ on the
+# link line, so our std::filesystem calls would land in torch's copy (remove_all jumps to a null
+# pointer there). Naming libstdc++ first makes our std:: calls bind to the system library.
+target_link_options(tessel_torch INTERFACE "LINKER:--push-state,--no-as-needed" -lstdc++ "LINKER:--pop-state")
 
 find_package(yaml-cpp REQUIRED)
 find_package(spdlog REQUIRED)

@@ -1,1 +1,84 @@
 #include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "models/registry.h"
+
+namespace tessel::models {
+namespace {
+
+ModelConfig model(const std::string& yaml) {
+  return load_config_text("data: {path: x}\nmodel: " + yaml + "\n", "t").model;
+}
+
+TEST(Init, KeyedBySeedAndGlobalName) {
+  // A parameter's initial value depends only on (seed, name): a deeper model holds the same
+  // values under the same names, and another seed gives other values.
+  auto a = model_weights(*std::make_unique<Decoder>(build_model(model("{layers: 2}"), 11)));
+  auto b = model_weights(*std::make_unique<Decoder>(build_model(model("{layers: 3}"), 11)));
+  auto c = model_weights(*std::make_unique<Decoder>(build_model(model("{layers: 2}"), 12)));
+  for (const auto& [name, t] : a) {
+    // Residual output projections draw the same numbers, scaled by 1/sqrt(2·layers) (4 vs 6).
+    const bool scaled = name.find("attn.o.") != std::string::npos || name.find("mlp.down.") != std::string::npos;
+    if (scaled && name.find(".weight") != std::string::npos)
+      EXPECT_TRUE(torch::allclose(t * std::sqrt(4.0 / 6.0), b.at(name), 1e-6, 0)) << name;
+    else
+      EXPECT_TRUE(torch::equal(t, b.at(name))) << name;
+    if (name.find(".bias") == std::string::npos && name.find("norm") == std::string::npos)
+      EXPECT_FALSE(torch::equal(t, c.at(name))) << name;
+  }
+  // Residual output projections are scaled by 1/sqrt(2·layers).
+  double std_q = a.at("layers.0.attn.q.weight").std().item<double>();
+  double std_o = a.at("layers.0.attn.o.weight").std().item<double>();
+  EXPECT_NEAR(std_q, 0.02, 0.003);
+  EXPECT_NEAR(std_o, 0.02 / 2.0, 0.0015);
+}
+
+TEST(Models, ParameterNamesAndShapes) {
+  auto g = build_model(model("{arch: gpt2, layers: 1, hidden: 16, heads: 2, vocab_size: 300}"), 1);
+  auto names = g->named_parameters().keys();
+  for (const char* n : {"embed.weight", "pos_embed.weight", "layers.0.attn.q.weight", "layers.0.attn.q.bias",
+                        "layers.0.mlp.up.weight", "norm.bias"})
+    EXPECT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
+  EXPECT_EQ(std::find(names.begin(), names.end(), "head.weight"), names.end()) << "gpt2 ties its head";
+  auto l = build_model(model("{arch: llama, layers: 1, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 300}"), 1);
+  auto p = l->named_parameters();
+  EXPECT_EQ(p["layers.0.attn.k.weight"].sizes(), (std::vector<int64_t>{8, 16}));
+  EXPECT_EQ(p["head.weight"].sizes(), (std::vector<int64_t>{300, 16}));
+  EXPECT_FALSE(p.contains("layers.0.attn.q.bias"));
+  auto logits = l(torch::randint(0, 300, {2, 5}, torch::kInt64));
+  EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 5, 300}));
+}
+
+TEST(Models, CausalAndGroupedQueryAttention) {
+  // The logits of position i do not depend on tokens after i.
+  auto l = build_model(model("{arch: llama, layers: 2, hidden: 32, heads: 4, kv_heads: 1, vocab_size: 300}"), 5);
+  auto x = torch::randint(0, 300, {1, 8}, torch::kInt64);
+  auto y = x.clone();
+  y[0][7] = (x[0][7].item<int64_t>() + 1) % 300;
+  EXPECT_TRUE(torch::allclose(l(x).narrow(1, 0, 7), l(y).narrow(1, 0, 7), 1e-6, 1e-6));
+  EXPECT_FALSE(torch::allclose(l(x).narrow(1, 7, 1), l(y).narrow(1, 7, 1), 1e-6, 1e-6));
+}
+
+TEST(HfNames, RoundTripBothArchitectures) {
+  for (const char* yaml : {"{arch: gpt2, layers: 2, hidden: 16, heads: 2, vocab_size: 300}",
+                           "{arch: llama, layers: 2, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 300}"}) {
+    auto m = model(yaml);
+    auto w = model_weights(*std::make_unique<Decoder>(build_model(m, 9)));
+    Weights hf;
+    for (auto& [k, t] : arch(m.arch).to_hf(w, m)) hf[k] = t;
+    auto back = arch(m.arch).from_hf(hf, m, "mem");
+    ASSERT_EQ(back.size(), w.size()) << yaml;
+    for (const auto& [k, t] : w) EXPECT_TRUE(torch::equal(t, back.at(k))) << k;
+  }
+  auto m = model("{arch: gpt2, layers: 1, hidden: 16, heads: 2, vocab_size: 300}");
+  Weights partial;
+  try {
+    arch("gpt2").from_hf(partial, m, "x.safetensors");
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("x.safetensors: missing Hugging Face tensor 'wte.weight'"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace tessel::models

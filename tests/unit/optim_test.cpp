@@ -1,1 +1,77 @@
 #include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "engine/optim.h"
+#include "models/registry.h"
+
+namespace tessel {
+namespace {
+
+TEST(LrSchedule, WarmupThenDecay) {
+  Config c = load_config_text("data: {path: x}\ntraining: {steps: 10, optimizer: {lr: 1.0}, schedule: {warmup_steps: 2, min_lr: 0.1}}\n", "t");
+  auto& t = c.training;
+  EXPECT_DOUBLE_EQ(lr_at(t, 1), 0.5);
+  EXPECT_DOUBLE_EQ(lr_at(t, 2), 1.0);
+  EXPECT_DOUBLE_EQ(lr_at(t, 6), 0.1 + 0.9 * 0.5);  // cosine halfway
+  EXPECT_DOUBLE_EQ(lr_at(t, 10), 0.1);
+  t.schedule.decay = "linear";
+  EXPECT_DOUBLE_EQ(lr_at(t, 4), 0.1 + 0.9 * 0.75);
+  t.schedule.decay = "constant";
+  EXPECT_DOUBLE_EQ(lr_at(t, 9), 1.0);
+}
+
+TEST(WeightDecay, ChosenByName) {
+  std::vector<std::string> g = {"*norm*", "*.bias", "embed.*", "pos_embed.*"};
+  EXPECT_TRUE(exempt_from_decay("layers.0.attn_norm.weight", g));
+  EXPECT_TRUE(exempt_from_decay("norm.weight", g));
+  EXPECT_TRUE(exempt_from_decay("layers.3.mlp.up.bias", g));
+  EXPECT_TRUE(exempt_from_decay("embed.weight", g));
+  EXPECT_FALSE(exempt_from_decay("layers.0.attn.q.weight", g));
+  EXPECT_FALSE(exempt_from_decay("head.weight", g));
+}
+
+// The flat fused AdamW equals the textbook AdamW applied per parameter.
+TEST(FlatAdamW, MatchesReferenceAdamWAndClipping) {
+  Config c = load_config_text("data: {path: x}\nmodel: {arch: llama, layers: 1, hidden: 16, heads: 2, vocab_size: 300}\n"
+                              "training: {optimizer: {lr: 0.01, weight_decay: 0.1}}\n", "t");
+  auto model = models::build_model(c.model, 3);
+  std::map<std::string, torch::Tensor> w0;
+  for (const auto& p : model->named_parameters()) w0[p.key()] = p.value().detach().clone();
+  FlatAdamW opt(model, c.training);
+  // The parameters are now views of the flat master buffer, with their values unchanged.
+  for (const auto& p : model->named_parameters()) ASSERT_TRUE(torch::equal(p.value(), w0[p.key()]));
+  std::map<std::string, torch::Tensor> m, v;
+  for (int step = 1; step <= 3; ++step) {
+    auto tokens = torch::randint(0, 300, {2, 9}, torch::kInt64);
+    auto loss = torch::nn::functional::cross_entropy(model(tokens.narrow(1, 0, 8)).view({-1, 300}),
+                                                     tokens.narrow(1, 1, 8).reshape({-1}));
+    loss.backward();
+    std::map<std::string, torch::Tensor> g;
+    for (const auto& p : model->named_parameters()) g[p.key()] = p.value().grad().clone();
+    double norm = 0;
+    for (auto& [k, t] : g) norm += t.pow(2).sum().item<double>();
+    norm = std::sqrt(norm);
+    auto got_norm = opt.clip_grad_norm(0.05).item<double>();
+    EXPECT_NEAR(got_norm, norm, 1e-5 * norm);
+    double coef = std::min(1.0, 0.05 / (norm + 1e-6));
+    opt.step(0.01);
+    const double b1 = 0.9, b2 = 0.95, eps = 1e-8, lr = 0.01;
+    for (auto& [k, w] : w0) {
+      auto gk = g[k] * coef;
+      if (!m.count(k)) m[k] = torch::zeros_like(w), v[k] = torch::zeros_like(w);
+      double wd = exempt_from_decay(k, c.training.optimizer.no_decay) ? 0.0 : 0.1;
+      w.mul_(1 - lr * wd);
+      m[k] = b1 * m[k] + (1 - b1) * gk;
+      v[k] = b2 * v[k] + (1 - b2) * gk * gk;
+      auto mhat = m[k] / (1 - std::pow(b1, step)), vhat = v[k] / (1 - std::pow(b2, step));
+      w.sub_(lr * mhat / (vhat.sqrt() + eps));
+    }
+    for (const auto& p : model->named_parameters()) {
+      EXPECT_TRUE(torch::allclose(p.value(), w0[p.key()], 1e-5, 1e-6)) << p.key() << " step " << step;
+      EXPECT_EQ(p.value().grad().abs().sum().item<double>(), 0.0) << "gradients cleared";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tessel

@@ -1,1 +1,85 @@
 #include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "engine/config.h"
+#include "engine/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace tessel {
+namespace {
+
+std::string tmp_path(const std::string& name) {
+  return (fs::temp_directory_path() / ("tessel-st-" + std::to_string(getpid()) + "-" + name)).string();
+}
+
+// A file with a hand-written header, to exercise the checks.
+std::string raw_file(const std::string& name, const std::string& header, size_t data_bytes) {
+  std::string path = tmp_path(name);
+  std::ofstream f(path, std::ios::binary);
+  uint64_t n = header.size();
+  f.write(reinterpret_cast<const char*>(&n), 8);
+  f << header << std::string(data_bytes, '\0');
+  return path;
+}
+
+void expect_refused(const std::string& path, const std::string& part) {
+  try {
+    read_safetensors(path);
+    FAIL() << "accepted " << path;
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+  fs::remove(path);
+}
+
+TEST(Safetensors, RoundTripsEveryDtype) {
+  std::vector<std::pair<std::string, torch::Tensor>> ts = {
+      {"a.weight", torch::randn({3, 5})},
+      {"b", torch::randn({7}).to(torch::kBFloat16)},
+      {"c", torch::arange(10, torch::kInt64).view({2, 5})},
+      {"d", torch::ones({2, 2}, torch::kInt32)},
+      {"e", torch::empty({0, 4})}};
+  std::string path = tmp_path("rt.safetensors");
+  write_safetensors(path, ts, {{"format", "pt"}});
+  auto back = read_safetensors(path);
+  EXPECT_EQ(back.metadata.at("format"), "pt");
+  ASSERT_EQ(back.tensors.size(), ts.size());
+  for (const auto& [name, t] : ts) EXPECT_TRUE(torch::equal(back.tensors.at(name), t)) << name;
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  fs::remove(path);
+}
+
+TEST(Safetensors, RefusesBadFiles) {
+  expect_refused(raw_file("dup", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
+                 "duplicate tensor name 'a'");
+  expect_refused(raw_file("overlap", R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12),
+                 "tensors 'a' and 'b' overlap");
+  expect_refused(raw_file("range", R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8),
+                 "tensor 'a': data_offsets [0, 16] out of range of the 8-byte data section");
+  expect_refused(raw_file("size", R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8),
+                 "tensor 'a': holds 8 bytes but its shape and dtype need 12");
+  expect_refused(raw_file("dtype", R"({"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,1]}})", 1),
+                 "unsupported dtype \"Q4\"");
+  expect_refused(raw_file("json", "{not json", 0), "header is not JSON");
+  // A header length over 100 MB is refused before anything is read.
+  std::string path = tmp_path("huge");
+  {
+    std::ofstream f(path, std::ios::binary);
+    uint64_t n = (100ull << 20) + 1;
+    f.write(reinterpret_cast<const char*>(&n), 8);
+    f << "{}";
+  }
+  expect_refused(path, "exceeds the 100 MB limit");
+  expect_refused(tmp_path("missing"), "cannot open");
+  std::string tiny = tmp_path("tiny");
+  std::ofstream(tiny) << "abc";
+  expect_refused(tiny, "shorter than its 8-byte header length");
+}
+
+}  // namespace
+}  // namespace tessel
