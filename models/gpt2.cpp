@@ -35,9 +35,11 @@ Weights gpt2_from_hf(const Weights& hf_in, const ModelConfig& m, const std::stri
   // save_pretrained of GPT2LMHeadModel prefixes "transformer."; the hub's gpt2 files do not.
   Weights hf;
   for (const auto& [k, v] : hf_in) hf[k.rfind("transformer.", 0) == 0 ? k.substr(12) : k] = v;
+  std::set<std::string> used;
   auto get = [&](const std::string& k) -> torch::Tensor {
     auto it = hf.find(k);
     if (it == hf.end()) throw UserError(source + ": missing Hugging Face tensor '" + k + "' (gpt2)");
+    used.insert(k);
     return it->second;
   };
   Weights w;
@@ -54,6 +56,7 @@ Weights gpt2_from_hf(const Weights& hf_in, const ModelConfig& m, const std::stri
     }
   }
   if (!m.tied()) w["head.weight"] = get("lm_head.weight");
+  check_all_used(hf, used, source);
   return w;
 }
 

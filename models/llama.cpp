@@ -36,11 +36,14 @@ std::vector<std::pair<std::string, std::string>> name_pairs(const ModelConfig& m
 
 Weights llama_from_hf(const Weights& hf, const ModelConfig& m, const std::string& source) {
   Weights w;
+  std::set<std::string> used;
   for (const auto& [t, h] : name_pairs(m)) {
     auto it = hf.find(h);
     if (it == hf.end()) throw UserError(source + ": missing Hugging Face tensor '" + h + "' (llama)");
     w[t] = it->second;
+    used.insert(h);
   }
+  check_all_used(hf, used, source);
   return w;
 }
 

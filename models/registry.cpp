@@ -15,6 +15,18 @@ const Arch& arch(const std::string& name) {
   throw UserError("model.arch: unknown architecture '" + name + "' (known: gpt2, llama)");
 }
 
+void check_all_used(const Weights& hf, const std::set<std::string>& used, const std::string& source) {
+  auto ignorable = [](const std::string& k) {
+    auto ends = [&](const std::string& suf) { return k.size() >= suf.size() && k.compare(k.size() - suf.size(), suf.size(), suf) == 0; };
+    return ends(".attn.bias") || ends(".attn.masked_bias") || ends("rotary_emb.inv_freq") || k == "lm_head.weight";
+  };
+  std::string extra;
+  for (const auto& [k, t] : hf)
+    if (!used.count(k) && !ignorable(k)) extra += (extra.empty() ? "" : ", ") + k;
+  if (!extra.empty())
+    throw UserError(source + ": tensors the plan's model does not have (more layers, or another architecture?): " + extra);
+}
+
 Decoder build_model(const ModelConfig& m, int64_t seed) {
   Decoder model(arch(m.arch).options(m));
   init_weights(model, seed);
@@ -53,8 +65,15 @@ void load_weights(Decoder& model, const std::string& path) {
   auto file = read_safetensors(path);
   const auto& m = model->options().model;
   // Tessel's own files use Tessel names; anything else is read as Hugging Face names.
-  bool tessel_names = file.tensors.count("embed.weight") > 0;
-  assign_weights(model, tessel_names ? file.tensors : arch(m.arch).from_hf(file.tensors, m, path), path);
+  // A checkpoint's rank file also holds optimizer state (optim.*), which is not model weights.
+  if (file.tensors.count("embed.weight") > 0) {
+    Weights w;
+    for (auto& [name, t] : file.tensors)
+      if (name.rfind("optim.", 0) != 0) w[name] = t;
+    assign_weights(model, w, path);
+  } else {
+    assign_weights(model, arch(m.arch).from_hf(file.tensors, m, path), path);
+  }
 }
 
 }  // namespace tessel::models

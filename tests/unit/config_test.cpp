@@ -49,6 +49,8 @@ struct BadPlan {
   std::string expected;  // a substring of the message
 };
 
+void PrintTo(const BadPlan& p, std::ostream* os) { *os << p.name; }
+
 class BadPlans : public ::testing::TestWithParam<BadPlan> {};
 
 TEST_P(BadPlans, FailWithTheirMessage) {

@@ -70,6 +70,18 @@ TEST(HfNames, RoundTripBothArchitectures) {
     ASSERT_EQ(back.size(), w.size()) << yaml;
     for (const auto& [k, t] : w) EXPECT_TRUE(torch::equal(t, back.at(k))) << k;
   }
+  // A file with more layers than the plan is refused, not silently truncated.
+  auto deep = model("{arch: llama, layers: 3, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 300}");
+  auto shallow = model("{arch: llama, layers: 2, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 300}");
+  Weights hf3;
+  for (auto& [k, t] : arch("llama").to_hf(model_weights(*std::make_unique<Decoder>(build_model(deep, 1))), deep)) hf3[k] = t;
+  try {
+    arch("llama").from_hf(hf3, shallow, "deep.safetensors");
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("deep.safetensors: tensors the plan's model does not have"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("model.layers.2.mlp.up_proj.weight"), std::string::npos) << e.what();
+  }
   auto m = model("{arch: gpt2, layers: 1, hidden: 16, heads: 2, vocab_size: 300}");
   Weights partial;
   try {

@@ -1,0 +1,123 @@
+"""tessel-train end to end: errors before any work, determinism, dry run, checkpoints, export,
+metrics contract, bf16."""
+import json
+import os
+import time
+import unittest
+
+from common import (TmpDirTest, base_plan, random_rows, read_json, read_metrics, read_text, run, write_plan,
+                    write_rows, write_tokens)
+
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "ms_per_step", "tokens_per_s", "tflops_per_device", "mfu",
+               "mem_bytes"}
+
+
+class Cli(TmpDirTest):
+    def plan(self, arch="gpt2", **training):
+        data = write_tokens(self.path("data.u16"), 3000, period=31)
+        return base_plan(self.tmp, arch, data, **training)
+
+    def test_bad_plans_fail_fast_with_file_and_line(self):
+        cases = [
+            ("model:\n  arch: gpt2\n  hiden: 64\ndata: {path: x}\n", "plan.yaml:3: unknown key 'model.hiden'; did you mean 'model.hidden'?"),
+            ("training:\n  steps: -1\ndata: {path: x}\n", "plan.yaml:2: training.steps: must be >= 1, got -1"),
+            ("model: {hidden: 100, heads: 12}\ndata: {path: x}\n", "plan.yaml:1: model.hidden (100) must be divisible by model.heads (12)"),
+        ]
+        for text, message in cases:
+            with open(self.path("plan.yaml"), "w") as f:
+                f.write(text)
+            for extra in ([], ["--dry-run"]):
+                t0 = time.time()
+                p = run("tessel-train", self.path("plan.yaml"), *extra, check=False)
+                self.assertEqual(p.returncode, 2, p.stderr)
+                self.assertIn(message, p.stderr)
+                self.assertLess(time.time() - t0, 10)
+        p = run("tessel-train", self.path("missing.yaml"), check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("missing.yaml: cannot read the plan file", p.stderr)
+        self.assertFalse(os.path.exists(self.path("run")), "nothing may be written for a bad plan")
+
+    def test_missing_data_fails_before_training(self):
+        plan = self.plan()
+        plan["data"]["path"] = [self.path("nothing-*.u16")]
+        p = run("tessel-train", write_plan(self.path("p.yaml"), plan), check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("nothing-*.u16' matches no file", p.stderr)
+
+    def test_dry_run_starts_nothing(self):
+        p = run("tessel-train", write_plan(self.path("p.yaml"), self.plan()), "--dry-run",
+                "--set", "training.micro_batch=1")
+        self.assertIn("micro_batch: 1", p.stdout)
+        self.assertIn("4 micro-batches of 1 sequences per step", p.stdout)
+        self.assertFalse(os.path.exists(self.path("run")))
+
+    def test_same_plan_twice_is_bitwise_equal(self):
+        plan = write_plan(self.path("p.yaml"), self.plan(steps=5))
+        losses = []
+        for out in ("a", "b"):
+            run("tessel-train", plan, "--set", f"run.output_dir={self.path(out)}", "--set", "data.shuffle=true")
+            losses.append([(m["loss"], m["grad_norm"]) for m in read_metrics(self.path(out, "metrics.jsonl"))])
+        self.assertEqual(len(losses[0]), 5)
+        self.assertEqual(losses[0], losses[1])
+
+    def test_metrics_checkpoints_and_export(self):
+        plan = self.plan(steps=4, eval_every=2)
+        plan["data"]["val_fraction"] = 0.1
+        plan["checkpoint"] = {"every": 1, "keep": 2}
+        run("tessel-train", write_plan(self.path("p.yaml"), plan))
+        lines = read_metrics(self.path("run", "metrics.jsonl"))
+        steps = [m for m in lines if "loss" in m]
+        evals = [m for m in lines if "val_loss" in m]
+        self.assertEqual([m["step"] for m in steps], [1, 2, 3, 4])
+        for m in steps:
+            self.assertTrue(METRIC_KEYS <= set(m), set(m))
+            self.assertGreater(m["tokens_per_s"], 0)
+            self.assertAlmostEqual(m["mfu"], m["tflops_per_device"] / 1.0)  # logging.peak_tflops = 1
+        self.assertEqual([m["step"] for m in evals], [2, 4])
+        # Resolved plan next to the metrics; checkpoints: keep=2 leaves the two newest, latest -> step_4.
+        self.assertIn("tie_embeddings: true", read_text(self.path("run", "config.yaml")))
+        ckpts = self.path("run", "checkpoints")
+        self.assertEqual(sorted(os.listdir(ckpts)), ["latest", "step_3", "step_4"])
+        self.assertEqual(read_text(os.path.join(ckpts, "latest")).strip(), "step_4")
+        step4 = os.path.join(ckpts, "step_4")
+        self.assertEqual(sorted(os.listdir(step4)), ["COMPLETE", "config.yaml", "index.json", "rank_00000.safetensors"])
+        index = read_json(os.path.join(step4, "index.json"))
+        self.assertEqual(index["step"], 4)
+        self.assertEqual(index["consumed_samples"], 16)
+        self.assertEqual(index["tensors"]["embed.weight"]["shape"], [300, 32])
+        self.assertEqual(index["tensors"]["embed.weight"]["shards"][0]["file"], "rank_00000.safetensors")
+        # An interrupted save (no COMPLETE marker) is never trusted.
+        os.remove(os.path.join(step4, "COMPLETE"))
+        p = run("tessel-train", "export", step4, "--out", self.path("x"), check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("not a complete checkpoint", p.stderr)
+        run("tessel-train", "export", os.path.join(ckpts, "step_3"), "--out", self.path("hf3"))
+        self.assertEqual(read_json(self.path("hf3", "config.json"))["architectures"], ["GPT2LMHeadModel"])
+
+    def test_bf16_trains_with_fp32_master(self):
+        plan = self.plan("llama", steps=8, dtype="bf16", optimizer={"lr": 3e-3})
+        run("tessel-train", write_plan(self.path("p.yaml"), plan))
+        losses = [m["loss"] for m in read_metrics(self.path("run", "metrics.jsonl"))]
+        self.assertLess(losses[-1], losses[0] - 0.2, losses)
+        from safetensors.torch import load_file
+        import torch
+        t = load_file(self.path("run", "checkpoints", "step_8", "rank_00000.safetensors"))
+        self.assertEqual(t["embed.weight"].dtype, torch.bfloat16)
+        self.assertEqual(t["optim.master.embed.weight"].dtype, torch.float32)
+        self.assertTrue(torch.equal(t["optim.master.embed.weight"].to(torch.bfloat16), t["embed.weight"]))
+
+    def test_score_rejects_out_of_range_tokens(self):
+        rows = random_rows(2)
+        rows[1, 5] = 300
+        write_rows(self.path("rows.bin"), rows)
+        plan = write_plan(self.path("p.yaml"), self.plan(steps=1))
+        run("tessel-train", plan)
+        p = run("tessel-train", "score", plan, "--weights",
+                self.path("run", "checkpoints", "step_1", "rank_00000.safetensors"), "--tokens", self.path("rows.bin"),
+                check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("token id 300 at row 1, column 5 is outside model.vocab_size 300", p.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,136 @@
+"""Helpers shared by the reference tests: run the binaries, write plans, build tiny HF models."""
+import json
+import os
+import subprocess
+import tempfile
+import unittest
+
+import numpy as np
+import torch
+
+BIN = os.environ.get("TESSEL_BIN", os.path.join(os.path.dirname(__file__), "../../build/bin"))
+ROOT = os.environ.get("TESSEL_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
+torch.set_num_threads(2)
+
+
+def run(*args, check=True, timeout=600):
+    """Runs a Tessel binary; returns the CompletedProcess (stdout/stderr as text)."""
+    p = subprocess.run([os.path.join(BIN, args[0]), *map(str, args[1:])], capture_output=True, text=True,
+                       timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{args} exited {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
+    return p
+
+
+def write_plan(path, plan):
+    """YAML is a superset of JSON: a plan written as JSON is a valid YAML plan."""
+    with open(path, "w") as f:
+        json.dump(plan, f, indent=1)
+    return path
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_text(path):
+    with open(path) as f:
+        return f.read()
+
+
+def read_json(path):
+    return json.loads(read_text(path))
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+class TmpDirTest(unittest.TestCase):
+    def setUp(self):
+        self._tmp = tempfile.TemporaryDirectory(prefix="tessel-ref-")
+        self.tmp = self._tmp.name
+
+    def tearDown(self):
+        self._tmp.cleanup()
+
+    def path(self, *parts):
+        return os.path.join(self.tmp, *parts)
+
+
+# Tiny models: Tessel plan sections and the matching transformers models.
+SEQ = 16
+
+
+def model_plan(arch):
+    if arch == "gpt2":
+        return {"arch": "gpt2", "layers": 2, "hidden": 32, "heads": 4, "vocab_size": 300, "max_seq_len": 64,
+                "norm_eps": 1e-5}
+    return {"arch": "llama", "layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn_hidden": 80,
+            "vocab_size": 300, "max_seq_len": 64, "norm_eps": 1e-6, "rope_theta": 5000.0}
+
+
+def hf_model(arch, seed=0):
+    """A transformers model with random weights (norm weights and biases perturbed too)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    m = model_plan(arch)
+    if arch == "gpt2":
+        cfg = GPT2Config(vocab_size=m["vocab_size"], n_positions=m["max_seq_len"], n_embd=m["hidden"],
+                         n_layer=m["layers"], n_head=m["heads"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         layer_norm_epsilon=m["norm_eps"], attn_implementation="eager")
+        model = GPT2LMHeadModel(cfg)
+    else:
+        cfg = LlamaConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden"], intermediate_size=m["ffn_hidden"],
+                          num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
+                          num_key_value_heads=m["kv_heads"], max_position_embeddings=m["max_seq_len"],
+                          rms_norm_eps=m["norm_eps"], rope_theta=m["rope_theta"], tie_word_embeddings=False,
+                          attn_implementation="eager")
+        model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    return model.float().eval()
+
+
+def hf_loss(model, rows):
+    """Mean next-token loss of int64 rows [B, T+1] (fp32 logits)."""
+    with torch.no_grad():
+        logits = model(input_ids=rows[:, :-1]).logits
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
+                                                 rows[:, 1:].reshape(-1)).item()
+
+
+def write_rows(path, rows):
+    """The `score` tokens file: raw little-endian int32 rows of T+1 tokens."""
+    rows.to(torch.int32).numpy().astype("<i4").tofile(path)
+
+
+def random_rows(batch, vocab=300, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, SEQ + 1), generator=g)
+
+
+def base_plan(tmp, arch, data_path, **training):
+    t = {"device": "cpu", "dtype": "fp32", "steps": 3, "global_batch": 4, "micro_batch": 2, "seq_len": SEQ,
+         "threads": 2}
+    t.update(training)
+    return {"run": {"name": "ref", "seed": 1, "output_dir": os.path.join(tmp, "run")},
+            "model": model_plan(arch), "training": t,
+            "data": {"format": "tokens", "path": [data_path], "shuffle": False, "token_dtype": "uint16"},
+            "logging": {"every": 1, "peak_tflops": 1.0}}
+
+
+def write_tokens(path, n, vocab=300, seed=2, period=None):
+    """Random uint16 tokens; with `period`, a repeated random pattern (learnable: the loss falls)."""
+    g = np.random.default_rng(seed)
+    if period:
+        toks = np.tile(g.integers(0, vocab, size=period), n // period + 1)[:n]
+    else:
+        toks = g.integers(0, vocab, size=n)
+    toks.astype("<u2").tofile(path)
+    return path

@@ -1,0 +1,103 @@
+"""Tessel's gpt2 and llama (with GQA) against transformers' GPT2LMHeadModel / LlamaForCausalLM on
+the same weights, both ways: HF-written weights read by Tessel, and Tessel's export read by HF."""
+import json
+import os
+import sys
+import unittest
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from common import (TmpDirTest, base_plan, hf_loss, hf_model, random_rows, read_metrics, rel, run, write_plan,
+                    write_rows, write_tokens)
+
+TOL = 1e-5
+
+
+def score(plan_path, weights, tokens):
+    out = run("tessel-train", "score", plan_path, "--weights", weights, "--tokens", tokens).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+class HfParity(TmpDirTest):
+    def check_hf_to_tessel(self, arch):
+        model = hf_model(arch)
+        model.save_pretrained(self.path("hf"), safe_serialization=True)
+        rows = random_rows(6)
+        write_rows(self.path("rows.bin"), rows)
+        data = write_tokens(self.path("data.u16"), 2000)
+        plan = write_plan(self.path("plan.yaml"), base_plan(self.tmp, arch, data))
+        got = score(plan, self.path("hf", "model.safetensors"), self.path("rows.bin"))
+        want = hf_loss(model, rows)
+        self.assertEqual(got["tokens"], 6 * 16)
+        self.assertLess(rel(got["loss"], want), TOL, f"{arch}: tessel {got['loss']} vs transformers {want}")
+        print(f"\n{arch} HF->Tessel: loss {want:.6f}, relative difference {rel(got['loss'], want):.2e}", file=sys.stderr)
+        return got["loss"]
+
+    def check_tessel_to_hf(self, arch):
+        # Tessel trains from its own seeded init, exports Hugging Face files, transformers reads them.
+        data = write_tokens(self.path("data.u16"), 2000)
+        plan = write_plan(self.path("plan.yaml"), base_plan(self.tmp, arch, data, steps=2))
+        run("tessel-train", plan)
+        ckpt = self.path("run", "checkpoints")
+        run("tessel-train", "export", ckpt, "--format", "hf", "--out", self.path("export"))
+        model = AutoModelForCausalLM.from_pretrained(self.path("export"), attn_implementation="eager").float().eval()
+        rows = random_rows(5, seed=3)
+        write_rows(self.path("rows.bin"), rows)
+        got = score(plan, self.path("run", "checkpoints", "step_2", "rank_00000.safetensors"), self.path("rows.bin"))
+        want = hf_loss(model, rows)
+        self.assertLess(rel(got["loss"], want), TOL, f"{arch}: tessel {got['loss']} vs transformers {want}")
+        print(f"\n{arch} Tessel->HF: loss {want:.6f}, relative difference {rel(got['loss'], want):.2e}", file=sys.stderr)
+        # The export holds exactly the HF names a save_pretrained of this model holds.
+        exported = load_file(self.path("export", "model.safetensors"))
+        model.save_pretrained(self.path("resaved"), safe_serialization=True)
+        self.assertEqual(set(exported), set(load_file(self.path("resaved", "model.safetensors"))))
+
+    def test_gpt2_hf_weights(self):
+        loss = self.check_hf_to_tessel("gpt2")
+        self.assertGreater(loss, 1.0)  # random weights: a real, non-trivial loss
+
+    def test_llama_gqa_hf_weights(self):
+        self.check_hf_to_tessel("llama")
+
+    def test_gpt2_export(self):
+        self.check_tessel_to_hf("gpt2")
+
+    def test_llama_gqa_export(self):
+        self.check_tessel_to_hf("llama")
+
+    def test_hub_style_gpt2_names(self):
+        # The hub's gpt2 files have no "transformer." prefix and carry attn.bias buffers.
+        model = hf_model("gpt2")
+        sd = {k.removeprefix("transformer."): v.contiguous() for k, v in model.state_dict().items()
+              if k != "lm_head.weight"}
+        for i in range(2):
+            sd[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 64, 64))
+        from safetensors.torch import save_file
+        save_file(sd, self.path("hub.safetensors"))
+        rows = random_rows(2)
+        write_rows(self.path("rows.bin"), rows)
+        data = write_tokens(self.path("data.u16"), 2000)
+        plan = write_plan(self.path("plan.yaml"), base_plan(self.tmp, "gpt2", data))
+        got = score(plan, self.path("hub.safetensors"), self.path("rows.bin"))
+        self.assertLess(rel(got["loss"], hf_loss(model, rows)), TOL)
+
+    def test_wrong_weights_are_named(self):
+        model = hf_model("llama")
+        model.save_pretrained(self.path("hf"), safe_serialization=True)
+        rows = random_rows(1)
+        write_rows(self.path("rows.bin"), rows)
+        data = write_tokens(self.path("data.u16"), 2000)
+        plan_dict = base_plan(self.tmp, "llama", data)
+        plan_dict["model"]["hidden"] = 64
+        plan = write_plan(self.path("plan.yaml"), plan_dict)
+        p = run("tessel-train", "score", plan, "--weights", self.path("hf", "model.safetensors"), "--tokens",
+                self.path("rows.bin"), check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("model.safetensors: tensor 'embed.weight' has shape [300, 32] but the plan's model needs [300, 64]",
+                      p.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
