@@ -17,7 +17,7 @@ mode=${1:-build}   # build | test (test also needs the Python parity dependencie
 need_apt=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 for p in cmake ninja-build ccache g++ libyaml-cpp-dev libspdlog-dev libfmt-dev libcli11-dev \
-         nlohmann-json3-dev libgtest-dev python3-venv; do
+         nlohmann-json3-dev libgtest-dev libgloo-dev python3-venv; do
   have_pkg "$p" || need_apt+=("$p")
 done
 # python3-venv is only needed when we create the venv with Debian's python; a pyenv python has venv.
@@ -47,12 +47,13 @@ else
     mkdir -p "$cache"
     python3 -m venv "$env_dir"
   fi
-  if ! "$env_dir/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  # Package metadata, not `import torch` (which takes seconds): keeps the no-op path fast.
+  if ! "$env_dir/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('torch').split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
     echo "setup: installing torch==$TORCH_VERSION into $env_dir (about 2.7 GB, once per machine)"
     "$env_dir/bin/pip" install --no-input -q "torch==$TORCH_VERSION" numpy
   fi
 fi
-if [ "$mode" = test ] && ! "$env_dir/bin/python" -c 'import transformers, safetensors' 2>/dev/null; then
+if [ "$mode" = test ] && ! "$env_dir/bin/python" -c "import importlib.metadata as m; m.version('transformers'); m.version('safetensors')" 2>/dev/null; then
   echo "setup: installing Python test dependencies: ${PY_TEST_DEPS[*]}"
   "$env_dir/bin/pip" install --no-input -q "${PY_TEST_DEPS[@]}"
 fi
