@@ -47,7 +47,7 @@ Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (i > 0) best = std::max(best, 2.0 * 1024 * 1024 * 1024 / s / 1e12);
   }
-  return {best, "measured " + std::string(bf16 ? "bf16" : "fp32") + " matmul on " + name + " (no datasheet entry)"};
+  return {best, "measured " + std::string(bf16 ? "bf16" : "fp32") + " 1024^3 matmul on " + name + ", no datasheet entry"};
 }
 
 int64_t memory_bytes(const torch::Device& device) {

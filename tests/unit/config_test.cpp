@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -136,7 +137,9 @@ TEST(Config, NearestKey) {
 }
 
 TEST(Config, GeneratedReferenceIsCurrent) {
-  std::ifstream f(std::string(TESSEL_SOURCE_DIR) + "/docs/configuration.md");
+  const char* root = std::getenv("TESSEL_ROOT");
+  ASSERT_NE(root, nullptr) << "set TESSEL_ROOT to the checkout (ctest does)";
+  std::ifstream f(std::string(root) + "/docs/configuration.md");
   ASSERT_TRUE(f) << "docs/configuration.md is missing: run `make docs`";
   std::stringstream s;
   s << f.rdbuf();
