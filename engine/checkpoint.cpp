@@ -26,10 +26,6 @@ std::string read_text(const fs::path& p) {
   return s.str();
 }
 
-std::string ckpt_dir(const Config& c) {
-  return c.checkpoint.dir.empty() ? (fs::path(c.run.output_dir) / "checkpoints").string() : c.checkpoint.dir;
-}
-
 void prune(const fs::path& root, int64_t keep) {
   if (keep <= 0) return;
   std::vector<std::pair<int64_t, fs::path>> done;
@@ -48,7 +44,7 @@ void prune(const fs::path& root, int64_t keep) {
 
 std::string save_checkpoint(const Config& c, models::Decoder& model, const FlatAdamW& opt,
                             const CheckpointState& st) {
-  const fs::path root = ckpt_dir(c);
+  const fs::path root = c.checkpoint_dir();
   const fs::path dir = root / ("step_" + std::to_string(st.step));
   const fs::path tmp = root / ("step_" + std::to_string(st.step) + ".tmp");
   fs::create_directories(root);
@@ -131,6 +127,41 @@ models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::
     out[name] = global;
   }
   return out;
+}
+
+std::string checkpoint_to_resume(const Config& c) {
+  const std::string& r = c.checkpoint.resume;
+  if (r == "never") return "";
+  if (r == "auto") {
+    const fs::path latest = fs::path(c.checkpoint_dir()) / "latest";
+    return fs::exists(latest) ? resolve_checkpoint(c.checkpoint_dir()) : "";
+  }
+  try {
+    return resolve_checkpoint(r);
+  } catch (const UserError& e) {
+    throw UserError(c.source + ": checkpoint.resume: " + e.what());
+  }
+}
+
+CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model, FlatAdamW& opt) {
+  nlohmann::json index = nlohmann::json::parse(read_text(fs::path(step_dir) / "index.json"));
+  auto all = read_checkpoint_tensors(step_dir);
+  models::Weights weights, master, exp_avg, exp_avg_sq;
+  for (auto& [name, t] : all) {
+    auto take = [&](const std::string& prefix, models::Weights& into) {
+      if (name.rfind(prefix, 0) != 0) return false;
+      into[name.substr(prefix.size())] = t;
+      return true;
+    };
+    if (!take("optim.master.", master) && !take("optim.exp_avg.", exp_avg) && !take("optim.exp_avg_sq.", exp_avg_sq) &&
+        name != "optim.step")
+      weights[name] = t;
+  }
+  const std::string source = step_dir;
+  models::assign_weights(model, weights, source);  // checks every name and shape
+  if (!all.count("optim.step")) throw UserError(source + ": no optimizer state (optim.step) to resume from");
+  opt.load_state(master, exp_avg, exp_avg_sq, all.at("optim.step"), source);
+  return {index.at("step").get<int64_t>(), index.at("consumed_samples").get<int64_t>()};
 }
 
 void export_hf(const std::string& checkpoint_dir, const std::string& out_dir) {

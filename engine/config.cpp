@@ -335,6 +335,11 @@ Config load(const std::string& source, const std::function<YAML::Node()>& parse,
 
 }  // namespace
 
+std::string Config::checkpoint_dir() const {
+  if (!checkpoint.dir.empty()) return checkpoint.dir;
+  return run.output_dir + (run.output_dir.empty() || run.output_dir.back() == '/' ? "" : "/") + "checkpoints";
+}
+
 std::string Field::type_name() const {
   return std::visit(
       [&](auto* p) -> std::string {

@@ -79,7 +79,7 @@ struct DataConfig {
 struct CheckpointConfig {
   std::string dir;
   int64_t every, keep;
-  std::string resume;  // never (more modes arrive with resumable runs)
+  std::string resume;  // auto | never | path of a checkpoint
 };
 
 struct LoggingConfig {
@@ -89,6 +89,7 @@ struct LoggingConfig {
 };
 
 struct Config {
+  std::string checkpoint_dir() const;  // checkpoint.dir, or <run.output_dir>/checkpoints
   RunConfig run;
   ModelConfig model;
   ParallelConfig parallel;

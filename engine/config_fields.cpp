@@ -132,9 +132,9 @@ std::vector<Field> bind_fields(Config& c) {
   add("checkpoint.keep", &c.checkpoint.keep, int64_t{0},
       "Keep the newest N checkpoints. 0 = keep all.")
       .range(0);
-  add("checkpoint.resume", &c.checkpoint.resume, S("never"),
-      "never: start from step 0 (resumable runs arrive with the checkpoint-resume work).")
-      .one_of({"never"});
+  add("checkpoint.resume", &c.checkpoint.resume, S("auto"),
+      "auto: continue from <checkpoint.dir>/latest when it exists, else start; never: start from "
+      "step 0; or the path of a checkpoint (step_<N> folder or a checkpoint.dir) to continue from.");
 
   // logging
   add("logging.every", &c.logging.every, int64_t{1}, "Console and metrics line every N steps.")

@@ -63,10 +63,20 @@ int64_t memory_bytes(const torch::Device& device) {
   return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
-MetricsLog::MetricsLog(const Config& c) {
+MetricsLog::MetricsLog(const Config& c, int64_t resumed_step) {
   std::filesystem::create_directories(c.run.output_dir);
   path_ = (std::filesystem::path(c.run.output_dir) / c.logging.metrics_file).string();
+  std::string kept;
+  if (resumed_step > 0) {
+    std::ifstream in(path_);
+    for (std::string line; std::getline(in, line);) {
+      auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (j.is_object() && j.contains("step") && j["step"].is_number() && j["step"].get<int64_t>() <= resumed_step)
+        kept += line + "\n";
+    }
+  }
   f_ = std::fopen(path_.c_str(), "w");
+  if (f_) std::fputs(kept.c_str(), f_);
   if (!f_) throw UserError(path_ + ": cannot write metrics: " + std::strerror(errno));
 }
 

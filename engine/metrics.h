@@ -39,7 +39,9 @@ struct StepLine {
 /// Appends to <output_dir>/<metrics_file> (one JSON object per line) and prints the console line.
 class MetricsLog {
  public:
-  explicit MetricsLog(const Config& c);
+  /// Opens the metrics file; a resumed run (resumed_step > 0) keeps the lines of steps up to it
+  /// and drops the rest (steps the interrupted run logged after its last checkpoint).
+  MetricsLog(const Config& c, int64_t resumed_step);
   ~MetricsLog();
   void step(const StepLine& s);
   void eval(int64_t step, double val_loss, double ms);

@@ -63,6 +63,26 @@ FlatAdamW::FlatAdamW(models::Decoder& model, const TrainingConfig& t) : t_(t) {
   }
 }
 
+void FlatAdamW::load_state(const std::map<std::string, torch::Tensor>& master,
+                           const std::map<std::string, torch::Tensor>& exp_avg,
+                           const std::map<std::string, torch::Tensor>& exp_avg_sq, const torch::Tensor& step,
+                           const std::string& source) {
+  torch::NoGradGuard no_grad;
+  auto fill = [&](torch::Tensor& flat, const std::map<std::string, torch::Tensor>& by_name, const char* what) {
+    for (const auto& s : slots_) {
+      auto it = by_name.find(s.name);
+      if (it == by_name.end() || it->second.numel() != s.numel)
+        throw UserError(source + ": optimizer state optim." + what + "." + s.name + " is missing or has another size");
+      flat.narrow(0, s.offset, s.numel).copy_(it->second.flatten());
+    }
+  };
+  fill(master_, master, "master");
+  fill(exp_avg_, exp_avg, "exp_avg");
+  fill(exp_avg_sq_, exp_avg_sq, "exp_avg_sq");
+  step_count_.copy_(step);
+  if (low_precision_) params16_.copy_(master_);
+}
+
 void FlatAdamW::accumulate_microbatch() {
   if (!low_precision_) return;
   grad_.add_(grads16_);

@@ -10,6 +10,7 @@
 
 #include <torch/types.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,13 @@ class FlatAdamW {
   torch::Tensor clip_grad_norm(double max_norm);
   /// One AdamW step at learning rate `lr`, then clears the gradients.
   void step(double lr);
+
+  /// Restores master weights, moments and the step count by parameter name (a checkpoint), then
+  /// refreshes the model's weights from the master copy.
+  void load_state(const std::map<std::string, torch::Tensor>& master,
+                  const std::map<std::string, torch::Tensor>& exp_avg,
+                  const std::map<std::string, torch::Tensor>& exp_avg_sq, const torch::Tensor& step,
+                  const std::string& source);
 
   const std::vector<ParamSlot>& slots() const { return slots_; }
   int64_t numel() const { return n_; }

@@ -45,7 +45,13 @@ Trainer::Trainer(Config c)
   data_ = std::make_unique<data::Dataset>(c_);
   model_ = make_model(c_, device_, dtype_);
   opt_ = std::make_unique<FlatAdamW>(model_, c_.training);
-  metrics_ = std::make_unique<MetricsLog>(c_);
+  if (auto dir = checkpoint_to_resume(c_); !dir.empty()) {
+    auto st = load_checkpoint(dir, model_, *opt_);
+    first_step_ = st.step + 1;
+    consumed_ = st.consumed_samples;
+    spdlog::info("resumed from {} (step {}, {} samples consumed)", dir, st.step, st.consumed_samples);
+  }
+  metrics_ = std::make_unique<MetricsLog>(c_, first_step_ - 1);
   flops_per_token_ = flops_per_token(model_, c_.training.seq_len);
   peak_ = device_peak(c_, device_, dtype_);
   spdlog::info("model {} | {} parameters | {} | {} on {}", c_.model.arch, opt_->numel(),
@@ -59,8 +65,10 @@ Trainer::Trainer(Config c)
 
 Trainer::StepOut Trainer::train_step(int64_t step) {
   const auto& t = c_.training;
-  // The global batch of this step: positions [(step-1)·B, step·B) of the global sample order.
-  auto batch = data_->train_batch((step - 1) * t.global_batch, t.global_batch).to(device_, /*non_blocking=*/true);
+  // The global batch of this step: the next B positions of the global sample order.
+  auto batch = data_->train_batch(consumed_, t.global_batch);
+  consumed_ += t.global_batch;
+  batch = device_.is_cuda() ? batch.pin_memory().to(device_, /*non_blocking=*/true) : batch;
   // The loss rule: sum of token losses over the global batch / its number of target tokens.
   const double scale = 1.0 / static_cast<double>(t.global_batch * t.seq_len);
   auto loss = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
@@ -102,7 +110,7 @@ void Trainer::log_step(int64_t step, const StepOut& out) {
   const double tokens_per_s = static_cast<double>(c_.training.global_batch * c_.training.seq_len) / (ms / 1e3);
   const double tflops = flops_per_token_ * tokens_per_s / 1e12;
   const double elapsed = std::chrono::duration<double>(now - start_time_).count();
-  const double eta = elapsed / static_cast<double>(step) * static_cast<double>(c_.training.steps - step);
+  const double eta = elapsed / static_cast<double>(step - first_step_ + 1) * static_cast<double>(c_.training.steps - step);
   metrics_->step({step, c_.training.steps, loss, lr_at(c_.training, step), norm, ms, tokens_per_s, tflops,
                   peak_.tflops > 0 ? tflops / peak_.tflops : 0.0, memory_bytes(device_), eta});
 }
@@ -110,7 +118,9 @@ void Trainer::log_step(int64_t step, const StepOut& out) {
 void Trainer::train() {
   const auto& t = c_.training;
   start_time_ = last_log_time_ = std::chrono::steady_clock::now();
-  for (int64_t step = 1; step <= t.steps; ++step) {
+  last_log_step_ = first_step_ - 1;
+  if (first_step_ > t.steps) spdlog::info("nothing to do: the checkpoint is at step {} of {}", first_step_ - 1, t.steps);
+  for (int64_t step = first_step_; step <= t.steps; ++step) {
     StepOut out = train_step(step);
     const bool last = step == t.steps;
     if (step % c_.logging.every == 0 || last) log_step(step, out);
@@ -122,7 +132,7 @@ void Trainer::train() {
     }
     if ((c_.checkpoint.every > 0 && step % c_.checkpoint.every == 0) || last) {
       auto t0 = std::chrono::steady_clock::now();
-      auto dir = save_checkpoint(c_, model_, *opt_, {step, step * t.global_batch});
+      auto dir = save_checkpoint(c_, model_, *opt_, {step, consumed_});
       spdlog::info("checkpoint {}", dir);
       last_log_time_ += std::chrono::steady_clock::now() - t0;
     }

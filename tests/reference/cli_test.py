@@ -94,6 +94,54 @@ class Cli(TmpDirTest):
         run("tessel-train", "export", os.path.join(ckpts, "step_3"), "--out", self.path("hf3"))
         self.assertEqual(read_json(self.path("hf3", "config.json"))["architectures"], ["GPT2LMHeadModel"])
 
+    def check_resume(self, dtype):
+        import shutil
+        import torch
+        from safetensors.torch import load_file
+        plan = self.plan("llama", steps=6, dtype=dtype, micro_batch=1)
+        plan["data"]["shuffle"] = True
+        plan["checkpoint"] = {"every": 3}
+        path = write_plan(self.path("p.yaml"), plan)
+        run("tessel-train", path, "--set", f"run.output_dir={self.path('whole')}")
+        # An interrupted run: its checkpoint at step 3, plus metrics it logged after that checkpoint.
+        os.makedirs(self.path("cut", "checkpoints"))
+        shutil.copytree(self.path("whole", "checkpoints", "step_3"), self.path("cut", "checkpoints", "step_3"))
+        with open(self.path("cut", "checkpoints", "latest"), "w") as f:
+            f.write("step_3\n")
+        lines = read_text(self.path("whole", "metrics.jsonl")).splitlines()
+        with open(self.path("cut", "metrics.jsonl"), "w") as f:
+            f.write("\n".join(lines[:4]) + "\n")  # steps 1-4: step 4 came after the checkpoint
+        p = run("tessel-train", path, "--set", f"run.output_dir={self.path('cut')}")
+        self.assertIn("resumed from", p.stderr + p.stdout)
+        whole = read_metrics(self.path("whole", "metrics.jsonl"))
+        cut = read_metrics(self.path("cut", "metrics.jsonl"))
+        self.assertEqual([m["step"] for m in cut], [1, 2, 3, 4, 5, 6])
+        for a, b in zip(whole, cut):
+            self.assertEqual((a["loss"], a["grad_norm"], a["lr"]), (b["loss"], b["grad_norm"], b["lr"]), a["step"])
+        wa = load_file(self.path("whole", "checkpoints", "step_6", "rank_00000.safetensors"))
+        wb = load_file(self.path("cut", "checkpoints", "step_6", "rank_00000.safetensors"))
+        self.assertEqual(set(wa), set(wb))
+        for k in wa:
+            self.assertTrue(torch.equal(wa[k], wb[k]), k)
+        # Resuming a finished run does nothing; `never` starts afresh.
+        p = run("tessel-train", path, "--set", f"run.output_dir={self.path('cut')}")
+        self.assertIn("nothing to do", p.stderr + p.stdout)
+        run("tessel-train", path, "--set", f"run.output_dir={self.path('cut')}", "--set", "checkpoint.resume=never")
+        fresh = read_metrics(self.path("cut", "metrics.jsonl"))
+        self.assertEqual([(m["step"], m["loss"]) for m in fresh], [(m["step"], m["loss"]) for m in whole])
+
+    def test_resume_is_bitwise_fp32(self):
+        self.check_resume("fp32")
+
+    def test_resume_is_bitwise_bf16(self):
+        self.check_resume("bf16")
+
+    def test_resume_from_a_missing_path_is_an_error(self):
+        p = run("tessel-train", write_plan(self.path("p.yaml"), self.plan()), "--set",
+                f"checkpoint.resume={self.path('nope')}", check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn(f"p.yaml: checkpoint.resume: {self.path('nope')}: no such checkpoint folder", p.stderr)
+
     def test_bf16_trains_with_fp32_master(self):
         plan = self.plan("llama", steps=8, dtype="bf16", optimizer={"lr": 3e-3})
         run("tessel-train", write_plan(self.path("p.yaml"), plan))
