@@ -37,7 +37,8 @@ void prune(const fs::path& root, int64_t keep) {
       done.emplace_back(std::stoll(m[1]), e.path());
   }
   std::sort(done.begin(), done.end());
-  for (size_t i = 0; i + static_cast<size_t>(keep) < done.size(); ++i) fs::remove_all(done[i].second);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < done.size(); ++i)
+    fs::remove_all(done[i].second);
 }
 
 }  // namespace
@@ -55,21 +56,28 @@ std::string save_checkpoint(const Config& c, models::Decoder& model, const FlatA
   for (const auto& p : model->named_parameters()) tensors.emplace_back(p.key(), p.value().detach());
   for (const auto& s : opt.slots()) {
     auto shape = model->named_parameters()[s.name].sizes();
-    tensors.emplace_back("optim.master." + s.name, opt.master().narrow(0, s.offset, s.numel).view(shape));
-    tensors.emplace_back("optim.exp_avg." + s.name, opt.exp_avg().narrow(0, s.offset, s.numel).view(shape));
-    tensors.emplace_back("optim.exp_avg_sq." + s.name, opt.exp_avg_sq().narrow(0, s.offset, s.numel).view(shape));
+    tensors.emplace_back("optim.master." + s.name,
+                         opt.master().narrow(0, s.offset, s.numel).view(shape));
+    tensors.emplace_back("optim.exp_avg." + s.name,
+                         opt.exp_avg().narrow(0, s.offset, s.numel).view(shape));
+    tensors.emplace_back("optim.exp_avg_sq." + s.name,
+                         opt.exp_avg_sq().narrow(0, s.offset, s.numel).view(shape));
   }
   tensors.emplace_back("optim.step", opt.step_count());
   const std::string file = "rank_00000.safetensors";
   write_safetensors((tmp / file).string(), tensors, {{"format", "tessel"}});
 
-  nlohmann::json index = {{"format", "tessel-checkpoint-1"}, {"step", st.step},
-                          {"consumed_samples", st.consumed_samples}, {"world_size", 1},
-                          {"arch", c.model.arch}, {"tensors", nlohmann::json::object()}};
+  nlohmann::json index = {{"format", "tessel-checkpoint-1"},
+                          {"step", st.step},
+                          {"consumed_samples", st.consumed_samples},
+                          {"world_size", 1},
+                          {"arch", c.model.arch},
+                          {"tensors", nlohmann::json::object()}};
   for (const auto& [name, t] : tensors) {
     nlohmann::json slice = nlohmann::json::array();
     for (auto d : t.sizes()) slice.push_back({0, d});
-    index["tensors"][name] = {{"shape", t.sizes().vec()}, {"dtype", c10::toString(t.scalar_type())},
+    index["tensors"][name] = {{"shape", t.sizes().vec()},
+                              {"dtype", c10::toString(t.scalar_type())},
                               {"shards", {{{"file", file}, {"slice", slice}}}}};
   }
   write_file_atomic((tmp / "index.json").string(), index.dump(1));
@@ -115,8 +123,10 @@ models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::
       if (!files.count(file)) files[file] = read_safetensors((dir / file).string());
       auto it = files[file].tensors.find(name);
       if (it == files[file].tensors.end())
-        throw UserError((dir / file).string() + ": missing tensor '" + name + "' listed in index.json");
-      if (!global.defined()) global = torch::empty(e.at("shape").get<std::vector<int64_t>>(), it->second.options());
+        throw UserError((dir / file).string() + ": missing tensor '" + name +
+                        "' listed in index.json");
+      if (!global.defined())
+        global = torch::empty(e.at("shape").get<std::vector<int64_t>>(), it->second.options());
       auto view = global;
       int dim = 0;
       for (const auto& r : shard.at("slice")) {
@@ -143,7 +153,8 @@ std::string checkpoint_to_resume(const Config& c) {
   }
 }
 
-CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model, FlatAdamW& opt) {
+CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model,
+                                FlatAdamW& opt) {
   nlohmann::json index = nlohmann::json::parse(read_text(fs::path(step_dir) / "index.json"));
   auto all = read_checkpoint_tensors(step_dir);
   models::Weights weights, master, exp_avg, exp_avg_sq;
@@ -153,13 +164,14 @@ CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& mo
       into[name.substr(prefix.size())] = t;
       return true;
     };
-    if (!take("optim.master.", master) && !take("optim.exp_avg.", exp_avg) && !take("optim.exp_avg_sq.", exp_avg_sq) &&
-        name != "optim.step")
+    if (!take("optim.master.", master) && !take("optim.exp_avg.", exp_avg) &&
+        !take("optim.exp_avg_sq.", exp_avg_sq) && name != "optim.step")
       weights[name] = t;
   }
   const std::string source = step_dir;
   models::assign_weights(model, weights, source);  // checks every name and shape
-  if (!all.count("optim.step")) throw UserError(source + ": no optimizer state (optim.step) to resume from");
+  if (!all.count("optim.step"))
+    throw UserError(source + ": no optimizer state (optim.step) to resume from");
   opt.load_state(master, exp_avg, exp_avg_sq, all.at("optim.step"), source);
   return {index.at("step").get<int64_t>(), index.at("consumed_samples").get<int64_t>()};
 }
@@ -177,8 +189,10 @@ void export_hf(const std::string& checkpoint_dir, const std::string& out_dir) {
     }
   const auto& arch = models::arch(c.model.arch);
   fs::create_directories(out_dir);
-  write_safetensors((fs::path(out_dir) / "model.safetensors").string(), arch.to_hf(w, c.model), {{"format", "pt"}});
-  write_file_atomic((fs::path(out_dir) / "config.json").string(), arch.hf_config(c.model).dump(2) + "\n");
+  write_safetensors((fs::path(out_dir) / "model.safetensors").string(), arch.to_hf(w, c.model),
+                    {{"format", "pt"}});
+  write_file_atomic((fs::path(out_dir) / "config.json").string(),
+                    arch.hf_config(c.model).dump(2) + "\n");
   spdlog::info("exported {} ({} tensors) to {}", dir, w.size(), out_dir);
 }
 

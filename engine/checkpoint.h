@@ -28,13 +28,15 @@ std::string save_checkpoint(const Config& c, models::Decoder& model, const FlatA
 std::string resolve_checkpoint(const std::string& dir);
 
 /// Global tensors of a complete checkpoint whose names start with `prefix` (slices assembled).
-models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::string& prefix = "");
+models::Weights read_checkpoint_tensors(const std::string& step_dir,
+                                        const std::string& prefix = "");
 
 /// The checkpoint a run continues from, per checkpoint.resume: "" when it starts afresh.
 std::string checkpoint_to_resume(const Config& c);
 
 /// Restores model weights, optimizer state and run state from a complete checkpoint folder.
-CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model, FlatAdamW& opt);
+CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model,
+                                FlatAdamW& opt);
 
 /// `tessel-train export`: Hugging Face-named model.safetensors + config.json into out_dir.
 void export_hf(const std::string& checkpoint_dir, const std::string& out_dir);

@@ -134,7 +134,8 @@ std::vector<Field> bind_fields(Config& c) {
       .range(0);
   add("checkpoint.resume", &c.checkpoint.resume, S("auto"),
       "auto: continue from <checkpoint.dir>/latest when it exists, else start; never: start from "
-      "step 0; or the path of a checkpoint (step_<N> folder or a checkpoint.dir) to continue from.");
+      "step 0; or the path of a checkpoint (step_<N> folder or a checkpoint.dir) to continue "
+      "from.");
 
   // logging
   add("logging.every", &c.logging.every, int64_t{1}, "Console and metrics line every N steps.")

@@ -6,12 +6,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <fstream>
-#include <spdlog/spdlog.h>
-#include <torch/torch.h>
 
 #include "engine/safetensors.h"
 
@@ -36,7 +36,8 @@ std::shared_ptr<Mapping> map_file(const std::string& path) {
   m->size = static_cast<size_t>(st.st_size);
   if (m->size) m->ptr = mmap(nullptr, m->size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
-  if (m->size && m->ptr == MAP_FAILED) throw UserError(path + ": cannot map: " + std::strerror(errno));
+  if (m->size && m->ptr == MAP_FAILED)
+    throw UserError(path + ": cannot map: " + std::strerror(errno));
   return m;
 }
 
@@ -98,7 +99,9 @@ void add_text_files(TokenStream& s, const std::vector<std::string>& patterns) {
     buf->insert(buf->end(), bytes, bytes + m->size);
     buf->push_back(static_cast<uint16_t>(kTextEod));
     bounds.emplace_back(static_cast<int>(i), static_cast<int64_t>(m->size) + 1);
-    progress.tick([&] { return fmt::format("read {}/{} files ({} tokens)", i + 1, files.size(), buf->size()); });
+    progress.tick([&] {
+      return fmt::format("read {}/{} files ({} tokens)", i + 1, files.size(), buf->size());
+    });
   }
   int base = static_cast<int>(s.files.size());
   s.files.insert(s.files.end(), files.begin(), files.end());
@@ -116,10 +119,12 @@ void add_token_files(TokenStream& s, const std::vector<std::string>& patterns, i
       auto m = map_file(f);
       if (m->size % elem)
         throw UserError(f + ": size " + std::to_string(m->size) + " bytes is not a multiple of " +
-                        std::to_string(elem) + " (data.token_dtype uint" + std::to_string(8 * elem) +
-                        "): truncated or of another dtype");
+                        std::to_string(elem) + " (data.token_dtype uint" +
+                        std::to_string(8 * elem) + "): truncated or of another dtype");
       s.files.push_back(f);
-      if (m->size) s.add(Span{m->ptr, static_cast<int64_t>(m->size) / elem, elem, false, static_cast<int>(s.files.size()) - 1, 0});
+      if (m->size)
+        s.add(Span{m->ptr, static_cast<int64_t>(m->size) / elem, elem, false,
+                   static_cast<int>(s.files.size()) - 1, 0});
       s.storage.push_back(m);
     }
 }
@@ -144,10 +149,20 @@ void TokenStream::read(int64_t begin, int64_t n, int64_t* out) const {
     for (int64_t i = 0; i < take; ++i) {
       int64_t j = off + i;
       switch (s.elem_size) {
-        case 1: out[i] = static_cast<const uint8_t*>(s.data)[j]; break;
-        case 2: out[i] = s.is_signed ? static_cast<const int16_t*>(s.data)[j] : static_cast<const uint16_t*>(s.data)[j]; break;
-        case 4: out[i] = s.is_signed ? static_cast<const int32_t*>(s.data)[j] : static_cast<const uint32_t*>(s.data)[j]; break;
-        default: out[i] = static_cast<const int64_t*>(s.data)[j]; break;
+        case 1:
+          out[i] = static_cast<const uint8_t*>(s.data)[j];
+          break;
+        case 2:
+          out[i] = s.is_signed ? static_cast<const int16_t*>(s.data)[j]
+                               : static_cast<const uint16_t*>(s.data)[j];
+          break;
+        case 4:
+          out[i] = s.is_signed ? static_cast<const int32_t*>(s.data)[j]
+                               : static_cast<const uint32_t*>(s.data)[j];
+          break;
+        default:
+          out[i] = static_cast<const int64_t*>(s.data)[j];
+          break;
       }
     }
     out += take;
@@ -160,16 +175,21 @@ void TokenStream::read(int64_t begin, int64_t n, int64_t* out) const {
 std::string TokenStream::where(int64_t pos) const {
   auto it = std::upper_bound(starts_.begin(), starts_.end(), pos);
   size_t k = static_cast<size_t>(it - starts_.begin()) - 1;
-  return files[spans_[k].file] + " (token " + std::to_string(spans_[k].file_token + pos - starts_[k]) + ")";
+  return files[spans_[k].file] + " (token " +
+         std::to_string(spans_[k].file_token + pos - starts_[k]) + ")";
 }
 
 void add_megatron(TokenStream& s, const std::string& prefix) {
   const std::string idx = prefix + ".idx", bin = prefix + ".bin";
   auto im = map_file(idx);
-  auto corrupt = [&](const std::string& why) { return UserError(idx + ": corrupt Megatron index: " + why); };
+  auto corrupt = [&](const std::string& why) {
+    return UserError(idx + ": corrupt Megatron index: " + why);
+  };
   const auto* p = static_cast<const uint8_t*>(im->ptr);
   const size_t head = 9 + 8 + 1 + 8 + 8;
-  if (im->size < head) throw corrupt("file of " + std::to_string(im->size) + " bytes is shorter than the " + std::to_string(head) + "-byte header");
+  if (im->size < head)
+    throw corrupt("file of " + std::to_string(im->size) + " bytes is shorter than the " +
+                  std::to_string(head) + "-byte header");
   if (std::memcmp(p, kIdxMagic, 9) != 0) throw corrupt("bad magic (expected MMIDIDX)");
   uint64_t version, n_seq, n_doc;
   std::memcpy(&version, p + 9, 8);
@@ -181,17 +201,32 @@ void add_megatron(TokenStream& s, const std::string& prefix) {
   int elem = 0;
   bool is_signed = true;
   switch (code) {
-    case 1: elem = 1; is_signed = false; break;
-    case 3: elem = 2; break;
-    case 4: elem = 4; break;
-    case 5: elem = 8; break;
-    case 8: elem = 2; is_signed = false; break;
-    default: throw corrupt("token dtype code " + std::to_string(code) + " is not an integer type Tessel reads (1, 3, 4, 5, 8)");
+    case 1:
+      elem = 1;
+      is_signed = false;
+      break;
+    case 3:
+      elem = 2;
+      break;
+    case 4:
+      elem = 4;
+      break;
+    case 5:
+      elem = 8;
+      break;
+    case 8:
+      elem = 2;
+      is_signed = false;
+      break;
+    default:
+      throw corrupt("token dtype code " + std::to_string(code) +
+                    " is not an integer type Tessel reads (1, 3, 4, 5, 8)");
   }
   const uint64_t want = head + 4 * n_seq + 8 * n_seq + 8 * n_doc;
   if (n_seq > im->size || n_doc > im->size || im->size != want)
-    throw corrupt(std::to_string(n_seq) + " sequences and " + std::to_string(n_doc) + " document indices need " +
-                  std::to_string(want) + " bytes, the file has " + std::to_string(im->size));
+    throw corrupt(std::to_string(n_seq) + " sequences and " + std::to_string(n_doc) +
+                  " document indices need " + std::to_string(want) + " bytes, the file has " +
+                  std::to_string(im->size));
   auto bm = map_file(bin);
   const auto* lens = reinterpret_cast<const int32_t*>(p + head);
   const auto* ptrs = reinterpret_cast<const int64_t*>(p + head + 4 * n_seq);
@@ -202,12 +237,17 @@ void add_megatron(TokenStream& s, const std::string& prefix) {
     int64_t ptr;
     std::memcpy(&len, lens + i, 4);  // the arrays need not be aligned in the mapping
     std::memcpy(&ptr, ptrs + i, 8);
-    if (len < 0 || ptr < 0 || ptr % elem) throw corrupt("sequence " + std::to_string(i) + " has length " + std::to_string(len) + " at byte " + std::to_string(ptr));
+    if (len < 0 || ptr < 0 || ptr % elem)
+      throw corrupt("sequence " + std::to_string(i) + " has length " + std::to_string(len) +
+                    " at byte " + std::to_string(ptr));
     uint64_t end = static_cast<uint64_t>(ptr) + static_cast<uint64_t>(len) * elem;
     if (end > bm->size)
-      throw UserError(bin + ": truncated: sequence " + std::to_string(i) + " of " + idx + " needs bytes up to " +
-                      std::to_string(end) + ", the file has " + std::to_string(bm->size));
-    if (len) s.add(Span{static_cast<const uint8_t*>(bm->ptr) + ptr, len, elem, is_signed, file, ptr / elem});
+      throw UserError(bin + ": truncated: sequence " + std::to_string(i) + " of " + idx +
+                      " needs bytes up to " + std::to_string(end) + ", the file has " +
+                      std::to_string(bm->size));
+    if (len)
+      s.add(
+          Span{static_cast<const uint8_t*>(bm->ptr) + ptr, len, elem, is_signed, file, ptr / elem});
   }
   s.storage.push_back(im);
   s.storage.push_back(bm);
@@ -253,7 +293,8 @@ TokenStream open_stream(const DataConfig& d) {
 std::vector<int64_t> epoch_permutation(int64_t n, int64_t seed, int64_t epoch) {
   std::vector<int64_t> perm(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) perm[i] = i;
-  uint64_t state = static_cast<uint64_t>(seed) * 0x9e3779b97f4a7c15ull ^ (static_cast<uint64_t>(epoch) + 0x632be59bd9b4e019ull);
+  uint64_t state = static_cast<uint64_t>(seed) * 0x9e3779b97f4a7c15ull ^
+                   (static_cast<uint64_t>(epoch) + 0x632be59bd9b4e019ull);
   auto next = [&state] {
     uint64_t z = (state += 0x9e3779b97f4a7c15ull);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -278,11 +319,16 @@ Dataset::Dataset(const Config& c)
   val_begin_ = n - static_cast<int64_t>(static_cast<double>(n) * c.data.val_fraction);
   train_n_ = std::max<int64_t>(0, (val_begin_ - 1) / seq_len_);
   val_n_ = c.data.val_fraction > 0 ? std::max<int64_t>(0, (n - val_begin_ - 1) / seq_len_) : 0;
-  std::string files = stream_.files.size() == 1 ? stream_.files[0] : std::to_string(stream_.files.size()) + " files";
+  std::string files = stream_.files.size() == 1 ? stream_.files[0]
+                                                : std::to_string(stream_.files.size()) + " files";
   if (train_n_ < 1)
-    throw UserError("data.path: " + files + " hold " + std::to_string(val_begin_) + " training tokens: not one sample of training.seq_len+1 = " + std::to_string(seq_len_ + 1) + " tokens");
+    throw UserError("data.path: " + files + " hold " + std::to_string(val_begin_) +
+                    " training tokens: not one sample of training.seq_len+1 = " +
+                    std::to_string(seq_len_ + 1) + " tokens");
   if (c.data.val_fraction > 0 && val_n_ < 1)
-    throw UserError("data.val_fraction: the " + std::to_string(n - val_begin_) + " held-out tokens of " + files + " hold no sample of training.seq_len+1 = " + std::to_string(seq_len_ + 1) + " tokens");
+    throw UserError("data.val_fraction: the " + std::to_string(n - val_begin_) +
+                    " held-out tokens of " + files + " hold no sample of training.seq_len+1 = " +
+                    std::to_string(seq_len_ + 1) + " tokens");
 }
 
 int64_t Dataset::sample_at(int64_t pos) {
@@ -318,7 +364,8 @@ torch::Tensor Dataset::train_batch(int64_t first, int64_t count) {
 
 torch::Tensor Dataset::val_batch(int64_t first, int64_t count) const {
   std::vector<int64_t> starts;
-  for (int64_t i = 0; i < count; ++i) starts.push_back(val_begin_ + ((first + i) % val_n_) * seq_len_);
+  for (int64_t i = 0; i < count; ++i)
+    starts.push_back(val_begin_ + ((first + i) % val_n_) * seq_len_);
   return windows(starts, first);
 }
 

@@ -23,7 +23,7 @@ constexpr int64_t kTextVocab = 257;
 struct Span {
   const void* data;
   int64_t tokens;
-  int elem_size;       // 1, 2, 4 or 8 bytes, little-endian unsigned (signed for int16/32/64 data)
+  int elem_size;  // 1, 2, 4 or 8 bytes, little-endian unsigned (signed for int16/32/64 data)
   bool is_signed;
   int file;            // index into TokenStream::files
   int64_t file_token;  // first token's index within that file (for messages)

@@ -1,8 +1,8 @@
 // tessel-train: train a plan, score sequences, or export a checkpoint. main() is the boundary
 // where errors become one clear message and a non-zero exit.
-#include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -20,24 +20,31 @@ int run_train(int argc, char** argv) {
   std::vector<std::string> sets;
   bool dry_run = false, help_config = false;
   app.add_option("config", config, "YAML plan");
-  app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")->take_all()->allow_extra_args(false);
+  app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")
+      ->take_all()
+      ->allow_extra_args(false);
   app.add_flag("--dry-run", dry_run, "Validate the plan, print it resolved, and start nothing");
-  app.add_flag("--help-config", help_config, "Print the reference of every plan key (Markdown) and exit");
-  app.footer("Subcommands:\n  tessel-train score CONFIG --weights W.safetensors --tokens T.bin\n"
-             "  tessel-train export CHECKPOINT_DIR --format hf --out DIR");
+  app.add_flag("--help-config", help_config,
+               "Print the reference of every plan key (Markdown) and exit");
+  app.footer(
+      "Subcommands:\n  tessel-train score CONFIG --weights W.safetensors --tokens T.bin\n"
+      "  tessel-train export CHECKPOINT_DIR --format hf --out DIR");
   CLI11_PARSE(app, argc, argv);
   if (help_config) {
     std::fputs(tessel::config_reference().c_str(), stdout);
     return 0;
   }
-  if (config.empty()) throw tessel::UserError("no plan given: tessel-train CONFIG.yaml (see --help)");
+  if (config.empty())
+    throw tessel::UserError("no plan given: tessel-train CONFIG.yaml (see --help)");
   tessel::Config c = tessel::load_config(config, sets);
   if (dry_run) {
     const auto& t = c.training;
     std::printf("%s", tessel::dump_config(c).c_str());
-    std::printf("# plan %s is valid: 1 process; %lld micro-batches of %lld sequences per step; %lld tokens per step\n",
-                config.c_str(), static_cast<long long>(t.global_batch / t.micro_batch),
-                static_cast<long long>(t.micro_batch), static_cast<long long>(t.global_batch * t.seq_len));
+    std::printf(
+        "# plan %s is valid: 1 process; %lld micro-batches of %lld sequences per step; %lld tokens "
+        "per step\n",
+        config.c_str(), static_cast<long long>(t.global_batch / t.micro_batch),
+        static_cast<long long>(t.micro_batch), static_cast<long long>(t.global_batch * t.seq_len));
     return 0;
   }
   tessel::Trainer(std::move(c)).train();
@@ -49,8 +56,10 @@ int run_score(int argc, char** argv) {
   std::string config, weights, tokens;
   std::vector<std::string> sets;
   app.add_option("config", config, "YAML plan (model and training.seq_len)")->required();
-  app.add_option("--weights", weights, "model.safetensors (Hugging Face or Tessel names)")->required();
-  app.add_option("--tokens", tokens, "raw little-endian int32 rows of training.seq_len+1 tokens")->required();
+  app.add_option("--weights", weights, "model.safetensors (Hugging Face or Tessel names)")
+      ->required();
+  app.add_option("--tokens", tokens, "raw little-endian int32 rows of training.seq_len+1 tokens")
+      ->required();
   app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")->take_all();
   CLI11_PARSE(app, argc, argv);
   auto r = tessel::score(tessel::load_config(config, sets), weights, tokens);
@@ -60,9 +69,11 @@ int run_score(int argc, char** argv) {
 }
 
 int run_export(int argc, char** argv) {
-  CLI::App app{"tessel-train export: a checkpoint as Hugging Face safetensors + config.json", "tessel-train export"};
+  CLI::App app{"tessel-train export: a checkpoint as Hugging Face safetensors + config.json",
+               "tessel-train export"};
   std::string dir, format = "hf", out;
-  app.add_option("checkpoint", dir, "step_<N> folder, or a checkpoint.dir (its latest)")->required();
+  app.add_option("checkpoint", dir, "step_<N> folder, or a checkpoint.dir (its latest)")
+      ->required();
   app.add_option("--format", format, "Output format")->check(CLI::IsMember({"hf"}));
   app.add_option("--out", out, "Output folder")->required();
   CLI11_PARSE(app, argc, argv);

@@ -17,7 +17,8 @@ double flops_per_token(models::Decoder& model, int64_t seq_len) {
   const auto& m = model->options().model;
   double n = 0;
   for (const auto& p : model->named_parameters()) {
-    const bool input_embedding = p.key() == "pos_embed.weight" || (p.key() == "embed.weight" && !m.tied());
+    const bool input_embedding =
+        p.key() == "pos_embed.weight" || (p.key() == "embed.weight" && !m.tied());
     if (!input_embedding) n += static_cast<double>(p.value().numel());
   }
   return 6.0 * n + 12.0 * m.layers * m.heads * m.head_dim() * static_cast<double>(seq_len);
@@ -30,11 +31,15 @@ Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType
   if (device.is_cuda()) {
     name = at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index())->name;
     // Dense peaks (no sparsity): bf16 tensor cores; fp32 without TF32 (torch's fp32 default).
-    struct Row { const char* key; double bf16, fp32; };
+    struct Row {
+      const char* key;
+      double bf16, fp32;
+    };
     const Row table[] = {{"H200", 989, 67}, {"H100", 989, 67}, {"A100", 312, 19.5}};
     for (const auto& r : table)
       if (name.find(r.key) != std::string::npos)
-        return {bf16 ? r.bf16 : r.fp32, name + std::string(bf16 ? " dense bf16" : " fp32") + " datasheet peak"};
+        return {bf16 ? r.bf16 : r.fp32,
+                name + std::string(bf16 ? " dense bf16" : " fp32") + " datasheet peak"};
   }
   // No table entry: measure. A 1024^3 matmul in the run's dtype, best of five, after a warm-up.
   auto opts = torch::TensorOptions().dtype(dtype).device(device);
@@ -47,12 +52,14 @@ Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (i > 0) best = std::max(best, 2.0 * 1024 * 1024 * 1024 / s / 1e12);
   }
-  return {best, "measured " + std::string(bf16 ? "bf16" : "fp32") + " 1024^3 matmul on " + name + ", no datasheet entry"};
+  return {best, "measured " + std::string(bf16 ? "bf16" : "fp32") + " 1024^3 matmul on " + name +
+                    ", no datasheet entry"};
 }
 
 int64_t memory_bytes(const torch::Device& device) {
   if (device.is_cuda()) {
-    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+    auto stats =
+        c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
     int64_t peak = stats.allocated_bytes[0].peak;  // StatType::AGGREGATE
     c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
     return peak;
@@ -71,7 +78,8 @@ MetricsLog::MetricsLog(const Config& c, int64_t resumed_step) {
     std::ifstream in(path_);
     for (std::string line; std::getline(in, line);) {
       auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-      if (j.is_object() && j.contains("step") && j["step"].is_number() && j["step"].get<int64_t>() <= resumed_step)
+      if (j.is_object() && j.contains("step") && j["step"].is_number() &&
+          j["step"].get<int64_t>() <= resumed_step)
         kept += line + "\n";
     }
   }
@@ -87,20 +95,29 @@ MetricsLog::~MetricsLog() {
 namespace {
 std::string duration(double s) {
   long t = static_cast<long>(s + 0.5);
-  return t >= 3600 ? fmt::format("{}h{:02d}m", t / 3600, (t / 60) % 60) : fmt::format("{}m{:02d}s", t / 60, t % 60);
+  return t >= 3600 ? fmt::format("{}h{:02d}m", t / 3600, (t / 60) % 60)
+                   : fmt::format("{}m{:02d}s", t / 60, t % 60);
 }
 }  // namespace
 
 void MetricsLog::step(const StepLine& s) {
-  nlohmann::json j = {{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
-                      {"ms_per_step", s.ms_per_step}, {"tokens_per_s", s.tokens_per_s},
-                      {"tflops_per_device", s.tflops_per_device}, {"mfu", s.mfu}, {"mem_bytes", s.mem_bytes}};
+  nlohmann::json j = {{"step", s.step},
+                      {"loss", s.loss},
+                      {"lr", s.lr},
+                      {"grad_norm", s.grad_norm},
+                      {"ms_per_step", s.ms_per_step},
+                      {"tokens_per_s", s.tokens_per_s},
+                      {"tflops_per_device", s.tflops_per_device},
+                      {"mfu", s.mfu},
+                      {"mem_bytes", s.mem_bytes}};
   std::fprintf(f_, "%s\n", j.dump().c_str());
   std::fflush(f_);
-  spdlog::info("step {:>{}}/{} | loss {:.4f} | lr {:.3e} | norm {:.3f} | {:.1f} ms | {:.0f} tok/s | {:.3f} TFLOP/s | MFU {:.2f}% | mem {:.2f} GiB | ETA {}",
-               s.step, std::to_string(s.steps).size(), s.steps, s.loss, s.lr, s.grad_norm, s.ms_per_step,
-               s.tokens_per_s, s.tflops_per_device, 100.0 * s.mfu, static_cast<double>(s.mem_bytes) / (1 << 30),
-               duration(s.eta_s));
+  spdlog::info(
+      "step {:>{}}/{} | loss {:.4f} | lr {:.3e} | norm {:.3f} | {:.1f} ms | {:.0f} tok/s | {:.3f} "
+      "TFLOP/s | MFU {:.2f}% | mem {:.2f} GiB | ETA {}",
+      s.step, std::to_string(s.steps).size(), s.steps, s.loss, s.lr, s.grad_norm, s.ms_per_step,
+      s.tokens_per_s, s.tflops_per_device, 100.0 * s.mfu,
+      static_cast<double>(s.mem_bytes) / (1 << 30), duration(s.eta_s));
 }
 
 void MetricsLog::eval(int64_t step, double val_loss, double ms) {

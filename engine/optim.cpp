@@ -11,11 +11,13 @@ namespace tessel {
 double lr_at(const TrainingConfig& t, int64_t step) {
   const auto& s = t.schedule;
   const double peak = t.optimizer.lr;
-  if (step <= s.warmup_steps) return peak * static_cast<double>(step) / static_cast<double>(s.warmup_steps);
+  if (step <= s.warmup_steps)
+    return peak * static_cast<double>(step) / static_cast<double>(s.warmup_steps);
   if (s.decay == "constant") return peak;
   const double progress = static_cast<double>(step - s.warmup_steps) /
                           static_cast<double>(std::max<int64_t>(1, t.steps - s.warmup_steps));
-  const double frac = s.decay == "cosine" ? 0.5 * (1.0 + std::cos(M_PI * progress)) : 1.0 - progress;
+  const double frac =
+      s.decay == "cosine" ? 0.5 * (1.0 + std::cos(M_PI * progress)) : 1.0 - progress;
   return s.min_lr + (peak - s.min_lr) * frac;
 }
 
@@ -32,7 +34,8 @@ FlatAdamW::FlatAdamW(models::Decoder& model, const TrainingConfig& t) : t_(t) {
   // Layout: the decay group first, then the rest, each in the model's (name) order.
   for (int pass = 0; pass < 2; ++pass)
     for (const auto& p : params) {
-      bool decay = !exempt_from_decay(p.key(), t.optimizer.no_decay) && t.optimizer.weight_decay > 0;
+      bool decay =
+          !exempt_from_decay(p.key(), t.optimizer.no_decay) && t.optimizer.weight_decay > 0;
       if (decay != (pass == 0)) continue;
       slots_.push_back({p.key(), n_, p.value().numel(), decay});
       n_ += p.value().numel();
@@ -65,14 +68,16 @@ FlatAdamW::FlatAdamW(models::Decoder& model, const TrainingConfig& t) : t_(t) {
 
 void FlatAdamW::load_state(const std::map<std::string, torch::Tensor>& master,
                            const std::map<std::string, torch::Tensor>& exp_avg,
-                           const std::map<std::string, torch::Tensor>& exp_avg_sq, const torch::Tensor& step,
-                           const std::string& source) {
+                           const std::map<std::string, torch::Tensor>& exp_avg_sq,
+                           const torch::Tensor& step, const std::string& source) {
   torch::NoGradGuard no_grad;
-  auto fill = [&](torch::Tensor& flat, const std::map<std::string, torch::Tensor>& by_name, const char* what) {
+  auto fill = [&](torch::Tensor& flat, const std::map<std::string, torch::Tensor>& by_name,
+                  const char* what) {
     for (const auto& s : slots_) {
       auto it = by_name.find(s.name);
       if (it == by_name.end() || it->second.numel() != s.numel)
-        throw UserError(source + ": optimizer state optim." + what + "." + s.name + " is missing or has another size");
+        throw UserError(source + ": optimizer state optim." + what + "." + s.name +
+                        " is missing or has another size");
       flat.narrow(0, s.offset, s.numel).copy_(it->second.flatten());
     }
   };
@@ -104,8 +109,9 @@ void FlatAdamW::step(double lr) {
   auto run = [&](int64_t begin, int64_t end, double wd) {
     if (end <= begin) return;
     auto sl = [&](const torch::Tensor& x) { return x.narrow(0, begin, end - begin); };
-    at::_fused_adamw_({sl(master_)}, {sl(grad_)}, {sl(exp_avg_)}, {sl(exp_avg_sq_)}, {}, {step_count_}, lr,
-                      o.betas[0], o.betas[1], wd, o.eps, /*amsgrad=*/false, /*maximize=*/false);
+    at::_fused_adamw_({sl(master_)}, {sl(grad_)}, {sl(exp_avg_)}, {sl(exp_avg_sq_)}, {},
+                      {step_count_}, lr, o.betas[0], o.betas[1], wd, o.eps, /*amsgrad=*/false,
+                      /*maximize=*/false);
   };
   run(0, n_decay_, o.weight_decay);
   run(n_decay_, n_, 0.0);

@@ -3,6 +3,6 @@
 #pragma once
 #include <torch/torch.h>
 
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 #include <yaml-cpp/yaml.h>
+#include <nlohmann/json.hpp>

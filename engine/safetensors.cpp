@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -20,9 +21,9 @@ constexpr uint64_t kMaxHeader = 100ull << 20;  // the reference implementation's
 
 const std::map<std::string, torch::ScalarType>& dtypes() {
   static const std::map<std::string, torch::ScalarType> m = {
-      {"F64", torch::kFloat64}, {"F32", torch::kFloat32}, {"F16", torch::kFloat16},
-      {"BF16", torch::kBFloat16}, {"I64", torch::kInt64}, {"I32", torch::kInt32},
-      {"I16", torch::kInt16},   {"I8", torch::kInt8},     {"U8", torch::kUInt8},
+      {"F64", torch::kFloat64},   {"F32", torch::kFloat32}, {"F16", torch::kFloat16},
+      {"BF16", torch::kBFloat16}, {"I64", torch::kInt64},   {"I32", torch::kInt32},
+      {"I16", torch::kInt16},     {"I8", torch::kInt8},     {"U8", torch::kUInt8},
       {"BOOL", torch::kBool}};
   return m;
 }
@@ -48,10 +49,29 @@ void fsync_path(const std::string& path, int flags) {
   ::close(fd);
 }
 
+// Writes through `write` into <path>.tmp, fsyncs it, renames it over `path` and fsyncs the folder:
+// a reader sees the old file or the whole new one, never a part.
+void write_atomic(const std::string& path, const std::function<bool(FILE*)>& write) {
+  const std::string tmp = path + ".tmp";
+  FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (!f) throw UserError(tmp + ": cannot write: " + std::strerror(errno));
+  bool ok = write(f) && std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
+  ok = (std::fclose(f) == 0) && ok;
+  if (!ok) {
+    std::remove(tmp.c_str());
+    throw UserError(path + ": write failed: " + std::strerror(errno));
+  }
+  std::filesystem::rename(tmp, path);
+  const auto dir = std::filesystem::path(path).parent_path().string();
+  fsync_path(dir.empty() ? "." : dir, O_RDONLY | O_DIRECTORY);
+}
+
 }  // namespace
 
 SafetensorsFile read_safetensors(const std::string& path) {
-  auto bad = [&](const std::string& why) { return UserError(path + ": not a valid safetensors file: " + why); };
+  auto bad = [&](const std::string& why) {
+    return UserError(path + ": not a valid safetensors file: " + why);
+  };
   int fd = ::open(path.c_str(), O_RDONLY);
   if (fd < 0) throw UserError(path + ": cannot open: " + std::strerror(errno));
   struct stat st {};
@@ -60,20 +80,27 @@ SafetensorsFile read_safetensors(const std::string& path) {
   m.size = static_cast<size_t>(st.st_size);
   if (m.size > 0) m.data = mmap(nullptr, m.size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
-  if (m.size < 8) throw bad("file of " + std::to_string(m.size) + " bytes is shorter than its 8-byte header length");
+  if (m.size < 8)
+    throw bad("file of " + std::to_string(m.size) +
+              " bytes is shorter than its 8-byte header length");
   if (m.data == MAP_FAILED) throw UserError(path + ": cannot map: " + std::strerror(errno));
   const auto* bytes = static_cast<const uint8_t*>(m.data);
   uint64_t n = 0;
   std::memcpy(&n, bytes, 8);  // little-endian host (x86_64, aarch64)
-  if (n > kMaxHeader) throw bad("header of " + std::to_string(n) + " bytes exceeds the 100 MB limit");
-  if (8 + n > m.size) throw bad("header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(m.size) + " bytes)");
+  if (n > kMaxHeader)
+    throw bad("header of " + std::to_string(n) + " bytes exceeds the 100 MB limit");
+  if (8 + n > m.size)
+    throw bad("header length " + std::to_string(n) + " runs past the end of the file (" +
+              std::to_string(m.size) + " bytes)");
   const uint64_t data_size = m.size - 8 - n;
 
   // Duplicate keys are refused: nlohmann keeps the last silently, so watch the parser's key events.
   std::set<std::string> seen;
   std::string dup;
-  nlohmann::json::parser_callback_t cb = [&](int depth, nlohmann::json::parse_event_t ev, nlohmann::json& parsed) {
-    if (ev == nlohmann::json::parse_event_t::key && depth == 1 && !seen.insert(parsed.get<std::string>()).second)
+  nlohmann::json::parser_callback_t cb = [&](int depth, nlohmann::json::parse_event_t ev,
+                                             nlohmann::json& parsed) {
+    if (ev == nlohmann::json::parse_event_t::key && depth == 1 &&
+        !seen.insert(parsed.get<std::string>()).second)
       dup = parsed.get<std::string>();
     return true;
   };
@@ -96,26 +123,31 @@ SafetensorsFile read_safetensors(const std::string& path) {
       continue;
     }
     auto what = [&](const std::string& w) { return bad("tensor '" + name + "': " + w); };
-    if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets"))
+    if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") ||
+        !e.contains("data_offsets"))
       throw what("needs dtype, shape and data_offsets");
     auto dt = dtypes().find(e["dtype"].is_string() ? e["dtype"].get<std::string>() : "");
     if (dt == dtypes().end()) throw what("unsupported dtype " + e["dtype"].dump());
     std::vector<int64_t> shape;
     uint64_t numel = 1;
     for (const auto& d : e["shape"]) {
-      if (!d.is_number_unsigned()) throw what("shape " + e["shape"].dump() + " is not a list of non-negative integers");
+      if (!d.is_number_unsigned())
+        throw what("shape " + e["shape"].dump() + " is not a list of non-negative integers");
       shape.push_back(d.get<int64_t>());
       numel *= d.get<uint64_t>();
     }
     const auto& off = e["data_offsets"];
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
+        !off[1].is_number_unsigned())
       throw what("data_offsets " + off.dump() + " is not [begin, end]");
     uint64_t b = off[0], en = off[1];
     if (b > en || en > data_size)
-      throw what("data_offsets [" + std::to_string(b) + ", " + std::to_string(en) + "] out of range of the " + std::to_string(data_size) + "-byte data section");
+      throw what("data_offsets [" + std::to_string(b) + ", " + std::to_string(en) +
+                 "] out of range of the " + std::to_string(data_size) + "-byte data section");
     uint64_t want = numel * c10::elementSize(dt->second);
     if (en - b != want)
-      throw what("holds " + std::to_string(en - b) + " bytes but its shape and dtype need " + std::to_string(want));
+      throw what("holds " + std::to_string(en - b) + " bytes but its shape and dtype need " +
+                 std::to_string(want));
     ranges.emplace_back(b, en, name);
     auto t = torch::empty(shape, torch::TensorOptions().dtype(dt->second));
     if (want) std::memcpy(t.data_ptr(), bytes + 8 + n + b, want);
@@ -124,7 +156,8 @@ SafetensorsFile read_safetensors(const std::string& path) {
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 1; i < ranges.size(); ++i)
     if (std::get<0>(ranges[i]) < std::get<1>(ranges[i - 1]))
-      throw bad("tensors '" + std::get<2>(ranges[i - 1]) + "' and '" + std::get<2>(ranges[i]) + "' overlap");
+      throw bad("tensors '" + std::get<2>(ranges[i - 1]) + "' and '" + std::get<2>(ranges[i]) +
+                "' overlap");
   return out;
 }
 
@@ -146,39 +179,20 @@ void write_safetensors(const std::string& path,
   }
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');  // keep the data section 8-byte aligned
-  std::string tmp = path + ".tmp";
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) throw UserError(tmp + ": cannot write: " + std::strerror(errno));
-  uint64_t n = h.size();
-  bool ok = std::fwrite(&n, 8, 1, f) == 1 && std::fwrite(h.data(), 1, h.size(), f) == h.size();
-  for (const auto& c : cpu) {
-    size_t bytes = c.numel() * c.element_size();
-    ok = ok && (bytes == 0 || std::fwrite(c.data_ptr(), 1, bytes, f) == bytes);
-  }
-  ok = ok && std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok) {
-    std::remove(tmp.c_str());
-    throw UserError(path + ": write failed: " + std::strerror(errno));
-  }
-  std::filesystem::rename(tmp, path);
-  fsync_path(std::filesystem::path(path).parent_path().string().empty() ? "." : std::filesystem::path(path).parent_path().string(), O_RDONLY | O_DIRECTORY);
+  write_atomic(path, [&](FILE* f) {
+    uint64_t n = h.size();
+    bool ok = std::fwrite(&n, 8, 1, f) == 1 && std::fwrite(h.data(), 1, h.size(), f) == h.size();
+    for (const auto& c : cpu) {
+      size_t bytes = c.numel() * c.element_size();
+      ok = ok && (bytes == 0 || std::fwrite(c.data_ptr(), 1, bytes, f) == bytes);
+    }
+    return ok;
+  });
 }
 
 void write_file_atomic(const std::string& path, const std::string& text) {
-  std::string tmp = path + ".tmp";
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) throw UserError(tmp + ": cannot write: " + std::strerror(errno));
-  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0 &&
-            ::fsync(fileno(f)) == 0;
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok) {
-    std::remove(tmp.c_str());
-    throw UserError(path + ": write failed: " + std::strerror(errno));
-  }
-  std::filesystem::rename(tmp, path);
-  auto dir = std::filesystem::path(path).parent_path().string();
-  fsync_path(dir.empty() ? "." : dir, O_RDONLY | O_DIRECTORY);
+  write_atomic(path,
+               [&](FILE* f) { return std::fwrite(text.data(), 1, text.size(), f) == text.size(); });
 }
 
 }  // namespace tessel

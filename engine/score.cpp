@@ -14,7 +14,8 @@ ScoreResult score(const Config& c, const std::string& weights, const std::string
   if (!f) throw UserError(tokens_path + ": cannot open the tokens file");
   const int64_t bytes = f.tellg();
   if (bytes == 0 || bytes % (4 * row) != 0)
-    throw UserError(tokens_path + ": " + std::to_string(bytes) + " bytes is not a whole number of rows of training.seq_len+1 = " +
+    throw UserError(tokens_path + ": " + std::to_string(bytes) +
+                    " bytes is not a whole number of rows of training.seq_len+1 = " +
                     std::to_string(row) + " int32 tokens (" + std::to_string(4 * row) + " bytes)");
   const int64_t b = bytes / (4 * row);
   auto tokens = torch::empty({b, row}, torch::kInt32);
@@ -23,8 +24,9 @@ ScoreResult score(const Config& c, const std::string& weights, const std::string
   auto bad = ((tokens < 0) | (tokens >= c.model.vocab_size)).nonzero();
   if (bad.size(0) > 0) {
     int64_t r = bad[0][0].item<int64_t>(), k = bad[0][1].item<int64_t>();
-    throw UserError(tokens_path + ": token id " + std::to_string(tokens[r][k].item<int32_t>()) + " at row " + std::to_string(r) +
-                    ", column " + std::to_string(k) + " is outside model.vocab_size " + std::to_string(c.model.vocab_size));
+    throw UserError(tokens_path + ": token id " + std::to_string(tokens[r][k].item<int32_t>()) +
+                    " at row " + std::to_string(r) + ", column " + std::to_string(k) +
+                    " is outside model.vocab_size " + std::to_string(c.model.vocab_size));
   }
   const auto device = resolve_device(c.training.device);
   auto model = make_model(c, device, resolve_dtype(c.training.dtype));

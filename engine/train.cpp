@@ -13,8 +13,11 @@ namespace tessel {
 torch::Device resolve_device(const std::string& device) {
   const bool cuda = torch::cuda::is_available();
   if (device == "cuda" && !cuda)
-    throw UserError("training.device is cuda but no CUDA device is available (torch::cuda::is_available() is false)");
-  return (device == "cuda" || (device == "auto" && cuda)) ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+    throw UserError(
+        "training.device is cuda but no CUDA device is available (torch::cuda::is_available() is "
+        "false)");
+  return (device == "cuda" || (device == "auto" && cuda)) ? torch::Device(torch::kCUDA, 0)
+                                                          : torch::Device(torch::kCPU);
 }
 
 torch::ScalarType resolve_dtype(const std::string& dtype) {
@@ -38,10 +41,13 @@ torch::Tensor token_loss_sum(models::Decoder& model, const torch::Tensor& rows) 
 }
 
 Trainer::Trainer(Config c)
-    : c_(std::move(c)), device_(resolve_device(c_.training.device)), dtype_(resolve_dtype(c_.training.dtype)) {
+    : c_(std::move(c)),
+      device_(resolve_device(c_.training.device)),
+      dtype_(resolve_dtype(c_.training.dtype)) {
   if (c_.training.threads > 0) torch::set_num_threads(static_cast<int>(c_.training.threads));
   std::filesystem::create_directories(c_.run.output_dir);
-  write_file_atomic((std::filesystem::path(c_.run.output_dir) / "config.yaml").string(), dump_config(c_));
+  write_file_atomic((std::filesystem::path(c_.run.output_dir) / "config.yaml").string(),
+                    dump_config(c_));
   data_ = std::make_unique<data::Dataset>(c_);
   model_ = make_model(c_, device_, dtype_);
   opt_ = std::make_unique<FlatAdamW>(model_, c_.training);
@@ -49,7 +55,8 @@ Trainer::Trainer(Config c)
     auto st = load_checkpoint(dir, model_, *opt_);
     first_step_ = st.step + 1;
     consumed_ = st.consumed_samples;
-    spdlog::info("resumed from {} (step {}, {} samples consumed)", dir, st.step, st.consumed_samples);
+    spdlog::info("resumed from {} (step {}, {} samples consumed)", dir, st.step,
+                 st.consumed_samples);
   }
   metrics_ = std::make_unique<MetricsLog>(c_, first_step_ - 1);
   flops_per_token_ = flops_per_token(model_, c_.training.seq_len);
@@ -107,19 +114,23 @@ void Trainer::log_step(int64_t step, const StepOut& out) {
                     static_cast<double>(step - last_log_step_);
   last_log_time_ = now;
   last_log_step_ = step;
-  const double tokens_per_s = static_cast<double>(c_.training.global_batch * c_.training.seq_len) / (ms / 1e3);
+  const double tokens_per_s =
+      static_cast<double>(c_.training.global_batch * c_.training.seq_len) / (ms / 1e3);
   const double tflops = flops_per_token_ * tokens_per_s / 1e12;
   const double elapsed = std::chrono::duration<double>(now - start_time_).count();
-  const double eta = elapsed / static_cast<double>(step - first_step_ + 1) * static_cast<double>(c_.training.steps - step);
-  metrics_->step({step, c_.training.steps, loss, lr_at(c_.training, step), norm, ms, tokens_per_s, tflops,
-                  peak_.tflops > 0 ? tflops / peak_.tflops : 0.0, memory_bytes(device_), eta});
+  const double eta = elapsed / static_cast<double>(step - first_step_ + 1) *
+                     static_cast<double>(c_.training.steps - step);
+  metrics_->step({step, c_.training.steps, loss, lr_at(c_.training, step), norm, ms, tokens_per_s,
+                  tflops, peak_.tflops > 0 ? tflops / peak_.tflops : 0.0, memory_bytes(device_),
+                  eta});
 }
 
 void Trainer::train() {
   const auto& t = c_.training;
   start_time_ = last_log_time_ = std::chrono::steady_clock::now();
   last_log_step_ = first_step_ - 1;
-  if (first_step_ > t.steps) spdlog::info("nothing to do: the checkpoint is at step {} of {}", first_step_ - 1, t.steps);
+  if (first_step_ > t.steps)
+    spdlog::info("nothing to do: the checkpoint is at step {} of {}", first_step_ - 1, t.steps);
   for (int64_t step = first_step_; step <= t.steps; ++step) {
     StepOut out = train_step(step);
     const bool last = step == t.steps;
@@ -127,7 +138,9 @@ void Trainer::train() {
     if (t.eval_every > 0 && (step % t.eval_every == 0 || last)) {
       auto t0 = std::chrono::steady_clock::now();
       double val = evaluate();
-      metrics_->eval(step, val, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      metrics_->eval(
+          step, val,
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
       last_log_time_ += std::chrono::steady_clock::now() - t0;  // keep evaluation out of ms/step
     }
     if ((c_.checkpoint.every > 0 && step % c_.checkpoint.every == 0) || last) {

@@ -22,7 +22,8 @@ uint64_t splitmix64(uint64_t x) {
 }
 
 bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 }  // namespace
@@ -42,7 +43,8 @@ void init_weights(Decoder& model, int64_t seed) {
       double std = m.init_std;
       if (ends_with(name, "attn.o.weight") || ends_with(name, "mlp.down.weight"))
         std /= std::sqrt(2.0 * static_cast<double>(m.layers));
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(splitmix64(fnv1a(name) ^ splitmix64(seed)));
+      auto gen =
+          at::make_generator<at::CPUGeneratorImpl>(splitmix64(fnv1a(name) ^ splitmix64(seed)));
       t = torch::empty(p.value().sizes()).normal_(0.0, std, gen);
     }
     p.value().copy_(t);

@@ -34,7 +34,8 @@ AttentionImpl::AttentionImpl(const DecoderOptions& opt)
 
 namespace {
 // Rotate-half RoPE (GPT-NeoX / Hugging Face Llama convention). x: [b, heads, s, d].
-torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos,
+                         const torch::Tensor& sin) {
   auto halves = x.chunk(2, -1);
   auto rotated = torch::cat({-halves[1], halves[0]}, -1);
   return x * cos + rotated * sin;
@@ -60,7 +61,9 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
 
 MlpImpl::MlpImpl(const DecoderOptions& o) {
   const int64_t h = o.model.hidden, f = o.model.ffn_hidden;
-  auto opts = [&](int64_t in, int64_t out) { return torch::nn::LinearOptions(in, out).bias(o.linear_bias); };
+  auto opts = [&](int64_t in, int64_t out) {
+    return torch::nn::LinearOptions(in, out).bias(o.linear_bias);
+  };
   up = register_module("up", torch::nn::Linear(opts(h, f)));
   if (o.swiglu) gate = register_module("gate", torch::nn::Linear(opts(h, f)));
   down = register_module("down", torch::nn::Linear(opts(f, h)));
@@ -91,20 +94,23 @@ DecoderImpl::DecoderImpl(DecoderOptions o) : o_(std::move(o)) {
     pos_embed = register_module("pos_embed", torch::nn::Embedding(m.max_seq_len, m.hidden));
   } else {
     const int64_t d = m.head_dim();
-    inv_freq_ = 1.0 / torch::pow(m.rope_theta, torch::arange(0, d, 2, torch::kInt64).to(torch::kFloat32) / d);
+    inv_freq_ = 1.0 / torch::pow(m.rope_theta,
+                                 torch::arange(0, d, 2, torch::kInt64).to(torch::kFloat32) / d);
   }
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < m.layers; ++i) layers->push_back(Block(o_));
   norm = register_module("norm", Norm(m.hidden, m.norm_eps, o_.layer_norm));
   if (!m.tied())
-    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(m.hidden, m.vocab_size).bias(false)));
+    head = register_module(
+        "head", torch::nn::Linear(torch::nn::LinearOptions(m.hidden, m.vocab_size).bias(false)));
 }
 
 std::pair<torch::Tensor, torch::Tensor> DecoderImpl::rope(int64_t seq, const torch::Tensor& like) {
   // Angles in fp32 on the device, then cast to the activation dtype (as Hugging Face does).
-  auto pos = torch::arange(seq, torch::TensorOptions().dtype(torch::kFloat32).device(like.device()));
+  auto pos =
+      torch::arange(seq, torch::TensorOptions().dtype(torch::kFloat32).device(like.device()));
   auto freqs = torch::outer(pos, inv_freq_.to(like.device()));  // [s, d/2]
-  auto emb = torch::cat({freqs, freqs}, -1);                   // [s, d]
+  auto emb = torch::cat({freqs, freqs}, -1);                    // [s, d]
   return {emb.cos().to(like.scalar_type()), emb.sin().to(like.scalar_type())};
 }
 

@@ -16,10 +16,10 @@ namespace tessel::models {
 /// What differs between the two architectures, derived from the plan by the registry.
 struct DecoderOptions {
   ModelConfig model;
-  bool layer_norm = true;     // LayerNorm with bias (gpt2) or RMSNorm (llama)
-  bool learned_pos = true;    // learned position table (gpt2) or RoPE (llama)
-  bool swiglu = false;        // SwiGLU MLP (llama) or GELU-tanh MLP (gpt2)
-  bool linear_bias = true;    // biases in projections (gpt2)
+  bool layer_norm = true;   // LayerNorm with bias (gpt2) or RMSNorm (llama)
+  bool learned_pos = true;  // learned position table (gpt2) or RoPE (llama)
+  bool swiglu = false;      // SwiGLU MLP (llama) or GELU-tanh MLP (gpt2)
+  bool linear_bias = true;  // biases in projections (gpt2)
 };
 
 /// LayerNorm (weight, bias) or RMSNorm (weight), as in Hugging Face.

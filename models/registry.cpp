@@ -15,16 +15,23 @@ const Arch& arch(const std::string& name) {
   throw UserError("model.arch: unknown architecture '" + name + "' (known: gpt2, llama)");
 }
 
-void check_all_used(const Weights& hf, const std::set<std::string>& used, const std::string& source) {
+void check_all_used(const Weights& hf, const std::set<std::string>& used,
+                    const std::string& source) {
   auto ignorable = [](const std::string& k) {
-    auto ends = [&](const std::string& suf) { return k.size() >= suf.size() && k.compare(k.size() - suf.size(), suf.size(), suf) == 0; };
-    return ends(".attn.bias") || ends(".attn.masked_bias") || ends("rotary_emb.inv_freq") || k == "lm_head.weight";
+    auto ends = [&](const std::string& suf) {
+      return k.size() >= suf.size() && k.compare(k.size() - suf.size(), suf.size(), suf) == 0;
+    };
+    return ends(".attn.bias") || ends(".attn.masked_bias") || ends("rotary_emb.inv_freq") ||
+           k == "lm_head.weight";
   };
   std::string extra;
   for (const auto& [k, t] : hf)
     if (!used.count(k) && !ignorable(k)) extra += (extra.empty() ? "" : ", ") + k;
   if (!extra.empty())
-    throw UserError(source + ": tensors the plan's model does not have (more layers, or another architecture?): " + extra);
+    throw UserError(
+        source +
+        ": tensors the plan's model does not have (more layers, or another architecture?): " +
+        extra);
 }
 
 Decoder build_model(const ModelConfig& m, int64_t seed) {
@@ -53,8 +60,8 @@ void assign_weights(Decoder& model, const Weights& w, const std::string& source)
     const auto& t = w.at(p.key());
     if (t.sizes() != p.value().sizes()) {
       std::ostringstream s;
-      s << source << ": tensor '" << p.key() << "' has shape " << t.sizes() << " but the plan's model needs "
-        << p.value().sizes();
+      s << source << ": tensor '" << p.key() << "' has shape " << t.sizes()
+        << " but the plan's model needs " << p.value().sizes();
       throw UserError(s.str());
     }
     p.value().copy_(t);

@@ -31,7 +31,8 @@ const Arch& arch(const std::string& name);
 
 /// Throws UserError naming every tensor of `hf` that was not used, except buffers that carry no
 /// weights (attention masks, rotary tables) and a tied head's duplicate.
-void check_all_used(const Weights& hf, const std::set<std::string>& used, const std::string& source);
+void check_all_used(const Weights& hf, const std::set<std::string>& used,
+                    const std::string& source);
 
 /// Builds the model of a validated plan, every weight drawn from the generator keyed by
 /// (seed, global parameter name): the same global model whatever the layout.

@@ -1,7 +1,7 @@
 // tessel-data: UTF-8 text files -> Megatron-LM .bin/.idx (byte tokens 0-255, each document
 // followed by the end-of-document token 256; one document per file).
-#include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 
@@ -9,7 +9,8 @@
 #include "engine/data.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"tessel-data: text files to a Megatron .bin/.idx dataset (byte tokens)", "tessel-data"};
+  CLI::App app{"tessel-data: text files to a Megatron .bin/.idx dataset (byte tokens)",
+               "tessel-data"};
   std::vector<std::string> inputs;
   std::string out;
   app.add_option("inputs", inputs, "UTF-8 text files or globs; one document per file")->required();
@@ -34,7 +35,8 @@ int main(int argc, char** argv) {
     }
     if (docs.back().empty()) docs.pop_back();
     tessel::data::write_megatron(out, docs);
-    spdlog::info("wrote {}.bin / {}.idx: {} documents, {} tokens", out, out, docs.size(), stream.size());
+    spdlog::info("wrote {}.bin / {}.idx: {} documents, {} tokens", out, out, docs.size(),
+                 stream.size());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tessel-data: error: %s\n", e.what());
     return 2;

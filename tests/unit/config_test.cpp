@@ -24,8 +24,8 @@ TEST(Config, DefaultsResolveAndOverride) {
   Config c = load_config_text(kGood, "good.yaml", {"training.optimizer.lr=0.01", "model.layers=3"});
   EXPECT_EQ(c.model.arch, "llama");
   EXPECT_EQ(c.model.kv_heads, 2);
-  EXPECT_EQ(c.model.tie_embeddings, "false");           // auto resolves by arch
-  EXPECT_EQ(c.model.ffn_hidden, 192);                   // 8/3·64 = 170.7 -> 192
+  EXPECT_EQ(c.model.tie_embeddings, "false");  // auto resolves by arch
+  EXPECT_EQ(c.model.ffn_hidden, 192);          // 8/3·64 = 170.7 -> 192
   EXPECT_DOUBLE_EQ(c.training.optimizer.lr, 0.01);
   EXPECT_EQ(c.model.layers, 3);
   EXPECT_EQ(c.parallel.dp, 1);
@@ -70,48 +70,85 @@ const std::string kData = "data: {path: a.txt}\n";
 INSTANTIATE_TEST_SUITE_P(
     Table, BadPlans,
     ::testing::Values(
-        BadPlan{"unknown key", kData + "training:\n  lrr: 3\n", {},
+        BadPlan{"unknown key",
+                kData + "training:\n  lrr: 3\n",
+                {},
                 "plan.yaml:3: unknown key 'training.lrr'; did you mean"},
-        BadPlan{"misspelt section key", kData + "model:\n  hiden: 64\n", {},
+        BadPlan{"misspelt section key",
+                kData + "model:\n  hiden: 64\n",
+                {},
                 "plan.yaml:3: unknown key 'model.hiden'; did you mean 'model.hidden'?"},
-        BadPlan{"right key, wrong section", kData + "model:\n  steps: 5\n", {},
+        BadPlan{"right key, wrong section",
+                kData + "model:\n  steps: 5\n",
+                {},
                 "did you mean 'training.steps'?"},
-        BadPlan{"wrong type", kData + "training:\n  steps: ten\n", {},
+        BadPlan{"wrong type",
+                kData + "training:\n  steps: ten\n",
+                {},
                 "plan.yaml:3: training.steps: expected an integer, got 'ten'"},
-        BadPlan{"out of range", kData + "training:\n  steps: 0\n", {},
+        BadPlan{"out of range",
+                kData + "training:\n  steps: 0\n",
+                {},
                 "plan.yaml:3: training.steps: must be >= 1, got 0"},
-        BadPlan{"bad choice", kData + "model: {arch: bert}\n", {},
+        BadPlan{"bad choice",
+                kData + "model: {arch: bert}\n",
+                {},
                 "model.arch: must be one of gpt2|llama, got 'bert'"},
-        BadPlan{"heads do not divide hidden", kData + "model: {hidden: 100, heads: 12}\n", {},
+        BadPlan{"heads do not divide hidden",
+                kData + "model: {hidden: 100, heads: 12}\n",
+                {},
                 "model.hidden (100) must be divisible by model.heads (12)"},
         BadPlan{"kv heads do not divide heads",
-                kData + "model: {arch: llama, hidden: 64, heads: 4, kv_heads: 3}\n", {},
+                kData + "model: {arch: llama, hidden: 64, heads: 4, kv_heads: 3}\n",
+                {},
                 "model.heads (4) must be divisible by model.kv_heads (3)"},
-        BadPlan{"global batch vs micro batch", kData + "training: {global_batch: 10, micro_batch: 4}\n",
-                {}, "training.global_batch (10) must be divisible by training.micro_batch (4)"},
-        BadPlan{"sequence longer than the model", kData + "model: {max_seq_len: 64}\ntraining: {seq_len: 128}\n",
-                {}, "training.seq_len (128) must be <= model.max_seq_len (64)"},
-        BadPlan{"text data needs 257 ids", kData + "model: {vocab_size: 100}\n", {},
+        BadPlan{"global batch vs micro batch",
+                kData + "training: {global_batch: 10, micro_batch: 4}\n",
+                {},
+                "training.global_batch (10) must be divisible by training.micro_batch (4)"},
+        BadPlan{"sequence longer than the model",
+                kData + "model: {max_seq_len: 64}\ntraining: {seq_len: 128}\n",
+                {},
+                "training.seq_len (128) must be <= model.max_seq_len (64)"},
+        BadPlan{"text data needs 257 ids",
+                kData + "model: {vocab_size: 100}\n",
+                {},
                 "model.vocab_size (100) must be >= 257"},
-        BadPlan{"eval without validation data", kData + "training: {eval_every: 5}\n", {},
+        BadPlan{"eval without validation data",
+                kData + "training: {eval_every: 5}\n",
+                {},
                 "training.eval_every (5) needs validation data: data.val_fraction is 0"},
         BadPlan{"no data", "training: {steps: 3}\n", {}, "data.path is empty"},
-        BadPlan{"betas", kData + "training:\n  optimizer: {betas: [0.9]}\n", {},
+        BadPlan{"betas",
+                kData + "training:\n  optimizer: {betas: [0.9]}\n",
+                {},
                 "training.optimizer.betas must be two numbers in [0, 1), got [0.9]"},
-        BadPlan{"duplicate key", kData + "model:\n  layers: 2\n  layers: 3\n", {},
+        BadPlan{"duplicate key",
+                kData + "model:\n  layers: 2\n  layers: 3\n",
+                {},
                 "plan.yaml:4: duplicate key 'model.layers'"},
-        BadPlan{"section given a scalar", kData + "model: 3\n", {},
+        BadPlan{"section given a scalar",
+                kData + "model: 3\n",
+                {},
                 "plan.yaml:2: 'model' is a section: expected a mapping"},
         BadPlan{"invalid yaml", "model: {layers: [1, 2\n", {}, "plan.yaml:2: invalid YAML"},
-        BadPlan{"unknown --set key", kData, {"training.lr=1"},
+        BadPlan{"unknown --set key",
+                kData,
+                {"training.lr=1"},
                 "--set training.lr=1: unknown key 'training.lr'; did you mean"},
         BadPlan{"--set without value", kData, {"training.steps"}, "expected section.key=value"},
-        BadPlan{"--set wrong type", kData, {"training.steps=1.5"},
+        BadPlan{"--set wrong type",
+                kData,
+                {"training.steps=1.5"},
                 "--set training.steps=1.5: training.steps: expected an integer"},
-        BadPlan{"world size", kData + "parallel: {tp: 2}\n", {},
+        BadPlan{"world size",
+                kData + "parallel: {tp: 2}\n",
+                {},
                 "= 2 processes, but this run has 1 process"},
-        BadPlan{"RoPE needs an even head dim", kData + "model: {arch: llama, hidden: 12, heads: 4}\n",
-                {}, "RoPE needs an even head dimension"}),
+        BadPlan{"RoPE needs an even head dim",
+                kData + "model: {arch: llama, hidden: 12, heads: 4}\n",
+                {},
+                "RoPE needs an even head dimension"}),
     [](const auto& info) {
       std::string n = info.param.name;
       for (auto& ch : n)
@@ -121,8 +158,9 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(Config, ReportsEveryCrossFieldError) {
   try {
-    load_config_text(kData + "model: {hidden: 100, heads: 12}\ntraining: {global_batch: 10, micro_batch: 4}\n",
-                     "plan.yaml");
+    load_config_text(
+        kData + "model: {hidden: 100, heads: 12}\ntraining: {global_batch: 10, micro_batch: 4}\n",
+        "plan.yaml");
     FAIL();
   } catch (const UserError& e) {
     std::string m = e.what();

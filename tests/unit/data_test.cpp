@@ -15,8 +15,9 @@ namespace {
 class DataTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("tessel-data-test-" + std::to_string(getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() /
+           ("tessel-data-test-" + std::to_string(getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -110,9 +111,11 @@ TEST_F(DataTest, CorruptIndexGivesClearErrors) {
   }
   auto prefix = (dir_ / "ds").string();
   write("ds.idx", "XXXXXXXXX" + idx.substr(9));
-  expect_error([&] { Dataset d(plan("megatron", {prefix})); }, "ds.idx: corrupt Megatron index: bad magic");
+  expect_error([&] { Dataset d(plan("megatron", {prefix})); },
+               "ds.idx: corrupt Megatron index: bad magic");
   write("ds.idx", idx.substr(0, idx.size() - 3));
-  expect_error([&] { Dataset d(plan("megatron", {prefix})); }, "ds.idx: corrupt Megatron index: 1 sequences");
+  expect_error([&] { Dataset d(plan("megatron", {prefix})); },
+               "ds.idx: corrupt Megatron index: 1 sequences");
   write("ds.idx", idx);
   std::string bin;
   {
@@ -120,8 +123,9 @@ TEST_F(DataTest, CorruptIndexGivesClearErrors) {
     bin.assign((std::istreambuf_iterator<char>(in)), {});
   }
   write("ds.bin", bin.substr(0, 12));
-  expect_error([&] { Dataset d(plan("megatron", {prefix})); },
-               "ds.bin: truncated: sequence 0 of " + prefix + ".idx needs bytes up to 20, the file has 12");
+  expect_error(
+      [&] { Dataset d(plan("megatron", {prefix})); },
+      "ds.bin: truncated: sequence 0 of " + prefix + ".idx needs bytes up to 20, the file has 12");
 }
 
 TEST_F(DataTest, OutOfRangeTokenNamesFileAndSample) {
@@ -136,7 +140,8 @@ TEST_F(DataTest, OutOfRangeTokenNamesFileAndSample) {
 }
 
 TEST_F(DataTest, BadFilesAreNamed) {
-  expect_error([&] { Dataset d(plan("text", {(dir_ / "none*.txt").string()})); }, "matches no file");
+  expect_error([&] { Dataset d(plan("text", {(dir_ / "none*.txt").string()})); },
+               "matches no file");
   write("odd.u16", "abc");
   expect_error([&] { Dataset d(plan("tokens", {(dir_ / "odd.u16").string()})); },
                "odd.u16: size 3 bytes is not a multiple of 2");

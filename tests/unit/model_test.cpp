@@ -18,7 +18,8 @@ TEST(Init, KeyedBySeedAndGlobalName) {
   auto c = model_weights(*std::make_unique<Decoder>(build_model(model("{layers: 2}"), 12)));
   for (const auto& [name, t] : a) {
     // Residual output projections draw the same numbers, scaled by 1/sqrt(2·layers) (4 vs 6).
-    const bool scaled = name.find("attn.o.") != std::string::npos || name.find("mlp.down.") != std::string::npos;
+    const bool scaled =
+        name.find("attn.o.") != std::string::npos || name.find("mlp.down.") != std::string::npos;
     if (scaled && name.find(".weight") != std::string::npos)
       EXPECT_TRUE(torch::allclose(t * std::sqrt(4.0 / 6.0), b.at(name), 1e-6, 0)) << name;
     else
@@ -36,11 +37,13 @@ TEST(Init, KeyedBySeedAndGlobalName) {
 TEST(Models, ParameterNamesAndShapes) {
   auto g = build_model(model("{arch: gpt2, layers: 1, hidden: 16, heads: 2, vocab_size: 300}"), 1);
   auto names = g->named_parameters().keys();
-  for (const char* n : {"embed.weight", "pos_embed.weight", "layers.0.attn.q.weight", "layers.0.attn.q.bias",
-                        "layers.0.mlp.up.weight", "norm.bias"})
+  for (const char* n : {"embed.weight", "pos_embed.weight", "layers.0.attn.q.weight",
+                        "layers.0.attn.q.bias", "layers.0.mlp.up.weight", "norm.bias"})
     EXPECT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
-  EXPECT_EQ(std::find(names.begin(), names.end(), "head.weight"), names.end()) << "gpt2 ties its head";
-  auto l = build_model(model("{arch: llama, layers: 1, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 300}"), 1);
+  EXPECT_EQ(std::find(names.begin(), names.end(), "head.weight"), names.end())
+      << "gpt2 ties its head";
+  auto l = build_model(
+      model("{arch: llama, layers: 1, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 300}"), 1);
   auto p = l->named_parameters();
   EXPECT_EQ(p["layers.0.attn.k.weight"].sizes(), (std::vector<int64_t>{8, 16}));
   EXPECT_EQ(p["head.weight"].sizes(), (std::vector<int64_t>{300, 16}));
@@ -51,7 +54,8 @@ TEST(Models, ParameterNamesAndShapes) {
 
 TEST(Models, CausalAndGroupedQueryAttention) {
   // The logits of position i do not depend on tokens after i.
-  auto l = build_model(model("{arch: llama, layers: 2, hidden: 32, heads: 4, kv_heads: 1, vocab_size: 300}"), 5);
+  auto l = build_model(
+      model("{arch: llama, layers: 2, hidden: 32, heads: 4, kv_heads: 1, vocab_size: 300}"), 5);
   auto x = torch::randint(0, 300, {1, 8}, torch::kInt64);
   auto y = x.clone();
   y[0][7] = (x[0][7].item<int64_t>() + 1) % 300;
@@ -60,8 +64,9 @@ TEST(Models, CausalAndGroupedQueryAttention) {
 }
 
 TEST(HfNames, RoundTripBothArchitectures) {
-  for (const char* yaml : {"{arch: gpt2, layers: 2, hidden: 16, heads: 2, vocab_size: 300}",
-                           "{arch: llama, layers: 2, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 300}"}) {
+  for (const char* yaml :
+       {"{arch: gpt2, layers: 2, hidden: 16, heads: 2, vocab_size: 300}",
+        "{arch: llama, layers: 2, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 300}"}) {
     auto m = model(yaml);
     auto w = model_weights(*std::make_unique<Decoder>(build_model(m, 9)));
     Weights hf;
@@ -72,15 +77,21 @@ TEST(HfNames, RoundTripBothArchitectures) {
   }
   // A file with more layers than the plan is refused, not silently truncated.
   auto deep = model("{arch: llama, layers: 3, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 300}");
-  auto shallow = model("{arch: llama, layers: 2, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 300}");
+  auto shallow =
+      model("{arch: llama, layers: 2, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 300}");
   Weights hf3;
-  for (auto& [k, t] : arch("llama").to_hf(model_weights(*std::make_unique<Decoder>(build_model(deep, 1))), deep)) hf3[k] = t;
+  for (auto& [k, t] :
+       arch("llama").to_hf(model_weights(*std::make_unique<Decoder>(build_model(deep, 1))), deep))
+    hf3[k] = t;
   try {
     arch("llama").from_hf(hf3, shallow, "deep.safetensors");
     FAIL();
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("deep.safetensors: tensors the plan's model does not have"), std::string::npos);
-    EXPECT_NE(std::string(e.what()).find("model.layers.2.mlp.up_proj.weight"), std::string::npos) << e.what();
+    EXPECT_NE(
+        std::string(e.what()).find("deep.safetensors: tensors the plan's model does not have"),
+        std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("model.layers.2.mlp.up_proj.weight"), std::string::npos)
+        << e.what();
   }
   auto m = model("{arch: gpt2, layers: 1, hidden: 16, heads: 2, vocab_size: 300}");
   Weights partial;
@@ -88,7 +99,8 @@ TEST(HfNames, RoundTripBothArchitectures) {
     arch("gpt2").from_hf(partial, m, "x.safetensors");
     FAIL();
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("x.safetensors: missing Hugging Face tensor 'wte.weight'"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("x.safetensors: missing Hugging Face tensor 'wte.weight'"),
+              std::string::npos);
   }
 }
 

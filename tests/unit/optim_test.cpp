@@ -8,7 +8,10 @@ namespace tessel {
 namespace {
 
 TEST(LrSchedule, WarmupThenDecay) {
-  Config c = load_config_text("data: {path: x}\ntraining: {steps: 10, optimizer: {lr: 1.0}, schedule: {warmup_steps: 2, min_lr: 0.1}}\n", "t");
+  Config c = load_config_text(
+      "data: {path: x}\ntraining: {steps: 10, optimizer: {lr: 1.0}, schedule: {warmup_steps: 2, "
+      "min_lr: 0.1}}\n",
+      "t");
   auto& t = c.training;
   EXPECT_DOUBLE_EQ(lr_at(t, 1), 0.5);
   EXPECT_DOUBLE_EQ(lr_at(t, 2), 1.0);
@@ -32,8 +35,10 @@ TEST(WeightDecay, ChosenByName) {
 
 // The flat fused AdamW equals the textbook AdamW applied per parameter.
 TEST(FlatAdamW, MatchesReferenceAdamWAndClipping) {
-  Config c = load_config_text("data: {path: x}\nmodel: {arch: llama, layers: 1, hidden: 16, heads: 2, vocab_size: 300}\n"
-                              "training: {optimizer: {lr: 0.01, weight_decay: 0.1}}\n", "t");
+  Config c = load_config_text(
+      "data: {path: x}\nmodel: {arch: llama, layers: 1, hidden: 16, heads: 2, vocab_size: 300}\n"
+      "training: {optimizer: {lr: 0.01, weight_decay: 0.1}}\n",
+      "t");
   auto model = models::build_model(c.model, 3);
   std::map<std::string, torch::Tensor> w0;
   for (const auto& p : model->named_parameters()) w0[p.key()] = p.value().detach().clone();
@@ -67,7 +72,8 @@ TEST(FlatAdamW, MatchesReferenceAdamWAndClipping) {
       w.sub_(lr * mhat / (vhat.sqrt() + eps));
     }
     for (const auto& p : model->named_parameters()) {
-      EXPECT_TRUE(torch::allclose(p.value(), w0[p.key()], 1e-5, 1e-6)) << p.key() << " step " << step;
+      EXPECT_TRUE(torch::allclose(p.value(), w0[p.key()], 1e-5, 1e-6))
+          << p.key() << " step " << step;
       EXPECT_EQ(p.value().grad().abs().sum().item<double>(), 0.0) << "gradients cleared";
     }
   }

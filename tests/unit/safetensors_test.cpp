@@ -14,7 +14,8 @@ namespace tessel {
 namespace {
 
 std::string tmp_path(const std::string& name) {
-  return (fs::temp_directory_path() / ("tessel-st-" + std::to_string(getpid()) + "-" + name)).string();
+  return (fs::temp_directory_path() / ("tessel-st-" + std::to_string(getpid()) + "-" + name))
+      .string();
 }
 
 // A file with a hand-written header, to exercise the checks.
@@ -55,10 +56,18 @@ TEST(Safetensors, RoundTripsEveryDtype) {
 }
 
 TEST(Safetensors, RefusesBadFiles) {
-  expect_refused(raw_file("dup", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
-                 "duplicate tensor name 'a'");
-  expect_refused(raw_file("overlap", R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12),
-                 "tensors 'a' and 'b' overlap");
+  expect_refused(
+      raw_file(
+          "dup",
+          R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+          8),
+      "duplicate tensor name 'a'");
+  expect_refused(
+      raw_file(
+          "overlap",
+          R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+          12),
+      "tensors 'a' and 'b' overlap");
   expect_refused(raw_file("range", R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8),
                  "tensor 'a': data_offsets [0, 16] out of range of the 8-byte data section");
   expect_refused(raw_file("size", R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8),
