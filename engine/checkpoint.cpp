@@ -41,12 +41,9 @@ void prune(const fs::path& root, int64_t keep) {
     fs::remove_all(done[i].second);
 }
 
-}  // namespace
-
-std::string save_checkpoint(const Config& c, models::Decoder& model, const FlatAdamW& opt,
-                            const CheckpointState& st) {
-  const fs::path root = c.checkpoint_dir();
-  const fs::path dir = root / ("step_" + std::to_string(st.step));
+void write_checkpoint(const Config& c, const fs::path& root, const fs::path& dir,
+                      models::Decoder& model, const FlatAdamW& opt, const CheckpointState& st,
+                      int64_t world) {
   const fs::path tmp = root / ("step_" + std::to_string(st.step) + ".tmp");
   fs::create_directories(root);
   fs::remove_all(tmp);
@@ -70,7 +67,7 @@ std::string save_checkpoint(const Config& c, models::Decoder& model, const FlatA
   nlohmann::json index = {{"format", "tessel-checkpoint-1"},
                           {"step", st.step},
                           {"consumed_samples", st.consumed_samples},
-                          {"world_size", 1},
+                          {"world_size", world},
                           {"arch", c.model.arch},
                           {"tensors", nlohmann::json::object()}};
   for (const auto& [name, t] : tensors) {
@@ -88,6 +85,15 @@ std::string save_checkpoint(const Config& c, models::Decoder& model, const FlatA
   fs::rename(tmp, dir);
   write_file_atomic((root / "latest").string(), dir.filename().string() + "\n");
   prune(root, c.checkpoint.keep);
+}
+}  // namespace
+
+std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models::Decoder& model,
+                            const FlatAdamW& opt, const CheckpointState& st) {
+  const fs::path root = c.checkpoint_dir();
+  const fs::path dir = root / ("step_" + std::to_string(st.step));
+  if (mesh.rank() == 0) write_checkpoint(c, root, dir, model, opt, st, mesh.world());
+  mesh.world_group().barrier();
   return dir.string();
 }
 

@@ -10,6 +10,7 @@
 #include "engine/config.h"
 #include "engine/optim.h"
 #include "models/registry.h"
+#include "parallel/mesh.h"
 
 namespace tessel {
 
@@ -20,8 +21,10 @@ struct CheckpointState {
 
 /// Writes step_<N> for this (single) rank: model weights by global name, fp32 master weights and
 /// AdamW moments (optim.*), and the run state. Prunes beyond checkpoint.keep. Returns the folder.
-std::string save_checkpoint(const Config& c, models::Decoder& model, const FlatAdamW& opt,
-                            const CheckpointState& st);
+/// Data-parallel replicas hold the same tensors, so global rank 0 writes; every rank then meets
+/// at a barrier, so none goes on (or resumes) before the checkpoint is published.
+std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models::Decoder& model,
+                            const FlatAdamW& opt, const CheckpointState& st);
 
 /// The checkpoint folder a user named: a step_<N> folder, or a checkpoint.dir (then its latest).
 /// Throws UserError unless the folder is complete.

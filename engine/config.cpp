@@ -283,13 +283,8 @@ class Validator {
             q("text data has 257 token ids (bytes and end-of-document): model.vocab_size",
               m.vocab_size, "must be >=", "257", 257));
     require(!c_.data.path.empty(), "data.path", "data.path is empty: name the training data");
-    // This build trains in one process; the multi-process mesh checks these against the world.
-    int64_t world = p.tp * p.pp * p.cp * std::max<int64_t>(p.dp, 1);
-    require(world == 1, "parallel.dp",
-            "parallel.tp·cp·dp·pp = " + std::to_string(p.tp) + "·" + std::to_string(p.cp) + "·" +
-                std::to_string(std::max<int64_t>(p.dp, 1)) + "·" + std::to_string(p.pp) + " = " +
-                std::to_string(world) + " processes, but this run has 1 process");
-    if (p.dp == 0) p.dp = 1;
+    // The layout is checked against the world size by parallel::check_layout (it needs the world).
+    (void)p;
 
     if (!errors_.empty()) {
       std::string all;

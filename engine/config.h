@@ -43,6 +43,10 @@ struct ModelConfig {
 struct ParallelConfig {
   int64_t dp;  // 0 = auto (world / (tp·cp·pp))
   int64_t tp, pp, cp;
+  std::string order;    // tp-cp-dp-pp
+  std::string backend;  // auto | gloo | nccl
+  double timeout_s;     // collectives and rendezvous
+  double ddp_bucket_mb;
 };
 
 struct OptimizerConfig {

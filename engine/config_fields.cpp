@@ -59,6 +59,20 @@ std::vector<Field> bind_fields(Config& c) {
   add("parallel.tp", &c.parallel.tp, int64_t{1}, "Tensor-parallel degree.").range(1);
   add("parallel.pp", &c.parallel.pp, int64_t{1}, "Pipeline-parallel degree.").range(1);
   add("parallel.cp", &c.parallel.cp, int64_t{1}, "Context-parallel degree.").range(1);
+  add("parallel.order", &c.parallel.order, S("tp-cp-dp-pp"),
+      "Rank order, fastest-varying first (tensor-parallel peers share a node).")
+      .one_of({"tp-cp-dp-pp"});
+  add("parallel.backend", &c.parallel.backend, S("auto"),
+      "Collectives: auto = nccl on CUDA, gloo on CPU.")
+      .one_of({"auto", "gloo", "nccl"});
+  add("parallel.timeout_s", &c.parallel.timeout_s, 600.0,
+      "Rendezvous and collective timeout; a collective that takes longer fails, naming its group, "
+      "operation, sequence number and rank.")
+      .range(1);
+  add("parallel.ddp.bucket_mb", &c.parallel.ddp_bucket_mb, 25.0,
+      "Gradient bucket size (MiB of fp32): each bucket is summed over dp×cp as soon as backward "
+      "completes it.")
+      .range(0.001);
 
   // training
   add("training.device", &c.training.device, S("auto"), "auto = cuda when available, else cpu.")

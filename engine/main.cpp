@@ -11,6 +11,7 @@
 #include "engine/config.h"
 #include "engine/score.h"
 #include "engine/train.h"
+#include "parallel/mesh.h"
 
 namespace {
 
@@ -19,11 +20,16 @@ int run_train(int argc, char** argv) {
   std::string config;
   std::vector<std::string> sets;
   bool dry_run = false, help_config = false;
+  int64_t world_size = 0;
   app.add_option("config", config, "YAML plan");
   app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")
       ->take_all()
       ->allow_extra_args(false);
-  app.add_flag("--dry-run", dry_run, "Validate the plan, print it resolved, and start nothing");
+  app.add_flag(
+      "--dry-run", dry_run,
+      "Validate the plan against the world, print it resolved with the rank grid, start nothing");
+  app.add_option("--world-size", world_size, "With --dry-run: the number of processes to plan for")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--help-config", help_config,
                "Print the reference of every plan key (Markdown) and exit");
   app.footer(
@@ -37,17 +43,25 @@ int run_train(int argc, char** argv) {
   if (config.empty())
     throw tessel::UserError("no plan given: tessel-train CONFIG.yaml (see --help)");
   tessel::Config c = tessel::load_config(config, sets);
+  const auto world = tessel::parallel::discover_world();
   if (dry_run) {
+    const int64_t n = world_size > 0 ? world_size : world.world;
+    const auto layout =
+        tessel::parallel::check_layout(c, n, world_size > 0 ? n : world.local_world);
+    c.parallel.dp = layout.dp;
     const auto& t = c.training;
     std::printf("%s", tessel::dump_config(c).c_str());
+    std::printf("%s", tessel::parallel::describe_grid(layout).c_str());
     std::printf(
-        "# plan %s is valid: 1 process; %lld micro-batches of %lld sequences per step; %lld tokens "
-        "per step\n",
-        config.c_str(), static_cast<long long>(t.global_batch / t.micro_batch),
+        "# plan %s is valid for %lld processes: %lld micro-batches of %lld sequences per data rank "
+        "per step; "
+        "%lld tokens per step\n",
+        config.c_str(), static_cast<long long>(n),
+        static_cast<long long>(t.global_batch / (layout.dp * t.micro_batch)),
         static_cast<long long>(t.micro_batch), static_cast<long long>(t.global_batch * t.seq_len));
     return 0;
   }
-  tessel::Trainer(std::move(c)).train();
+  tessel::Trainer(std::move(c), world).train();
   return 0;
 }
 
@@ -85,19 +99,22 @@ int run_export(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   spdlog::set_pattern("[%H:%M:%S] %v");
+  // Under a launcher, say which rank failed (the launcher also prefixes every line).
+  const char* rank = std::getenv("RANK");
+  const std::string who = rank ? std::string("tessel-train[rank ") + rank + "]" : "tessel-train";
   const std::string cmd = argc > 1 ? argv[1] : "";
   try {
     if (cmd == "score") return run_score(argc - 1, argv + 1);
     if (cmd == "export") return run_export(argc - 1, argv + 1);
     return run_train(argc, argv);
   } catch (const tessel::UserError& e) {
-    std::fprintf(stderr, "tessel-train: error: %s\n", e.what());
+    std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
     return 2;
   } catch (const c10::Error& e) {
-    std::fprintf(stderr, "tessel-train: internal error: %s\n", e.what_without_backtrace());
+    std::fprintf(stderr, "%s: internal error: %s\n", who.c_str(), e.what_without_backtrace());
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "tessel-train: error: %s\n", e.what());
+    std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
     return 1;
   }
 }

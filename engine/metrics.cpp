@@ -109,15 +109,16 @@ void MetricsLog::step(const StepLine& s) {
                       {"tokens_per_s", s.tokens_per_s},
                       {"tflops_per_device", s.tflops_per_device},
                       {"mfu", s.mfu},
-                      {"mem_bytes", s.mem_bytes}};
+                      {"mem_bytes", s.mem_bytes},
+                      {"comm_exposed_ms", s.comm_exposed_ms}};
   std::fprintf(f_, "%s\n", j.dump().c_str());
   std::fflush(f_);
   spdlog::info(
       "step {:>{}}/{} | loss {:.4f} | lr {:.3e} | norm {:.3f} | {:.1f} ms | {:.0f} tok/s | {:.3f} "
-      "TFLOP/s | MFU {:.2f}% | mem {:.2f} GiB | ETA {}",
+      "TFLOP/s | MFU {:.2f}% | mem {:.2f} GiB | comm {:.1f} ms | ETA {}",
       s.step, std::to_string(s.steps).size(), s.steps, s.loss, s.lr, s.grad_norm, s.ms_per_step,
       s.tokens_per_s, s.tflops_per_device, 100.0 * s.mfu,
-      static_cast<double>(s.mem_bytes) / (1 << 30), duration(s.eta_s));
+      static_cast<double>(s.mem_bytes) / (1 << 30), s.comm_exposed_ms, duration(s.eta_s));
 }
 
 void MetricsLog::eval(int64_t step, double val_loss, double ms) {

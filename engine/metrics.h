@@ -34,6 +34,7 @@ struct StepLine {
   double loss, lr, grad_norm, ms_per_step, tokens_per_s, tflops_per_device, mfu;
   int64_t mem_bytes;
   double eta_s;
+  double comm_exposed_ms;  // gradient reduction not hidden behind backward (host-side wait)
 };
 
 /// Appends to <output_dir>/<metrics_file> (one JSON object per line) and prints the console line.

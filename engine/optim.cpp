@@ -31,16 +31,14 @@ FlatAdamW::FlatAdamW(models::Decoder& model, const TrainingConfig& t) : t_(t) {
   auto params = model->named_parameters();
   auto device = params.values().front().device();
   low_precision_ = params.values().front().scalar_type() != torch::kFloat32;
-  // Layout: the decay group first, then the rest, each in the model's (name) order.
-  for (int pass = 0; pass < 2; ++pass)
-    for (const auto& p : params) {
-      bool decay =
-          !exempt_from_decay(p.key(), t.optimizer.no_decay) && t.optimizer.weight_decay > 0;
-      if (decay != (pass == 0)) continue;
-      slots_.push_back({p.key(), n_, p.value().numel(), decay});
-      n_ += p.value().numel();
-      if (decay) n_decay_ = n_;
-    }
+  // Layout: reverse registration order, which is roughly the order backward produces gradients
+  // in, so gradient buckets (contiguous ranges) fill one after another.
+  for (auto it = params.items().rbegin(); it != params.items().rend(); ++it) {
+    bool decay =
+        !exempt_from_decay(it->key(), t.optimizer.no_decay) && t.optimizer.weight_decay > 0;
+    slots_.push_back({it->key(), n_, it->value().numel(), decay});
+    n_ += it->value().numel();
+  }
   auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
   master_ = torch::empty({n_}, f32);
   grad_ = torch::zeros({n_}, f32);
@@ -88,14 +86,19 @@ void FlatAdamW::load_state(const std::map<std::string, torch::Tensor>& master,
   if (low_precision_) params16_.copy_(master_);
 }
 
-void FlatAdamW::accumulate_microbatch() {
-  if (!low_precision_) return;
-  grad_.add_(grads16_);
-  grads16_.zero_();
+void FlatAdamW::accumulate_microbatch() { fold_microbatch(0, n_); }
+
+void FlatAdamW::fold_microbatch(int64_t begin, int64_t end) {
+  if (!low_precision_ || end <= begin) return;
+  grad_.narrow(0, begin, end - begin).add_(grads16_.narrow(0, begin, end - begin));
+  grads16_.narrow(0, begin, end - begin).zero_();
 }
 
-torch::Tensor FlatAdamW::clip_grad_norm(double max_norm) {
-  auto norm = grad_.norm(2);
+torch::Tensor FlatAdamW::clip_grad_norm(
+    double max_norm, const std::function<void(torch::Tensor&)>& sum_over_shards) {
+  auto sq = grad_.pow(2).sum();
+  if (sum_over_shards) sum_over_shards(sq);
+  auto norm = sq.sqrt();
   if (max_norm > 0) {
     // As torch.nn.utils.clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6)), on device.
     grad_.mul_((max_norm / (norm + 1e-6)).clamp_max(1.0));
@@ -106,15 +109,21 @@ torch::Tensor FlatAdamW::clip_grad_norm(double max_norm) {
 void FlatAdamW::step(double lr) {
   step_count_.add_(1);
   const auto& o = t_.optimizer;
-  auto run = [&](int64_t begin, int64_t end, double wd) {
-    if (end <= begin) return;
-    auto sl = [&](const torch::Tensor& x) { return x.narrow(0, begin, end - begin); };
-    at::_fused_adamw_({sl(master_)}, {sl(grad_)}, {sl(exp_avg_)}, {sl(exp_avg_sq_)}, {},
-                      {step_count_}, lr, o.betas[0], o.betas[1], wd, o.eps, /*amsgrad=*/false,
-                      /*maximize=*/false);
-  };
-  run(0, n_decay_, o.weight_decay);
-  run(n_decay_, n_, 0.0);
+  // One fused call per weight-decay group over per-parameter views of the flat buffers.
+  for (const bool decay : {true, false}) {
+    std::vector<torch::Tensor> w, g, m, v, steps;
+    for (const auto& s : slots_) {
+      if (s.decay != decay) continue;
+      w.push_back(master_.narrow(0, s.offset, s.numel));
+      g.push_back(grad_.narrow(0, s.offset, s.numel));
+      m.push_back(exp_avg_.narrow(0, s.offset, s.numel));
+      v.push_back(exp_avg_sq_.narrow(0, s.offset, s.numel));
+      steps.push_back(step_count_);  // read-only in the kernel; the caller increments it
+    }
+    if (w.empty()) continue;
+    at::_fused_adamw_(w, g, m, v, {}, steps, lr, o.betas[0], o.betas[1],
+                      decay ? o.weight_decay : 0.0, o.eps, /*amsgrad=*/false, /*maximize=*/false);
+  }
   if (low_precision_) params16_.copy_(master_);
   grad_.zero_();
 }

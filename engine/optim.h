@@ -4,12 +4,15 @@
 //   exp_avg, exp_avg_sq [N] fp32
 // bf16 runs keep the model's parameters and their per-micro-batch gradients in flat bf16 buffers:
 // each micro-batch's bf16 gradient is added into the fp32 `grad` (fp32 accumulation), and after
-// the step the fp32 master is copied back into the bf16 weights. One fused AdamW call per group
-// (decay / no decay) runs over a contiguous slice; the same layout is what ZeRO will shard.
+// the step the fp32 master is copied back into the bf16 weights. Slots are laid out in reverse
+// registration order (the order backward fills them, so gradient buckets are contiguous ranges);
+// one fused AdamW call per weight-decay group runs over views of the slots; ZeRO will shard the
+// same flat buffers.
 #pragma once
 
 #include <torch/types.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -39,9 +42,13 @@ class FlatAdamW {
 
   /// bf16 only: adds this micro-batch's gradients into the fp32 accumulator and clears them.
   void accumulate_microbatch();
+  /// The same for the flat range [begin, end) (a gradient bucket).
+  void fold_microbatch(int64_t begin, int64_t end);
   /// Global L2 norm of the gradient (before clipping), clipped to max_norm in place when > 0.
+  /// `sum_over_shards` sums the squared norm over ranks that hold other parts of the model.
   /// Returns the norm as a device scalar: no host synchronisation.
-  torch::Tensor clip_grad_norm(double max_norm);
+  torch::Tensor clip_grad_norm(double max_norm,
+                               const std::function<void(torch::Tensor&)>& sum_over_shards = {});
   /// One AdamW step at learning rate `lr`, then clears the gradients.
   void step(double lr);
 
@@ -63,7 +70,7 @@ class FlatAdamW {
  private:
   TrainingConfig t_;
   std::vector<ParamSlot> slots_;
-  int64_t n_ = 0, n_decay_ = 0;
+  int64_t n_ = 0;
   bool low_precision_;
   torch::Tensor master_, grad_, exp_avg_, exp_avg_sq_, step_count_;
   torch::Tensor params16_, grads16_;  // bf16 runs only

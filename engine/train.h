@@ -11,11 +11,16 @@
 #include "engine/metrics.h"
 #include "engine/optim.h"
 #include "models/registry.h"
+#include "parallel/mesh.h"
+
+namespace tessel::parallel::dp {
+class GradReducer;
+}
 
 namespace tessel {
 
 /// training.device resolved: auto -> cuda when available. Throws UserError for cuda without one.
-torch::Device resolve_device(const std::string& device);
+torch::Device resolve_device(const std::string& device, int64_t local_rank = 0);
 torch::ScalarType resolve_dtype(const std::string& dtype);
 
 /// Builds the plan's model on `device` in `dtype`: seeded init, or model.init_from.
@@ -27,22 +32,27 @@ torch::Tensor token_loss_sum(models::Decoder& model, const torch::Tensor& rows);
 
 class Trainer {
  public:
-  explicit Trainer(Config c);
+  /// Builds the mesh (checking the plan against the world first), model, optimizer and data.
+  Trainer(Config c, const parallel::WorldInfo& world);
+  ~Trainer();
   void train();
 
  private:
   struct StepOut {
     torch::Tensor loss, grad_norm;  // device scalars: read only when logging
+    double exposed_comm_ms;         // gradient reduction backward did not hide
   };
   StepOut train_step(int64_t step);
   double evaluate();
-  void log_step(int64_t step, const StepOut& out);
+  void log_step(int64_t step, StepOut& out);
 
   Config c_;
+  std::unique_ptr<parallel::Mesh> mesh_;
   torch::Device device_;
   torch::ScalarType dtype_;
   models::Decoder model_{nullptr};
   std::unique_ptr<FlatAdamW> opt_;
+  std::unique_ptr<parallel::dp::GradReducer> reducer_;
   std::unique_ptr<data::Dataset> data_;
   std::unique_ptr<MetricsLog> metrics_;
   double flops_per_token_ = 0;

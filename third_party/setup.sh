@@ -17,7 +17,7 @@ mode=${1:-build}   # build | test (test also needs the Python parity dependencie
 need_apt=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 for p in cmake ninja-build ccache g++ libyaml-cpp-dev libspdlog-dev libfmt-dev libcli11-dev \
-         nlohmann-json3-dev libgtest-dev libgloo-dev python3-venv; do
+         nlohmann-json3-dev libgtest-dev libgloo-dev openmpi-bin python3-venv; do
   have_pkg "$p" || need_apt+=("$p")
 done
 # python3-venv is only needed when we create the venv with Debian's python; a pyenv python has venv.

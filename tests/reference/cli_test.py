@@ -48,7 +48,7 @@ class Cli(TmpDirTest):
         p = run("tessel-train", write_plan(self.path("p.yaml"), self.plan()), "--dry-run",
                 "--set", "training.micro_batch=1")
         self.assertIn("micro_batch: 1", p.stdout)
-        self.assertIn("4 micro-batches of 1 sequences per step", p.stdout)
+        self.assertIn("4 micro-batches of 1 sequences per data rank per step", p.stdout)
         self.assertFalse(os.path.exists(self.path("run")))
 
     def test_same_plan_twice_is_bitwise_equal(self):

@@ -28,7 +28,7 @@ TEST(Config, DefaultsResolveAndOverride) {
   EXPECT_EQ(c.model.ffn_hidden, 192);          // 8/3·64 = 170.7 -> 192
   EXPECT_DOUBLE_EQ(c.training.optimizer.lr, 0.01);
   EXPECT_EQ(c.model.layers, 3);
-  EXPECT_EQ(c.parallel.dp, 1);
+  EXPECT_EQ(c.parallel.dp, 0);  // auto: resolved against the world by parallel::check_layout
   Config g = load_config_text("data: {path: x}\n", "g.yaml");
   EXPECT_EQ(g.model.tie_embeddings, "true");
   EXPECT_EQ(g.model.ffn_hidden, 4 * g.model.hidden);
@@ -141,10 +141,10 @@ INSTANTIATE_TEST_SUITE_P(
                 kData,
                 {"training.steps=1.5"},
                 "--set training.steps=1.5: training.steps: expected an integer"},
-        BadPlan{"world size",
-                kData + "parallel: {tp: 2}\n",
+        BadPlan{"unknown backend",
+                kData + "parallel: {backend: mpi}\n",
                 {},
-                "= 2 processes, but this run has 1 process"},
+                "parallel.backend: must be one of auto|gloo|nccl, got 'mpi'"},
         BadPlan{"RoPE needs an even head dim",
                 kData + "model: {arch: llama, hidden: 12, heads: 4}\n",
                 {},

@@ -1,0 +1,292 @@
+#include "launcher/launch.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <thread>
+
+#include "launcher/coordinator.h"
+#include "parallel/world.h"
+
+extern char** environ;
+
+namespace tessel::launcher {
+namespace {
+
+volatile std::sig_atomic_t g_signal = 0;
+void on_signal(int s) { g_signal = s; }
+
+using Clock = std::chrono::steady_clock;
+
+struct Worker {
+  int rank = 0, local_rank = 0;
+  pid_t pid = -1;
+  int out = -1;         // read end of the worker's stdout+stderr
+  std::string partial;  // output after the last newline
+  FILE* log = nullptr;
+  bool running = false;
+  int status = 0;
+};
+
+std::string host_name() {
+  char h[256] = {0};
+  gethostname(h, sizeof h - 1);
+  return h;
+}
+
+std::string describe(int status) {
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status))
+    return "was killed by signal " + std::to_string(WTERMSIG(status)) + " (" +
+           strsignal(WTERMSIG(status)) + ")";
+  return "stopped (status " + std::to_string(status) + ")";
+}
+
+bool failed(int status) { return !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
+
+// The worker's environment: ours, with torchrun's contract on top.
+std::vector<std::string> worker_env(const Options& o, const Worker& w, int round) {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; *e; ++e) {
+    std::string kv = *e;
+    auto eq = kv.find('=');
+    if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  env["RANK"] = std::to_string(w.rank);
+  env["LOCAL_RANK"] = std::to_string(w.local_rank);
+  env["WORLD_SIZE"] = std::to_string(o.nnodes * o.nproc_per_node);
+  env["LOCAL_WORLD_SIZE"] = std::to_string(o.nproc_per_node);
+  env["GROUP_RANK"] = std::to_string(o.node_rank);
+  env["MASTER_ADDR"] = o.master_addr;
+  env["MASTER_PORT"] = std::to_string(o.master_port);
+  env["TESSEL_RESTART_COUNT"] = std::to_string(round);
+  // As torchrun: one intra-op thread per worker when several share a node, unless the user chose.
+  if (!env.count("OMP_NUM_THREADS") && o.nproc_per_node > 1) env["OMP_NUM_THREADS"] = "1";
+  std::vector<std::string> out;
+  for (const auto& [k, v] : env) out.push_back(k + "=" + v);
+  return out;
+}
+
+void spawn(const Options& o, Worker& w, int round) {
+  // Everything the child needs is prepared before fork (the launcher has threads).
+  auto env = worker_env(o, w, round);
+  std::vector<char*> envp, argv;
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> args = o.command;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0)
+    throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
+  const pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
+    if (getppid() != parent) _exit(127);
+    setpgid(0, 0);  // the terminal's Ctrl-C reaches the launcher, which forwards it once
+    dup2(fds[1], STDOUT_FILENO);
+    dup2(fds[1], STDERR_FILENO);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    for (int s : {SIGINT, SIGTERM, SIGUSR1, SIGUSR2}) signal(s, SIG_DFL);
+    execvpe(argv[0], argv.data(), envp.data());
+    dprintf(STDERR_FILENO, "tessel-launch: cannot start %s: %s\n", argv[0], std::strerror(errno));
+    _exit(127);
+  }
+  close(fds[1]);
+  fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL) | O_NONBLOCK);
+  w.pid = pid;
+  w.out = fds[0];
+  w.running = true;
+  w.partial.clear();
+}
+
+void emit(Worker& w, const std::string& line) {
+  std::printf("[rank %d] %s\n", w.rank, line.c_str());
+  if (w.log) std::fprintf(w.log, "%s\n", line.c_str());
+}
+
+// Reads whatever the worker wrote; prints whole lines with their rank prefix.
+void drain(Worker& w, bool final) {
+  char buf[65536];
+  while (w.out >= 0) {
+    ssize_t n = read(w.out, buf, sizeof buf);
+    if (n > 0) {
+      w.partial.append(buf, static_cast<size_t>(n));
+      size_t nl;
+      while ((nl = w.partial.find('\n')) != std::string::npos) {
+        emit(w, w.partial.substr(0, nl));
+        w.partial.erase(0, nl + 1);
+      }
+      continue;
+    }
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+      close(w.out);
+      w.out = -1;
+    }
+    break;
+  }
+  if ((final || w.out < 0) && !w.partial.empty()) {
+    emit(w, w.partial);
+    w.partial.clear();
+  }
+  std::fflush(stdout);
+  if (w.log) std::fflush(w.log);
+}
+
+void signal_all(std::vector<Worker>& ws, int sig) {
+  for (auto& w : ws)
+    if (w.running) kill(w.pid, sig);
+}
+
+enum class RoundEnd { kSuccess, kFailure, kSignal };
+
+// Runs one round of the job on this node; `failure` gets the job's first failure.
+RoundEnd run_round(const Options& o, Coordinator& coord, std::vector<Worker>& ws, int round,
+                   std::string& failure, int& signal_code) {
+  for (auto& w : ws) spawn(o, w, round);
+  std::optional<Clock::time_point> kill_at;  // set once teardown starts
+  bool reported_done = false;
+  while (true) {
+    std::vector<pollfd> fds;
+    for (auto& w : ws)
+      if (w.out >= 0) fds.push_back({w.out, POLLIN, 0});
+    poll(fds.data(), fds.size(), 100);
+    for (auto& w : ws) drain(w, false);
+    // Reap.
+    int status;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0)
+      for (auto& w : ws)
+        if (w.pid == pid && w.running) {
+          w.running = false;
+          w.status = status;
+          drain(w, true);
+          if (failed(status) && !kill_at && signal_code == 0)
+            coord.report_failure(round, "rank " + std::to_string(w.rank) + " (host " + host_name() +
+                                            ", local rank " + std::to_string(w.local_rank) + ") " +
+                                            describe(status));
+        }
+    // Signals: forward; INT/TERM also end the job without restart.
+    if (int sig = g_signal; sig != 0) {
+      g_signal = 0;
+      signal_all(ws, sig);
+      if (sig == SIGINT || sig == SIGTERM) {
+        signal_code = 128 + sig;
+        if (!kill_at)
+          kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(o.grace_s));
+      }
+    }
+    // Any failure anywhere in the job tears this node down: SIGTERM now, SIGKILL after the grace.
+    if (!kill_at) {
+      if (auto f = coord.failure(round)) {
+        failure = *f;
+        signal_all(ws, SIGTERM);
+        kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                     std::chrono::duration<double>(o.grace_s));
+      }
+    } else if (Clock::now() >= *kill_at) {
+      signal_all(ws, SIGKILL);
+    }
+    bool any_running = false;
+    for (auto& w : ws) any_running = any_running || w.running;
+    if (any_running) continue;
+    for (auto& w : ws) drain(w, true);
+    if (signal_code != 0) return RoundEnd::kSignal;
+    if (auto f = coord.failure(round)) {
+      failure = *f;
+      return RoundEnd::kFailure;
+    }
+    // Every local worker exited 0: wait for the other nodes (or a failure among them).
+    if (!reported_done) coord.report_done(round), reported_done = true;
+    if (coord.done_count(round) >= o.nnodes) return RoundEnd::kSuccess;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+}  // namespace
+
+void apply_slurm(Options& o, bool nnodes_given, bool node_rank_given, bool master_given) {
+  const char* job = std::getenv("SLURM_JOB_ID");
+  if (!job) return;
+  auto get = [](const char* k) -> const char* {
+    const char* v = std::getenv(k);
+    return v && *v ? v : nullptr;
+  };
+  if (!nnodes_given && (get("SLURM_NNODES") || get("SLURM_JOB_NUM_NODES")))
+    o.nnodes = std::atoi(get("SLURM_NNODES") ? get("SLURM_NNODES") : get("SLURM_JOB_NUM_NODES"));
+  if (!node_rank_given && get("SLURM_NODEID")) o.node_rank = std::atoi(get("SLURM_NODEID"));
+  if (!master_given && get("SLURM_JOB_NODELIST"))
+    o.master_addr = parallel::first_slurm_host(get("SLURM_JOB_NODELIST"));
+  o.source = std::string("Slurm job ") + job;
+}
+
+int run(const Options& o) {
+  for (int s : {SIGINT, SIGTERM, SIGUSR1, SIGUSR2}) {
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigaction(s, &sa, nullptr);
+  }
+  std::vector<Worker> ws(static_cast<size_t>(o.nproc_per_node));
+  for (int i = 0; i < o.nproc_per_node; ++i) {
+    ws[i].local_rank = i;
+    ws[i].rank = o.node_rank * o.nproc_per_node + i;
+  }
+  if (!o.log_dir.empty()) {
+    std::filesystem::create_directories(o.log_dir);
+    for (auto& w : ws) {
+      auto path = o.log_dir + "/rank_" + std::to_string(w.rank) + ".log";
+      w.log = std::fopen(path.c_str(), "a");
+      if (!w.log) throw std::runtime_error(path + ": cannot write: " + std::strerror(errno));
+    }
+  }
+  auto coord = make_coordinator(o.nnodes, o.node_rank, o.master_addr, o.master_port + 1, 900.0);
+  std::fprintf(stderr,
+               "tessel-launch: node %d/%d (%s), %d workers per node, world %d, master %s:%d\n",
+               o.node_rank, o.nnodes, o.source.c_str(), o.nproc_per_node,
+               o.nnodes * o.nproc_per_node, o.master_addr.c_str(), o.master_port);
+  int code = 0;
+  for (int round = 0;; ++round) {
+    coord->barrier(round);
+    for (auto& w : ws)
+      if (w.log) std::fprintf(w.log, "=== tessel-launch: start (restart %d) ===\n", round);
+    std::string failure;
+    int signal_code = 0;
+    auto end = run_round(o, *coord, ws, round, failure, signal_code);
+    if (end == RoundEnd::kSuccess) break;
+    if (end == RoundEnd::kSignal) {
+      std::fprintf(stderr, "tessel-launch: stopped by signal; workers terminated\n");
+      code = signal_code;
+      break;
+    }
+    std::fprintf(stderr, "tessel-launch: failure: %s\n", failure.c_str());
+    if (round >= o.max_restarts) {
+      std::fprintf(stderr, "tessel-launch: giving up after %d restart%s (--max-restarts %d)\n",
+                   round, round == 1 ? "" : "s", o.max_restarts);
+      code = 1;
+      break;
+    }
+    std::fprintf(stderr, "tessel-launch: restarting every worker (restart %d of %d)\n", round + 1,
+                 o.max_restarts);
+  }
+  coord->leave(60.0);
+  for (auto& w : ws)
+    if (w.log) std::fclose(w.log);
+  return code;
+}
+
+}  // namespace tessel::launcher

@@ -1,0 +1,53 @@
+// tessel-launch [--nproc-per-node N] [--nnodes N --node-rank R --master-addr A --master-port P]
+//               [--max-restarts K] [--log-dir D] -- COMMAND ...
+#include <c10/util/Exception.h>
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+
+#include "launcher/launch.h"
+
+int main(int argc, char** argv) {
+  tessel::launcher::Options o;
+  CLI::App app{
+      "tessel-launch: start and supervise the workers of one node (torchrun's environment "
+      "contract)",
+      "tessel-launch"};
+  app.add_option("--nproc-per-node", o.nproc_per_node, "Workers on this node")
+      ->check(CLI::PositiveNumber);
+  auto* nnodes = app.add_option("--nnodes", o.nnodes, "Nodes in the job (Slurm: SLURM_NNODES)")
+                     ->check(CLI::PositiveNumber);
+  auto* node_rank =
+      app.add_option("--node-rank", o.node_rank, "This node's index (Slurm: SLURM_NODEID)")
+          ->check(CLI::NonNegativeNumber);
+  auto* master = app.add_option("--master-addr", o.master_addr,
+                                "Host of rank 0 (Slurm: first node of the allocation)");
+  app.add_option("--master-port", o.master_port, "Rendezvous port; the launchers use the next one")
+      ->check(CLI::Range(1, 65534));
+  app.add_option("--max-restarts", o.max_restarts,
+                 "Restart the whole job this many times after a failure")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--grace-s", o.grace_s,
+                 "Seconds between SIGTERM and SIGKILL when tearing workers down")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--log-dir", o.log_dir, "Write each rank's output to DIR/rank_<N>.log too");
+  app.add_option("command", o.command, "The worker command (after --)")->required();
+  CLI11_PARSE(app, argc, argv);
+  tessel::launcher::apply_slurm(o, nnodes->count() > 0, node_rank->count() > 0,
+                                master->count() > 0);
+  if (o.node_rank >= o.nnodes) {
+    std::fprintf(stderr, "tessel-launch: error: --node-rank %d must be < --nnodes %d\n",
+                 o.node_rank, o.nnodes);
+    return 2;
+  }
+  try {
+    return tessel::launcher::run(o);
+  } catch (const c10::Error& e) {  // rendezvous of the launchers (TCPStore)
+    std::fprintf(stderr, "tessel-launch: error: node %d: %s\n", o.node_rank,
+                 e.what_without_backtrace());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tessel-launch: error: %s\n", e.what());
+    return 2;
+  }
+}

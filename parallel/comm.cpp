@@ -1,0 +1,119 @@
+#include "parallel/comm.h"
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+
+#include "engine/config.h"
+
+namespace tessel::parallel {
+
+void Work::wait() {
+  if (!w_) return;
+  try {
+    w_->wait();
+  } catch (const std::exception& e) {
+    throw std::runtime_error(what_ + " failed: " + e.what());
+  }
+  w_.reset();
+}
+
+Group::Group(std::string name, std::vector<int64_t> ranks, int64_t global_rank,
+             c10::intrusive_ptr<c10d::Backend> backend)
+    : name_(std::move(name)), ranks_(std::move(ranks)), backend_(std::move(backend)) {
+  auto it = std::find(ranks_.begin(), ranks_.end(), global_rank);
+  TORCH_CHECK(it != ranks_.end(), "rank ", global_rank, " is not in group ", name_);
+  rank_ = it - ranks_.begin();
+  TORCH_CHECK(size() == 1 || backend_, "group ", name_, " of ", size(), " ranks has no backend");
+}
+
+std::string Group::what(const char* op) {
+  std::string members;
+  for (auto r : ranks_) members += (members.empty() ? "" : ",") + std::to_string(r);
+  return fmt::format("{} #{} on group {} (ranks [{}]) at rank {}", op, ++seq_, name_, members,
+                     ranks_[static_cast<size_t>(rank_)]);
+}
+
+Work Group::all_reduce(torch::Tensor& t, c10d::ReduceOp op) {
+  if (size() == 1) return {};
+  std::vector<at::Tensor> v{t};
+  return {backend_->allreduce(v, c10d::AllreduceOptions{op}), what("all_reduce")};
+}
+
+Work Group::broadcast(torch::Tensor& t, int64_t root) {
+  if (size() == 1) return {};
+  std::vector<at::Tensor> v{t};
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  return {backend_->broadcast(v, o), what("broadcast")};
+}
+
+Work Group::reduce(torch::Tensor& t, int64_t root, c10d::ReduceOp op) {
+  if (size() == 1) return {};
+  std::vector<at::Tensor> v{t};
+  c10d::ReduceOptions o;
+  o.reduceOp = op;
+  o.rootRank = root;
+  return {backend_->reduce(v, o), what("reduce")};
+}
+
+Work Group::all_gather(torch::Tensor& out, torch::Tensor& in) {
+  TORCH_CHECK(out.numel() == in.numel() * size(), "all_gather: out has ", out.numel(),
+              " elements, want ", in.numel() * size());
+  if (size() == 1) {
+    out.copy_(in.view_as(out));
+    return {};
+  }
+  return {backend_->_allgather_base(out, in), what("all_gather")};
+}
+
+Work Group::reduce_scatter(torch::Tensor& out, torch::Tensor& in, c10d::ReduceOp op) {
+  TORCH_CHECK(in.numel() == out.numel() * size(), "reduce_scatter: in has ", in.numel(),
+              " elements, want ", out.numel() * size());
+  if (size() == 1) {
+    out.copy_(in.view_as(out));
+    return {};
+  }
+  c10d::ReduceScatterOptions o;
+  o.reduceOp = op;
+  return {backend_->_reduce_scatter_base(out, in, o), what("reduce_scatter")};
+}
+
+Work Group::all_to_all(torch::Tensor& out, torch::Tensor& in) {
+  if (size() == 1) {
+    out.copy_(in);
+    return {};
+  }
+  std::vector<int64_t> even;  // empty split sizes: equal slices
+  return {backend_->alltoall_base(out, in, even, even), what("all_to_all")};
+}
+
+void Group::barrier() {
+  if (size() == 1) return;
+  Work(backend_->barrier(), what("barrier")).wait();
+}
+
+std::vector<Work> Group::send_recv(const std::vector<P2POp>& ops) {
+  std::vector<Work> works;
+  // Gloo's send/recv are asynchronous pairs, so posting all of them before waiting is enough;
+  // NCCL batches them between startCoalescing/endCoalescing (one grouped launch).
+  const bool coalesce = backend_ && backend_->getBackendName() == "nccl";
+  if (coalesce) backend_->startCoalescing();
+  for (const auto& op : ops) {
+    std::vector<at::Tensor> v{op.tensor};
+    const int tag = 0;
+    if (op.kind == P2POp::kSend)
+      works.emplace_back(backend_->send(v, static_cast<int>(op.peer), tag), what("send"));
+    else
+      works.emplace_back(backend_->recv(v, static_cast<int>(op.peer), tag), what("recv"));
+  }
+  if (coalesce) {
+    auto w = backend_->endCoalescing();
+    works.clear();
+    works.emplace_back(w, what("send_recv"));
+  }
+  return works;
+}
+
+}  // namespace tessel::parallel

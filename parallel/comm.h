@@ -1,0 +1,69 @@
+// Typed collectives over one process group. Every call gets a sequence number; a failed or
+// timed-out operation is rethrown naming the group, its ranks, the operation, the sequence
+// number and this rank. Groups of one process skip communication (identity).
+#pragma once
+
+#include <torch/types.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <string>
+#include <vector>
+
+namespace tessel::parallel {
+
+/// A pending collective; wait() blocks (Gloo) or orders the current stream (NCCL).
+class Work {
+ public:
+  Work() = default;  // already complete
+  Work(c10::intrusive_ptr<c10d::Work> w, std::string what)
+      : w_(std::move(w)), what_(std::move(what)) {}
+  void wait();
+  bool defined() const { return static_cast<bool>(w_); }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> w_;
+  std::string what_;
+};
+
+/// One point-to-point transfer of a batch (see Group::send_recv).
+struct P2POp {
+  enum Kind { kSend, kRecv } kind;
+  torch::Tensor tensor;
+  int64_t peer;  // rank within the group
+};
+
+class Group {
+ public:
+  Group(std::string name, std::vector<int64_t> ranks, int64_t global_rank,
+        c10::intrusive_ptr<c10d::Backend> backend);
+
+  const std::string& name() const { return name_; }
+  const std::vector<int64_t>& ranks() const { return ranks_; }
+  int64_t rank() const { return rank_; }  // index of this process in ranks()
+  int64_t size() const { return static_cast<int64_t>(ranks_.size()); }
+
+  Work all_reduce(torch::Tensor& t, c10d::ReduceOp op = c10d::ReduceOp::SUM);
+  Work broadcast(torch::Tensor& t, int64_t root);
+  Work reduce(torch::Tensor& t, int64_t root, c10d::ReduceOp op = c10d::ReduceOp::SUM);
+  /// out: [size·n] <- every rank's in: [n] (contiguous), in rank order.
+  Work all_gather(torch::Tensor& out, torch::Tensor& in);
+  /// out: [n] <- reduction of every rank's slice r of in: [size·n].
+  Work reduce_scatter(torch::Tensor& out, torch::Tensor& in,
+                      c10d::ReduceOp op = c10d::ReduceOp::SUM);
+  /// out and in: [size·n]; slice j of in goes to rank j, slice r of out comes from rank r.
+  Work all_to_all(torch::Tensor& out, torch::Tensor& in);
+  void barrier();
+  /// Posts every send and receive of `ops` together, so that neighbours that both send first
+  /// cannot deadlock; returns their works (wait on all of them).
+  std::vector<Work> send_recv(const std::vector<P2POp>& ops);
+
+ private:
+  std::string what(const char* op);
+  std::string name_;
+  std::vector<int64_t> ranks_;
+  int64_t rank_;
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  int64_t seq_ = 0;
+};
+
+}  // namespace tessel::parallel

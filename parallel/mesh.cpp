@@ -1,0 +1,235 @@
+#include "parallel/mesh.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <array>
+#include <cstdlib>
+#include <map>
+#include <numeric>
+#include <sstream>
+
+namespace tessel::parallel {
+namespace {
+
+// Which interface Gloo binds: GLOO_SOCKET_IFNAME when set (as in PyTorch); loopback when the job
+// is on this machine (every rank local, or the master is a loopback address); else the address
+// this host's name resolves to.
+std::shared_ptr<::gloo::transport::Device> gloo_device(const WorldInfo& w) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  const bool loopback = w.local_world == w.world || w.master_addr == "localhost" ||
+                        w.master_addr.rfind("127.", 0) == 0;
+  return loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                  : c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+}  // namespace
+
+const char* group_name(GroupKind k) {
+  switch (k) {
+    case GroupKind::kTp:
+      return "tp";
+    case GroupKind::kCp:
+      return "cp";
+    case GroupKind::kDp:
+      return "dp";
+    case GroupKind::kPp:
+      return "pp";
+    case GroupKind::kDpCp:
+      return "dp_cp";
+    case GroupKind::kMp:
+      return "mp";
+    case GroupKind::kEmbedding:
+      return "embedding";
+  }
+  return "?";
+}
+
+const std::vector<GroupKind>& all_group_kinds() {
+  static const std::vector<GroupKind> k = {GroupKind::kTp,       GroupKind::kCp,   GroupKind::kDp,
+                                           GroupKind::kPp,       GroupKind::kDpCp, GroupKind::kMp,
+                                           GroupKind::kEmbedding};
+  return k;
+}
+
+Coord coord_of(int64_t rank, const Layout& l) {
+  return {rank % l.tp, (rank / l.tp) % l.cp, (rank / (l.tp * l.cp)) % l.dp,
+          rank / (l.tp * l.cp * l.dp)};
+}
+
+int64_t rank_of(const Coord& c, const Layout& l) {
+  return c.tp + l.tp * (c.cp + l.cp * (c.dp + l.dp * c.pp));
+}
+
+std::vector<std::vector<int64_t>> group_ranks(GroupKind k, const Layout& l) {
+  // Ranks that agree on every coordinate outside the group's axes form one group.
+  auto key = [&](const Coord& c) -> std::array<int64_t, 4> {
+    switch (k) {
+      case GroupKind::kTp:
+        return {-1, c.cp, c.dp, c.pp};
+      case GroupKind::kCp:
+        return {c.tp, -1, c.dp, c.pp};
+      case GroupKind::kDp:
+        return {c.tp, c.cp, -1, c.pp};
+      case GroupKind::kPp:
+        return {c.tp, c.cp, c.dp, -1};
+      case GroupKind::kDpCp:
+        return {c.tp, -1, -1, c.pp};
+      case GroupKind::kMp:
+        return {-1, c.cp, c.dp, -1};
+      case GroupKind::kEmbedding:
+        return {c.tp, c.cp, c.dp, -1};
+    }
+    return {};
+  };
+  std::map<std::array<int64_t, 4>, std::vector<int64_t>> groups;
+  for (int64_t r = 0; r < l.world(); ++r) {
+    Coord c = coord_of(r, l);
+    if (k == GroupKind::kEmbedding && (l.pp == 1 || (c.pp != 0 && c.pp != l.pp - 1))) continue;
+    groups[key(c)].push_back(r);
+  }
+  std::vector<std::vector<int64_t>> out;
+  for (auto& [_, ranks] : groups) out.push_back(ranks);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
+  const auto& p = c.parallel;
+  const auto& m = c.model;
+  const auto& t = c.training;
+  std::vector<std::string> errors;
+  auto require = [&](bool ok, std::string msg) {
+    if (!ok) errors.push_back(c.source + ": " + msg);
+  };
+  Layout l{p.tp, p.cp, p.dp, p.pp};
+  const int64_t model_parallel = p.tp * p.cp * p.pp;
+  if (p.dp == 0) {
+    require(world % model_parallel == 0,
+            fmt::format("world size ({}) must be divisible by parallel.tp·cp·pp ({}·{}·{} = {}) "
+                        "for parallel.dp: auto",
+                        world, p.tp, p.cp, p.pp, model_parallel));
+    l.dp = std::max<int64_t>(1, world / model_parallel);
+  } else {
+    require(world == l.world(),
+            fmt::format("world size ({}) must equal parallel.tp·cp·dp·pp ({}·{}·{}·{} = {})", world,
+                        p.tp, p.cp, p.dp, p.pp, l.world()));
+  }
+  require(m.heads % p.tp == 0,
+          fmt::format("model.heads ({}) must be divisible by parallel.tp ({})", m.heads, p.tp));
+  require(m.kv_heads % p.tp == 0 || p.tp % m.kv_heads == 0,
+          fmt::format("model.kv_heads ({}) and parallel.tp ({}) must divide one another",
+                      m.kv_heads, p.tp));
+  require(m.layers >= p.pp,
+          fmt::format("model.layers ({}) must be >= parallel.pp ({})", m.layers, p.pp));
+  require(p.cp == 1 || t.seq_len % (2 * p.cp) == 0,
+          fmt::format("training.seq_len ({}) must be divisible by 2·parallel.cp ({})", t.seq_len,
+                      2 * p.cp));
+  require(t.global_batch % (l.dp * t.micro_batch) == 0,
+          fmt::format("training.global_batch ({}) must be divisible by "
+                      "parallel.dp·training.micro_batch ({}·{} = {})",
+                      t.global_batch, l.dp, t.micro_batch, l.dp * t.micro_batch));
+  if (t.device == "cuda" || (t.device == "auto" && torch::cuda::is_available())) {
+    const int64_t n = torch::cuda::device_count();
+    require(local_world <= n,
+            fmt::format("{} processes on this node need {} CUDA devices, {} available", local_world,
+                        local_world, n));
+  }
+  if (!errors.empty()) {
+    std::string all;
+    for (const auto& e : errors) all += (all.empty() ? "" : "\n") + e;
+    throw UserError(all);
+  }
+  return l;
+}
+
+std::string describe_grid(const Layout& l) {
+  std::ostringstream s;
+  s << fmt::format("rank grid: world {} = tp {} x cp {} x dp {} x pp {} (order tp-cp-dp-pp)\n",
+                   l.world(), l.tp, l.cp, l.dp, l.pp);
+  std::map<GroupKind, std::vector<std::vector<int64_t>>> groups;
+  for (auto k : all_group_kinds()) groups[k] = group_ranks(k, l);
+  for (int64_t r = 0; r < l.world(); ++r) {
+    Coord c = coord_of(r, l);
+    s << fmt::format("  rank {:>3}: tp {} cp {} dp {} pp {} |", r, c.tp, c.cp, c.dp, c.pp);
+    for (auto k : all_group_kinds())
+      for (const auto& g : groups[k])
+        if (std::find(g.begin(), g.end(), r) != g.end())
+          s << fmt::format(" {} [{}]", group_name(k), fmt::join(g, ","));
+    s << "\n";
+  }
+  return s.str();
+}
+
+std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w,
+                                   const torch::Device& device) {
+  auto mesh = std::unique_ptr<Mesh>(new Mesh());
+  mesh->layout_ = check_layout(c, w.world, w.local_world);
+  mesh->rank_ = w.rank;
+  mesh->coord_ = coord_of(w.rank, mesh->layout_);
+  mesh->device_ = device;
+  mesh->backend_ =
+      c.parallel.backend == "auto" ? (device.is_cuda() ? "nccl" : "gloo") : c.parallel.backend;
+  if (mesh->backend_ == "nccl" && !device.is_cuda())
+    throw UserError(c.source + ": parallel.backend nccl needs training.device cuda");
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(c.parallel.timeout_s * 1000));
+
+  c10::intrusive_ptr<c10d::Store> store;
+  if (w.world > 1) {
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(w.master_port);
+    o.isServer = w.rank == 0;
+    o.numWorkers = w.world;
+    o.timeout = timeout;
+    try {
+      store = c10::make_intrusive<c10d::TCPStore>(w.master_addr, o);
+    } catch (const std::exception& e) {
+      throw UserError(fmt::format("rank {}: rendezvous at {}:{} failed: {}", w.rank, w.master_addr,
+                                  w.master_port, e.what()));
+    }
+  }
+  auto make = [&](const std::string& name,
+                  const std::vector<int64_t>& ranks) -> std::unique_ptr<Group> {
+    c10::intrusive_ptr<c10d::Backend> backend;
+    if (ranks.size() > 1) {
+      auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
+      const int my =
+          static_cast<int>(std::find(ranks.begin(), ranks.end(), w.rank) - ranks.begin());
+      const int n = static_cast<int>(ranks.size());
+      if (mesh->backend_ == "gloo") {
+        auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+        opts->devices.push_back(gloo_device(w));
+        backend = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, my, n, opts);
+      } else {
+        auto opts = c10d::ProcessGroupNCCL::Options::create();
+        opts->timeout = timeout;
+        backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, my, n, opts);
+      }
+    }
+    return std::make_unique<Group>(name, ranks, w.rank, backend);
+  };
+  std::vector<int64_t> all(static_cast<size_t>(w.world));
+  std::iota(all.begin(), all.end(), 0);
+  mesh->world_ = make("world", all);
+  // Every rank walks every group in the same order and joins the ones that hold it.
+  for (auto k : all_group_kinds()) {
+    std::unique_ptr<Group> mine;
+    auto groups = group_ranks(k, mesh->layout_);
+    for (size_t i = 0; i < groups.size(); ++i)
+      if (std::find(groups[i].begin(), groups[i].end(), w.rank) != groups[i].end())
+        mine = make(fmt::format("{}.{}", group_name(k), i), groups[i]);
+    if (!mine)
+      mine = std::make_unique<Group>(group_name(k), std::vector<int64_t>{w.rank}, w.rank, nullptr);
+    mesh->groups_.push_back(std::move(mine));
+  }
+  return mesh;
+}
+
+}  // namespace tessel::parallel

@@ -1,0 +1,75 @@
+// The rank grid and every process group, built once from the plan (order tp-cp-dp-pp: tp varies
+// fastest, so tensor-parallel peers share a node; pp slowest). One Mesh is passed explicitly
+// (const Mesh&) to everything that communicates; there are no global groups.
+#pragma once
+
+#include <torch/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/config.h"
+#include "parallel/comm.h"
+#include "parallel/world.h"
+
+namespace tessel::parallel {
+
+struct Layout {
+  int64_t tp = 1, cp = 1, dp = 1, pp = 1;
+  int64_t world() const { return tp * cp * dp * pp; }
+};
+
+struct Coord {
+  int64_t tp, cp, dp, pp;
+};
+
+/// The kinds of groups, in the order every rank creates them.
+enum class GroupKind { kTp, kCp, kDp, kPp, kDpCp, kMp, kEmbedding };
+const char* group_name(GroupKind k);
+const std::vector<GroupKind>& all_group_kinds();
+
+Coord coord_of(int64_t rank, const Layout& l);
+int64_t rank_of(const Coord& c, const Layout& l);
+/// Every group of a kind (each a sorted list of global ranks), ordered by their first rank.
+///   tp, cp, dp, pp: ranks that differ only in that coordinate
+///   dp_cp: differ in dp and cp (gradient reduction); mp: differ in tp and pp (one model replica,
+///   for norms); embedding: first and last pipeline stage (tied weights; empty when pp == 1)
+std::vector<std::vector<int64_t>> group_ranks(GroupKind k, const Layout& l);
+
+/// The plan's layout for `world` processes (dp auto resolved), with every check of the plan
+/// against the world; messages name the quantities and their values. Runs before any communicator.
+Layout check_layout(const Config& c, int64_t world, int64_t local_world);
+
+/// Text of the rank grid: every rank's coordinates and its group members (for --dry-run).
+std::string describe_grid(const Layout& l);
+
+class Mesh {
+ public:
+  /// Rendezvous (TCPStore at master_addr:master_port, rank 0 serving) and every process group,
+  /// created in the same order on every rank. Gloo on CPU; NCCL on CUDA (device = local rank).
+  static std::unique_ptr<Mesh> create(const Config& c, const WorldInfo& w,
+                                      const torch::Device& device);
+
+  const Layout& layout() const { return layout_; }
+  const Coord& coord() const { return coord_; }
+  int64_t rank() const { return rank_; }
+  int64_t world() const { return layout_.world(); }
+  const torch::Device& device() const { return device_; }
+  const std::string& backend() const { return backend_; }
+
+  Group& world_group() const { return *world_; }
+  Group& group(GroupKind k) const { return *groups_[static_cast<size_t>(k)]; }
+  Group& dp_cp() const { return group(GroupKind::kDpCp); }
+
+ private:
+  Layout layout_;
+  Coord coord_{};
+  int64_t rank_ = 0;
+  torch::Device device_{torch::kCPU};
+  std::string backend_;
+  std::unique_ptr<Group> world_;
+  std::vector<std::unique_ptr<Group>> groups_;
+};
+
+}  // namespace tessel::parallel

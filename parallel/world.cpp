@@ -1,0 +1,92 @@
+#include "parallel/world.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "engine/config.h"
+
+namespace tessel::parallel {
+namespace {
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? v : nullptr;
+}
+
+int env_int(const char* name, const char* from) {
+  const char* v = env(name);
+  char* end = nullptr;
+  long x = v ? std::strtol(v, &end, 10) : -1;
+  if (!v || *end || x < 0)
+    throw UserError(
+        fmt::format("{}: {}={} is not a non-negative integer", from, name, v ? v : "(unset)"));
+  return static_cast<int>(x);
+}
+
+}  // namespace
+
+std::string first_slurm_host(const std::string& nodelist) {
+  // "pre[3-5,7]suf,other" -> "pre3suf"; "a,b" -> "a"; "n1" -> "n1".
+  std::string first;
+  int depth = 0;
+  for (char ch : nodelist) {
+    if (ch == '[') ++depth;
+    if (ch == ']') --depth;
+    if (ch == ',' && depth == 0) break;
+    first += ch;
+  }
+  auto open = first.find('[');
+  if (open == std::string::npos) return first;
+  auto close = first.find(']', open);
+  std::string range = first.substr(open + 1, close - open - 1);
+  std::string lo = range.substr(0, range.find_first_of(",-"));
+  return first.substr(0, open) + lo + first.substr(close + 1);
+}
+
+WorldInfo discover_world() {
+  WorldInfo w;
+  if (env("RANK") || env("WORLD_SIZE")) {
+    const char* from = "torchrun-style environment";
+    w.rank = env_int("RANK", from);
+    w.world = env_int("WORLD_SIZE", from);
+    w.local_rank = env("LOCAL_RANK") ? env_int("LOCAL_RANK", from) : 0;
+    w.local_world = env("LOCAL_WORLD_SIZE") ? env_int("LOCAL_WORLD_SIZE", from) : 1;
+    w.source = env("TESSEL_RESTART_COUNT") ? "tessel-launch" : "torchrun-style environment";
+  } else if (env("SLURM_PROCID") && env("SLURM_NTASKS")) {
+    const char* from = "Slurm environment";
+    w.rank = env_int("SLURM_PROCID", from);
+    w.world = env_int("SLURM_NTASKS", from);
+    w.local_rank = env("SLURM_LOCALID") ? env_int("SLURM_LOCALID", from) : 0;
+    // SLURM_NTASKS_PER_NODE may read "2(x3)"; the leading count is this layout's tasks per node.
+    w.local_world = env("SLURM_NTASKS_PER_NODE") ? std::atoi(env("SLURM_NTASKS_PER_NODE")) : 1;
+    if (env("SLURM_JOB_NODELIST")) w.master_addr = first_slurm_host(env("SLURM_JOB_NODELIST"));
+    if (!env("MASTER_PORT") && env("SLURM_JOB_ID"))
+      w.master_port =
+          20000 + static_cast<int>(std::strtoul(env("SLURM_JOB_ID"), nullptr, 10) % 20000);
+    w.source = "Slurm";
+  } else if (env("OMPI_COMM_WORLD_RANK")) {
+    const char* from = "Open MPI environment";
+    w.rank = env_int("OMPI_COMM_WORLD_RANK", from);
+    w.world = env_int("OMPI_COMM_WORLD_SIZE", from);
+    w.local_rank =
+        env("OMPI_COMM_WORLD_LOCAL_RANK") ? env_int("OMPI_COMM_WORLD_LOCAL_RANK", from) : 0;
+    w.local_world =
+        env("OMPI_COMM_WORLD_LOCAL_SIZE") ? env_int("OMPI_COMM_WORLD_LOCAL_SIZE", from) : 1;
+    if (w.local_world != w.world && !env("MASTER_ADDR"))
+      throw UserError(
+          "Open MPI across nodes: set MASTER_ADDR to the host of rank 0 (mpirun -x "
+          "MASTER_ADDR=...)");
+    w.source = "Open MPI";
+  }
+  if (env("MASTER_ADDR")) w.master_addr = env("MASTER_ADDR");
+  if (env("MASTER_PORT")) w.master_port = env_int("MASTER_PORT", "environment");
+  if (w.world < 1 || w.rank >= w.world || w.local_rank >= std::max(w.local_world, 1))
+    throw UserError(fmt::format(
+        "{}: rank {} / world size {} / local rank {} / local world size {} are inconsistent",
+        w.source, w.rank, w.world, w.local_rank, w.local_world));
+  return w;
+}
+
+}  // namespace tessel::parallel

@@ -1,0 +1,61 @@
+"""Bad layouts fail within seconds, in --dry-run and at start under the launcher, before any
+communicator exists, with messages that name the values."""
+import os
+import socket
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
+from common import BIN, TmpDirTest, base_plan, run, write_plan, write_tokens  # noqa: E402
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+CASES = [
+    ({"parallel": {"dp": 2}}, 3, "world size (3) must equal parallel.tp·cp·dp·pp (1·1·2·1 = 2)"),
+    ({"parallel": {"tp": 3}}, 3, "model.heads (4) must be divisible by parallel.tp (3)"),
+    ({"training": {"global_batch": 6, "micro_batch": 2}}, 2,
+     "training.global_batch (6) must be divisible by parallel.dp·training.micro_batch (2·2 = 4)"),
+    ({"parallel": {"pp": 4}}, 4, "model.layers (2) must be >= parallel.pp (4)"),
+]
+
+
+class PlanChecks(TmpDirTest):
+    def plan(self, overrides):
+        plan = base_plan(self.tmp, "gpt2", write_tokens(self.path("d.u16"), 3000))
+        for section, values in overrides.items():
+            plan.setdefault(section, {}).update(values)
+        return write_plan(self.path("p.yaml"), plan)
+
+    def test_dry_run_names_the_values(self):
+        for overrides, world, message in CASES:
+            p = run("tessel-train", self.plan(overrides), "--dry-run", "--world-size", world, check=False)
+            self.assertEqual(p.returncode, 2, p.stdout)
+            self.assertIn(message, p.stderr)
+
+    def test_dry_run_prints_the_grid(self):
+        p = run("tessel-train", self.plan({"training": {"global_batch": 8, "micro_batch": 1}}), "--dry-run",
+                "--world-size", 4)
+        self.assertIn("rank grid: world 4 = tp 1 x cp 1 x dp 4 x pp 1", p.stdout)
+        self.assertIn("rank   3: tp 0 cp 0 dp 3 pp 0 | tp [3] cp [3] dp [0,1,2,3]", p.stdout)
+        self.assertIn("2 micro-batches of 1 sequences per data rank", p.stdout)
+
+    def test_launched_bad_plan_fails_before_any_communicator(self):
+        overrides, world, message = CASES[0]
+        t0 = time.time()
+        p = run("tessel-launch", "--nproc-per-node", world, "--master-port", free_port(), "--",
+                os.path.join(BIN, "tessel-train"), self.plan(overrides), check=False)
+        self.assertLess(time.time() - t0, 15)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn(message, p.stdout)  # the workers' own message, [rank N]-prefixed
+        self.assertIn("exited with code 2", p.stderr)
+        self.assertNotIn("rendezvous", p.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,117 @@
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "parallel/mesh.h"
+
+namespace tessel::parallel {
+namespace {
+
+using Ranks = std::vector<std::vector<int64_t>>;
+
+TEST(Mesh, RankOrderIsTpCpDpPp) {
+  Layout l{2, 1, 2, 2};  // tp, cp, dp, pp
+  for (int64_t r = 0; r < l.world(); ++r) EXPECT_EQ(rank_of(coord_of(r, l), l), r);
+  Coord c = coord_of(5, l);  // 5 = tp 1 + 2·(dp 0) + 4·(pp 1)... check each coordinate
+  EXPECT_EQ(c.tp, 1);
+  EXPECT_EQ(c.dp, 0);
+  EXPECT_EQ(c.pp, 1);
+  EXPECT_EQ(group_ranks(GroupKind::kTp, l), (Ranks{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
+  EXPECT_EQ(group_ranks(GroupKind::kDp, l), (Ranks{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
+  EXPECT_EQ(group_ranks(GroupKind::kPp, l), (Ranks{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
+  EXPECT_EQ(group_ranks(GroupKind::kCp, l), (Ranks{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}));
+  EXPECT_EQ(group_ranks(GroupKind::kMp, l), (Ranks{{0, 1, 4, 5}, {2, 3, 6, 7}}));
+  EXPECT_EQ(group_ranks(GroupKind::kEmbedding, l), (Ranks{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
+}
+
+TEST(Mesh, ContextAndDataShareTheGradientGroup) {
+  Layout l{1, 2, 2, 1};
+  EXPECT_EQ(group_ranks(GroupKind::kCp, l), (Ranks{{0, 1}, {2, 3}}));
+  EXPECT_EQ(group_ranks(GroupKind::kDpCp, l), (Ranks{{0, 1, 2, 3}}));
+  EXPECT_TRUE(group_ranks(GroupKind::kEmbedding, l).empty());  // pp == 1: no embedding group
+  Layout deep{1, 1, 1, 4};
+  EXPECT_EQ(group_ranks(GroupKind::kEmbedding, deep), (Ranks{{0, 3}}));  // first and last stage
+}
+
+Config plan(const std::string& extra) {
+  return load_config_text("data: {path: x}\nmodel: {layers: 4, hidden: 64, heads: 4}\n" + extra,
+                          "p.yaml");
+}
+
+void expect_layout_error(const Config& c, int64_t world, const std::string& part) {
+  try {
+    check_layout(c, world, world);
+    FAIL() << "accepted; expected: " << part;
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
+TEST(Mesh, PlanChecksNameTheValues) {
+  EXPECT_EQ(check_layout(plan("training: {global_batch: 8, micro_batch: 2}\n"), 4, 4).dp, 4);
+  expect_layout_error(plan("parallel: {dp: 2, tp: 2}\n"), 8,
+                      "world size (8) must equal parallel.tp·cp·dp·pp (2·1·2·1 = 4)");
+  expect_layout_error(plan("parallel: {tp: 3}\n"), 3,
+                      "model.heads (4) must be divisible by parallel.tp (3)");
+  expect_layout_error(plan("parallel: {pp: 8}\n"), 8,
+                      "model.layers (4) must be >= parallel.pp (8)");
+  expect_layout_error(plan("parallel: {cp: 3}\ntraining: {seq_len: 64}\n"), 3,
+                      "training.seq_len (64) must be divisible by 2·parallel.cp (6)");
+  expect_layout_error(
+      plan("training: {global_batch: 8, micro_batch: 4}\n"), 4,
+      "training.global_batch (8) must be divisible by parallel.dp·training.micro_batch (4·4 = 16)");
+  expect_layout_error(
+      plan("parallel: {tp: 4}\n"), 6,
+      "world size (6) must be divisible by parallel.tp·cp·pp (4·1·1 = 4) for parallel.dp: auto");
+}
+
+TEST(World, SlurmHostList) {
+  EXPECT_EQ(first_slurm_host("node[3-5,7]"), "node3");
+  EXPECT_EQ(first_slurm_host("a1,b2"), "a1");
+  EXPECT_EQ(first_slurm_host("gpu[010-012]-ib,cpu1"), "gpu010-ib");
+  EXPECT_EQ(first_slurm_host("n1"), "n1");
+}
+
+TEST(World, DiscoveryPrefersTorchrunThenSlurmThenOpenMpi) {
+  for (const char* k :
+       {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST",
+        "SLURM_NTASKS_PER_NODE", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "TESSEL_RESTART_COUNT"})
+    unsetenv(k);
+  EXPECT_EQ(discover_world().world, 1);
+  setenv("OMPI_COMM_WORLD_RANK", "1", 1);
+  setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
+  setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1", 1);
+  setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+  auto w = discover_world();
+  EXPECT_EQ(w.source, "Open MPI");
+  EXPECT_EQ(w.rank, 1);
+  EXPECT_EQ(w.master_addr, "127.0.0.1");
+  setenv("SLURM_PROCID", "3", 1);
+  setenv("SLURM_NTASKS", "4", 1);
+  setenv("SLURM_LOCALID", "1", 1);
+  setenv("SLURM_NTASKS_PER_NODE", "2(x2)", 1);
+  setenv("SLURM_JOB_NODELIST", "n[7-8]", 1);
+  w = discover_world();
+  EXPECT_EQ(w.source, "Slurm");
+  EXPECT_EQ(w.rank, 3);
+  EXPECT_EQ(w.local_world, 2);
+  EXPECT_EQ(w.master_addr, "n7");
+  setenv("RANK", "0", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  setenv("MASTER_PORT", "1234", 1);
+  w = discover_world();
+  EXPECT_EQ(w.source, "torchrun-style environment");
+  EXPECT_EQ(w.master_port, 1234);
+  setenv("RANK", "2", 1);
+  EXPECT_THROW(discover_world(), UserError);  // rank 2 of 2
+  for (const char* k :
+       {"RANK", "WORLD_SIZE", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+        "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NODELIST", "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"})
+    unsetenv(k);
+}
+
+}  // namespace
+}  // namespace tessel::parallel
