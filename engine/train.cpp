@@ -142,6 +142,8 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   const double ms = std::chrono::duration<double, std::milli>(now - last_log_time_).count() /
                     static_cast<double>(step - last_log_step_);
   last_log_time_ = now;
+  const double exposed_ms = exposed_comm_ms_sum_ / static_cast<double>(step - last_log_step_);
+  exposed_comm_ms_sum_ = 0;
   last_log_step_ = step;
   // Per device, as the anchors print it (and as MFU needs it).
   const double tokens_per_s = static_cast<double>(c_.training.global_batch * c_.training.seq_len) /
@@ -152,7 +154,7 @@ void Trainer::log_step(int64_t step, StepOut& out) {
                      static_cast<double>(c_.training.steps - step);
   metrics_->step({step, c_.training.steps, loss, lr_at(c_.training, step), norm, ms, tokens_per_s,
                   tflops, peak_.tflops > 0 ? tflops / peak_.tflops : 0.0, memory_bytes(device_),
-                  eta, out.exposed_comm_ms});
+                  eta, exposed_ms});
 }
 
 Trainer::~Trainer() = default;
@@ -165,6 +167,7 @@ void Trainer::train() {
     spdlog::info("nothing to do: the checkpoint is at step {} of {}", first_step_ - 1, t.steps);
   for (int64_t step = first_step_; step <= t.steps; ++step) {
     StepOut out = train_step(step);
+    exposed_comm_ms_sum_ += out.exposed_comm_ms;
     const bool last = step == t.steps;
     if (step % c_.logging.every == 0 || last) log_step(step, out);
     if (t.eval_every > 0 && (step % t.eval_every == 0 || last)) {

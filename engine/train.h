@@ -60,8 +60,9 @@ class Trainer {
   // Timing between logged steps: the loss read at a log step is the only host sync.
   std::chrono::steady_clock::time_point last_log_time_, start_time_;
   int64_t last_log_step_ = 0;
-  int64_t first_step_ = 1;  // > 1 when resumed
-  int64_t consumed_ = 0;    // the data position: global samples consumed so far
+  double exposed_comm_ms_sum_ = 0;  // since the last logged step
+  int64_t first_step_ = 1;          // > 1 when resumed
+  int64_t consumed_ = 0;            // the data position: global samples consumed so far
 };
 
 }  // namespace tessel

@@ -72,6 +72,11 @@ std::vector<std::string> worker_env(const Options& o, const Worker& w, int round
   env["TESSEL_RESTART_COUNT"] = std::to_string(round);
   // As torchrun: one intra-op thread per worker when several share a node, unless the user chose.
   if (!env.count("OMP_NUM_THREADS") && o.nproc_per_node > 1) env["OMP_NUM_THREADS"] = "1";
+  // NCCL runs keep c10d's flight recorder (the last collectives of every group) and dump it when
+  // a collective times out, next to the logs when there are logs; Gloo runs ignore these.
+  if (!env.count("TORCH_NCCL_TRACE_BUFFER_SIZE")) env.emplace("TORCH_FR_BUFFER_SIZE", "2000");
+  env.emplace("TORCH_NCCL_DUMP_ON_TIMEOUT", "1");
+  if (!o.log_dir.empty()) env.emplace("TORCH_FR_DUMP_TEMP_FILE", o.log_dir + "/nccl_trace_rank_");
   std::vector<std::string> out;
   for (const auto& [k, v] : env) out.push_back(k + "=" + v);
   return out;

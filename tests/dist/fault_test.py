@@ -1,0 +1,68 @@
+"""A failed or timed-out collective names its group, operation, sequence number and rank."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
+from common import BIN, TmpDirTest, base_plan, write_plan, write_tokens  # noqa: E402
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class CollectiveFaults(TmpDirTest):
+    def start_pair(self, timeout_s):
+        plan = base_plan(self.tmp, "gpt2", write_tokens(self.path("d.u16"), 200000), steps=100000, global_batch=2,
+                         micro_batch=1, threads=1)
+        plan["parallel"] = {"timeout_s": timeout_s}
+        plan["logging"]["every"] = 1
+        path = write_plan(self.path("p.yaml"), plan)
+        port = free_port()
+        procs = []
+        for r in (0, 1):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            procs.append(subprocess.Popen([os.path.join(BIN, "tessel-train"), path], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        # Wait until training is under way (rank 0 logs steps).
+        for line in iter(procs[0].stdout.readline, ""):
+            if re.search(r"step +3/", line):
+                break
+        return procs
+
+    def check_message(self, err):
+        print("\n" + err.strip().splitlines()[-1][:300], file=sys.stderr)
+        self.assertRegex(err, r"tessel-train\[rank 0\]: error: (all_reduce|barrier) #\d+ on group (dp_cp|mp|world)"
+                              r"\.?\d* \(ranks \[0,1\]\) at rank 0 failed")
+
+    def test_dead_peer(self):
+        procs = self.start_pair(timeout_s=60)
+        procs[1].send_signal(signal.SIGKILL)
+        _, err = procs[0].communicate(timeout=60)
+        procs[1].communicate()
+        self.assertNotEqual(procs[0].returncode, 0)
+        self.check_message(err)
+
+    def test_stalled_peer_times_out(self):
+        procs = self.start_pair(timeout_s=3)
+        procs[1].send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        _, err = procs[0].communicate(timeout=60)
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].communicate()
+        self.assertNotEqual(procs[0].returncode, 0)
+        self.assertLess(time.time() - t0, 30)
+        self.check_message(err)
+        self.assertRegex(err.lower(), "timed out|timeout")
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,115 @@
+// tessel-bench-comm: an nccl-tests-style table (size, time, algbw, busbw) for each collective over
+// the world group, on Gloo (CPU) or NCCL (CUDA). Run it under tessel-launch:
+//   tessel-launch --nproc-per-node 4 -- build/bin/tessel-bench-comm --backend gloo
+#include <fmt/format.h>
+#include <torch/torch.h>
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <cstdio>
+
+#include "engine/config.h"
+#include "parallel/mesh.h"
+
+namespace {
+
+using tessel::parallel::Group;
+
+// nccl-tests: busbw = algbw × factor, the fraction of the data each rank must move.
+double bus_factor(const std::string& op, int64_t n) {
+  if (op == "all_reduce") return 2.0 * (n - 1) / n;
+  if (op == "broadcast") return 1.0;
+  return static_cast<double>(n - 1) / n;  // all_gather, reduce_scatter, all_to_all
+}
+
+double time_op(Group& g, const std::string& op, int64_t elems, int iters, int warmup,
+               const torch::Device& dev) {
+  const int64_t n = g.size();
+  auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(dev);
+  // nccl-tests sizes: the per-rank message for all_reduce/broadcast, the full buffer for the rest.
+  auto small = torch::ones({std::max<int64_t>(1, elems / n)}, opts);
+  auto big = torch::ones({std::max<int64_t>(1, elems / n) * n}, opts);
+  auto whole = torch::ones({elems}, opts);
+  auto once = [&] {
+    tessel::parallel::Work w;
+    if (op == "all_reduce")
+      w = g.all_reduce(whole);
+    else if (op == "broadcast")
+      w = g.broadcast(whole, 0);
+    else if (op == "all_gather")
+      w = g.all_gather(big, small);
+    else if (op == "reduce_scatter")
+      w = g.reduce_scatter(small, big);
+    else
+      w = g.all_to_all(big, big);
+    w.wait();
+  };
+  for (int i = 0; i < warmup; ++i) once();
+  if (dev.is_cuda()) torch::cuda::synchronize();
+  g.barrier();
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) once();
+  if (dev.is_cuda()) torch::cuda::synchronize();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "tessel-bench-comm: collective bandwidth over the world group (run under tessel-launch)",
+      "tessel-bench-comm"};
+  std::string backend = "auto", ops_arg = "all";
+  int64_t min_bytes = 1 << 10, max_bytes = 64 << 20;
+  int iters = 20, warmup = 5;
+  app.add_option("--backend", backend, "gloo, nccl, or auto (nccl when CUDA is available)")
+      ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
+  app.add_option("--ops", ops_arg,
+                 "all, or one of all_reduce, all_gather, reduce_scatter, broadcast, all_to_all");
+  app.add_option("--min-bytes", min_bytes, "Smallest message")->check(CLI::PositiveNumber);
+  app.add_option("--max-bytes", max_bytes, "Largest message (sizes double)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--iters", iters, "Timed iterations per size")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup, "Untimed iterations per size")->check(CLI::NonNegativeNumber);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    const auto world = tessel::parallel::discover_world();
+    const bool cuda = backend == "nccl" || (backend == "auto" && torch::cuda::is_available());
+    const torch::Device dev =
+        cuda ? torch::Device(torch::kCUDA, static_cast<int8_t>(world.local_rank)) : torch::kCPU;
+    // A plan of defaults whose only layout is data parallelism over every process.
+    tessel::Config c = tessel::load_config_text(
+        fmt::format(
+            "data: {{path: none}}\ntraining: {{global_batch: {}, micro_batch: 1, device: {}}}\n"
+            "parallel: {{backend: {}}}\n",
+            world.world, cuda ? "cuda" : "cpu", backend),
+        "tessel-bench-comm");
+    auto mesh = tessel::parallel::Mesh::create(c, world, dev);
+    auto& g = mesh->world_group();
+    std::vector<std::string> ops = {"all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                                    "all_to_all"};
+    if (ops_arg != "all") ops = {ops_arg};
+    if (world.rank == 0)
+      std::printf("# tessel-bench-comm: %d ranks, %s, float32, %d iterations after %d warm-up\n",
+                  world.world, mesh->backend().c_str(), iters, warmup);
+    for (const auto& op : ops) {
+      if (world.rank == 0)
+        std::printf("#\n# %s\n# %12s %12s %12s %12s %12s\n", op.c_str(), "size(B)", "count",
+                    "time(us)", "algbw(GB/s)", "busbw(GB/s)");
+      for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
+        const int64_t elems = std::max<int64_t>(1, bytes / 4);
+        const double s = time_op(g, op, elems, iters, warmup, dev);
+        const double algbw = static_cast<double>(elems * 4) / s / 1e9;
+        if (world.rank == 0)
+          std::printf("  %12lld %12lld %12.1f %12.3f %12.3f\n", static_cast<long long>(elems * 4),
+                      static_cast<long long>(elems), s * 1e6, algbw,
+                      algbw * bus_factor(op, g.size()));
+      }
+    }
+    std::fflush(stdout);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tessel-bench-comm: error: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}
