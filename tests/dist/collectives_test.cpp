@@ -5,13 +5,12 @@
 
 #include "parallel/autograd_comm.h"
 #include "parallel/mesh.h"
+#include "tests/dist/dist_env.h"
 
 namespace tessel::parallel {
 namespace {
 
-std::unique_ptr<Mesh> g_mesh;
-
-Group& group() { return g_mesh->group(GroupKind::kTp); }  // the whole world (tp = world size)
+Group& group() { return test_group(); }
 double r() { return static_cast<double>(group().rank()); }
 double n() { return static_cast<double>(group().size()); }
 
@@ -103,19 +102,3 @@ TEST(AutogradPairs, SequenceGatherAndScatter) {
 
 }  // namespace
 }  // namespace tessel::parallel
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  auto world = tessel::parallel::discover_world();
-  auto c = tessel::load_config_text(
-      "data: {path: none}\nmodel: {heads: 4}\ntraining: {global_batch: 1, micro_batch: 1, device: "
-      "cpu}\n"
-      "parallel: {timeout_s: 60, tp: " +
-          std::to_string(world.world) + "}\n",
-      "collectives_test");
-  tessel::parallel::g_mesh = tessel::parallel::Mesh::create(c, world, torch::kCPU);
-  int rc = RUN_ALL_TESTS();
-  tessel::parallel::g_mesh->world_group().barrier();
-  tessel::parallel::g_mesh.reset();
-  return rc;
-}

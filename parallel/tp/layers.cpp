@@ -1,0 +1,127 @@
+#include "parallel/tp/layers.h"
+
+#include <torch/torch.h>
+
+#include "parallel/autograd_comm.h"
+
+namespace tessel::parallel::tp {
+namespace {
+
+torch::Tensor enter_column(Group& g, const torch::Tensor& x, bool sp) {
+  return sp ? sequence_gather(g, x, 1) : copy_to(g, x);  // [b, s, in] on every rank
+}
+
+torch::Tensor leave_row(Group& g, const torch::Tensor& partial, bool sp) {
+  return sp ? sequence_scatter(g, partial, 1) : reduce_from(g, partial);
+}
+
+int64_t chunk(int64_t n, const Group& g, const char* what) {
+  TORCH_CHECK(n % g.size() == 0, what, " (", n, ") is not divisible by the tensor-parallel size (",
+              g.size(), ")");
+  return n / g.size();
+}
+
+}  // namespace
+
+torch::Tensor Shard::of(const torch::Tensor& global) const {
+  if (parts == 1) return global;
+  return global.chunk(parts, dim)[static_cast<size_t>(index)].contiguous();
+}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(Group& tp, int64_t in, int64_t out,
+                                                   bool with_bias, bool sp)
+    : tp_(&tp), sp_(sp) {
+  const int64_t local = chunk(out, tp, "output features");
+  weight = register_parameter("weight", torch::empty({local, in}));
+  if (with_bias) bias = register_parameter("bias", torch::zeros({local}));
+}
+
+torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
+  return torch::nn::functional::linear(enter_column(*tp_, x, sp_), weight, bias);
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(Group& tp, int64_t in, int64_t out, bool with_bias,
+                                             bool sp)
+    : tp_(&tp), sp_(sp) {
+  const int64_t local = chunk(in, tp, "input features");
+  weight = register_parameter("weight", torch::empty({out, local}));
+  if (with_bias) bias = register_parameter("bias", torch::zeros({out}));
+}
+
+torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
+  auto y = leave_row(*tp_, torch::nn::functional::linear(x, weight), sp_);
+  return bias.defined() ? y + bias : y;
+}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(Group& tp, int64_t vocab, int64_t dim,
+                                                       bool sp)
+    : tp_(&tp), sp_(sp) {
+  rows_ = padded_vocab(vocab, tp.size()) / tp.size();
+  start_ = rows_ * tp.rank();
+  weight = register_parameter("weight", torch::empty({rows_, dim}));
+}
+
+torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& tokens) {
+  // Tokens outside this rank's rows look up row 0 and are zeroed; the sum over the group then
+  // holds every token's row exactly once. (Out-of-range ids are refused by the data layer, the
+  // same at every tensor-parallel size, before they reach the model.)
+  auto outside = (tokens < start_) | (tokens >= start_ + rows_);
+  auto local = (tokens - start_).masked_fill(outside, 0);
+  auto e = torch::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0.0);
+  return leave_row(*tp_, e, sp_);
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Softmax statistics cross the group as [N] vectors: the max, the sum of exponentials and the
+// target's logit. Backward is local: softmax minus the one-hot target (if this rank holds it).
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits_in,
+                               const torch::Tensor& targets, int64_t group, int64_t vocab_start,
+                               int64_t vocab) {
+    Group& g = *reinterpret_cast<Group*>(static_cast<intptr_t>(group));
+    auto logits = logits_in.to(torch::kFloat32);  // [N, Vl]
+    const int64_t vl = logits.size(1);
+    if (vocab_start + vl > vocab) {  // padding columns on this rank: never part of the softmax
+      auto col = torch::arange(vl, logits.options().dtype(torch::kInt64)) + vocab_start;
+      logits = logits.masked_fill(col >= vocab, -std::numeric_limits<float>::infinity());
+    }
+    auto max = std::get<0>(logits.max(1));  // [N]
+    g.all_reduce(max, c10d::ReduceOp::MAX).wait();
+    auto shifted = logits - max.unsqueeze(1);
+    auto exp = shifted.exp();
+    auto sum = exp.sum(1);
+    g.all_reduce(sum).wait();
+    auto mine = (targets >= vocab_start) & (targets < vocab_start + vl);
+    auto local_t = (targets - vocab_start).masked_fill(~mine, 0);
+    auto target_logit = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0);
+    g.all_reduce(target_logit).wait();
+    ctx->save_for_backward({exp / sum.unsqueeze(1), local_t, mine});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits_in.scalar_type());
+    return sum.log() - target_logit;  // [N]
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    auto saved = ctx->get_saved_variables();
+    auto softmax = saved[0], local_t = saved[1], mine = saved[2];
+    auto g = softmax.clone();
+    g.scatter_add_(1, local_t.unsqueeze(1), -mine.to(g.scalar_type()).unsqueeze(1));
+    g.mul_(grad[0].unsqueeze(1));
+    auto dtype = static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {g.to(dtype), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor vocab_parallel_cross_entropy(Group& tp, const torch::Tensor& logits,
+                                           const torch::Tensor& targets, int64_t vocab_start,
+                                           int64_t vocab) {
+  return VocabParallelCrossEntropy::apply(
+      logits, targets, static_cast<int64_t>(reinterpret_cast<intptr_t>(&tp)), vocab_start, vocab);
+}
+
+}  // namespace tessel::parallel::tp

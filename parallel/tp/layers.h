@@ -1,0 +1,81 @@
+// Megatron-style tensor-parallel layers (Shoeybi et al. 2019, arXiv:1909.08053; sequence
+// parallelism: Korthikanti et al. 2022, arXiv:2205.05198), in the LibTorch module idiom. Each
+// holds its shard of a global parameter; `shard` says which, so initialisation, checkpoints and
+// export work on the global tensor. Communication goes through parallel/autograd_comm.h.
+//
+// Shapes (t = tensor-parallel size, s = sequence, SP = sequence parallelism):
+//   ColumnParallelLinear  x [b, s, in] (SP: [b, s/t, in]) -> [b, s, out/t];  W [out/t, in]
+//   RowParallelLinear     x [b, s, in/t] -> [b, s, out] (SP: [b, s/t, out]); W [out, in/t]
+//   VocabParallelEmbedding tokens [b, s] -> [b, s, h] (SP: [b, s/t, h]);    W [Vp/t, h]
+// Vp is the vocabulary padded to a multiple of t; padded rows are never looked up and padded
+// logits never count (vocab_parallel_cross_entropy masks them).
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "parallel/comm.h"
+
+namespace tessel::parallel::tp {
+
+/// Which slice of the global parameter a rank holds: `parts` equal chunks along `dim`, chunk
+/// `index`. parts == 1: the whole (replicated) tensor.
+struct Shard {
+  int64_t dim = 0, parts = 1, index = 0;
+  /// This rank's slice of a global tensor.
+  torch::Tensor of(const torch::Tensor& global) const;
+};
+
+/// Vocabulary padded up to a multiple of the tensor-parallel size.
+inline int64_t padded_vocab(int64_t vocab, int64_t tp) { return (vocab + tp - 1) / tp * tp; }
+
+class ColumnParallelLinearImpl : public torch::nn::Module {
+ public:
+  ColumnParallelLinearImpl(Group& tp, int64_t in, int64_t out, bool bias, bool sequence_parallel);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight, bias;
+  Shard weight_shard() const { return {0, tp_->size(), tp_->rank()}; }
+
+ private:
+  Group* tp_;
+  bool sp_;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+class RowParallelLinearImpl : public torch::nn::Module {
+ public:
+  RowParallelLinearImpl(Group& tp, int64_t in, int64_t out, bool bias, bool sequence_parallel);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight, bias;  // bias is replicated: added once, after the reduction
+  Shard weight_shard() const { return {1, tp_->size(), tp_->rank()}; }
+
+ private:
+  Group* tp_;
+  bool sp_;
+};
+TORCH_MODULE(RowParallelLinear);
+
+class VocabParallelEmbeddingImpl : public torch::nn::Module {
+ public:
+  VocabParallelEmbeddingImpl(Group& tp, int64_t vocab, int64_t dim, bool sequence_parallel);
+  torch::Tensor forward(const torch::Tensor& tokens);
+  torch::Tensor weight;  // [Vp/t, dim]: global rows [vocab_start, vocab_start + Vp/t)
+  int64_t vocab_start() const { return start_; }
+  Shard weight_shard() const { return {0, tp_->size(), tp_->rank()}; }
+
+ private:
+  Group* tp_;
+  bool sp_;
+  int64_t start_, rows_;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+/// Per-token cross-entropy [N] from this rank's vocabulary slice of the logits [N, Vp/t]
+/// (columns [vocab_start, vocab_start + Vp/t) of the padded vocabulary) and targets [N] (global
+/// ids < vocab). Columns at or past `vocab` are padding and never count. The full vocabulary's
+/// logits are never gathered: only [N]-sized maxima and sums cross the group.
+torch::Tensor vocab_parallel_cross_entropy(Group& tp, const torch::Tensor& logits,
+                                           const torch::Tensor& targets, int64_t vocab_start,
+                                           int64_t vocab);
+
+}  // namespace tessel::parallel::tp
