@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include <fmt/format.h>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -41,59 +42,118 @@ void prune(const fs::path& root, int64_t keep) {
     fs::remove_all(done[i].second);
 }
 
-void write_checkpoint(const Config& c, const fs::path& root, const fs::path& dir,
-                      models::Decoder& model, const FlatAdamW& opt, const CheckpointState& st,
-                      int64_t world) {
-  const fs::path tmp = root / ("step_" + std::to_string(st.step) + ".tmp");
-  fs::create_directories(root);
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
+std::string rank_file(int64_t rank) { return fmt::format("rank_{:05d}.safetensors", rank); }
 
-  std::vector<std::pair<std::string, torch::Tensor>> tensors;
-  for (const auto& p : model->named_parameters()) tensors.emplace_back(p.key(), p.value().detach());
+// Every tensor of a checkpoint: (name, this rank's tensor, its spec). Optimizer state shares the
+// parameter's spec; the step counter is replicated.
+struct Entry {
+  std::string name;
+  torch::Tensor local;
+  models::ParamSpec spec;
+};
+
+std::vector<Entry> checkpoint_entries(models::Decoder& model, const FlatAdamW& opt) {
+  std::vector<Entry> out;
+  auto params = model->named_parameters();
+  for (const auto& p : params)
+    out.push_back({p.key(), p.value().detach(), model->specs().at(p.key())});
   for (const auto& s : opt.slots()) {
-    auto shape = model->named_parameters()[s.name].sizes();
-    tensors.emplace_back("optim.master." + s.name,
-                         opt.master().narrow(0, s.offset, s.numel).view(shape));
-    tensors.emplace_back("optim.exp_avg." + s.name,
-                         opt.exp_avg().narrow(0, s.offset, s.numel).view(shape));
-    tensors.emplace_back("optim.exp_avg_sq." + s.name,
-                         opt.exp_avg_sq().narrow(0, s.offset, s.numel).view(shape));
+    const auto shape = params[s.name].sizes();
+    const auto& spec = model->specs().at(s.name);
+    out.push_back(
+        {"optim.master." + s.name, opt.master().narrow(0, s.offset, s.numel).view(shape), spec});
+    out.push_back(
+        {"optim.exp_avg." + s.name, opt.exp_avg().narrow(0, s.offset, s.numel).view(shape), spec});
+    out.push_back({"optim.exp_avg_sq." + s.name,
+                   opt.exp_avg_sq().narrow(0, s.offset, s.numel).view(shape), spec});
   }
-  tensors.emplace_back("optim.step", opt.step_count());
-  const std::string file = "rank_00000.safetensors";
-  write_safetensors((tmp / file).string(), tensors, {{"format", "tessel"}});
+  models::ParamSpec scalar;
+  out.push_back({"optim.step", opt.step_count(), scalar});
+  return out;
+}
 
+// The real (unpadded) part of a local tensor, or an undefined tensor when it holds none.
+torch::Tensor real_part(const Entry& e) {
+  auto t = e.local;
+  const auto ranges = e.spec.global_ranges();
+  for (size_t d = 0; d < ranges.size(); ++d) {
+    const int64_t n = ranges[d].second - ranges[d].first;
+    if (n <= 0) return {};
+    if (n < t.size(static_cast<int64_t>(d))) t = t.narrow(static_cast<int64_t>(d), 0, n);
+  }
+  return t;
+}
+
+// Rank 0: the index, computed from the specs (every rank's slices follow from its tp index).
+void write_index(const Config& c, const fs::path& tmp, const std::vector<Entry>& entries,
+                 const CheckpointState& st, int64_t world, int64_t tp) {
   nlohmann::json index = {{"format", "tessel-checkpoint-1"},
                           {"step", st.step},
                           {"consumed_samples", st.consumed_samples},
                           {"world_size", world},
                           {"arch", c.model.arch},
                           {"tensors", nlohmann::json::object()}};
-  for (const auto& [name, t] : tensors) {
-    nlohmann::json slice = nlohmann::json::array();
-    for (auto d : t.sizes()) slice.push_back({0, d});
-    index["tensors"][name] = {{"shape", t.sizes().vec()},
-                              {"dtype", c10::toString(t.scalar_type())},
-                              {"shards", {{{"file", file}, {"slice", slice}}}}};
+  for (const auto& e : entries) {
+    nlohmann::json shards = nlohmann::json::array();
+    const int64_t parts = e.spec.shard.parts;
+    for (int64_t r = 0; r < parts; ++r) {
+      auto spec = e.spec;
+      spec.shard.index = r;
+      nlohmann::json slice = nlohmann::json::array();
+      bool empty = false;
+      for (auto [b, en] : spec.global_ranges()) {
+        slice.push_back({b, en});
+        empty = empty || en <= b;
+      }
+      // Tensor-parallel rank r of the first data replica is global rank r (tp varies fastest).
+      if (!empty) shards.push_back({{"file", rank_file(parts == tp ? r : 0)}, {"slice", slice}});
+    }
+    index["tensors"][e.name] = {
+        {"shape", e.spec.global_shape.empty() ? e.local.sizes().vec() : e.spec.global_shape},
+        {"dtype", c10::toString(e.local.scalar_type())},
+        {"shards", shards}};
   }
   write_file_atomic((tmp / "index.json").string(), index.dump(1));
-  write_file_atomic((tmp / "config.yaml").string(), dump_config(c));
-  // The marker goes last; only then does the folder get its final name and `latest` point at it.
-  write_file_atomic((tmp / kMarker).string(), std::to_string(st.step) + "\n");
-  fs::remove_all(dir);
-  fs::rename(tmp, dir);
-  write_file_atomic((root / "latest").string(), dir.filename().string() + "\n");
-  prune(root, c.checkpoint.keep);
 }
+
 }  // namespace
 
 std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models::Decoder& model,
                             const FlatAdamW& opt, const CheckpointState& st) {
   const fs::path root = c.checkpoint_dir();
   const fs::path dir = root / ("step_" + std::to_string(st.step));
-  if (mesh.rank() == 0) write_checkpoint(c, root, dir, model, opt, st, mesh.world());
-  mesh.world_group().barrier();
+  const fs::path tmp = root / ("step_" + std::to_string(st.step) + ".tmp");
+  auto& world = mesh.world_group();
+  if (mesh.rank() == 0) {
+    fs::create_directories(root);
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+  }
+  world.barrier();
+  // Data (and context) replicas hold the same tensors: the first replica's tensor-parallel ranks
+  // write, each its shards; replicated tensors are written by tp rank 0 only.
+  const auto entries = checkpoint_entries(model, opt);
+  const auto& me = mesh.coord();
+  if (me.dp == 0 && me.cp == 0) {
+    std::vector<std::pair<std::string, torch::Tensor>> mine;
+    for (const auto& e : entries) {
+      if (e.spec.shard.parts == 1 && me.tp != 0) continue;
+      if (auto t = real_part(e); t.defined()) mine.emplace_back(e.name, t);
+    }
+    write_safetensors((tmp / rank_file(mesh.rank())).string(), mine, {{"format", "tessel"}});
+  }
+  world.barrier();
+  if (mesh.rank() == 0) {
+    write_index(c, tmp, entries, st, mesh.world(), mesh.layout().tp);
+    write_file_atomic((tmp / "config.yaml").string(), dump_config(c));
+    // The marker goes last; only then does the folder get its final name and `latest` point at it.
+    write_file_atomic((tmp / kMarker).string(), std::to_string(st.step) + "\n");
+    fs::remove_all(dir);
+    fs::rename(tmp, dir);
+    write_file_atomic((root / "latest").string(), dir.filename().string() + "\n");
+    prune(root, c.checkpoint.keep);
+  }
+  world.barrier();
   return dir.string();
 }
 
@@ -176,6 +236,11 @@ CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& mo
   }
   const std::string source = step_dir;
   models::assign_weights(model, weights, source);  // checks every name and shape
+  // Global optimizer tensors -> this rank's slices (any layout can resume any checkpoint).
+  for (auto* m : {&master, &exp_avg, &exp_avg_sq})
+    for (auto& [name, t] : *m)
+      if (auto it = model->specs().find(name); it != model->specs().end())
+        t = it->second.local_of(t);
   if (!all.count("optim.step"))
     throw UserError(source + ": no optimizer state (optim.step) to resume from");
   opt.load_state(master, exp_avg, exp_avg_sq, all.at("optim.step"), source);

@@ -59,6 +59,9 @@ std::vector<Field> bind_fields(Config& c) {
   add("parallel.tp", &c.parallel.tp, int64_t{1}, "Tensor-parallel degree.").range(1);
   add("parallel.pp", &c.parallel.pp, int64_t{1}, "Pipeline-parallel degree.").range(1);
   add("parallel.cp", &c.parallel.cp, int64_t{1}, "Context-parallel degree.").range(1);
+  add("parallel.sequence_parallel", &c.parallel.sequence_parallel, false,
+      "Split activations outside the tensor-parallel regions along the sequence (tp > 1): "
+      "all-gather before column-parallel layers, reduce-scatter after row-parallel ones.");
   add("parallel.order", &c.parallel.order, S("tp-cp-dp-pp"),
       "Rank order, fastest-varying first (tensor-parallel peers share a node).")
       .one_of({"tp-cp-dp-pp"});

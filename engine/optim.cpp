@@ -40,6 +40,16 @@ FlatAdamW::FlatAdamW(models::Decoder& model, const TrainingConfig& t) : t_(t) {
     n_ += it->value().numel();
   }
   auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  // Parameters replicated over tensor-parallel ranks count once in the global gradient norm:
+  // their squares are weighted 1/replicas before the sum over the model-parallel group.
+  bool replicated = false;
+  for (const auto& s : slots_) replicated = replicated || model->specs().at(s.name).replicas > 1;
+  if (replicated) {
+    norm_weight_ = torch::ones({n_}, f32);
+    for (const auto& s : slots_)
+      norm_weight_.narrow(0, s.offset, s.numel)
+          .fill_(1.0 / static_cast<double>(model->specs().at(s.name).replicas));
+  }
   master_ = torch::empty({n_}, f32);
   grad_ = torch::zeros({n_}, f32);
   exp_avg_ = torch::zeros({n_}, f32);
@@ -96,7 +106,7 @@ void FlatAdamW::fold_microbatch(int64_t begin, int64_t end) {
 
 torch::Tensor FlatAdamW::clip_grad_norm(
     double max_norm, const std::function<void(torch::Tensor&)>& sum_over_shards) {
-  auto sq = grad_.pow(2).sum();
+  auto sq = norm_weight_.defined() ? (grad_.pow(2) * norm_weight_).sum() : grad_.pow(2).sum();
   if (sum_over_shards) sum_over_shards(sq);
   auto norm = sq.sqrt();
   if (max_norm > 0) {

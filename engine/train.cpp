@@ -27,20 +27,16 @@ torch::ScalarType resolve_dtype(const std::string& dtype) {
   return dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
 }
 
-models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype) {
-  auto model = models::build_model(c.model, c.run.seed);
+models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
+                           parallel::Group* tp) {
+  auto model = models::build_model(c.model, c.run.seed, tp, c.parallel.sequence_parallel);
   if (!c.model.init_from.empty()) models::load_weights(model, c.model.init_from);
   model->to(device, dtype);
   return model;
 }
 
 torch::Tensor token_loss_sum(models::Decoder& model, const torch::Tensor& rows) {
-  const int64_t t = rows.size(1) - 1;
-  auto logits = model->forward(rows.narrow(1, 0, t));  // [b, T, V]
-  auto targets = rows.narrow(1, 1, t).reshape({-1});
-  return torch::nn::functional::cross_entropy(
-      logits.to(torch::kFloat32).view({-1, logits.size(-1)}), targets,
-      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  return model->loss_sum(rows);
 }
 
 Trainer::Trainer(Config c, const parallel::WorldInfo& world)
@@ -51,11 +47,11 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
   // Every check of the plan against the world runs inside create() before any communicator.
   mesh_ = parallel::Mesh::create(c_, world, device_);
   const auto& l = mesh_->layout();
-  if (l.tp > 1 || l.cp > 1 || l.pp > 1)
-    throw UserError(fmt::format(
-        "{}: parallel.tp {}, cp {}, pp {}: this build trains with data parallelism only "
-        "(tensor, context and pipeline parallelism are not in it yet); set them to 1",
-        c_.source, l.tp, l.cp, l.pp));
+  if (l.cp > 1 || l.pp > 1)
+    throw UserError(
+        fmt::format("{}: parallel.cp {}, pp {}: this build trains with data and tensor parallelism "
+                    "(context and pipeline parallelism are not in it yet); set them to 1",
+                    c_.source, l.cp, l.pp));
   c_.parallel.dp = l.dp;
   if (mesh_->rank() == 0) {
     std::filesystem::create_directories(c_.run.output_dir);
@@ -65,7 +61,7 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
     spdlog::set_level(spdlog::level::warn);  // rank 0 reports for everyone
   }
   data_ = std::make_unique<data::Dataset>(c_);
-  model_ = make_model(c_, device_, dtype_);
+  model_ = make_model(c_, device_, dtype_, &mesh_->group(parallel::GroupKind::kTp));
   opt_ = std::make_unique<FlatAdamW>(model_, c_.training);
   if (auto dir = checkpoint_to_resume(c_); !dir.empty()) {
     auto st = load_checkpoint(dir, model_, *opt_);
@@ -77,8 +73,9 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
   reducer_ =
       std::make_unique<parallel::dp::GradReducer>(*mesh_, model_, *opt_, c_.parallel.ddp_bucket_mb);
   if (mesh_->rank() == 0) metrics_ = std::make_unique<MetricsLog>(c_, first_step_ - 1);
-  spdlog::info("{} process{} ({}, {}): dp {} | {} gradient bucket{}", mesh_->world(),
-               mesh_->world() > 1 ? "es" : "", world.source, mesh_->backend(), l.dp,
+  spdlog::info("{} process{} ({}, {}): dp {} tp {}{} | {} gradient bucket{}", mesh_->world(),
+               mesh_->world() > 1 ? "es" : "", world.source, mesh_->backend(), l.dp, l.tp,
+               c_.parallel.sequence_parallel && l.tp > 1 ? " (sequence parallel)" : "",
                reducer_->buckets().size(), reducer_->buckets().size() == 1 ? "" : "s");
   flops_per_token_ = flops_per_token(model_, c_.training.seq_len);
   peak_ = device_peak(c_, device_, dtype_);
@@ -109,6 +106,7 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
     exposed_ms += reducer_->end_microbatch();
     loss += mb_loss.detach();
   }
+  sync_replicated_grads();
   auto& mp = mesh_->group(parallel::GroupKind::kMp);
   auto norm =
       opt_->clip_grad_norm(t.grad_clip, [&mp](torch::Tensor& sq) { mp.all_reduce(sq).wait(); });
@@ -159,6 +157,18 @@ void Trainer::log_step(int64_t step, StepOut& out) {
 
 Trainer::~Trainer() = default;
 
+void Trainer::sync_replicated_grads() {
+  // Replicated parameters whose tp ranks each hold part of the gradient (sequence-parallel
+  // norms and biases, key/value projections shared by query heads on several ranks): sum them.
+  auto& tp = mesh_->group(parallel::GroupKind::kTp);
+  if (tp.size() == 1) return;
+  for (const auto& s : opt_->slots()) {
+    if (!model_->specs().at(s.name).tp_grad_sum) continue;
+    auto g = opt_->grad().narrow(0, s.offset, s.numel);
+    tp.all_reduce(g).wait();
+  }
+}
+
 void Trainer::train() {
   const auto& t = c_.training;
   start_time_ = last_log_time_ = std::chrono::steady_clock::now();
@@ -187,6 +197,12 @@ void Trainer::train() {
       last_log_time_ += std::chrono::steady_clock::now() - t0;
     }
   }
+  if (const auto& tp = mesh_->group(parallel::GroupKind::kTp);
+      tp.size() > 1 && t.steps >= first_step_)
+    spdlog::info(
+        "tensor-parallel traffic: {} bytes per step per rank (collective payloads, training and "
+        "logging)",
+        tp.bytes() / (t.steps - first_step_ + 1));
 }
 
 }  // namespace tessel

@@ -24,7 +24,9 @@ torch::Device resolve_device(const std::string& device, int64_t local_rank = 0);
 torch::ScalarType resolve_dtype(const std::string& dtype);
 
 /// Builds the plan's model on `device` in `dtype`: seeded init, or model.init_from.
-models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype);
+/// `tp`: the tensor-parallel group (null: one process holds the whole model).
+models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
+                           parallel::Group* tp = nullptr);
 
 /// Mean next-token loss of rows [b, T+1] (inputs = row[:-1], targets = row[1:]) as a device
 /// scalar: sum of token losses (fp32 logits) times `scale`. The one loss rule lives here.
@@ -44,6 +46,7 @@ class Trainer {
   };
   StepOut train_step(int64_t step);
   double evaluate();
+  void sync_replicated_grads();
   void log_step(int64_t step, StepOut& out);
 
   Config c_;

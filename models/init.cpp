@@ -33,11 +33,14 @@ void init_weights(Decoder& model, int64_t seed) {
   torch::NoGradGuard no_grad;
   for (auto& p : model->named_parameters()) {
     const std::string& name = p.key();
+    // Drawn at the global shape, then sliced: every layout holds the same global numbers.
+    const auto& spec = model->specs().at(name);
+    const auto shape = spec.global_shape;
     torch::Tensor t;
     if (ends_with(name, ".bias")) {
-      t = torch::zeros(p.value().sizes());
+      t = torch::zeros(shape);
     } else if (name.find("norm.") != std::string::npos) {
-      t = torch::ones(p.value().sizes());
+      t = torch::ones(shape);
     } else {
       // Output projections of residual branches get std/sqrt(2·layers) (GPT-2 paper, sec. 2.3).
       double std = m.init_std;
@@ -45,9 +48,9 @@ void init_weights(Decoder& model, int64_t seed) {
         std /= std::sqrt(2.0 * static_cast<double>(m.layers));
       auto gen =
           at::make_generator<at::CPUGeneratorImpl>(splitmix64(fnv1a(name) ^ splitmix64(seed)));
-      t = torch::empty(p.value().sizes()).normal_(0.0, std, gen);
+      t = torch::empty(shape).normal_(0.0, std, gen);
     }
-    p.value().copy_(t);
+    p.value().copy_(spec.local_of(t));
   }
 }
 

@@ -1,11 +1,43 @@
 #include "models/layers.h"
 
 #include <ATen/ops/scaled_dot_product_attention.h>
-#include <torch/nn/functional/activation.h>
-#include <torch/nn/functional/normalization.h>
+#include <torch/torch.h>
+
+#include "parallel/autograd_comm.h"
 
 namespace tessel::models {
-namespace F = torch::nn::functional;
+namespace tp = parallel::tp;
+
+namespace {
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+}  // namespace
+
+torch::Tensor ParamSpec::local_of(const torch::Tensor& global) const {
+  auto g = global;
+  if (padded_rows > g.size(0)) {
+    auto pad_shape = g.sizes().vec();
+    pad_shape[0] = padded_rows - g.size(0);
+    g = torch::cat({g, torch::zeros(pad_shape, g.options())});
+  }
+  return shard.of(g);
+}
+
+std::vector<std::pair<int64_t, int64_t>> ParamSpec::global_ranges() const {
+  std::vector<std::pair<int64_t, int64_t>> r;
+  for (size_t d = 0; d < global_shape.size(); ++d) {
+    int64_t full = (d == 0 && padded_rows > 0) ? padded_rows : global_shape[d];
+    if (static_cast<int64_t>(d) != shard.dim || shard.parts == 1) {
+      r.emplace_back(0, global_shape[d]);
+      continue;
+    }
+    const int64_t chunk = full / shard.parts, begin = chunk * shard.index;
+    r.emplace_back(std::min(begin, global_shape[d]), std::min(begin + chunk, global_shape[d]));
+  }
+  return r;
+}
 
 NormImpl::NormImpl(int64_t dim, double eps, bool layer_norm) : eps_(eps), layer_norm_(layer_norm) {
   weight = register_parameter("weight", torch::ones({dim}));
@@ -20,16 +52,29 @@ torch::Tensor NormImpl::forward(const torch::Tensor& x) {
   return weight * y.to(x.scalar_type());
 }
 
-AttentionImpl::AttentionImpl(const DecoderOptions& opt)
-    : heads_(opt.model.heads), kv_heads_(opt.model.kv_heads), head_dim_(opt.model.head_dim()) {
-  const int64_t h = opt.model.hidden, kv = kv_heads_ * head_dim_;
-  auto lin = [&](int64_t in, int64_t out) {
-    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(opt.linear_bias));
-  };
-  q = register_module("q", lin(h, h));
-  k = register_module("k", lin(h, kv));
-  v = register_module("v", lin(h, kv));
-  o = register_module("o", lin(h, h));
+AttentionImpl::AttentionImpl(const DecoderOptions& opt) : tp_(opt.tp), sp_(opt.sequence_parallel) {
+  const auto& m = opt.model;
+  const int64_t t = tp_->size(), h = m.hidden, hd = m.head_dim();
+  heads_ = m.heads / t;
+  head_dim_ = hd;
+  q = register_module("q", tp::ColumnParallelLinear(*tp_, h, h, opt.linear_bias, sp_));
+  if (m.kv_heads % t == 0) {
+    kv_heads_ = m.kv_heads / t;
+    k = register_module("k",
+                        tp::ColumnParallelLinear(*tp_, h, m.kv_heads * hd, opt.linear_bias, sp_));
+    v = register_module("v",
+                        tp::ColumnParallelLinear(*tp_, h, m.kv_heads * hd, opt.linear_bias, sp_));
+  } else {
+    // tp > kv_heads: this rank's query heads [r·heads/t, ...) all share key/value head
+    // r / (t / kv_heads); every rank holds every key/value projection (their gradients are summed
+    // over tp) and uses that one head.
+    kv_heads_ = 1;
+    kv_index_ = tp_->rank() / (t / m.kv_heads);
+    auto lin = torch::nn::LinearOptions(h, m.kv_heads * hd).bias(opt.linear_bias);
+    k_all = register_module("k", torch::nn::Linear(lin));
+    v_all = register_module("v", torch::nn::Linear(lin));
+  }
+  o = register_module("o", tp::RowParallelLinear(*tp_, h, h, opt.linear_bias, sp_));
 }
 
 namespace {
@@ -44,11 +89,18 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos,
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                      const torch::Tensor& sin) {
-  const int64_t b = x.size(0), s = x.size(1);
+  auto xf = tp::enter(*tp_, x, sp_);  // [b, s, h]: one gather (SP) or copy shared by q, k, v
+  const int64_t b = xf.size(0), s = xf.size(1);
   // [b, s, heads·d] -> [b, heads, s, d]
-  auto qh = q(x).view({b, s, heads_, head_dim_}).transpose(1, 2);
-  auto kh = k(x).view({b, s, kv_heads_, head_dim_}).transpose(1, 2);
-  auto vh = v(x).view({b, s, kv_heads_, head_dim_}).transpose(1, 2);
+  auto qh = q->forward_entered(xf).view({b, s, heads_, head_dim_}).transpose(1, 2);
+  torch::Tensor kh, vh;
+  if (k) {
+    kh = k->forward_entered(xf).view({b, s, kv_heads_, head_dim_}).transpose(1, 2);
+    vh = v->forward_entered(xf).view({b, s, kv_heads_, head_dim_}).transpose(1, 2);
+  } else {
+    kh = k_all(xf).view({b, s, -1, head_dim_}).narrow(2, kv_index_, 1).transpose(1, 2);
+    vh = v_all(xf).view({b, s, -1, head_dim_}).narrow(2, kv_index_, 1).transpose(1, 2);
+  }
   if (cos.defined()) {
     qh = apply_rope(qh, cos, sin);
     kh = apply_rope(kh, cos, sin);
@@ -59,19 +111,18 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   return o(y.transpose(1, 2).reshape({b, s, heads_ * head_dim_}));
 }
 
-MlpImpl::MlpImpl(const DecoderOptions& o) {
+MlpImpl::MlpImpl(const DecoderOptions& o) : tp_(o.tp), sp_(o.sequence_parallel) {
   const int64_t h = o.model.hidden, f = o.model.ffn_hidden;
-  auto opts = [&](int64_t in, int64_t out) {
-    return torch::nn::LinearOptions(in, out).bias(o.linear_bias);
-  };
-  up = register_module("up", torch::nn::Linear(opts(h, f)));
-  if (o.swiglu) gate = register_module("gate", torch::nn::Linear(opts(h, f)));
-  down = register_module("down", torch::nn::Linear(opts(f, h)));
+  up = register_module("up", tp::ColumnParallelLinear(*tp_, h, f, o.linear_bias, sp_));
+  if (o.swiglu)
+    gate = register_module("gate", tp::ColumnParallelLinear(*tp_, h, f, o.linear_bias, sp_));
+  down = register_module("down", tp::RowParallelLinear(*tp_, f, h, o.linear_bias, sp_));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
-  if (gate) return down(torch::silu(gate(x)) * up(x));
-  return down(torch::gelu(up(x), "tanh"));
+  auto xf = tp::enter(*tp_, x, sp_);
+  if (gate) return down(torch::silu(gate->forward_entered(xf)) * up->forward_entered(xf));
+  return down(torch::gelu(up->forward_entered(xf), "tanh"));
 }
 
 BlockImpl::BlockImpl(const DecoderOptions& o) {
@@ -88,8 +139,14 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& co
 }
 
 DecoderImpl::DecoderImpl(DecoderOptions o) : o_(std::move(o)) {
+  if (!o_.tp) {
+    solo_ = std::make_shared<parallel::Group>("solo", std::vector<int64_t>{0}, 0, nullptr);
+    o_.tp = solo_.get();
+    o_.sequence_parallel = false;
+  }
   const auto& m = o_.model;
-  embed = register_module("embed", torch::nn::Embedding(m.vocab_size, m.hidden));
+  const bool sp = o_.sequence_parallel;
+  embed = register_module("embed", tp::VocabParallelEmbedding(*o_.tp, m.vocab_size, m.hidden, sp));
   if (o_.learned_pos) {
     pos_embed = register_module("pos_embed", torch::nn::Embedding(m.max_seq_len, m.hidden));
   } else {
@@ -102,7 +159,48 @@ DecoderImpl::DecoderImpl(DecoderOptions o) : o_(std::move(o)) {
   norm = register_module("norm", Norm(m.hidden, m.norm_eps, o_.layer_norm));
   if (!m.tied())
     head = register_module(
-        "head", torch::nn::Linear(torch::nn::LinearOptions(m.hidden, m.vocab_size).bias(false)));
+        "head", tp::ColumnParallelLinear(*o_.tp, m.hidden,
+                                         tp::padded_vocab(m.vocab_size, o_.tp->size()), false, sp));
+  build_specs();
+}
+
+void DecoderImpl::build_specs() {
+  // By global name: which dimension is split over tp, which replicated parameters get partial
+  // gradients (with SP every replicated parameter sees only its rank's sequence chunk).
+  const int64_t t = o_.tp->size(), r = o_.tp->rank();
+  const bool sp = o_.sequence_parallel;
+  const int64_t vp = tp::padded_vocab(o_.model.vocab_size, t);
+  for (const auto& p : named_parameters()) {
+    const std::string& n = p.key();
+    ParamSpec s;
+    s.global_shape = p.value().sizes().vec();
+    auto split = [&](int64_t dim) {
+      s.shard = {dim, t, r};
+      s.global_shape[dim] *= t;
+    };
+    if (n == "embed.weight" || n == "head.weight") {
+      split(0);
+      s.padded_rows = vp;
+      s.global_shape[0] = o_.model.vocab_size;
+    } else if (ends_with(n, "attn.q.weight") || ends_with(n, "attn.q.bias") ||
+               n.find("mlp.up.") != std::string::npos || n.find("mlp.gate.") != std::string::npos) {
+      split(0);
+    } else if (ends_with(n, "attn.k.weight") || ends_with(n, "attn.k.bias") ||
+               ends_with(n, "attn.v.weight") || ends_with(n, "attn.v.bias")) {
+      if (o_.model.kv_heads % t == 0) {
+        split(0);
+      } else {
+        s.tp_grad_sum = t > 1;  // each rank's query heads reach only their key/value head
+        s.replicas = t;
+      }
+    } else if (ends_with(n, "attn.o.weight") || ends_with(n, "mlp.down.weight")) {
+      split(1);
+    } else {  // norms, row-parallel biases, position table: replicated
+      s.tp_grad_sum = sp && t > 1;
+      s.replicas = t;
+    }
+    specs_[n] = s;
+  }
 }
 
 std::pair<torch::Tensor, torch::Tensor> DecoderImpl::rope(int64_t seq, const torch::Tensor& like) {
@@ -116,16 +214,31 @@ std::pair<torch::Tensor, torch::Tensor> DecoderImpl::rope(int64_t seq, const tor
 
 torch::Tensor DecoderImpl::forward(const torch::Tensor& tokens) {
   const int64_t s = tokens.size(1);
-  auto x = embed(tokens);  // [b, s, h]
+  auto x = embed(tokens);  // [b, s, h]; SP: [b, s/t, h], this rank's sequence chunk
   torch::Tensor cos, sin;
   if (pos_embed) {
-    x = x + pos_embed(torch::arange(s, tokens.options()));
+    const int64_t local = x.size(1), first = (s == local) ? 0 : local * o_.tp->rank();
+    x = x + pos_embed(torch::arange(first, first + local, tokens.options()));
   } else {
-    std::tie(cos, sin) = rope(s, x);
+    std::tie(cos, sin) = rope(s, x);  // attention runs on the whole sequence
   }
   for (const auto& layer : *layers) x = layer->as<Block>()->forward(x, cos, sin);
   x = norm(x);
-  return head ? head(x) : torch::matmul(x, embed->weight.t());  // [b, s, vocab]
+  if (head) return head(x);  // [b, s, Vp/t]
+  return torch::nn::functional::linear(tp::enter(*o_.tp, x, o_.sequence_parallel), embed->weight);
+}
+
+torch::Tensor DecoderImpl::loss_sum(const torch::Tensor& rows) {
+  const int64_t t = rows.size(1) - 1, vocab = o_.model.vocab_size;
+  auto logits = forward(rows.narrow(1, 0, t));  // [b, T, Vp/tp]
+  auto targets = rows.narrow(1, 1, t).reshape({-1});
+  auto flat = logits.reshape({-1, logits.size(-1)});
+  if (o_.tp->size() == 1) {  // one process: torch's fused kernel
+    return torch::nn::functional::cross_entropy(
+        flat.to(torch::kFloat32), targets,
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  }
+  return tp::vocab_parallel_cross_entropy(*o_.tp, flat, targets, embed->vocab_start(), vocab).sum();
 }
 
 }  // namespace tessel::models

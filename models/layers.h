@@ -1,6 +1,8 @@
-// Building blocks of both decoders. Every projection is its own named Linear (q, k, v, o; up,
-// gate, down) so tensor parallelism can later replace them with column/row-parallel layers
-// without rewriting the blocks, and checkpoints address them by global name.
+// Building blocks of both decoders, tensor-parallel by construction: every projection is its own
+// named column- or row-parallel layer (q, k, v, o; up, gate, down), the token table is
+// vocabulary-parallel, and with one process (a group of size 1) they are plain layers. Every
+// parameter keeps its global name and a ParamSpec saying which slice of the global tensor this
+// rank holds, so initialisation, loading, checkpoints and export work on global tensors.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -9,20 +11,40 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include <map>
+
 #include "engine/config.h"
+#include "parallel/comm.h"
+#include "parallel/tp/layers.h"
 
 namespace tessel::models {
 
-/// What differs between the two architectures, derived from the plan by the registry.
+/// What differs between the two architectures (from the registry), and the tensor-parallel group.
 struct DecoderOptions {
   ModelConfig model;
-  bool layer_norm = true;   // LayerNorm with bias (gpt2) or RMSNorm (llama)
-  bool learned_pos = true;  // learned position table (gpt2) or RoPE (llama)
-  bool swiglu = false;      // SwiGLU MLP (llama) or GELU-tanh MLP (gpt2)
-  bool linear_bias = true;  // biases in projections (gpt2)
+  bool layer_norm = true;         // LayerNorm with bias (gpt2) or RMSNorm (llama)
+  bool learned_pos = true;        // learned position table (gpt2) or RoPE (llama)
+  bool swiglu = false;            // SwiGLU MLP (llama) or GELU-tanh MLP (gpt2)
+  bool linear_bias = true;        // biases in projections (gpt2)
+  parallel::Group* tp = nullptr;  // null: one process
+  bool sequence_parallel = false;
 };
 
-/// LayerNorm (weight, bias) or RMSNorm (weight), as in Hugging Face.
+/// Where a parameter sits in the global model.
+struct ParamSpec {
+  std::vector<int64_t> global_shape;  // the model's true shape (vocabulary unpadded)
+  parallel::tp::Shard shard;          // this rank's slice of the (padded) global tensor
+  int64_t padded_rows = 0;            // > 0: dim 0 is zero-padded to this before sharding
+  bool tp_grad_sum = false;  // replicated, but each tp rank holds a partial gradient: sum over tp
+  int64_t replicas = 1;      // tp ranks holding the same values (for the global gradient norm)
+
+  /// This rank's slice of a global tensor (padded first when the spec says so).
+  torch::Tensor local_of(const torch::Tensor& global) const;
+  /// The part of this rank's slice that holds real (unpadded) rows: [begin, end) per dimension.
+  std::vector<std::pair<int64_t, int64_t>> global_ranges() const;
+};
+
+/// LayerNorm (weight, bias) or RMSNorm (weight), as in Hugging Face. Replicated.
 class NormImpl : public torch::nn::Module {
  public:
   NormImpl(int64_t dim, double eps, bool layer_norm);
@@ -36,15 +58,22 @@ class NormImpl : public torch::nn::Module {
 TORCH_MODULE(Norm);
 
 /// Causal self-attention through at::scaled_dot_product_attention, grouped-query when
-/// kv_heads < heads. x: [b, s, h] -> [b, s, h].
+/// kv_heads < heads. Heads are split over tp; key/value heads too when kv_heads % tp == 0, else
+/// (tp > kv_heads) every rank holds all key/value projections and uses the head its query heads
+/// share. x: [b, s, h] (SP: [b, s/t, h]) -> same.
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const DecoderOptions& o);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
-  torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr};
+  parallel::tp::ColumnParallelLinear q{nullptr}, k{nullptr}, v{nullptr};
+  torch::nn::Linear k_all{nullptr}, v_all{nullptr};  // registered as k, v when replicated
+  parallel::tp::RowParallelLinear o{nullptr};
+  bool kv_replicated() const { return !k; }
 
  private:
-  int64_t heads_, kv_heads_, head_dim_;
+  parallel::Group* tp_;
+  bool sp_;
+  int64_t heads_, kv_heads_, head_dim_, kv_index_ = 0;  // local counts
 };
 TORCH_MODULE(Attention);
 
@@ -52,7 +81,12 @@ class MlpImpl : public torch::nn::Module {
  public:
   explicit MlpImpl(const DecoderOptions& o);
   torch::Tensor forward(const torch::Tensor& x);
-  torch::nn::Linear up{nullptr}, gate{nullptr}, down{nullptr};
+  parallel::tp::ColumnParallelLinear up{nullptr}, gate{nullptr};
+  parallel::tp::RowParallelLinear down{nullptr};
+
+ private:
+  parallel::Group* tp_;
+  bool sp_;
 };
 TORCH_MODULE(Mlp);
 
@@ -68,22 +102,30 @@ class BlockImpl : public torch::nn::Module {
 TORCH_MODULE(Block);
 
 /// The decoder: embed (+ pos_embed) -> layers -> norm -> head (or the tied embedding).
-/// forward(tokens [b, s] int64) -> logits [b, s, vocab].
 class DecoderImpl : public torch::nn::Module {
  public:
   explicit DecoderImpl(DecoderOptions o);
+  /// tokens [b, s] int64 -> this rank's vocabulary slice of the logits [b, s, Vp/t].
   torch::Tensor forward(const torch::Tensor& tokens);
+  /// Sum of next-token losses (fp32) of rows [b, T+1]: inputs row[:-1], targets row[1:].
+  torch::Tensor loss_sum(const torch::Tensor& rows);
   const DecoderOptions& options() const { return o_; }
+  const std::map<std::string, ParamSpec>& specs() const { return specs_; }
+  parallel::Group& tp() const { return *o_.tp; }
 
-  torch::nn::Embedding embed{nullptr}, pos_embed{nullptr};
+  parallel::tp::VocabParallelEmbedding embed{nullptr};
+  torch::nn::Embedding pos_embed{nullptr};
   torch::nn::ModuleList layers;
   Norm norm{nullptr};
-  torch::nn::Linear head{nullptr};  // absent when tied
+  parallel::tp::ColumnParallelLinear head{nullptr};  // absent when tied
 
  private:
   std::pair<torch::Tensor, torch::Tensor> rope(int64_t seq, const torch::Tensor& like);
+  void build_specs();
   DecoderOptions o_;
-  torch::Tensor inv_freq_;  // [head_dim / 2], fp32, as Hugging Face computes it
+  std::shared_ptr<parallel::Group> solo_;  // the group of one when no tp group is given
+  torch::Tensor inv_freq_;                 // [head_dim / 2], fp32, as Hugging Face computes it
+  std::map<std::string, ParamSpec> specs_;
 };
 TORCH_MODULE(Decoder);
 

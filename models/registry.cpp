@@ -34,8 +34,12 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
         extra);
 }
 
-Decoder build_model(const ModelConfig& m, int64_t seed) {
-  Decoder model(arch(m.arch).options(m));
+Decoder build_model(const ModelConfig& m, int64_t seed, parallel::Group* tp,
+                    bool sequence_parallel) {
+  auto o = arch(m.arch).options(m);
+  o.tp = tp;
+  o.sequence_parallel = sequence_parallel && tp && tp->size() > 1;
+  Decoder model(o);
   init_weights(model, seed);
   return model;
 }
@@ -58,13 +62,14 @@ void assign_weights(Decoder& model, const Weights& w, const std::string& source)
   torch::NoGradGuard no_grad;
   for (auto& p : params) {
     const auto& t = w.at(p.key());
-    if (t.sizes() != p.value().sizes()) {
+    const auto& spec = model->specs().at(p.key());
+    if (t.sizes() != c10::IntArrayRef(spec.global_shape)) {
       std::ostringstream s;
       s << source << ": tensor '" << p.key() << "' has shape " << t.sizes()
-        << " but the plan's model needs " << p.value().sizes();
+        << " but the plan's model needs " << c10::IntArrayRef(spec.global_shape);
       throw UserError(s.str());
     }
-    p.value().copy_(t);
+    p.value().copy_(spec.local_of(t));
   }
 }
 

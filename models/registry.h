@@ -36,7 +36,9 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
 
 /// Builds the model of a validated plan, every weight drawn from the generator keyed by
 /// (seed, global parameter name): the same global model whatever the layout.
-Decoder build_model(const ModelConfig& m, int64_t seed);
+/// `tp` (optional) is the tensor-parallel group: the model then holds this rank's shards.
+Decoder build_model(const ModelConfig& m, int64_t seed, parallel::Group* tp = nullptr,
+                    bool sequence_parallel = false);
 
 /// Fills every parameter from the keyed generator (see init.cpp for the rules).
 void init_weights(Decoder& model, int64_t seed);
@@ -45,10 +47,11 @@ void init_weights(Decoder& model, int64_t seed);
 /// shapes match the model exactly; the file is named in every error.
 void load_weights(Decoder& model, const std::string& path);
 
-/// This model's parameters by global name (CPU copies in their dtype).
+/// This rank's parameter tensors by global name (CPU copies in their dtype; shards under tp).
 Weights model_weights(Decoder& model);
 
-/// Checks `w` against the model (names and shapes) and copies it in.
+/// Checks global tensors `w` against the model (names and global shapes) and copies this rank's
+/// slices in.
 void assign_weights(Decoder& model, const Weights& w, const std::string& source);
 
 }  // namespace tessel::models

@@ -37,6 +37,7 @@ std::string Group::what(const char* op) {
 
 Work Group::all_reduce(torch::Tensor& t, c10d::ReduceOp op) {
   if (size() == 1) return {};
+  bytes_ += t.numel() * t.element_size();
   std::vector<at::Tensor> v{t};
   return {backend_->allreduce(v, c10d::AllreduceOptions{op}), what("all_reduce")};
 }
@@ -65,6 +66,7 @@ Work Group::all_gather(torch::Tensor& out, torch::Tensor& in) {
     out.copy_(in.view_as(out));
     return {};
   }
+  bytes_ += out.numel() * out.element_size();
   return {backend_->_allgather_base(out, in), what("all_gather")};
 }
 
@@ -77,6 +79,7 @@ Work Group::reduce_scatter(torch::Tensor& out, torch::Tensor& in, c10d::ReduceOp
   }
   c10d::ReduceScatterOptions o;
   o.reduceOp = op;
+  bytes_ += in.numel() * in.element_size();
   return {backend_->_reduce_scatter_base(out, in, o), what("reduce_scatter")};
 }
 

@@ -41,6 +41,9 @@ class Group {
   const std::vector<int64_t>& ranks() const { return ranks_; }
   int64_t rank() const { return rank_; }  // index of this process in ranks()
   int64_t size() const { return static_cast<int64_t>(ranks_.size()); }
+  /// Payload bytes this rank handed to collectives so far (nccl-tests' "size": the buffer of an
+  /// all-reduce, the whole output of an all-gather, the whole input of a reduce-scatter).
+  int64_t bytes() const { return bytes_; }
 
   Work all_reduce(torch::Tensor& t, c10d::ReduceOp op = c10d::ReduceOp::SUM);
   Work broadcast(torch::Tensor& t, int64_t root);
@@ -64,6 +67,7 @@ class Group {
   int64_t rank_;
   c10::intrusive_ptr<c10d::Backend> backend_;
   int64_t seq_ = 0;
+  int64_t bytes_ = 0;
 };
 
 }  // namespace tessel::parallel

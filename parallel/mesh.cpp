@@ -127,6 +127,14 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
   require(m.kv_heads % p.tp == 0 || p.tp % m.kv_heads == 0,
           fmt::format("model.kv_heads ({}) and parallel.tp ({}) must divide one another",
                       m.kv_heads, p.tp));
+  require(m.ffn_hidden % p.tp == 0,
+          fmt::format("model.ffn_hidden ({}) must be divisible by parallel.tp ({})", m.ffn_hidden,
+                      p.tp));
+  require(
+      !p.sequence_parallel || t.seq_len % p.tp == 0,
+      fmt::format(
+          "parallel.sequence_parallel: training.seq_len ({}) must be divisible by parallel.tp ({})",
+          t.seq_len, p.tp));
   require(m.layers >= p.pp,
           fmt::format("model.layers ({}) must be >= parallel.pp ({})", m.layers, p.pp));
   require(p.cp == 1 || t.seq_len % (2 * p.cp) == 0,

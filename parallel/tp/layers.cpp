@@ -7,10 +7,6 @@
 namespace tessel::parallel::tp {
 namespace {
 
-torch::Tensor enter_column(Group& g, const torch::Tensor& x, bool sp) {
-  return sp ? sequence_gather(g, x, 1) : copy_to(g, x);  // [b, s, in] on every rank
-}
-
 torch::Tensor leave_row(Group& g, const torch::Tensor& partial, bool sp) {
   return sp ? sequence_scatter(g, partial, 1) : reduce_from(g, partial);
 }
@@ -22,6 +18,10 @@ int64_t chunk(int64_t n, const Group& g, const char* what) {
 }
 
 }  // namespace
+
+torch::Tensor enter(Group& g, const torch::Tensor& x, bool sp) {
+  return sp ? sequence_gather(g, x, 1) : copy_to(g, x);  // [b, s, in] on every rank
+}
 
 torch::Tensor Shard::of(const torch::Tensor& global) const {
   if (parts == 1) return global;
@@ -37,7 +37,11 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(Group& tp, int64_t in, int64_
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
-  return torch::nn::functional::linear(enter_column(*tp_, x, sp_), weight, bias);
+  return forward_entered(enter(*tp_, x, sp_));
+}
+
+torch::Tensor ColumnParallelLinearImpl::forward_entered(const torch::Tensor& x_full) {
+  return torch::nn::functional::linear(x_full, weight, bias);
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(Group& tp, int64_t in, int64_t out, bool with_bias,

@@ -29,10 +29,16 @@ struct Shard {
 /// Vocabulary padded up to a multiple of the tensor-parallel size.
 inline int64_t padded_vocab(int64_t vocab, int64_t tp) { return (vocab + tp - 1) / tp * tp; }
 
+/// Input of a column-parallel region: x [b, s, h] replicated (copy_to: all-reduce in backward),
+/// or with SP x [b, s/t, h] all-gathered along the sequence (reduce-scatter in backward).
+torch::Tensor enter(Group& tp, const torch::Tensor& x, bool sequence_parallel);
+
 class ColumnParallelLinearImpl : public torch::nn::Module {
  public:
   ColumnParallelLinearImpl(Group& tp, int64_t in, int64_t out, bool bias, bool sequence_parallel);
   torch::Tensor forward(const torch::Tensor& x);
+  /// The same on an input that already went through enter() (several layers share one gather).
+  torch::Tensor forward_entered(const torch::Tensor& x_full);
   torch::Tensor weight, bias;
   Shard weight_shard() const { return {0, tp_->size(), tp_->rank()}; }
 

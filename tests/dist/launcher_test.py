@@ -112,6 +112,7 @@ class Launcher(unittest.TestCase):
     def test_restart_budget_is_job_wide(self):
         # Rank 3 (on node 1) keeps failing: both launchers restart together, once, then give up.
         worker = ("import os, sys, time; print('attempt', os.environ['TESSEL_RESTART_COUNT'], flush=True)\n"
+                  "time.sleep(1)  # every worker has printed before the failure tears them down\n"
                   "if os.environ['RANK'] == '3': sys.exit(5)\n"
                   "time.sleep(300)\n")
         port = free_port()
