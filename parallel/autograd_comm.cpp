@@ -45,54 +45,19 @@ struct ReduceFrom : torch::autograd::Function<ReduceFrom> {
   }
 };
 
-struct Split : torch::autograd::Function<Split> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t g,
-                               int64_t dim) {
-    ctx->saved_data["g"] = g;
-    ctx->saved_data["dim"] = dim;
-    return my_chunk(unpack(ctx), x, dim);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grad) {
-    return {all_gather_dim(unpack(ctx), grad[0], ctx->saved_data["dim"].toInt()), torch::Tensor(),
-            torch::Tensor()};
-  }
-};
+// A collective along a dimension whose backward is another one: the four pairs below.
+using DimOp = torch::Tensor (*)(Group&, const torch::Tensor&, int64_t);
 
-struct Gather : torch::autograd::Function<Gather> {
+template <DimOp Forward, DimOp Backward>
+struct DimPair : torch::autograd::Function<DimPair<Forward, Backward>> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t g,
                                int64_t dim) {
     ctx->saved_data["g"] = g;
     ctx->saved_data["dim"] = dim;
-    return all_gather_dim(unpack(ctx), x, dim);
+    return Forward(unpack(ctx), x, dim);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
-    return {my_chunk(unpack(ctx), grad[0], ctx->saved_data["dim"].toInt()), torch::Tensor(),
-            torch::Tensor()};
-  }
-};
-
-struct SequenceGather : torch::autograd::Function<SequenceGather> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t g,
-                               int64_t dim) {
-    ctx->saved_data["g"] = g;
-    ctx->saved_data["dim"] = dim;
-    return all_gather_dim(unpack(ctx), x, dim);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grad) {
-    return {reduce_scatter_dim(unpack(ctx), grad[0], ctx->saved_data["dim"].toInt()),
-            torch::Tensor(), torch::Tensor()};
-  }
-};
-
-struct SequenceScatter : torch::autograd::Function<SequenceScatter> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t g,
-                               int64_t dim) {
-    ctx->saved_data["g"] = g;
-    ctx->saved_data["dim"] = dim;
-    return reduce_scatter_dim(unpack(ctx), x, dim);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grad) {
-    return {all_gather_dim(unpack(ctx), grad[0], ctx->saved_data["dim"].toInt()), torch::Tensor(),
+    return {Backward(unpack(ctx), grad[0], ctx->saved_data["dim"].toInt()), torch::Tensor(),
             torch::Tensor()};
   }
 };
@@ -132,16 +97,16 @@ torch::Tensor reduce_from(Group& g, const torch::Tensor& x) {
   return g.size() == 1 ? x : ReduceFrom::apply(x, pack(g));
 }
 torch::Tensor split(Group& g, const torch::Tensor& x, int64_t dim) {
-  return g.size() == 1 ? x : Split::apply(x, pack(g), dim);
+  return g.size() == 1 ? x : DimPair<my_chunk, all_gather_dim>::apply(x, pack(g), dim);
 }
 torch::Tensor gather(Group& g, const torch::Tensor& x, int64_t dim) {
-  return g.size() == 1 ? x : Gather::apply(x, pack(g), dim);
+  return g.size() == 1 ? x : DimPair<all_gather_dim, my_chunk>::apply(x, pack(g), dim);
 }
 torch::Tensor sequence_gather(Group& g, const torch::Tensor& x, int64_t dim) {
-  return g.size() == 1 ? x : SequenceGather::apply(x, pack(g), dim);
+  return g.size() == 1 ? x : DimPair<all_gather_dim, reduce_scatter_dim>::apply(x, pack(g), dim);
 }
 torch::Tensor sequence_scatter(Group& g, const torch::Tensor& x, int64_t dim) {
-  return g.size() == 1 ? x : SequenceScatter::apply(x, pack(g), dim);
+  return g.size() == 1 ? x : DimPair<reduce_scatter_dim, all_gather_dim>::apply(x, pack(g), dim);
 }
 
 }  // namespace tessel::parallel

@@ -2,7 +2,6 @@
 against the single-process run of the same global batch: loss within 1e-5 relative at each of 20
 steps, parameters within 1e-5 after them."""
 import os
-import socket
 import sys
 import unittest
 
@@ -10,15 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
-from common import TmpDirTest, base_plan, read_metrics, rel, run, write_plan, write_tokens  # noqa: E402
+from common import (TmpDirTest, base_plan, read_metrics, rel, run, write_plan, write_tokens, free_port)  # noqa: E402
 
 STEPS, GLOBAL = 20, 8
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DataParallelParity(TmpDirTest):

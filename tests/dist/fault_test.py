@@ -2,20 +2,13 @@
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
-from common import BIN, TmpDirTest, base_plan, write_plan, write_tokens  # noqa: E402
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common import (BIN, TmpDirTest, base_plan, write_plan, write_tokens, free_port)  # noqa: E402
 
 
 class CollectiveFaults(TmpDirTest):

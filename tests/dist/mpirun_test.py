@@ -1,19 +1,12 @@
 """Open MPI's mpirun starting tessel-train directly: dp=2 matches the single-process run."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
-from common import BIN, TmpDirTest, base_plan, read_metrics, rel, run, write_plan, write_tokens  # noqa: E402
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common import (BIN, TmpDirTest, base_plan, read_metrics, rel, run, write_plan, write_tokens, free_port)  # noqa: E402
 
 
 class MpiRun(TmpDirTest):

@@ -1,19 +1,12 @@
 """Bad layouts fail within seconds, in --dry-run and at start under the launcher, before any
 communicator exists, with messages that name the values."""
 import os
-import socket
 import sys
 import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
-from common import BIN, TmpDirTest, base_plan, run, write_plan, write_tokens  # noqa: E402
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common import (BIN, TmpDirTest, base_plan, run, write_plan, write_tokens, free_port)  # noqa: E402
 
 
 CASES = [

@@ -3,23 +3,16 @@ against the single-process run: loss within 1e-5 relative at each of 20 steps, a
 global weights within 1e-5. gpt2 and llama with grouped-query attention (kv_heads 2, so tp=4
 replicates key/value heads), vocabulary 301 (not divisible by tp)."""
 import os
-import socket
 import sys
 import unittest
 
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
-from common import BIN, TmpDirTest, base_plan, read_metrics, rel, run, write_plan, write_tokens  # noqa: E402
+from common import (BIN, TmpDirTest, base_plan, read_metrics, rel, run, write_plan, write_tokens, free_port)  # noqa: E402
 
 STEPS, VOCAB = 20, 301
 LAYOUTS = [(2, 1, False), (2, 1, True), (4, 1, False), (4, 1, True), (2, 2, False), (2, 2, True)]  # tp, dp, sp
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TensorParallelParity(TmpDirTest):

@@ -1,6 +1,7 @@
 """Helpers shared by the reference tests: run the binaries, write plans, build tiny HF models."""
 import json
 import os
+import socket
 import subprocess
 import tempfile
 import unittest
@@ -32,6 +33,13 @@ def write_plan(path, plan):
 def read_metrics(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def free_port():
+    """A loopback port that is free now (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def read_text(path):
