@@ -48,6 +48,9 @@ struct ParallelConfig {
   std::string backend;  // auto | gloo | nccl
   double timeout_s;     // collectives and rendezvous
   double ddp_bucket_mb;
+  std::string pipeline_schedule;         // gpipe | 1f1b | interleaved
+  int64_t virtual_stages;                // model chunks per pipeline rank (interleaved)
+  std::vector<double> layers_per_stage;  // empty: even split
 };
 
 struct OptimizerConfig {

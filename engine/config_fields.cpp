@@ -72,6 +72,15 @@ std::vector<Field> bind_fields(Config& c) {
       "Rendezvous and collective timeout; a collective that takes longer fails, naming its group, "
       "operation, sequence number and rank.")
       .range(1);
+  add("parallel.pipeline.schedule", &c.parallel.pipeline_schedule, S("1f1b"),
+      "Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, or interleaved 1F1B.")
+      .one_of({"gpipe", "1f1b", "interleaved"});
+  add("parallel.pipeline.virtual_stages", &c.parallel.virtual_stages, int64_t{1},
+      "Model chunks per pipeline rank (interleaved schedule; 1 otherwise).")
+      .range(1);
+  add("parallel.pipeline.layers_per_stage", &c.parallel.layers_per_stage, Doubles{},
+      "Layers of each pipeline stage (pp·virtual_stages integers summing to model.layers); empty = "
+      "an even split.");
   add("parallel.ddp.bucket_mb", &c.parallel.ddp_bucket_mb, 25.0,
       "Gradient bucket size (MiB of fp32): each bucket is summed over dp×cp as soon as backward "
       "completes it.")

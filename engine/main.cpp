@@ -12,6 +12,7 @@
 #include "engine/score.h"
 #include "engine/train.h"
 #include "parallel/mesh.h"
+#include "parallel/pp/schedule.h"
 
 namespace {
 
@@ -52,6 +53,27 @@ int run_train(int argc, char** argv) {
     const auto& t = c.training;
     std::printf("%s", tessel::dump_config(c).c_str());
     std::printf("%s", tessel::parallel::describe_grid(layout).c_str());
+    if (layout.pp > 1) {
+      namespace pp = tessel::parallel::pp;
+      const int64_t m = t.global_batch / (layout.dp * t.micro_batch);
+      auto schedule =
+          pp::make_schedule(c.parallel.pipeline_schedule, layout.pp, m, c.parallel.virtual_stages);
+      auto sim = pp::simulate(schedule);
+      std::printf("%s", pp::render(schedule, sim).c_str());
+      std::printf(
+          "# predicted bubble %.4f of ideal step time (theory (p-1)/(v*m) = %.4f); peak "
+          "activations per "
+          "rank:",
+          sim.bubble,
+          static_cast<double>(layout.pp - 1) / static_cast<double>(c.parallel.virtual_stages * m));
+      for (auto a : sim.peak_activations) std::printf(" %lld", static_cast<long long>(a));
+      std::printf(" micro-batch chunks\n");
+    }
+    if (layout.pp > 1 || layout.cp > 1)
+      std::printf(
+          "# note: this build trains with data and tensor parallelism; the pipeline and context "
+          "layout "
+          "above is checked and simulated, and refused at start\n");
     std::printf(
         "# plan %s is valid for %lld processes: %lld micro-batches of %lld sequences per data rank "
         "per step; "

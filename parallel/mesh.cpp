@@ -1,4 +1,5 @@
 #include "parallel/mesh.h"
+#include "parallel/pp/schedule.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -10,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <array>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <numeric>
@@ -135,8 +137,30 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
       fmt::format(
           "parallel.sequence_parallel: training.seq_len ({}) must be divisible by parallel.tp ({})",
           t.seq_len, p.tp));
-  require(m.layers >= p.pp,
-          fmt::format("model.layers ({}) must be >= parallel.pp ({})", m.layers, p.pp));
+  require(
+      m.layers >= p.pp * p.virtual_stages,
+      fmt::format("model.layers ({}) must be >= parallel.pp ({}) x pipeline.virtual_stages ({})",
+                  m.layers, p.pp, p.virtual_stages));
+  if (!p.layers_per_stage.empty()) {
+    double sum = 0;
+    bool whole = true;
+    for (double x : p.layers_per_stage) sum += x, whole = whole && x >= 1 && x == std::floor(x);
+    require(static_cast<int64_t>(p.layers_per_stage.size()) == p.pp * p.virtual_stages && whole &&
+                sum == static_cast<double>(m.layers),
+            fmt::format("parallel.pipeline.layers_per_stage must hold pp x virtual_stages ({}) "
+                        "positive integers "
+                        "summing to model.layers ({}); got {} entries summing to {}",
+                        p.pp * p.virtual_stages, m.layers, p.layers_per_stage.size(), sum));
+  }
+  if (p.pp > 1) {  // the schedule's own needs (m >= p; interleaved: m % p == 0, v >= 2)
+    try {
+      pp::make_schedule(p.pipeline_schedule, p.pp,
+                        t.global_batch / std::max<int64_t>(1, l.dp * t.micro_batch),
+                        p.virtual_stages);
+    } catch (const UserError& e) {
+      errors.push_back(c.source + ": " + e.what());
+    }
+  }
   require(p.cp == 1 || t.seq_len % (2 * p.cp) == 0,
           fmt::format("training.seq_len ({}) must be divisible by 2·parallel.cp ({})", t.seq_len,
                       2 * p.cp));

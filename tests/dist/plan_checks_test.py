@@ -14,7 +14,7 @@ CASES = [
     ({"parallel": {"tp": 3}}, 3, "model.heads (4) must be divisible by parallel.tp (3)"),
     ({"training": {"global_batch": 6, "micro_batch": 2}}, 2,
      "training.global_batch (6) must be divisible by parallel.dp·training.micro_batch (2·2 = 4)"),
-    ({"parallel": {"pp": 4}}, 4, "model.layers (2) must be >= parallel.pp (4)"),
+    ({"parallel": {"pp": 4}}, 4, "model.layers (2) must be >= parallel.pp (4) x pipeline.virtual_stages (1)"),
 ]
 
 

@@ -54,7 +54,7 @@ TEST(Mesh, PlanChecksNameTheValues) {
   expect_layout_error(plan("parallel: {tp: 3}\n"), 3,
                       "model.heads (4) must be divisible by parallel.tp (3)");
   expect_layout_error(plan("parallel: {pp: 8}\n"), 8,
-                      "model.layers (4) must be >= parallel.pp (8)");
+                      "model.layers (4) must be >= parallel.pp (8) x pipeline.virtual_stages (1)");
   expect_layout_error(plan("parallel: {cp: 3}\ntraining: {seq_len: 64}\n"), 3,
                       "training.seq_len (64) must be divisible by 2·parallel.cp (6)");
   expect_layout_error(

@@ -1,0 +1,262 @@
+#include "parallel/pp/schedule.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <sstream>
+
+#include "engine/config.h"
+
+namespace tessel::parallel::pp {
+namespace {
+
+// A forward or backward of (micro-batch, chunk) with the receive before it and the send after.
+void forward(std::vector<Action>& l, int64_t mb, int64_t chunk, int64_t stage, int64_t stages) {
+  if (stage > 0) l.push_back({Op::kRecvAct, mb, chunk});
+  l.push_back({Op::kForward, mb, chunk});
+  if (stage < stages - 1) l.push_back({Op::kSendAct, mb, chunk});
+}
+
+void backward(std::vector<Action>& l, int64_t mb, int64_t chunk, int64_t stage, int64_t stages) {
+  if (stage < stages - 1) l.push_back({Op::kRecvGrad, mb, chunk});
+  l.push_back({Op::kBackward, mb, chunk});
+  if (stage > 0) l.push_back({Op::kSendGrad, mb, chunk});
+}
+
+std::string label(const Action& a, int64_t v) {
+  std::string s = fmt::format("{}{}", a.op == Op::kForward ? 'F' : 'B', a.microbatch);
+  return v > 1 ? s + "." + std::to_string(a.chunk) : s;
+}
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::kRecvAct:
+      return "recv activation";
+    case Op::kForward:
+      return "forward";
+    case Op::kSendAct:
+      return "send activation";
+    case Op::kRecvGrad:
+      return "recv gradient";
+    case Op::kBackward:
+      return "backward";
+    case Op::kSendGrad:
+      return "send gradient";
+  }
+  return "?";
+}
+
+}  // namespace
+
+Schedule gpipe(int64_t p, int64_t m) {
+  Schedule s{"gpipe", p, m, 1, std::vector<std::vector<Action>>(static_cast<size_t>(p))};
+  for (int64_t r = 0; r < p; ++r) {
+    for (int64_t mb = 0; mb < m; ++mb) forward(s.ranks[r], mb, 0, r, p);
+    for (int64_t mb = 0; mb < m; ++mb) backward(s.ranks[r], mb, 0, r, p);
+  }
+  return s;
+}
+
+Schedule one_f_one_b(int64_t p, int64_t m) {
+  Schedule s{"1f1b", p, m, 1, std::vector<std::vector<Action>>(static_cast<size_t>(p))};
+  for (int64_t r = 0; r < p; ++r) {
+    auto& l = s.ranks[r];
+    const int64_t warmup = std::min(p - r - 1, m);
+    for (int64_t mb = 0; mb < warmup; ++mb) forward(l, mb, 0, r, p);
+    for (int64_t i = 0; i < m - warmup; ++i) {  // steady state: one forward, one backward
+      forward(l, warmup + i, 0, r, p);
+      backward(l, i, 0, r, p);
+    }
+    for (int64_t mb = m - warmup; mb < m; ++mb) backward(l, mb, 0, r, p);
+  }
+  return s;
+}
+
+Schedule interleaved(int64_t p, int64_t m, int64_t v) {
+  Schedule s{"interleaved", p, m, v, std::vector<std::vector<Action>>(static_cast<size_t>(p))};
+  const int64_t total = m * v, stages = p * v;
+  // The k-th forward of a rank runs chunk (k / p) % v on micro-batch (k / (p·v))·p + k % p:
+  // groups of p micro-batches go through chunk 0, then chunk 1, ...; backwards mirror the chunks.
+  auto mb_of = [&](int64_t k) { return (k / (p * v)) * p + k % p; };
+  auto fwd_chunk = [&](int64_t k) { return (k / p) % v; };
+  auto bwd_chunk = [&](int64_t k) { return v - 1 - (k / p) % v; };
+  for (int64_t r = 0; r < p; ++r) {
+    auto& l = s.ranks[r];
+    const int64_t warmup = std::min((p - r - 1) * 2 + (v - 1) * p, total);
+    auto f = [&](int64_t k) { forward(l, mb_of(k), fwd_chunk(k), fwd_chunk(k) * p + r, stages); };
+    auto b = [&](int64_t k) { backward(l, mb_of(k), bwd_chunk(k), bwd_chunk(k) * p + r, stages); };
+    for (int64_t k = 0; k < warmup; ++k) f(k);
+    for (int64_t i = 0; i < total - warmup; ++i) {
+      f(warmup + i);
+      b(i);
+    }
+    for (int64_t k = total - warmup; k < total; ++k) b(k);
+  }
+  return s;
+}
+
+Schedule make_schedule(const std::string& name, int64_t p, int64_t m, int64_t v) {
+  if (name == "gpipe") return gpipe(p, m);
+  if (m < p)
+    throw UserError(fmt::format(
+        "parallel.pipeline.schedule {} needs at least parallel.pp ({}) micro-batches per "
+        "step, got {} (training.global_batch / (parallel.dp·training.micro_batch))",
+        name, p, m));
+  if (name == "1f1b") return one_f_one_b(p, m);
+  if (name == "interleaved") {
+    if (v < 2)
+      throw UserError(fmt::format(
+          "parallel.pipeline.schedule interleaved needs parallel.pipeline.virtual_stages >= 2, "
+          "got {}",
+          v));
+    if (m % p != 0)
+      throw UserError(fmt::format(
+          "parallel.pipeline.schedule interleaved needs micro-batches per step ({}) divisible "
+          "by parallel.pp ({})",
+          m, p));
+    return interleaved(p, m, v);
+  }
+  throw UserError("parallel.pipeline.schedule: unknown schedule '" + name +
+                  "' (gpipe, 1f1b, interleaved)");
+}
+
+Simulation simulate(const Schedule& s, double forward_time, double backward_time) {
+  const int64_t p = s.stages, v = s.virtual_stages, stages = p * v;
+  Simulation sim;
+  sim.forward_time = forward_time;
+  sim.backward_time = backward_time;
+  sim.timeline.resize(static_cast<size_t>(p));
+  sim.peak_activations.assign(static_cast<size_t>(p), 0);
+  using Key = std::pair<int64_t, int64_t>;  // (stage, micro-batch)
+  std::map<Key, double> fwd_done, bwd_done, act_sent, grad_sent, act_recv, grad_recv;
+  std::vector<size_t> next(static_cast<size_t>(p), 0);
+  std::vector<double> clock(static_cast<size_t>(p), 0.0);
+  std::vector<int64_t> live(static_cast<size_t>(p), 0);
+  auto find = [](const std::map<Key, double>& m, const Key& k) -> const double* {
+    auto it = m.find(k);
+    return it == m.end() ? nullptr : &it->second;
+  };
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int64_t r = 0; r < p; ++r) {
+      const auto& list = s.ranks[r];
+      auto& t = clock[r];
+      while (next[r] < list.size()) {
+        const Action& a = list[next[r]];
+        const int64_t stage = a.chunk * p + r;
+        const Key k{stage, a.microbatch};
+        const double* dep = nullptr;
+        bool ready = true;
+        switch (a.op) {
+          case Op::kRecvAct:
+            ready = (dep = find(act_sent, {stage - 1, a.microbatch})) != nullptr;
+            break;
+          case Op::kForward:
+            ready = stage == 0 || find(act_recv, k);
+            break;
+          case Op::kSendAct:
+            ready = find(fwd_done, k) != nullptr;
+            break;
+          case Op::kRecvGrad:
+            ready = (dep = find(grad_sent, {stage + 1, a.microbatch})) != nullptr;
+            break;
+          case Op::kBackward:
+            ready = find(fwd_done, k) && (stage == stages - 1 || find(grad_recv, k));
+            break;
+          case Op::kSendGrad:
+            ready = find(bwd_done, k) != nullptr;
+            break;
+        }
+        if (!ready) break;
+        if (dep) t = std::max(t, *dep);
+        switch (a.op) {
+          case Op::kRecvAct:
+            act_recv[k] = t;
+            break;
+          case Op::kRecvGrad:
+            grad_recv[k] = t;
+            break;
+          case Op::kSendAct:
+            act_sent[k] = t;
+            break;
+          case Op::kSendGrad:
+            grad_sent[k] = t;
+            break;
+          case Op::kForward:
+          case Op::kBackward: {
+            const bool f = a.op == Op::kForward;
+            auto& done = f ? fwd_done : bwd_done;
+            if (done.count(k)) {
+              sim.problem = fmt::format("rank {} runs the {} of micro-batch {} chunk {} twice", r,
+                                        op_name(a.op), a.microbatch, a.chunk);
+              return sim;
+            }
+            const double d = (f ? forward_time : backward_time) / static_cast<double>(v);
+            sim.timeline[r].push_back({t, t + d, a});
+            t += d;
+            done[k] = t;
+            live[r] += f ? 1 : -1;
+            sim.peak_activations[r] = std::max(sim.peak_activations[r], live[r]);
+            break;
+          }
+        }
+        ++next[r];
+        progress = true;
+      }
+    }
+  }
+  for (int64_t r = 0; r < p; ++r)
+    if (next[r] < s.ranks[r].size()) {
+      const auto& a = s.ranks[r][next[r]];
+      sim.deadlock = true;
+      sim.problem +=
+          fmt::format("{}rank {} waits at {} of micro-batch {} chunk {}",
+                      sim.problem.empty() ? "" : "; ", r, op_name(a.op), a.microbatch, a.chunk);
+    }
+  if (sim.deadlock) return sim;
+  for (int64_t st = 0; st < stages; ++st)
+    for (int64_t mb = 0; mb < s.microbatches; ++mb)
+      if (!fwd_done.count({st, mb}) || !bwd_done.count({st, mb})) {
+        sim.problem = fmt::format("stage {} never runs both passes of micro-batch {}", st, mb);
+        return sim;
+      }
+  for (double t : clock) sim.makespan = std::max(sim.makespan, t);
+  const double ideal = static_cast<double>(s.microbatches) * (forward_time + backward_time);
+  sim.bubble = (sim.makespan - ideal) / ideal;
+  return sim;
+}
+
+std::string render(const Schedule& s, const Simulation& sim) {
+  const double unit = sim.forward_time / static_cast<double>(s.virtual_stages);
+  const auto cells = static_cast<size_t>(std::ceil(sim.makespan / unit - 1e-9));
+  size_t width = 2;
+  for (const auto& rank : sim.timeline)
+    for (const auto& slot : rank)
+      width = std::max(width, label(slot.action, s.virtual_stages).size());
+  std::ostringstream out;
+  out << fmt::format(
+      "schedule {}: {} stages, {} micro-batches{}; one column = {} (forward {}, backward {})\n",
+      s.name, s.stages, s.microbatches,
+      s.virtual_stages > 1 ? fmt::format(", {} chunks per rank", s.virtual_stages) : "",
+      s.virtual_stages > 1 ? "one chunk's forward" : "one forward", sim.forward_time,
+      sim.backward_time);
+  for (size_t r = 0; r < sim.timeline.size(); ++r) {
+    std::vector<std::string> row(cells, std::string(width, '.'));
+    for (const auto& slot : sim.timeline[r]) {
+      const auto first = static_cast<size_t>(std::llround(slot.start / unit));
+      const auto last = static_cast<size_t>(std::llround(slot.end / unit));
+      for (size_t c = first; c < last && c < cells; ++c) {
+        auto l = label(slot.action, s.virtual_stages);
+        row[c] = l + std::string(width - l.size(), ' ');
+      }
+    }
+    out << fmt::format("  rank {:>2} |", r);
+    for (const auto& c : row) out << ' ' << c;
+    out << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace tessel::parallel::pp

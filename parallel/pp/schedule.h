@@ -1,0 +1,66 @@
+// Pipeline schedules as data: pure functions give each rank its ordered list of actions; one
+// executor will run any list, and the simulator here checks them (every dependency met, no
+// deadlock), measures the bubble and the activations each stage holds, and draws the rank × time
+// grid that --dry-run prints.
+//
+// Stages: with v virtual stages per rank (interleaved), model chunk c on rank r is pipeline stage
+// c·p + r of p·v; otherwise chunk 0 on rank r is stage r.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tessel::parallel::pp {
+
+enum class Op { kRecvAct, kForward, kSendAct, kRecvGrad, kBackward, kSendGrad };
+
+struct Action {
+  Op op;
+  int64_t microbatch;
+  int64_t chunk;  // model chunk on this rank (0 unless interleaved)
+  bool operator==(const Action& o) const {
+    return op == o.op && microbatch == o.microbatch && chunk == o.chunk;
+  }
+};
+
+struct Schedule {
+  std::string name;                                          // gpipe | 1f1b | interleaved
+  int64_t stages = 1, microbatches = 1, virtual_stages = 1;  // p, m, v
+  std::vector<std::vector<Action>> ranks;                    // [p] lists
+};
+
+/// GPipe: every forward, then every backward. Holds m micro-batches of activations per stage.
+Schedule gpipe(int64_t p, int64_t m);
+/// 1F1B (PipeDream-flush): p−r−1 warm-up forwards, then one forward / one backward. At most p.
+Schedule one_f_one_b(int64_t p, int64_t m);
+/// Interleaved 1F1B (Narayanan et al. 2021, arXiv:2104.04473) with v chunks per rank; m % p == 0.
+Schedule interleaved(int64_t p, int64_t m, int64_t v);
+/// By name (gpipe | 1f1b | interleaved), after checking the schedule's needs; throws UserError
+/// naming the values (1f1b and interleaved need m >= p; interleaved also m % p == 0 and v >= 2).
+Schedule make_schedule(const std::string& name, int64_t p, int64_t m, int64_t v);
+
+struct Simulation {
+  bool deadlock = false;
+  std::string problem;                         // what blocks, when deadlocked or inconsistent
+  double forward_time = 1, backward_time = 2;  // per full stage; a chunk takes 1/v of it
+  double makespan = 0;                         // finish time of the last action
+  double bubble = 0;                           // (makespan − ideal) / ideal, ideal = m·(F + B)
+  std::vector<int64_t>
+      peak_activations;  // per rank: micro-batch chunks forwarded, not yet backwarded
+  struct Slot {
+    double start, end;
+    Action action;
+  };
+  std::vector<std::vector<Slot>> timeline;  // per rank, compute actions only
+};
+
+/// Runs the lists with the given unit times: sends never block (they are posted batched with the
+/// neighbour's receives), a receive waits for its send, a forward for its activation, a backward
+/// for its forward and its gradient.
+Simulation simulate(const Schedule& s, double forward_time = 1, double backward_time = 2);
+
+/// The rank × time grid (one column per unit of forward time), e.g. "rank 0 | F0 F1 B0 B0 ...".
+std::string render(const Schedule& s, const Simulation& sim);
+
+}  // namespace tessel::parallel::pp

@@ -1,0 +1,111 @@
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include <fmt/format.h>
+
+#include "engine/config.h"
+#include "parallel/pp/schedule.h"
+
+namespace tessel::parallel::pp {
+namespace {
+
+struct Case {
+  std::string name;
+  int64_t p, m, v;
+};
+
+std::vector<Case> cases() {
+  std::vector<Case> c;
+  for (int64_t p : {int64_t{2}, int64_t{4}, int64_t{8}}) {
+    for (int64_t m : {p, 2 * p, 3 * p + 1}) c.push_back({"gpipe", p, m, 1});
+    c.push_back({"gpipe", p, 1, 1});  // GPipe needs no minimum number of micro-batches
+    if (p > 2) c.push_back({"gpipe", p, p - 1, 1});
+    for (int64_t m : {p, 2 * p, 3 * p + 1}) c.push_back({"1f1b", p, m, 1});
+    for (int64_t v : {int64_t{2}, int64_t{3}})
+      for (int64_t m : {p, 2 * p, 3 * p}) c.push_back({"interleaved", p, m, v});
+  }
+  return c;
+}
+
+class Schedules : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Schedules, RunWithoutDeadlockAndMatchTheBubbleTheory) {
+  const auto& c = GetParam();
+  auto s = make_schedule(c.name, c.p, c.m, c.v);
+  for (double backward : {1.0, 2.0}) {
+    auto sim = simulate(s, 1.0, backward);
+    ASSERT_FALSE(sim.deadlock) << sim.problem;
+    ASSERT_TRUE(sim.problem.empty()) << sim.problem;
+    // Each micro-batch's forward ends before its backward starts, on every stage.
+    std::map<std::tuple<int64_t, int64_t, int64_t>, std::pair<double, double>>
+        fb;  // (rank, chunk, mb)
+    for (size_t r = 0; r < sim.timeline.size(); ++r)
+      for (const auto& slot : sim.timeline[r]) {
+        auto& e = fb[{static_cast<int64_t>(r), slot.action.chunk, slot.action.microbatch}];
+        (slot.action.op == Op::kForward ? e.first : e.second) =
+            slot.action.op == Op::kForward ? slot.end : slot.start;
+      }
+    ASSERT_EQ(fb.size(), static_cast<size_t>(c.p * c.v * c.m));
+    for (const auto& [key, t] : fb) EXPECT_LE(t.first, t.second);
+    const double theory = static_cast<double>(c.p - 1) / static_cast<double>(c.v * c.m);
+    EXPECT_NEAR(sim.bubble, theory, 1e-9)
+        << c.name << " p=" << c.p << " m=" << c.m << " v=" << c.v << " backward=" << backward;
+  }
+  auto sim = simulate(s);
+  // Activations held: GPipe all m; 1F1B at most p (p on the first stage).
+  if (c.name == "gpipe")
+    for (auto a : sim.peak_activations) EXPECT_EQ(a, c.m);
+  if (c.name == "1f1b") {
+    for (auto a : sim.peak_activations) EXPECT_LE(a, c.p);
+    EXPECT_EQ(sim.peak_activations[0], c.p);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, Schedules, ::testing::ValuesIn(cases()), [](const auto& info) {
+  const auto& c = info.param;
+  return fmt::format("{}_p{}_m{}_v{}", c.name == "1f1b" ? "onef1b" : c.name, c.p, c.m, c.v);
+});
+
+TEST(Schedules, DeadlockIsFound) {
+  // Stage 0 never sends its activation: stage 1 waits forever.
+  Schedule s{
+      "broken",
+      2,
+      1,
+      1,
+      {{{Op::kForward, 0, 0}, {Op::kRecvGrad, 0, 0}, {Op::kBackward, 0, 0}},
+       {{Op::kRecvAct, 0, 0}, {Op::kForward, 0, 0}, {Op::kBackward, 0, 0}, {Op::kSendGrad, 0, 0}}}};
+  auto sim = simulate(s);
+  EXPECT_TRUE(sim.deadlock);
+  EXPECT_NE(sim.problem.find("rank 1 waits at recv activation of micro-batch 0"), std::string::npos)
+      << sim.problem;
+  EXPECT_NE(sim.problem.find("rank 0 waits at recv gradient of micro-batch 0"), std::string::npos)
+      << sim.problem;
+}
+
+TEST(Schedules, NeedsAreCheckedWithValues) {
+  auto expect = [](const std::function<void()>& f, const std::string& part) {
+    try {
+      f();
+      FAIL() << "accepted";
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  expect([] { make_schedule("1f1b", 4, 3, 1); },
+         "needs at least parallel.pp (4) micro-batches per step, got 3");
+  expect([] { make_schedule("interleaved", 4, 6, 2); },
+         "micro-batches per step (6) divisible by parallel.pp (4)");
+  expect([] { make_schedule("interleaved", 2, 4, 1); }, "virtual_stages >= 2, got 1");
+}
+
+TEST(Schedules, GridShowsEveryPass) {
+  auto s = one_f_one_b(2, 2);
+  auto text = render(s, simulate(s));
+  EXPECT_NE(text.find("rank  0 | F0 F1 .. .. B0 B0 .. B1 B1"), std::string::npos) << text;
+  EXPECT_NE(text.find("rank  1 | .. F0 B0 B0 F1 B1 B1"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace tessel::parallel::pp
