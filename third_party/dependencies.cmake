@@ -14,6 +14,9 @@ endif()
 if(NOT TORCH_CUDA_ARCH_LIST)
   set(TORCH_CUDA_ARCH_LIST "9.0")
 endif()
+# The real path (the per-user cache, not the checkout's .env link): include paths are then the same
+# for every checkout, which ccache needs to share its entries between them.
+get_filename_component(Torch_DIR "${Torch_DIR}" REALPATH)
 find_package(Torch REQUIRED)
 message(STATUS "LibTorch ${Torch_VERSION} from ${Torch_DIR}")
 
@@ -48,7 +51,14 @@ if(NOT _fmt_inc)
   set(_fmt_inc /usr/include)
 endif()
 list(GET _fmt_inc 0 _fmt_inc)
-set(TESSEL_FMT_SHIM ${CMAKE_BINARY_DIR}/fmt-shim)
+# With our cached environment the shim lives beside it (one path for every checkout); with a
+# user's own LibTorch it lives in the build folder.
+get_filename_component(_torch_venv "${Torch_DIR}/../../../../../../.." REALPATH)
+if(EXISTS "${_torch_venv}/pyvenv.cfg")
+  set(TESSEL_FMT_SHIM ${_torch_venv}/tessel-fmt9-shim)
+else()
+  set(TESSEL_FMT_SHIM ${CMAKE_BINARY_DIR}/fmt-shim)
+endif()
 file(MAKE_DIRECTORY ${TESSEL_FMT_SHIM})
 file(CREATE_LINK ${_fmt_inc}/fmt ${TESSEL_FMT_SHIM}/fmt SYMBOLIC)
 target_include_directories(tessel_torch SYSTEM BEFORE INTERFACE ${TESSEL_FMT_SHIM})
