@@ -72,6 +72,20 @@ FlatAdamW::FlatAdamW(models::Decoder& model, const TrainingConfig& t) : t_(t) {
     p.set_data(w);
     p.mutable_grad() = grads.narrow(0, s.offset, s.numel).view(p.sizes());
   }
+  // One fused call per weight-decay group over per-parameter views of the flat buffers, built
+  // once: the views stay valid because the buffers are only ever updated in place.
+  for (const bool decay : {true, false}) {
+    DecayGroup grp{decay, {}, {}, {}, {}, {}};
+    for (const auto& s : slots_) {
+      if (s.decay != decay) continue;
+      grp.w.push_back(master_.narrow(0, s.offset, s.numel));
+      grp.g.push_back(grad_.narrow(0, s.offset, s.numel));
+      grp.m.push_back(exp_avg_.narrow(0, s.offset, s.numel));
+      grp.v.push_back(exp_avg_sq_.narrow(0, s.offset, s.numel));
+      grp.steps.push_back(step_count_);  // read-only in the kernel; step() increments it
+    }
+    if (!grp.w.empty()) groups_.push_back(std::move(grp));
+  }
 }
 
 void FlatAdamW::load_state(const std::map<std::string, torch::Tensor>& master,
@@ -119,21 +133,10 @@ torch::Tensor FlatAdamW::clip_grad_norm(
 void FlatAdamW::step(double lr) {
   step_count_.add_(1);
   const auto& o = t_.optimizer;
-  // One fused call per weight-decay group over per-parameter views of the flat buffers.
-  for (const bool decay : {true, false}) {
-    std::vector<torch::Tensor> w, g, m, v, steps;
-    for (const auto& s : slots_) {
-      if (s.decay != decay) continue;
-      w.push_back(master_.narrow(0, s.offset, s.numel));
-      g.push_back(grad_.narrow(0, s.offset, s.numel));
-      m.push_back(exp_avg_.narrow(0, s.offset, s.numel));
-      v.push_back(exp_avg_sq_.narrow(0, s.offset, s.numel));
-      steps.push_back(step_count_);  // read-only in the kernel; the caller increments it
-    }
-    if (w.empty()) continue;
-    at::_fused_adamw_(w, g, m, v, {}, steps, lr, o.betas[0], o.betas[1],
-                      decay ? o.weight_decay : 0.0, o.eps, /*amsgrad=*/false, /*maximize=*/false);
-  }
+  for (const auto& grp : groups_)
+    at::_fused_adamw_(grp.w, grp.g, grp.m, grp.v, {}, grp.steps, lr, o.betas[0], o.betas[1],
+                      grp.decay ? o.weight_decay : 0.0, o.eps, /*amsgrad=*/false,
+                      /*maximize=*/false);
   if (low_precision_) params16_.copy_(master_);
   grad_.zero_();
 }

@@ -74,7 +74,12 @@ class FlatAdamW {
   bool low_precision_;
   torch::Tensor master_, grad_, exp_avg_, exp_avg_sq_, step_count_;
   torch::Tensor params16_, grads16_;  // bf16 runs only
-  torch::Tensor norm_weight_;         // 1/replicas per element, when some parameters are replicated
+  torch::Tensor norm_weight_;
+  struct DecayGroup {
+    bool decay;
+    std::vector<torch::Tensor> w, g, m, v, steps;  // views of the flat buffers, per parameter
+  };
+  std::vector<DecayGroup> groups_;  // 1/replicas per element, when some parameters are replicated
 };
 
 }  // namespace tessel

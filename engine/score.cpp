@@ -37,7 +37,7 @@ ScoreResult score(const Config& c, const std::string& weights, const std::string
   auto all = tokens.to(torch::kInt64);
   for (int64_t first = 0; first < b; first += c.training.micro_batch) {
     auto rows = all.narrow(0, first, std::min(c.training.micro_batch, b - first)).to(device);
-    total += token_loss_sum(model, rows).to(torch::kFloat64).item<double>();
+    total += model->loss_sum(rows).to(torch::kFloat64).item<double>();
   }
   return {total / static_cast<double>(b * c.training.seq_len), b * c.training.seq_len};
 }

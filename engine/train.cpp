@@ -35,10 +35,6 @@ models::Decoder make_model(const Config& c, const torch::Device& device, torch::
   return model;
 }
 
-torch::Tensor token_loss_sum(models::Decoder& model, const torch::Tensor& rows) {
-  return model->loss_sum(rows);
-}
-
 Trainer::Trainer(Config c, const parallel::WorldInfo& world)
     : c_(std::move(c)),
       device_(resolve_device(c_.training.device, world.local_rank)),
@@ -70,6 +66,10 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
     spdlog::info("resumed from {} (step {}, {} samples consumed)", dir, st.step,
                  st.consumed_samples);
   }
+  if (mesh_->group(parallel::GroupKind::kTp).size() > 1)
+    for (const auto& s : opt_->slots())
+      if (model_->specs().at(s.name).tp_grad_sum)
+        tp_summed_grads_.push_back(opt_->grad().narrow(0, s.offset, s.numel));
   reducer_ =
       std::make_unique<parallel::dp::GradReducer>(*mesh_, model_, *opt_, c_.parallel.ddp_bucket_mb);
   if (mesh_->rank() == 0) metrics_ = std::make_unique<MetricsLog>(c_, first_step_ - 1);
@@ -101,7 +101,7 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   double exposed_ms = 0;
   for (int64_t first = 0; first < rows; first += t.micro_batch) {
     reducer_->begin_microbatch(first + t.micro_batch == rows);
-    auto mb_loss = token_loss_sum(model_, batch.narrow(0, first, t.micro_batch)) * scale;
+    auto mb_loss = model_->loss_sum(batch.narrow(0, first, t.micro_batch)) * scale;
     mb_loss.backward();
     exposed_ms += reducer_->end_microbatch();
     loss += mb_loss.detach();
@@ -122,7 +122,7 @@ double Trainer::evaluate() {
   auto last = std::chrono::steady_clock::now();
   for (int64_t first = 0; first < mine; first += t.micro_batch) {
     auto mb = data_->val_batch(mesh_->coord().dp * mine + first, t.micro_batch).to(device_);
-    total += token_loss_sum(model_, mb).to(torch::kFloat64);
+    total += model_->loss_sum(mb).to(torch::kFloat64);
     if (std::chrono::steady_clock::now() - last > std::chrono::seconds(2)) {
       last = std::chrono::steady_clock::now();
       spdlog::info("eval: {}/{} sequences", (first + t.micro_batch) * mesh_->layout().dp, rows);
@@ -161,12 +161,7 @@ void Trainer::sync_replicated_grads() {
   // Replicated parameters whose tp ranks each hold part of the gradient (sequence-parallel
   // norms and biases, key/value projections shared by query heads on several ranks): sum them.
   auto& tp = mesh_->group(parallel::GroupKind::kTp);
-  if (tp.size() == 1) return;
-  for (const auto& s : opt_->slots()) {
-    if (!model_->specs().at(s.name).tp_grad_sum) continue;
-    auto g = opt_->grad().narrow(0, s.offset, s.numel);
-    tp.all_reduce(g).wait();
-  }
+  for (auto& g : tp_summed_grads_) tp.all_reduce(g).wait();
 }
 
 void Trainer::train() {

@@ -28,10 +28,6 @@ torch::ScalarType resolve_dtype(const std::string& dtype);
 models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
                            parallel::Group* tp = nullptr);
 
-/// Mean next-token loss of rows [b, T+1] (inputs = row[:-1], targets = row[1:]) as a device
-/// scalar: sum of token losses (fp32 logits) times `scale`. The one loss rule lives here.
-torch::Tensor token_loss_sum(models::Decoder& model, const torch::Tensor& rows);
-
 class Trainer {
  public:
   /// Builds the mesh (checking the plan against the world first), model, optimizer and data.
@@ -56,6 +52,7 @@ class Trainer {
   models::Decoder model_{nullptr};
   std::unique_ptr<FlatAdamW> opt_;
   std::unique_ptr<parallel::dp::GradReducer> reducer_;
+  std::vector<torch::Tensor> tp_summed_grads_;  // grad views of parameters summed over tp
   std::unique_ptr<data::Dataset> data_;
   std::unique_ptr<MetricsLog> metrics_;
   double flops_per_token_ = 0;

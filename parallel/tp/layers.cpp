@@ -66,6 +66,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(Group& tp, int64_t vocab,
 }
 
 torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& tokens) {
+  if (tp_->size() == 1) return torch::embedding(weight, tokens);  // every row is this rank's
   // Tokens outside this rank's rows look up row 0 and are zeroed; the sum over the group then
   // holds every token's row exactly once. (Out-of-range ids are refused by the data layer, the
   // same at every tensor-parallel size, before they reach the model.)

@@ -72,13 +72,18 @@ TEST(World, SlurmHostList) {
   EXPECT_EQ(first_slurm_host("n1"), "n1");
 }
 
-TEST(World, DiscoveryPrefersTorchrunThenSlurmThenOpenMpi) {
+// Every variable discover_world() reads: cleared before and after the test.
+void clear_world_env() {
   for (const char* k :
        {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
         "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST",
         "SLURM_NTASKS_PER_NODE", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
         "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "TESSEL_RESTART_COUNT"})
     unsetenv(k);
+}
+
+TEST(World, DiscoveryPrefersTorchrunThenSlurmThenOpenMpi) {
+  clear_world_env();
   EXPECT_EQ(discover_world().world, 1);
   setenv("OMPI_COMM_WORLD_RANK", "1", 1);
   setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
@@ -106,11 +111,7 @@ TEST(World, DiscoveryPrefersTorchrunThenSlurmThenOpenMpi) {
   EXPECT_EQ(w.master_port, 1234);
   setenv("RANK", "2", 1);
   EXPECT_THROW(discover_world(), UserError);  // rank 2 of 2
-  for (const char* k :
-       {"RANK", "WORLD_SIZE", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-        "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NODELIST", "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"})
-    unsetenv(k);
+  clear_world_env();
 }
 
 }  // namespace
