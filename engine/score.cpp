@@ -29,7 +29,10 @@ ScoreResult score(const Config& c, const std::string& weights, const std::string
                     " is outside model.vocab_size " + std::to_string(c.model.vocab_size));
   }
   const auto device = resolve_device(c.training.device);
-  auto model = make_model(c, device, resolve_dtype(c.training.dtype));
+  // --weights replaces every parameter, so the plan's init_from is not read first.
+  Config plan = c;
+  plan.model.init_from.clear();
+  auto model = make_model(plan, device, resolve_dtype(c.training.dtype));
   models::load_weights(model, weights);
   torch::NoGradGuard no_grad;
   model->eval();
