@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <fmt/format.h>
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -84,34 +85,54 @@ torch::Tensor real_part(const Entry& e) {
   return t;
 }
 
-// Rank 0: the index, computed from the specs (every rank's slices follow from its tp index).
-void write_index(const Config& c, const fs::path& tmp, const std::vector<Entry>& entries,
-                 const CheckpointState& st, int64_t world, int64_t tp) {
+// This writer's part of the index: for each tensor it writes, the global shape, dtype and the
+// slice of the global tensor its file holds.
+nlohmann::json index_fragment(const std::vector<std::pair<std::string, torch::Tensor>>& mine,
+                              const std::vector<Entry>& entries, const std::string& file) {
+  std::map<std::string, const Entry*> by_name;
+  for (const auto& e : entries) by_name[e.name] = &e;
+  nlohmann::json tensors = nlohmann::json::object();
+  for (const auto& [name, t] : mine) {
+    const Entry& e = *by_name.at(name);
+    nlohmann::json slice = nlohmann::json::array();
+    for (auto [b, en] : e.spec.global_ranges()) slice.push_back({b, en});
+    tensors[name] = {
+        {"shape", e.spec.global_shape.empty() ? e.local.sizes().vec() : e.spec.global_shape},
+        {"dtype", c10::toString(e.local.scalar_type())},
+        {"shards", {{{"file", file}, {"slice", slice}}}}};
+  }
+  return tensors;
+}
+
+// Rank 0: index.json from every writer's fragment (then removed). A replicated tensor written by
+// several writers (the step counter, once per pipeline stage) keeps one shard.
+void write_index(const Config& c, const fs::path& tmp, const CheckpointState& st, int64_t world) {
   nlohmann::json index = {{"format", "tessel-checkpoint-1"},
                           {"step", st.step},
                           {"consumed_samples", st.consumed_samples},
                           {"world_size", world},
                           {"arch", c.model.arch},
                           {"tensors", nlohmann::json::object()}};
-  for (const auto& e : entries) {
-    nlohmann::json shards = nlohmann::json::array();
-    const int64_t parts = e.spec.shard.parts;
-    for (int64_t r = 0; r < parts; ++r) {
-      auto spec = e.spec;
-      spec.shard.index = r;
-      nlohmann::json slice = nlohmann::json::array();
-      bool empty = false;
-      for (auto [b, en] : spec.global_ranges()) {
-        slice.push_back({b, en});
-        empty = empty || en <= b;
+  auto& tensors = index["tensors"];
+  std::vector<fs::path> fragments;
+  for (const auto& e : fs::directory_iterator(tmp))
+    if (e.path().extension() == ".json" && e.path().filename().string().rfind("index.", 0) == 0)
+      fragments.push_back(e.path());
+  std::sort(fragments.begin(), fragments.end());
+  for (const auto& f : fragments) {
+    const auto fragment = nlohmann::json::parse(read_text(f));
+    for (const auto& [name, t] : fragment.items()) {
+      if (!tensors.contains(name)) {
+        tensors[name] = t;
+        continue;
       }
-      // Tensor-parallel rank r of the first data replica is global rank r (tp varies fastest).
-      if (!empty) shards.push_back({{"file", rank_file(parts == tp ? r : 0)}, {"slice", slice}});
+      auto& shards = tensors[name]["shards"];
+      const auto& shard = t.at("shards").at(0);
+      if (std::none_of(shards.begin(), shards.end(),
+                       [&](const nlohmann::json& s) { return s.at("slice") == shard.at("slice"); }))
+        shards.push_back(shard);
     }
-    index["tensors"][e.name] = {
-        {"shape", e.spec.global_shape.empty() ? e.local.sizes().vec() : e.spec.global_shape},
-        {"dtype", c10::toString(e.local.scalar_type())},
-        {"shards", shards}};
+    fs::remove(f);
   }
   write_file_atomic((tmp / "index.json").string(), index.dump(1));
 }
@@ -130,21 +151,25 @@ std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models:
     fs::create_directories(tmp);
   }
   world.barrier();
-  // Data (and context) replicas hold the same tensors: the first replica's tensor-parallel ranks
-  // write, each its shards; replicated tensors are written by tp rank 0 only.
+  // Data (and context) replicas hold the same tensors: the first replica's tensor- and
+  // pipeline-parallel ranks write, each its shards and stages; replicated tensors are written by
+  // tp rank 0 only, and a tied token table by the first stage only.
   const auto entries = checkpoint_entries(model, opt);
   const auto& me = mesh.coord();
   if (me.dp == 0 && me.cp == 0) {
     std::vector<std::pair<std::string, torch::Tensor>> mine;
     for (const auto& e : entries) {
-      if (e.spec.shard.parts == 1 && me.tp != 0) continue;
+      if ((e.spec.shard.parts == 1 && me.tp != 0) || e.spec.pipeline_copy) continue;
       if (auto t = real_part(e); t.defined()) mine.emplace_back(e.name, t);
     }
-    write_safetensors((tmp / rank_file(mesh.rank())).string(), mine, {{"format", "tessel"}});
+    const std::string file = rank_file(mesh.rank());
+    write_safetensors((tmp / file).string(), mine, {{"format", "tessel"}});
+    write_file_atomic((tmp / fmt::format("index.{:05d}.json", mesh.rank())).string(),
+                      index_fragment(mine, entries, file).dump());
   }
   world.barrier();
   if (mesh.rank() == 0) {
-    write_index(c, tmp, entries, st, mesh.world(), mesh.layout().tp);
+    write_index(c, tmp, st, mesh.world());
     write_file_atomic((tmp / "config.yaml").string(), dump_config(c));
     // The marker goes last; only then does the folder get its final name and `latest` point at it.
     write_file_atomic((tmp / kMarker).string(), std::to_string(st.step) + "\n");

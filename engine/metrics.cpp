@@ -13,14 +13,21 @@
 
 namespace tessel {
 
-double flops_per_token(models::Decoder& model, int64_t seq_len) {
+double flops_parameters(models::Decoder& model) {
   const auto& m = model->options().model;
   double n = 0;
-  for (const auto& p : model->named_parameters()) {
+  for (const auto& [name, spec] : model->specs()) {
     const bool input_embedding =
-        p.key() == "pos_embed.weight" || (p.key() == "embed.weight" && !m.tied());
-    if (!input_embedding) n += static_cast<double>(p.value().numel());
+        name == "pos_embed.weight" || (name == "embed.weight" && !m.tied());
+    if (input_embedding || spec.pipeline_copy) continue;
+    double numel = 1;
+    for (auto d : spec.global_shape) numel *= static_cast<double>(d);
+    n += numel;
   }
+  return n;
+}
+
+double flops_per_token(const ModelConfig& m, double n, int64_t seq_len) {
   return 6.0 * n + 12.0 * m.layers * m.heads * m.head_dim() * static_cast<double>(seq_len);
 }
 

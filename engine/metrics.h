@@ -14,7 +14,11 @@ namespace tessel {
 /// PaLM (appendix B) training FLOPs per token: 6·N + 12·L·H·Q·T, with N the parameters excluding
 /// the input embeddings (the token table counts when it is tied to the head), L layers, H heads,
 /// Q head dim, T sequence length. Full attention term, not halved for the causal mask.
-double flops_per_token(models::Decoder& model, int64_t seq_len);
+/// `n`: the global N, summed over pipeline stages from flops_parameters().
+double flops_per_token(const ModelConfig& m, double n, int64_t seq_len);
+/// This rank's stages' share of N at global shapes (tensor-parallel shards count whole, once;
+/// the last stage's copy of a tied token table does not count).
+double flops_parameters(models::Decoder& model);
 constexpr const char* kFlopsConvention =
     "PaLM 6N + 12·L·H·Q·T per token (N without input embeddings; attention term not halved)";
 

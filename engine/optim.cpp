@@ -110,8 +110,6 @@ void FlatAdamW::load_state(const std::map<std::string, torch::Tensor>& master,
   if (low_precision_) params16_.copy_(master_);
 }
 
-void FlatAdamW::accumulate_microbatch() { fold_microbatch(0, n_); }
-
 void FlatAdamW::fold_microbatch(int64_t begin, int64_t end) {
   if (!low_precision_ || end <= begin) return;
   grad_.narrow(0, begin, end - begin).add_(grads16_.narrow(0, begin, end - begin));

@@ -40,9 +40,8 @@ class FlatAdamW {
   /// Takes over `model`'s parameters (already on their device and in the run's dtype).
   FlatAdamW(models::Decoder& model, const TrainingConfig& t);
 
-  /// bf16 only: adds this micro-batch's gradients into the fp32 accumulator and clears them.
-  void accumulate_microbatch();
-  /// The same for the flat range [begin, end) (a gradient bucket).
+  /// bf16 only: adds this micro-batch's gradients of the flat range [begin, end) (a gradient
+  /// bucket or a pipeline chunk) into the fp32 accumulator and clears them.
   void fold_microbatch(int64_t begin, int64_t end);
   /// Global L2 norm of the gradient (before clipping), clipped to max_norm in place when > 0.
   /// `sum_over_shards` sums the squared norm over ranks that hold other parts of the model.

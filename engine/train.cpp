@@ -5,10 +5,12 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "engine/checkpoint.h"
 #include "engine/safetensors.h"
 #include "parallel/dp/grad_reducer.h"
+#include "parallel/pp/executor.h"
 
 namespace tessel {
 
@@ -27,9 +29,18 @@ torch::ScalarType resolve_dtype(const std::string& dtype) {
   return dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
 }
 
+models::StagePart stage_part(const Config& c, int64_t pp, int64_t rank) {
+  const int64_t v = c.parallel.virtual_stages;
+  const auto layers = parallel::pp::stage_layers(c.model.layers, pp * v, c.parallel.layers_per_stage);
+  models::StagePart part{{}, rank == 0, rank == pp - 1};
+  for (int64_t chunk = 0; chunk < v; ++chunk)
+    part.chunks.push_back(layers[static_cast<size_t>(chunk * pp + rank)]);
+  return part;
+}
+
 models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
-                           parallel::Group* tp) {
-  auto model = models::build_model(c.model, c.run.seed, tp, c.parallel.sequence_parallel);
+                           parallel::Group* tp, const models::StagePart& stages) {
+  auto model = models::build_model(c.model, c.run.seed, tp, c.parallel.sequence_parallel, stages);
   if (!c.model.init_from.empty()) models::load_weights(model, c.model.init_from);
   model->to(device, dtype);
   return model;
@@ -43,11 +54,11 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
   // Every check of the plan against the world runs inside create() before any communicator.
   mesh_ = parallel::Mesh::create(c_, world, device_);
   const auto& l = mesh_->layout();
-  if (l.cp > 1 || l.pp > 1)
-    throw UserError(
-        fmt::format("{}: parallel.cp {}, pp {}: this build trains with data and tensor parallelism "
-                    "(context and pipeline parallelism are not in it yet); set them to 1",
-                    c_.source, l.cp, l.pp));
+  if (l.cp > 1)
+    throw UserError(fmt::format(
+        "{}: parallel.cp {}: this build trains with data, tensor and pipeline parallelism "
+        "(context parallelism is not in it yet); set it to 1",
+        c_.source, l.cp));
   c_.parallel.dp = l.dp;
   if (mesh_->rank() == 0) {
     std::filesystem::create_directories(c_.run.output_dir);
@@ -57,7 +68,8 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
     spdlog::set_level(spdlog::level::warn);  // rank 0 reports for everyone
   }
   data_ = std::make_unique<data::Dataset>(c_);
-  model_ = make_model(c_, device_, dtype_, &mesh_->group(parallel::GroupKind::kTp));
+  model_ = make_model(c_, device_, dtype_, &mesh_->group(parallel::GroupKind::kTp),
+                      stage_part(c_, l.pp, mesh_->coord().pp));
   opt_ = std::make_unique<FlatAdamW>(model_, c_.training);
   if (auto dir = checkpoint_to_resume(c_); !dir.empty()) {
     auto st = load_checkpoint(dir, model_, *opt_);
@@ -70,16 +82,42 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
     for (const auto& s : opt_->slots())
       if (model_->specs().at(s.name).tp_grad_sum)
         tp_summed_grads_.push_back(opt_->grad().narrow(0, s.offset, s.numel));
+  if (l.pp > 1 && c_.model.tied() && model_->specs().count("embed.weight"))
+    for (const auto& s : opt_->slots())
+      if (s.name == "embed.weight") embedding_grad_ = opt_->grad().narrow(0, s.offset, s.numel);
   reducer_ =
       std::make_unique<parallel::dp::GradReducer>(*mesh_, model_, *opt_, c_.parallel.ddp_bucket_mb);
+  const auto& t = c_.training;
+  const bool sp = c_.parallel.sequence_parallel && l.tp > 1;
+  activation_shape_ = {t.micro_batch, sp ? t.seq_len / l.tp : t.seq_len, c_.model.hidden};
+  executor_ = std::make_unique<parallel::pp::Executor>(
+      mesh_->group(parallel::GroupKind::kPp),
+      parallel::pp::make_schedule(c_.parallel.pipeline_schedule, l.pp,
+                                  t.global_batch / (l.dp * t.micro_batch), c_.parallel.virtual_stages),
+      activation_shape_, torch::TensorOptions().dtype(dtype_).device(device_));
   if (mesh_->rank() == 0) metrics_ = std::make_unique<MetricsLog>(c_, first_step_ - 1);
-  spdlog::info("{} process{} ({}, {}): dp {} tp {}{} | {} gradient bucket{}", mesh_->world(),
+  spdlog::info("{} process{} ({}, {}): dp {} tp {}{} pp {} | {} gradient bucket{}", mesh_->world(),
                mesh_->world() > 1 ? "es" : "", world.source, mesh_->backend(), l.dp, l.tp,
-               c_.parallel.sequence_parallel && l.tp > 1 ? " (sequence parallel)" : "",
-               reducer_->buckets().size(), reducer_->buckets().size() == 1 ? "" : "s");
-  flops_per_token_ = flops_per_token(model_, c_.training.seq_len);
+               sp ? " (sequence parallel)" : "", l.pp, reducer_->buckets().size(),
+               reducer_->buckets().size() == 1 ? "" : "s");
+  if (l.pp > 1) {
+    const auto& s = executor_->schedule();
+    std::string layers;
+    for (auto [b, e] : parallel::pp::stage_layers(c_.model.layers, l.pp * s.virtual_stages,
+                                                  c_.parallel.layers_per_stage))
+      layers += fmt::format("{}{}", layers.empty() ? "" : " ", e - b);
+    spdlog::info("pipeline: {} over {} ranks x {} chunk{}, {} micro-batches per step; layers per "
+                 "stage [{}]; tied embeddings {}",
+                 s.name, l.pp, s.virtual_stages, s.virtual_stages > 1 ? "s" : "", s.microbatches,
+                 layers, c_.model.tied() ? "kept equal over the embedding group" : "no");
+  }
+  // N sums over pipeline stages (each rank counts its own stages' parameters).
+  auto n = torch::full({}, flops_parameters(model_), torch::kFloat64);
+  if (l.pp > 1) mesh_->group(parallel::GroupKind::kPp).all_reduce(n).wait();
+  flops_per_token_ = flops_per_token(c_.model, n.item<double>(), c_.training.seq_len);
   peak_ = device_peak(c_, device_, dtype_);
-  spdlog::info("model {} | {} parameters | {} | {} on {}", c_.model.arch, opt_->numel(),
+  spdlog::info("model {} | {} parameters on this rank | {} | {} on {}", c_.model.arch,
+               opt_->numel(),
                c_.model.init_from.empty() ? "seeded init" : "weights from " + c_.model.init_from,
                c_.training.dtype, device_.str());
   spdlog::info("data {} | {} training samples ({} tokens), {} validation samples", c_.data.format,
@@ -98,14 +136,25 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   // The loss rule: sum of token losses over the global batch / its number of target tokens.
   const double scale = 1.0 / static_cast<double>(t.global_batch * t.seq_len);
   auto loss = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
-  double exposed_ms = 0;
-  for (int64_t first = 0; first < rows; first += t.micro_batch) {
-    reducer_->begin_microbatch(first + t.micro_batch == rows);
-    auto mb_loss = model_->loss_sum(batch.narrow(0, first, t.micro_batch)) * scale;
-    mb_loss.backward();
-    exposed_ms += reducer_->end_microbatch();
-    loss += mb_loss.detach();
+  // The schedule decides the order of forwards and backwards (one stage: F0 B0 F1 B1 ...).
+  parallel::pp::StageFns fns{
+      [&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
+        auto out =
+            model_->stage_forward(chunk, input, batch.narrow(0, mb * t.micro_batch, t.micro_batch));
+        if (!model_->is_last_stage(chunk)) return out;
+        out = out * scale;
+        loss += out.detach();
+        return out;
+      },
+      [&](int64_t chunk, bool final) { reducer_->begin_backward(chunk, final); },
+      [&](int64_t chunk, bool final) { reducer_->end_backward(chunk, final); }};
+  const auto stats = executor_->run(fns);
+  const double exposed_ms = reducer_->finish();
+  if (step > first_step_) {  // the first step warms up (allocations, connections)
+    pp_step_ms_ += stats.step_ms, pp_compute_ms_ += stats.compute_ms, pp_wait_ms_ += stats.wait_ms;
+    ++pp_steps_;
   }
+  pp_peak_activations_ = std::max(pp_peak_activations_, stats.peak_activations);
   sync_replicated_grads();
   auto& mp = mesh_->group(parallel::GroupKind::kMp);
   auto norm =
@@ -117,23 +166,35 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
 double Trainer::evaluate() {
   torch::NoGradGuard no_grad;
   const auto& t = c_.training;
+  const auto& l = mesh_->layout();
   auto total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
-  const int64_t rows = t.eval_batches * t.global_batch, mine = rows / mesh_->layout().dp;
+  const int64_t rows = t.eval_batches * t.global_batch, mine = rows / l.dp;
   auto last = std::chrono::steady_clock::now();
-  for (int64_t first = 0; first < mine; first += t.micro_batch) {
-    auto mb = data_->val_batch(mesh_->coord().dp * mine + first, t.micro_batch).to(device_);
-    total += model_->loss_sum(mb).to(torch::kFloat64);
-    if (std::chrono::steady_clock::now() - last > std::chrono::seconds(2)) {
+  parallel::pp::StageFns fns{[&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
+    const int64_t first = mb * t.micro_batch;
+    auto rows_mb = data_->val_batch(mesh_->coord().dp * mine + first, t.micro_batch).to(device_);
+    auto out = model_->stage_forward(chunk, input, rows_mb);
+    if (model_->is_last_stage(chunk)) total += out.to(torch::kFloat64);
+    if (chunk == 0 && std::chrono::steady_clock::now() - last > std::chrono::seconds(2)) {
       last = std::chrono::steady_clock::now();
-      spdlog::info("eval: {}/{} sequences", (first + t.micro_batch) * mesh_->layout().dp, rows);
+      spdlog::info("eval: {}/{} sequences", (first + t.micro_batch) * l.dp, rows);
     }
-  }
+    return out;
+  }};
+  parallel::pp::Executor(mesh_->group(parallel::GroupKind::kPp),
+                         parallel::pp::forward_only(l.pp, mine / t.micro_batch,
+                                                    executor_->schedule().virtual_stages),
+                         activation_shape_, torch::TensorOptions().dtype(dtype_).device(device_))
+      .run(fns);
+  mesh_->group(parallel::GroupKind::kPp).all_reduce(total).wait();  // the last stage's sum
   mesh_->dp_cp().all_reduce(total).wait();
   return total.item<double>() / static_cast<double>(rows * t.seq_len);
 }
 
 void Trainer::log_step(int64_t step, StepOut& out) {
-  mesh_->dp_cp().all_reduce(out.loss).wait();  // each data rank holds its rows' share
+  // The last pipeline stage holds the loss; each data rank its rows' share.
+  mesh_->group(parallel::GroupKind::kPp).all_reduce(out.loss).wait();
+  mesh_->dp_cp().all_reduce(out.loss).wait();
   if (!metrics_) return;
   const double loss = out.loss.item<double>(), norm = out.grad_norm.item<double>();  // host sync
   const auto now = std::chrono::steady_clock::now();
@@ -162,6 +223,10 @@ void Trainer::sync_replicated_grads() {
   // norms and biases, key/value projections shared by query heads on several ranks): sum them.
   auto& tp = mesh_->group(parallel::GroupKind::kTp);
   for (auto& g : tp_summed_grads_) tp.all_reduce(g).wait();
+  // A tied token table lives on the first stage (embedding) and the last (head): each holds part
+  // of its gradient; the sum keeps the two copies equal (Megatron's embedding group).
+  if (embedding_grad_.defined())
+    mesh_->group(parallel::GroupKind::kEmbedding).all_reduce(embedding_grad_).wait();
 }
 
 void Trainer::train() {
@@ -192,12 +257,62 @@ void Trainer::train() {
       last_log_time_ += std::chrono::steady_clock::now() - t0;
     }
   }
+  if (mesh_->layout().pp > 1) report_pipeline();
   if (const auto& tp = mesh_->group(parallel::GroupKind::kTp);
       tp.size() > 1 && t.steps >= first_step_)
     spdlog::info(
         "tensor-parallel traffic: {} bytes per step per rank (collective payloads, training and "
         "logging)",
         tp.bytes() / (t.steps - first_step_ + 1));
+}
+
+void Trainer::report_pipeline() {
+  // Every rank's own figures, gathered to rank 0: <output_dir>/pipeline.json and one line per
+  // stage. Measured bubble = idle time / step time, from the executor's clock (steps after the
+  // first); theory = the simulator's idle share with backward = 2 forwards.
+  auto& world = mesh_->world_group();
+  const double steps = static_cast<double>(std::max<int64_t>(1, pp_steps_));
+  auto mine = torch::tensor({static_cast<double>(mesh_->coord().pp),
+                             static_cast<double>(pp_peak_activations_), pp_step_ms_ / steps,
+                             pp_compute_ms_ / steps, pp_wait_ms_ / steps},
+                            torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  auto all = torch::empty({world.size() * mine.numel()}, mine.options());
+  world.all_gather(all, mine).wait();
+  if (mesh_->rank() != 0) return;
+  all = all.view({world.size(), -1}).cpu();
+  const auto& s = executor_->schedule();
+  const auto sim = parallel::pp::simulate(s);
+  nlohmann::json out = {{"schedule", s.name},
+                        {"stages", s.stages},
+                        {"microbatches", s.microbatches},
+                        {"virtual_stages", s.virtual_stages},
+                        {"steps_timed", pp_steps_},
+                        {"theory_bubble", sim.bubble / (1.0 + sim.bubble)},
+                        {"ranks", nlohmann::json::array()}};
+  for (int64_t r = 0; r < world.size(); ++r) {
+    auto row = all[r];
+    const auto stage = static_cast<int64_t>(row[0].item<double>());
+    const double step = row[2].item<double>(), compute = row[3].item<double>();
+    const double bubble = step > 0 ? (step - compute) / step : 0.0;
+    const auto peak = static_cast<int64_t>(row[1].item<double>());
+    out["ranks"].push_back({{"rank", r},
+                            {"pp", stage},
+                            {"peak_activations", peak},
+                            {"schedule_peak_activations", sim.peak_activations[stage]},
+                            {"step_ms", step},
+                            {"compute_ms", compute},
+                            {"wait_ms", row[4].item<double>()},
+                            {"bubble", bubble}});
+    if (parallel::coord_of(r, mesh_->layout()).tp == 0 &&
+        parallel::coord_of(r, mesh_->layout()).dp == 0)
+      spdlog::info(
+          "pipeline stage {}: at most {} micro-batch chunks of activations held (schedule: {}); "
+          "bubble {:.1f}% of {:.1f} ms/step measured (idle / step time), {:.1f}% in theory",
+          stage, peak, sim.peak_activations[stage], 100 * bubble, step,
+          100 * sim.bubble / (1.0 + sim.bubble));
+  }
+  write_file_atomic((std::filesystem::path(c_.run.output_dir) / "pipeline.json").string(),
+                    out.dump(1) + "\n");
 }
 
 }  // namespace tessel

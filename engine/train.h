@@ -16,6 +16,10 @@
 namespace tessel::parallel::dp {
 class GradReducer;
 }
+namespace tessel::parallel::pp {
+class Executor;
+struct StepStats;
+}
 
 namespace tessel {
 
@@ -24,9 +28,13 @@ torch::Device resolve_device(const std::string& device, int64_t local_rank = 0);
 torch::ScalarType resolve_dtype(const std::string& dtype);
 
 /// Builds the plan's model on `device` in `dtype`: seeded init, or model.init_from.
-/// `tp`: the tensor-parallel group (null: one process holds the whole model).
+/// `tp`: the tensor-parallel group (null: one process holds the whole model); `stages`: the
+/// pipeline stages this rank holds (default: all).
 models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
-                           parallel::Group* tp = nullptr);
+                           parallel::Group* tp = nullptr, const models::StagePart& stages = {});
+
+/// The pipeline stages of pipeline rank `rank` (chunk c is stage c·pp + rank).
+models::StagePart stage_part(const Config& c, int64_t pp, int64_t rank);
 
 class Trainer {
  public:
@@ -44,6 +52,7 @@ class Trainer {
   double evaluate();
   void sync_replicated_grads();
   void log_step(int64_t step, StepOut& out);
+  void report_pipeline();
 
   Config c_;
   std::unique_ptr<parallel::Mesh> mesh_;
@@ -53,6 +62,12 @@ class Trainer {
   std::unique_ptr<FlatAdamW> opt_;
   std::unique_ptr<parallel::dp::GradReducer> reducer_;
   std::vector<torch::Tensor> tp_summed_grads_;  // grad views of parameters summed over tp
+  torch::Tensor embedding_grad_;  // tied token table on the first or last stage: summed over both
+  std::unique_ptr<parallel::pp::Executor> executor_;
+  std::vector<int64_t> activation_shape_;  // one micro-batch's activation between stages
+  // Pipeline figures summed over the steps after the first (which warms up): step, compute, wait.
+  double pp_step_ms_ = 0, pp_compute_ms_ = 0, pp_wait_ms_ = 0;
+  int64_t pp_steps_ = 0, pp_peak_activations_ = 0;
   std::unique_ptr<data::Dataset> data_;
   std::unique_ptr<MetricsLog> metrics_;
   double flops_per_token_ = 0;

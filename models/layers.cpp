@@ -145,23 +145,56 @@ DecoderImpl::DecoderImpl(DecoderOptions o) : o_(std::move(o)) {
     o_.sequence_parallel = false;
   }
   const auto& m = o_.model;
+  auto& part = o_.stages;
+  if (part.chunks.empty()) part = {{{0, m.layers}}, true, true};
   const bool sp = o_.sequence_parallel;
-  embed = register_module("embed", tp::VocabParallelEmbedding(*o_.tp, m.vocab_size, m.hidden, sp));
-  if (o_.learned_pos) {
-    pos_embed = register_module("pos_embed", torch::nn::Embedding(m.max_seq_len, m.hidden));
-  } else {
+  auto make_embed = [&] {
+    return register_module("embed",
+                           tp::VocabParallelEmbedding(*o_.tp, m.vocab_size, m.hidden, sp));
+  };
+  // Registration order keeps each chunk's parameters contiguous (the optimizer lays them out in
+  // reverse order and gradient buckets follow chunks): embeddings, layers by global index, then
+  // the final norm and head; the last stage's copy of a tied token table comes last.
+  if (part.first) {
+    embed = make_embed();
+    if (o_.learned_pos)
+      pos_embed = register_module("pos_embed", torch::nn::Embedding(m.max_seq_len, m.hidden));
+  }
+  if (!o_.learned_pos) {
     const int64_t d = m.head_dim();
     inv_freq_ = 1.0 / torch::pow(m.rope_theta,
                                  torch::arange(0, d, 2, torch::kInt64).to(torch::kFloat32) / d);
   }
-  layers = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < m.layers; ++i) layers->push_back(Block(o_));
-  norm = register_module("norm", Norm(m.hidden, m.norm_eps, o_.layer_norm));
-  if (!m.tied())
-    head = register_module(
-        "head", tp::ColumnParallelLinear(*o_.tp, m.hidden,
-                                         tp::padded_vocab(m.vocab_size, o_.tp->size()), false, sp));
+  layers = register_module("layers", std::make_shared<torch::nn::Module>());
+  for (const auto& [begin, end] : part.chunks) {
+    blocks_.emplace_back();
+    for (int64_t i = begin; i < end; ++i)
+      blocks_.back().push_back(layers->register_module(std::to_string(i), Block(o_)));
+  }
+  if (part.last) {
+    norm = register_module("norm", Norm(m.hidden, m.norm_eps, o_.layer_norm));
+    if (!m.tied())
+      head = register_module(
+          "head", tp::ColumnParallelLinear(*o_.tp, m.hidden,
+                                           tp::padded_vocab(m.vocab_size, o_.tp->size()), false, sp));
+    else if (!embed)
+      embed = make_embed();
+  }
   build_specs();
+}
+
+std::set<std::string> DecoderImpl::global_names() const {
+  const auto& m = o_.model;
+  std::set<std::string> names{"embed.weight", "norm.weight"};
+  if (o_.learned_pos) names.insert("pos_embed.weight");
+  if (o_.layer_norm) names.insert("norm.bias");
+  if (!m.tied()) names.insert("head.weight");
+  // Every block has the same parameters: take the suffixes from one this rank holds.
+  const auto block = blocks_.front().front();
+  for (int64_t i = 0; i < m.layers; ++i)
+    for (const auto& p : block->named_parameters())
+      names.insert("layers." + std::to_string(i) + "." + p.key());
+  return names;
 }
 
 void DecoderImpl::build_specs() {
@@ -199,6 +232,23 @@ void DecoderImpl::build_specs() {
       s.tp_grad_sum = sp && t > 1;
       s.replicas = t;
     }
+    // Pipeline: which local chunk's backward produces the gradient; the first and last stage
+    // both hold a tied token table (on different ranks), which the gradient norm counts once.
+    const auto& part = o_.stages;
+    const int64_t last_chunk = static_cast<int64_t>(part.chunks.size()) - 1;
+    if (n.rfind("layers.", 0) == 0) {
+      const int64_t layer = std::stoll(n.substr(7));
+      for (int64_t c = 0; c <= last_chunk; ++c)
+        if (layer >= part.chunks[c].first && layer < part.chunks[c].second) s.chunk = c;
+    } else if (n == "pos_embed.weight") {
+      s.chunk = 0;
+    } else if (n == "embed.weight") {
+      s.chunk = part.first ? 0 : last_chunk;
+      s.pipeline_copy = !part.first;
+      if (o_.model.tied() && part.first != part.last) s.replicas *= 2;
+    } else {
+      s.chunk = last_chunk;
+    }
     specs_[n] = s;
   }
 }
@@ -212,33 +262,58 @@ std::pair<torch::Tensor, torch::Tensor> DecoderImpl::rope(int64_t seq, const tor
   return {emb.cos().to(like.scalar_type()), emb.sin().to(like.scalar_type())};
 }
 
-torch::Tensor DecoderImpl::forward(const torch::Tensor& tokens) {
-  const int64_t s = tokens.size(1);
+torch::Tensor DecoderImpl::embed_tokens(const torch::Tensor& tokens) {
   auto x = embed(tokens);  // [b, s, h]; SP: [b, s/t, h], this rank's sequence chunk
+  if (!pos_embed) return x;
+  const int64_t local = x.size(1), first = (tokens.size(1) == local) ? 0 : local * o_.tp->rank();
+  return x + pos_embed(torch::arange(first, first + local, tokens.options()));
+}
+
+torch::Tensor DecoderImpl::run_blocks(int64_t chunk, torch::Tensor x, int64_t seq) {
   torch::Tensor cos, sin;
-  if (pos_embed) {
-    const int64_t local = x.size(1), first = (s == local) ? 0 : local * o_.tp->rank();
-    x = x + pos_embed(torch::arange(first, first + local, tokens.options()));
-  } else {
-    std::tie(cos, sin) = rope(s, x);  // attention runs on the whole sequence
-  }
-  for (const auto& layer : *layers) x = layer->as<Block>()->forward(x, cos, sin);
-  x = norm(x);
-  if (head) return head(x);  // [b, s, Vp/t]
-  return torch::nn::functional::linear(tp::enter(*o_.tp, x, o_.sequence_parallel), embed->weight);
+  if (!o_.learned_pos) std::tie(cos, sin) = rope(seq, x);  // attention runs on the whole sequence
+  for (auto& block : blocks_[static_cast<size_t>(chunk)]) x = block->forward(x, cos, sin);
+  return x;
+}
+
+torch::Tensor DecoderImpl::logits(const torch::Tensor& x) {
+  auto y = norm(x);
+  if (head) return head(y);  // [b, s, Vp/t]
+  return torch::nn::functional::linear(tp::enter(*o_.tp, y, o_.sequence_parallel), embed->weight);
+}
+
+torch::Tensor DecoderImpl::stage_forward(int64_t chunk, const torch::Tensor& input,
+                                         const torch::Tensor& rows) {
+  const int64_t t = rows.size(1) - 1;
+  auto x = run_blocks(chunk, is_first_stage(chunk) ? embed_tokens(rows.narrow(1, 0, t)) : input, t);
+  if (!is_last_stage(chunk)) return x;
+  return token_loss_sum(logits(x), rows.narrow(1, 1, t).reshape({-1}));
+}
+
+torch::Tensor DecoderImpl::forward(const torch::Tensor& tokens) {
+  TORCH_CHECK(chunks() == 1 && o_.stages.first && o_.stages.last,
+              "DecoderImpl::forward needs the whole model on this rank");
+  return logits(run_blocks(0, embed_tokens(tokens), tokens.size(1)));
 }
 
 torch::Tensor DecoderImpl::loss_sum(const torch::Tensor& rows) {
-  const int64_t t = rows.size(1) - 1, vocab = o_.model.vocab_size;
-  auto logits = forward(rows.narrow(1, 0, t));  // [b, T, Vp/tp]
-  auto targets = rows.narrow(1, 1, t).reshape({-1});
-  auto flat = logits.reshape({-1, logits.size(-1)});
+  TORCH_CHECK(chunks() == 1 && o_.stages.first && o_.stages.last,
+              "DecoderImpl::loss_sum needs the whole model on this rank");
+  return stage_forward(0, {}, rows);
+}
+
+torch::Tensor DecoderImpl::token_loss_sum(const torch::Tensor& logits,
+                                          const torch::Tensor& targets) {
+  auto flat = logits.reshape({-1, logits.size(-1)});  // [b·T, Vp/tp]
   if (o_.tp->size() == 1) {  // one process: torch's fused kernel
     return torch::nn::functional::cross_entropy(
         flat.to(torch::kFloat32), targets,
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
   }
-  return tp::vocab_parallel_cross_entropy(*o_.tp, flat, targets, embed->vocab_start(), vocab).sum();
+  // This rank's logits are columns [r·Vp/t, (r+1)·Vp/t) of the padded vocabulary (head or table).
+  const int64_t t = o_.tp->size(), vocab_start = tp::padded_vocab(o_.model.vocab_size, t) / t * o_.tp->rank();
+  return tp::vocab_parallel_cross_entropy(*o_.tp, flat, targets, vocab_start, o_.model.vocab_size)
+      .sum();
 }
 
 }  // namespace tessel::models

@@ -12,12 +12,24 @@
 #include <torch/nn/pimpl.h>
 
 #include <map>
+#include <set>
+#include <utility>
+#include <vector>
 
 #include "engine/config.h"
 #include "parallel/comm.h"
 #include "parallel/tp/layers.h"
 
 namespace tessel::models {
+
+/// The pipeline stages one rank holds (parallel/pp): the global layer range of each of its model
+/// chunks, whether its first chunk is the model's first stage (token and position embeddings) and
+/// whether its last chunk is the last stage (final norm, head and loss). The default is the whole
+/// model in one chunk.
+struct StagePart {
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // [begin, end) per chunk; empty: all layers
+  bool first = true, last = true;
+};
 
 /// What differs between the two architectures (from the registry), and the tensor-parallel group.
 struct DecoderOptions {
@@ -28,6 +40,7 @@ struct DecoderOptions {
   bool linear_bias = true;        // biases in projections (gpt2)
   parallel::Group* tp = nullptr;  // null: one process
   bool sequence_parallel = false;
+  StagePart stages;
 };
 
 /// Where a parameter sits in the global model.
@@ -36,7 +49,11 @@ struct ParamSpec {
   parallel::tp::Shard shard;          // this rank's slice of the (padded) global tensor
   int64_t padded_rows = 0;            // > 0: dim 0 is zero-padded to this before sharding
   bool tp_grad_sum = false;  // replicated, but each tp rank holds a partial gradient: sum over tp
-  int64_t replicas = 1;      // tp ranks holding the same values (for the global gradient norm)
+  int64_t replicas = 1;  // model-parallel ranks holding the same values (global gradient norm)
+  int64_t chunk = 0;     // the pipeline chunk (of this rank) whose backward produces its gradient
+  bool pipeline_copy = false;  // the last stage's copy of a tied token table (the first stage's
+                               // is the one saved; their gradients are summed over the embedding
+                               // group, so they stay equal)
 
   /// This rank's slice of a global tensor (padded first when the spec says so).
   torch::Tensor local_of(const torch::Tensor& global) const;
@@ -101,27 +118,44 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-/// The decoder: embed (+ pos_embed) -> layers -> norm -> head (or the tied embedding).
+/// The decoder: embed (+ pos_embed) -> layers -> norm -> head (or the tied embedding). Under
+/// pipeline parallelism a rank holds only its stages' parts (options().stages), each parameter
+/// under its global name (layers.<global index>...).
 class DecoderImpl : public torch::nn::Module {
  public:
   explicit DecoderImpl(DecoderOptions o);
-  /// tokens [b, s] int64 -> this rank's vocabulary slice of the logits [b, s, Vp/t].
+  /// The whole model (one chunk holding every stage): tokens [b, s] int64 -> this rank's
+  /// vocabulary slice of the logits [b, s, Vp/t].
   torch::Tensor forward(const torch::Tensor& tokens);
   /// Sum of next-token losses (fp32) of rows [b, T+1]: inputs row[:-1], targets row[1:].
   torch::Tensor loss_sum(const torch::Tensor& rows);
+  /// One chunk's forward of micro-batch rows [b, T+1]. `input`: the previous stage's activation
+  /// [b, T, h] (SP: [b, T/t, h]), ignored by the first stage (which embeds rows[:, :-1]). Returns
+  /// the activation for the next stage, or on the last stage the loss sum over rows[:, 1:].
+  torch::Tensor stage_forward(int64_t chunk, const torch::Tensor& input, const torch::Tensor& rows);
+  int64_t chunks() const { return static_cast<int64_t>(o_.stages.chunks.size()); }
+  bool is_first_stage(int64_t chunk) const { return o_.stages.first && chunk == 0; }
+  bool is_last_stage(int64_t chunk) const { return o_.stages.last && chunk == chunks() - 1; }
+  /// Every parameter name of the global model (all stages), for checking weight files.
+  std::set<std::string> global_names() const;
   const DecoderOptions& options() const { return o_; }
   const std::map<std::string, ParamSpec>& specs() const { return specs_; }
   parallel::Group& tp() const { return *o_.tp; }
 
-  parallel::tp::VocabParallelEmbedding embed{nullptr};
+  parallel::tp::VocabParallelEmbedding embed{nullptr};  // first stage; tied: last stage too
   torch::nn::Embedding pos_embed{nullptr};
-  torch::nn::ModuleList layers;
+  std::shared_ptr<torch::nn::Module> layers;  // children named by global layer index
   Norm norm{nullptr};
   parallel::tp::ColumnParallelLinear head{nullptr};  // absent when tied
 
  private:
   std::pair<torch::Tensor, torch::Tensor> rope(int64_t seq, const torch::Tensor& like);
+  torch::Tensor embed_tokens(const torch::Tensor& tokens);
+  torch::Tensor run_blocks(int64_t chunk, torch::Tensor x, int64_t seq);
+  torch::Tensor logits(const torch::Tensor& x);
+  torch::Tensor token_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets);
   void build_specs();
+  std::vector<std::vector<Block>> blocks_;  // per chunk
   DecoderOptions o_;
   std::shared_ptr<parallel::Group> solo_;  // the group of one when no tp group is given
   torch::Tensor inv_freq_;                 // [head_dim / 2], fp32, as Hugging Face computes it

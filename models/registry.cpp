@@ -35,10 +35,11 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
 }
 
 Decoder build_model(const ModelConfig& m, int64_t seed, parallel::Group* tp,
-                    bool sequence_parallel) {
+                    bool sequence_parallel, const StagePart& stages) {
   auto o = arch(m.arch).options(m);
   o.tp = tp;
   o.sequence_parallel = sequence_parallel && tp && tp->size() > 1;
+  o.stages = stages;
   Decoder model(o);
   init_weights(model, seed);
   return model;
@@ -52,11 +53,14 @@ Weights model_weights(Decoder& model) {
 
 void assign_weights(Decoder& model, const Weights& w, const std::string& source) {
   auto params = model->named_parameters();
+  // The file holds the global model: every name of it must exist in the global model, and every
+  // parameter this rank holds (its pipeline stages) must be in the file.
+  const auto global = model->global_names();
   std::string missing, extra;
   for (const auto& p : params)
     if (!w.count(p.key())) missing += (missing.empty() ? "" : ", ") + p.key();
   for (const auto& [name, t] : w)
-    if (!params.contains(name)) extra += (extra.empty() ? "" : ", ") + name;
+    if (!global.count(name)) extra += (extra.empty() ? "" : ", ") + name;
   if (!missing.empty()) throw UserError(source + ": missing tensors for this model: " + missing);
   if (!extra.empty()) throw UserError(source + ": tensors this model does not have: " + extra);
   torch::NoGradGuard no_grad;

@@ -36,9 +36,10 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
 
 /// Builds the model of a validated plan, every weight drawn from the generator keyed by
 /// (seed, global parameter name): the same global model whatever the layout.
-/// `tp` (optional) is the tensor-parallel group: the model then holds this rank's shards.
+/// `tp` (optional) is the tensor-parallel group: the model then holds this rank's shards;
+/// `stages` the pipeline stages this rank holds (default: all).
 Decoder build_model(const ModelConfig& m, int64_t seed, parallel::Group* tp = nullptr,
-                    bool sequence_parallel = false);
+                    bool sequence_parallel = false, const StagePart& stages = {});
 
 /// Fills every parameter from the keyed generator (see init.cpp for the rules).
 void init_weights(Decoder& model, int64_t seed);

@@ -105,7 +105,7 @@ std::vector<Work> Group::send_recv(const std::vector<P2POp>& ops) {
   if (coalesce) backend_->startCoalescing();
   for (const auto& op : ops) {
     std::vector<at::Tensor> v{op.tensor};
-    const int tag = 0;
+    const int tag = op.tag;
     if (op.kind == P2POp::kSend)
       works.emplace_back(backend_->send(v, static_cast<int>(op.peer), tag), what("send"));
     else

@@ -19,6 +19,8 @@ class Work {
       : w_(std::move(w)), what_(std::move(what)) {}
   void wait();
   bool defined() const { return static_cast<bool>(w_); }
+  /// Finished (or nothing to wait for); never blocks.
+  bool completed() const { return !w_ || w_->isCompleted(); }
 
  private:
   c10::intrusive_ptr<c10d::Work> w_;
@@ -30,6 +32,7 @@ struct P2POp {
   enum Kind { kSend, kRecv } kind;
   torch::Tensor tensor;
   int64_t peer;  // rank within the group
+  int tag = 0;   // tells apart messages between the same pair (Gloo; NCCL matches by order)
 };
 
 class Group {

@@ -152,6 +152,12 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
                         "summing to model.layers ({}); got {} entries summing to {}",
                         p.pp * p.virtual_stages, m.layers, p.layers_per_stage.size(), sum));
   }
+  require(p.virtual_stages == 1 || (p.pipeline_schedule == "interleaved" && p.pp > 1),
+          fmt::format("parallel.pipeline.virtual_stages ({}) > 1 needs schedule interleaved and "
+                      "parallel.pp > 1 (schedule {}, pp {})",
+                      p.virtual_stages, p.pipeline_schedule, p.pp));
+  require(p.pipeline_schedule != "interleaved" || p.pp > 1,
+          "parallel.pipeline.schedule interleaved needs parallel.pp > 1 (pp is 1)");
   if (p.pp > 1) {  // the schedule's own needs (m >= p; interleaved: m % p == 0, v >= 2)
     try {
       pp::make_schedule(p.pipeline_schedule, p.pp,

@@ -20,13 +20,26 @@ struct ReadyHook : torch::autograd::PostAccumulateGradHook {
 
 GradReducer::GradReducer(const Mesh& mesh, models::Decoder& model, FlatAdamW& opt, double bucket_mb)
     : mesh_(mesh), opt_(opt), reduce_(mesh.dp_cp().size() > 1) {
+  // Each chunk's slots are one contiguous range (the model registers them so).
+  const auto chunks = static_cast<size_t>(model->chunks());
+  chunk_range_.assign(chunks, {-1, -1});
+  final_.assign(chunks, false);
+  for (const auto& s : opt.slots()) {
+    auto& [b, e] = chunk_range_[static_cast<size_t>(model->specs().at(s.name).chunk)];
+    if (b < 0) b = s.offset;
+    TORCH_CHECK(e < 0 || e == s.offset, "gradient reducer: the parameters of a pipeline chunk are "
+                                        "not contiguous in the flat buffer (at ", s.name, ")");
+    e = s.offset + s.numel;
+  }
   if (!reduce_) return;
   const int64_t cap =
       std::max<int64_t>(1, static_cast<int64_t>(bucket_mb * (1 << 20) / 4));  // fp32 elements
   auto params = model->named_parameters();
   for (const auto& s : opt.slots()) {
-    if (buckets_.empty() || buckets_.back().end - buckets_.back().begin >= cap)
-      buckets_.push_back({s.offset, s.offset, 0});
+    const int64_t chunk = model->specs().at(s.name).chunk;
+    if (buckets_.empty() || buckets_.back().end - buckets_.back().begin >= cap ||
+        buckets_.back().chunk != chunk)
+      buckets_.push_back({s.offset, s.offset, 0, chunk});
     auto& b = buckets_.back();
     b.end = s.offset + s.numel;
     ++b.params;
@@ -42,14 +55,16 @@ GradReducer::~GradReducer() {
   for (auto& p : hooked_) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
 }
 
-void GradReducer::begin_microbatch(bool final) {
-  final_ = final;
-  for (auto& b : buckets_) b.ready = 0;
+void GradReducer::begin_backward(int64_t chunk, bool final) {
+  final_[static_cast<size_t>(chunk)] = final;
+  if (final)
+    for (auto& b : buckets_)
+      if (b.chunk == chunk) b.ready = 0;
 }
 
 void GradReducer::on_grad_ready(size_t index) {
-  if (!final_) return;
   auto& b = buckets_[index];
+  if (!final_[static_cast<size_t>(b.chunk)]) return;
   if (++b.ready < b.params) return;
   // Complete: fold this micro-batch's bf16 gradients in (fp32 accumulation), then sum over dp×cp.
   opt_.fold_microbatch(b.begin, b.end);
@@ -57,11 +72,15 @@ void GradReducer::on_grad_ready(size_t index) {
   b.work = mesh_.dp_cp().all_reduce(slice);
 }
 
-double GradReducer::end_microbatch() {
-  if (!reduce_ || !final_) {
-    opt_.accumulate_microbatch();
-    return 0.0;
-  }
+void GradReducer::end_backward(int64_t chunk, bool final) {
+  if (reduce_ && final) return;  // its buckets folded themselves before reducing
+  const auto [begin, end] = chunk_range_[static_cast<size_t>(chunk)];
+  opt_.fold_microbatch(begin, end);
+}
+
+double GradReducer::finish() {
+  std::fill(final_.begin(), final_.end(), false);
+  if (!reduce_) return 0.0;
   const auto t0 = std::chrono::steady_clock::now();
   for (size_t i = 0; i < buckets_.size(); ++i) {
     auto& b = buckets_[i];
@@ -71,6 +90,7 @@ double GradReducer::end_microbatch() {
           "took no part in the loss",
           i, b.ready, b.params));
     b.work.wait();
+    b.ready = 0;
   }
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }

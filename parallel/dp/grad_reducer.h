@@ -2,7 +2,8 @@
 // parallel.ddp.bucket_mb; on the final micro-batch of a step, a post-accumulate-grad hook on each
 // parameter counts it in, and the moment a bucket is complete its sum over the dp×cp group starts
 // asynchronously while backward goes on with earlier layers. Earlier micro-batches only
-// accumulate. The loss rule (sum over the global batch / global target tokens) makes the sum the
+// accumulate. Under pipeline parallelism "final" is per model chunk (each chunk's last backward
+// of the step), and buckets never straddle two chunks. The loss rule (sum over the global batch / global target tokens) makes the sum the
 // exact gradient, so no averaging happens here.
 #pragma once
 
@@ -18,6 +19,7 @@ namespace tessel::parallel::dp {
 struct Bucket {
   int64_t begin, end;  // range of the flat buffer
   int64_t params;      // parameters in it
+  int64_t chunk;       // the pipeline chunk whose backward fills it
   int64_t ready = 0;   // counted in during the final micro-batch
   Work work;
 };
@@ -29,11 +31,14 @@ class GradReducer {
   GradReducer(const GradReducer&) = delete;
   GradReducer& operator=(const GradReducer&) = delete;
 
-  /// Before each backward: whether it is the step's last micro-batch (the one that reduces).
-  void begin_microbatch(bool final);
-  /// After each backward. On the final one, waits for every bucket and returns the time spent
-  /// waiting (the communication backward did not hide), in ms; else 0.
-  double end_microbatch();
+  /// Before each backward of this rank's pipeline chunk `chunk` (0 without pipelining): whether
+  /// it is that chunk's last backward of the step (the one that reduces).
+  void begin_backward(int64_t chunk, bool final);
+  /// After it: a micro-batch that is not reduced folds its bf16 gradients into fp32.
+  void end_backward(int64_t chunk, bool final);
+  /// After the step's last backward: waits for every bucket and returns the time spent waiting
+  /// (the communication backward did not hide), in ms.
+  double finish();
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
 
@@ -44,8 +49,9 @@ class GradReducer {
   FlatAdamW& opt_;
   std::vector<torch::Tensor> hooked_;  // parameters carrying our hook (removed on destruction)
   std::vector<Bucket> buckets_;
-  bool final_ = false;
-  bool reduce_ = false;  // dp×cp > 1
+  std::vector<std::pair<int64_t, int64_t>> chunk_range_;  // flat range of each chunk's slots
+  std::vector<bool> final_;                               // per chunk, during its last backward
+  bool reduce_ = false;                                   // dp×cp > 1
 };
 
 }  // namespace tessel::parallel::dp

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <tuple>
 #include <sstream>
 
 #include "engine/config.h"
@@ -94,6 +95,27 @@ Schedule interleaved(int64_t p, int64_t m, int64_t v) {
     }
     for (int64_t k = total - warmup; k < total; ++k) b(k);
   }
+  return s;
+}
+
+std::vector<std::pair<int64_t, int64_t>> stage_layers(int64_t layers, int64_t stages,
+                                                      const std::vector<double>& per_stage) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t begin = 0;
+  for (int64_t st = 0; st < stages; ++st) {
+    const int64_t n = per_stage.empty() ? layers / stages + (st < layers % stages ? 1 : 0)
+                                        : static_cast<int64_t>(per_stage[static_cast<size_t>(st)]);
+    out.emplace_back(begin, begin + n);
+    begin += n;
+  }
+  return out;
+}
+
+Schedule forward_only(int64_t p, int64_t m, int64_t v) {
+  Schedule s{"forward", p, m, v, std::vector<std::vector<Action>>(static_cast<size_t>(p)), false};
+  for (int64_t r = 0; r < p; ++r)
+    for (int64_t c = 0; c < v; ++c)
+      for (int64_t mb = 0; mb < m; ++mb) forward(s.ranks[r], mb, c, c * p + r, p * v);
   return s;
 }
 
@@ -218,10 +240,35 @@ Simulation simulate(const Schedule& s, double forward_time, double backward_time
   if (sim.deadlock) return sim;
   for (int64_t st = 0; st < stages; ++st)
     for (int64_t mb = 0; mb < s.microbatches; ++mb)
-      if (!fwd_done.count({st, mb}) || !bwd_done.count({st, mb})) {
+      if (!fwd_done.count({st, mb}) || (s.backward && !bwd_done.count({st, mb}))) {
         sim.problem = fmt::format("stage {} never runs both passes of micro-batch {}", st, mb);
         return sim;
       }
+  // Message order: what each rank sends to a peer, in list order, against what the peer
+  // receives from it, in its list order. A message is (activation or gradient, stage, micro-batch).
+  using Msg = std::tuple<bool, int64_t, int64_t>;
+  std::map<std::pair<int64_t, int64_t>, std::vector<Msg>> sent, received;  // (from, to)
+  for (int64_t r = 0; r < p; ++r)
+    for (const auto& a : s.ranks[r]) {
+      const int64_t stage = a.chunk * p + r;
+      switch (a.op) {
+        case Op::kSendAct:
+          sent[{r, (stage + 1) % p}].emplace_back(true, stage, a.microbatch);
+          break;
+        case Op::kSendGrad:
+          sent[{r, (stage - 1 + p) % p}].emplace_back(false, stage, a.microbatch);
+          break;
+        case Op::kRecvAct:
+          received[{(stage - 1 + p) % p, r}].emplace_back(true, stage - 1, a.microbatch);
+          break;
+        case Op::kRecvGrad:
+          received[{(stage + 1) % p, r}].emplace_back(false, stage + 1, a.microbatch);
+          break;
+        default:
+          break;
+      }
+    }
+  sim.ordered_messages = sent == received;
   for (double t : clock) sim.makespan = std::max(sim.makespan, t);
   const double ideal = static_cast<double>(s.microbatches) * (forward_time + backward_time);
   sim.bubble = (sim.makespan - ideal) / ideal;

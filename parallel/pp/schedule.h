@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace tessel::parallel::pp {
@@ -25,10 +26,17 @@ struct Action {
 };
 
 struct Schedule {
-  std::string name;                                          // gpipe | 1f1b | interleaved
+  std::string name;                                          // gpipe | 1f1b | interleaved | ...
   int64_t stages = 1, microbatches = 1, virtual_stages = 1;  // p, m, v
   std::vector<std::vector<Action>> ranks;                    // [p] lists
+  bool backward = true;                                      // false: forward passes only
 };
+
+/// Global layer range [begin, end) of each of the `stages` (p·v) pipeline stages: `per_stage`
+/// when given (already checked against the plan), else an even split in which the first
+/// layers % stages stages get one layer more.
+std::vector<std::pair<int64_t, int64_t>> stage_layers(int64_t layers, int64_t stages,
+                                                      const std::vector<double>& per_stage = {});
 
 /// GPipe: every forward, then every backward. Holds m micro-batches of activations per stage.
 Schedule gpipe(int64_t p, int64_t m);
@@ -36,6 +44,9 @@ Schedule gpipe(int64_t p, int64_t m);
 Schedule one_f_one_b(int64_t p, int64_t m);
 /// Interleaved 1F1B (Narayanan et al. 2021, arXiv:2104.04473) with v chunks per rank; m % p == 0.
 Schedule interleaved(int64_t p, int64_t m, int64_t v);
+/// Forward passes only (evaluation): each rank runs its chunks in order, every micro-batch
+/// through chunk 0, then through chunk 1, ...
+Schedule forward_only(int64_t p, int64_t m, int64_t v);
 /// By name (gpipe | 1f1b | interleaved), after checking the schedule's needs; throws UserError
 /// naming the values (1f1b and interleaved need m >= p; interleaved also m % p == 0 and v >= 2).
 Schedule make_schedule(const std::string& name, int64_t p, int64_t m, int64_t v);
@@ -53,6 +64,9 @@ struct Simulation {
     Action action;
   };
   std::vector<std::vector<Slot>> timeline;  // per rank, compute actions only
+  /// Whether every rank receives from each peer in the order the peer sends to it (what
+  /// backends that match point-to-point messages by order, like NCCL, need).
+  bool ordered_messages = true;
 };
 
 /// Runs the lists with the given unit times: sends never block (they are posted batched with the

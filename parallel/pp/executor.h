@@ -1,0 +1,57 @@
+// Pipeline parallelism's one entry point: the executor runs this rank's action list of any
+// schedule (schedule.h) for one step. Consecutive sends and receives are posted together
+// (Group::send_recv), so neighbours that both send first cannot deadlock; a compute action waits
+// only for the receives posted before it. Once an activation is sent this rank keeps only its
+// autograd edge (what backward needs), and backward starts from that edge with the received
+// gradient, as Megatron-Core's deallocated outputs do.
+#pragma once
+
+#include <torch/types.h>
+
+#include <functional>
+#include <vector>
+
+#include "parallel/comm.h"
+#include "parallel/pp/schedule.h"
+
+namespace tessel::parallel::pp {
+
+/// What the executor calls; the model and the loss rule stay outside it.
+struct StageFns {
+  /// Forward of micro-batch `mb` on this rank's chunk `chunk`. `input`: the previous stage's
+  /// activation (a leaf that requires grad while training), undefined on the first stage. Returns
+  /// the activation for the next stage or, on the last stage, the micro-batch's (scaled) loss.
+  std::function<torch::Tensor(int64_t mb, int64_t chunk, const torch::Tensor& input)> forward;
+  /// Around each backward; `final`: the chunk's last backward of the step.
+  std::function<void(int64_t chunk, bool final)> before_backward;
+  std::function<void(int64_t chunk, bool final)> after_backward;
+};
+
+/// One step as this rank saw it (host clock: on CUDA compute is asynchronous, so compute_ms is
+/// launch time there and only step_ms is meaningful).
+struct StepStats {
+  int64_t peak_activations = 0;  // micro-batch chunks forwarded and not yet backwarded, at most
+  double step_ms = 0, compute_ms = 0, wait_ms = 0;
+  double bubble() const { return step_ms > 0 ? (step_ms - compute_ms) / step_ms : 0.0; }
+};
+
+class Executor {
+ public:
+  /// `pp`: the pipeline group (its rank i is pipeline rank i); `activation_shape` and `options`:
+  /// one micro-batch's activation between stages ([b, s, h]; sequence parallel [b, s/t, h]).
+  Executor(Group& pp, Schedule schedule, std::vector<int64_t> activation_shape,
+           torch::TensorOptions options);
+
+  /// Runs this rank's list once. With grad mode off (evaluation) forwards keep no graph.
+  StepStats run(const StageFns& fns);
+  const Schedule& schedule() const { return schedule_; }
+
+ private:
+  Group& pp_;
+  Schedule schedule_;
+  std::vector<int64_t> shape_;
+  torch::TensorOptions options_;
+  std::vector<bool> last_backward_;  // per action of this rank: the chunk's last backward
+};
+
+}  // namespace tessel::parallel::pp
