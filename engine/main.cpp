@@ -69,11 +69,17 @@ int run_train(int argc, char** argv) {
       for (auto a : sim.peak_activations) std::printf(" %lld", static_cast<long long>(a));
       std::printf(" micro-batch chunks\n");
     }
-    if (layout.pp > 1 || layout.cp > 1)
+    if (layout.pp > 1) {
+      std::printf("# layers per stage (stage = chunk·pp + pipeline rank):");
+      for (auto [b, e] : tessel::parallel::pp::stage_layers(
+               c.model.layers, layout.pp * c.parallel.virtual_stages, c.parallel.layers_per_stage))
+        std::printf(" %lld", static_cast<long long>(e - b));
+      std::printf("\n");
+    }
+    if (layout.cp > 1)
       std::printf(
-          "# note: this build trains with data and tensor parallelism; the pipeline and context "
-          "layout "
-          "above is checked and simulated, and refused at start\n");
+          "# note: this build trains with data, tensor and pipeline parallelism; the context "
+          "layout above is checked, and refused at start\n");
     std::printf(
         "# plan %s is valid for %lld processes: %lld micro-batches of %lld sequences per data rank "
         "per step; "

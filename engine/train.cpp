@@ -31,7 +31,8 @@ torch::ScalarType resolve_dtype(const std::string& dtype) {
 
 models::StagePart stage_part(const Config& c, int64_t pp, int64_t rank) {
   const int64_t v = c.parallel.virtual_stages;
-  const auto layers = parallel::pp::stage_layers(c.model.layers, pp * v, c.parallel.layers_per_stage);
+  const auto layers =
+      parallel::pp::stage_layers(c.model.layers, pp * v, c.parallel.layers_per_stage);
   models::StagePart part{{}, rank == 0, rank == pp - 1};
   for (int64_t chunk = 0; chunk < v; ++chunk)
     part.chunks.push_back(layers[static_cast<size_t>(chunk * pp + rank)]);
@@ -93,7 +94,8 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
   executor_ = std::make_unique<parallel::pp::Executor>(
       mesh_->group(parallel::GroupKind::kPp),
       parallel::pp::make_schedule(c_.parallel.pipeline_schedule, l.pp,
-                                  t.global_batch / (l.dp * t.micro_batch), c_.parallel.virtual_stages),
+                                  t.global_batch / (l.dp * t.micro_batch),
+                                  c_.parallel.virtual_stages),
       activation_shape_, torch::TensorOptions().dtype(dtype_).device(device_));
   if (mesh_->rank() == 0) metrics_ = std::make_unique<MetricsLog>(c_, first_step_ - 1);
   spdlog::info("{} process{} ({}, {}): dp {} tp {}{} pp {} | {} gradient bucket{}", mesh_->world(),
@@ -106,10 +108,11 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
     for (auto [b, e] : parallel::pp::stage_layers(c_.model.layers, l.pp * s.virtual_stages,
                                                   c_.parallel.layers_per_stage))
       layers += fmt::format("{}{}", layers.empty() ? "" : " ", e - b);
-    spdlog::info("pipeline: {} over {} ranks x {} chunk{}, {} micro-batches per step; layers per "
-                 "stage [{}]; tied embeddings {}",
-                 s.name, l.pp, s.virtual_stages, s.virtual_stages > 1 ? "s" : "", s.microbatches,
-                 layers, c_.model.tied() ? "kept equal over the embedding group" : "no");
+    spdlog::info(
+        "pipeline: {} over {} ranks x {} chunk{}, {} micro-batches per step; layers per "
+        "stage [{}]; tied embeddings {}",
+        s.name, l.pp, s.virtual_stages, s.virtual_stages > 1 ? "s" : "", s.microbatches, layers,
+        c_.model.tied() ? "kept equal over the embedding group" : "no");
   }
   // N sums over pipeline stages (each rank counts its own stages' parameters).
   auto n = torch::full({}, flops_parameters(model_), torch::kFloat64);
@@ -181,10 +184,10 @@ double Trainer::evaluate() {
     }
     return out;
   }};
-  parallel::pp::Executor(mesh_->group(parallel::GroupKind::kPp),
-                         parallel::pp::forward_only(l.pp, mine / t.micro_batch,
-                                                    executor_->schedule().virtual_stages),
-                         activation_shape_, torch::TensorOptions().dtype(dtype_).device(device_))
+  parallel::pp::Executor(
+      mesh_->group(parallel::GroupKind::kPp),
+      parallel::pp::forward_only(l.pp, mine / t.micro_batch, executor_->schedule().virtual_stages),
+      activation_shape_, torch::TensorOptions().dtype(dtype_).device(device_))
       .run(fns);
   mesh_->group(parallel::GroupKind::kPp).all_reduce(total).wait();  // the last stage's sum
   mesh_->dp_cp().all_reduce(total).wait();
@@ -272,10 +275,10 @@ void Trainer::report_pipeline() {
   // first); theory = the simulator's idle share with backward = 2 forwards.
   auto& world = mesh_->world_group();
   const double steps = static_cast<double>(std::max<int64_t>(1, pp_steps_));
-  auto mine = torch::tensor({static_cast<double>(mesh_->coord().pp),
-                             static_cast<double>(pp_peak_activations_), pp_step_ms_ / steps,
-                             pp_compute_ms_ / steps, pp_wait_ms_ / steps},
-                            torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  auto mine = torch::tensor(
+      {static_cast<double>(mesh_->coord().pp), static_cast<double>(pp_peak_activations_),
+       pp_step_ms_ / steps, pp_compute_ms_ / steps, pp_wait_ms_ / steps},
+      torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   auto all = torch::empty({world.size() * mine.numel()}, mine.options());
   world.all_gather(all, mine).wait();
   if (mesh_->rank() != 0) return;

@@ -19,7 +19,7 @@ class GradReducer;
 namespace tessel::parallel::pp {
 class Executor;
 struct StepStats;
-}
+}  // namespace tessel::parallel::pp
 
 namespace tessel {
 

@@ -149,8 +149,7 @@ DecoderImpl::DecoderImpl(DecoderOptions o) : o_(std::move(o)) {
   if (part.chunks.empty()) part = {{{0, m.layers}}, true, true};
   const bool sp = o_.sequence_parallel;
   auto make_embed = [&] {
-    return register_module("embed",
-                           tp::VocabParallelEmbedding(*o_.tp, m.vocab_size, m.hidden, sp));
+    return register_module("embed", tp::VocabParallelEmbedding(*o_.tp, m.vocab_size, m.hidden, sp));
   };
   // Registration order keeps each chunk's parameters contiguous (the optimizer lays them out in
   // reverse order and gradient buckets follow chunks): embeddings, layers by global index, then
@@ -175,8 +174,8 @@ DecoderImpl::DecoderImpl(DecoderOptions o) : o_(std::move(o)) {
     norm = register_module("norm", Norm(m.hidden, m.norm_eps, o_.layer_norm));
     if (!m.tied())
       head = register_module(
-          "head", tp::ColumnParallelLinear(*o_.tp, m.hidden,
-                                           tp::padded_vocab(m.vocab_size, o_.tp->size()), false, sp));
+          "head", tp::ColumnParallelLinear(
+                      *o_.tp, m.hidden, tp::padded_vocab(m.vocab_size, o_.tp->size()), false, sp));
     else if (!embed)
       embed = make_embed();
   }
@@ -305,13 +304,14 @@ torch::Tensor DecoderImpl::loss_sum(const torch::Tensor& rows) {
 torch::Tensor DecoderImpl::token_loss_sum(const torch::Tensor& logits,
                                           const torch::Tensor& targets) {
   auto flat = logits.reshape({-1, logits.size(-1)});  // [b·T, Vp/tp]
-  if (o_.tp->size() == 1) {  // one process: torch's fused kernel
+  if (o_.tp->size() == 1) {                           // one process: torch's fused kernel
     return torch::nn::functional::cross_entropy(
         flat.to(torch::kFloat32), targets,
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
   }
   // This rank's logits are columns [r·Vp/t, (r+1)·Vp/t) of the padded vocabulary (head or table).
-  const int64_t t = o_.tp->size(), vocab_start = tp::padded_vocab(o_.model.vocab_size, t) / t * o_.tp->rank();
+  const int64_t t = o_.tp->size(),
+                vocab_start = tp::padded_vocab(o_.model.vocab_size, t) / t * o_.tp->rank();
   return tp::vocab_parallel_cross_entropy(*o_.tp, flat, targets, vocab_start, o_.model.vocab_size)
       .sum();
 }

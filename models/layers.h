@@ -49,8 +49,8 @@ struct ParamSpec {
   parallel::tp::Shard shard;          // this rank's slice of the (padded) global tensor
   int64_t padded_rows = 0;            // > 0: dim 0 is zero-padded to this before sharding
   bool tp_grad_sum = false;  // replicated, but each tp rank holds a partial gradient: sum over tp
-  int64_t replicas = 1;  // model-parallel ranks holding the same values (global gradient norm)
-  int64_t chunk = 0;     // the pipeline chunk (of this rank) whose backward produces its gradient
+  int64_t replicas = 1;      // model-parallel ranks holding the same values (global gradient norm)
+  int64_t chunk = 0;  // the pipeline chunk (of this rank) whose backward produces its gradient
   bool pipeline_copy = false;  // the last stage's copy of a tied token table (the first stage's
                                // is the one saved; their gradients are summed over the embedding
                                // group, so they stay equal)

@@ -34,8 +34,8 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
         extra);
 }
 
-Decoder build_model(const ModelConfig& m, int64_t seed, parallel::Group* tp,
-                    bool sequence_parallel, const StagePart& stages) {
+Decoder build_model(const ModelConfig& m, int64_t seed, parallel::Group* tp, bool sequence_parallel,
+                    const StagePart& stages) {
   auto o = arch(m.arch).options(m);
   o.tp = tp;
   o.sequence_parallel = sequence_parallel && tp && tp->size() > 1;

@@ -27,8 +27,10 @@ GradReducer::GradReducer(const Mesh& mesh, models::Decoder& model, FlatAdamW& op
   for (const auto& s : opt.slots()) {
     auto& [b, e] = chunk_range_[static_cast<size_t>(model->specs().at(s.name).chunk)];
     if (b < 0) b = s.offset;
-    TORCH_CHECK(e < 0 || e == s.offset, "gradient reducer: the parameters of a pipeline chunk are "
-                                        "not contiguous in the flat buffer (at ", s.name, ")");
+    TORCH_CHECK(e < 0 || e == s.offset,
+                "gradient reducer: the parameters of a pipeline chunk are "
+                "not contiguous in the flat buffer (at ",
+                s.name, ")");
     e = s.offset + s.numel;
   }
   if (!reduce_) return;

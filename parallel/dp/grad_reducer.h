@@ -3,8 +3,8 @@
 // parameter counts it in, and the moment a bucket is complete its sum over the dp×cp group starts
 // asynchronously while backward goes on with earlier layers. Earlier micro-batches only
 // accumulate. Under pipeline parallelism "final" is per model chunk (each chunk's last backward
-// of the step), and buckets never straddle two chunks. The loss rule (sum over the global batch / global target tokens) makes the sum the
-// exact gradient, so no averaging happens here.
+// of the step), and buckets never straddle two chunks. The loss rule (sum over the global batch /
+// global target tokens) makes the sum the exact gradient, so no averaging happens here.
 #pragma once
 
 #include <memory>

@@ -19,8 +19,8 @@ double ms_since(Clock::time_point t0) {
 
 // What one (micro-batch, chunk) holds between its actions.
 struct Held {
-  torch::Tensor input;   // received activation (a leaf: its .grad goes back to the sender)
-  torch::Tensor output;  // activation to send (dropped once posted; the send keeps it alive)
+  torch::Tensor input;         // received activation (a leaf: its .grad goes back to the sender)
+  torch::Tensor output;        // activation to send (dropped once posted; the send keeps it alive)
   torch::autograd::Edge edge;  // where backward starts: the output's grad_fn
   torch::Tensor grad;          // received gradient of the output (last stage: ones)
 };
@@ -75,9 +75,9 @@ StepStats Executor::run(const StageFns& fns) {
     }
     st.wait_ms += ms_since(t0);
     batch.clear();
-    sends.erase(std::remove_if(sends.begin(), sends.end(),
-                               [](const Work& w) { return w.completed(); }),
-                sends.end());
+    sends.erase(
+        std::remove_if(sends.begin(), sends.end(), [](const Work& w) { return w.completed(); }),
+        sends.end());
   };
   const auto& list = schedule_.ranks[static_cast<size_t>(r)];
   for (size_t i = 0; i < list.size(); ++i) {
@@ -91,8 +91,8 @@ StepStats Executor::run(const StageFns& fns) {
         batch.push_back({P2POp::kRecv, h.input, prev, tag(false, stage - 1, a.microbatch)});
         break;
       case Op::kSendAct:
-        batch.push_back({P2POp::kSend, h.output.detach().contiguous(), next,
-                         tag(false, stage, a.microbatch)});
+        batch.push_back(
+            {P2POp::kSend, h.output.detach().contiguous(), next, tag(false, stage, a.microbatch)});
         h.output = torch::Tensor();
         break;
       case Op::kRecvGrad:

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <tuple>
 #include <sstream>
+#include <tuple>
 
 #include "engine/config.h"
 

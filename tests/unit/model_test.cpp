@@ -1,3 +1,4 @@
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -61,6 +62,44 @@ TEST(Models, CausalAndGroupedQueryAttention) {
   y[0][7] = (x[0][7].item<int64_t>() + 1) % 300;
   EXPECT_TRUE(torch::allclose(l(x).narrow(1, 0, 7), l(y).narrow(1, 0, 7), 1e-6, 1e-6));
   EXPECT_FALSE(torch::allclose(l(x).narrow(1, 7, 1), l(y).narrow(1, 7, 1), 1e-6, 1e-6));
+}
+
+TEST(Models, PipelineStagesChainToTheWholeModel) {
+  // p = 2 ranks x v = 2 chunks: stages 0..3 hold layers [0,2) [2,3) [3,5) [5,6) (chunk c of rank r
+  // is stage 2c + r). Chaining the stages' forwards gives the whole model's loss, every parameter
+  // of the global model is held by exactly one stage (the tied table by the first and last), and
+  // each rank lays its chunks out as contiguous ranges.
+  for (const char* arch : {"gpt2", "llama"}) {
+    auto m = model(fmt::format("{{arch: {}, layers: 6, hidden: 16, heads: 4, kv_heads: {}}}", arch,
+                               std::string(arch) == "gpt2" ? 4 : 2));
+    auto whole = build_model(m, 3);
+    StagePart r0{{{0, 2}, {3, 5}}, true, false}, r1{{{2, 3}, {5, 6}}, false, true};
+    auto a = build_model(m, 3, nullptr, false, r0), b = build_model(m, 3, nullptr, false, r1);
+    auto rows = torch::randint(0, 257, {2, 9}, torch::kInt64);
+    auto x = a->stage_forward(0, {}, rows);
+    x = b->stage_forward(0, x, rows);
+    x = a->stage_forward(1, x, rows);
+    auto loss = b->stage_forward(1, x, rows);
+    EXPECT_TRUE(torch::allclose(loss, whole->loss_sum(rows), 1e-6, 0)) << arch;
+    EXPECT_TRUE(a->is_first_stage(0) && !a->is_last_stage(1) && b->is_last_stage(1));
+    std::set<std::string> held;
+    for (auto* d : {&a, &b})
+      for (const auto& p : (*d)->named_parameters()) {
+        const bool copy = (*d)->specs().at(p.key()).pipeline_copy;
+        EXPECT_TRUE(held.insert(p.key()).second || copy) << p.key();
+        EXPECT_TRUE(torch::equal(p.value(), whole->named_parameters()[p.key()])) << p.key();
+      }
+    std::set<std::string> all;
+    for (const auto& p : whole->named_parameters()) all.insert(p.key());
+    EXPECT_EQ(held, all) << arch;
+    EXPECT_EQ(a->global_names(), all) << arch;
+    EXPECT_EQ(b->global_names(), all) << arch;
+    const bool tied = std::string(arch) == "gpt2";
+    EXPECT_EQ(b->specs().count("embed.weight"), tied ? 1u : 0u);
+    if (tied) EXPECT_EQ(b->specs().at("embed.weight").replicas, 2);
+    EXPECT_EQ(a->specs().at("layers.4.mlp.up.weight").chunk, 1);
+    EXPECT_EQ(b->specs().at("norm.weight").chunk, 1);
+  }
 }
 
 TEST(HfNames, RoundTripBothArchitectures) {

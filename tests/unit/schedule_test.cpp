@@ -53,6 +53,8 @@ TEST_P(Schedules, RunWithoutDeadlockAndMatchTheBubbleTheory) {
         << c.name << " p=" << c.p << " m=" << c.m << " v=" << c.v << " backward=" << backward;
   }
   auto sim = simulate(s);
+  // Every rank receives from a peer in the order the peer sends (what NCCL's matching needs).
+  EXPECT_TRUE(sim.ordered_messages);
   // Activations held: GPipe all m; 1F1B at most p (p on the first stage).
   if (c.name == "gpipe")
     for (auto a : sim.peak_activations) EXPECT_EQ(a, c.m);
@@ -66,6 +68,42 @@ INSTANTIATE_TEST_SUITE_P(All, Schedules, ::testing::ValuesIn(cases()), [](const 
   const auto& c = info.param;
   return fmt::format("{}_p{}_m{}_v{}", c.name == "1f1b" ? "onef1b" : c.name, c.p, c.m, c.v);
 });
+
+TEST(Schedules, ForwardOnlyRunsEveryForwardOnce) {
+  for (int64_t p : {int64_t{1}, int64_t{2}, int64_t{4}})
+    for (int64_t v : {int64_t{1}, int64_t{2}})
+      for (int64_t m : {int64_t{1}, int64_t{3}, int64_t{8}}) {
+        if (p == 1 && v > 1) continue;
+        auto s = forward_only(p, m, v);
+        auto sim = simulate(s);
+        ASSERT_FALSE(sim.deadlock) << sim.problem;
+        ASSERT_TRUE(sim.problem.empty()) << sim.problem;
+        EXPECT_TRUE(sim.ordered_messages);
+        size_t forwards = 0;
+        for (const auto& r : sim.timeline) forwards += r.size();
+        EXPECT_EQ(forwards, static_cast<size_t>(p * v * m));
+      }
+}
+
+TEST(Schedules, MessageOrderMismatchIsFound) {
+  // Rank 0 sends micro-batches 0 and 1; rank 1 receives them the other way round.
+  auto s = gpipe(2, 2);
+  std::vector<Action> swapped{{Op::kRecvAct, 1, 0},  {Op::kRecvAct, 0, 0},  {Op::kForward, 0, 0},
+                              {Op::kForward, 1, 0},  {Op::kBackward, 0, 0}, {Op::kSendGrad, 0, 0},
+                              {Op::kBackward, 1, 0}, {Op::kSendGrad, 1, 0}};
+  s.ranks[1] = swapped;
+  auto sim = simulate(s);
+  EXPECT_FALSE(sim.deadlock) << sim.problem;
+  EXPECT_FALSE(sim.ordered_messages);
+}
+
+TEST(Schedules, StageLayersSplitEvenlyOrAsGiven) {
+  using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+  EXPECT_EQ(stage_layers(8, 4), (Ranges{{0, 2}, {2, 4}, {4, 6}, {6, 8}}));
+  EXPECT_EQ(stage_layers(10, 4), (Ranges{{0, 3}, {3, 6}, {6, 8}, {8, 10}}));
+  EXPECT_EQ(stage_layers(5, 2, {1, 4}), (Ranges{{0, 1}, {1, 5}}));
+  EXPECT_EQ(stage_layers(4, 4), (Ranges{{0, 1}, {1, 2}, {2, 3}, {3, 4}}));
+}
 
 TEST(Schedules, DeadlockIsFound) {
   // Stage 0 never sends its activation: stage 1 waits forever.
