@@ -47,6 +47,8 @@ class Group {
   /// Payload bytes this rank handed to collectives so far (nccl-tests' "size": the buffer of an
   /// all-reduce, the whole output of an all-gather, the whole input of a reduce-scatter).
   int64_t bytes() const { return bytes_; }
+  /// "gloo", "nccl", or "none" for a group of one.
+  std::string backend_name() const { return backend_ ? backend_->getBackendName() : "none"; }
 
   Work all_reduce(torch::Tensor& t, c10d::ReduceOp op = c10d::ReduceOp::SUM);
   Work broadcast(torch::Tensor& t, int64_t root);

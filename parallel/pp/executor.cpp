@@ -53,6 +53,18 @@ StepStats Executor::run(const StageFns& fns) {
     return static_cast<int>(((grad ? stages : 0) + from_stage) * m + mb);
   };
   std::map<std::pair<int64_t, int64_t>, Held> held;  // by (micro-batch, chunk)
+  // Gloo's send/recv move host memory only: CUDA tensors travel through host copies.
+  const bool staged = options_.device().is_cuda() && pp_.backend_name() == "gloo";
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> landed;  // (host buffer, device tensor)
+  auto recv_into = [&](const torch::Tensor& dst) {
+    if (!staged) return dst;
+    auto host = torch::empty(shape_, options_.device(torch::kCPU).pinned_memory(true));
+    landed.emplace_back(host, dst);
+    return host;
+  };
+  auto to_send = [&](const torch::Tensor& t) {
+    return staged ? t.detach().to(torch::kCPU) : t.detach().contiguous();
+  };
   std::vector<P2POp> batch;
   std::vector<Work> sends;
   StepStats st;
@@ -74,6 +86,8 @@ StepStats Executor::run(const StageFns& fns) {
       }
     }
     st.wait_ms += ms_since(t0);
+    for (auto& [host, dst] : landed) dst.copy_(host, /*non_blocking=*/true);
+    landed.clear();
     batch.clear();
     sends.erase(
         std::remove_if(sends.begin(), sends.end(), [](const Work& w) { return w.completed(); }),
@@ -88,22 +102,23 @@ StepStats Executor::run(const StageFns& fns) {
     switch (a.op) {
       case Op::kRecvAct:
         h.input = torch::empty(shape_, options_);
-        batch.push_back({P2POp::kRecv, h.input, prev, tag(false, stage - 1, a.microbatch)});
+        batch.push_back(
+            {P2POp::kRecv, recv_into(h.input), prev, tag(false, stage - 1, a.microbatch)});
         break;
       case Op::kSendAct:
-        batch.push_back(
-            {P2POp::kSend, h.output.detach().contiguous(), next, tag(false, stage, a.microbatch)});
+        batch.push_back({P2POp::kSend, to_send(h.output), next, tag(false, stage, a.microbatch)});
         h.output = torch::Tensor();
         break;
       case Op::kRecvGrad:
         h.grad = torch::empty(shape_, options_);
-        batch.push_back({P2POp::kRecv, h.grad, next, tag(true, stage + 1, a.microbatch)});
+        batch.push_back(
+            {P2POp::kRecv, recv_into(h.grad), next, tag(true, stage + 1, a.microbatch)});
         break;
       case Op::kSendGrad:
         TORCH_CHECK(h.input.grad().defined(), "pipeline stage ", stage, ": micro-batch ",
                     a.microbatch, " has no input gradient to send");
         batch.push_back(
-            {P2POp::kSend, h.input.grad().contiguous(), prev, tag(true, stage, a.microbatch)});
+            {P2POp::kSend, to_send(h.input.grad()), prev, tag(true, stage, a.microbatch)});
         held.erase({a.microbatch, a.chunk});
         break;
       case Op::kForward: {
