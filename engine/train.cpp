@@ -115,7 +115,8 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
         c_.model.tied() ? "kept equal over the embedding group" : "no");
   }
   // N sums over pipeline stages (each rank counts its own stages' parameters).
-  auto n = torch::full({}, flops_parameters(model_), torch::kFloat64);
+  auto n = torch::full({}, flops_parameters(model_),
+                       torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   if (l.pp > 1) mesh_->group(parallel::GroupKind::kPp).all_reduce(n).wait();
   flops_per_token_ = flops_per_token(c_.model, n.item<double>(), c_.training.seq_len);
   peak_ = device_peak(c_, device_, dtype_);
