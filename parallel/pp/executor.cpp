@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <tuple>
 
 namespace tessel::parallel::pp {
 namespace {
@@ -55,43 +56,69 @@ StepStats Executor::run(const StageFns& fns) {
   std::map<std::pair<int64_t, int64_t>, Held> held;  // by (micro-batch, chunk)
   // Gloo's send/recv move host memory only: CUDA tensors travel through host copies.
   const bool staged = options_.device().is_cuda() && pp_.backend_name() == "gloo";
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> landed;  // (host buffer, device tensor)
-  auto recv_into = [&](const torch::Tensor& dst) {
-    if (!staged) return dst;
-    auto host = torch::empty(shape_, options_.device(torch::kCPU).pinned_memory(true));
-    landed.emplace_back(host, dst);
-    return host;
-  };
   auto to_send = [&](const torch::Tensor& t) {
     return staged ? t.detach().to(torch::kCPU) : t.detach().contiguous();
   };
+  // A posted receive, by (micro-batch, chunk, gradient?): waited for by the pass that needs it.
+  struct Pending {
+    Work work;
+    torch::Tensor host, dst;  // staged: lands in `host`, then copied into `dst`
+  };
+  using RecvKey = std::tuple<int64_t, int64_t, bool>;
+  std::map<RecvKey, Pending> pending;
   std::vector<P2POp> batch;
+  std::vector<std::pair<RecvKey, Pending>> posted;  // this batch's receives, in batch order
+  auto post_recv = [&](const torch::Tensor& dst, int64_t peer, int tag_, RecvKey key) {
+    Pending r{{},
+              staged ? torch::empty(shape_, options_.device(torch::kCPU).pinned_memory(true))
+                     : torch::Tensor(),
+              dst};
+    batch.push_back({P2POp::kRecv, staged ? r.host : dst, peer, tag_});
+    posted.emplace_back(key, std::move(r));
+  };
   std::vector<Work> sends;
   StepStats st;
   int64_t live = 0;
-  // Posts the pending sends and receives together, then waits for the receives (the compute
-  // that follows needs them). Sends finish in the background; finished ones are let go.
+  auto land = [&](Pending& r) {
+    const auto t0 = Clock::now();
+    r.work.wait();
+    st.wait_ms += ms_since(t0);
+    if (r.host.defined()) r.dst.copy_(r.host, /*non_blocking=*/true);
+  };
+  // Posts the pending sends and receives together. Over Gloo every operation has its own work:
+  // sends finish in the background and each receive is waited for by the pass that needs it.
+  // NCCL returns one work for the batch, which orders the compute stream after all of it.
   auto flush = [&] {
     if (batch.empty()) return;
     auto works = pp_.send_recv(batch);
-    const auto t0 = Clock::now();
-    if (works.size() != batch.size()) {  // one coalesced work (NCCL): orders the stream
+    if (works.size() != batch.size()) {
+      const auto t0 = Clock::now();
       for (auto& w : works) w.wait();
+      st.wait_ms += ms_since(t0);
+      for (auto& [key, r] : posted) land(r);
     } else {
+      size_t next_recv = 0;
       for (size_t i = 0; i < works.size(); ++i) {
-        if (batch[i].kind == P2POp::kRecv)
-          works[i].wait();
-        else
+        if (batch[i].kind == P2POp::kSend) {
           sends.push_back(std::move(works[i]));
+        } else {
+          auto& [key, r] = posted[next_recv++];
+          r.work = std::move(works[i]);
+          pending.emplace(key, std::move(r));
+        }
       }
     }
-    st.wait_ms += ms_since(t0);
-    for (auto& [host, dst] : landed) dst.copy_(host, /*non_blocking=*/true);
-    landed.clear();
     batch.clear();
+    posted.clear();
     sends.erase(
         std::remove_if(sends.begin(), sends.end(), [](const Work& w) { return w.completed(); }),
         sends.end());
+  };
+  auto await = [&](int64_t mb, int64_t chunk, bool grad) {
+    auto it = pending.find({mb, chunk, grad});
+    if (it == pending.end()) return;
+    land(it->second);
+    pending.erase(it);
   };
   const auto& list = schedule_.ranks[static_cast<size_t>(r)];
   for (size_t i = 0; i < list.size(); ++i) {
@@ -102,8 +129,8 @@ StepStats Executor::run(const StageFns& fns) {
     switch (a.op) {
       case Op::kRecvAct:
         h.input = torch::empty(shape_, options_);
-        batch.push_back(
-            {P2POp::kRecv, recv_into(h.input), prev, tag(false, stage - 1, a.microbatch)});
+        post_recv(h.input, prev, tag(false, stage - 1, a.microbatch),
+                  {a.microbatch, a.chunk, false});
         break;
       case Op::kSendAct:
         batch.push_back({P2POp::kSend, to_send(h.output), next, tag(false, stage, a.microbatch)});
@@ -111,8 +138,7 @@ StepStats Executor::run(const StageFns& fns) {
         break;
       case Op::kRecvGrad:
         h.grad = torch::empty(shape_, options_);
-        batch.push_back(
-            {P2POp::kRecv, recv_into(h.grad), next, tag(true, stage + 1, a.microbatch)});
+        post_recv(h.grad, next, tag(true, stage + 1, a.microbatch), {a.microbatch, a.chunk, true});
         break;
       case Op::kSendGrad:
         TORCH_CHECK(h.input.grad().defined(), "pipeline stage ", stage, ": micro-batch ",
@@ -123,6 +149,7 @@ StepStats Executor::run(const StageFns& fns) {
         break;
       case Op::kForward: {
         flush();
+        await(a.microbatch, a.chunk, false);
         if (training && h.input.defined()) h.input.requires_grad_(true);
         const auto t0 = Clock::now();
         auto out = fns.forward(a.microbatch, a.chunk, h.input);
@@ -141,6 +168,7 @@ StepStats Executor::run(const StageFns& fns) {
       }
       case Op::kBackward: {
         flush();
+        await(a.microbatch, a.chunk, true);
         TORCH_CHECK(h.edge.function, "pipeline stage ", stage, ": backward of micro-batch ",
                     a.microbatch, " before its forward");
         const bool final = last_backward_[i];
@@ -160,6 +188,8 @@ StepStats Executor::run(const StageFns& fns) {
     }
   }
   flush();
+  TORCH_CHECK(pending.empty(), "pipeline rank ", r, ": ", pending.size(),
+              " received tensors were never used");
   const auto t0 = Clock::now();
   for (auto& w : sends) w.wait();
   st.wait_ms += ms_since(t0);

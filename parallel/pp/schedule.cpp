@@ -8,6 +8,7 @@
 #include <sstream>
 #include <tuple>
 
+#include <c10/util/Exception.h>
 #include "engine/config.h"
 
 namespace tessel::parallel::pp {
@@ -95,7 +96,54 @@ Schedule interleaved(int64_t p, int64_t m, int64_t v) {
     }
     for (int64_t k = total - warmup; k < total; ++k) b(k);
   }
-  return s;
+  return lockstep(s);
+}
+
+Schedule lockstep(const Schedule& s) {
+  // Ticks: each compute takes one tick and starts after its inputs' producers (the simulator with
+  // unit times, in units of one chunk's pass).
+  const int64_t p = s.stages, v = s.virtual_stages, stages = p * v;
+  const auto sim = simulate(s, 1.0, 1.0);
+  TORCH_CHECK(sim.problem.empty(), "lockstep: ", sim.problem);
+  std::vector<std::map<int64_t, Action>> at(static_cast<size_t>(p));  // rank -> tick -> compute
+  int64_t ticks = 0;
+  for (int64_t r = 0; r < p; ++r)
+    for (const auto& slot : sim.timeline[r]) {
+      const int64_t t = std::llround(slot.start * static_cast<double>(v));
+      at[r][t] = slot.action;
+      ticks = std::max(ticks, t + 1);
+    }
+  Schedule out = s;
+  for (auto& l : out.ranks) l.clear();
+  for (int64_t t = 0; t < ticks; ++t)
+    for (int64_t r = 0; r < p; ++r) {
+      auto& l = out.ranks[r];
+      auto it = at[r].find(t);
+      if (it != at[r].end()) l.push_back(it->second);
+      // Boundary t: what this rank's tick-t pass sends, and what its neighbours' tick-t passes
+      // send to it.
+      if (it != at[r].end()) {
+        const Action& a = it->second;
+        const int64_t stage = a.chunk * p + r;
+        if (a.op == Op::kForward && stage < stages - 1)
+          l.push_back({Op::kSendAct, a.microbatch, a.chunk});
+        if (a.op == Op::kBackward && stage > 0) l.push_back({Op::kSendGrad, a.microbatch, a.chunk});
+      }
+      std::vector<int64_t> neighbours;
+      if (p > 1) neighbours.push_back((r - 1 + p) % p);
+      if (p > 2) neighbours.push_back((r + 1) % p);
+      for (int64_t q : neighbours) {
+        auto jt = at[q].find(t);
+        if (jt == at[q].end()) continue;
+        const Action& a = jt->second;
+        const int64_t stage = a.chunk * p + q;  // the sender's stage; the receiver's is ±1
+        if (a.op == Op::kForward && stage < stages - 1 && (stage + 1) % p == r)
+          l.push_back({Op::kRecvAct, a.microbatch, (stage + 1) / p});
+        if (a.op == Op::kBackward && stage > 0 && (stage - 1) % p == r)
+          l.push_back({Op::kRecvGrad, a.microbatch, (stage - 1) / p});
+      }
+    }
+  return out;
 }
 
 std::vector<std::pair<int64_t, int64_t>> stage_layers(int64_t layers, int64_t stages,
@@ -116,7 +164,7 @@ Schedule forward_only(int64_t p, int64_t m, int64_t v) {
   for (int64_t r = 0; r < p; ++r)
     for (int64_t c = 0; c < v; ++c)
       for (int64_t mb = 0; mb < m; ++mb) forward(s.ranks[r], mb, c, c * p + r, p * v);
-  return s;
+  return lockstep(s);
 }
 
 Schedule make_schedule(const std::string& name, int64_t p, int64_t m, int64_t v) {
@@ -172,20 +220,20 @@ Simulation simulate(const Schedule& s, double forward_time, double backward_time
         const double* dep = nullptr;
         bool ready = true;
         switch (a.op) {
-          case Op::kRecvAct:
-            ready = (dep = find(act_sent, {stage - 1, a.microbatch})) != nullptr;
+          case Op::kRecvAct:  // posted here; the forward waits for it
+          case Op::kRecvGrad:
             break;
           case Op::kForward:
-            ready = stage == 0 || find(act_recv, k);
+            ready = stage == 0 ||
+                    (find(act_recv, k) && (dep = find(act_sent, {stage - 1, a.microbatch})));
             break;
           case Op::kSendAct:
             ready = find(fwd_done, k) != nullptr;
             break;
-          case Op::kRecvGrad:
-            ready = (dep = find(grad_sent, {stage + 1, a.microbatch})) != nullptr;
-            break;
           case Op::kBackward:
-            ready = find(fwd_done, k) && (stage == stages - 1 || find(grad_recv, k));
+            ready = find(fwd_done, k) &&
+                    (stage == stages - 1 ||
+                     (find(grad_recv, k) && (dep = find(grad_sent, {stage + 1, a.microbatch}))));
             break;
           case Op::kSendGrad:
             ready = find(bwd_done, k) != nullptr;
@@ -273,6 +321,83 @@ Simulation simulate(const Schedule& s, double forward_time, double backward_time
   const double ideal = static_cast<double>(s.microbatches) * (forward_time + backward_time);
   sim.bubble = (sim.makespan - ideal) / ideal;
   return sim;
+}
+
+std::string rendezvous_deadlock(const Schedule& s) {
+  const int64_t p = s.stages;
+  // A message: (gradient?, sending stage, micro-batch); an op: (send?, peer rank, message).
+  using Msg = std::tuple<bool, int64_t, int64_t>;
+  struct PostedOp {
+    bool send;
+    int64_t peer;
+    Msg msg;
+  };
+  std::vector<std::vector<std::vector<PostedOp>>> groups(static_cast<size_t>(p));
+  for (int64_t r = 0; r < p; ++r) {
+    std::vector<PostedOp> batch;
+    for (const auto& a : s.ranks[r]) {
+      const int64_t stage = a.chunk * p + r, prev = (stage - 1 + p) % p, next = (stage + 1) % p;
+      switch (a.op) {
+        case Op::kRecvAct:
+          batch.push_back({false, prev, {false, stage - 1, a.microbatch}});
+          break;
+        case Op::kSendAct:
+          batch.push_back({true, next, {false, stage, a.microbatch}});
+          break;
+        case Op::kRecvGrad:
+          batch.push_back({false, next, {true, stage + 1, a.microbatch}});
+          break;
+        case Op::kSendGrad:
+          batch.push_back({true, prev, {true, stage, a.microbatch}});
+          break;
+        default:
+          if (!batch.empty()) groups[r].push_back(std::move(batch));
+          batch.clear();
+      }
+    }
+    if (!batch.empty()) groups[r].push_back(std::move(batch));
+  }
+  std::vector<size_t> at(static_cast<size_t>(p), 0);  // the batch each rank has posted
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int64_t r = 0; r < p; ++r) {
+      if (at[r] >= groups[r].size()) continue;
+      auto& mine = groups[r][at[r]];
+      // Match each send with the receive the peer has posted in its current batch.
+      for (auto it = mine.begin(); it != mine.end();) {
+        const int64_t q = it->peer;
+        bool matched = false;
+        if (it->send && at[q] < groups[q].size()) {
+          auto& theirs = groups[q][at[q]];
+          auto m = std::find_if(theirs.begin(), theirs.end(), [&](const PostedOp& o) {
+            return !o.send && o.peer == r && o.msg == it->msg;
+          });
+          if (m != theirs.end()) {
+            theirs.erase(m);
+            matched = true;
+          }
+        }
+        it = matched ? mine.erase(it) : it + 1;
+        progress = progress || matched;
+      }
+      if (mine.empty()) {
+        ++at[r];
+        progress = true;
+      }
+    }
+  }
+  std::string problem;
+  for (int64_t r = 0; r < p; ++r)
+    if (at[r] < groups[r].size()) {
+      const auto& op = groups[r][at[r]].front();
+      problem += fmt::format(
+          "{}rank {} blocks on its batch {} ({} {} of stage {} micro-batch {} {} "
+          "rank {})",
+          problem.empty() ? "" : "; ", r, at[r], op.send ? "send" : "receive",
+          std::get<0>(op.msg) ? "gradient" : "activation", std::get<1>(op.msg), std::get<2>(op.msg),
+          op.send ? "to" : "from", op.peer);
+    }
+  return problem;
 }
 
 std::string render(const Schedule& s, const Simulation& sim) {

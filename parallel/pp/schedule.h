@@ -44,6 +44,12 @@ Schedule gpipe(int64_t p, int64_t m);
 Schedule one_f_one_b(int64_t p, int64_t m);
 /// Interleaved 1F1B (Narayanan et al. 2021, arXiv:2104.04473) with v chunks per rank; m % p == 0.
 Schedule interleaved(int64_t p, int64_t m, int64_t v);
+/// The same passes in the same order per rank, with every send and receive moved to a tick
+/// boundary. A tick is one pass; a pass starts one tick after the passes it needs. After tick t
+/// each rank sends what its tick-t pass produced and receives what its neighbours' tick-t passes
+/// produced. Neighbours' batches then pair up one to one, and no batch waits on a later one of
+/// a peer, even when sends block until received (NCCL).
+Schedule lockstep(const Schedule& s);
 /// Forward passes only (evaluation): each rank runs its chunks in order, every micro-batch
 /// through chunk 0, then through chunk 1, ...
 Schedule forward_only(int64_t p, int64_t m, int64_t v);
@@ -69,10 +75,16 @@ struct Simulation {
   bool ordered_messages = true;
 };
 
-/// Runs the lists with the given unit times: sends never block (they are posted batched with the
-/// neighbour's receives), a receive waits for its send, a forward for its activation, a backward
-/// for its forward and its gradient.
+/// Runs the lists with the given unit times as the executor runs them over Gloo: sends never
+/// block, a receive is posted where it stands, and a pass waits for its inputs: a forward for its
+/// activation's send, a backward for its forward and its gradient's send.
 Simulation simulate(const Schedule& s, double forward_time = 1, double backward_time = 2);
+
+/// Runs the lists grouped as the executor posts them (the sends and receives between two
+/// computations form one batch, and a rank posts its next batch only once the previous one is
+/// complete), with sends that complete only when the peer has posted the matching receive: NCCL's
+/// rendezvous for large messages. Returns "" when every rank finishes, else what blocks.
+std::string rendezvous_deadlock(const Schedule& s);
 
 /// The rank × time grid (one column per unit of forward time), e.g. "rank 0 | F0 F1 B0 B0 ...".
 std::string render(const Schedule& s, const Simulation& sim);

@@ -55,6 +55,8 @@ TEST_P(Schedules, RunWithoutDeadlockAndMatchTheBubbleTheory) {
   auto sim = simulate(s);
   // Every rank receives from a peer in the order the peer sends (what NCCL's matching needs).
   EXPECT_TRUE(sim.ordered_messages);
+  // And the executor's batches complete when sends wait for their receive (NCCL's rendezvous).
+  EXPECT_EQ(rendezvous_deadlock(s), "");
   // Activations held: GPipe all m; 1F1B at most p (p on the first stage).
   if (c.name == "gpipe")
     for (auto a : sim.peak_activations) EXPECT_EQ(a, c.m);
@@ -79,6 +81,7 @@ TEST(Schedules, ForwardOnlyRunsEveryForwardOnce) {
         ASSERT_FALSE(sim.deadlock) << sim.problem;
         ASSERT_TRUE(sim.problem.empty()) << sim.problem;
         EXPECT_TRUE(sim.ordered_messages);
+        EXPECT_EQ(rendezvous_deadlock(s), "") << "p=" << p << " v=" << v << " m=" << m;
         size_t forwards = 0;
         for (const auto& r : sim.timeline) forwards += r.size();
         EXPECT_EQ(forwards, static_cast<size_t>(p * v * m));
@@ -116,9 +119,9 @@ TEST(Schedules, DeadlockIsFound) {
        {{Op::kRecvAct, 0, 0}, {Op::kForward, 0, 0}, {Op::kBackward, 0, 0}, {Op::kSendGrad, 0, 0}}}};
   auto sim = simulate(s);
   EXPECT_TRUE(sim.deadlock);
-  EXPECT_NE(sim.problem.find("rank 1 waits at recv activation of micro-batch 0"), std::string::npos)
+  EXPECT_NE(sim.problem.find("rank 1 waits at forward of micro-batch 0"), std::string::npos)
       << sim.problem;
-  EXPECT_NE(sim.problem.find("rank 0 waits at recv gradient of micro-batch 0"), std::string::npos)
+  EXPECT_NE(sim.problem.find("rank 0 waits at backward of micro-batch 0"), std::string::npos)
       << sim.problem;
 }
 
