@@ -38,6 +38,16 @@ class PlanChecks(TmpDirTest):
         self.assertIn("rank   3: tp 0 cp 0 dp 3 pp 0 | tp [3] cp [3] dp [0,1,2,3]", p.stdout)
         self.assertIn("2 micro-batches of 1 sequences per data rank", p.stdout)
 
+    def test_dry_run_prints_the_pipeline(self):
+        plan = {"training": {"global_batch": 8, "micro_batch": 1}, "model": {"layers": 8},
+                "parallel": {"pp": 2, "pipeline": {"schedule": "interleaved", "virtual_stages": 2,
+                                                   "layers_per_stage": [3, 2, 2, 1]}}}
+        p = run("tessel-train", self.plan(plan), "--dry-run", "--world-size", 4)
+        self.assertIn("schedule interleaved: 2 stages, 4 micro-batches, 2 chunks per rank", p.stdout)
+        self.assertIn("# predicted bubble 0.1250 of ideal step time (theory (p-1)/(v*m) = 0.1250)", p.stdout)
+        self.assertIn("# layers per stage (stage = chunk·pp + pipeline rank): 3 2 2 1", p.stdout)
+        self.assertNotIn("refused", p.stdout)
+
     def test_launched_bad_plan_fails_before_any_communicator(self):
         overrides, world, message = CASES[0]
         t0 = time.time()
