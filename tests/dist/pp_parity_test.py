@@ -109,6 +109,25 @@ class PipelineParity(TmpDirTest):
         self.assertLess(worst, 1e-5)
         print(f"\nllama pp=2 interleaved, layers per stage 3 2 2 1: worst loss rel diff {worst:.2e}", file=sys.stderr)
 
+    def test_init_from_hugging_face_weights(self):
+        # model.init_from with Hugging Face names: each stage takes its layers (and the last stage
+        # its copy of the tied table) from the file; pp=2 interleaved matches one process.
+        self.data = write_tokens(self.path("d.u16"), 6000, vocab=VOCAB, period=41)
+        self.train("gpt2")
+        weights = self.path("gpt2_pp1_1f1b_v1_tp1_dp1_sp0", "hf", "model.safetensors")
+        losses = []
+        for name, pp, schedule, v in (("init1", 1, "1f1b", 1), ("init2", 2, "interleaved", 2)):
+            plan = self.plan("gpt2", name, pp, schedule, v, model={"init_from": weights})
+            plan["training"]["steps"] = 4
+            self.launch(plan, pp)
+            losses.append([m["loss"] for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m])
+        self.assertEqual(len(losses[1]), 4)
+        self.assertLess(losses[0][0], 5.0, "starts from the trained weights")
+        worst = max(rel(a, b) for a, b in zip(*losses))
+        self.assertLess(worst, 1e-5)
+        print(f"\ngpt2 init_from HF weights, pp=2 interleaved vs one process: worst loss rel diff {worst:.2e}",
+              file=sys.stderr)
+
     def test_resume_pipeline_checkpoint_in_other_layouts(self):
         # A pp=2 interleaved run's step-10 checkpoint, continued with pp=4 1F1B and with one
         # process: steps 11-20 match the uninterrupted single-process run.
