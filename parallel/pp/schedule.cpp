@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <tuple>
 
@@ -48,6 +49,30 @@ const char* op_name(Op op) {
       return "send gradient";
   }
   return "?";
+}
+
+// A message between neighbouring stages: (gradient?, sending stage, micro-batch).
+using Msg = std::tuple<bool, int64_t, int64_t>;
+// A send or receive of rank r: whether it sends, the peer rank and the message.
+struct Transfer {
+  bool send;
+  int64_t peer;
+  Msg msg;
+};
+std::optional<Transfer> transfer_of(const Action& a, int64_t r, int64_t p) {
+  const int64_t stage = a.chunk * p + r, prev = (stage - 1 + p) % p, next = (stage + 1) % p;
+  switch (a.op) {
+    case Op::kSendAct:
+      return Transfer{true, next, {false, stage, a.microbatch}};
+    case Op::kSendGrad:
+      return Transfer{true, prev, {true, stage, a.microbatch}};
+    case Op::kRecvAct:
+      return Transfer{false, prev, {false, stage - 1, a.microbatch}};
+    case Op::kRecvGrad:
+      return Transfer{false, next, {true, stage + 1, a.microbatch}};
+    default:
+      return std::nullopt;
+  }
 }
 
 }  // namespace
@@ -293,29 +318,12 @@ Simulation simulate(const Schedule& s, double forward_time, double backward_time
         return sim;
       }
   // Message order: what each rank sends to a peer, in list order, against what the peer
-  // receives from it, in its list order. A message is (activation or gradient, stage, micro-batch).
-  using Msg = std::tuple<bool, int64_t, int64_t>;
+  // receives from it, in its list order.
   std::map<std::pair<int64_t, int64_t>, std::vector<Msg>> sent, received;  // (from, to)
   for (int64_t r = 0; r < p; ++r)
-    for (const auto& a : s.ranks[r]) {
-      const int64_t stage = a.chunk * p + r;
-      switch (a.op) {
-        case Op::kSendAct:
-          sent[{r, (stage + 1) % p}].emplace_back(true, stage, a.microbatch);
-          break;
-        case Op::kSendGrad:
-          sent[{r, (stage - 1 + p) % p}].emplace_back(false, stage, a.microbatch);
-          break;
-        case Op::kRecvAct:
-          received[{(stage - 1 + p) % p, r}].emplace_back(true, stage - 1, a.microbatch);
-          break;
-        case Op::kRecvGrad:
-          received[{(stage + 1) % p, r}].emplace_back(false, stage + 1, a.microbatch);
-          break;
-        default:
-          break;
-      }
-    }
+    for (const auto& a : s.ranks[r])
+      if (auto x = transfer_of(a, r, p))
+        (x->send ? sent[{r, x->peer}] : received[{x->peer, r}]).push_back(x->msg);
   sim.ordered_messages = sent == received;
   for (double t : clock) sim.makespan = std::max(sim.makespan, t);
   const double ideal = static_cast<double>(s.microbatches) * (forward_time + backward_time);
@@ -325,34 +333,16 @@ Simulation simulate(const Schedule& s, double forward_time, double backward_time
 
 std::string rendezvous_deadlock(const Schedule& s) {
   const int64_t p = s.stages;
-  // A message: (gradient?, sending stage, micro-batch); an op: (send?, peer rank, message).
-  using Msg = std::tuple<bool, int64_t, int64_t>;
-  struct PostedOp {
-    bool send;
-    int64_t peer;
-    Msg msg;
-  };
-  std::vector<std::vector<std::vector<PostedOp>>> groups(static_cast<size_t>(p));
+  // The executor's batches: the transfers between two passes.
+  std::vector<std::vector<std::vector<Transfer>>> groups(static_cast<size_t>(p));
   for (int64_t r = 0; r < p; ++r) {
-    std::vector<PostedOp> batch;
+    std::vector<Transfer> batch;
     for (const auto& a : s.ranks[r]) {
-      const int64_t stage = a.chunk * p + r, prev = (stage - 1 + p) % p, next = (stage + 1) % p;
-      switch (a.op) {
-        case Op::kRecvAct:
-          batch.push_back({false, prev, {false, stage - 1, a.microbatch}});
-          break;
-        case Op::kSendAct:
-          batch.push_back({true, next, {false, stage, a.microbatch}});
-          break;
-        case Op::kRecvGrad:
-          batch.push_back({false, next, {true, stage + 1, a.microbatch}});
-          break;
-        case Op::kSendGrad:
-          batch.push_back({true, prev, {true, stage, a.microbatch}});
-          break;
-        default:
-          if (!batch.empty()) groups[r].push_back(std::move(batch));
-          batch.clear();
+      if (auto x = transfer_of(a, r, p)) {
+        batch.push_back(*x);
+      } else if (!batch.empty()) {
+        groups[r].push_back(std::move(batch));
+        batch.clear();
       }
     }
     if (!batch.empty()) groups[r].push_back(std::move(batch));
@@ -369,7 +359,7 @@ std::string rendezvous_deadlock(const Schedule& s) {
         bool matched = false;
         if (it->send && at[q] < groups[q].size()) {
           auto& theirs = groups[q][at[q]];
-          auto m = std::find_if(theirs.begin(), theirs.end(), [&](const PostedOp& o) {
+          auto m = std::find_if(theirs.begin(), theirs.end(), [&](const Transfer& o) {
             return !o.send && o.peer == r && o.msg == it->msg;
           });
           if (m != theirs.end()) {
