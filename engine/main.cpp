@@ -70,11 +70,11 @@ int run_train(int argc, char** argv) {
       std::printf(" micro-batch chunks\n");
     }
     if (layout.pp > 1) {
-      std::printf("# layers per stage (stage = chunk·pp + pipeline rank):");
-      for (auto [b, e] : tessel::parallel::pp::stage_layers(
-               c.model.layers, layout.pp * c.parallel.virtual_stages, c.parallel.layers_per_stage))
-        std::printf(" %lld", static_cast<long long>(e - b));
-      std::printf("\n");
+      std::printf(
+          "# layers per stage (stage = chunk·pp + pipeline rank): %s\n",
+          tessel::parallel::pp::stage_layer_counts(
+              c.model.layers, layout.pp * c.parallel.virtual_stages, c.parallel.layers_per_stage)
+              .c_str());
     }
     if (layout.cp > 1)
       std::printf(

@@ -104,10 +104,8 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
                reducer_->buckets().size() == 1 ? "" : "s");
   if (l.pp > 1) {
     const auto& s = executor_->schedule();
-    std::string layers;
-    for (auto [b, e] : parallel::pp::stage_layers(c_.model.layers, l.pp * s.virtual_stages,
-                                                  c_.parallel.layers_per_stage))
-      layers += fmt::format("{}{}", layers.empty() ? "" : " ", e - b);
+    const auto layers = parallel::pp::stage_layer_counts(c_.model.layers, l.pp * s.virtual_stages,
+                                                         c_.parallel.layers_per_stage);
     spdlog::info(
         "pipeline: {} over {} ranks x {} chunk{}, {} micro-batches per step; layers per "
         "stage [{}]; tied embeddings {}",
@@ -176,7 +174,9 @@ double Trainer::evaluate() {
   auto last = std::chrono::steady_clock::now();
   parallel::pp::StageFns fns{[&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
     const int64_t first = mb * t.micro_batch;
-    auto rows_mb = data_->val_batch(mesh_->coord().dp * mine + first, t.micro_batch).to(device_);
+    torch::Tensor rows_mb;  // read only by the stages that embed tokens or score targets
+    if (model_->needs_rows(chunk))
+      rows_mb = data_->val_batch(mesh_->coord().dp * mine + first, t.micro_batch).to(device_);
     auto out = model_->stage_forward(chunk, input, rows_mb);
     if (model_->is_last_stage(chunk)) total += out.to(torch::kFloat64);
     if (chunk == 0 && std::chrono::steady_clock::now() - last > std::chrono::seconds(2)) {

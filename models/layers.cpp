@@ -283,8 +283,10 @@ torch::Tensor DecoderImpl::logits(const torch::Tensor& x) {
 
 torch::Tensor DecoderImpl::stage_forward(int64_t chunk, const torch::Tensor& input,
                                          const torch::Tensor& rows) {
-  const int64_t t = rows.size(1) - 1;
-  auto x = run_blocks(chunk, is_first_stage(chunk) ? embed_tokens(rows.narrow(1, 0, t)) : input, t);
+  // The sequence length: from the rows on the first stage, else from the activation.
+  const bool first = is_first_stage(chunk), sp = o_.sequence_parallel;
+  const int64_t t = first ? rows.size(1) - 1 : input.size(1) * (sp ? o_.tp->size() : 1);
+  auto x = run_blocks(chunk, first ? embed_tokens(rows.narrow(1, 0, t)) : input, t);
   if (!is_last_stage(chunk)) return x;
   return token_loss_sum(logits(x), rows.narrow(1, 1, t).reshape({-1}));
 }
@@ -309,10 +311,10 @@ torch::Tensor DecoderImpl::token_loss_sum(const torch::Tensor& logits,
         flat.to(torch::kFloat32), targets,
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
   }
-  // This rank's logits are columns [r·Vp/t, (r+1)·Vp/t) of the padded vocabulary (head or table).
-  const int64_t t = o_.tp->size(),
-                vocab_start = tp::padded_vocab(o_.model.vocab_size, t) / t * o_.tp->rank();
-  return tp::vocab_parallel_cross_entropy(*o_.tp, flat, targets, vocab_start, o_.model.vocab_size)
+  // This rank's logits are its slice of the padded vocabulary (from the head or the table).
+  const int64_t v = o_.model.vocab_size;
+  return tp::vocab_parallel_cross_entropy(*o_.tp, flat, targets,
+                                          tp::vocab_slice_start(v, o_.tp->size(), o_.tp->rank()), v)
       .sum();
 }
 

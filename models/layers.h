@@ -131,11 +131,13 @@ class DecoderImpl : public torch::nn::Module {
   torch::Tensor loss_sum(const torch::Tensor& rows);
   /// One chunk's forward of micro-batch rows [b, T+1]. `input`: the previous stage's activation
   /// [b, T, h] (SP: [b, T/t, h]), ignored by the first stage (which embeds rows[:, :-1]). Returns
-  /// the activation for the next stage, or on the last stage the loss sum over rows[:, 1:].
+  /// the activation for the next stage, or on the last stage the loss sum over rows[:, 1:]. Only
+  /// the first and last stage read `rows` (needs_rows()).
   torch::Tensor stage_forward(int64_t chunk, const torch::Tensor& input, const torch::Tensor& rows);
   int64_t chunks() const { return static_cast<int64_t>(o_.stages.chunks.size()); }
   bool is_first_stage(int64_t chunk) const { return o_.stages.first && chunk == 0; }
   bool is_last_stage(int64_t chunk) const { return o_.stages.last && chunk == chunks() - 1; }
+  bool needs_rows(int64_t chunk) const { return is_first_stage(chunk) || is_last_stage(chunk); }
   /// Every parameter name of the global model (all stages), for checking weight files.
   std::set<std::string> global_names() const;
   const DecoderOptions& options() const { return o_; }

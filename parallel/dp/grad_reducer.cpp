@@ -58,10 +58,7 @@ GradReducer::~GradReducer() {
 }
 
 void GradReducer::begin_backward(int64_t chunk, bool final) {
-  final_[static_cast<size_t>(chunk)] = final;
-  if (final)
-    for (auto& b : buckets_)
-      if (b.chunk == chunk) b.ready = 0;
+  final_[static_cast<size_t>(chunk)] = final;  // bucket counts start at 0 (finish() resets them)
 }
 
 void GradReducer::on_grad_ready(size_t index) {

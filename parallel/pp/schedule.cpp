@@ -184,6 +184,14 @@ std::vector<std::pair<int64_t, int64_t>> stage_layers(int64_t layers, int64_t st
   return out;
 }
 
+std::string stage_layer_counts(int64_t layers, int64_t stages,
+                               const std::vector<double>& per_stage) {
+  std::string out;
+  for (auto [b, e] : stage_layers(layers, stages, per_stage))
+    out += fmt::format("{}{}", out.empty() ? "" : " ", e - b);
+  return out;
+}
+
 Schedule forward_only(int64_t p, int64_t m, int64_t v) {
   Schedule s{"forward", p, m, v, std::vector<std::vector<Action>>(static_cast<size_t>(p)), false};
   for (int64_t r = 0; r < p; ++r)

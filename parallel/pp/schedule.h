@@ -37,6 +37,9 @@ struct Schedule {
 /// layers % stages stages get one layer more.
 std::vector<std::pair<int64_t, int64_t>> stage_layers(int64_t layers, int64_t stages,
                                                       const std::vector<double>& per_stage = {});
+/// The layer count of each stage, as printed: "3 2 2 1".
+std::string stage_layer_counts(int64_t layers, int64_t stages,
+                               const std::vector<double>& per_stage = {});
 
 /// GPipe: every forward, then every backward. Holds m micro-batches of activations per stage.
 Schedule gpipe(int64_t p, int64_t m);

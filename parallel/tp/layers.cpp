@@ -61,7 +61,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(Group& tp, int64_t vocab,
                                                        bool sp)
     : tp_(&tp), sp_(sp) {
   rows_ = padded_vocab(vocab, tp.size()) / tp.size();
-  start_ = rows_ * tp.rank();
+  start_ = vocab_slice_start(vocab, tp.size(), tp.rank());
   weight = register_parameter("weight", torch::empty({rows_, dim}));
 }
 

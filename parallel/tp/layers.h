@@ -28,6 +28,10 @@ struct Shard {
 
 /// Vocabulary padded up to a multiple of the tensor-parallel size.
 inline int64_t padded_vocab(int64_t vocab, int64_t tp) { return (vocab + tp - 1) / tp * tp; }
+/// First row of tp rank `rank`'s slice [start, start + Vp/t) of the padded vocabulary.
+inline int64_t vocab_slice_start(int64_t vocab, int64_t tp, int64_t rank) {
+  return padded_vocab(vocab, tp) / tp * rank;
+}
 
 /// Input of a column-parallel region: x [b, s, h] replicated (copy_to: all-reduce in backward),
 /// or with SP x [b, s/t, h] all-gathered along the sequence (reduce-scatter in backward).
