@@ -46,37 +46,57 @@ void prune(const fs::path& root, int64_t keep) {
 std::string rank_file(int64_t rank) { return fmt::format("rank_{:05d}.safetensors", rank); }
 
 // Every tensor of a checkpoint: (name, this rank's tensor, its spec). Optimizer state shares the
-// parameter's spec; the step counter is replicated.
+// parameter's spec; scalars are replicated. A ZeRO piece is elements [flat_begin, flat_end) of
+// the flattened tensor-parallel slice, and every data rank writes its own.
 struct Entry {
   std::string name;
   torch::Tensor local;
   models::ParamSpec spec;
+  int64_t flat_begin = -1, flat_end = -1;  // -1: the whole slice
+  bool every_data_rank = false;
 };
 
-std::vector<Entry> checkpoint_entries(models::Decoder& model, const FlatAdamW& opt) {
+std::vector<Entry> checkpoint_entries(models::Decoder& model, const FlatAdamW& opt,
+                                      const LossScaler& scaler) {
   std::vector<Entry> out;
   auto params = model->named_parameters();
-  for (const auto& p : params)
-    out.push_back({p.key(), p.value().detach(), model->specs().at(p.key())});
-  for (const auto& s : opt.slots()) {
-    const auto shape = params[s.name].sizes();
-    const auto& spec = model->specs().at(s.name);
-    out.push_back(
-        {"optim.master." + s.name, opt.master().narrow(0, s.offset, s.numel).view(shape), spec});
-    out.push_back(
-        {"optim.exp_avg." + s.name, opt.exp_avg().narrow(0, s.offset, s.numel).view(shape), spec});
-    out.push_back({"optim.exp_avg_sq." + s.name,
-                   opt.exp_avg_sq().narrow(0, s.offset, s.numel).view(shape), spec});
+  if (opt.zero() < 3)
+    for (const auto& p : params)
+      out.push_back({p.key(), p.value().detach(), model->specs().at(p.key())});
+  for (const auto& piece : opt.pieces()) {
+    const auto& p = params[piece.name];
+    const auto& spec = model->specs().at(piece.name);
+    const bool whole = piece.numel == p.numel();
+    const bool sharded = opt.layout().shards() > 1;  // the piece may sit on any data rank
+    auto entry = [&](const std::string& name, const torch::Tensor& t) {
+      if (whole) return Entry{name, t.view(p.sizes()), spec, -1, -1, sharded};
+      return Entry{name, t, spec, piece.param_offset, piece.param_offset + piece.numel, true};
+    };
+    if (opt.zero() == 3) out.push_back(entry(piece.name, piece.weight));
+    out.push_back(entry("optim.master." + piece.name, piece.master));
+    out.push_back(entry("optim.exp_avg." + piece.name, piece.exp_avg));
+    out.push_back(entry("optim.exp_avg_sq." + piece.name, piece.exp_avg_sq));
   }
   models::ParamSpec scalar;
   out.push_back({"optim.step", opt.step_count(), scalar});
+  for (const auto& [name, t] : scaler.state()) out.push_back({name, t, scalar});
   return out;
 }
 
-// The real (unpadded) part of a local tensor, or an undefined tensor when it holds none.
-torch::Tensor real_part(const Entry& e) {
+// The real (unpadded) part of a local tensor, or an undefined tensor when it holds none. Padding
+// is whole rows at the end of dim 0, so a piece's real part is its overlap with a prefix of the
+// flattened slice; `flat` gets the real range of a piece.
+torch::Tensor real_part(const Entry& e, std::pair<int64_t, int64_t>* flat = nullptr) {
   auto t = e.local;
   const auto ranges = e.spec.global_ranges();
+  if (e.flat_begin >= 0) {
+    int64_t real = 1;
+    for (auto [b, en] : ranges) real *= std::max<int64_t>(0, en - b);
+    const int64_t end = std::min(e.flat_end, ranges.empty() ? e.flat_end : real);
+    if (end <= e.flat_begin) return {};
+    if (flat) *flat = {e.flat_begin, end};
+    return t.narrow(0, 0, end - e.flat_begin);
+  }
   for (size_t d = 0; d < ranges.size(); ++d) {
     const int64_t n = ranges[d].second - ranges[d].first;
     if (n <= 0) return {};
@@ -86,20 +106,25 @@ torch::Tensor real_part(const Entry& e) {
 }
 
 // This writer's part of the index: for each tensor it writes, the global shape, dtype and the
-// slice of the global tensor its file holds.
-nlohmann::json index_fragment(const std::vector<std::pair<std::string, torch::Tensor>>& mine,
-                              const std::vector<Entry>& entries, const std::string& file) {
-  std::map<std::string, const Entry*> by_name;
-  for (const auto& e : entries) by_name[e.name] = &e;
+// slice of the global tensor its file holds (and for a ZeRO piece, its flat range in the slice).
+struct Written {
+  const Entry* entry;
+  torch::Tensor tensor;
+  std::pair<int64_t, int64_t> flat;
+};
+
+nlohmann::json index_fragment(const std::vector<Written>& mine, const std::string& file) {
   nlohmann::json tensors = nlohmann::json::object();
-  for (const auto& [name, t] : mine) {
-    const Entry& e = *by_name.at(name);
+  for (const auto& w : mine) {
+    const Entry& e = *w.entry;
     nlohmann::json slice = nlohmann::json::array();
     for (auto [b, en] : e.spec.global_ranges()) slice.push_back({b, en});
-    tensors[name] = {
+    nlohmann::json shard = {{"file", file}, {"slice", slice}};
+    if (e.flat_begin >= 0) shard["flat"] = {w.flat.first, w.flat.second};
+    tensors[e.name] = {
         {"shape", e.spec.global_shape.empty() ? e.local.sizes().vec() : e.spec.global_shape},
         {"dtype", c10::toString(e.local.scalar_type())},
-        {"shards", {{{"file", file}, {"slice", slice}}}}};
+        {"shards", {shard}}};
   }
   return tensors;
 }
@@ -128,8 +153,10 @@ void write_index(const Config& c, const fs::path& tmp, const CheckpointState& st
       }
       auto& shards = tensors[name]["shards"];
       const auto& shard = t.at("shards").at(0);
-      if (std::none_of(shards.begin(), shards.end(),
-                       [&](const nlohmann::json& s) { return s.at("slice") == shard.at("slice"); }))
+      if (std::none_of(shards.begin(), shards.end(), [&](const nlohmann::json& s) {
+            return s.at("slice") == shard.at("slice") &&
+                   s.value("flat", nlohmann::json()) == shard.value("flat", nlohmann::json());
+          }))
         shards.push_back(shard);
     }
     fs::remove(f);
@@ -140,7 +167,8 @@ void write_index(const Config& c, const fs::path& tmp, const CheckpointState& st
 }  // namespace
 
 std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models::Decoder& model,
-                            const FlatAdamW& opt, const CheckpointState& st) {
+                            const FlatAdamW& opt, const LossScaler& scaler,
+                            const CheckpointState& st) {
   const fs::path root = c.checkpoint_dir();
   const fs::path dir = root / ("step_" + std::to_string(st.step));
   const fs::path tmp = root / ("step_" + std::to_string(st.step) + ".tmp");
@@ -151,21 +179,27 @@ std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models:
     fs::create_directories(tmp);
   }
   world.barrier();
-  // Data (and context) replicas hold the same tensors: the first replica's tensor- and
-  // pipeline-parallel ranks write, each its shards and stages; replicated tensors are written by
-  // tp rank 0 only, and a tied token table by the first stage only.
-  const auto entries = checkpoint_entries(model, opt);
+  // Data (and context) replicas hold the same tensors, but for ZeRO pieces: the first replica's
+  // tensor- and pipeline-parallel ranks write, each its shards and stages (every data rank its
+  // pieces); replicated tensors are written by tp rank 0 only, a tied token table by the first
+  // stage only.
+  const auto entries = checkpoint_entries(model, opt, scaler);
   const auto& me = mesh.coord();
-  if (me.dp == 0 && me.cp == 0) {
-    std::vector<std::pair<std::string, torch::Tensor>> mine;
-    for (const auto& e : entries) {
-      if ((e.spec.shard.parts == 1 && me.tp != 0) || e.spec.pipeline_copy) continue;
-      if (auto t = real_part(e); t.defined()) mine.emplace_back(e.name, t);
-    }
+  std::vector<Written> mine;
+  for (const auto& e : entries) {
+    if ((e.spec.shard.parts == 1 && me.tp != 0) || e.spec.pipeline_copy || me.cp != 0 ||
+        (me.dp != 0 && !e.every_data_rank))
+      continue;
+    std::pair<int64_t, int64_t> flat{-1, -1};
+    if (auto t = real_part(e, &flat); t.defined()) mine.push_back({&e, t, flat});
+  }
+  if (!mine.empty()) {
+    std::vector<std::pair<std::string, torch::Tensor>> tensors;
+    for (const auto& w : mine) tensors.emplace_back(w.entry->name, w.tensor);
     const std::string file = rank_file(mesh.rank());
-    write_safetensors((tmp / file).string(), mine, {{"format", "tessel"}});
+    write_safetensors((tmp / file).string(), tensors, {{"format", "tessel"}});
     write_file_atomic((tmp / fmt::format("index.{:05d}.json", mesh.rank())).string(),
-                      index_fragment(mine, entries, file).dump());
+                      index_fragment(mine, file).dump());
   }
   world.barrier();
   if (mesh.rank() == 0) {
@@ -223,7 +257,23 @@ models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::
       for (const auto& r : shard.at("slice")) {
         view = view.slice(dim++, r[0].get<int64_t>(), r[1].get<int64_t>());
       }
-      view.copy_(it->second);
+      if (!shard.contains("flat")) {
+        view.copy_(it->second);
+        continue;
+      }
+      // A ZeRO piece: elements [begin, end) of the slice, flattened row-major.
+      const int64_t b = shard.at("flat")[0].get<int64_t>(), en = shard.at("flat")[1].get<int64_t>();
+      if (b < 0 || en > view.numel() || en - b != it->second.numel())
+        throw UserError((dir / file).string() + ": '" + name + "' piece [" + std::to_string(b) +
+                        ", " + std::to_string(en) + ") does not fit its slice of " +
+                        std::to_string(view.numel()) + " elements");
+      if (view.is_contiguous()) {
+        view.view(-1).narrow(0, b, en - b).copy_(it->second.flatten());
+      } else {
+        auto whole = view.contiguous();
+        whole.view(-1).narrow(0, b, en - b).copy_(it->second.flatten());
+        view.copy_(whole);
+      }
     }
     out[name] = global;
   }
@@ -244,8 +294,8 @@ std::string checkpoint_to_resume(const Config& c) {
   }
 }
 
-CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model,
-                                FlatAdamW& opt) {
+CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model, FlatAdamW& opt,
+                                LossScaler* scaler) {
   nlohmann::json index = nlohmann::json::parse(read_text(fs::path(step_dir) / "index.json"));
   auto all = read_checkpoint_tensors(step_dir);
   models::Weights weights, master, exp_avg, exp_avg_sq;
@@ -256,7 +306,7 @@ CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& mo
       return true;
     };
     if (!take("optim.master.", master) && !take("optim.exp_avg.", exp_avg) &&
-        !take("optim.exp_avg_sq.", exp_avg_sq) && name != "optim.step")
+        !take("optim.exp_avg_sq.", exp_avg_sq) && name.rfind("optim.", 0) != 0)
       weights[name] = t;
   }
   const std::string source = step_dir;
@@ -269,6 +319,7 @@ CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& mo
   if (!all.count("optim.step"))
     throw UserError(source + ": no optimizer state (optim.step) to resume from");
   opt.load_state(master, exp_avg, exp_avg_sq, all.at("optim.step"), source);
+  if (scaler) scaler->load_state(all);
   return {index.at("step").get<int64_t>(), index.at("consumed_samples").get<int64_t>()};
 }
 

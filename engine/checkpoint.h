@@ -8,6 +8,7 @@
 #include <string>
 
 #include "engine/config.h"
+#include "engine/loss_scale.h"
 #include "engine/optim.h"
 #include "models/registry.h"
 #include "parallel/mesh.h"
@@ -19,12 +20,15 @@ struct CheckpointState {
   int64_t consumed_samples;  // the data position: one counter
 };
 
-/// Writes step_<N> for this (single) rank: model weights by global name, fp32 master weights and
-/// AdamW moments (optim.*), and the run state. Prunes beyond checkpoint.keep. Returns the folder.
-/// Data-parallel replicas hold the same tensors, so global rank 0 writes; every rank then meets
-/// at a barrier, so none goes on (or resumes) before the checkpoint is published.
+/// Writes step_<N>: model weights by global name, fp32 master weights and AdamW moments
+/// (optim.*), the fp16 loss scale, and the run state. Prunes beyond checkpoint.keep. Returns the
+/// folder. The first data replica's tp×pp ranks write what replicas share; under ZeRO every data
+/// rank writes its pieces (a piece is a range of the flattened tensor-parallel slice: the index
+/// records it as "flat": [begin, end) beside the slice). Every rank then meets at a barrier, so
+/// none goes on (or resumes) before the checkpoint is published.
 std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models::Decoder& model,
-                            const FlatAdamW& opt, const CheckpointState& st);
+                            const FlatAdamW& opt, const LossScaler& scaler,
+                            const CheckpointState& st);
 
 /// The checkpoint folder a user named: a step_<N> folder, or a checkpoint.dir (then its latest).
 /// Throws UserError unless the folder is complete.
@@ -37,9 +41,10 @@ models::Weights read_checkpoint_tensors(const std::string& step_dir,
 /// The checkpoint a run continues from, per checkpoint.resume: "" when it starts afresh.
 std::string checkpoint_to_resume(const Config& c);
 
-/// Restores model weights, optimizer state and run state from a complete checkpoint folder.
-CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model,
-                                FlatAdamW& opt);
+/// Restores model weights, optimizer state (into this rank's ZeRO pieces, whatever layout wrote
+/// it), the fp16 loss scale (when `scaler` is given) and run state from a complete checkpoint.
+CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model, FlatAdamW& opt,
+                                LossScaler* scaler = nullptr);
 
 /// `tessel-train export`: Hugging Face-named model.safetensors + config.json into out_dir.
 void export_hf(const std::string& checkpoint_dir, const std::string& out_dir);

@@ -48,6 +48,7 @@ struct ParallelConfig {
   std::string backend;  // auto | gloo | nccl
   double timeout_s;     // collectives and rendezvous
   double ddp_bucket_mb;
+  int64_t zero;  // 0: DDP; 1: optimizer state sharded over dp×cp; 2: + gradients; 3: + parameters
   std::string pipeline_schedule;         // gpipe | 1f1b | interleaved
   int64_t virtual_stages;                // model chunks per pipeline rank (interleaved)
   std::vector<double> layers_per_stage;  // empty: even split
@@ -66,14 +67,21 @@ struct LrScheduleConfig {
   double min_lr;
 };
 
+struct LossScaleConfig {  // fp16 dynamic loss scaling (as torch.amp.GradScaler)
+  double initial, growth_factor, backoff_factor, min_scale;
+  int64_t growth_interval;
+  int64_t inject_overflow_step;  // testing: multiply this step's loss by 1e30 (0 = never)
+};
+
 struct TrainingConfig {
   std::string device;  // auto | cpu | cuda
-  std::string dtype;   // fp32 | bf16
+  std::string dtype;   // fp32 | bf16 | fp16
   int64_t steps, global_batch, micro_batch, seq_len;
   double grad_clip;
   int64_t eval_every, eval_batches, threads;
   OptimizerConfig optimizer;
   LrScheduleConfig schedule;
+  LossScaleConfig loss_scale;
 };
 
 struct DataConfig {

@@ -85,14 +85,21 @@ std::vector<Field> bind_fields(Config& c) {
       "Gradient bucket size (MiB of fp32): each bucket is summed over dp×cp as soon as backward "
       "completes it.")
       .range(0.001);
+  add("parallel.zero", &c.parallel.zero, int64_t{0},
+      "ZeRO stage over the data group (dp×cp): 0 = every rank holds everything (DDP); 1 = AdamW "
+      "state and fp32 master sharded (gradients reduce-scattered, parameters all-gathered after "
+      "the step); 2 = gradients sharded too (reduce-scattered per bucket during every "
+      "backward); 3 = parameters sharded too (each layer gathered before its forward and "
+      "backward, freed after).")
+      .range(0, 3);
 
   // training
   add("training.device", &c.training.device, S("auto"), "auto = cuda when available, else cpu.")
       .one_of({"auto", "cpu", "cuda"});
   add("training.dtype", &c.training.dtype, S("fp32"),
-      "fp32, or bf16 weights and activations with fp32 master weights and fp32 gradient "
-      "accumulation.")
-      .one_of({"fp32", "bf16"});
+      "fp32, or bf16/fp16 weights and activations with fp32 master weights and fp32 gradient "
+      "accumulation; fp16 scales the loss dynamically (training.loss_scale).")
+      .one_of({"fp32", "bf16", "fp16"});
   add("training.steps", &c.training.steps, int64_t{100}, "Optimizer steps.").range(1);
   add("training.global_batch", &c.training.global_batch, int64_t{8},
       "Sequences per optimizer step, over all data-parallel ranks.")
@@ -132,6 +139,27 @@ std::vector<Field> bind_fields(Config& c) {
       "Decay from lr to min_lr over the steps after warmup.")
       .one_of({"cosine", "linear", "constant"});
   add("training.schedule.min_lr", &c.training.schedule.min_lr, 0.0, "Final learning rate.")
+      .range(0);
+  add("training.loss_scale.initial", &c.training.loss_scale.initial, 65536.0,
+      "fp16: the first loss scale.")
+      .range(1);
+  add("training.loss_scale.growth_factor", &c.training.loss_scale.growth_factor, 2.0,
+      "fp16: the scale is multiplied by this after growth_interval steps without overflow.")
+      .range(1);
+  add("training.loss_scale.backoff_factor", &c.training.loss_scale.backoff_factor, 0.5,
+      "fp16: the scale is multiplied by this after a step whose gradients overflow (the step is "
+      "skipped).")
+      .range(0, 1);
+  add("training.loss_scale.growth_interval", &c.training.loss_scale.growth_interval, int64_t{2000},
+      "fp16: steps without overflow before the scale grows.")
+      .range(1);
+  add("training.loss_scale.min_scale", &c.training.loss_scale.min_scale, 1.0,
+      "fp16: the scale never backs off below this.")
+      .range(0);
+  add("training.loss_scale.inject_overflow_step", &c.training.loss_scale.inject_overflow_step,
+      int64_t{0},
+      "Testing: multiply this step's loss by 1e30 so its gradients overflow (0 = never). fp16 "
+      "skips the step; other dtypes stop with the non-finite error.")
       .range(0);
 
   // data

@@ -33,20 +33,20 @@ double flops_per_token(const ModelConfig& m, double n, int64_t seq_len) {
 
 Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType dtype) {
   if (c.logging.peak_tflops > 0) return {c.logging.peak_tflops, "logging.peak_tflops"};
-  const bool bf16 = dtype == torch::kBFloat16;
+  const bool low = dtype != torch::kFloat32;  // bf16 and fp16 share the tensor-core peak
+  const std::string dname = dtype == torch::kHalf ? "fp16" : low ? "bf16" : "fp32";
   std::string name = "CPU";
   if (device.is_cuda()) {
     name = at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index())->name;
-    // Dense peaks (no sparsity): bf16 tensor cores; fp32 without TF32 (torch's fp32 default).
+    // Dense peaks (no sparsity): bf16/fp16 tensor cores; fp32 without TF32 (torch's default).
     struct Row {
       const char* key;
-      double bf16, fp32;
+      double low, fp32;
     };
     const Row table[] = {{"H200", 989, 67}, {"H100", 989, 67}, {"A100", 312, 19.5}};
     for (const auto& r : table)
       if (name.find(r.key) != std::string::npos)
-        return {bf16 ? r.bf16 : r.fp32,
-                name + std::string(bf16 ? " dense bf16" : " fp32") + " datasheet peak"};
+        return {low ? r.low : r.fp32, name + (low ? " dense " : " ") + dname + " datasheet peak"};
   }
   // No table entry: measure. A 1024^3 matmul in the run's dtype, best of five, after a warm-up.
   auto opts = torch::TensorOptions().dtype(dtype).device(device);
@@ -59,8 +59,7 @@ Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (i > 0) best = std::max(best, 2.0 * 1024 * 1024 * 1024 / s / 1e12);
   }
-  return {best, "measured " + std::string(bf16 ? "bf16" : "fp32") + " 1024^3 matmul on " + name +
-                    ", no datasheet entry"};
+  return {best, "measured " + dname + " 1024^3 matmul on " + name + ", no datasheet entry"};
 }
 
 int64_t memory_bytes(const torch::Device& device) {
@@ -117,15 +116,21 @@ void MetricsLog::step(const StepLine& s) {
                       {"tflops_per_device", s.tflops_per_device},
                       {"mfu", s.mfu},
                       {"mem_bytes", s.mem_bytes},
-                      {"comm_exposed_ms", s.comm_exposed_ms}};
+                      {"comm_exposed_ms", s.comm_exposed_ms},
+                      {"loss_scale", s.loss_scale},
+                      {"skipped_steps", s.skipped_steps}};
   std::fprintf(f_, "%s\n", j.dump().c_str());
   std::fflush(f_);
   spdlog::info(
       "step {:>{}}/{} | loss {:.4f} | lr {:.3e} | norm {:.3f} | {:.1f} ms | {:.0f} tok/s | {:.3f} "
-      "TFLOP/s | MFU {:.2f}% | mem {:.2f} GiB | comm {:.1f} ms | ETA {}",
+      "TFLOP/s | MFU {:.2f}% | mem {:.2f} GiB | comm {:.1f} ms{} | ETA {}",
       s.step, std::to_string(s.steps).size(), s.steps, s.loss, s.lr, s.grad_norm, s.ms_per_step,
       s.tokens_per_s, s.tflops_per_device, 100.0 * s.mfu,
-      static_cast<double>(s.mem_bytes) / (1 << 30), s.comm_exposed_ms, duration(s.eta_s));
+      static_cast<double>(s.mem_bytes) / (1 << 30), s.comm_exposed_ms,
+      s.loss_scale != 1.0 || s.skipped_steps > 0
+          ? fmt::format(" | scale {:g} (skipped {})", s.loss_scale, s.skipped_steps)
+          : "",
+      duration(s.eta_s));
 }
 
 void MetricsLog::eval(int64_t step, double val_loss, double ms) {

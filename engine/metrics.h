@@ -39,6 +39,8 @@ struct StepLine {
   int64_t mem_bytes;
   double eta_s;
   double comm_exposed_ms;  // gradient reduction not hidden behind backward (host-side wait)
+  double loss_scale;       // fp16's dynamic scale (1 otherwise)
+  int64_t skipped_steps;   // fp16 steps skipped for overflowing gradients, so far
 };
 
 /// Appends to <output_dir>/<metrics_file> (one JSON object per line) and prints the console line.

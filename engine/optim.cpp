@@ -4,9 +4,13 @@
 #include <fnmatch.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace tessel {
+
+namespace dp = parallel::dp;
 
 double lr_at(const TrainingConfig& t, int64_t step) {
   const auto& s = t.schedule;
@@ -27,65 +31,151 @@ bool exempt_from_decay(const std::string& name, const std::vector<std::string>& 
   return false;
 }
 
-FlatAdamW::FlatAdamW(models::Decoder& model, const TrainingConfig& t) : t_(t) {
+dp::FlatLayout layout_of(models::Decoder& model, const dp::LayoutOptions& o) {
+  // Reverse registration order: roughly the order backward produces gradients in, so gradient
+  // buckets (contiguous ranges) fill one after another.
+  std::vector<dp::ParamEntry> entries;
   auto params = model->named_parameters();
-  auto device = params.values().front().device();
-  low_precision_ = params.values().front().scalar_type() != torch::kFloat32;
-  // Layout: reverse registration order, which is roughly the order backward produces gradients
-  // in, so gradient buckets (contiguous ranges) fill one after another.
-  for (auto it = params.items().rbegin(); it != params.items().rend(); ++it) {
-    bool decay =
-        !exempt_from_decay(it->key(), t.optimizer.no_decay) && t.optimizer.weight_decay > 0;
-    slots_.push_back({it->key(), n_, it->value().numel(), decay});
-    n_ += it->value().numel();
-  }
-  auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
-  // Parameters replicated over tensor-parallel ranks count once in the global gradient norm:
-  // their squares are weighted 1/replicas before the sum over the model-parallel group.
-  bool replicated = false;
-  for (const auto& s : slots_) replicated = replicated || model->specs().at(s.name).replicas > 1;
-  if (replicated) {
-    norm_weight_ = torch::ones({n_}, f32);
-    for (const auto& s : slots_)
-      norm_weight_.narrow(0, s.offset, s.numel)
-          .fill_(1.0 / static_cast<double>(model->specs().at(s.name).replicas));
-  }
-  master_ = torch::empty({n_}, f32);
-  grad_ = torch::zeros({n_}, f32);
-  exp_avg_ = torch::zeros({n_}, f32);
-  exp_avg_sq_ = torch::zeros({n_}, f32);
+  for (auto it = params.items().rbegin(); it != params.items().rend(); ++it)
+    entries.push_back({it->key(), it->value().numel(), model->specs().at(it->key()).chunk});
+  return dp::FlatLayout(entries, o);
+}
+
+FlatAdamW::FlatAdamW(models::Decoder& model, const TrainingConfig& t)
+    : FlatAdamW(model, t, layout_of(model, {std::numeric_limits<int64_t>::max(), 1, 0, 0, false})) {
+}
+
+FlatAdamW::FlatAdamW(models::Decoder& model, const TrainingConfig& t, dp::FlatLayout layout)
+    : t_(t), layout_(std::move(layout)) {
+  auto params = model->named_parameters();
+  const auto front = params.values().front();  // a copy: values() is a temporary
+  low_precision_ = front.scalar_type() != torch::kFloat32;
+  const int64_t z = layout_.zero(), n = layout_.numel(), s = layout_.shard_numel();
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(front.device());
+  auto w16 = f32.dtype(front.scalar_type());
+  if (z < 3) params_ = torch::zeros({n}, w16);
+  if (low_precision_ || z == 3) master_ = torch::zeros({s}, f32);  // fp32 stages 0-2: the weights
+  if (z == 3 && low_precision_) shard16_ = torch::zeros({s}, w16);
+  if (z < 2) grad_ = torch::zeros({n}, f32);
+  if (z < 2 && low_precision_) grads16_ = torch::zeros({n}, w16);
+  if (z >= 2) grad_shard_ = torch::zeros({s}, f32);
+  exp_avg_ = torch::zeros({s}, f32);
+  exp_avg_sq_ = torch::zeros({s}, f32);
   step_count_ = torch::zeros({}, f32);
-  if (low_precision_) {
-    params16_ = torch::empty({n_}, f32.dtype(params.values().front().scalar_type()));
-    grads16_ = torch::zeros_like(params16_);
-  }
-  // Re-seat every parameter (and its .grad) as a view of the flat buffers, so backward
-  // accumulates straight into them and the optimizer updates them in place.
+  if (z == 3)
+    for (const auto& b : layout_.buckets()) units_.push_back(torch::zeros({b.end - b.begin}, w16));
+
+  // Re-seat every parameter (and, at stages 0-1, its .grad) as a view of the flat buffers, so
+  // backward accumulates straight into them and the optimizer updates them in place.
   torch::NoGradGuard no_grad;
-  torch::Tensor& weights = low_precision_ ? params16_ : master_;
-  torch::Tensor& grads = low_precision_ ? grads16_ : grad_;
-  for (const auto& s : slots_) {
-    auto& p = params[s.name];
-    master_.narrow(0, s.offset, s.numel).copy_(p.flatten());
-    auto w = weights.narrow(0, s.offset, s.numel).view(p.sizes());
-    if (low_precision_) w.copy_(p);
-    p.set_data(w);
-    p.mutable_grad() = grads.narrow(0, s.offset, s.numel).view(p.sizes());
-  }
-  // One fused call per weight-decay group over per-parameter views of the flat buffers, built
-  // once: the views stay valid because the buffers are only ever updated in place.
-  for (const bool decay : {true, false}) {
-    DecayGroup grp{decay, {}, {}, {}, {}, {}};
-    for (const auto& s : slots_) {
-      if (s.decay != decay) continue;
-      grp.w.push_back(master_.narrow(0, s.offset, s.numel));
-      grp.g.push_back(grad_.narrow(0, s.offset, s.numel));
-      grp.m.push_back(exp_avg_.narrow(0, s.offset, s.numel));
-      grp.v.push_back(exp_avg_sq_.narrow(0, s.offset, s.numel));
+  for (const auto& slot : layout_.slots()) {
+    auto& p = params[slot.name];
+    const auto& b = layout_.buckets()[static_cast<size_t>(slot.bucket)];
+    auto full = z < 3 ? params_.narrow(0, slot.offset, slot.numel)
+                      : units_[static_cast<size_t>(slot.bucket)].narrow(0, slot.offset - b.begin,
+                                                                        slot.numel);
+    const auto values = p.detach().flatten();
+    full.copy_(values);
+    const bool decay =
+        !exempt_from_decay(slot.name, t.optimizer.no_decay) && t.optimizer.weight_decay > 0;
+    for (const auto& piece : layout_.pieces(slot)) {
+      auto mine = values.narrow(0, piece.param_offset, piece.numel);
+      if (master_.defined()) master_view(piece).copy_(mine);
+      if (shard16_.defined()) shard16_.narrow(0, piece.shard, piece.numel).copy_(mine);
+      auto weight = z < 3
+                        ? params_.narrow(0, piece.flat, piece.numel)
+                        : (low_precision_ ? shard16_ : master_).narrow(0, piece.shard, piece.numel);
+      pieces_.push_back({slot.name, piece.param_offset, piece.numel, weight, master_view(piece),
+                         exp_avg_.narrow(0, piece.shard, piece.numel),
+                         exp_avg_sq_.narrow(0, piece.shard, piece.numel)});
+      // One fused call per weight-decay group over per-piece views, built once: the views stay
+      // valid because the buffers are only ever updated in place.
+      if (groups_.empty()) groups_ = {{true, {}, {}, {}, {}, {}}, {false, {}, {}, {}, {}, {}}};
+      auto& grp = groups_[decay ? 0 : 1];
+      grp.w.push_back(master_view(piece));
+      grp.g.push_back(grad_view(piece));
+      grp.m.push_back(pieces_.back().exp_avg);
+      grp.v.push_back(pieces_.back().exp_avg_sq);
       grp.steps.push_back(step_count_);  // read-only in the kernel; step() increments it
     }
-    if (!grp.w.empty()) groups_.push_back(std::move(grp));
+    p.set_data(full.view(p.sizes()));
+    if (z < 2)
+      p.mutable_grad() =
+          (low_precision_ ? grads16_ : grad_).narrow(0, slot.offset, slot.numel).view(p.sizes());
   }
+  groups_.erase(std::remove_if(groups_.begin(), groups_.end(),
+                               [](const DecayGroup& g) { return g.w.empty(); }),
+                groups_.end());
+
+  // The reduced gradient this rank holds: all of it (stage 0), its piece of each bucket inside
+  // the full buffer (stage 1), or its shard (stages 2-3). Parameters replicated over tensor-
+  // parallel ranks count once in the global norm: their squares are weighted 1/replicas.
+  torch::Tensor weights;
+  bool replicated = false;
+  for (const auto& slot : layout_.slots())
+    replicated = replicated || model->specs().at(slot.name).replicas > 1;
+  if (replicated) {
+    weights = torch::ones({z == 0 ? n : s}, f32);
+    for (const auto& slot : layout_.slots())
+      for (const auto& piece : layout_.pieces(slot))
+        weights.narrow(0, piece.shard, piece.numel)
+            .fill_(1.0 / static_cast<double>(model->specs().at(slot.name).replicas));
+  }
+  if (z == 1) {
+    for (const auto& b : layout_.buckets()) {
+      grad_pieces_.push_back(grad_.narrow(0, layout_.piece_flat(b), layout_.piece_numel(b)));
+      if (replicated)
+        norm_weights_.push_back(weights.narrow(0, b.shard_offset, layout_.piece_numel(b)));
+    }
+  } else {
+    grad_pieces_.push_back(z == 0 ? grad_ : grad_shard_);
+    if (replicated) norm_weights_.push_back(weights);
+  }
+}
+
+torch::Tensor FlatAdamW::master_view(const dp::Piece& p) const {
+  return master_.defined() ? master_.narrow(0, p.shard, p.numel)
+                           : params_.narrow(0, p.flat, p.numel);
+}
+
+torch::Tensor FlatAdamW::grad_view(const dp::Piece& p) const {
+  return grad_.defined() ? grad_.narrow(0, p.flat, p.numel)
+                         : grad_shard_.narrow(0, p.shard, p.numel);
+}
+
+int64_t FlatAdamW::numel() const {
+  int64_t n = 0;
+  for (const auto& s : layout_.slots()) n += s.numel;
+  return n;
+}
+
+std::vector<torch::Tensor> FlatAdamW::grad_views(const dp::Slot& slot) const {
+  std::vector<torch::Tensor> out;
+  for (const auto& piece : layout_.pieces(slot)) out.push_back(grad_view(piece));
+  return out;
+}
+
+StateBytes FlatAdamW::bytes() const {
+  auto b = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; };
+  StateBytes out;
+  out.params = zero() < 3 ? b(params_) : (low_precision_ ? b(shard16_) : b(master_));
+  out.grads = b(grad_) + b(grads16_) + b(grad_shard_);
+  out.optimizer =
+      b(exp_avg_) + b(exp_avg_sq_) + ((zero() == 3 && !low_precision_) ? 0 : b(master_));
+  return out;
+}
+
+StateBytes planned_state_bytes(int64_t numel, int64_t zero, int64_t data_ranks,
+                               torch::ScalarType dtype) {
+  const int64_t w = static_cast<int64_t>(c10::elementSize(dtype));
+  const bool low = dtype != torch::kFloat32;
+  const int64_t n = numel, s = zero > 0 ? (numel + data_ranks - 1) / data_ranks : numel;
+  StateBytes b;
+  b.params = zero < 3 ? w * n : w * s;
+  b.grads = zero < 2 ? 4 * n + (low ? w * n : 0) : 4 * s;
+  // The fp32 master is the weights themselves in fp32 runs (and, at stage 3, counted there).
+  b.optimizer = 8 * s + (low ? 4 * s : 0);
+  return b;
 }
 
 void FlatAdamW::load_state(const std::map<std::string, torch::Tensor>& master,
@@ -93,50 +183,83 @@ void FlatAdamW::load_state(const std::map<std::string, torch::Tensor>& master,
                            const std::map<std::string, torch::Tensor>& exp_avg_sq,
                            const torch::Tensor& step, const std::string& source) {
   torch::NoGradGuard no_grad;
-  auto fill = [&](torch::Tensor& flat, const std::map<std::string, torch::Tensor>& by_name,
+  auto find = [&](const std::map<std::string, torch::Tensor>& by_name, const dp::Slot& s,
                   const char* what) {
-    for (const auto& s : slots_) {
-      auto it = by_name.find(s.name);
-      if (it == by_name.end() || it->second.numel() != s.numel)
-        throw UserError(source + ": optimizer state optim." + what + "." + s.name +
-                        " is missing or has another size");
-      flat.narrow(0, s.offset, s.numel).copy_(it->second.flatten());
-    }
+    auto it = by_name.find(s.name);
+    if (it == by_name.end() || it->second.numel() != s.numel)
+      throw UserError(source + ": optimizer state optim." + what + "." + s.name +
+                      " is missing or has another size");
+    return it->second.flatten();
   };
-  fill(master_, master, "master");
-  fill(exp_avg_, exp_avg, "exp_avg");
-  fill(exp_avg_sq_, exp_avg_sq, "exp_avg_sq");
+  for (const auto& s : layout_.slots()) {
+    const auto w = find(master, s, "master"), m = find(exp_avg, s, "exp_avg"),
+               v = find(exp_avg_sq, s, "exp_avg_sq");
+    if (params_.defined()) params_.narrow(0, s.offset, s.numel).copy_(w);
+    for (const auto& piece : layout_.pieces(s)) {
+      master_view(piece).copy_(w.narrow(0, piece.param_offset, piece.numel));
+      exp_avg_.narrow(0, piece.shard, piece.numel)
+          .copy_(m.narrow(0, piece.param_offset, piece.numel));
+      exp_avg_sq_.narrow(0, piece.shard, piece.numel)
+          .copy_(v.narrow(0, piece.param_offset, piece.numel));
+    }
+  }
   step_count_.copy_(step);
-  if (low_precision_) params16_.copy_(master_);
+  refresh_weights();
 }
 
 void FlatAdamW::fold_microbatch(int64_t begin, int64_t end) {
-  if (!low_precision_ || end <= begin) return;
+  if (!grads16_.defined() || end <= begin) return;
   grad_.narrow(0, begin, end - begin).add_(grads16_.narrow(0, begin, end - begin));
   grads16_.narrow(0, begin, end - begin).zero_();
 }
 
-torch::Tensor FlatAdamW::clip_grad_norm(
-    double max_norm, const std::function<void(torch::Tensor&)>& sum_over_shards) {
-  auto sq = norm_weight_.defined() ? (grad_.pow(2) * norm_weight_).sum() : grad_.pow(2).sum();
+torch::Tensor FlatAdamW::clip_grad_norm(double max_norm,
+                                        const std::function<void(torch::Tensor&)>& sum_over_shards,
+                                        const torch::Tensor& unscale) {
+  if (unscale.defined())
+    for (auto& g : grad_pieces_) g.mul_(unscale);
+  torch::Tensor sq;
+  for (size_t i = 0; i < grad_pieces_.size(); ++i) {
+    const auto& g = grad_pieces_[i];
+    auto part = norm_weights_.empty() ? g.pow(2).sum() : (g.pow(2) * norm_weights_[i]).sum();
+    sq = sq.defined() ? sq + part : part;
+  }
   if (sum_over_shards) sum_over_shards(sq);
   auto norm = sq.sqrt();
   if (max_norm > 0) {
     // As torch.nn.utils.clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6)), on device.
-    grad_.mul_((max_norm / (norm + 1e-6)).clamp_max(1.0));
+    auto factor = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+    for (auto& g : grad_pieces_) g.mul_(factor);
   }
   return norm;
 }
 
-void FlatAdamW::step(double lr) {
+void FlatAdamW::step(double lr, const torch::Tensor& found_inf) {
   step_count_.add_(1);
   const auto& o = t_.optimizer;
+  std::optional<at::Tensor> skip;
+  if (found_inf.defined()) skip = found_inf;
   for (const auto& grp : groups_)
     at::_fused_adamw_(grp.w, grp.g, grp.m, grp.v, {}, grp.steps, lr, o.betas[0], o.betas[1],
                       grp.decay ? o.weight_decay : 0.0, o.eps, /*amsgrad=*/false,
-                      /*maximize=*/false);
-  if (low_precision_) params16_.copy_(master_);
-  grad_.zero_();
+                      /*maximize=*/false, /*grad_scale=*/std::nullopt, skip);
+  if (found_inf.defined()) step_count_.sub_(found_inf);  // a skipped step does not count
+  refresh_weights();
+  (grad_.defined() ? grad_ : grad_shard_).zero_();
+}
+
+void FlatAdamW::refresh_weights() {
+  if (!low_precision_) return;  // fp32: the master is (or is part of) the weights
+  torch::NoGradGuard no_grad;
+  if (zero() == 0) {
+    params_.copy_(master_);
+  } else if (zero() == 3) {
+    shard16_.copy_(master_);
+  } else {  // this rank's piece of each bucket; parallel::dp all-gathers the rest
+    for (const auto& b : layout_.buckets())
+      params_.narrow(0, layout_.piece_flat(b), layout_.piece_numel(b))
+          .copy_(master_.narrow(0, b.shard_offset, layout_.piece_numel(b)));
+  }
 }
 
 }  // namespace tessel

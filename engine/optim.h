@@ -1,13 +1,15 @@
-// AdamW over flat buffers. Parameters are laid out once, by global name, decay group first:
-//   master [N] fp32   the weights AdamW updates (fp32 runs: the model's parameters are views of it)
-//   grad   [N] fp32   gradients accumulate here over micro-batches
-//   exp_avg, exp_avg_sq [N] fp32
-// bf16 runs keep the model's parameters and their per-micro-batch gradients in flat bf16 buffers:
-// each micro-batch's bf16 gradient is added into the fp32 `grad` (fp32 accumulation), and after
-// the step the fp32 master is copied back into the bf16 weights. Slots are laid out in reverse
-// registration order (the order backward fills them, so gradient buckets are contiguous ranges);
-// one fused AdamW call per weight-decay group runs over views of the slots; ZeRO will shard the
-// same flat buffers.
+// AdamW over flat buffers laid out by parallel::dp::FlatLayout (global names, reverse
+// registration order, buckets; under ZeRO each bucket padded and split into one piece per data
+// rank). What each rank holds, by ZeRO stage (N: the flat buffer; S: this rank's shard, N/dp):
+//   stage     model weights      gradients (fp32)      master (fp32)        AdamW moments
+//   0         [N]                [N]                   [N] (fp32: = weights) [N] x2
+//   1         [N]                [N], reduce-scattered  [S] (fp32: pieces of the weights) [S] x2
+//   2         [N]                [S] (+ one bucket in flight)  as 1         [S] x2
+//   3         [S] (+ gathered units)  [S]              [S] (fp32: = weights) [S] x2
+// bf16/fp16 runs keep the model's weights (and, at stages 0-1, per-micro-batch gradients) in the
+// low-precision dtype; gradients accumulate in fp32 and the fp32 master is rounded into the
+// weights after each step. One fused AdamW call per weight-decay group runs over views of this
+// rank's pieces of each parameter.
 #pragma once
 
 #include <torch/types.h>
@@ -19,6 +21,7 @@
 
 #include "engine/config.h"
 #include "models/layers.h"
+#include "parallel/dp/flat_layout.h"
 
 namespace tessel {
 
@@ -29,56 +32,95 @@ double lr_at(const TrainingConfig& t, int64_t step);
 /// Whether a parameter is exempt from weight decay (its name matches a no_decay glob).
 bool exempt_from_decay(const std::string& name, const std::vector<std::string>& globs);
 
-struct ParamSlot {
+/// The flat layout of `model`'s parameters (reverse registration order, chunks from the specs).
+parallel::dp::FlatLayout layout_of(models::Decoder& model, const parallel::dp::LayoutOptions& o);
+
+/// This rank's part of one parameter's optimizer state: `numel` elements starting at element
+/// `param_offset` of the flattened (tensor-parallel local) parameter. 1-D views.
+struct StatePiece {
   std::string name;
-  int64_t offset, numel;
-  bool decay;
+  int64_t param_offset, numel;
+  torch::Tensor weight, master, exp_avg, exp_avg_sq;  // weight: model dtype (ZeRO-3: the shard)
 };
+
+/// Bytes this rank keeps for the run, by kind (persistent buffers; ZeRO-3's gathered units and
+/// ZeRO-2/3's in-flight gradient buckets are counted by parallel::dp).
+struct StateBytes {
+  int64_t params = 0, grads = 0, optimizer = 0;
+};
+
+/// What FlatAdamW will keep for `numel` parameters (the table above), from the plan alone, for
+/// `--dry-run`: bucket padding (under `data_ranks` elements per bucket) is left out.
+StateBytes planned_state_bytes(int64_t numel, int64_t zero, int64_t data_ranks,
+                               torch::ScalarType dtype);
 
 class FlatAdamW {
  public:
-  /// Takes over `model`'s parameters (already on their device and in the run's dtype).
+  /// Takes over `model`'s parameters (already on their device and in the run's dtype): they
+  /// become views of the flat weight buffer (ZeRO-3: of their unit's gather buffer).
+  FlatAdamW(models::Decoder& model, const TrainingConfig& t, parallel::dp::FlatLayout layout);
+  /// One process, no ZeRO, one bucket.
   FlatAdamW(models::Decoder& model, const TrainingConfig& t);
 
-  /// bf16 only: adds this micro-batch's gradients of the flat range [begin, end) (a gradient
-  /// bucket or a pipeline chunk) into the fp32 accumulator and clears them.
+  /// Stages 0-1, bf16/fp16: adds this micro-batch's gradients of the flat range [begin, end) (a
+  /// gradient bucket or a pipeline chunk) into the fp32 accumulator and clears them.
   void fold_microbatch(int64_t begin, int64_t end);
-  /// Global L2 norm of the gradient (before clipping), clipped to max_norm in place when > 0.
-  /// `sum_over_shards` sums the squared norm over ranks that hold other parts of the model.
-  /// Returns the norm as a device scalar: no host synchronisation.
+  /// Global L2 norm of this rank's reduced gradient (before clipping), clipped to max_norm in
+  /// place when > 0. `sum_over_shards` sums the squared norm over ranks that hold other parts;
+  /// `unscale` (fp16) multiplies the gradient first. Returns a device scalar: no host sync.
   torch::Tensor clip_grad_norm(double max_norm,
-                               const std::function<void(torch::Tensor&)>& sum_over_shards = {});
-  /// One AdamW step at learning rate `lr`, then clears the gradients.
-  void step(double lr);
+                               const std::function<void(torch::Tensor&)>& sum_over_shards = {},
+                               const torch::Tensor& unscale = {});
+  /// One AdamW step at learning rate `lr`, then clears the gradients. `found_inf` (fp32 scalar
+  /// on the device, 0 or 1): 1 skips the update and the step count, without a host sync.
+  void step(double lr, const torch::Tensor& found_inf = {});
 
-  /// Restores master weights, moments and the step count by parameter name (a checkpoint), then
-  /// refreshes the model's weights from the master copy.
+  /// Restores master weights, moments and the step count by parameter name (tensor-parallel
+  /// local tensors, any shape with the parameter's element count), then refreshes the weights.
   void load_state(const std::map<std::string, torch::Tensor>& master,
                   const std::map<std::string, torch::Tensor>& exp_avg,
                   const std::map<std::string, torch::Tensor>& exp_avg_sq, const torch::Tensor& step,
                   const std::string& source);
 
-  const std::vector<ParamSlot>& slots() const { return slots_; }
-  int64_t numel() const { return n_; }
-  torch::Tensor master() const { return master_; }
-  torch::Tensor grad() const { return grad_; }
-  torch::Tensor exp_avg() const { return exp_avg_; }
-  torch::Tensor exp_avg_sq() const { return exp_avg_sq_; }
+  const parallel::dp::FlatLayout& layout() const { return layout_; }
+  int64_t zero() const { return layout_.zero(); }
+  int64_t numel() const;  // parameters of this rank's model (tensor-parallel local), no padding
+  /// This rank's pieces of every parameter (the whole parameter without ZeRO), in slot order.
+  const std::vector<StatePiece>& pieces() const { return pieces_; }
+  /// The parts of `slot`'s reduced gradient this rank holds (for sums over tp or the embedding
+  /// group, which must happen on the reduced gradient).
+  std::vector<torch::Tensor> grad_views(const parallel::dp::Slot& slot) const;
   torch::Tensor step_count() const { return step_count_; }
+  StateBytes bytes() const;
+
+  // Buffers for parallel::dp (undefined where the stage does not keep them).
+  torch::Tensor weights() const { return params_; }         // [N] model dtype, stages 0-2
+  torch::Tensor grad() const { return grad_; }              // [N] fp32, stages 0-1
+  torch::Tensor grad_shard() const { return grad_shard_; }  // [S] fp32, stages 2-3
+  torch::Tensor master_shard() const { return master_; }    // [S] fp32 (stage 0: [N])
+  torch::Tensor weight_shard() const { return shard16_; }   // [S] model dtype, stage 3 bf16/fp16
+  const std::vector<torch::Tensor>& unit_buffers() const { return units_; }  // stage 3, per bucket
+  bool low_precision() const { return low_precision_; }
+  bool master_is_weights() const { return !master_.defined(); }
 
  private:
+  torch::Tensor master_view(const parallel::dp::Piece& p) const;
+  torch::Tensor grad_view(const parallel::dp::Piece& p) const;
+  void refresh_weights();  // low-precision weights (or the stage-3 weight shard) from the master
+
   TrainingConfig t_;
-  std::vector<ParamSlot> slots_;
-  int64_t n_ = 0;
+  parallel::dp::FlatLayout layout_;
   bool low_precision_;
-  torch::Tensor master_, grad_, exp_avg_, exp_avg_sq_, step_count_;
-  torch::Tensor params16_, grads16_;  // bf16 runs only
-  torch::Tensor norm_weight_;
+  torch::Tensor params_, grads16_, grad_, grad_shard_, master_, shard16_;
+  torch::Tensor exp_avg_, exp_avg_sq_, step_count_;
+  std::vector<torch::Tensor> units_;
+  std::vector<StatePiece> pieces_;
+  std::vector<torch::Tensor> grad_pieces_, norm_weights_;  // the reduced gradient this rank holds
   struct DecayGroup {
     bool decay;
-    std::vector<torch::Tensor> w, g, m, v, steps;  // views of the flat buffers, per parameter
+    std::vector<torch::Tensor> w, g, m, v, steps;  // views of the flat buffers, per piece
   };
-  std::vector<DecayGroup> groups_;  // 1/replicas per element, when some parameters are replicated
+  std::vector<DecayGroup> groups_;
 };
 
 }  // namespace tessel

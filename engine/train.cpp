@@ -10,6 +10,7 @@
 #include "engine/checkpoint.h"
 #include "engine/safetensors.h"
 #include "parallel/dp/grad_reducer.h"
+#include "parallel/dp/zero3.h"
 #include "parallel/pp/executor.h"
 
 namespace tessel {
@@ -26,7 +27,8 @@ torch::Device resolve_device(const std::string& device, int64_t local_rank) {
 }
 
 torch::ScalarType resolve_dtype(const std::string& dtype) {
-  return dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
+  if (dtype == "bf16") return torch::kBFloat16;
+  return dtype == "fp16" ? torch::kHalf : torch::kFloat32;
 }
 
 models::StagePart stage_part(const Config& c, int64_t pp, int64_t rank) {
@@ -71,23 +73,7 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
   data_ = std::make_unique<data::Dataset>(c_);
   model_ = make_model(c_, device_, dtype_, &mesh_->group(parallel::GroupKind::kTp),
                       stage_part(c_, l.pp, mesh_->coord().pp));
-  opt_ = std::make_unique<FlatAdamW>(model_, c_.training);
-  if (auto dir = checkpoint_to_resume(c_); !dir.empty()) {
-    auto st = load_checkpoint(dir, model_, *opt_);
-    first_step_ = st.step + 1;
-    consumed_ = st.consumed_samples;
-    spdlog::info("resumed from {} (step {}, {} samples consumed)", dir, st.step,
-                 st.consumed_samples);
-  }
-  if (mesh_->group(parallel::GroupKind::kTp).size() > 1)
-    for (const auto& s : opt_->slots())
-      if (model_->specs().at(s.name).tp_grad_sum)
-        tp_summed_grads_.push_back(opt_->grad().narrow(0, s.offset, s.numel));
-  if (l.pp > 1 && c_.model.tied() && model_->specs().count("embed.weight"))
-    for (const auto& s : opt_->slots())
-      if (s.name == "embed.weight") embedding_grad_ = opt_->grad().narrow(0, s.offset, s.numel);
-  reducer_ =
-      std::make_unique<parallel::dp::GradReducer>(*mesh_, model_, *opt_, c_.parallel.ddp_bucket_mb);
+  setup_state();
   const auto& t = c_.training;
   const bool sp = c_.parallel.sequence_parallel && l.tp > 1;
   activation_shape_ = {t.micro_batch, sp ? t.seq_len / l.tp : t.seq_len, c_.model.hidden};
@@ -118,14 +104,64 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
   if (l.pp > 1) mesh_->group(parallel::GroupKind::kPp).all_reduce(n).wait();
   flops_per_token_ = flops_per_token(c_.model, n.item<double>(), c_.training.seq_len);
   peak_ = device_peak(c_, device_, dtype_);
-  spdlog::info("model {} | {} parameters on this rank | {} | {} on {}", c_.model.arch,
-               opt_->numel(),
-               c_.model.init_from.empty() ? "seeded init" : "weights from " + c_.model.init_from,
-               c_.training.dtype, device_.str());
+  log_state();
   spdlog::info("data {} | {} training samples ({} tokens), {} validation samples", c_.data.format,
                data_->train_samples(), data_->train_tokens(), data_->val_samples());
   spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
                kFlopsConvention, peak_.tflops, peak_.source);
+}
+
+void Trainer::setup_state() {
+  // ZeRO shards over the data group (dp×cp); a tied table under pp gets a bucket of its own, so
+  // the first and last stage hold the same piece of it and can sum its gradient.
+  const auto& l = mesh_->layout();
+  auto& data_group = mesh_->dp_cp();
+  const int64_t zero = c_.parallel.zero;
+  opt_ = std::make_unique<FlatAdamW>(
+      model_, c_.training,
+      layout_of(model_, {std::max<int64_t>(
+                             1, static_cast<int64_t>(c_.parallel.ddp_bucket_mb * (1 << 20) / 4)),
+                         zero > 0 ? data_group.size() : 1, zero > 0 ? data_group.rank() : 0, zero,
+                         zero > 0 && l.pp > 1 && c_.model.tied()}));
+  scaler_ = std::make_unique<LossScaler>(c_.training, device_);
+  if (auto dir = checkpoint_to_resume(c_); !dir.empty()) {
+    auto st = load_checkpoint(dir, model_, *opt_, scaler_.get());
+    first_step_ = st.step + 1;
+    consumed_ = st.consumed_samples;
+    spdlog::info("resumed from {} (step {}, {} samples consumed)", dir, st.step,
+                 st.consumed_samples);
+  }
+  for (const auto& s : opt_->layout().slots()) {
+    auto views = opt_->grad_views(s);
+    auto& into = s.name == "embed.weight" ? embedding_grads_ : tp_summed_grads_;
+    if ((s.name == "embed.weight" && l.pp > 1 && c_.model.tied()) ||
+        (l.tp > 1 && model_->specs().at(s.name).tp_grad_sum))
+      into.insert(into.end(), views.begin(), views.end());
+  }
+  reducer_ = std::make_unique<parallel::dp::GradReducer>(*mesh_, model_, *opt_);
+  if (zero == 3) {
+    gatherer_ = std::make_unique<parallel::dp::UnitGatherer>(data_group, *opt_);
+    model_->set_hooks(gatherer_.get());
+    reducer_->on_bucket_done = [g = gatherer_.get()](size_t b) { g->bucket_done(b); };
+  }
+}
+
+void Trainer::log_state() const {
+  spdlog::info("model {} | {} parameters on this rank | {} | {} on {}", c_.model.arch,
+               opt_->numel(),
+               c_.model.init_from.empty() ? "seeded init" : "weights from " + c_.model.init_from,
+               c_.training.dtype, device_.str());
+  const auto bytes = opt_->bytes();
+  auto& data_group = mesh_->dp_cp();
+  const int64_t zero = c_.parallel.zero;
+  spdlog::info(
+      "state on this rank (ZeRO {} over {} data rank{}): weights {:.2f} MiB, gradients {:.2f} MiB, "
+      "optimizer {:.2f} MiB{}",
+      zero, data_group.size(), data_group.size() == 1 ? "" : "s", bytes.params / 1048576.0,
+      bytes.grads / 1048576.0, bytes.optimizer / 1048576.0,
+      gatherer_ ? fmt::format(" (+ gathered units, the largest {:.2f} MiB)",
+                              gatherer_->largest_unit_bytes() / 1048576.0)
+                : "");
 }
 
 Trainer::StepOut Trainer::train_step(int64_t step) {
@@ -138,6 +174,7 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   // The loss rule: sum of token losses over the global batch / its number of target tokens.
   const double scale = 1.0 / static_cast<double>(t.global_batch * t.seq_len);
   auto loss = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
+  const bool overflow = step == t.loss_scale.inject_overflow_step;  // testing hook
   // The schedule decides the order of forwards and backwards (one stage: F0 B0 F1 B1 ...).
   parallel::pp::StageFns fns{
       [&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
@@ -146,7 +183,8 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
         if (!model_->is_last_stage(chunk)) return out;
         out = out * scale;
         loss += out.detach();
-        return out;
+        if (scaler_->dynamic()) out = out * scaler_->scale();  // fp16: scaled into range
+        return overflow ? out * 1e30 : out;
       },
       [&](int64_t chunk, bool final) { reducer_->begin_backward(chunk, final); },
       [&](int64_t chunk, bool final) { reducer_->end_backward(chunk, final); }};
@@ -158,10 +196,16 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   }
   pp_peak_activations_ = std::max(pp_peak_activations_, stats.peak_activations);
   sync_replicated_grads();
-  auto& mp = mesh_->group(parallel::GroupKind::kMp);
-  auto norm =
-      opt_->clip_grad_norm(t.grad_clip, [&mp](torch::Tensor& sq) { mp.all_reduce(sq).wait(); });
-  opt_->step(lr_at(t, step));
+  // With ZeRO each data rank holds other pieces of the gradient: the norm sums over every rank.
+  auto& holders =
+      c_.parallel.zero > 0 ? mesh_->world_group() : mesh_->group(parallel::GroupKind::kMp);
+  auto norm = opt_->clip_grad_norm(
+      t.grad_clip, [&holders](torch::Tensor& sq) { holders.all_reduce(sq).wait(); },
+      scaler_->unscale());
+  opt_->step(lr_at(t, step), scaler_->update(norm, step));  // a non-finite step is skipped
+  if (c_.parallel.zero == 1 || c_.parallel.zero == 2)
+    parallel::dp::gather_weights(mesh_->dp_cp(), *opt_);
+  if (gatherer_) gatherer_->release_all();
   return {loss, norm, exposed_ms};
 }
 
@@ -199,6 +243,7 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   // The last pipeline stage holds the loss; each data rank its rows' share.
   mesh_->group(parallel::GroupKind::kPp).all_reduce(out.loss).wait();
   mesh_->dp_cp().all_reduce(out.loss).wait();
+  check_finite();  // every rank: they all hold the same flag
   if (!metrics_) return;
   const double loss = out.loss.item<double>(), norm = out.grad_norm.item<double>();  // host sync
   const auto now = std::chrono::steady_clock::now();
@@ -217,7 +262,7 @@ void Trainer::log_step(int64_t step, StepOut& out) {
                      static_cast<double>(c_.training.steps - step);
   metrics_->step({step, c_.training.steps, loss, lr_at(c_.training, step), norm, ms, tokens_per_s,
                   tflops, peak_.tflops > 0 ? tflops / peak_.tflops : 0.0, memory_bytes(device_),
-                  eta, exposed_ms});
+                  eta, exposed_ms, scaler_->scale_value(), scaler_->skipped_steps()});
 }
 
 Trainer::~Trainer() = default;
@@ -229,8 +274,18 @@ void Trainer::sync_replicated_grads() {
   for (auto& g : tp_summed_grads_) tp.all_reduce(g).wait();
   // A tied token table lives on the first stage (embedding) and the last (head): each holds part
   // of its gradient; the sum keeps the two copies equal (Megatron's embedding group).
-  if (embedding_grad_.defined())
-    mesh_->group(parallel::GroupKind::kEmbedding).all_reduce(embedding_grad_).wait();
+  for (auto& g : embedding_grads_)
+    mesh_->group(parallel::GroupKind::kEmbedding).all_reduce(g).wait();
+}
+
+void Trainer::check_finite() const {
+  if (const int64_t bad = scaler_->first_non_finite_step())
+    throw UserError(fmt::format(
+        "step {}: the loss or the gradient norm is not finite (training.dtype {}); that step's "
+        "update was skipped and training stops here, saving nothing from step {} on. Lower "
+        "training.optimizer.lr, set training.grad_clip, or check the data; the last checkpoint "
+        "in {} resumes the run",
+        bad, c_.training.dtype, bad, c_.checkpoint_dir()));
 }
 
 void Trainer::train() {
@@ -256,18 +311,53 @@ void Trainer::train() {
     }
     if ((c_.checkpoint.every > 0 && step % c_.checkpoint.every == 0) || last) {
       auto t0 = std::chrono::steady_clock::now();
-      auto dir = save_checkpoint(c_, *mesh_, model_, *opt_, {step, consumed_});
+      check_finite();  // a non-finite step is never saved
+      auto dir = save_checkpoint(c_, *mesh_, model_, *opt_, *scaler_, {step, consumed_});
       spdlog::info("checkpoint {}", dir);
       last_log_time_ += std::chrono::steady_clock::now() - t0;
     }
   }
   if (mesh_->layout().pp > 1) report_pipeline();
+  report_memory();
   if (const auto& tp = mesh_->group(parallel::GroupKind::kTp);
       tp.size() > 1 && t.steps >= first_step_)
     spdlog::info(
         "tensor-parallel traffic: {} bytes per step per rank (collective payloads, training and "
         "logging)",
         tp.bytes() / (t.steps - first_step_ + 1));
+}
+
+void Trainer::report_memory() {
+  // Every rank's state bytes, gathered to rank 0: <output_dir>/memory.json (persistent buffers;
+  // ZeRO-3's gathered units and ZeRO-2/3's gradient buckets as measured peaks).
+  auto& world = mesh_->world_group();
+  const auto b = opt_->bytes();
+  auto mine =
+      torch::tensor({static_cast<double>(opt_->numel()),
+                     static_cast<double>(opt_->layout().numel()), static_cast<double>(b.params),
+                     static_cast<double>(b.grads), static_cast<double>(b.optimizer),
+                     static_cast<double>(gatherer_ ? gatherer_->peak_gathered_bytes() : 0),
+                     static_cast<double>(gatherer_ ? gatherer_->largest_unit_bytes() : 0),
+                     static_cast<double>(reducer_->peak_bucket_bytes())},
+                    torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  auto all = torch::empty({world.size() * mine.numel()}, mine.options());
+  world.all_gather(all, mine).wait();
+  if (mesh_->rank() != 0) return;
+  all = all.view({world.size(), -1}).cpu();
+  nlohmann::json out = {{"zero", c_.parallel.zero},
+                        {"dtype", c_.training.dtype},
+                        {"data_ranks", mesh_->dp_cp().size()},
+                        {"ranks", nlohmann::json::array()}};
+  const char* keys[] = {
+      "numel",           "flat_numel",          "params_bytes",       "grads_bytes",
+      "optimizer_bytes", "gathered_peak_bytes", "largest_unit_bytes", "grad_bucket_peak_bytes"};
+  for (int64_t r = 0; r < world.size(); ++r) {
+    nlohmann::json row = {{"rank", r}};
+    for (int64_t k = 0; k < 8; ++k) row[keys[k]] = static_cast<int64_t>(all[r][k].item<double>());
+    out["ranks"].push_back(row);
+  }
+  write_file_atomic((std::filesystem::path(c_.run.output_dir) / "memory.json").string(),
+                    out.dump(1) + "\n");
 }
 
 void Trainer::report_pipeline() {

@@ -8,6 +8,7 @@
 
 #include "engine/config.h"
 #include "engine/data.h"
+#include "engine/loss_scale.h"
 #include "engine/metrics.h"
 #include "engine/optim.h"
 #include "models/registry.h"
@@ -15,7 +16,8 @@
 
 namespace tessel::parallel::dp {
 class GradReducer;
-}
+class UnitGatherer;
+}  // namespace tessel::parallel::dp
 namespace tessel::parallel::pp {
 class Executor;
 struct StepStats;
@@ -48,11 +50,17 @@ class Trainer {
     torch::Tensor loss, grad_norm;  // device scalars: read only when logging
     double exposed_comm_ms;         // gradient reduction backward did not hide
   };
+  /// The flat layout, optimizer, loss scaler, gradient reduction and ZeRO-3 gathering of this
+  /// rank; resumes their state (and the model's) from a checkpoint when the plan says so.
+  void setup_state();
+  void log_state() const;  // the start lines about parameters and state bytes
   StepOut train_step(int64_t step);
   double evaluate();
   void sync_replicated_grads();
+  void check_finite() const;  // host sync: throws UserError naming the first non-finite step
   void log_step(int64_t step, StepOut& out);
   void report_pipeline();
+  void report_memory();
 
   Config c_;
   std::unique_ptr<parallel::Mesh> mesh_;
@@ -61,8 +69,11 @@ class Trainer {
   models::Decoder model_{nullptr};
   std::unique_ptr<FlatAdamW> opt_;
   std::unique_ptr<parallel::dp::GradReducer> reducer_;
-  std::vector<torch::Tensor> tp_summed_grads_;  // grad views of parameters summed over tp
-  torch::Tensor embedding_grad_;  // tied token table on the first or last stage: summed over both
+  std::unique_ptr<parallel::dp::UnitGatherer> gatherer_;  // ZeRO-3
+  std::unique_ptr<LossScaler> scaler_;
+  // Views of the reduced gradient this rank holds (its ZeRO pieces): parameters whose gradient
+  // is summed over tp, and a tied token table on the first or last stage (summed over both).
+  std::vector<torch::Tensor> tp_summed_grads_, embedding_grads_;
   std::unique_ptr<parallel::pp::Executor> executor_;
   std::vector<int64_t> activation_shape_;  // one micro-batch's activation between stages
   // Pipeline figures summed over the steps after the first (which warms up): step, compute, wait.

@@ -271,7 +271,13 @@ torch::Tensor DecoderImpl::embed_tokens(const torch::Tensor& tokens) {
 torch::Tensor DecoderImpl::run_blocks(int64_t chunk, torch::Tensor x, int64_t seq) {
   torch::Tensor cos, sin;
   if (!o_.learned_pos) std::tie(cos, sin) = rope(seq, x);  // attention runs on the whole sequence
-  for (auto& block : blocks_[static_cast<size_t>(chunk)]) x = block->forward(x, cos, sin);
+  int64_t layer = o_.stages.chunks[static_cast<size_t>(chunk)].first;  // global index
+  for (auto& block : blocks_[static_cast<size_t>(chunk)]) {
+    if (hooks_) x = hooks_->before_block(layer, x);
+    x = block->forward(x, cos, sin);
+    if (hooks_) x = hooks_->after_block(layer, x);
+    ++layer;
+  }
   return x;
 }
 
@@ -284,6 +290,7 @@ torch::Tensor DecoderImpl::logits(const torch::Tensor& x) {
 torch::Tensor DecoderImpl::stage_forward(int64_t chunk, const torch::Tensor& input,
                                          const torch::Tensor& rows) {
   // The sequence length: from the rows on the first stage, else from the activation.
+  if (hooks_) hooks_->before_stage();
   const bool first = is_first_stage(chunk), sp = o_.sequence_parallel;
   const int64_t t = first ? rows.size(1) - 1 : input.size(1) * (sp ? o_.tp->size() : 1);
   auto x = run_blocks(chunk, first ? embed_tokens(rows.narrow(1, 0, t)) : input, t);

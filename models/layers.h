@@ -118,6 +118,17 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
+/// What runs around the blocks: ZeRO-3 (parallel/dp/zero3.h) gathers a layer's parameters just
+/// before it runs and frees them after. `layer` is the global layer index.
+class BlockHooks {
+ public:
+  virtual ~BlockHooks() = default;
+  /// Before a chunk's forward: the parameters outside the blocks (embeddings, norm, head).
+  virtual void before_stage() = 0;
+  virtual torch::Tensor before_block(int64_t layer, const torch::Tensor& x) = 0;
+  virtual torch::Tensor after_block(int64_t layer, const torch::Tensor& y) = 0;
+};
+
 /// The decoder: embed (+ pos_embed) -> layers -> norm -> head (or the tied embedding). Under
 /// pipeline parallelism a rank holds only its stages' parts (options().stages), each parameter
 /// under its global name (layers.<global index>...).
@@ -143,6 +154,8 @@ class DecoderImpl : public torch::nn::Module {
   const DecoderOptions& options() const { return o_; }
   const std::map<std::string, ParamSpec>& specs() const { return specs_; }
   parallel::Group& tp() const { return *o_.tp; }
+  /// Hooks around every block (not owned; null: none).
+  void set_hooks(BlockHooks* hooks) { hooks_ = hooks; }
 
   parallel::tp::VocabParallelEmbedding embed{nullptr};  // first stage; tied: last stage too
   torch::nn::Embedding pos_embed{nullptr};
@@ -162,6 +175,7 @@ class DecoderImpl : public torch::nn::Module {
   std::shared_ptr<parallel::Group> solo_;  // the group of one when no tp group is given
   torch::Tensor inv_freq_;                 // [head_dim / 2], fp32, as Hugging Face computes it
   std::map<std::string, ParamSpec> specs_;
+  BlockHooks* hooks_ = nullptr;
 };
 TORCH_MODULE(Decoder);
 

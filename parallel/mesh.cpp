@@ -167,6 +167,16 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
       errors.push_back(c.source + ": " + e.what());
     }
   }
+  // ZeRO-2/3 reduce-scatter every micro-batch's gradients (and ZeRO-3 gathers every layer's
+  // parameters for each forward and backward); a pipeline runs many micro-batches per chunk
+  // interleaved across chunks, so the data-parallel traffic would grow with the micro-batch
+  // count. DeepSpeed refuses the same combination; ZeRO-1 composes with every schedule.
+  require(p.zero <= 1 || p.pp == 1,
+          fmt::format("parallel.zero {} with parallel.pp {}: ZeRO-2/3 reduce-scatter gradients on "
+                      "every micro-batch, which a pipeline schedule multiplies by its micro-batch "
+                      "count; use parallel.zero 1 with pipeline parallelism (it shards AdamW "
+                      "state and the fp32 master)",
+                      p.zero, p.pp));
   require(p.cp == 1 || t.seq_len % (2 * p.cp) == 0,
           fmt::format("training.seq_len ({}) must be divisible by 2·parallel.cp ({})", t.seq_len,
                       2 * p.cp));

@@ -6,49 +6,53 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <deque>
 
 namespace tessel::parallel::dp {
 namespace {
 
 struct ReadyHook : torch::autograd::PostAccumulateGradHook {
-  explicit ReadyHook(std::function<void()> f) : fn(std::move(f)) {}
-  void operator()(const torch::autograd::Variable&) override { fn(); }
-  std::function<void()> fn;
+  explicit ReadyHook(std::function<void(const torch::autograd::Variable&)> f) : fn(std::move(f)) {}
+  void operator()(const torch::autograd::Variable& v) override { fn(v); }
+  std::function<void(const torch::autograd::Variable&)> fn;
 };
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
 
 }  // namespace
 
-GradReducer::GradReducer(const Mesh& mesh, models::Decoder& model, FlatAdamW& opt, double bucket_mb)
-    : mesh_(mesh), opt_(opt), reduce_(mesh.dp_cp().size() > 1) {
+GradReducer::GradReducer(const Mesh& mesh, models::Decoder& model, FlatAdamW& opt)
+    : mesh_(mesh),
+      opt_(opt),
+      reduce_(mesh.dp_cp().size() > 1 || opt.zero() >= 2),
+      in_place_(mesh.dp_cp().backend_name() == "nccl") {
+  const auto& layout = opt.layout();
   // Each chunk's slots are one contiguous range (the model registers them so).
   const auto chunks = static_cast<size_t>(model->chunks());
   chunk_range_.assign(chunks, {-1, -1});
   final_.assign(chunks, false);
-  for (const auto& s : opt.slots()) {
+  for (const auto& s : layout.slots()) {
     auto& [b, e] = chunk_range_[static_cast<size_t>(model->specs().at(s.name).chunk)];
     if (b < 0) b = s.offset;
-    TORCH_CHECK(e < 0 || e == s.offset,
+    TORCH_CHECK(e < 0 || e <= s.offset,
                 "gradient reducer: the parameters of a pipeline chunk are "
                 "not contiguous in the flat buffer (at ",
                 s.name, ")");
     e = s.offset + s.numel;
   }
+  state_.resize(layout.buckets().size());
   if (!reduce_) return;
-  const int64_t cap =
-      std::max<int64_t>(1, static_cast<int64_t>(bucket_mb * (1 << 20) / 4));  // fp32 elements
   auto params = model->named_parameters();
-  for (const auto& s : opt.slots()) {
-    const int64_t chunk = model->specs().at(s.name).chunk;
-    if (buckets_.empty() || buckets_.back().end - buckets_.back().begin >= cap ||
-        buckets_.back().chunk != chunk)
-      buckets_.push_back({s.offset, s.offset, 0, chunk});
-    auto& b = buckets_.back();
-    b.end = s.offset + s.numel;
-    ++b.params;
-    const size_t index = buckets_.size() - 1;
+  for (const auto& s : layout.slots()) {
     auto& p = params[s.name];
+    const auto index = static_cast<size_t>(s.bucket);
+    const Slot* slot = &s;
     torch::autograd::impl::set_post_acc_grad_hooks(
-        p, std::make_unique<ReadyHook>([this, index] { on_grad_ready(index); }));
+        p, std::make_unique<ReadyHook>([this, index, slot](const torch::autograd::Variable& v) {
+          on_grad_ready(index, *slot, v);
+        }));
     hooked_.push_back(p);
   }
 }
@@ -61,17 +65,96 @@ void GradReducer::begin_backward(int64_t chunk, bool final) {
   final_[static_cast<size_t>(chunk)] = final;  // bucket counts start at 0 (finish() resets them)
 }
 
-void GradReducer::on_grad_ready(size_t index) {
-  auto& b = buckets_[index];
+void GradReducer::on_grad_ready(size_t index, const Slot& slot,
+                                const torch::autograd::Variable& p) {
+  const auto& layout = opt_.layout();
+  const auto& b = layout.buckets()[index];
+  auto& st = state_[index];
+  auto& dp_cp = mesh_.dp_cp();
+  if (opt_.zero() >= 2) {
+    // Take the gradient out of the parameter (fp32) and drop it: only the bucket buffer holds it.
+    torch::NoGradGuard no_grad;
+    if (!st.buffer.defined()) {
+      st.buffer = torch::zeros({b.end - b.begin}, p.grad().options().dtype(torch::kFloat32));
+      live_bucket_bytes_ += st.buffer.numel() * 4;
+      peak_bucket_bytes_ = std::max(peak_bucket_bytes_, live_bucket_bytes_);
+    }
+    st.buffer.narrow(0, slot.offset - b.begin, slot.numel).copy_(p.grad().flatten());
+    const_cast<torch::autograd::Variable&>(p).mutable_grad() = torch::Tensor();
+    if (++st.ready < b.params) return;
+    st.piece = torch::empty({layout.piece_numel(b)}, st.buffer.options());
+    st.work = dp_cp.reduce_scatter(st.piece, st.buffer);
+    if (on_bucket_done) on_bucket_done(index);
+    // Bound the transient gradient memory: with more than kInFlight buckets reducing, the
+    // oldest is waited for and folded into the shard (it has had the others' time to finish).
+    in_flight_.push_back(index);
+    while (in_flight_.size() > kInFlight) {
+      drain(in_flight_.front());
+      in_flight_.pop_front();
+    }
+    return;
+  }
   if (!final_[static_cast<size_t>(b.chunk)]) return;
-  if (++b.ready < b.params) return;
-  // Complete: fold this micro-batch's bf16 gradients in (fp32 accumulation), then sum over dp×cp.
+  if (++st.ready < b.params) return;
+  // Complete: fold this micro-batch's bf16 gradients in (fp32 accumulation), then reduce.
   opt_.fold_microbatch(b.begin, b.end);
-  auto slice = opt_.grad().narrow(0, b.begin, b.end - b.begin);
-  b.work = mesh_.dp_cp().all_reduce(slice);
+  auto whole = opt_.grad().narrow(0, b.begin, b.end - b.begin);
+  if (opt_.zero() == 0) {
+    st.work = dp_cp.all_reduce(whole);
+    return;
+  }
+  auto mine = opt_.grad().narrow(0, layout.piece_flat(b), layout.piece_numel(b));
+  // NCCL reduce-scatters in place (output = input + rank·count); Gloo gets a separate output.
+  st.piece = in_place_ ? mine : torch::empty_like(mine);
+  st.work = dp_cp.reduce_scatter(st.piece, whole);
+}
+
+void GradReducer::check_complete(size_t i) const {
+  const auto& b = opt_.layout().buckets()[i];
+  if (state_[i].ready != b.params)
+    throw std::runtime_error(
+        fmt::format("data parallel: bucket {} got {} of its {} gradients in backward; a parameter "
+                    "took no part in the loss",
+                    i, state_[i].ready, b.params));
+}
+
+void GradReducer::drain(size_t i) {
+  const auto& b = opt_.layout().buckets()[i];
+  auto& st = state_[i];
+  const auto t0 = std::chrono::steady_clock::now();
+  st.work.wait();
+  wait_ms_ += ms_since(t0);
+  if (opt_.zero() >= 2) {
+    opt_.grad_shard().narrow(0, b.shard_offset, opt_.layout().piece_numel(b)).add_(st.piece);
+    live_bucket_bytes_ -= st.buffer.numel() * 4;
+    st.buffer = torch::Tensor();
+    st.piece = torch::Tensor();
+  } else if (opt_.zero() == 1 && !in_place_) {
+    opt_.grad()
+        .narrow(0, opt_.layout().piece_flat(b), opt_.layout().piece_numel(b))
+        .copy_(st.piece);
+    st.piece = torch::Tensor();
+  }
 }
 
 void GradReducer::end_backward(int64_t chunk, bool final) {
+  if (opt_.zero() >= 2) {
+    for (size_t i = 0; i < state_.size(); ++i)
+      if (opt_.layout().buckets()[i].chunk == chunk) check_complete(i);
+    // Every bucket of this chunk still reducing (the others' buckets belong to other chunks'
+    // backwards, which interleave under pipelining).
+    for (auto it = in_flight_.begin(); it != in_flight_.end();) {
+      if (opt_.layout().buckets()[*it].chunk != chunk) {
+        ++it;
+        continue;
+      }
+      drain(*it);
+      it = in_flight_.erase(it);
+    }
+    for (size_t i = 0; i < state_.size(); ++i)
+      if (opt_.layout().buckets()[i].chunk == chunk) state_[i].ready = 0;
+    return;
+  }
   if (reduce_ && final) return;  // its buckets folded themselves before reducing
   const auto [begin, end] = chunk_range_[static_cast<size_t>(chunk)];
   opt_.fold_microbatch(begin, end);
@@ -79,19 +162,31 @@ void GradReducer::end_backward(int64_t chunk, bool final) {
 
 double GradReducer::finish() {
   std::fill(final_.begin(), final_.end(), false);
-  if (!reduce_) return 0.0;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (size_t i = 0; i < buckets_.size(); ++i) {
-    auto& b = buckets_[i];
-    if (b.ready != b.params)
-      throw std::runtime_error(fmt::format(
-          "data parallel: bucket {} got {} of its {} gradients in backward; a parameter "
-          "took no part in the loss",
-          i, b.ready, b.params));
-    b.work.wait();
-    b.ready = 0;
+  if (reduce_ && opt_.zero() < 2)
+    for (size_t i = 0; i < state_.size(); ++i) {
+      check_complete(i);
+      drain(i);
+      state_[i].ready = 0;
+    }
+  const double ms = wait_ms_;
+  wait_ms_ = 0;
+  return ms;
+}
+
+void gather_weights(Group& dp_cp, FlatAdamW& opt) {
+  if (dp_cp.size() == 1) return;
+  const auto& layout = opt.layout();
+  const bool in_place = dp_cp.backend_name() == "nccl";
+  std::vector<Work> works;
+  std::vector<torch::Tensor> keep;  // inputs alive until their all-gather completes
+  auto weights = opt.weights();
+  for (const auto& b : layout.buckets()) {
+    auto whole = weights.narrow(0, b.begin, b.end - b.begin);
+    auto mine = weights.narrow(0, layout.piece_flat(b), layout.piece_numel(b));
+    keep.push_back(in_place ? mine : mine.clone());
+    works.push_back(dp_cp.all_gather(whole, keep.back()));
   }
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  for (auto& w : works) w.wait();
 }
 
 }  // namespace tessel::parallel::dp

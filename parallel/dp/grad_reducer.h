@@ -1,12 +1,20 @@
-// Data parallelism (DDP): the flat fp32 gradient buffer is cut into buckets of about
-// parallel.ddp.bucket_mb; on the final micro-batch of a step, a post-accumulate-grad hook on each
-// parameter counts it in, and the moment a bucket is complete its sum over the dp×cp group starts
-// asynchronously while backward goes on with earlier layers. Earlier micro-batches only
-// accumulate. Under pipeline parallelism "final" is per model chunk (each chunk's last backward
-// of the step), and buckets never straddle two chunks. The loss rule (sum over the global batch /
-// global target tokens) makes the sum the exact gradient, so no averaging happens here.
+// Gradient reduction over the data group (dp×cp) for every ZeRO stage, driven by
+// post-accumulate-grad hooks while backward runs. The buckets are the flat layout's.
+//   stage 0: on the final micro-batch of a step, each bucket is all-reduced the moment backward
+//            completes it; earlier micro-batches only accumulate (DDP's no_sync).
+//   stage 1: the same, but reduce-scattered: each rank receives the sum of its piece only.
+//   stages 2-3: no full gradient buffer exists. Every micro-batch, each parameter's gradient is
+//            copied (in fp32) into its bucket's transient buffer and dropped; a complete bucket is
+//            reduce-scattered; with more than two buckets reducing, the oldest is waited for,
+//            its piece added into this rank's gradient shard and its buffer freed (the rest at
+//            the end of the micro-batch's backward), so at most three buffers are ever alive.
+// Under pipeline parallelism "final" is per model chunk (each chunk's last backward of the step).
+// The loss rule (sum over the global batch / global target tokens) makes the sum the exact
+// gradient, so no averaging happens here.
 #pragma once
 
+#include <deque>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -16,42 +24,58 @@
 
 namespace tessel::parallel::dp {
 
-struct Bucket {
-  int64_t begin, end;  // range of the flat buffer
-  int64_t params;      // parameters in it
-  int64_t chunk;       // the pipeline chunk whose backward fills it
-  int64_t ready = 0;   // counted in during the final micro-batch
-  Work work;
+struct BucketState {
+  int64_t ready = 0;     // parameters counted in during this backward
+  Work work;             // its all-reduce or reduce-scatter
+  torch::Tensor buffer;  // stages 2-3: the bucket's gradients [end - begin], fp32, transient
+  torch::Tensor piece;   // the reduce-scatter's output when not in place
 };
 
 class GradReducer {
  public:
-  GradReducer(const Mesh& mesh, models::Decoder& model, FlatAdamW& opt, double bucket_mb);
+  GradReducer(const Mesh& mesh, models::Decoder& model, FlatAdamW& opt);
   ~GradReducer();
   GradReducer(const GradReducer&) = delete;
   GradReducer& operator=(const GradReducer&) = delete;
 
   /// Before each backward of this rank's pipeline chunk `chunk` (0 without pipelining): whether
-  /// it is that chunk's last backward of the step (the one that reduces).
+  /// it is that chunk's last backward of the step (the one that reduces at stages 0-1).
   void begin_backward(int64_t chunk, bool final);
-  /// After it: a micro-batch that is not reduced folds its bf16 gradients into fp32.
+  /// After it: stages 0-1 fold bf16/fp16 gradients of a micro-batch that is not reduced;
+  /// stages 2-3 add this micro-batch's reduced pieces into the gradient shard.
   void end_backward(int64_t chunk, bool final);
   /// After the step's last backward: waits for every bucket and returns the time spent waiting
-  /// (the communication backward did not hide), in ms.
+  /// on reductions this step (the communication backward did not hide), in ms.
   double finish();
+  /// Stage 3: called when backward has produced every gradient of bucket `b` (its unit's
+  /// parameters are no longer needed this micro-batch).
+  std::function<void(size_t b)> on_bucket_done;
 
-  const std::vector<Bucket>& buckets() const { return buckets_; }
+  const std::vector<FlatBucket>& buckets() const { return opt_.layout().buckets(); }
+  /// Peak bytes of stage 2-3 bucket buffers alive at once (transient gradient memory).
+  int64_t peak_bucket_bytes() const { return peak_bucket_bytes_; }
 
  private:
-  void on_grad_ready(size_t bucket);
+  void on_grad_ready(size_t bucket, const Slot& slot, const torch::autograd::Variable& p);
+  void check_complete(size_t b) const;    // every gradient of bucket b counted in (or throws)
+  void drain(size_t b);                   // waits for its reduction and stores the result
+  static constexpr size_t kInFlight = 2;  // stages 2-3: bucket buffers reducing at once, at most
 
   const Mesh& mesh_;
   FlatAdamW& opt_;
   std::vector<torch::Tensor> hooked_;  // parameters carrying our hook (removed on destruction)
-  std::vector<Bucket> buckets_;
+  std::vector<BucketState> state_;
+  std::deque<size_t> in_flight_;  // stages 2-3: buckets reducing, oldest first
   std::vector<std::pair<int64_t, int64_t>> chunk_range_;  // flat range of each chunk's slots
   std::vector<bool> final_;                               // per chunk, during its last backward
-  bool reduce_ = false;                                   // dp×cp > 1
+  bool reduce_ = false;    // anything to do: dp×cp > 1, or gradients sharded
+  bool in_place_ = false;  // NCCL reduce-scatters and all-gathers in place
+  double wait_ms_ = 0;
+  int64_t live_bucket_bytes_ = 0, peak_bucket_bytes_ = 0;
 };
+
+/// Stages 1-2, after the optimizer step: every rank updated only its piece of each bucket; one
+/// all-gather per bucket gives every rank the whole weights again.
+void gather_weights(Group& dp_cp, FlatAdamW& opt);
 
 }  // namespace tessel::parallel::dp
