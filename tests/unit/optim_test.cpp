@@ -79,5 +79,30 @@ TEST(FlatAdamW, MatchesReferenceAdamWAndClipping) {
   }
 }
 
+// The buffers FlatAdamW allocates for each ZeRO stage and dtype (one shard rank of two or three:
+// nothing communicates while they are laid out) are what --dry-run predicts from the plan, up to
+// the padding of each bucket to a multiple of the data ranks.
+TEST(FlatAdamW, StateBytesAsPlanned) {
+  Config c = load_config_text(
+      "data: {path: x}\nmodel: {arch: llama, layers: 2, hidden: 16, heads: 2, vocab_size: 301}\n",
+      "t");
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kHalf})
+    for (int64_t shards : {1, 2, 3})
+      for (int64_t zero = 0; zero <= 3; ++zero) {
+        if (zero == 0 && shards > 1) continue;
+        auto model = models::build_model(c.model, 3);
+        model->to(dtype);
+        FlatAdamW opt(model, c.training, layout_of(model, {2000, shards, shards - 1, zero, false}));
+        const auto got = opt.bytes();
+        const auto want = planned_state_bytes(opt.numel(), zero, shards, dtype);
+        const int64_t slack = 16 * static_cast<int64_t>(opt.layout().buckets().size()) * shards;
+        const auto what = ::testing::Message()
+                          << c10::toString(dtype) << " zero " << zero << " shards " << shards;
+        EXPECT_NEAR(got.params, want.params, slack) << what;
+        EXPECT_NEAR(got.grads, want.grads, slack) << what;
+        EXPECT_NEAR(got.optimizer, want.optimizer, slack) << what;
+      }
+}
+
 }  // namespace
 }  // namespace tessel

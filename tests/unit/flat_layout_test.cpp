@@ -1,0 +1,78 @@
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "parallel/dp/flat_layout.h"
+
+namespace tessel::parallel::dp {
+namespace {
+
+std::vector<ParamEntry> toy() {  // reverse registration order, as layout_of gives it
+  return {{"head.weight", 10, 0},
+          {"norm.weight", 3, 0},
+          {"layers.1.mlp.up.weight", 7, 0},
+          {"layers.1.attn.q.weight", 5, 0},
+          {"layers.0.mlp.up.weight", 7, 0},
+          {"layers.0.attn.q.weight", 5, 0},
+          {"embed.weight", 9, 0}};
+}
+
+// Every element of every parameter is held by exactly one shard rank, once, and the pieces of a
+// rank tile its shard buffer without gaps.
+void expect_partition(const std::vector<ParamEntry>& params, LayoutOptions o) {
+  std::map<std::string, std::vector<int>> owners;
+  for (const auto& p : params) owners[p.name].assign(static_cast<size_t>(p.numel), 0);
+  for (int64_t r = 0; r < o.shards; ++r) {
+    o.shard_rank = r;
+    FlatLayout layout(params, o);
+    std::vector<int> shard(static_cast<size_t>(layout.shard_numel()), 0);
+    for (const auto& b : layout.buckets()) EXPECT_EQ((b.end - b.begin) % o.shards, 0);
+    for (const auto& s : layout.slots())
+      for (const auto& piece : layout.pieces(s)) {
+        EXPECT_EQ(piece.flat, s.offset + piece.param_offset);
+        for (int64_t i = 0; i < piece.numel; ++i) {
+          ++owners[s.name][static_cast<size_t>(piece.param_offset + i)];
+          ++shard[static_cast<size_t>(piece.shard + i)];
+        }
+      }
+    for (int c : shard) EXPECT_LE(c, 1);  // padding is the only thing held by no parameter
+  }
+  for (const auto& [name, counts] : owners)
+    for (int c : counts) EXPECT_EQ(c, 1) << name;
+}
+
+TEST(FlatLayout, BucketsCappedPaddedAndPartitioned) {
+  FlatLayout one(toy(), {1000, 1, 0, 0, false});
+  EXPECT_EQ(one.buckets().size(), 1u);
+  EXPECT_EQ(one.numel(), 46);
+  EXPECT_EQ(one.shard_numel(), 46);
+  EXPECT_EQ(one.slot("embed.weight").offset, 37);
+  FlatLayout capped(toy(), {12, 4, 1, 1, false});
+  // A bucket closes once it holds >= 12 elements: [head norm] [l1.up l1.q] [l0.up l0.q] [embed]
+  ASSERT_EQ(capped.buckets().size(), 4u);
+  EXPECT_EQ(capped.buckets()[0].end, 16);  // 13 padded to a multiple of 4
+  EXPECT_EQ(capped.slot("layers.1.mlp.up.weight").offset, 16);
+  EXPECT_EQ(capped.shard_numel(), capped.numel() / 4);
+  for (int64_t shards : {1, 2, 3, 4, 8})
+    for (int64_t zero : {1, 3}) expect_partition(toy(), {12, shards, 0, zero, false});
+}
+
+TEST(FlatLayout, Zero3BucketsAreUnitsAndChunksNeverMix) {
+  FlatLayout z3(toy(), {4, 2, 0, 3, false});
+  std::vector<std::string> units;
+  for (const auto& b : z3.buckets()) units.push_back(b.unit);
+  EXPECT_EQ(units, (std::vector<std::string>{"root", "layers.1", "layers.0", "root"}));
+  EXPECT_EQ(unit_of("layers.12.attn.q.weight"), "layers.12");
+  EXPECT_EQ(unit_of("norm.weight"), "root");
+  auto chunked = toy();
+  for (size_t i = 0; i < 4; ++i) chunked[i].chunk = 1;
+  FlatLayout pp(chunked, {1000, 2, 0, 1, true});
+  for (const auto& s : pp.slots())
+    for (const auto& t : pp.slots())
+      if (s.bucket == t.bucket)
+        EXPECT_EQ(s.name.substr(0, 3) == "emb", t.name.substr(0, 3) == "emb");
+  EXPECT_THROW(pp.slot("nope"), std::out_of_range);
+}
+
+}  // namespace
+}  // namespace tessel::parallel::dp
