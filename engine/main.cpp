@@ -1,5 +1,6 @@
 // tessel-train: train a plan, score sequences, or export a checkpoint. main() is the boundary
 // where errors become one clear message and a non-zero exit.
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
@@ -9,12 +10,51 @@
 
 #include "engine/checkpoint.h"
 #include "engine/config.h"
+#include "engine/optim.h"
 #include "engine/score.h"
 #include "engine/train.h"
+#include "models/registry.h"
 #include "parallel/mesh.h"
 #include "parallel/pp/schedule.h"
 
 namespace {
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  for (; b >= 1024 && u < 4; ++u) b /= 1024;
+  return fmt::format("{:.{}f} {}", b, u == 0 ? 0 : 2, units[u]);
+}
+
+// --dry-run: what each rank will keep for the run, from the plan alone (nothing is built).
+void print_state_bytes(const tessel::Config& c, const tessel::parallel::Layout& l) {
+  const int64_t zero = c.parallel.zero, data_ranks = l.dp * l.cp;
+  const auto dtype = tessel::resolve_dtype(c.training.dtype);
+  const double w = static_cast<double>(c10::elementSize(dtype));
+  std::printf("# state per rank, ZeRO %lld over %lld data rank%s, %s (activations not included):\n",
+              static_cast<long long>(zero), static_cast<long long>(data_ranks),
+              data_ranks == 1 ? "" : "s", c.training.dtype.c_str());
+  for (int64_t stage = 0; stage < l.pp; ++stage) {
+    const auto part = tessel::stage_part(c, l.pp, stage);
+    const int64_t n = tessel::models::parameters_on_rank(c.model, l.tp, part);
+    const auto b = tessel::planned_state_bytes(n, zero, data_ranks, dtype);
+    std::string units;
+    if (zero == 3) {  // the root unit stays gathered; a block, its prefetched neighbour, and
+                      // briefly a third while backward crosses from one block to the next
+      int64_t layers = 0;
+      for (const auto& [first, end] : part.chunks) layers += end - first;
+      const int64_t block = tessel::models::block_parameters(c.model, l.tp);
+      units = fmt::format("; + gathered: the root unit {} and 2-3 blocks of {}",
+                          human_bytes(w * static_cast<double>(n - layers * block)),
+                          human_bytes(w * static_cast<double>(block)));
+    }
+    std::printf("#   %s%lld parameters: weights %s, gradients %s, optimizer %s, total %s%s\n",
+                l.pp > 1 ? fmt::format("pipeline stage {}: ", stage).c_str() : "",
+                static_cast<long long>(n), human_bytes(b.params).c_str(),
+                human_bytes(b.grads).c_str(), human_bytes(b.optimizer).c_str(),
+                human_bytes(b.params + b.grads + b.optimizer).c_str(), units.c_str());
+  }
+}
 
 int run_train(int argc, char** argv) {
   CLI::App app{"tessel-train: train GPT-2 / Llama models from a YAML plan", "tessel-train"};
@@ -53,6 +93,7 @@ int run_train(int argc, char** argv) {
     const auto& t = c.training;
     std::printf("%s", tessel::dump_config(c).c_str());
     std::printf("%s", tessel::parallel::describe_grid(layout).c_str());
+    print_state_bytes(c, layout);
     if (layout.pp > 1) {
       namespace pp = tessel::parallel::pp;
       const int64_t m = t.global_batch / (layout.dp * t.micro_batch);

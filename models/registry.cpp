@@ -45,6 +45,35 @@ Decoder build_model(const ModelConfig& m, int64_t seed, parallel::Group* tp, boo
   return model;
 }
 
+int64_t block_parameters(const ModelConfig& m, int64_t tp) {
+  const auto o = arch(m.arch).options(m);
+  const int64_t h = m.hidden, f = m.ffn_hidden, kv = m.kv_heads * m.head_dim();
+  const int64_t bias = o.linear_bias ? 1 : 0;
+  const int64_t norm = o.layer_norm ? 2 * h : h;
+  // Column-parallel: weight and bias split over tp; row-parallel: weight split, bias whole. Key
+  // and value projections are whole on every rank when tp > kv_heads (AttentionImpl).
+  const int64_t q = (h * h + bias * h) / tp;
+  const int64_t kv_one = m.kv_heads % tp == 0 ? (h * kv + bias * kv) / tp : h * kv + bias * kv;
+  const int64_t attn = q + 2 * kv_one + h * h / tp + bias * h;
+  const int64_t mlp = (o.swiglu ? 2 : 1) * (h * f + bias * f) / tp + f / tp * h + bias * h;
+  return 2 * norm + attn + mlp;
+}
+
+int64_t parameters_on_rank(const ModelConfig& m, int64_t tp, const StagePart& stages) {
+  const auto o = arch(m.arch).options(m);
+  int64_t layers = 0;
+  for (const auto& [b, e] : stages.chunks) layers += e - b;
+  if (stages.chunks.empty()) layers = m.layers;
+  const int64_t table = parallel::tp::padded_vocab(m.vocab_size, tp) / tp * m.hidden;
+  int64_t n = layers * block_parameters(m, tp);
+  if (stages.first) n += table + (o.learned_pos ? m.max_seq_len * m.hidden : 0);
+  if (stages.last) {
+    n += o.layer_norm ? 2 * m.hidden : m.hidden;
+    if (!m.tied() || !stages.first) n += table;  // the head, or the tied table's copy
+  }
+  return n;
+}
+
 Weights model_weights(Decoder& model) {
   Weights w;
   for (const auto& p : model->named_parameters()) w[p.key()] = p.value().detach().to(torch::kCPU);

@@ -41,6 +41,12 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
 Decoder build_model(const ModelConfig& m, int64_t seed, parallel::Group* tp = nullptr,
                     bool sequence_parallel = false, const StagePart& stages = {});
 
+/// Elements of one transformer block on a tensor-parallel rank, from the plan alone.
+int64_t block_parameters(const ModelConfig& m, int64_t tp);
+/// Elements a rank holds (its tensor-parallel shards of the stages in `stages`), from the plan
+/// alone, without building anything (`--dry-run` sizes plans larger than this machine with it).
+/// Equal to the built model's count (tests/unit/model_test.cpp checks).
+int64_t parameters_on_rank(const ModelConfig& m, int64_t tp, const StagePart& stages);
 /// Fills every parameter from the keyed generator (see init.cpp for the rules).
 void init_weights(Decoder& model, int64_t seed);
 

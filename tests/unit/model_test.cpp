@@ -102,6 +102,30 @@ TEST(Models, PipelineStagesChainToTheWholeModel) {
   }
 }
 
+// --dry-run's count from the plan equals the built model's, for whole models and pipeline stages
+// (tensor-parallel ranks are checked against real runs in tests/dist/zero_parity_test.py).
+TEST(Models, ParameterCountFromThePlan) {
+  for (const char* arch : {"gpt2", "llama"}) {
+    auto m =
+        model(fmt::format("{{arch: {}, layers: 5, hidden: 16, heads: 4, kv_heads: {}, "
+                          "vocab_size: 301, max_seq_len: 128}}",
+                          arch, std::string(arch) == "gpt2" ? 4 : 2));
+    for (const StagePart& part : {StagePart{}, StagePart{{{0, 2}, {3, 4}}, true, false},
+                                  StagePart{{{2, 3}, {4, 5}}, false, true}}) {
+      auto d = build_model(m, 3, nullptr, false, part);
+      const std::string one =
+          "layers." + std::to_string(part.chunks.empty() ? 0 : part.chunks[0].first) + ".";
+      int64_t built = 0, block = 0;
+      for (const auto& p : d->named_parameters()) {
+        built += p.value().numel();
+        if (p.key().rfind(one, 0) == 0) block += p.value().numel();
+      }
+      EXPECT_EQ(parameters_on_rank(m, 1, part), built) << arch;
+      EXPECT_EQ(block_parameters(m, 1), block) << arch;
+    }
+  }
+}
+
 TEST(HfNames, RoundTripBothArchitectures) {
   for (const char* yaml :
        {"{arch: gpt2, layers: 2, hidden: 16, heads: 2, vocab_size: 300}",
