@@ -23,6 +23,15 @@ def run(*args, check=True, timeout=600):
     return p
 
 
+def launch_plan(plan, world, check=True):
+    """Writes plan beside its output_dir and trains it: one process, or `world` under tessel-launch."""
+    path = write_plan(plan["run"]["output_dir"] + ".yaml", plan)
+    if world == 1:
+        return run("tessel-train", path, check=check)
+    return run("tessel-launch", "--nproc-per-node", world, "--master-port", free_port(), "--",
+               os.path.join(BIN, "tessel-train"), path, check=check)
+
+
 def write_plan(path, plan):
     """YAML is a superset of JSON: a plan written as JSON is a valid YAML plan."""
     with open(path, "w") as f:
