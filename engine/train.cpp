@@ -203,10 +203,16 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
       t.grad_clip, [&holders](torch::Tensor& sq) { holders.all_reduce(sq).wait(); },
       scaler_->unscale());
   opt_->step(lr_at(t, step), scaler_->update(norm, step));  // a non-finite step is skipped
+  // Exposed communication: reductions backward did not hide, the weight all-gather after the
+  // step (stages 1-2), and waits for ZeRO-3 gathers their prefetch did not hide.
+  double exposed = exposed_ms;
   if (c_.parallel.zero == 1 || c_.parallel.zero == 2)
-    parallel::dp::gather_weights(mesh_->dp_cp(), *opt_);
-  if (gatherer_) gatherer_->release_all();
-  return {loss, norm, exposed_ms};
+    exposed += parallel::dp::gather_weights(mesh_->dp_cp(), *opt_);
+  if (gatherer_) {
+    gatherer_->release_all();
+    exposed += gatherer_->take_wait_ms();
+  }
+  return {loss, norm, exposed};
 }
 
 double Trainer::evaluate() {
@@ -234,6 +240,7 @@ double Trainer::evaluate() {
       parallel::pp::forward_only(l.pp, mine / t.micro_batch, executor_->schedule().virtual_stages),
       activation_shape_, torch::TensorOptions().dtype(dtype_).device(device_))
       .run(fns);
+  if (gatherer_) gatherer_->take_wait_ms();  // evaluation's gathers are not a step's
   mesh_->group(parallel::GroupKind::kPp).all_reduce(total).wait();  // the last stage's sum
   mesh_->dp_cp().all_reduce(total).wait();
   return total.item<double>() / static_cast<double>(rows * t.seq_len);

@@ -173,8 +173,9 @@ double GradReducer::finish() {
   return ms;
 }
 
-void gather_weights(Group& dp_cp, FlatAdamW& opt) {
-  if (dp_cp.size() == 1) return;
+double gather_weights(Group& dp_cp, FlatAdamW& opt) {
+  if (dp_cp.size() == 1) return 0;
+  const auto t0 = std::chrono::steady_clock::now();
   const auto& layout = opt.layout();
   const bool in_place = dp_cp.backend_name() == "nccl";
   std::vector<Work> works;
@@ -187,6 +188,7 @@ void gather_weights(Group& dp_cp, FlatAdamW& opt) {
     works.push_back(dp_cp.all_gather(whole, keep.back()));
   }
   for (auto& w : works) w.wait();
+  return ms_since(t0);
 }
 
 }  // namespace tessel::parallel::dp

@@ -75,7 +75,8 @@ class GradReducer {
 };
 
 /// Stages 1-2, after the optimizer step: every rank updated only its piece of each bucket; one
-/// all-gather per bucket gives every rank the whole weights again.
-void gather_weights(Group& dp_cp, FlatAdamW& opt);
+/// all-gather per bucket gives every rank the whole weights again. Returns the milliseconds it
+/// waited (all of it exposed: nothing runs beside it).
+double gather_weights(Group& dp_cp, FlatAdamW& opt);
 
 }  // namespace tessel::parallel::dp

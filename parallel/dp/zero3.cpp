@@ -3,6 +3,8 @@
 #include <c10/core/StorageImpl.h>
 #include <torch/torch.h>
 
+#include <chrono>
+
 namespace tessel::parallel::dp {
 namespace {
 
@@ -70,8 +72,17 @@ void UnitGatherer::start(Unit& u) {
 
 void UnitGatherer::ready(Unit& u) {
   start(u);
+  const auto t0 = std::chrono::steady_clock::now();
   for (auto& w : u.pending) w.wait();
+  wait_ms_ +=
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   u.pending.clear();
+}
+
+double UnitGatherer::take_wait_ms() {
+  const double ms = wait_ms_;
+  wait_ms_ = 0;
+  return ms;
 }
 
 void UnitGatherer::release(Unit& u) {

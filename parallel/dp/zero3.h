@@ -31,6 +31,9 @@ class UnitGatherer : public models::BlockHooks {
   void bucket_done(size_t b);
   /// After the optimizer step: every unit freed (the next forward gathers the new weights).
   void release_all();
+  /// Milliseconds spent waiting for gathers since the last call (communication compute did not
+  /// hide), and resets the count.
+  double take_wait_ms();
   /// Bytes of gathered weights held at once, at most, so far.
   int64_t peak_gathered_bytes() const { return peak_bytes_; }
   /// Bytes of the largest unit.
@@ -56,6 +59,7 @@ class UnitGatherer : public models::BlockHooks {
   std::vector<std::string> unit_of_bucket_;
   int64_t last_layer_ = -1;
   int64_t live_bytes_ = 0, peak_bytes_ = 0;
+  double wait_ms_ = 0;
 };
 
 }  // namespace tessel::parallel::dp
