@@ -180,15 +180,15 @@ std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models:
   }
   world.barrier();
   // Data (and context) replicas hold the same tensors, but for ZeRO pieces: the first replica's
-  // tensor- and pipeline-parallel ranks write, each its shards and stages (every data rank its
-  // pieces); replicated tensors are written by tp rank 0 only, a tied token table by the first
-  // stage only.
+  // tensor- and pipeline-parallel ranks write, each its shards and stages (every rank of the
+  // dp×cp group its pieces); replicated tensors are written by tp rank 0 only, a tied token table
+  // by the first stage only.
   const auto entries = checkpoint_entries(model, opt, scaler);
   const auto& me = mesh.coord();
   std::vector<Written> mine;
   for (const auto& e : entries) {
-    if ((e.spec.shard.parts == 1 && me.tp != 0) || e.spec.pipeline_copy || me.cp != 0 ||
-        (me.dp != 0 && !e.every_data_rank))
+    if ((e.spec.shard.parts == 1 && me.tp != 0) || e.spec.pipeline_copy ||
+        ((me.dp != 0 || me.cp != 0) && !e.every_data_rank))
       continue;
     std::pair<int64_t, int64_t> flat{-1, -1};
     if (auto t = real_part(e, &flat); t.defined()) mine.push_back({&e, t, flat});

@@ -43,6 +43,7 @@ struct ModelConfig {
 struct ParallelConfig {
   int64_t dp;  // 0 = auto (world / (tp·cp·pp))
   int64_t tp, pp, cp;
+  std::string context_method;  // allgather | ring (parallel.context.method)
   bool sequence_parallel;
   std::string order;    // tp-cp-dp-pp
   std::string backend;  // auto | gloo | nccl

@@ -58,7 +58,15 @@ std::vector<Field> bind_fields(Config& c) {
       .allow_auto();
   add("parallel.tp", &c.parallel.tp, int64_t{1}, "Tensor-parallel degree.").range(1);
   add("parallel.pp", &c.parallel.pp, int64_t{1}, "Pipeline-parallel degree.").range(1);
-  add("parallel.cp", &c.parallel.cp, int64_t{1}, "Context-parallel degree.").range(1);
+  add("parallel.cp", &c.parallel.cp, int64_t{1},
+      "Context-parallel degree: each sequence is cut into 2·cp chunks and cp rank r holds chunks "
+      "r and 2·cp−1−r (equal causal work per rank).")
+      .range(1);
+  add("parallel.context.method", &c.parallel.context_method, S("allgather"),
+      "How attention sees the other cp ranks' keys and values: allgather = gather K/V over cp "
+      "before attention (reduce-scatter their gradients); ring = pass K/V blocks around the cp "
+      "ring while attending to the current one, merged by log-sum-exp.")
+      .one_of({"allgather", "ring"});
   add("parallel.sequence_parallel", &c.parallel.sequence_parallel, false,
       "Split activations outside the tensor-parallel regions along the sequence (tp > 1): "
       "all-gather before column-parallel layers, reduce-scatter after row-parallel ones.");

@@ -119,8 +119,11 @@ int run_train(int argc, char** argv) {
     }
     if (layout.cp > 1)
       std::printf(
-          "# note: this build trains with data, tensor and pipeline parallelism; the context "
-          "layout above is checked, and refused at start\n");
+          "# context parallel: %lld ranks (%s), %lld tokens per rank per sequence (chunks "
+          "r and %lld-r of %lld)\n",
+          static_cast<long long>(layout.cp), c.parallel.context_method.c_str(),
+          static_cast<long long>(t.seq_len / layout.cp), static_cast<long long>(2 * layout.cp - 1),
+          static_cast<long long>(2 * layout.cp));
     std::printf(
         "# plan %s is valid for %lld processes: %lld micro-batches of %lld sequences per data rank "
         "per step; "

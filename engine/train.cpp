@@ -42,8 +42,10 @@ models::StagePart stage_part(const Config& c, int64_t pp, int64_t rank) {
 }
 
 models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
-                           parallel::Group* tp, const models::StagePart& stages) {
-  auto model = models::build_model(c.model, c.run.seed, tp, c.parallel.sequence_parallel, stages);
+                           parallel::Group* tp, const models::StagePart& stages,
+                           parallel::Group* cp) {
+  auto model = models::build_model(c.model, c.run.seed, tp, c.parallel.sequence_parallel, stages,
+                                   cp, c.parallel.context_method);
   if (!c.model.init_from.empty()) models::load_weights(model, c.model.init_from);
   model->to(device, dtype);
   return model;
@@ -57,11 +59,6 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
   // Every check of the plan against the world runs inside create() before any communicator.
   mesh_ = parallel::Mesh::create(c_, world, device_);
   const auto& l = mesh_->layout();
-  if (l.cp > 1)
-    throw UserError(fmt::format(
-        "{}: parallel.cp {}: this build trains with data, tensor and pipeline parallelism "
-        "(context parallelism is not in it yet); set it to 1",
-        c_.source, l.cp));
   c_.parallel.dp = l.dp;
   if (mesh_->rank() == 0) {
     std::filesystem::create_directories(c_.run.output_dir);
@@ -71,12 +68,14 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
     spdlog::set_level(spdlog::level::warn);  // rank 0 reports for everyone
   }
   data_ = std::make_unique<data::Dataset>(c_);
-  model_ = make_model(c_, device_, dtype_, &mesh_->group(parallel::GroupKind::kTp),
-                      stage_part(c_, l.pp, mesh_->coord().pp));
+  model_ =
+      make_model(c_, device_, dtype_, &mesh_->group(parallel::GroupKind::kTp),
+                 stage_part(c_, l.pp, mesh_->coord().pp), &mesh_->group(parallel::GroupKind::kCp));
   setup_state();
   const auto& t = c_.training;
   const bool sp = c_.parallel.sequence_parallel && l.tp > 1;
-  activation_shape_ = {t.micro_batch, sp ? t.seq_len / l.tp : t.seq_len, c_.model.hidden};
+  // One micro-batch between stages: this cp rank's tokens (SP: its tp share of them).
+  activation_shape_ = {t.micro_batch, t.seq_len / l.cp / (sp ? l.tp : 1), c_.model.hidden};
   executor_ = std::make_unique<parallel::pp::Executor>(
       mesh_->group(parallel::GroupKind::kPp),
       parallel::pp::make_schedule(c_.parallel.pipeline_schedule, l.pp,
@@ -84,10 +83,13 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
                                   c_.parallel.virtual_stages),
       activation_shape_, torch::TensorOptions().dtype(dtype_).device(device_));
   if (mesh_->rank() == 0) metrics_ = std::make_unique<MetricsLog>(c_, first_step_ - 1);
-  spdlog::info("{} process{} ({}, {}): dp {} tp {}{} pp {} | {} gradient bucket{}", mesh_->world(),
-               mesh_->world() > 1 ? "es" : "", world.source, mesh_->backend(), l.dp, l.tp,
-               sp ? " (sequence parallel)" : "", l.pp, reducer_->buckets().size(),
-               reducer_->buckets().size() == 1 ? "" : "s");
+  spdlog::info("{} process{} ({}, {}): dp {} tp {}{} pp {} cp {}{} | {} gradient bucket{}",
+               mesh_->world(), mesh_->world() > 1 ? "es" : "", world.source, mesh_->backend(), l.dp,
+               l.tp, sp ? " (sequence parallel)" : "", l.pp, l.cp,
+               l.cp > 1 ? fmt::format(" ({}, {} tokens per rank)", c_.parallel.context_method,
+                                      t.seq_len / l.cp)
+                        : "",
+               reducer_->buckets().size(), reducer_->buckets().size() == 1 ? "" : "s");
   if (l.pp > 1) {
     const auto& s = executor_->schedule();
     const auto layers = parallel::pp::stage_layer_counts(c_.model.layers, l.pp * s.virtual_stages,

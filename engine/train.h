@@ -31,9 +31,10 @@ torch::ScalarType resolve_dtype(const std::string& dtype);
 
 /// Builds the plan's model on `device` in `dtype`: seeded init, or model.init_from.
 /// `tp`: the tensor-parallel group (null: one process holds the whole model); `stages`: the
-/// pipeline stages this rank holds (default: all).
+/// pipeline stages this rank holds (default: all); `cp`: the context-parallel group.
 models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
-                           parallel::Group* tp = nullptr, const models::StagePart& stages = {});
+                           parallel::Group* tp = nullptr, const models::StagePart& stages = {},
+                           parallel::Group* cp = nullptr);
 
 /// The pipeline stages of pipeline rank `rank` (chunk c is stage c·pp + rank).
 models::StagePart stage_part(const Config& c, int64_t pp, int64_t rank);

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "parallel/autograd_comm.h"
+#include "parallel/cp/attention.h"
 
 namespace tessel::models {
 namespace tp = parallel::tp;
@@ -52,7 +53,11 @@ torch::Tensor NormImpl::forward(const torch::Tensor& x) {
   return weight * y.to(x.scalar_type());
 }
 
-AttentionImpl::AttentionImpl(const DecoderOptions& opt) : tp_(opt.tp), sp_(opt.sequence_parallel) {
+AttentionImpl::AttentionImpl(const DecoderOptions& opt)
+    : tp_(opt.tp),
+      sp_(opt.sequence_parallel),
+      cp_(opt.cp && opt.cp->size() > 1 ? opt.cp : nullptr),
+      cp_method_(static_cast<int>(parallel::cp::method_of(opt.cp_method))) {
   const auto& m = opt.model;
   const int64_t t = tp_->size(), h = m.hidden, hd = m.head_dim();
   heads_ = m.heads / t;
@@ -105,9 +110,11 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     qh = apply_rope(qh, cos, sin);
     kh = apply_rope(kh, cos, sin);
   }
-  auto y = at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                            /*is_causal=*/true, /*scale=*/std::nullopt,
-                                            /*enable_gqa=*/kv_heads_ != heads_);
+  auto y =
+      cp_ ? parallel::cp::attention(*cp_, static_cast<parallel::cp::Method>(cp_method_), qh, kh, vh)
+          : at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                             /*is_causal=*/true, /*scale=*/std::nullopt,
+                                             /*enable_gqa=*/kv_heads_ != heads_);
   return o(y.transpose(1, 2).reshape({b, s, heads_ * head_dim_}));
 }
 
@@ -252,25 +259,33 @@ void DecoderImpl::build_specs() {
   }
 }
 
-std::pair<torch::Tensor, torch::Tensor> DecoderImpl::rope(int64_t seq, const torch::Tensor& like) {
+torch::Tensor DecoderImpl::positions(int64_t seq, const torch::Device& device) const {
+  if (cp_size() == 1)
+    return torch::arange(seq, torch::TensorOptions().dtype(torch::kInt64).device(device));
+  return parallel::cp::local_positions(seq, cp_size(), o_.cp->rank(), device);
+}
+
+std::pair<torch::Tensor, torch::Tensor> DecoderImpl::rope(const torch::Tensor& positions,
+                                                          const torch::Tensor& like) {
   // Angles in fp32 on the device, then cast to the activation dtype (as Hugging Face does).
-  auto pos =
-      torch::arange(seq, torch::TensorOptions().dtype(torch::kFloat32).device(like.device()));
-  auto freqs = torch::outer(pos, inv_freq_.to(like.device()));  // [s, d/2]
-  auto emb = torch::cat({freqs, freqs}, -1);                    // [s, d]
+  auto freqs =
+      torch::outer(positions.to(torch::kFloat32), inv_freq_.to(like.device()));  // [s, d/2]
+  auto emb = torch::cat({freqs, freqs}, -1);                                     // [s, d]
   return {emb.cos().to(like.scalar_type()), emb.sin().to(like.scalar_type())};
 }
 
-torch::Tensor DecoderImpl::embed_tokens(const torch::Tensor& tokens) {
+torch::Tensor DecoderImpl::embed_tokens(const torch::Tensor& tokens,
+                                        const torch::Tensor& positions) {
   auto x = embed(tokens);  // [b, s, h]; SP: [b, s/t, h], this rank's sequence chunk
   if (!pos_embed) return x;
   const int64_t local = x.size(1), first = (tokens.size(1) == local) ? 0 : local * o_.tp->rank();
-  return x + pos_embed(torch::arange(first, first + local, tokens.options()));
+  return x + pos_embed(positions.narrow(0, first, local));
 }
 
-torch::Tensor DecoderImpl::run_blocks(int64_t chunk, torch::Tensor x, int64_t seq) {
+torch::Tensor DecoderImpl::run_blocks(int64_t chunk, torch::Tensor x,
+                                      const torch::Tensor& positions) {
   torch::Tensor cos, sin;
-  if (!o_.learned_pos) std::tie(cos, sin) = rope(seq, x);  // attention runs on the whole sequence
+  if (!o_.learned_pos) std::tie(cos, sin) = rope(positions, x);  // attention sees all local tokens
   int64_t layer = o_.stages.chunks[static_cast<size_t>(chunk)].first;  // global index
   for (auto& block : blocks_[static_cast<size_t>(chunk)]) {
     if (hooks_) x = hooks_->before_block(layer, x);
@@ -292,16 +307,25 @@ torch::Tensor DecoderImpl::stage_forward(int64_t chunk, const torch::Tensor& inp
   // The sequence length: from the rows on the first stage, else from the activation.
   if (hooks_) hooks_->before_stage();
   const bool first = is_first_stage(chunk), sp = o_.sequence_parallel;
-  const int64_t t = first ? rows.size(1) - 1 : input.size(1) * (sp ? o_.tp->size() : 1);
-  auto x = run_blocks(chunk, first ? embed_tokens(rows.narrow(1, 0, t)) : input, t);
+  const int64_t cp = cp_size(), cp_rank = cp > 1 ? o_.cp->rank() : 0;
+  const int64_t t = first ? rows.size(1) - 1 : input.size(1) * (sp ? o_.tp->size() : 1) * cp;
+  const auto pos = positions(t, first ? rows.device() : input.device());
+  auto x = run_blocks(
+      chunk,
+      first ? embed_tokens(parallel::cp::local_chunks(rows.narrow(1, 0, t), 1, cp, cp_rank), pos)
+            : input,
+      pos);
   if (!is_last_stage(chunk)) return x;
-  return token_loss_sum(logits(x), rows.narrow(1, 1, t).reshape({-1}));
+  auto targets = parallel::cp::local_chunks(rows.narrow(1, 1, t), 1, cp, cp_rank);
+  return token_loss_sum(logits(x), targets.reshape({-1}));
 }
 
 torch::Tensor DecoderImpl::forward(const torch::Tensor& tokens) {
   TORCH_CHECK(chunks() == 1 && o_.stages.first && o_.stages.last,
               "DecoderImpl::forward needs the whole model on this rank");
-  return logits(run_blocks(0, embed_tokens(tokens), tokens.size(1)));
+  TORCH_CHECK(cp_size() == 1, "DecoderImpl::forward runs without context parallelism");
+  const auto pos = positions(tokens.size(1), tokens.device());
+  return logits(run_blocks(0, embed_tokens(tokens, pos), pos));
 }
 
 torch::Tensor DecoderImpl::loss_sum(const torch::Tensor& rows) {

@@ -41,6 +41,8 @@ struct DecoderOptions {
   parallel::Group* tp = nullptr;  // null: one process
   bool sequence_parallel = false;
   StagePart stages;
+  parallel::Group* cp = nullptr;  // context parallelism (parallel/cp): null or size 1: none
+  std::string cp_method = "allgather";
 };
 
 /// Where a parameter sits in the global model.
@@ -91,6 +93,8 @@ class AttentionImpl : public torch::nn::Module {
   parallel::Group* tp_;
   bool sp_;
   int64_t heads_, kv_heads_, head_dim_, kv_index_ = 0;  // local counts
+  parallel::Group* cp_;                                 // null: no context parallelism
+  int cp_method_;                                       // parallel::cp::Method
 };
 TORCH_MODULE(Attention);
 
@@ -141,9 +145,10 @@ class DecoderImpl : public torch::nn::Module {
   /// Sum of next-token losses (fp32) of rows [b, T+1]: inputs row[:-1], targets row[1:].
   torch::Tensor loss_sum(const torch::Tensor& rows);
   /// One chunk's forward of micro-batch rows [b, T+1]. `input`: the previous stage's activation
-  /// [b, T, h] (SP: [b, T/t, h]), ignored by the first stage (which embeds rows[:, :-1]). Returns
-  /// the activation for the next stage, or on the last stage the loss sum over rows[:, 1:]. Only
-  /// the first and last stage read `rows` (needs_rows()).
+  /// [b, T, h] (SP: [b, T/t, h]; CP: T/cp tokens, this cp rank's two chunks), ignored by the
+  /// first stage (which embeds rows[:, :-1]). Returns the activation for the next stage, or on
+  /// the last stage the loss sum over rows[:, 1:] (CP: over this rank's chunks). Only the first
+  /// and last stage read `rows` (needs_rows()).
   torch::Tensor stage_forward(int64_t chunk, const torch::Tensor& input, const torch::Tensor& rows);
   int64_t chunks() const { return static_cast<int64_t>(o_.stages.chunks.size()); }
   bool is_first_stage(int64_t chunk) const { return o_.stages.first && chunk == 0; }
@@ -164,9 +169,13 @@ class DecoderImpl : public torch::nn::Module {
   parallel::tp::ColumnParallelLinear head{nullptr};  // absent when tied
 
  private:
-  std::pair<torch::Tensor, torch::Tensor> rope(int64_t seq, const torch::Tensor& like);
-  torch::Tensor embed_tokens(const torch::Tensor& tokens);
-  torch::Tensor run_blocks(int64_t chunk, torch::Tensor x, int64_t seq);
+  int64_t cp_size() const { return o_.cp ? o_.cp->size() : 1; }
+  /// Global positions of this rank's tokens of a `seq`-token sequence (CP: its two chunks).
+  torch::Tensor positions(int64_t seq, const torch::Device& device) const;
+  std::pair<torch::Tensor, torch::Tensor> rope(const torch::Tensor& positions,
+                                               const torch::Tensor& like);
+  torch::Tensor embed_tokens(const torch::Tensor& tokens, const torch::Tensor& positions);
+  torch::Tensor run_blocks(int64_t chunk, torch::Tensor x, const torch::Tensor& positions);
   torch::Tensor logits(const torch::Tensor& x);
   torch::Tensor token_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets);
   void build_specs();

@@ -35,11 +35,13 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
 }
 
 Decoder build_model(const ModelConfig& m, int64_t seed, parallel::Group* tp, bool sequence_parallel,
-                    const StagePart& stages) {
+                    const StagePart& stages, parallel::Group* cp, const std::string& cp_method) {
   auto o = arch(m.arch).options(m);
   o.tp = tp;
   o.sequence_parallel = sequence_parallel && tp && tp->size() > 1;
   o.stages = stages;
+  o.cp = cp;
+  o.cp_method = cp_method;
   Decoder model(o);
   init_weights(model, seed);
   return model;

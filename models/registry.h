@@ -37,9 +37,11 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
 /// Builds the model of a validated plan, every weight drawn from the generator keyed by
 /// (seed, global parameter name): the same global model whatever the layout.
 /// `tp` (optional) is the tensor-parallel group: the model then holds this rank's shards;
-/// `stages` the pipeline stages this rank holds (default: all).
+/// `stages` the pipeline stages this rank holds (default: all); `cp` (optional) the
+/// context-parallel group, whose attention runs by `cp_method` (allgather | ring).
 Decoder build_model(const ModelConfig& m, int64_t seed, parallel::Group* tp = nullptr,
-                    bool sequence_parallel = false, const StagePart& stages = {});
+                    bool sequence_parallel = false, const StagePart& stages = {},
+                    parallel::Group* cp = nullptr, const std::string& cp_method = "allgather");
 
 /// Elements of one transformer block on a tensor-parallel rank, from the plan alone.
 int64_t block_parameters(const ModelConfig& m, int64_t tp);

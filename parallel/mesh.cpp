@@ -132,11 +132,14 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
   require(m.ffn_hidden % p.tp == 0,
           fmt::format("model.ffn_hidden ({}) must be divisible by parallel.tp ({})", m.ffn_hidden,
                       p.tp));
-  require(
-      !p.sequence_parallel || t.seq_len % p.tp == 0,
-      fmt::format(
-          "parallel.sequence_parallel: training.seq_len ({}) must be divisible by parallel.tp ({})",
-          t.seq_len, p.tp));
+  require(!p.sequence_parallel || t.seq_len % (p.tp * p.cp) == 0,
+          fmt::format("parallel.sequence_parallel: training.seq_len ({}) must be divisible by "
+                      "parallel.tp ({}){}",
+                      t.seq_len, p.tp,
+                      p.cp > 1 ? fmt::format(" x parallel.cp ({}) (each cp rank's tokens are split "
+                                             "over tp)",
+                                             p.cp)
+                               : ""));
   require(
       m.layers >= p.pp * p.virtual_stages,
       fmt::format("model.layers ({}) must be >= parallel.pp ({}) x pipeline.virtual_stages ({})",
@@ -178,8 +181,9 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
                       "state and the fp32 master)",
                       p.zero, p.pp));
   require(p.cp == 1 || t.seq_len % (2 * p.cp) == 0,
-          fmt::format("training.seq_len ({}) must be divisible by 2·parallel.cp ({})", t.seq_len,
-                      2 * p.cp));
+          fmt::format("training.seq_len ({}) must be divisible by 2·parallel.cp (2·{} = {}): "
+                      "each sequence is cut into 2·cp equal chunks",
+                      t.seq_len, p.cp, 2 * p.cp));
   require(t.global_batch % (l.dp * t.micro_batch) == 0,
           fmt::format("training.global_batch ({}) must be divisible by "
                       "parallel.dp·training.micro_batch ({}·{} = {})",

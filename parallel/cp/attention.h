@@ -1,0 +1,53 @@
+// Context parallelism: the sequence of every micro-batch is cut into 2·cp chunks and cp rank r
+// holds chunks r and 2·cp−1−r, so each rank gets the same share of causal attention work (an
+// early chunk sees few keys, its partner many). Everything outside attention is per token and
+// runs on the local 2 chunks unchanged; attention needs every earlier key, so it is the one
+// place that talks to the cp group:
+//   allgather: all-gather K and V over cp (reduce-scatter their gradients in backward), then
+//              each local query chunk attends to the keys before it;
+//   ring:      K/V blocks travel around the cp ring by p2p (the next block's transfer overlaps
+//              the current block's attention); partial results are merged by log-sum-exp, and
+//              backward sends dK/dV around the ring with their blocks, back to their owners.
+// Block attention uses LibTorch's kernels that return the log-sum-exp (the CPU flash kernel; the
+// memory-efficient kernel on CUDA).
+#pragma once
+
+#include <torch/types.h>
+
+#include <string>
+#include <utility>
+
+#include "parallel/comm.h"
+
+namespace tessel::parallel::cp {
+
+enum class Method { kAllGather, kRing };
+/// "allgather" | "ring" (parallel.context.method).
+Method method_of(const std::string& name);
+
+/// The global positions of cp rank `rank`'s tokens of a `seq`-token sequence: chunk `rank`, then
+/// chunk 2·cp−1−rank. int64 [seq / cp].
+torch::Tensor local_positions(int64_t seq, int64_t cp, int64_t rank, const torch::Device& device);
+
+/// This rank's two chunks of `x` along `dim` (whose size is the whole sequence), concatenated.
+torch::Tensor local_chunks(const torch::Tensor& x, int64_t dim, int64_t cp, int64_t rank);
+
+/// Causal attention of this rank's queries against the whole sequence's keys and values.
+/// q: [b, heads, 2c, d], k, v: [b, kv_heads, 2c, d] (this rank's two chunks, c = seq / (2·cp);
+/// heads a multiple of kv_heads: grouped-query) -> [b, heads, 2c, d]. Differentiable.
+torch::Tensor attention(Group& cp, Method method, const torch::Tensor& q, const torch::Tensor& k,
+                        const torch::Tensor& v);
+
+/// One block of attention and its log-sum-exp: q [b, h, m, d] against k, v [b, h, n, d]
+/// (causal: m == n and the block is on the diagonal). Returns (out [b, h, m, d], lse [b, h, m]
+/// fp32).
+std::pair<torch::Tensor, torch::Tensor> block_forward(const torch::Tensor& q,
+                                                      const torch::Tensor& k,
+                                                      const torch::Tensor& v, bool causal);
+/// Its gradients given the gradient of the final output and the final (merged) out and lse of
+/// these queries: (dq, dk, dv).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> block_backward(
+    const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
+    const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, bool causal);
+
+}  // namespace tessel::parallel::cp
