@@ -15,6 +15,9 @@ CASES = [
     ({"training": {"global_batch": 6, "micro_batch": 2}}, 2,
      "training.global_batch (6) must be divisible by parallel.dp·training.micro_batch (2·2 = 4)"),
     ({"parallel": {"pp": 4}}, 4, "model.layers (2) must be >= parallel.pp (4) x pipeline.virtual_stages (1)"),
+    ({"parallel": {"cp": 3}}, 3, "training.seq_len (16) must be divisible by 2·parallel.cp (2·3 = 6)"),
+    ({"parallel": {"cp": 2, "tp": 4, "sequence_parallel": True}, "training": {"seq_len": 12}}, 8,
+     "training.seq_len (12) must be divisible by parallel.tp (4) x parallel.cp (2)"),
 ]
 
 
@@ -46,6 +49,15 @@ class PlanChecks(TmpDirTest):
         self.assertIn("schedule interleaved: 2 stages, 4 micro-batches, 2 chunks per rank", p.stdout)
         self.assertIn("# predicted bubble 0.1250 of ideal step time (theory (p-1)/(v*m) = 0.1250)", p.stdout)
         self.assertIn("# layers per stage (stage = chunk·pp + pipeline rank): 3 2 2 1", p.stdout)
+        self.assertNotIn("refused", p.stdout)
+
+    def test_dry_run_prints_the_context_split(self):
+        plan = {"training": {"global_batch": 8, "micro_batch": 1},
+                "parallel": {"cp": 2, "context": {"method": "ring"}}}
+        p = run("tessel-train", self.plan(plan), "--dry-run", "--world-size", 4)
+        self.assertIn("rank grid: world 4 = tp 1 x cp 2 x dp 2 x pp 1", p.stdout)
+        self.assertIn("# context parallel: 2 ranks (ring), 8 tokens per rank per sequence (chunks r and 3-r of 4)",
+                      p.stdout)
         self.assertNotIn("refused", p.stdout)
 
     def test_launched_bad_plan_fails_before_any_communicator(self):

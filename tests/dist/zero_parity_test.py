@@ -12,7 +12,7 @@ import unittest
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
-from common import TmpDirTest, base_plan, launch_plan, read_metrics, rel, run, write_plan, write_tokens  # noqa: E402
+from common import TmpDirTest, assert_same_run, base_plan, launch_plan, read_metrics, rel, run, write_plan, write_tokens  # noqa: E402
 
 STEPS, VOCAB, LAYERS, BATCH = 20, 301, 4, 8
 
@@ -52,15 +52,7 @@ class ZeroParity(TmpDirTest):
         return [m["loss"] for m in self.losses(name)], load_file(self.path(name, "hf", "model.safetensors"))
 
     def compare(self, what, got, ref):
-        losses, weights = got
-        ref_losses, ref_weights = ref
-        self.assertEqual(len(losses), STEPS, what)
-        worst = max(rel(a, b) for a, b in zip(losses, ref_losses))
-        self.assertLess(worst, 1e-5, f"{what}: {losses} vs {ref_losses}")
-        self.assertEqual(set(weights), set(ref_weights))
-        wdiff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
-        self.assertLess(wdiff, 1e-5, f"{what}: exported weights differ by {wdiff}")
-        print(f"\n{what}: worst loss rel diff {worst:.2e}, worst exported weight diff {wdiff:.2e}", file=sys.stderr)
+        assert_same_run(self, what, got, ref, STEPS)
 
     def check(self, arch):
         ref = self.train(arch, "single", 1)

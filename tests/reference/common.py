@@ -3,6 +3,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import unittest
 
@@ -30,6 +31,19 @@ def launch_plan(plan, world, check=True):
         return run("tessel-train", path, check=check)
     return run("tessel-launch", "--nproc-per-node", world, "--master-port", free_port(), "--",
                os.path.join(BIN, "tessel-train"), path, check=check)
+
+
+def assert_same_run(tc, what, got, ref, steps):
+    """got, ref: (per-step losses, exported weights). Loss within 1e-5 relative at every step and
+    every exported weight within 1e-5 of the reference run; prints the worst figures."""
+    (losses, weights), (ref_losses, ref_weights) = got, ref
+    tc.assertEqual(len(losses), steps, what)
+    worst = max(rel(a, b) for a, b in zip(losses, ref_losses))
+    tc.assertLess(worst, 1e-5, f"{what}: {losses} vs {ref_losses}")
+    tc.assertEqual(set(weights), set(ref_weights))
+    wdiff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    tc.assertLess(wdiff, 1e-5, f"{what}: exported weights differ by {wdiff}")
+    print(f"\n{what}: worst loss rel diff {worst:.2e}, worst exported weight diff {wdiff:.2e}", file=sys.stderr)
 
 
 def write_plan(path, plan):
