@@ -76,6 +76,14 @@ int64_t memory_bytes(const torch::Device& device) {
   return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
+int64_t peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // "... kB"
+  return 0;
+}
+
 MetricsLog::MetricsLog(const Config& c, int64_t resumed_step) {
   std::filesystem::create_directories(c.run.output_dir);
   path_ = (std::filesystem::path(c.run.output_dir) / c.logging.metrics_file).string();

@@ -32,6 +32,8 @@ Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType
 
 /// Bytes in use: CUDA peak allocated since the last call, or the process's resident set on CPU.
 int64_t memory_bytes(const torch::Device& device);
+/// The process's peak resident set so far (VmHWM), bytes.
+int64_t peak_rss_bytes();
 
 struct StepLine {
   int64_t step, steps;

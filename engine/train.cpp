@@ -111,6 +111,7 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
                data_->train_samples(), data_->train_tokens(), data_->val_samples());
   spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
                kFlopsConvention, peak_.tflops, peak_.source);
+  setup_rss_ = peak_rss_bytes();  // before any step: what the steps add is activations
 }
 
 void Trainer::setup_state() {
@@ -328,17 +329,24 @@ void Trainer::train() {
   }
   if (mesh_->layout().pp > 1) report_pipeline();
   report_memory();
-  if (const auto& tp = mesh_->group(parallel::GroupKind::kTp);
-      tp.size() > 1 && t.steps >= first_step_)
+  const int64_t steps = t.steps - first_step_ + 1;
+  if (const auto& tp = mesh_->group(parallel::GroupKind::kTp); tp.size() > 1 && steps > 0)
     spdlog::info(
         "tensor-parallel traffic: {} bytes per step per rank (collective payloads, training and "
         "logging)",
-        tp.bytes() / (t.steps - first_step_ + 1));
+        tp.bytes() / steps);
+  if (const auto& cp = mesh_->group(parallel::GroupKind::kCp); cp.size() > 1 && steps > 0)
+    spdlog::info(
+        "context-parallel traffic: {} bytes per step per rank in collective payloads, {} sent "
+        "point-to-point (training and evaluation)",
+        cp.bytes() / steps, cp.sent_bytes() / steps);
 }
 
 void Trainer::report_memory() {
   // Every rank's state bytes, gathered to rank 0: <output_dir>/memory.json (persistent buffers;
-  // ZeRO-3's gathered units and ZeRO-2/3's gradient buckets as measured peaks).
+  // ZeRO-3's gathered units and ZeRO-2/3's gradient buckets as measured peaks; the process's
+  // peak resident set before the first step and at the end: on CPU their difference is what the
+  // steps added, activations mostly).
   auto& world = mesh_->world_group();
   const auto b = opt_->bytes();
   auto mine =
@@ -347,7 +355,8 @@ void Trainer::report_memory() {
                      static_cast<double>(b.grads), static_cast<double>(b.optimizer),
                      static_cast<double>(gatherer_ ? gatherer_->peak_gathered_bytes() : 0),
                      static_cast<double>(gatherer_ ? gatherer_->largest_unit_bytes() : 0),
-                     static_cast<double>(reducer_->peak_bucket_bytes())},
+                     static_cast<double>(reducer_->peak_bucket_bytes()),
+                     static_cast<double>(setup_rss_), static_cast<double>(peak_rss_bytes())},
                     torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   auto all = torch::empty({world.size() * mine.numel()}, mine.options());
   world.all_gather(all, mine).wait();
@@ -357,12 +366,19 @@ void Trainer::report_memory() {
                         {"dtype", c_.training.dtype},
                         {"data_ranks", mesh_->dp_cp().size()},
                         {"ranks", nlohmann::json::array()}};
-  const char* keys[] = {
-      "numel",           "flat_numel",          "params_bytes",       "grads_bytes",
-      "optimizer_bytes", "gathered_peak_bytes", "largest_unit_bytes", "grad_bucket_peak_bytes"};
+  const char* keys[] = {"numel",
+                        "flat_numel",
+                        "params_bytes",
+                        "grads_bytes",
+                        "optimizer_bytes",
+                        "gathered_peak_bytes",
+                        "largest_unit_bytes",
+                        "grad_bucket_peak_bytes",
+                        "setup_peak_rss_bytes",
+                        "peak_rss_bytes"};
   for (int64_t r = 0; r < world.size(); ++r) {
     nlohmann::json row = {{"rank", r}};
-    for (int64_t k = 0; k < 8; ++k) row[keys[k]] = static_cast<int64_t>(all[r][k].item<double>());
+    for (int64_t k = 0; k < 10; ++k) row[keys[k]] = static_cast<int64_t>(all[r][k].item<double>());
     out["ranks"].push_back(row);
   }
   write_file_atomic((std::filesystem::path(c_.run.output_dir) / "memory.json").string(),

@@ -90,6 +90,7 @@ class Trainer {
   double exposed_comm_ms_sum_ = 0;  // since the last logged step
   int64_t first_step_ = 1;          // > 1 when resumed
   int64_t consumed_ = 0;            // the data position: global samples consumed so far
+  int64_t setup_rss_ = 0;           // peak resident set before the first step
 };
 
 }  // namespace tessel

@@ -106,9 +106,10 @@ std::vector<Work> Group::send_recv(const std::vector<P2POp>& ops) {
   for (const auto& op : ops) {
     std::vector<at::Tensor> v{op.tensor};
     const int tag = op.tag;
-    if (op.kind == P2POp::kSend)
+    if (op.kind == P2POp::kSend) {
+      sent_bytes_ += op.tensor.numel() * op.tensor.element_size();
       works.emplace_back(backend_->send(v, static_cast<int>(op.peer), tag), what("send"));
-    else
+    } else
       works.emplace_back(backend_->recv(v, static_cast<int>(op.peer), tag), what("recv"));
   }
   if (coalesce) {

@@ -47,6 +47,8 @@ class Group {
   /// Payload bytes this rank handed to collectives so far (nccl-tests' "size": the buffer of an
   /// all-reduce, the whole output of an all-gather, the whole input of a reduce-scatter).
   int64_t bytes() const { return bytes_; }
+  /// Bytes this rank sent point-to-point (send_recv) so far.
+  int64_t sent_bytes() const { return sent_bytes_; }
   /// "gloo", "nccl", or "none" for a group of one.
   std::string backend_name() const { return backend_ ? backend_->getBackendName() : "none"; }
 
@@ -72,7 +74,7 @@ class Group {
   int64_t rank_;
   c10::intrusive_ptr<c10d::Backend> backend_;
   int64_t seq_ = 0;
-  int64_t bytes_ = 0;
+  int64_t bytes_ = 0, sent_bytes_ = 0;
 };
 
 }  // namespace tessel::parallel
