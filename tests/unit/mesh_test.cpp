@@ -65,7 +65,7 @@ TEST(Mesh, PlanChecksNameTheValues) {
            "training: {global_batch: 3, micro_batch: 1}\n"),
       2, "interleaved needs micro-batches per step (3) divisible by parallel.pp (2)");
   expect_layout_error(plan("parallel: {cp: 3}\ntraining: {seq_len: 64}\n"), 3,
-                      "training.seq_len (64) must be divisible by 2·parallel.cp (6)");
+                      "training.seq_len (64) must be divisible by 2·parallel.cp (2·3 = 6)");
   expect_layout_error(
       plan("training: {global_batch: 8, micro_batch: 4}\n"), 4,
       "training.global_batch (8) must be divisible by parallel.dp·training.micro_batch (4·4 = 16)");
