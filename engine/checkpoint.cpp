@@ -28,9 +28,10 @@ std::string read_text(const fs::path& p) {
   return s.str();
 }
 
-void prune(const fs::path& root, int64_t keep) {
-  if (keep <= 0) return;
+// Complete step_<N> folders of a checkpoint dir, by step.
+std::vector<std::pair<int64_t, fs::path>> complete_steps(const fs::path& root) {
   std::vector<std::pair<int64_t, fs::path>> done;
+  if (!fs::is_directory(root)) return done;
   std::regex re("step_([0-9]+)");
   for (const auto& e : fs::directory_iterator(root)) {
     std::smatch m;
@@ -39,8 +40,31 @@ void prune(const fs::path& root, int64_t keep) {
       done.emplace_back(std::stoll(m[1]), e.path());
   }
   std::sort(done.begin(), done.end());
-  for (size_t i = 0; i + static_cast<size_t>(keep) < done.size(); ++i)
-    fs::remove_all(done[i].second);
+  return done;
+}
+
+// Keeps the newest `keep` checkpoints of this run's lineage: those at or before the step just
+// saved. Later steps belong to a timeline this run abandoned by resuming from an older
+// checkpoint; they are left alone (the user may want them), and the one just saved is never
+// removed.
+void prune(const fs::path& root, int64_t keep, int64_t saved_step) {
+  if (keep <= 0) return;
+  std::vector<fs::path> lineage;
+  for (const auto& [step, path] : complete_steps(root))
+    if (step <= saved_step) lineage.push_back(path);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < lineage.size(); ++i)
+    fs::remove_all(lineage[i]);
+}
+
+// Folders an interrupted save left behind (step_<N>.tmp), never read: removed before a save.
+void remove_stale(const fs::path& root, const fs::path& keep) {
+  if (!fs::is_directory(root)) return;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const auto name = e.path().filename().string();
+    if (e.is_directory() && name.rfind("step_", 0) == 0 && e.path().extension() == ".tmp" &&
+        e.path() != keep)
+      fs::remove_all(e.path());
+  }
 }
 
 std::string rank_file(int64_t rank) { return fmt::format("rank_{:05d}.safetensors", rank); }
@@ -175,6 +199,7 @@ std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models:
   auto& world = mesh.world_group();
   if (mesh.rank() == 0) {
     fs::create_directories(root);
+    remove_stale(root, tmp);
     fs::remove_all(tmp);
     fs::create_directories(tmp);
   }
@@ -210,7 +235,7 @@ std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models:
     fs::remove_all(dir);
     fs::rename(tmp, dir);
     write_file_atomic((root / "latest").string(), dir.filename().string() + "\n");
-    prune(root, c.checkpoint.keep);
+    prune(root, c.checkpoint.keep, st.step);
   }
   world.barrier();
   return dir.string();
@@ -242,7 +267,7 @@ models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::
   models::Weights out;
   for (const auto& [name, e] : index.at("tensors").items()) {
     if (name.rfind(prefix, 0) != 0) continue;
-    torch::Tensor global;
+    torch::Tensor global, covered;  // covered: which elements some shard wrote
     for (const auto& shard : e.at("shards")) {
       std::string file = shard.at("file");
       if (!files.count(file)) files[file] = read_safetensors((dir / file).string());
@@ -250,15 +275,19 @@ models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::
       if (it == files[file].tensors.end())
         throw UserError((dir / file).string() + ": missing tensor '" + name +
                         "' listed in index.json");
-      if (!global.defined())
+      if (!global.defined()) {
         global = torch::empty(e.at("shape").get<std::vector<int64_t>>(), it->second.options());
-      auto view = global;
+        covered = torch::zeros(global.sizes(), torch::kBool);
+      }
+      auto view = global, cover = covered;
       int dim = 0;
       for (const auto& r : shard.at("slice")) {
-        view = view.slice(dim++, r[0].get<int64_t>(), r[1].get<int64_t>());
+        view = view.slice(dim, r[0].get<int64_t>(), r[1].get<int64_t>());
+        cover = cover.slice(dim++, r[0].get<int64_t>(), r[1].get<int64_t>());
       }
       if (!shard.contains("flat")) {
         view.copy_(it->second);
+        cover.fill_(true);
         continue;
       }
       // A ZeRO piece: elements [begin, end) of the slice, flattened row-major.
@@ -267,14 +296,23 @@ models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::
         throw UserError((dir / file).string() + ": '" + name + "' piece [" + std::to_string(b) +
                         ", " + std::to_string(en) + ") does not fit its slice of " +
                         std::to_string(view.numel()) + " elements");
-      if (view.is_contiguous()) {
-        view.view(-1).narrow(0, b, en - b).copy_(it->second.flatten());
-      } else {
-        auto whole = view.contiguous();
-        whole.view(-1).narrow(0, b, en - b).copy_(it->second.flatten());
-        view.copy_(whole);
-      }
+      auto write_flat = [&](torch::Tensor target, const torch::Tensor& values) {
+        auto whole = target.contiguous();
+        whole.view(-1).narrow(0, b, en - b).copy_(values);
+        if (!target.is_contiguous() || whole.data_ptr() != target.data_ptr()) target.copy_(whole);
+      };
+      write_flat(view, it->second.flatten());
+      write_flat(cover, torch::ones({en - b}, torch::kBool));
     }
+    if (!global.defined())
+      throw UserError((dir / "index.json").string() + ": '" + name + "' lists no shards");
+    // Shards that leave part of a tensor unwritten (a lost rank file, a hand-edited index) would
+    // resume from uninitialised memory.
+    if (const int64_t missing = covered.numel() - covered.sum().item<int64_t>(); missing > 0)
+      throw UserError((dir / "index.json").string() + ": the shards of '" + name + "' cover " +
+                      std::to_string(covered.numel() - missing) + " of its " +
+                      std::to_string(covered.numel()) +
+                      " elements; the checkpoint is incomplete and cannot be resumed");
     out[name] = global;
   }
   return out;
@@ -285,7 +323,21 @@ std::string checkpoint_to_resume(const Config& c) {
   if (r == "never") return "";
   if (r == "auto") {
     const fs::path latest = fs::path(c.checkpoint_dir()) / "latest";
-    return fs::exists(latest) ? resolve_checkpoint(c.checkpoint_dir()) : "";
+    if (fs::exists(latest)) return resolve_checkpoint(c.checkpoint_dir());
+    // Complete checkpoints without `latest` (deleted, or a copied folder): starting over would
+    // overwrite them, so say which exist and how to choose.
+    const auto done = complete_steps(c.checkpoint_dir());
+    if (!done.empty()) {
+      std::string names;
+      for (const auto& [step, path] : done)
+        names += (names.empty() ? "" : ", ") + path.filename().string();
+      throw UserError(c.source + ": checkpoint.resume auto: " + c.checkpoint_dir() +
+                      " holds complete checkpoints (" + names +
+                      ") but no 'latest' file; set "
+                      "checkpoint.resume to one of them to continue, or to never to start over "
+                      "(their folders are then overwritten as the new run saves)");
+    }
+    return "";
   }
   try {
     return resolve_checkpoint(r);

@@ -129,13 +129,17 @@ std::string check_field(const Field& f) {
     if (!std::isfinite(**p)) return "must be finite, got " + f.value_text();
     return out_of_range(**p);
   }
-  if (auto* p = std::get_if<std::string*>(&f.ref); p && !f.choices.empty()) {
-    if (std::find(f.choices.begin(), f.choices.end(), **p) == f.choices.end()) {
-      std::string all;
-      for (const auto& ch : f.choices) all += (all.empty() ? "" : "|") + ch;
-      return "must be one of " + all + ", got '" + **p + "'";
-    }
-  }
+  auto check_choice = [&](const std::string& v, const char* what) -> std::string {
+    if (f.choices.empty() || std::find(f.choices.begin(), f.choices.end(), v) != f.choices.end())
+      return "";
+    std::string all;
+    for (const auto& ch : f.choices) all += (all.empty() ? "" : "|") + ch;
+    return std::string(what) + "must be one of " + all + ", got '" + v + "'";
+  };
+  if (auto* p = std::get_if<std::string*>(&f.ref)) return check_choice(**p, "");
+  if (auto* p = std::get_if<std::vector<std::string>*>(&f.ref))
+    for (const auto& v : **p)
+      if (auto e = check_choice(v, "each item "); !e.empty()) return e;
   return "";
 }
 

@@ -97,6 +97,7 @@ struct CheckpointConfig {
   std::string dir;
   int64_t every, keep;
   std::string resume;  // auto | never | path of a checkpoint
+  std::vector<std::string> on_signal;  // SIGTERM | SIGUSR1 | SIGUSR2 | SIGINT: save and stop
 };
 
 struct LoggingConfig {

@@ -199,6 +199,11 @@ std::vector<Field> bind_fields(Config& c) {
       "step 0; or the path of a checkpoint (step_<N> folder or a checkpoint.dir) to continue "
       "from.");
 
+  add("checkpoint.on_signal", &c.checkpoint.on_signal, Strings{"SIGTERM", "SIGUSR1"},
+      "Signals that make every rank finish its current step, save a checkpoint and exit with "
+      "code 75 (preempted: rerun to resume). [] = the default action (terminate, nothing saved).")
+      .one_of({"SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"});
+
   // logging
   add("logging.every", &c.logging.every, int64_t{1}, "Console and metrics line every N steps.")
       .range(1);

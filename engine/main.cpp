@@ -133,8 +133,7 @@ int run_train(int argc, char** argv) {
         static_cast<long long>(t.micro_batch), static_cast<long long>(t.global_batch * t.seq_len));
     return 0;
   }
-  tessel::Trainer(std::move(c), world).train();
-  return 0;
+  return tessel::Trainer(std::move(c), world).train();
 }
 
 int run_score(int argc, char** argv) {

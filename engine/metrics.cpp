@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -114,6 +115,12 @@ std::string duration(double s) {
 }
 }  // namespace
 
+void MetricsLog::write_line(const std::string& line) {
+  // A full disk or a vanished file must stop the run, not lose the metrics silently.
+  if (std::fprintf(f_, "%s\n", line.c_str()) < 0 || std::fflush(f_) != 0)
+    throw UserError(path_ + ": cannot write metrics: " + std::strerror(errno));
+}
+
 void MetricsLog::step(const StepLine& s) {
   nlohmann::json j = {{"step", s.step},
                       {"loss", s.loss},
@@ -127,8 +134,7 @@ void MetricsLog::step(const StepLine& s) {
                       {"comm_exposed_ms", s.comm_exposed_ms},
                       {"loss_scale", s.loss_scale},
                       {"skipped_steps", s.skipped_steps}};
-  std::fprintf(f_, "%s\n", j.dump().c_str());
-  std::fflush(f_);
+  write_line(j.dump());
   spdlog::info(
       "step {:>{}}/{} | loss {:.4f} | lr {:.3e} | norm {:.3f} | {:.1f} ms | {:.0f} tok/s | {:.3f} "
       "TFLOP/s | MFU {:.2f}% | mem {:.2f} GiB | comm {:.1f} ms{} | ETA {}",
@@ -143,8 +149,7 @@ void MetricsLog::step(const StepLine& s) {
 
 void MetricsLog::eval(int64_t step, double val_loss, double ms) {
   nlohmann::json j = {{"step", step}, {"val_loss", val_loss}, {"eval_ms", ms}};
-  std::fprintf(f_, "%s\n", j.dump().c_str());
-  std::fflush(f_);
+  write_line(j.dump());
   spdlog::info("eval step {} | val_loss {:.4f} | {:.0f} ms", step, val_loss, ms);
 }
 

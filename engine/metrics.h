@@ -56,6 +56,7 @@ class MetricsLog {
   void eval(int64_t step, double val_loss, double ms);
 
  private:
+  void write_line(const std::string& line);  // throws UserError when the file cannot be written
   FILE* f_ = nullptr;
   std::string path_;
 };

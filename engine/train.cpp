@@ -6,9 +6,12 @@
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "engine/checkpoint.h"
 #include "engine/safetensors.h"
+#include "engine/same_plan.h"
+#include "engine/stop.h"
 #include "parallel/dp/grad_reducer.h"
 #include "parallel/dp/zero3.h"
 #include "parallel/pp/executor.h"
@@ -55,11 +58,17 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
     : c_(std::move(c)),
       device_(resolve_device(c_.training.device, world.local_rank)),
       dtype_(resolve_dtype(c_.training.dtype)) {
+  if (const int64_t cores = std::thread::hardware_concurrency(); c_.training.threads > cores)
+    throw UserError(fmt::format(
+        "{}: training.threads ({}) is more than this machine's {} hardware threads; set it to "
+        "at most {} (or auto)",
+        c_.source, c_.training.threads, cores, cores));
   if (c_.training.threads > 0) torch::set_num_threads(static_cast<int>(c_.training.threads));
   // Every check of the plan against the world runs inside create() before any communicator.
   mesh_ = parallel::Mesh::create(c_, world, device_);
   const auto& l = mesh_->layout();
   c_.parallel.dp = l.dp;
+  check_same_plan(c_, *mesh_);
   if (mesh_->rank() == 0) {
     std::filesystem::create_directories(c_.run.output_dir);
     write_file_atomic((std::filesystem::path(c_.run.output_dir) / "config.yaml").string(),
@@ -111,6 +120,7 @@ Trainer::Trainer(Config c, const parallel::WorldInfo& world)
                data_->train_samples(), data_->train_tokens(), data_->val_samples());
   spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
                kFlopsConvention, peak_.tflops, peak_.source);
+  stop_ = std::make_unique<StopOnSignal>(c_.checkpoint.on_signal, mesh_->store());
   setup_rss_ = peak_rss_bytes();  // before any step: what the steps add is activations
 }
 
@@ -298,7 +308,7 @@ void Trainer::check_finite() const {
         bad, c_.training.dtype, bad, c_.checkpoint_dir()));
 }
 
-void Trainer::train() {
+int Trainer::train() {
   const auto& t = c_.training;
   start_time_ = last_log_time_ = std::chrono::steady_clock::now();
   last_log_step_ = first_step_ - 1;
@@ -307,8 +317,8 @@ void Trainer::train() {
   for (int64_t step = first_step_; step <= t.steps; ++step) {
     StepOut out = train_step(step);
     exposed_comm_ms_sum_ += out.exposed_comm_ms;
-    const bool last = step == t.steps;
-    if (step % c_.logging.every == 0 || last) log_step(step, out);
+    const bool last = step == t.steps, stop = stop_->stop_after(step);  // same on every rank
+    if (step % c_.logging.every == 0 || last || stop) log_step(step, out);
     if (t.eval_every > 0 && (step % t.eval_every == 0 || last)) {
       auto t0 = std::chrono::steady_clock::now();
       double val = evaluate();
@@ -319,14 +329,27 @@ void Trainer::train() {
                 .count());
       last_log_time_ += std::chrono::steady_clock::now() - t0;  // keep evaluation out of ms/step
     }
-    if ((c_.checkpoint.every > 0 && step % c_.checkpoint.every == 0) || last) {
+    if ((c_.checkpoint.every > 0 && step % c_.checkpoint.every == 0) || last || stop) {
       auto t0 = std::chrono::steady_clock::now();
       check_finite();  // a non-finite step is never saved
       auto dir = save_checkpoint(c_, *mesh_, model_, *opt_, *scaler_, {step, consumed_});
       spdlog::info("checkpoint {}", dir);
       last_log_time_ += std::chrono::steady_clock::now() - t0;
     }
+    if (stop && !last) {
+      spdlog::warn(
+          "stopped after step {} on a signal, its checkpoint saved; exit {}: run the same "
+          "command again to resume",
+          step, kExitStopped);
+      return kExitStopped;
+    }
   }
+  report_end();
+  return 0;
+}
+
+void Trainer::report_end() {
+  const auto& t = c_.training;
   if (mesh_->layout().pp > 1) report_pipeline();
   report_memory();
   const int64_t steps = t.steps - first_step_ + 1;

@@ -11,6 +11,7 @@
 #include "engine/loss_scale.h"
 #include "engine/metrics.h"
 #include "engine/optim.h"
+#include "engine/stop.h"
 #include "models/registry.h"
 #include "parallel/mesh.h"
 
@@ -44,7 +45,9 @@ class Trainer {
   /// Builds the mesh (checking the plan against the world first), model, optimizer and data.
   Trainer(Config c, const parallel::WorldInfo& world);
   ~Trainer();
-  void train();
+  /// Trains to training.steps (0), or until a signal of checkpoint.on_signal: then every rank
+  /// saves after the same step and it returns kExitStopped.
+  int train();
 
  private:
   struct StepOut {
@@ -62,6 +65,7 @@ class Trainer {
   void log_step(int64_t step, StepOut& out);
   void report_pipeline();
   void report_memory();
+  void report_end();  // the figures printed and written when the run is done
 
   Config c_;
   std::unique_ptr<parallel::Mesh> mesh_;
@@ -72,6 +76,7 @@ class Trainer {
   std::unique_ptr<parallel::dp::GradReducer> reducer_;
   std::unique_ptr<parallel::dp::UnitGatherer> gatherer_;  // ZeRO-3
   std::unique_ptr<LossScaler> scaler_;
+  std::unique_ptr<StopOnSignal> stop_;
   // Views of the reduced gradient this rank holds (its ZeRO pieces): parameters whose gradient
   // is summed over tp, and a tied token table on the first or last stage (summed over both).
   std::vector<torch::Tensor> tp_summed_grads_, embedding_grads_;

@@ -9,12 +9,14 @@
 
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <optional>
 #include <thread>
 
+#include "engine/stop.h"
 #include "launcher/coordinator.h"
 #include "parallel/world.h"
 
@@ -52,7 +54,11 @@ std::string describe(int status) {
   return "stopped (status " + std::to_string(status) + ")";
 }
 
-bool failed(int status) { return !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
+// A worker that saved a checkpoint on a signal and exited kExitStopped did not fail.
+bool stopped(int status) { return WIFEXITED(status) && WEXITSTATUS(status) == kExitStopped; }
+bool failed(int status) {
+  return !(WIFEXITED(status) && WEXITSTATUS(status) == 0) && !stopped(status);
+}
 
 // The worker's environment: ours, with torchrun's contract on top.
 std::vector<std::string> worker_env(const Options& o, const Worker& w, int round) {
@@ -157,7 +163,7 @@ void signal_all(std::vector<Worker>& ws, int sig) {
     if (w.running) kill(w.pid, sig);
 }
 
-enum class RoundEnd { kSuccess, kFailure, kSignal };
+enum class RoundEnd { kSuccess, kFailure, kSignal, kStopped };
 
 // Runs one round of the job on this node; `failure` gets the job's first failure.
 RoundEnd run_round(const Options& o, Coordinator& coord, std::vector<Worker>& ws, int round,
@@ -211,6 +217,9 @@ RoundEnd run_round(const Options& o, Coordinator& coord, std::vector<Worker>& ws
     for (auto& w : ws) any_running = any_running || w.running;
     if (any_running) continue;
     for (auto& w : ws) drain(w, true);
+    bool saved = false;  // workers saved a checkpoint on a signal and stopped
+    for (const auto& w : ws) saved = saved || stopped(w.status);
+    if (saved && !coord.failure(round)) return RoundEnd::kStopped;
     if (signal_code != 0) return RoundEnd::kSignal;
     if (auto f = coord.failure(round)) {
       failure = *f;
@@ -238,6 +247,22 @@ void apply_slurm(Options& o, bool nnodes_given, bool node_rank_given, bool maste
   if (!master_given && get("SLURM_JOB_NODELIST"))
     o.master_addr = parallel::first_slurm_host(get("SLURM_JOB_NODELIST"));
   o.source = std::string("Slurm job ") + job;
+}
+
+void requeue_under_slurm() {
+  // Under Slurm the job goes back to the queue and resumes from the checkpoint when it runs
+  // again (TESSEL_SLURM_REQUEUE=0 leaves that to the user).
+  const char* job = std::getenv("SLURM_JOB_ID");
+  const char* want = std::getenv("TESSEL_SLURM_REQUEUE");
+  if (!job || (want && std::string(want) == "0")) return;
+  const std::string cmd = std::string("scontrol requeue ") + job + " 2>&1";
+  std::fprintf(stderr, "tessel-launch: %s\n", cmd.c_str());
+  const int rc = std::system(cmd.c_str());
+  if (rc != 0)
+    std::fprintf(stderr,
+                 "tessel-launch: scontrol requeue %s failed (status %d): requeue the job by "
+                 "hand, or submit it again; it resumes from the checkpoint\n",
+                 job, rc);
 }
 
 int run(const Options& o) {
@@ -273,6 +298,15 @@ int run(const Options& o) {
     int signal_code = 0;
     auto end = run_round(o, *coord, ws, round, failure, signal_code);
     if (end == RoundEnd::kSuccess) break;
+    if (end == RoundEnd::kStopped) {
+      std::fprintf(stderr,
+                   "tessel-launch: the workers saved a checkpoint on a signal and stopped (exit "
+                   "%d): run the same command again to resume\n",
+                   kExitStopped);
+      requeue_under_slurm();
+      code = kExitStopped;
+      break;
+    }
     if (end == RoundEnd::kSignal) {
       std::fprintf(stderr, "tessel-launch: stopped by signal; workers terminated\n");
       code = signal_code;

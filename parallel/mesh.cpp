@@ -270,6 +270,7 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w,
   std::vector<int64_t> all(static_cast<size_t>(w.world));
   std::iota(all.begin(), all.end(), 0);
   mesh->world_ = make("world", all);
+  mesh->store_ = store;
   // Every rank walks every group in the same order and joins the ones that hold it.
   for (auto k : all_group_kinds()) {
     std::unique_ptr<Group> mine;

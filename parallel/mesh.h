@@ -4,6 +4,7 @@
 #pragma once
 
 #include <torch/types.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <memory>
 #include <string>
@@ -61,6 +62,8 @@ class Mesh {
   Group& world_group() const { return *world_; }
   Group& group(GroupKind k) const { return *groups_[static_cast<size_t>(k)]; }
   Group& dp_cp() const { return group(GroupKind::kDpCp); }
+  /// The rendezvous store (rank 0 serves it); null in a one-process run.
+  c10d::Store* store() const { return store_.get(); }
 
  private:
   Layout layout_;
@@ -70,6 +73,7 @@ class Mesh {
   std::string backend_;
   std::unique_ptr<Group> world_;
   std::vector<std::unique_ptr<Group>> groups_;
+  c10::intrusive_ptr<c10d::Store> store_;
 };
 
 }  // namespace tessel::parallel
