@@ -1,0 +1,152 @@
+"""Operations: save on signal and resume bitwise (under tessel-launch and alone), requeue under
+Slurm, checkpoint pruning by lineage, no silent restart over existing checkpoints, incomplete
+checkpoints refused, ranks with different plans stopped, metrics write errors and impossible
+thread counts reported. Each case failed on the main before these changes."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
+from common import BIN, TmpDirTest, base_plan, free_port, read_metrics, run, write_plan, write_tokens  # noqa: E402
+
+STOPPED = 75  # engine/stop.h kExitStopped
+
+
+class Operations(TmpDirTest):
+    def setUp(self):
+        super().setUp()
+        self.data = write_tokens(self.path("d.u16"), 20000, period=37)
+
+    def plan(self, name, steps=40, **sections):
+        plan = base_plan(self.tmp, "gpt2", self.data, steps=steps, global_batch=4, micro_batch=1, threads=1,
+                         optimizer={"lr": 3e-3}, schedule={"warmup_steps": 2})
+        plan["run"]["output_dir"] = self.path(name)
+        plan["checkpoint"] = {"every": 10}
+        for section, values in sections.items():
+            plan.setdefault(section, {}).update(values)
+        return write_plan(self.path(name + ".yaml"), plan)
+
+    def losses(self, name):
+        return [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(self.path(name, "metrics.jsonl"))
+                if "loss" in m]
+
+    def launcher(self, path, world=2, env=None):
+        return [os.path.join(BIN, "tessel-launch"), "--nproc-per-node", str(world), "--master-port",
+                str(free_port()), "--", os.path.join(BIN, "tessel-train"), path]
+
+    def interrupt(self, cmd, sig, at_step=8, env=None):
+        """Starts cmd, sends `sig` once step `at_step` is logged, returns (exit code, output)."""
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=dict(os.environ, **(env or {})))
+        out = []
+        for line in iter(p.stdout.readline, ""):
+            out.append(line)
+            if re.search(rf"step +{at_step}/", line):
+                p.send_signal(sig)
+                break
+        out.append(p.communicate(timeout=120)[0])
+        return p.returncode, "".join(out)
+
+    def test_sigterm_to_the_launcher_saves_and_resumes_bitwise(self):
+        full = self.plan("full", parallel={"dp": 2})
+        subprocess.run(self.launcher(full), check=True, capture_output=True, timeout=300)
+        cut = self.plan("cut", parallel={"dp": 2})
+        code, out = self.interrupt(self.launcher(cut), signal.SIGTERM)
+        self.assertEqual(code, STOPPED, out)
+        self.assertIn("saved a checkpoint on a signal and stopped", out)
+        saved = int(re.search(r"stopped after step (\d+) on a signal", out).group(1))
+        self.assertTrue(8 <= saved < 40, out)
+        with open(self.path("cut", "checkpoints", "latest")) as f:
+            self.assertEqual(f.read().strip(), f"step_{saved}")
+        subprocess.run(self.launcher(cut), check=True, capture_output=True, timeout=300)  # resume: auto
+        self.assertEqual(self.losses("cut"), self.losses("full"), "resumed after the signal: not bitwise")
+        print(f"\nSIGTERM at step 8: checkpoint step_{saved}, exit {code}; resumed run equals the "
+              f"uninterrupted one bitwise over {len(self.losses('full'))} steps", file=sys.stderr)
+
+    def test_sigusr1_alone_and_requeue_under_slurm(self):
+        # One process: SIGUSR1 saves after the current step.
+        code, out = self.interrupt([os.path.join(BIN, "tessel-train"), self.plan("alone")], signal.SIGUSR1)
+        self.assertEqual(code, STOPPED, out)
+        self.assertTrue(os.path.exists(self.path("alone", "checkpoints", "latest")))
+        # Under Slurm the launcher requeues the job (a stand-in scontrol records the call).
+        fake = self.path("bin")
+        os.makedirs(fake)
+        with open(os.path.join(fake, "scontrol"), "w") as f:
+            f.write(f"#!/bin/sh\necho \"$@\" > {self.path('scontrol.args')}\n")
+        os.chmod(os.path.join(fake, "scontrol"), 0o755)
+        env = {"SLURM_JOB_ID": "4242", "PATH": fake + os.pathsep + os.environ["PATH"]}
+        code, out = self.interrupt(self.launcher(self.plan("slurm", parallel={"dp": 2}), env=env), signal.SIGUSR1,
+                                   env=env)
+        self.assertEqual(code, STOPPED, out)
+        with open(self.path("scontrol.args")) as f:
+            self.assertEqual(f.read().strip(), "requeue 4242")
+
+    def test_pruning_keeps_this_runs_lineage(self):
+        run("tessel-train", self.plan("q", steps=30))  # step_10, step_20, step_30
+        # Continue from step_10 to step 20 with keep=1: the new step_20 must survive and `latest`
+        # name it; step_30 belongs to the abandoned timeline and is left alone.
+        run("tessel-train", self.plan("q", steps=20, checkpoint={"every": 10, "keep": 1,
+                                                               "resume": self.path("q", "checkpoints", "step_10")}))
+        ckpts = self.path("q", "checkpoints")
+        with open(os.path.join(ckpts, "latest")) as f:
+            self.assertEqual(f.read().strip(), "step_20")
+        self.assertEqual(sorted(d for d in os.listdir(ckpts) if d.startswith("step_")), ["step_20", "step_30"])
+
+    def test_missing_latest_refuses_to_start_over(self):
+        path = self.plan("m", steps=10)
+        run("tessel-train", path)
+        os.remove(self.path("m", "checkpoints", "latest"))
+        p = run("tessel-train", path, check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("holds complete checkpoints (step_10) but no 'latest' file", p.stderr)
+        self.assertTrue(os.path.exists(self.path("m", "checkpoints", "step_10", "COMPLETE")))
+
+    def test_incomplete_shards_are_refused(self):
+        # A ZeRO-3 checkpoint over 2 ranks: each parameter in two pieces. Drop one piece.
+        path = self.plan("z", steps=10, parallel={"dp": 2, "zero": 3})
+        subprocess.run(self.launcher(path), check=True, capture_output=True, timeout=300)
+        index_path = self.path("z", "checkpoints", "step_10", "index.json")
+        with open(index_path) as f:
+            index = json.load(f)
+        name = next(n for n, t in index["tensors"].items() if len(t["shards"]) == 2)  # split over the ranks
+        index["tensors"][name]["shards"].pop()
+        with open(index_path, "w") as f:
+            json.dump(index, f)
+        p = run("tessel-train", self.plan("z1", steps=20, checkpoint={"resume": self.path("z", "checkpoints")}),
+                check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertRegex(p.stderr, rf"the shards of '{re.escape(name)}' cover \d+ of its \d+ elements")
+
+    def test_ranks_with_different_plans_stop(self):
+        os.rename(self.plan("same", steps=5), self.path("a.yaml"))
+        os.rename(self.plan("same", steps=5, training={"optimizer": {"lr": 1e-3}}), self.path("b.yaml"))
+        port = free_port()
+        procs = []
+        for r, path in ((0, self.path("a.yaml")), (1, self.path("b.yaml"))):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            procs.append(subprocess.Popen([os.path.join(BIN, "tessel-train"), path], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        t0 = time.time()
+        errs = [p.communicate(timeout=60)[1] for p in procs]
+        self.assertLess(time.time() - t0, 30)
+        self.assertEqual([p.returncode for p in procs], [2, 2], errs)
+        self.assertIn("training.optimizer.lr: 0.001 (rank 1) vs 0.003 (rank 0)", errs[1])
+        self.assertIn("rank 1 differs from rank 0", errs[0])
+
+    def test_metrics_write_errors_and_thread_counts_are_reported(self):
+        p = run("tessel-train", self.plan("full_disk", steps=3, logging={"metrics_file": "/dev/full"}), check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("/dev/full: cannot write metrics: No space left on device", p.stderr)
+        p = run("tessel-train", self.plan("threads", steps=3, training={"threads": 100000}), check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertRegex(p.stderr, r"training.threads \(100000\) is more than this machine's \d+ hardware threads")
+
+
+if __name__ == "__main__":
+    unittest.main()
