@@ -96,7 +96,7 @@ struct DataConfig {
 struct CheckpointConfig {
   std::string dir;
   int64_t every, keep;
-  std::string resume;  // auto | never | path of a checkpoint
+  std::string resume;                  // auto | never | path of a checkpoint
   std::vector<std::string> on_signal;  // SIGTERM | SIGUSR1 | SIGUSR2 | SIGINT: save and stop
 };
 
