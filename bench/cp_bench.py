@@ -12,8 +12,7 @@ import subprocess
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(ROOT, "build", "bin")
+import benchlib
 
 a = argparse.ArgumentParser()
 a.add_argument("out")
@@ -25,30 +24,16 @@ a.add_argument("--layers", type=int, default=4)
 a.add_argument("--port", type=int, default=29670)
 args = a.parse_args()
 os.makedirs(args.out, exist_ok=True)
-data = os.path.join(args.out, "tokens.u16")
-np.random.default_rng(0).integers(0, 512, size=400_000, dtype=np.uint16).tofile(data)
-
-
-def launch(world, *cmd):
-    return subprocess.run([os.path.join(BIN, "tessel-launch"), "--nproc-per-node", str(world), "--master-port",
-                           str(args.port), "--", *cmd], check=True, capture_output=True, text=True).stdout
+data = benchlib.token_file(args.out)
 
 
 def train(cp, method):
     name = f"cp{cp}_{method}"
-    plan = {"run": {"name": name, "output_dir": os.path.join(args.out, name)},
-            "model": {"arch": "llama", "layers": args.layers, "hidden": args.hidden, "heads": 8, "kv_heads": 4,
-                      "vocab_size": 512, "max_seq_len": args.seq},
-            "parallel": {"cp": cp, "context": {"method": method}},
-            "training": {"device": "cpu", "steps": args.steps, "global_batch": 1, "micro_batch": 1,
-                         "seq_len": args.seq, "threads": 1, "schedule": {"warmup_steps": 1}},
-            "data": {"format": "tokens", "path": [data], "token_dtype": "uint16"},
-            "checkpoint": {"resume": "never", "every": 0, "dir": os.path.join(args.out, name, "ckpt")},
-            "logging": {"every": 1}}
-    path = os.path.join(args.out, name + ".yaml")
-    with open(path, "w") as f:
-        json.dump(plan, f)  # JSON is YAML
-    log = launch(cp, os.path.join(BIN, "tessel-train"), path)
+    log = benchlib.train(args.out, name, cp, args.port, data,
+                         {"arch": "llama", "layers": args.layers, "hidden": args.hidden, "heads": 8, "kv_heads": 4,
+                          "vocab_size": 512, "max_seq_len": args.seq},
+                         {"cp": cp, "context": {"method": method}},
+                         {"steps": args.steps, "global_batch": 1, "micro_batch": 1, "seq_len": args.seq})
     with open(os.path.join(args.out, name, "metrics.jsonl")) as f:
         steps = [m for m in map(json.loads, f) if "loss" in m][1:]  # the first step warms up
     with open(os.path.join(args.out, name, "memory.json")) as f:
@@ -73,6 +58,7 @@ for cp in map(int, args.cps.split(",")):
         print(f"| cp={cp} {method} | {ms:.0f} | {' / '.join(f'{x:.1f}' for x in act)} | {loss:.4f} | {coll} / {sent} |")
 for cp in map(int, args.cps.split(",")):
     print()
-    print("\n".join(line.replace("[rank 0] ", "") for line in
-                    launch(cp, os.path.join(BIN, "tessel-bench-cp"), "--seq", str(args.seq)).splitlines()
-                    if line.startswith("[rank 0]")))
+    out = subprocess.run([os.path.join(benchlib.BIN, "tessel-launch"), "--nproc-per-node", str(cp), "--master-port",
+                          str(args.port), "--", os.path.join(benchlib.BIN, "tessel-bench-cp"), "--seq", str(args.seq)],
+                         check=True, capture_output=True, text=True).stdout
+    print("\n".join(line.replace("[rank 0] ", "") for line in out.splitlines() if line.startswith("[rank 0]")))

@@ -7,12 +7,10 @@ Needs build/bin (make build). Prints two Markdown tables; every run's files stay
 import argparse
 import json
 import os
-import subprocess
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(ROOT, "build", "bin")
+import benchlib
 
 a = argparse.ArgumentParser()
 a.add_argument("out")
@@ -27,27 +25,16 @@ a.add_argument("--dtypes", default="fp32,bf16")
 a.add_argument("--port", type=int, default=29650)
 args = a.parse_args()
 os.makedirs(args.out, exist_ok=True)
-data = os.path.join(args.out, "tokens.u16")
-np.random.default_rng(0).integers(0, 512, size=400_000, dtype=np.uint16).tofile(data)
+data = benchlib.token_file(args.out)
 
 
 def train(name, zero, dtype):
-    plan = {"run": {"name": name, "output_dir": os.path.join(args.out, name)},
-            "model": {"arch": "llama", "layers": args.layers, "hidden": args.hidden, "heads": 4, "kv_heads": 2,
-                      "vocab_size": 512, "max_seq_len": args.seq},
-            "parallel": {"dp": args.dp, "zero": zero, "ddp": {"bucket_mb": args.bucket_mb}},
-            "training": {"device": "cpu", "dtype": dtype, "steps": args.steps,
-                         "global_batch": args.dp * args.microbatches, "micro_batch": 1, "seq_len": args.seq,
-                         "threads": 1, "schedule": {"warmup_steps": 1}},
-            "data": {"format": "tokens", "path": [data], "token_dtype": "uint16"},
-            "checkpoint": {"resume": "never", "every": 0, "dir": os.path.join(args.out, name, "ckpt")},
-            "logging": {"every": 1}}
-    path = os.path.join(args.out, name + ".yaml")
-    with open(path, "w") as f:
-        json.dump(plan, f)  # JSON is YAML
-    subprocess.run([os.path.join(BIN, "tessel-launch"), "--nproc-per-node", str(args.dp), "--master-port",
-                    str(args.port), "--", os.path.join(BIN, "tessel-train"), path],
-                   check=True, stdout=subprocess.DEVNULL)
+    benchlib.train(args.out, name, args.dp, args.port, data,
+                   {"arch": "llama", "layers": args.layers, "hidden": args.hidden, "heads": 4, "kv_heads": 2,
+                    "vocab_size": 512, "max_seq_len": args.seq},
+                   {"dp": args.dp, "zero": zero, "ddp": {"bucket_mb": args.bucket_mb}},
+                   {"dtype": dtype, "steps": args.steps, "global_batch": args.dp * args.microbatches,
+                    "micro_batch": 1, "seq_len": args.seq})
     with open(os.path.join(args.out, name, "metrics.jsonl")) as f:
         steps = [m for m in map(json.loads, f) if "loss" in m][2:]  # the first steps warm up
     with open(os.path.join(args.out, name, "memory.json")) as f:
