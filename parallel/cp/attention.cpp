@@ -134,12 +134,12 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
 torch::Tensor gather_sequence(Group& g, const torch::Tensor& x) {
   const int64_t n = g.size(), c = x.size(2) / 2;
   auto all = sequence_gather(g, x.contiguous(), 2);  // rank order: r's chunks (r, 2n-1-r)
-  std::vector<int64_t> order(static_cast<size_t>(2 * n));
-  for (int64_t chunk = 0; chunk < 2 * n; ++chunk)  // where global chunk `chunk` sits
-    order[static_cast<size_t>(chunk)] = chunk < n ? 2 * chunk : 2 * (2 * n - 1 - chunk) + 1;
-  auto idx = torch::tensor(order, torch::TensorOptions().dtype(torch::kInt64).device(x.device()));
-  auto chunks = all.view({x.size(0), x.size(1), 2 * n, c, x.size(3)}).index_select(2, idx);
-  return chunks.view({x.size(0), x.size(1), 2 * n * c, x.size(3)});
+  // Global chunk `chunk` sits at rank chunk (first half) or rank 2n-1-chunk (second half). Views
+  // and one cat: no index tensor to copy to the device on every layer.
+  std::vector<torch::Tensor> ordered;
+  for (int64_t chunk = 0; chunk < 2 * n; ++chunk)
+    ordered.push_back(all.narrow(2, (chunk < n ? 2 * chunk : 2 * (2 * n - 1 - chunk) + 1) * c, c));
+  return torch::cat(ordered, 2);
 }
 
 torch::Tensor allgather_attention(Group& g, const torch::Tensor& q, const torch::Tensor& k,
