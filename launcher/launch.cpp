@@ -1,6 +1,7 @@
 #include "launcher/launch.h"
 
 #include <fcntl.h>
+#include <netdb.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -244,17 +245,18 @@ void apply_slurm(Options& o, bool nnodes_given, bool node_rank_given, bool maste
   if (!nnodes_given && (get("SLURM_NNODES") || get("SLURM_JOB_NUM_NODES")))
     o.nnodes = std::atoi(get("SLURM_NNODES") ? get("SLURM_NNODES") : get("SLURM_JOB_NUM_NODES"));
   if (!node_rank_given && get("SLURM_NODEID")) o.node_rank = std::atoi(get("SLURM_NODEID"));
-  if (!master_given && get("SLURM_JOB_NODELIST"))
+  // One node: the job is local, loopback is the master (a node name need not resolve).
+  if (!master_given && o.nnodes > 1 && get("SLURM_JOB_NODELIST"))
     o.master_addr = parallel::first_slurm_host(get("SLURM_JOB_NODELIST"));
   o.source = std::string("Slurm job ") + job;
 }
 
-void requeue_under_slurm() {
+void requeue_under_slurm(const Options& o) {
   // Under Slurm the job goes back to the queue and resumes from the checkpoint when it runs
-  // again (TESSEL_SLURM_REQUEUE=0 leaves that to the user).
+  // again (TESSEL_SLURM_REQUEUE=0 leaves that to the user). Node 0's launcher asks, once.
   const char* job = std::getenv("SLURM_JOB_ID");
   const char* want = std::getenv("TESSEL_SLURM_REQUEUE");
-  if (!job || (want && std::string(want) == "0")) return;
+  if (!job || o.node_rank != 0 || (want && std::string(want) == "0")) return;
   const std::string cmd = std::string("scontrol requeue ") + job + " 2>&1";
   std::fprintf(stderr, "tessel-launch: %s\n", cmd.c_str());
   const int rc = std::system(cmd.c_str());
@@ -284,14 +286,39 @@ int run(const Options& o) {
       if (!w.log) throw std::runtime_error(path + ": cannot write: " + std::strerror(errno));
     }
   }
-  auto coord = make_coordinator(o.nnodes, o.node_rank, o.master_addr, o.master_port + 1, 900.0);
   std::fprintf(stderr,
                "tessel-launch: node %d/%d (%s), %d workers per node, world %d, master %s:%d\n",
                o.node_rank, o.nnodes, o.source.c_str(), o.nproc_per_node,
                o.nnodes * o.nproc_per_node, o.master_addr.c_str(), o.master_port);
+  if (o.nnodes > 1) {  // a name that does not resolve would otherwise be retried until the timeout
+    addrinfo* found = nullptr;
+    if (int rc = getaddrinfo(o.master_addr.c_str(), nullptr, nullptr, &found); rc != 0)
+      throw std::runtime_error(
+          "master address '" + o.master_addr + "' (" +
+          (o.source == "command line" ? "--master-addr" : "first host of SLURM_JOB_NODELIST") +
+          ") does not resolve: " + gai_strerror(rc) +
+          "; pass --master-addr with an address every node can reach");
+    freeaddrinfo(found);
+  }
+  std::unique_ptr<Coordinator> coord;
+  try {
+    coord = make_coordinator(o.nnodes, o.node_rank, o.master_addr, o.master_port + 1,
+                             o.rdzv_timeout_s, &g_signal);
+  } catch (const Interrupted& i) {
+    std::fprintf(stderr, "tessel-launch: %s while waiting for node 0 at %s:%d; nothing started\n",
+                 strsignal(i.signal), o.master_addr.c_str(), o.master_port + 1);
+    return 128 + i.signal;
+  }
   int code = 0;
   for (int round = 0;; ++round) {
-    coord->barrier(round);
+    try {
+      coord->barrier(round);
+    } catch (const Interrupted& i) {
+      std::fprintf(stderr, "tessel-launch: %s while waiting for the other nodes; %s\n",
+                   strsignal(i.signal), round == 0 ? "nothing started" : "not restarting");
+      code = 128 + i.signal;
+      break;
+    }
     for (auto& w : ws)
       if (w.log) std::fprintf(w.log, "=== tessel-launch: start (restart %d) ===\n", round);
     std::string failure;
@@ -303,7 +330,7 @@ int run(const Options& o) {
                    "tessel-launch: the workers saved a checkpoint on a signal and stopped (exit "
                    "%d): run the same command again to resume\n",
                    kExitStopped);
-      requeue_under_slurm();
+      requeue_under_slurm(o);
       code = kExitStopped;
       break;
     }

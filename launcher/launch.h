@@ -18,6 +18,7 @@ struct Options {
   int master_port = 29500;
   int max_restarts = 0;
   double grace_s = 10.0;                // between SIGTERM and SIGKILL
+  double rdzv_timeout_s = 900.0;        // waits for the other nodes' launchers
   std::string log_dir;                  // empty: no log files
   std::string source = "command line";  // or "Slurm"
   std::vector<std::string> command;

@@ -1,9 +1,11 @@
 // tessel-launch [--nproc-per-node N] [--nnodes N --node-rank R --master-addr A --master-port P]
 //               [--max-restarts K] [--log-dir D] -- COMMAND ...
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "launcher/launch.h"
 
@@ -30,9 +32,15 @@ int main(int argc, char** argv) {
   app.add_option("--grace-s", o.grace_s,
                  "Seconds between SIGTERM and SIGKILL when tearing workers down")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--rdzv-timeout-s", o.rdzv_timeout_s,
+                 "Seconds to wait for the other nodes' launchers (at start and before a restart)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--log-dir", o.log_dir, "Write each rank's output to DIR/rank_<N>.log too");
   app.add_option("command", o.command, "The worker command (after --)")->required();
   CLI11_PARSE(app, argc, argv);
+  // c10d's own log lines about the launchers' store (connection retries, with C++ backtraces)
+  // are noise: the launcher says what happened. TORCH_CPP_LOG_LEVEL brings them back.
+  if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = 3;
   tessel::launcher::apply_slurm(o, nnodes->count() > 0, node_rank->count() > 0,
                                 master->count() > 0);
   if (o.node_rank >= o.nnodes) {

@@ -20,6 +20,10 @@ for p in cmake ninja-build ccache g++ libyaml-cpp-dev libspdlog-dev libfmt-dev l
          nlohmann-json3-dev libgtest-dev libgloo-dev openmpi-bin python3-venv; do
   have_pkg "$p" || need_apt+=("$p")
 done
+# The Slurm tests start a private cluster (tests/dist/local_slurm.py): Debian's Slurm, test mode only.
+if [ "$mode" = test ]; then
+  for p in slurmctld slurmd slurm-client; do have_pkg "$p" || need_apt+=("$p"); done
+fi
 # python3-venv is only needed when we create the venv with Debian's python; a pyenv python has venv.
 if python3 -c 'import venv, ensurepip' 2>/dev/null; then
   need_apt=("${need_apt[@]/python3-venv}")
