@@ -1,17 +1,20 @@
 // tessel-train: train a plan, score sequences, or export a checkpoint. main() is the boundary
 // where errors become one clear message and a non-zero exit.
+#include <c10/util/Logging.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 
 #include "engine/checkpoint.h"
 #include "engine/config.h"
 #include "engine/optim.h"
 #include "engine/score.h"
+#include "engine/startup.h"
 #include "engine/train.h"
 #include "models/registry.h"
 #include "parallel/mesh.h"
@@ -83,57 +86,63 @@ int run_train(int argc, char** argv) {
   }
   if (config.empty())
     throw tessel::UserError("no plan given: tessel-train CONFIG.yaml (see --help)");
-  tessel::Config c = tessel::load_config(config, sets);
   const auto world = tessel::parallel::discover_world();
-  if (dry_run) {
-    const int64_t n = world_size > 0 ? world_size : world.world;
-    const auto layout =
-        tessel::parallel::check_layout(c, n, world_size > 0 ? n : world.local_world);
-    c.parallel.dp = layout.dp;
-    const auto& t = c.training;
-    std::printf("%s", tessel::dump_config(c).c_str());
-    std::printf("%s", tessel::parallel::describe_grid(layout).c_str());
-    print_state_bytes(c, layout);
-    if (layout.pp > 1) {
-      namespace pp = tessel::parallel::pp;
-      const int64_t m = t.global_batch / (layout.dp * t.micro_batch);
-      auto schedule =
-          pp::make_schedule(c.parallel.pipeline_schedule, layout.pp, m, c.parallel.virtual_stages);
-      auto sim = pp::simulate(schedule);
-      std::printf("%s", pp::render(schedule, sim).c_str());
-      std::printf(
-          "# predicted bubble %.4f of ideal step time (theory (p-1)/(v*m) = %.4f); peak "
-          "activations per "
-          "rank:",
-          sim.bubble,
-          static_cast<double>(layout.pp - 1) / static_cast<double>(c.parallel.virtual_stages * m));
-      for (auto a : sim.peak_activations) std::printf(" %lld", static_cast<long long>(a));
-      std::printf(" micro-batch chunks\n");
+  if (!dry_run) {
+    auto start = tessel::start_run(config, sets, world);
+    auto peers = start.peers;  // a failure is posted for the other ranks, a hang diagnosed
+    try {
+      return tessel::Trainer(std::move(start), world).train();
+    } catch (...) {
+      tessel::fail_run(peers.get(), std::current_exception());
     }
-    if (layout.pp > 1) {
-      std::printf(
-          "# layers per stage (stage = chunk·pp + pipeline rank): %s\n",
-          tessel::parallel::pp::stage_layer_counts(
-              c.model.layers, layout.pp * c.parallel.virtual_stages, c.parallel.layers_per_stage)
-              .c_str());
-    }
-    if (layout.cp > 1)
-      std::printf(
-          "# context parallel: %lld ranks (%s), %lld tokens per rank per sequence (chunks "
-          "r and %lld-r of %lld)\n",
-          static_cast<long long>(layout.cp), c.parallel.context_method.c_str(),
-          static_cast<long long>(t.seq_len / layout.cp), static_cast<long long>(2 * layout.cp - 1),
-          static_cast<long long>(2 * layout.cp));
-    std::printf(
-        "# plan %s is valid for %lld processes: %lld micro-batches of %lld sequences per data rank "
-        "per step; "
-        "%lld tokens per step\n",
-        config.c_str(), static_cast<long long>(n),
-        static_cast<long long>(t.global_batch / (layout.dp * t.micro_batch)),
-        static_cast<long long>(t.micro_batch), static_cast<long long>(t.global_batch * t.seq_len));
-    return 0;
   }
-  return tessel::Trainer(std::move(c), world).train();
+  // --dry-run: the plan checked against the world, nothing started.
+  tessel::Config c = tessel::load_config(config, sets);
+  const int64_t n = world_size > 0 ? world_size : world.world;
+  const auto layout = tessel::parallel::check_layout(c, n, world_size > 0 ? n : world.local_world);
+  c.parallel.dp = layout.dp;
+  const auto& t = c.training;
+  std::printf("%s", tessel::dump_config(c).c_str());
+  std::printf("%s", tessel::parallel::describe_grid(layout).c_str());
+  print_state_bytes(c, layout);
+  if (layout.pp > 1) {
+    namespace pp = tessel::parallel::pp;
+    const int64_t m = t.global_batch / (layout.dp * t.micro_batch);
+    auto schedule =
+        pp::make_schedule(c.parallel.pipeline_schedule, layout.pp, m, c.parallel.virtual_stages);
+    auto sim = pp::simulate(schedule);
+    std::printf("%s", pp::render(schedule, sim).c_str());
+    std::printf(
+        "# predicted bubble %.4f of ideal step time (theory (p-1)/(v*m) = %.4f); peak "
+        "activations per "
+        "rank:",
+        sim.bubble,
+        static_cast<double>(layout.pp - 1) / static_cast<double>(c.parallel.virtual_stages * m));
+    for (auto a : sim.peak_activations) std::printf(" %lld", static_cast<long long>(a));
+    std::printf(" micro-batch chunks\n");
+  }
+  if (layout.pp > 1) {
+    std::printf(
+        "# layers per stage (stage = chunk·pp + pipeline rank): %s\n",
+        tessel::parallel::pp::stage_layer_counts(
+            c.model.layers, layout.pp * c.parallel.virtual_stages, c.parallel.layers_per_stage)
+            .c_str());
+  }
+  if (layout.cp > 1)
+    std::printf(
+        "# context parallel: %lld ranks (%s), %lld tokens per rank per sequence (chunks "
+        "r and %lld-r of %lld)\n",
+        static_cast<long long>(layout.cp), c.parallel.context_method.c_str(),
+        static_cast<long long>(t.seq_len / layout.cp), static_cast<long long>(2 * layout.cp - 1),
+        static_cast<long long>(2 * layout.cp));
+  std::printf(
+      "# plan %s is valid for %lld processes: %lld micro-batches of %lld sequences per data rank "
+      "per step; "
+      "%lld tokens per step\n",
+      config.c_str(), static_cast<long long>(n),
+      static_cast<long long>(t.global_batch / (layout.dp * t.micro_batch)),
+      static_cast<long long>(t.micro_batch), static_cast<long long>(t.global_batch * t.seq_len));
+  return 0;
 }
 
 int run_score(int argc, char** argv) {
@@ -170,6 +179,9 @@ int run_export(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   spdlog::set_pattern("[%H:%M:%S] %v");
+  // c10d warns about every rendezvous retry (a rank waiting for rank 0 to come up) with a C++
+  // backtrace; errors stay. TORCH_CPP_LOG_LEVEL=INFO or WARNING brings the warnings back.
+  if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = 2;
   // Under a launcher, say which rank failed (the launcher also prefixes every line).
   const char* rank = std::getenv("RANK");
   const std::string who = rank ? std::string("tessel-train[rank ") + rank + "]" : "tessel-train";

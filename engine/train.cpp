@@ -54,18 +54,15 @@ models::Decoder make_model(const Config& c, const torch::Device& device, torch::
   return model;
 }
 
-Trainer::Trainer(Config c, const parallel::WorldInfo& world)
-    : c_(std::move(c)),
+Trainer::Trainer(Start start, const parallel::WorldInfo& world)
+    : c_(std::move(start.config)),
+      peers_(std::move(start.peers)),
+      lock_(std::move(start.lock)),
       device_(resolve_device(c_.training.device, world.local_rank)),
       dtype_(resolve_dtype(c_.training.dtype)) {
-  if (const int64_t cores = std::thread::hardware_concurrency(); c_.training.threads > cores)
-    throw UserError(fmt::format(
-        "{}: training.threads ({}) is more than this machine's {} hardware threads; set it to "
-        "at most {} (or auto)",
-        c_.source, c_.training.threads, cores, cores));
+  // start_run() checked the plan against this node and agreed with every rank.
   if (c_.training.threads > 0) torch::set_num_threads(static_cast<int>(c_.training.threads));
-  // Every check of the plan against the world runs inside create() before any communicator.
-  mesh_ = parallel::Mesh::create(c_, world, device_);
+  mesh_ = parallel::Mesh::create(c_, world, device_, std::move(start.store));
   const auto& l = mesh_->layout();
   c_.parallel.dp = l.dp;
   check_same_plan(c_, *mesh_);
@@ -315,6 +312,7 @@ int Trainer::train() {
   if (first_step_ > t.steps)
     spdlog::info("nothing to do: the checkpoint is at step {} of {}", first_step_ - 1, t.steps);
   for (int64_t step = first_step_; step <= t.steps; ++step) {
+    if (peers_) peers_->set_step(step);
     StepOut out = train_step(step);
     exposed_comm_ms_sum_ += out.exposed_comm_ms;
     const bool last = step == t.steps, stop = stop_->stop_after(step);  // same on every rank

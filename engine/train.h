@@ -11,6 +11,7 @@
 #include "engine/loss_scale.h"
 #include "engine/metrics.h"
 #include "engine/optim.h"
+#include "engine/startup.h"
 #include "engine/stop.h"
 #include "models/registry.h"
 #include "parallel/mesh.h"
@@ -42,8 +43,8 @@ models::StagePart stage_part(const Config& c, int64_t pp, int64_t rank);
 
 class Trainer {
  public:
-  /// Builds the mesh (checking the plan against the world first), model, optimizer and data.
-  Trainer(Config c, const parallel::WorldInfo& world);
+  /// Builds the mesh over the started run's store, then the model, optimizer and data.
+  Trainer(Start start, const parallel::WorldInfo& world);
   ~Trainer();
   /// Trains to training.steps (0), or until a signal of checkpoint.on_signal: then every rank
   /// saves after the same step and it returns kExitStopped.
@@ -68,6 +69,8 @@ class Trainer {
   void report_end();  // the figures printed and written when the run is done
 
   Config c_;
+  std::shared_ptr<Peers> peers_;  // several ranks: heartbeat and failures (startup.h)
+  RunLock lock_;                  // rank 0: the run folder is ours
   std::unique_ptr<parallel::Mesh> mesh_;
   torch::Device device_;
   torch::ScalarType dtype_;

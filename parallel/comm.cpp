@@ -13,8 +13,10 @@ void Work::wait() {
   if (!w_) return;
   try {
     w_->wait();
+  } catch (const c10::Error& e) {
+    throw CommError(what_ + " failed: " + e.what_without_backtrace());
   } catch (const std::exception& e) {
-    throw std::runtime_error(what_ + " failed: " + e.what());
+    throw CommError(what_ + " failed: " + e.what());
   }
   w_.reset();
 }

@@ -6,10 +6,18 @@
 #include <torch/types.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace tessel::parallel {
+
+/// A collective or point-to-point transfer that failed or timed out (names the operation, its
+/// group, sequence number and this rank).
+class CommError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 /// A pending collective; wait() blocks (Gloo) or orders the current stream (NCCL).
 class Work {

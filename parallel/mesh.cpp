@@ -220,8 +220,26 @@ std::string describe_grid(const Layout& l) {
   return s.str();
 }
 
-std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w,
-                                   const torch::Device& device) {
+c10::intrusive_ptr<c10d::Store> rendezvous(const WorldInfo& w, double timeout_s) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(w.master_port);
+  o.isServer = w.rank == 0;
+  o.numWorkers = w.world;
+  o.waitWorkers = false;  // the start-up agreement waits, naming the ranks that do not come
+  o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(w.master_addr, o);
+  } catch (const c10::Error& e) {
+    throw UserError(fmt::format("rank {}: rendezvous at {}:{} failed: {}", w.rank, w.master_addr,
+                                w.master_port, e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    throw UserError(fmt::format("rank {}: rendezvous at {}:{} failed: {}", w.rank, w.master_addr,
+                                w.master_port, e.what()));
+  }
+}
+
+std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const torch::Device& device,
+                                   c10::intrusive_ptr<c10d::Store> store) {
   auto mesh = std::unique_ptr<Mesh>(new Mesh());
   mesh->layout_ = check_layout(c, w.world, w.local_world);
   mesh->rank_ = w.rank;
@@ -232,21 +250,7 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w,
   if (mesh->backend_ == "nccl" && !device.is_cuda())
     throw UserError(c.source + ": parallel.backend nccl needs training.device cuda");
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(c.parallel.timeout_s * 1000));
-
-  c10::intrusive_ptr<c10d::Store> store;
-  if (w.world > 1) {
-    c10d::TCPStoreOptions o;
-    o.port = static_cast<uint16_t>(w.master_port);
-    o.isServer = w.rank == 0;
-    o.numWorkers = w.world;
-    o.timeout = timeout;
-    try {
-      store = c10::make_intrusive<c10d::TCPStore>(w.master_addr, o);
-    } catch (const std::exception& e) {
-      throw UserError(fmt::format("rank {}: rendezvous at {}:{} failed: {}", w.rank, w.master_addr,
-                                  w.master_port, e.what()));
-    }
-  }
+  if (w.world > 1 && !store) store = rendezvous(w, c.parallel.timeout_s);
   auto make = [&](const std::string& name,
                   const std::vector<int64_t>& ranks) -> std::unique_ptr<Group> {
     c10::intrusive_ptr<c10d::Backend> backend;

@@ -45,12 +45,18 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world);
 /// Text of the rank grid: every rank's coordinates and its group members (for --dry-run).
 std::string describe_grid(const Layout& l);
 
+/// The rendezvous store: a TCPStore at master_addr:master_port served by rank 0 (which does not
+/// wait for the others here); the others connect, retrying up to timeout_s. Throws UserError.
+c10::intrusive_ptr<c10d::Store> rendezvous(const WorldInfo& w, double timeout_s);
+
 class Mesh {
  public:
-  /// Rendezvous (TCPStore at master_addr:master_port, rank 0 serving) and every process group,
-  /// created in the same order on every rank. Gloo on CPU; NCCL on CUDA (device = local rank).
+  /// Every process group, created in the same order on every rank, over `store` (null: a
+  /// rendezvous of its own, when there are several processes). Gloo on CPU; NCCL on CUDA
+  /// (device = local rank).
   static std::unique_ptr<Mesh> create(const Config& c, const WorldInfo& w,
-                                      const torch::Device& device);
+                                      const torch::Device& device,
+                                      c10::intrusive_ptr<c10d::Store> store = {});
 
   const Layout& layout() const { return layout_; }
   const Coord& coord() const { return coord_; }

@@ -1,0 +1,100 @@
+// What the ranks of a job tell each other through the rendezvous store, so that a failure on one
+// rank stops every rank at once and names the rank that caused it:
+//  - start-up: each rank loads the plan and runs its own checks of it against its node (device,
+//    threads, the layout vs the node's processes and GPUs, the run-folder lock on rank 0), then
+//    posts "ready" or its error. Every rank waits for all of them, at most parallel.timeout_s
+//    (naming the ranks that never arrived), and every rank stops if any failed, naming it.
+//  - heartbeat: a thread beats once a second (a count and the current step) and watches for a
+//    failure posted by another rank; it then ends this rank, naming that rank, instead of leaving
+//    it to wait for a collective timeout.
+//  - diagnosis: when a collective fails or times out, which ranks stopped beating (stopped with
+//    SIGSTOP, hung in the kernel, dead, or their host unreachable) or are behind.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/config.h"
+#include "parallel/world.h"
+
+namespace tessel {
+
+/// An exclusive lock on <run.output_dir>/.lock (flock), held while the process lives: two
+/// trainers writing one run folder would overwrite each other's checkpoints and metrics. The
+/// file names the holder (host, pid, start time) for the error the second trainer prints. The
+/// kernel drops the lock when the process dies, however it dies.
+class RunLock {
+ public:
+  RunLock() = default;
+  /// Throws UserError naming the folder and the process holding it.
+  explicit RunLock(const std::string& output_dir);
+  RunLock(RunLock&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  RunLock& operator=(RunLock&& o) noexcept;
+  ~RunLock();
+
+ private:
+  int fd_ = -1;
+};
+
+class Peers {
+ public:
+  Peers(c10::intrusive_ptr<c10d::Store> store, int64_t rank, int64_t world, double timeout_s,
+        std::string where);
+  ~Peers();
+  Peers(const Peers&) = delete;
+  Peers& operator=(const Peers&) = delete;
+
+  /// Posts this rank's start-up result ("" = ready) and waits for every rank's; throws UserError
+  /// on every rank when any failed (naming it) or did not arrive within the timeout.
+  void agree_on_start(const std::string& my_error);
+  /// Starts the heartbeat thread (after the start-up agreement).
+  void start_heartbeat();
+  void set_step(int64_t step) { step_.store(step, std::memory_order_relaxed); }
+  /// Records this rank's failure so that the others stop at once (the first failure wins).
+  void report_failure(const std::string& what);
+  /// The failure another rank posted ("rank R failed: ..."), or "".
+  std::string failure();
+  /// After a failed or timed-out collective: the ranks that stopped beating or are behind, as a
+  /// sentence ("" when every rank looks alive). Takes about three seconds (it samples the beats).
+  std::string diagnose();
+
+ private:
+  void beat_loop();
+  c10::intrusive_ptr<c10d::Store> store_;
+  int64_t rank_, world_;
+  double timeout_s_;
+  std::string where_;  // host:port of the store
+  std::atomic<int64_t> step_{0};
+  std::atomic<bool> failed_{false};  // this rank reported a failure itself
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+/// A started run: its plan, and with several ranks the rendezvous store and the peers watch.
+struct Start {
+  Config config;
+  c10::intrusive_ptr<c10d::Store> store;  // null for one process
+  std::shared_ptr<Peers> peers;           // null for one process
+  RunLock lock;                           // held by rank 0
+};
+
+/// Loads the plan and runs this rank's checks; with several ranks, rendezvous first and agree
+/// with every rank (a plan that fails to load on one rank stops all of them too).
+Start start_run(const std::string& plan, const std::vector<std::string>& sets,
+                const parallel::WorldInfo& world);
+
+/// The message a run ends with after `error`: a failed collective gets the diagnosis appended;
+/// the failure is posted for the other ranks. Rethrows with the same category (UserError or not).
+[[noreturn]] void fail_run(Peers* peers, std::exception_ptr error);
+
+}  // namespace tessel
