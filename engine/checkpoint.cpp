@@ -137,7 +137,8 @@ struct Written {
   std::pair<int64_t, int64_t> flat;
 };
 
-nlohmann::json index_fragment(const std::vector<Written>& mine, const std::string& file) {
+nlohmann::json index_fragment(const std::vector<Written>& mine, const std::string& file,
+                              const WrittenFile& written) {
   nlohmann::json tensors = nlohmann::json::object();
   for (const auto& w : mine) {
     const Entry& e = *w.entry;
@@ -150,7 +151,10 @@ nlohmann::json index_fragment(const std::vector<Written>& mine, const std::strin
         {"dtype", c10::toString(e.local.scalar_type())},
         {"shards", {shard}}};
   }
-  return tensors;
+  return {{"tensors", tensors},
+          {"file", file},
+          {"bytes", written.bytes},
+          {"checksum", written.checksum}};
 }
 
 // Rank 0: index.json from every writer's fragment (then removed). A replicated tensor written by
@@ -163,6 +167,7 @@ void write_index(const Config& c, const fs::path& tmp, const CheckpointState& st
                           {"arch", c.model.arch},
                           {"tensors", nlohmann::json::object()}};
   auto& tensors = index["tensors"];
+  auto& files = index["files"] = nlohmann::json::object();  // every rank file's size and checksum
   std::vector<fs::path> fragments;
   for (const auto& e : fs::directory_iterator(tmp))
     if (e.path().extension() == ".json" && e.path().filename().string().rfind("index.", 0) == 0)
@@ -170,7 +175,9 @@ void write_index(const Config& c, const fs::path& tmp, const CheckpointState& st
   std::sort(fragments.begin(), fragments.end());
   for (const auto& f : fragments) {
     const auto fragment = nlohmann::json::parse(read_text(f));
-    for (const auto& [name, t] : fragment.items()) {
+    files[fragment.at("file").get<std::string>()] = {{"bytes", fragment.at("bytes")},
+                                                     {"checksum", fragment.at("checksum")}};
+    for (const auto& [name, t] : fragment.at("tensors").items()) {
       if (!tensors.contains(name)) {
         tensors[name] = t;
         continue;
@@ -222,9 +229,9 @@ std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models:
     std::vector<std::pair<std::string, torch::Tensor>> tensors;
     for (const auto& w : mine) tensors.emplace_back(w.entry->name, w.tensor);
     const std::string file = rank_file(mesh.rank());
-    write_safetensors((tmp / file).string(), tensors, {{"format", "tessel"}});
+    const auto written = write_safetensors((tmp / file).string(), tensors, {{"format", "tessel"}});
     write_file_atomic((tmp / fmt::format("index.{:05d}.json", mesh.rank())).string(),
-                      index_fragment(mine, file).dump());
+                      index_fragment(mine, file, written).dump());
   }
   world.barrier();
   if (mesh.rank() == 0) {
@@ -255,6 +262,39 @@ std::string resolve_checkpoint(const std::string& dir) {
   return p.string();
 }
 
+namespace {
+
+// A rank file, checked against the size and checksum index.json recorded when it was written
+// (checkpoints written before checksums existed have no "files" entry and are read as they are).
+SafetensorsFile read_verified(const fs::path& dir, const nlohmann::json& index,
+                              const std::string& file) {
+  const std::string path = (dir / file).string();
+  if (!index.contains("files") || !index["files"].contains(file)) return read_safetensors(path);
+  const auto& want = index["files"][file];
+  const auto bytes = want.at("bytes").get<uint64_t>();
+  const auto sum = want.at("checksum").get<std::string>();
+  auto corrupt = [&](const std::string& found) {
+    return UserError(fmt::format(
+        "{}: corrupt checkpoint file: {}, but {} bytes with checksum {} when it was written "
+        "(index.json); resume from another checkpoint (checkpoint.resume)",
+        path, found, bytes, sum));
+  };
+  std::error_code ec;
+  if (const auto size = fs::file_size(path, ec); !ec && size != bytes)
+    throw corrupt(fmt::format("{} bytes", size));
+  SafetensorsFile f;
+  try {
+    f = read_safetensors(path);
+  } catch (const UserError& e) {
+    throw corrupt(e.what());
+  }
+  if (f.checksum != sum)
+    throw corrupt(fmt::format("{} bytes with checksum {}", f.bytes, f.checksum));
+  return f;
+}
+
+}  // namespace
+
 models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::string& prefix) {
   const fs::path dir(step_dir);
   nlohmann::json index;
@@ -270,7 +310,7 @@ models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::
     torch::Tensor global, covered;  // covered: which elements some shard wrote
     for (const auto& shard : e.at("shards")) {
       std::string file = shard.at("file");
-      if (!files.count(file)) files[file] = read_safetensors((dir / file).string());
+      if (!files.count(file)) files[file] = read_verified(dir, index, file);
       auto it = files[file].tensors.find(name);
       if (it == files[file].tensors.end())
         throw UserError((dir / file).string() + ": missing tensor '" + name +

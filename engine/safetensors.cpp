@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "engine/checksum.h"
 #include "engine/config.h"
 
 namespace tessel {
@@ -114,6 +115,10 @@ SafetensorsFile read_safetensors(const std::string& path) {
   if (!header.is_object()) throw bad("header is not a JSON object");
 
   SafetensorsFile out;
+  Checksum sum;
+  sum.update(bytes, m.size);
+  out.bytes = m.size;
+  out.checksum = sum.hex();
   std::vector<std::tuple<uint64_t, uint64_t, std::string>> ranges;
   for (auto& [name, e] : header.items()) {
     if (name == "__metadata__") {
@@ -161,9 +166,9 @@ SafetensorsFile read_safetensors(const std::string& path) {
   return out;
 }
 
-void write_safetensors(const std::string& path,
-                       const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+WrittenFile write_safetensors(const std::string& path,
+                              const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::vector<torch::Tensor> cpu;
@@ -179,15 +184,21 @@ void write_safetensors(const std::string& path,
   }
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');  // keep the data section 8-byte aligned
+  Checksum sum;
+  WrittenFile out;
+  auto put = [&](const void* p, size_t bytes, FILE* f) {
+    sum.update(p, bytes);
+    out.bytes += bytes;
+    return bytes == 0 || std::fwrite(p, 1, bytes, f) == bytes;
+  };
   write_atomic(path, [&](FILE* f) {
-    uint64_t n = h.size();
-    bool ok = std::fwrite(&n, 8, 1, f) == 1 && std::fwrite(h.data(), 1, h.size(), f) == h.size();
-    for (const auto& c : cpu) {
-      size_t bytes = c.numel() * c.element_size();
-      ok = ok && (bytes == 0 || std::fwrite(c.data_ptr(), 1, bytes, f) == bytes);
-    }
+    const uint64_t n = h.size();
+    bool ok = put(&n, 8, f) && put(h.data(), h.size(), f);
+    for (const auto& c : cpu) ok = ok && put(c.data_ptr(), c.numel() * c.element_size(), f);
     return ok;
   });
+  out.checksum = sum.hex();
+  return out;
 }
 
 void write_file_atomic(const std::string& path, const std::string& text) {

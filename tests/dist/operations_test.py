@@ -122,6 +122,28 @@ class Operations(TmpDirTest):
         self.assertEqual(p.returncode, 2, p.stderr)
         self.assertRegex(p.stderr, rf"the shards of '{re.escape(name)}' cover \d+ of its \d+ elements")
 
+    def test_corrupt_checkpoint_files_are_refused(self):
+        path = self.plan("c", steps=10)
+        run("tessel-train", path)
+        files = self.path("c", "checkpoints", "step_10")
+        shard = os.path.join(files, "rank_00000.safetensors")
+        with open(shard, "r+b") as f:  # one flipped bit in the tensor data
+            f.seek(os.path.getsize(shard) - 100)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 1]))
+        resume = self.plan("c2", steps=20, checkpoint={"resume": files})
+        p = run("tessel-train", resume, check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertRegex(p.stderr, rf"{re.escape(shard)}: corrupt checkpoint file: \d+ bytes with checksum [0-9a-f]{{16}}, "
+                                   rf"but \d+ bytes with checksum [0-9a-f]{{16}} when it was written")
+        with open(shard, "r+b") as f:  # truncated
+            f.truncate(os.path.getsize(shard) - 8)
+        p = run("tessel-train", resume, check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertRegex(p.stderr, r"corrupt checkpoint file: \d+ bytes, but \d+ bytes with checksum")
+        self.assertFalse(os.path.exists(self.path("c2", "checkpoints")), "nothing saved from a refused resume")
+
     def test_ranks_with_different_plans_stop(self):
         os.rename(self.plan("same", steps=5), self.path("a.yaml"))
         os.rename(self.plan("same", steps=5, training={"optimizer": {"lr": 1e-3}}), self.path("b.yaml"))

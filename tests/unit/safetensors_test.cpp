@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "engine/checksum.h"
 #include "engine/config.h"
 #include "engine/safetensors.h"
 
@@ -46,13 +47,41 @@ TEST(Safetensors, RoundTripsEveryDtype) {
       {"d", torch::ones({2, 2}, torch::kInt32)},
       {"e", torch::empty({0, 4})}};
   std::string path = tmp_path("rt.safetensors");
-  write_safetensors(path, ts, {{"format", "pt"}});
+  const auto written = write_safetensors(path, ts, {{"format", "pt"}});
   auto back = read_safetensors(path);
   EXPECT_EQ(back.metadata.at("format"), "pt");
+  // The checksum of what was written is the checksum of the file read back.
+  EXPECT_EQ(written.bytes, fs::file_size(path));
+  EXPECT_EQ(back.bytes, written.bytes);
+  EXPECT_EQ(back.checksum, written.checksum);
   ASSERT_EQ(back.tensors.size(), ts.size());
   for (const auto& [name, t] : ts) EXPECT_TRUE(torch::equal(back.tensors.at(name), t)) << name;
   EXPECT_FALSE(fs::exists(path + ".tmp"));
   fs::remove(path);
+}
+
+TEST(Checksum, DependsOnTheBytesOnlyAndSeesEveryFlip) {
+  std::vector<uint8_t> data(1000);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + 7);
+  Checksum whole;
+  whole.update(data.data(), data.size());
+  for (size_t split : {0, 1, 7, 31, 32, 33, 500, 999, 1000}) {  // any split: the same value
+    Checksum parts;
+    parts.update(data.data(), split);
+    parts.update(data.data() + split, data.size() - split);
+    EXPECT_EQ(parts.hex(), whole.hex()) << split;
+  }
+  for (size_t at : {0, 13, 31, 32, 500, 990, 999}) {  // any single bit flip: another value
+    auto flipped = data;
+    flipped[at] ^= 4;
+    Checksum c;
+    c.update(flipped.data(), flipped.size());
+    EXPECT_NE(c.hex(), whole.hex()) << at;
+  }
+  Checksum shorter;  // a truncated file: another value
+  shorter.update(data.data(), data.size() - 1);
+  EXPECT_NE(shorter.hex(), whole.hex());
+  EXPECT_EQ(whole.hex().size(), 16u);
 }
 
 TEST(Safetensors, RefusesBadFiles) {
