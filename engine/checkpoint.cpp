@@ -52,16 +52,24 @@ void prune(const fs::path& root, int64_t keep, int64_t saved_step) {
   std::vector<fs::path> lineage;
   for (const auto& [step, path] : complete_steps(root))
     if (step <= saved_step) lineage.push_back(path);
-  for (size_t i = 0; i + static_cast<size_t>(keep) < lineage.size(); ++i)
-    fs::remove_all(lineage[i]);
+  // Renamed first (atomic), then removed: an interrupted prune leaves a step_<N>.pruned folder,
+  // never a step_<N> with COMPLETE and some of its files gone.
+  for (size_t i = 0; i + static_cast<size_t>(keep) < lineage.size(); ++i) {
+    fs::path doomed = lineage[i];
+    doomed += ".pruned";
+    fs::rename(lineage[i], doomed);
+    fs::remove_all(doomed);
+  }
 }
 
-// Folders an interrupted save left behind (step_<N>.tmp), never read: removed before a save.
+// Folders an interrupted save or prune left behind (step_<N>.tmp, step_<N>.pruned), never read:
+// removed before a save.
 void remove_stale(const fs::path& root, const fs::path& keep) {
   if (!fs::is_directory(root)) return;
   for (const auto& e : fs::directory_iterator(root)) {
     const auto name = e.path().filename().string();
-    if (e.is_directory() && name.rfind("step_", 0) == 0 && e.path().extension() == ".tmp" &&
+    const auto ext = e.path().extension();
+    if (e.is_directory() && name.rfind("step_", 0) == 0 && (ext == ".tmp" || ext == ".pruned") &&
         e.path() != keep)
       fs::remove_all(e.path());
   }

@@ -88,6 +88,8 @@ class Operations(TmpDirTest):
 
     def test_pruning_keeps_this_runs_lineage(self):
         run("tessel-train", self.plan("q", steps=30))  # step_10, step_20, step_30
+        for leftover in ("step_15.tmp", "step_5.pruned"):  # an interrupted save and prune
+            os.makedirs(self.path("q", "checkpoints", leftover, "sub"))
         # Continue from step_10 to step 20 with keep=1: the new step_20 must survive and `latest`
         # name it; step_30 belongs to the abandoned timeline and is left alone.
         run("tessel-train", self.plan("q", steps=20, checkpoint={"every": 10, "keep": 1,
@@ -96,6 +98,7 @@ class Operations(TmpDirTest):
         with open(os.path.join(ckpts, "latest")) as f:
             self.assertEqual(f.read().strip(), "step_20")
         self.assertEqual(sorted(d for d in os.listdir(ckpts) if d.startswith("step_")), ["step_20", "step_30"])
+        self.assertEqual(sorted(os.listdir(ckpts)), ["latest", "step_20", "step_30"])
 
     def test_missing_latest_refuses_to_start_over(self):
         path = self.plan("m", steps=10)
