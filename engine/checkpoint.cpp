@@ -4,11 +4,16 @@
 #include <torch/torch.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <set>
 #include <sstream>
 
 #include "engine/safetensors.h"
@@ -272,12 +277,13 @@ std::string resolve_checkpoint(const std::string& dir) {
 
 namespace {
 
-// A rank file, checked against the size and checksum index.json recorded when it was written
-// (checkpoints written before checksums existed have no "files" entry and are read as they are).
-SafetensorsFile read_verified(const fs::path& dir, const nlohmann::json& index,
-                              const std::string& file) {
+// A rank file, mapped, checked against the size and checksum index.json recorded when it was
+// written (checkpoints written before checksums existed have no "files" entry: not checked).
+std::unique_ptr<MappedSafetensors> open_verified(const fs::path& dir, const nlohmann::json& index,
+                                                 const std::string& file) {
   const std::string path = (dir / file).string();
-  if (!index.contains("files") || !index["files"].contains(file)) return read_safetensors(path);
+  if (!index.contains("files") || !index["files"].contains(file))
+    return std::make_unique<MappedSafetensors>(path);
   const auto& want = index["files"][file];
   const auto bytes = want.at("bytes").get<uint64_t>();
   const auto sum = want.at("checksum").get<std::string>();
@@ -290,42 +296,71 @@ SafetensorsFile read_verified(const fs::path& dir, const nlohmann::json& index,
   std::error_code ec;
   if (const auto size = fs::file_size(path, ec); !ec && size != bytes)
     throw corrupt(fmt::format("{} bytes", size));
-  SafetensorsFile f;
+  std::unique_ptr<MappedSafetensors> f;
   try {
-    f = read_safetensors(path);
+    f = std::make_unique<MappedSafetensors>(path);
   } catch (const UserError& e) {
     throw corrupt(e.what());
   }
-  if (f.checksum != sum)
-    throw corrupt(fmt::format("{} bytes with checksum {}", f.bytes, f.checksum));
+  if (const auto got = f->checksum(); got != sum)
+    throw corrupt(fmt::format("{} bytes with checksum {}", f->bytes(), got));
   return f;
 }
 
-}  // namespace
-
-models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::string& prefix) {
-  const fs::path dir(step_dir);
-  nlohmann::json index;
+nlohmann::json read_index(const fs::path& dir) {
   try {
-    index = nlohmann::json::parse(read_text(dir / "index.json"));
+    return nlohmann::json::parse(read_text(dir / "index.json"));
   } catch (const nlohmann::json::exception& e) {
     throw UserError((dir / "index.json").string() + ": not valid JSON: " + e.what());
   }
-  std::map<std::string, SafetensorsFile> files;
-  models::Weights out;
+}
+
+// The global tensors of a complete checkpoint that `want` accepts, assembled one at a time from
+// the mapped rank files and handed to `use`, then freed: only the files holding wanted tensors
+// are opened (and verified), and only their pages that hold them are read.
+void for_each_tensor(const fs::path& dir, const nlohmann::json& index,
+                     const std::function<bool(const std::string&)>& want,
+                     const std::function<void(const std::string&, torch::Tensor)>& use) {
+  std::map<std::string, std::unique_ptr<MappedSafetensors>> files;
+  // Copies a part out of the mapping 16 MiB at a time, dropping each block's pages once copied:
+  // resident memory holds the global tensor being assembled, not the files.
+  auto copy_out = [](torch::Tensor dst, const torch::Tensor& src, const MappedSafetensors& f) {
+    if (src.dim() == 0 || src.numel() == 0) {
+      dst.copy_(src);
+      return;
+    }
+    const int64_t row = src.numel() / src.size(0) * src.element_size();
+    const int64_t rows = std::max<int64_t>(1, (16 << 20) / std::max<int64_t>(row, 1));
+    for (int64_t r = 0; r < src.size(0); r += rows) {
+      const int64_t n = std::min(rows, src.size(0) - r);
+      dst.narrow(0, r, n).copy_(src.narrow(0, r, n));
+      f.release(src.narrow(0, r, n).data_ptr(), static_cast<size_t>(n * row));
+    }
+  };
   for (const auto& [name, e] : index.at("tensors").items()) {
-    if (name.rfind(prefix, 0) != 0) continue;
-    torch::Tensor global, covered;  // covered: which elements some shard wrote
-    for (const auto& shard : e.at("shards")) {
+    if (!want(name)) continue;
+    const auto shape = e.at("shape").get<std::vector<int64_t>>();
+    const auto& shards = e.at("shards");
+    // One shard that is the whole tensor covers it; otherwise a mask of which elements some
+    // shard wrote (1 byte each) checks that the shards cover it.
+    bool whole = shards.size() == 1 && !shards[0].contains("flat");
+    for (size_t d = 0; whole && d < shape.size(); ++d)
+      whole = shards[0].at("slice").at(d) == nlohmann::json::array({0, shape[d]});
+    torch::Tensor global, covered;
+    for (const auto& shard : shards) {
       std::string file = shard.at("file");
-      if (!files.count(file)) files[file] = read_verified(dir, index, file);
-      auto it = files[file].tensors.find(name);
-      if (it == files[file].tensors.end())
+      if (!files.count(file)) files[file] = open_verified(dir, index, file);
+      auto part = files[file]->view(name);
+      if (!part.defined())
         throw UserError((dir / file).string() + ": missing tensor '" + name +
                         "' listed in index.json");
       if (!global.defined()) {
-        global = torch::empty(e.at("shape").get<std::vector<int64_t>>(), it->second.options());
-        covered = torch::zeros(global.sizes(), torch::kBool);
+        global = torch::empty(shape, part.options());
+        if (!whole) covered = torch::zeros(global.sizes(), torch::kBool);
+      }
+      if (whole) {
+        copy_out(global, part, *files[file]);
+        continue;
       }
       auto view = global, cover = covered;
       int dim = 0;
@@ -334,13 +369,13 @@ models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::
         cover = cover.slice(dim++, r[0].get<int64_t>(), r[1].get<int64_t>());
       }
       if (!shard.contains("flat")) {
-        view.copy_(it->second);
+        copy_out(view, part, *files[file]);
         cover.fill_(true);
         continue;
       }
       // A ZeRO piece: elements [begin, end) of the slice, flattened row-major.
       const int64_t b = shard.at("flat")[0].get<int64_t>(), en = shard.at("flat")[1].get<int64_t>();
-      if (b < 0 || en > view.numel() || en - b != it->second.numel())
+      if (b < 0 || en > view.numel() || en - b != part.numel())
         throw UserError((dir / file).string() + ": '" + name + "' piece [" + std::to_string(b) +
                         ", " + std::to_string(en) + ") does not fit its slice of " +
                         std::to_string(view.numel()) + " elements");
@@ -349,20 +384,32 @@ models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::
         whole.view(-1).narrow(0, b, en - b).copy_(values);
         if (!target.is_contiguous() || whole.data_ptr() != target.data_ptr()) target.copy_(whole);
       };
-      write_flat(view, it->second.flatten());
+      write_flat(view, part.flatten());
       write_flat(cover, torch::ones({en - b}, torch::kBool));
+      files[file]->release(part.data_ptr(), static_cast<size_t>(part.nbytes()));
     }
     if (!global.defined())
       throw UserError((dir / "index.json").string() + ": '" + name + "' lists no shards");
     // Shards that leave part of a tensor unwritten (a lost rank file, a hand-edited index) would
     // resume from uninitialised memory.
-    if (const int64_t missing = covered.numel() - covered.sum().item<int64_t>(); missing > 0)
+    if (const int64_t missing = whole ? 0 : covered.numel() - covered.sum().item<int64_t>();
+        missing > 0)
       throw UserError((dir / "index.json").string() + ": the shards of '" + name + "' cover " +
                       std::to_string(covered.numel() - missing) + " of its " +
                       std::to_string(covered.numel()) +
                       " elements; the checkpoint is incomplete and cannot be resumed");
-    out[name] = global;
+    use(name, std::move(global));
   }
+}
+
+}  // namespace
+
+models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::string& prefix) {
+  const fs::path dir(step_dir);
+  models::Weights out;
+  for_each_tensor(
+      dir, read_index(dir), [&](const std::string& name) { return name.rfind(prefix, 0) == 0; },
+      [&](const std::string& name, torch::Tensor t) { out[name] = std::move(t); });
   return out;
 }
 
@@ -396,30 +443,70 @@ std::string checkpoint_to_resume(const Config& c) {
 
 CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model, FlatAdamW& opt,
                                 LossScaler* scaler) {
-  nlohmann::json index = nlohmann::json::parse(read_text(fs::path(step_dir) / "index.json"));
-  auto all = read_checkpoint_tensors(step_dir);
-  models::Weights weights, master, exp_avg, exp_avg_sq;
-  for (auto& [name, t] : all) {
-    auto take = [&](const std::string& prefix, models::Weights& into) {
-      if (name.rfind(prefix, 0) != 0) return false;
-      into[name.substr(prefix.size())] = t;
-      return true;
-    };
-    if (!take("optim.master.", master) && !take("optim.exp_avg.", exp_avg) &&
-        !take("optim.exp_avg_sq.", exp_avg_sq) && name.rfind("optim.", 0) != 0)
-      weights[name] = t;
-  }
+  const fs::path dir(step_dir);
   const std::string source = step_dir;
-  models::assign_weights(model, weights, source);  // checks every name and shape
-  // Global optimizer tensors -> this rank's slices (any layout can resume any checkpoint).
-  for (auto* m : {&master, &exp_avg, &exp_avg_sq})
-    for (auto& [name, t] : *m)
-      if (auto it = model->specs().find(name); it != model->specs().end())
-        t = it->second.local_of(t);
-  if (!all.count("optim.step"))
+  const auto index = read_index(dir);
+  // Names and shapes first, from the index alone: every model tensor of the file exists in the
+  // global model with its shape, and every parameter this rank holds is in the file.
+  const auto global = model->global_names();
+  const auto& tensors = index.at("tensors");
+  std::string missing, extra;
+  for (const auto& [name, e] : tensors.items()) {
+    if (name.rfind("optim.", 0) == 0) continue;
+    if (!global.count(name)) {
+      extra += (extra.empty() ? "" : ", ") + name;
+      continue;
+    }
+    // The shape of a tensor this rank holds (another stage's is checked by its own ranks).
+    const auto spec = model->specs().find(name);
+    if (spec == model->specs().end()) continue;
+    const auto shape = e.at("shape").get<std::vector<int64_t>>();
+    if (shape != spec->second.global_shape)
+      throw UserError(fmt::format("{}: tensor '{}' has shape [{}] but the plan's model needs [{}]",
+                                  source, name, fmt::join(shape, ", "),
+                                  fmt::join(spec->second.global_shape, ", ")));
+  }
+  auto params = model->named_parameters();
+  for (const auto& p : params)
+    if (!tensors.contains(p.key())) missing += (missing.empty() ? "" : ", ") + p.key();
+  if (!missing.empty()) throw UserError(source + ": missing tensors for this model: " + missing);
+  if (!extra.empty()) throw UserError(source + ": tensors this model does not have: " + extra);
+  if (!tensors.contains("optim.step"))
     throw UserError(source + ": no optimizer state (optim.step) to resume from");
-  opt.load_state(master, exp_avg, exp_avg_sq, all.at("optim.step"), source);
-  if (scaler) scaler->load_state(all);
+  // Then only this rank's tensors (its pipeline stages), one global tensor at a time, each cut
+  // to this rank's slice at once (any layout resumes any checkpoint).
+  const std::vector<std::string> per_param = {"optim.master.", "optim.exp_avg.",
+                                              "optim.exp_avg_sq."};
+  auto param_of = [&](const std::string& name) -> std::pair<int, std::string> {
+    for (int i = 0; i < 3; ++i)
+      if (name.rfind(per_param[static_cast<size_t>(i)], 0) == 0)
+        return {i, name.substr(per_param[static_cast<size_t>(i)].size())};
+    return {-1, name};
+  };
+  const auto mine = params.keys();
+  const std::set<std::string> held(mine.begin(), mine.end());
+  models::Weights scalars;
+  torch::NoGradGuard no_grad;
+  for_each_tensor(
+      dir, index,
+      [&](const std::string& name) {
+        const auto [kind, param] = param_of(name);
+        return held.count(param) > 0 || (kind < 0 && name.rfind("optim.", 0) == 0);
+      },
+      [&](const std::string& name, torch::Tensor t) {
+        const auto [kind, param] = param_of(name);
+        if (!held.count(param)) {
+          scalars[name] = std::move(t);  // optim.step, the loss scale
+          return;
+        }
+        const auto local = model->specs().at(param).local_of(t);
+        if (kind < 0)
+          params[param].copy_(local);
+        else
+          opt.load_slot(kind, param, local, source);  // into this rank's pieces at once
+      });
+  opt.finish_load(scalars.at("optim.step"), source);
+  if (scaler) scaler->load_state(scalars);
   return {index.at("step").get<int64_t>(), index.at("consumed_samples").get<int64_t>()};
 }
 

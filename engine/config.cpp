@@ -1,5 +1,7 @@
 #include "engine/config.h"
 
+#include <torch/cuda.h>
+
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -254,6 +256,9 @@ class Validator {
     if (m.tie_embeddings == "auto") m.tie_embeddings = m.arch == "gpt2" ? "true" : "false";
     if (m.ffn_hidden == 0)
       m.ffn_hidden = m.arch == "gpt2" ? 4 * m.hidden : (8 * m.hidden / 3 + 63) / 64 * 64;
+    if (t.dtype == "auto")  // bf16 where it is fast and safe (CUDA), fp32 elsewhere
+      t.dtype = t.device == "cuda" || (t.device == "auto" && torch::cuda::is_available()) ? "bf16"
+                                                                                          : "fp32";
 
     require(m.hidden % m.heads == 0, "model.hidden",
             q("model.hidden", m.hidden, "must be divisible by", "model.heads", m.heads));

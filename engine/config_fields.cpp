@@ -104,10 +104,14 @@ std::vector<Field> bind_fields(Config& c) {
   // training
   add("training.device", &c.training.device, S("auto"), "auto = cuda when available, else cpu.")
       .one_of({"auto", "cpu", "cuda"});
-  add("training.dtype", &c.training.dtype, S("fp32"),
+  add("training.dtype", &c.training.dtype, S("auto"),
       "fp32, or bf16/fp16 weights and activations with fp32 master weights and fp32 gradient "
-      "accumulation; fp16 scales the loss dynamically (training.loss_scale).")
-      .one_of({"fp32", "bf16", "fp16"});
+      "accumulation; fp16 scales the loss dynamically (training.loss_scale). auto = bf16 when "
+      "training.device resolves to cuda, else fp32.")
+      .one_of({"auto", "fp32", "bf16", "fp16"});
+  add("training.tf32", &c.training.tf32, true,
+      "On CUDA, fp32 matrix multiplications and convolutions use TF32 tensor cores (as "
+      "Megatron-LM and torchtitan do); false keeps them exact fp32 (parity checks).");
   add("training.steps", &c.training.steps, int64_t{100}, "Optimizer steps.").range(1);
   add("training.global_batch", &c.training.global_batch, int64_t{8},
       "Sequences per optimizer step, over all data-parallel ranks.")

@@ -1,5 +1,7 @@
 #include "engine/optim.h"
 
+#include <fmt/format.h>
+
 #include <ATen/ops/_fused_adamw.h>
 #include <fnmatch.h>
 #include <torch/torch.h>
@@ -108,29 +110,32 @@ FlatAdamW::FlatAdamW(models::Decoder& model, const TrainingConfig& t, dp::FlatLa
                 groups_.end());
 
   // The reduced gradient this rank holds: all of it (stage 0), its piece of each bucket inside
-  // the full buffer (stage 1), or its shard (stages 2-3). Parameters replicated over tensor-
-  // parallel ranks count once in the global norm: their squares are weighted 1/replicas.
-  torch::Tensor weights;
-  bool replicated = false;
-  for (const auto& slot : layout_.slots())
-    replicated = replicated || model->specs().at(slot.name).replicas > 1;
-  if (replicated) {
-    weights = torch::ones({z == 0 ? n : s}, f32);
-    for (const auto& slot : layout_.slots())
-      for (const auto& piece : layout_.pieces(slot))
-        weights.narrow(0, piece.shard, piece.numel)
-            .fill_(1.0 / static_cast<double>(model->specs().at(slot.name).replicas));
-  }
+  // the full buffer (stage 1), or its shard (stages 2-3); `at` is each piece's offset in this
+  // rank's shard coordinates (those of Piece::shard).
+  std::vector<int64_t> at;
   if (z == 1) {
     for (const auto& b : layout_.buckets()) {
       grad_pieces_.push_back(grad_.narrow(0, layout_.piece_flat(b), layout_.piece_numel(b)));
-      if (replicated)
-        norm_weights_.push_back(weights.narrow(0, b.shard_offset, layout_.piece_numel(b)));
+      at.push_back(b.shard_offset);
     }
   } else {
     grad_pieces_.push_back(z == 0 ? grad_ : grad_shard_);
-    if (replicated) norm_weights_.push_back(weights);
+    at.push_back(0);
   }
+  // Parameters replicated over tensor-parallel ranks count once in the global norm: their
+  // squares are weighted 1/replicas (views, no N-sized weight vector).
+  std::map<int64_t, std::vector<torch::Tensor>> by_replicas;
+  for (const auto& slot : layout_.slots()) {
+    const int64_t r = model->specs().at(slot.name).replicas;
+    if (r <= 1) continue;
+    for (const auto& piece : layout_.pieces(slot)) {
+      size_t i = 0;
+      while (i + 1 < at.size() && at[i + 1] <= piece.shard) ++i;
+      by_replicas[r].push_back(grad_pieces_[i].narrow(0, piece.shard - at[i], piece.numel));
+    }
+  }
+  for (auto& [r, spans] : by_replicas)
+    replicated_spans_.emplace_back(1.0 - 1.0 / static_cast<double>(r), std::move(spans));
 }
 
 torch::Tensor FlatAdamW::master_view(const dp::Piece& p) const {
@@ -178,31 +183,38 @@ StateBytes planned_state_bytes(int64_t numel, int64_t zero, int64_t data_ranks,
   return b;
 }
 
-void FlatAdamW::load_state(const std::map<std::string, torch::Tensor>& master,
-                           const std::map<std::string, torch::Tensor>& exp_avg,
-                           const std::map<std::string, torch::Tensor>& exp_avg_sq,
-                           const torch::Tensor& step, const std::string& source) {
+void FlatAdamW::load_slot(int kind, const std::string& name, const torch::Tensor& local,
+                          const std::string& source) {
+  static const char* what[] = {"master", "exp_avg", "exp_avg_sq"};
+  const dp::Slot* slot = nullptr;
+  for (const auto& s : layout_.slots())
+    if (s.name == name) slot = &s;
+  if (!slot) return;  // not this rank's parameter
+  if (local.numel() != slot->numel)
+    throw UserError(
+        fmt::format("{}: optimizer state optim.{}.{} has {} elements, this rank's "
+                    "slice needs {}",
+                    source, what[kind], name, local.numel(), slot->numel));
   torch::NoGradGuard no_grad;
-  auto find = [&](const std::map<std::string, torch::Tensor>& by_name, const dp::Slot& s,
-                  const char* what) {
-    auto it = by_name.find(s.name);
-    if (it == by_name.end() || it->second.numel() != s.numel)
-      throw UserError(source + ": optimizer state optim." + what + "." + s.name +
-                      " is missing or has another size");
-    return it->second.flatten();
-  };
-  for (const auto& s : layout_.slots()) {
-    const auto w = find(master, s, "master"), m = find(exp_avg, s, "exp_avg"),
-               v = find(exp_avg_sq, s, "exp_avg_sq");
-    if (params_.defined()) params_.narrow(0, s.offset, s.numel).copy_(w);
-    for (const auto& piece : layout_.pieces(s)) {
-      master_view(piece).copy_(w.narrow(0, piece.param_offset, piece.numel));
-      exp_avg_.narrow(0, piece.shard, piece.numel)
-          .copy_(m.narrow(0, piece.param_offset, piece.numel));
-      exp_avg_sq_.narrow(0, piece.shard, piece.numel)
-          .copy_(v.narrow(0, piece.param_offset, piece.numel));
-    }
+  const auto flat = local.reshape({-1});
+  if (kind == 0 && params_.defined()) params_.narrow(0, slot->offset, slot->numel).copy_(flat);
+  for (const auto& piece : layout_.pieces(*slot)) {
+    const auto from = flat.narrow(0, piece.param_offset, piece.numel);
+    if (kind == 0)
+      master_view(piece).copy_(from);
+    else
+      (kind == 1 ? exp_avg_ : exp_avg_sq_).narrow(0, piece.shard, piece.numel).copy_(from);
   }
+  loaded_[name] |= 1 << kind;
+}
+
+void FlatAdamW::finish_load(const torch::Tensor& step, const std::string& source) {
+  for (const auto& s : layout_.slots())
+    if (loaded_[s.name] != 7)
+      throw UserError(source + ": optimizer state of " + s.name +
+                      " is missing (optim.master, optim.exp_avg and optim.exp_avg_sq are needed)");
+  loaded_.clear();
+  torch::NoGradGuard no_grad;
   step_count_.copy_(step);
   refresh_weights();
 }
@@ -218,12 +230,13 @@ torch::Tensor FlatAdamW::clip_grad_norm(double max_norm,
                                         const torch::Tensor& unscale) {
   if (unscale.defined())
     for (auto& g : grad_pieces_) g.mul_(unscale);
-  torch::Tensor sq;
-  for (size_t i = 0; i < grad_pieces_.size(); ++i) {
-    const auto& g = grad_pieces_[i];
-    auto part = norm_weights_.empty() ? g.pow(2).sum() : (g.pow(2) * norm_weights_[i]).sum();
-    sq = sq.defined() ? sq + part : part;
-  }
+  // Multi-tensor norms (one kernel per list on CUDA), no N-sized temporaries.
+  auto sum_sq = [](const std::vector<torch::Tensor>& ts) {
+    return torch::stack(at::_foreach_norm(ts, 2)).square().sum();
+  };
+  torch::Tensor sq = sum_sq(grad_pieces_);
+  for (const auto& [drop, spans] : replicated_spans_) sq = sq - drop * sum_sq(spans);
+  if (!replicated_spans_.empty()) sq = sq.clamp_min(0);  // rounding never makes it negative
   if (sum_over_shards) sum_over_shards(sq);
   auto norm = sq.sqrt();
   if (max_norm > 0) {

@@ -75,12 +75,14 @@ class FlatAdamW {
   /// on the device, 0 or 1): 1 skips the update and the step count, without a host sync.
   void step(double lr, const torch::Tensor& found_inf = {});
 
-  /// Restores master weights, moments and the step count by parameter name (tensor-parallel
-  /// local tensors, any shape with the parameter's element count), then refreshes the weights.
-  void load_state(const std::map<std::string, torch::Tensor>& master,
-                  const std::map<std::string, torch::Tensor>& exp_avg,
-                  const std::map<std::string, torch::Tensor>& exp_avg_sq, const torch::Tensor& step,
-                  const std::string& source);
+  /// Resume, one tensor at a time: this rank's (tensor-parallel local) slice of parameter
+  /// `name`'s master weights (kind 0), first moment (1) or second moment (2), any shape with the
+  /// parameter's element count; copied into this rank's pieces at once.
+  void load_slot(int kind, const std::string& name, const torch::Tensor& local,
+                 const std::string& source);
+  /// After every load_slot: checks that each parameter got all three, sets the step count and
+  /// refreshes the weights.
+  void finish_load(const torch::Tensor& step, const std::string& source);
 
   const parallel::dp::FlatLayout& layout() const { return layout_; }
   int64_t zero() const { return layout_.zero(); }
@@ -115,7 +117,11 @@ class FlatAdamW {
   torch::Tensor exp_avg_, exp_avg_sq_, step_count_;
   std::vector<torch::Tensor> units_;
   std::vector<StatePiece> pieces_;
-  std::vector<torch::Tensor> grad_pieces_, norm_weights_;  // the reduced gradient this rank holds
+  std::vector<torch::Tensor> grad_pieces_;  // the reduced gradient this rank holds
+  std::map<std::string, int> loaded_;       // resume: which of the three each slot got (bits)
+  // Views of it that belong to parameters replicated over r tensor-parallel ranks, grouped by
+  // 1 - 1/r: their squares count 1/r in the global norm, so that much is taken off again.
+  std::vector<std::pair<double, std::vector<torch::Tensor>>> replicated_spans_;
   struct DecayGroup {
     bool decay;
     std::vector<torch::Tensor> w, g, m, v, steps;  // views of the flat buffers, per piece

@@ -35,14 +35,6 @@ std::string dtype_name(torch::ScalarType t) {
   throw std::invalid_argument(std::string("safetensors: unsupported dtype ") + c10::toString(t));
 }
 
-struct Mapped {
-  void* data = MAP_FAILED;
-  size_t size = 0;
-  ~Mapped() {
-    if (data != MAP_FAILED && size) munmap(data, size);
-  }
-};
-
 void fsync_path(const std::string& path, int flags) {
   int fd = ::open(path.c_str(), flags);
   if (fd < 0) return;
@@ -69,7 +61,7 @@ void write_atomic(const std::string& path, const std::function<bool(FILE*)>& wri
 
 }  // namespace
 
-SafetensorsFile read_safetensors(const std::string& path) {
+MappedSafetensors::MappedSafetensors(const std::string& path) : path_(path) {
   auto bad = [&](const std::string& why) {
     return UserError(path + ": not a valid safetensors file: " + why);
   };
@@ -77,23 +69,23 @@ SafetensorsFile read_safetensors(const std::string& path) {
   if (fd < 0) throw UserError(path + ": cannot open: " + std::strerror(errno));
   struct stat st {};
   fstat(fd, &st);
-  Mapped m;
-  m.size = static_cast<size_t>(st.st_size);
-  if (m.size > 0) m.data = mmap(nullptr, m.size, PROT_READ, MAP_PRIVATE, fd, 0);
+  size_ = static_cast<size_t>(st.st_size);
+  if (size_ > 0) data_ = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
-  if (m.size < 8)
-    throw bad("file of " + std::to_string(m.size) +
+  if (size_ < 8)
+    throw bad("file of " + std::to_string(size_) +
               " bytes is shorter than its 8-byte header length");
-  if (m.data == MAP_FAILED) throw UserError(path + ": cannot map: " + std::strerror(errno));
-  const auto* bytes = static_cast<const uint8_t*>(m.data);
+  if (data_ == MAP_FAILED) throw UserError(path + ": cannot map: " + std::strerror(errno));
+  const auto* bytes = static_cast<const uint8_t*>(data_);
   uint64_t n = 0;
   std::memcpy(&n, bytes, 8);  // little-endian host (x86_64, aarch64)
   if (n > kMaxHeader)
     throw bad("header of " + std::to_string(n) + " bytes exceeds the 100 MB limit");
-  if (8 + n > m.size)
+  if (8 + n > size_)
     throw bad("header length " + std::to_string(n) + " runs past the end of the file (" +
-              std::to_string(m.size) + " bytes)");
-  const uint64_t data_size = m.size - 8 - n;
+              std::to_string(size_) + " bytes)");
+  const uint64_t data_size = size_ - 8 - n;
+  data_offset_ = 8 + n;
 
   // Duplicate keys are refused: nlohmann keeps the last silently, so watch the parser's key events.
   std::set<std::string> seen;
@@ -114,17 +106,12 @@ SafetensorsFile read_safetensors(const std::string& path) {
   if (!dup.empty()) throw bad("duplicate tensor name '" + dup + "'");
   if (!header.is_object()) throw bad("header is not a JSON object");
 
-  SafetensorsFile out;
-  Checksum sum;
-  sum.update(bytes, m.size);
-  out.bytes = m.size;
-  out.checksum = sum.hex();
   std::vector<std::tuple<uint64_t, uint64_t, std::string>> ranges;
   for (auto& [name, e] : header.items()) {
     if (name == "__metadata__") {
       if (!e.is_object()) throw bad("__metadata__ is not an object");
       for (auto& [k, v] : e.items())
-        if (v.is_string()) out.metadata[k] = v.get<std::string>();
+        if (v.is_string()) metadata_[k] = v.get<std::string>();
       continue;
     }
     auto what = [&](const std::string& w) { return bad("tensor '" + name + "': " + w); };
@@ -154,15 +141,75 @@ SafetensorsFile read_safetensors(const std::string& path) {
       throw what("holds " + std::to_string(en - b) + " bytes but its shape and dtype need " +
                  std::to_string(want));
     ranges.emplace_back(b, en, name);
-    auto t = torch::empty(shape, torch::TensorOptions().dtype(dt->second));
-    if (want) std::memcpy(t.data_ptr(), bytes + 8 + n + b, want);
-    out.tensors.emplace(name, std::move(t));
+    entries_.emplace(name, Entry{dt->second, shape, b, want});
   }
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 1; i < ranges.size(); ++i)
     if (std::get<0>(ranges[i]) < std::get<1>(ranges[i - 1]))
       throw bad("tensors '" + std::get<2>(ranges[i - 1]) + "' and '" + std::get<2>(ranges[i]) +
                 "' overlap");
+}
+
+MappedSafetensors::~MappedSafetensors() {
+  if (data_ != MAP_FAILED && size_) munmap(data_, size_);
+}
+
+std::vector<std::string> MappedSafetensors::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, e] : entries_) out.push_back(name);
+  return out;
+}
+
+torch::Tensor MappedSafetensors::view(const std::string& name) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end()) return {};
+  const auto& e = it->second;
+  if (e.size == 0) return torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
+  auto* at = static_cast<uint8_t*>(data_) + data_offset_ + e.begin;
+  return torch::from_blob(at, e.shape, torch::TensorOptions().dtype(e.dtype));
+}
+
+void MappedSafetensors::release(const void* ptr, size_t n) const {
+  if (n == 0) return;
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(ptr);
+  const uintptr_t lo = begin / page * page, hi = begin + n;
+  madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);  // a hint: failure is harmless
+}
+
+std::string MappedSafetensors::checksum() const {
+  // Through a small buffer with pread, not the mapping: the file's pages stay out of this
+  // process's resident set (only the tensors read later are mapped in).
+  int fd = ::open(path_.c_str(), O_RDONLY);
+  if (fd < 0) throw UserError(path_ + ": cannot open: " + std::strerror(errno));
+  Checksum sum;
+  std::vector<uint8_t> buf(8 << 20);
+  off_t at = 0;
+  while (true) {
+    const ssize_t got = ::pread(fd, buf.data(), buf.size(), at);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      const int err = errno;
+      ::close(fd);
+      throw UserError(path_ + ": cannot read: " + std::strerror(err));
+    }
+    if (got == 0) break;
+    sum.update(buf.data(), static_cast<size_t>(got));
+    at += got;
+  }
+  ::close(fd);
+  return sum.hex();
+}
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  MappedSafetensors f(path);
+  SafetensorsFile out;
+  out.metadata = f.metadata();
+  out.bytes = f.bytes();
+  Checksum sum;
+  sum.update(f.data(), f.bytes());
+  out.checksum = sum.hex();
+  for (const auto& name : f.names()) out.tensors.emplace(name, f.view(name).clone());
   return out;
 }
 

@@ -62,6 +62,11 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
       dtype_(resolve_dtype(c_.training.dtype)) {
   // start_run() checked the plan against this node and agreed with every rank.
   if (c_.training.threads > 0) torch::set_num_threads(static_cast<int>(c_.training.threads));
+  if (device_.is_cuda()) {  // TF32 tensor cores for fp32 matmuls and convolutions, unless refused
+    const auto p = c_.training.tf32 ? at::Float32Precision::TF32 : at::Float32Precision::IEEE;
+    at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL, p);
+    at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::CONV, p);
+  }
   mesh_ = parallel::Mesh::create(c_, world, device_, std::move(start.store));
   const auto& l = mesh_->layout();
   c_.parallel.dp = l.dp;
@@ -199,11 +204,7 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
       [&](int64_t chunk, bool final) { reducer_->begin_backward(chunk, final); },
       [&](int64_t chunk, bool final) { reducer_->end_backward(chunk, final); }};
   const auto stats = executor_->run(fns);
-  const double exposed_ms = reducer_->finish();
-  if (step > first_step_) {  // the first step warms up (allocations, connections)
-    pp_step_ms_ += stats.step_ms, pp_compute_ms_ += stats.compute_ms, pp_wait_ms_ += stats.wait_ms;
-    ++pp_steps_;
-  }
+  reducer_->finish();
   pp_peak_activations_ = std::max(pp_peak_activations_, stats.peak_activations);
   sync_replicated_grads();
   // With ZeRO each data rank holds other pieces of the gradient: the norm sums over every rank.
@@ -213,16 +214,19 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
       t.grad_clip, [&holders](torch::Tensor& sq) { holders.all_reduce(sq).wait(); },
       scaler_->unscale());
   opt_->step(lr_at(t, step), scaler_->update(norm, step));  // a non-finite step is skipped
-  // Exposed communication: reductions backward did not hide, the weight all-gather after the
-  // step (stages 1-2), and waits for ZeRO-3 gathers their prefetch did not hide.
-  double exposed = exposed_ms;
   if (c_.parallel.zero == 1 || c_.parallel.zero == 2)
-    exposed += parallel::dp::gather_weights(mesh_->dp_cp(), *opt_);
-  if (gatherer_) {
-    gatherer_->release_all();
-    exposed += gatherer_->take_wait_ms();
-  }
-  return {loss, norm, exposed};
+    parallel::dp::gather_weights(mesh_->dp_cp(), *opt_, weight_gather_wait_);
+  if (gatherer_) gatherer_->release_all();
+  return {loss, norm};
+}
+
+double Trainer::take_exposed_comm_ms() {
+  // Reductions backward did not hide, the weight all-gather after the step (stages 1-2), and
+  // waits for ZeRO-3 gathers their prefetch did not hide (CUDA: from events, read now).
+  const double carried = carried_exposed_ms_;
+  carried_exposed_ms_ = 0;
+  return carried + reducer_->take_wait_ms() + weight_gather_wait_.take_ms() +
+         (gatherer_ ? gatherer_->take_wait_ms() : 0.0);
 }
 
 double Trainer::evaluate() {
@@ -231,6 +235,7 @@ double Trainer::evaluate() {
   const auto& l = mesh_->layout();
   auto total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   const int64_t rows = t.eval_batches * t.global_batch, mine = rows / l.dp;
+  if (gatherer_) carried_exposed_ms_ += gatherer_->take_wait_ms();  // the steps' so far
   auto last = std::chrono::steady_clock::now();
   parallel::pp::StageFns fns{[&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
     const int64_t first = mb * t.micro_batch;
@@ -261,15 +266,19 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   mesh_->group(parallel::GroupKind::kPp).all_reduce(out.loss).wait();
   mesh_->dp_cp().all_reduce(out.loss).wait();
   check_finite();  // every rank: they all hold the same flag
-  if (!metrics_) return;
+  // Device timers are read here, where the host waits for the loss anyway (every rank).
   const double loss = out.loss.item<double>(), norm = out.grad_norm.item<double>();  // host sync
+  const double steps = static_cast<double>(step - last_log_step_);
+  const double exposed_ms = take_exposed_comm_ms() / steps;
+  const auto pp = executor_->take_times();
+  const int64_t timed = step - std::max(last_log_step_, first_step_);  // not the warm-up step
+  pp_step_ms_ += pp.step_ms, pp_compute_ms_ += pp.compute_ms, pp_wait_ms_ += pp.wait_ms;
+  pp_steps_ += std::max<int64_t>(0, timed);
   const auto now = std::chrono::steady_clock::now();
-  const double ms = std::chrono::duration<double, std::milli>(now - last_log_time_).count() /
-                    static_cast<double>(step - last_log_step_);
+  const double ms = std::chrono::duration<double, std::milli>(now - last_log_time_).count() / steps;
   last_log_time_ = now;
-  const double exposed_ms = exposed_comm_ms_sum_ / static_cast<double>(step - last_log_step_);
-  exposed_comm_ms_sum_ = 0;
   last_log_step_ = step;
+  if (!metrics_) return;
   // Per device, as the anchors print it (and as MFU needs it).
   const double tokens_per_s = static_cast<double>(c_.training.global_batch * c_.training.seq_len) /
                               (ms / 1e3) / static_cast<double>(mesh_->world());
@@ -287,12 +296,12 @@ Trainer::~Trainer() = default;
 void Trainer::sync_replicated_grads() {
   // Replicated parameters whose tp ranks each hold part of the gradient (sequence-parallel
   // norms and biases, key/value projections shared by query heads on several ranks): sum them.
-  auto& tp = mesh_->group(parallel::GroupKind::kTp);
-  for (auto& g : tp_summed_grads_) tp.all_reduce(g).wait();
+  // One all-reduce for all of them (not one per parameter).
+  mesh_->group(parallel::GroupKind::kTp).all_reduce_coalesced(tp_summed_grads_, sum_staging_);
   // A tied token table lives on the first stage (embedding) and the last (head): each holds part
   // of its gradient; the sum keeps the two copies equal (Megatron's embedding group).
-  for (auto& g : embedding_grads_)
-    mesh_->group(parallel::GroupKind::kEmbedding).all_reduce(g).wait();
+  mesh_->group(parallel::GroupKind::kEmbedding)
+      .all_reduce_coalesced(embedding_grads_, sum_staging_);
 }
 
 void Trainer::check_finite() const {
@@ -314,7 +323,7 @@ int Trainer::train() {
   for (int64_t step = first_step_; step <= t.steps; ++step) {
     if (peers_) peers_->set_step(step);
     StepOut out = train_step(step);
-    exposed_comm_ms_sum_ += out.exposed_comm_ms;
+    if (step == first_step_) executor_->take_times();  // the warm-up step is not timed
     const bool last = step == t.steps, stop = stop_->stop_after(step);  // same on every rank
     if (step % c_.logging.every == 0 || last || stop) log_step(step, out);
     if (t.eval_every > 0 && (step % t.eval_every == 0 || last)) {

@@ -15,6 +15,7 @@
 #include "engine/stop.h"
 #include "models/registry.h"
 #include "parallel/mesh.h"
+#include "parallel/timing.h"
 
 namespace tessel::parallel::dp {
 class GradReducer;
@@ -53,8 +54,9 @@ class Trainer {
  private:
   struct StepOut {
     torch::Tensor loss, grad_norm;  // device scalars: read only when logging
-    double exposed_comm_ms;         // gradient reduction backward did not hide
   };
+  /// Communication the steps since the last call did not hide, ms (reads device timers).
+  double take_exposed_comm_ms();
   /// The flat layout, optimizer, loss scaler, gradient reduction and ZeRO-3 gathering of this
   /// rank; resumes their state (and the model's) from a checkpoint when the plan says so.
   void setup_state();
@@ -83,6 +85,7 @@ class Trainer {
   // Views of the reduced gradient this rank holds (its ZeRO pieces): parameters whose gradient
   // is summed over tp, and a tied token table on the first or last stage (summed over both).
   std::vector<torch::Tensor> tp_summed_grads_, embedding_grads_;
+  torch::Tensor sum_staging_;  // their packed buffer for one all-reduce
   std::unique_ptr<parallel::pp::Executor> executor_;
   std::vector<int64_t> activation_shape_;  // one micro-batch's activation between stages
   // Pipeline figures summed over the steps after the first (which warms up): step, compute, wait.
@@ -95,10 +98,11 @@ class Trainer {
   // Timing between logged steps: the loss read at a log step is the only host sync.
   std::chrono::steady_clock::time_point last_log_time_, start_time_;
   int64_t last_log_step_ = 0;
-  double exposed_comm_ms_sum_ = 0;  // since the last logged step
-  int64_t first_step_ = 1;          // > 1 when resumed
-  int64_t consumed_ = 0;            // the data position: global samples consumed so far
-  int64_t setup_rss_ = 0;           // peak resident set before the first step
+  parallel::SpanTimer weight_gather_wait_;  // ZeRO 1-2: the all-gather after the step
+  double carried_exposed_ms_ = 0;           // taken early (before an evaluation), not yet logged
+  int64_t first_step_ = 1;                  // > 1 when resumed
+  int64_t consumed_ = 0;                    // the data position: global samples consumed so far
+  int64_t setup_rss_ = 0;                   // peak resident set before the first step
 };
 
 }  // namespace tessel

@@ -265,13 +265,17 @@ torch::Tensor DecoderImpl::positions(int64_t seq, const torch::Device& device) c
   return parallel::cp::local_positions(seq, cp_size(), o_.cp->rank(), device);
 }
 
-std::pair<torch::Tensor, torch::Tensor> DecoderImpl::rope(const torch::Tensor& positions,
-                                                          const torch::Tensor& like) {
+const std::pair<torch::Tensor, torch::Tensor>& DecoderImpl::rope(int64_t seq,
+                                                                 const torch::Device& device,
+                                                                 torch::ScalarType dtype) {
+  auto key = std::make_tuple(seq, device.str(), static_cast<int>(dtype));
+  if (auto it = rope_.find(key); it != rope_.end()) return it->second;
   // Angles in fp32 on the device, then cast to the activation dtype (as Hugging Face does).
-  auto freqs =
-      torch::outer(positions.to(torch::kFloat32), inv_freq_.to(like.device()));  // [s, d/2]
-  auto emb = torch::cat({freqs, freqs}, -1);                                     // [s, d]
-  return {emb.cos().to(like.scalar_type()), emb.sin().to(like.scalar_type())};
+  torch::NoGradGuard no_grad;
+  auto freqs = torch::outer(positions(seq, device).to(torch::kFloat32),
+                            inv_freq_.to(device));  // [s, d/2]
+  auto emb = torch::cat({freqs, freqs}, -1);        // [s, d]
+  return rope_[key] = {emb.cos().to(dtype), emb.sin().to(dtype)};
 }
 
 torch::Tensor DecoderImpl::embed_tokens(const torch::Tensor& tokens,
@@ -284,8 +288,9 @@ torch::Tensor DecoderImpl::embed_tokens(const torch::Tensor& tokens,
 
 torch::Tensor DecoderImpl::run_blocks(int64_t chunk, torch::Tensor x,
                                       const torch::Tensor& positions) {
-  torch::Tensor cos, sin;
-  if (!o_.learned_pos) std::tie(cos, sin) = rope(positions, x);  // attention sees all local tokens
+  torch::Tensor cos, sin;  // attention sees all local tokens (CP: positions of its two chunks)
+  if (!o_.learned_pos)
+    std::tie(cos, sin) = rope(positions.size(0) * cp_size(), x.device(), x.scalar_type());
   int64_t layer = o_.stages.chunks[static_cast<size_t>(chunk)].first;  // global index
   for (auto& block : blocks_[static_cast<size_t>(chunk)]) {
     if (hooks_) x = hooks_->before_block(layer, x);
@@ -337,12 +342,9 @@ torch::Tensor DecoderImpl::loss_sum(const torch::Tensor& rows) {
 torch::Tensor DecoderImpl::token_loss_sum(const torch::Tensor& logits,
                                           const torch::Tensor& targets) {
   auto flat = logits.reshape({-1, logits.size(-1)});  // [b·T, Vp/tp]
-  if (o_.tp->size() == 1) {                           // one process: torch's fused kernel
-    return torch::nn::functional::cross_entropy(
-        flat.to(torch::kFloat32), targets,
-        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
-  }
-  // This rank's logits are its slice of the padded vocabulary (from the head or the table).
+  // This rank's logits are its slice of the padded vocabulary (from the head or the table); with
+  // one tensor-parallel rank, all of it. One fp32 [b·T, V/tp] buffer, softmax and gradient made
+  // in place (torch's cross_entropy would keep an fp32 copy and the log-softmax besides).
   const int64_t v = o_.model.vocab_size;
   return tp::vocab_parallel_cross_entropy(*o_.tp, flat, targets,
                                           tp::vocab_slice_start(v, o_.tp->size(), o_.tp->rank()), v)

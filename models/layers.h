@@ -13,6 +13,8 @@
 
 #include <map>
 #include <set>
+#include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -168,12 +170,16 @@ class DecoderImpl : public torch::nn::Module {
   Norm norm{nullptr};
   parallel::tp::ColumnParallelLinear head{nullptr};  // absent when tied
 
+  /// RoPE's cos and sin for this rank's positions of a `seq`-token sequence, [local, head_dim]
+  /// in `dtype` on `device`: computed once per (seq, device, dtype) and kept (no host-to-device
+  /// copy or recomputation per micro-batch).
+  const std::pair<torch::Tensor, torch::Tensor>& rope(int64_t seq, const torch::Device& device,
+                                                      torch::ScalarType dtype);
+
  private:
   int64_t cp_size() const { return o_.cp ? o_.cp->size() : 1; }
   /// Global positions of this rank's tokens of a `seq`-token sequence (CP: its two chunks).
   torch::Tensor positions(int64_t seq, const torch::Device& device) const;
-  std::pair<torch::Tensor, torch::Tensor> rope(const torch::Tensor& positions,
-                                               const torch::Tensor& like);
   torch::Tensor embed_tokens(const torch::Tensor& tokens, const torch::Tensor& positions);
   torch::Tensor run_blocks(int64_t chunk, torch::Tensor x, const torch::Tensor& positions);
   torch::Tensor logits(const torch::Tensor& x);
@@ -183,6 +189,7 @@ class DecoderImpl : public torch::nn::Module {
   DecoderOptions o_;
   std::shared_ptr<parallel::Group> solo_;  // the group of one when no tp group is given
   torch::Tensor inv_freq_;                 // [head_dim / 2], fp32, as Hugging Face computes it
+  std::map<std::tuple<int64_t, std::string, int>, std::pair<torch::Tensor, torch::Tensor>> rope_;
   std::map<std::string, ParamSpec> specs_;
   BlockHooks* hooks_ = nullptr;
 };

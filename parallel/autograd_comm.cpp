@@ -14,10 +14,11 @@ Group& unpack(AutogradContext* ctx) {
   return *reinterpret_cast<Group*>(static_cast<intptr_t>(ctx->saved_data["g"].toInt()));
 }
 
-torch::Tensor all_reduced(Group& g, const torch::Tensor& x) {
-  auto y = x.contiguous().clone();
-  g.all_reduce(y).wait();
-  return y;
+// Sums x over the group in place when it is contiguous (no copy), else a contiguous copy.
+torch::Tensor all_reduced_in_place(Group& g, torch::Tensor x) {
+  if (!x.is_contiguous()) x = x.contiguous();
+  g.all_reduce(x).wait();
+  return x;
 }
 
 torch::Tensor my_chunk(Group& g, const torch::Tensor& x, int64_t dim) {
@@ -26,19 +27,30 @@ torch::Tensor my_chunk(Group& g, const torch::Tensor& x, int64_t dim) {
   return x.chunk(g.size(), dim)[static_cast<size_t>(g.rank())].contiguous();
 }
 
+// Backward sums the incoming gradient in place (as Megatron does): it is the fresh output of the
+// matmuls' backward that consumed this copy.
 struct CopyTo : torch::autograd::Function<CopyTo> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t g) {
     ctx->saved_data["g"] = g;
     return x.view_as(x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
-    return {all_reduced(unpack(ctx), grad[0]), torch::Tensor()};
+    return {all_reduced_in_place(unpack(ctx), grad[0]), torch::Tensor()};
   }
 };
 
+// Forward sums the row-parallel matmul's partial output in place (nothing saved it) and marks
+// it dirty, so that autograd refuses any later use of the unsummed value.
 struct ReduceFrom : torch::autograd::Function<ReduceFrom> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t g) {
-    return all_reduced(*reinterpret_cast<Group*>(static_cast<intptr_t>(g)), x);
+    auto& group = *reinterpret_cast<Group*>(static_cast<intptr_t>(g));
+    // A leaf that requires grad (a test's input) cannot be edited in place: sum a copy.
+    if (!x.is_contiguous() || (x.is_leaf() && x.requires_grad()))
+      return all_reduced_in_place(group, x.clone(at::MemoryFormat::Contiguous));
+    auto y = x;
+    group.all_reduce(y).wait();
+    ctx->mark_dirty({x});
+    return x;
   }
   static variable_list backward(AutogradContext*, variable_list grad) {
     return {grad[0], torch::Tensor()};
@@ -64,30 +76,38 @@ struct DimPair : torch::autograd::Function<DimPair<Forward, Backward>> {
 
 }  // namespace
 
+// Rank r's part is chunk r along `dim`. The collective runs on [n, ...] buffers; moving n next
+// to `dim` copies only when a dimension before `dim` is larger than 1 (with one sequence per
+// micro-batch, sequence parallelism moves no data besides the collective).
 torch::Tensor all_gather_dim(Group& g, const torch::Tensor& x, int64_t dim) {
   if (g.size() == 1) return x;
-  auto front = x.movedim(dim, 0).contiguous();  // [k, ...]
-  auto sizes = front.sizes().vec();
-  sizes[0] *= g.size();
-  auto out = torch::empty(sizes, front.options());  // [n·k, ...], rank r's rows at [r·k, (r+1)·k)
+  auto in = x.contiguous();
+  auto sizes = in.sizes().vec();
+  sizes.insert(sizes.begin(), g.size());
+  auto out = torch::empty(sizes, in.options());  // [n, ...]: rank r's tensor at [r]
   auto flat_out = out.view({-1});
-  auto flat_in = front.view({-1});
+  auto flat_in = in.view({-1});
   g.all_gather(flat_out, flat_in).wait();
-  return out.movedim(0, dim);
+  auto merged = in.sizes().vec();
+  merged[static_cast<size_t>(dim)] *= g.size();
+  return out.movedim(0, dim).reshape(merged);  // a view when nothing precedes dim
 }
 
 torch::Tensor reduce_scatter_dim(Group& g, const torch::Tensor& x, int64_t dim) {
   if (g.size() == 1) return x;
-  auto front = x.movedim(dim, 0).contiguous();  // [n·k, ...]
-  TORCH_CHECK(front.size(0) % g.size() == 0, "reduce_scatter: size ", front.size(0), " of dim ",
-              dim, " is not divisible by group ", g.name(), " of ", g.size());
-  auto sizes = front.sizes().vec();
-  sizes[0] /= g.size();
-  auto out = torch::empty(sizes, front.options());
+  TORCH_CHECK(x.size(dim) % g.size() == 0, "reduce_scatter: size ", x.size(dim), " of dim ", dim,
+              " is not divisible by group ", g.name(), " of ", g.size());
+  auto split = x.sizes().vec();  // [..., n, k, ...]
+  split[static_cast<size_t>(dim)] /= g.size();
+  split.insert(split.begin() + dim, g.size());
+  auto in = x.reshape(split).movedim(dim, 0).contiguous();  // [n, ..., k, ...]
+  auto sizes = x.sizes().vec();
+  sizes[static_cast<size_t>(dim)] /= g.size();
+  auto out = torch::empty(sizes, x.options());
   auto flat_out = out.view({-1});
-  auto flat_in = front.view({-1});
+  auto flat_in = in.view({-1});
   g.reduce_scatter(flat_out, flat_in).wait();
-  return out.movedim(0, dim);
+  return out;
 }
 
 torch::Tensor copy_to(Group& g, const torch::Tensor& x) {

@@ -44,6 +44,29 @@ Work Group::all_reduce(torch::Tensor& t, c10d::ReduceOp op) {
   return {backend_->allreduce(v, c10d::AllreduceOptions{op}), what("all_reduce")};
 }
 
+void Group::all_reduce_coalesced(const std::vector<torch::Tensor>& tensors,
+                                 torch::Tensor& staging) {
+  if (size() == 1 || tensors.empty()) return;
+  int64_t n = 0;
+  for (const auto& t : tensors) n += t.numel();
+  const auto& first = tensors.front();
+  if (!staging.defined() || staging.numel() < n || staging.scalar_type() != first.scalar_type() ||
+      staging.device() != first.device())
+    staging = torch::empty({n}, first.options());
+  auto flat = staging.narrow(0, 0, n);
+  // One kernel packs (cat), one multi-tensor kernel unpacks (_foreach_copy_).
+  std::vector<torch::Tensor> flats, parts;
+  int64_t at = 0;
+  for (const auto& t : tensors) {
+    flats.push_back(t.reshape({-1}));
+    parts.push_back(flat.narrow(0, at, t.numel()).view(t.sizes()));
+    at += t.numel();
+  }
+  torch::cat_out(flat, flats);
+  all_reduce(flat).wait();
+  at::_foreach_copy_(tensors, parts);
+}
+
 Work Group::broadcast(torch::Tensor& t, int64_t root) {
   if (size() == 1) return {};
   std::vector<at::Tensor> v{t};

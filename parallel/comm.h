@@ -61,6 +61,12 @@ class Group {
   std::string backend_name() const { return backend_ ? backend_->getBackendName() : "none"; }
 
   Work all_reduce(torch::Tensor& t, c10d::ReduceOp op = c10d::ReduceOp::SUM);
+  /// Sums `tensors` (one dtype and device; any shapes, views allowed) with one all-reduce: they
+  /// are packed into `staging` (a flat buffer kept by the caller, grown when too small), summed
+  /// and unpacked in place. Blocks until done on Gloo; stream-ordered on NCCL.
+  void all_reduce_coalesced(const std::vector<torch::Tensor>& tensors, torch::Tensor& staging);
+  /// Collectives issued on this group so far (tests count them).
+  int64_t calls() const { return seq_; }
   Work broadcast(torch::Tensor& t, int64_t root);
   Work reduce(torch::Tensor& t, int64_t root, c10d::ReduceOp op = c10d::ReduceOp::SUM);
   /// out: [size·n] <- every rank's in: [n] (contiguous), in rank order.

@@ -267,6 +267,9 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const to
         auto opts = c10d::ProcessGroupNCCL::Options::create();
         opts->timeout = timeout;
         backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, my, n, opts);
+        // Bound to this rank's device (the current one, set at start): NCCL never guesses the
+        // device from the rank, and communicators are created for it.
+        backend->setBoundDeviceId(device);
       }
     }
     return std::make_unique<Group>(name, ranks, w.rank, backend);

@@ -1,6 +1,7 @@
 // tessel-bench-comm: an nccl-tests-style table (size, time, algbw, busbw) for each collective over
 // the world group, on Gloo (CPU) or NCCL (CUDA). Run it under tessel-launch:
 //   tessel-launch --nproc-per-node 4 -- build/bin/tessel-bench-comm --backend gloo
+#include <c10/cuda/CUDAFunctions.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
@@ -30,6 +31,7 @@ double time_op(Group& g, const std::string& op, int64_t elems, int iters, int wa
   auto small = torch::ones({std::max<int64_t>(1, elems / n)}, opts);
   auto big = torch::ones({std::max<int64_t>(1, elems / n) * n}, opts);
   auto whole = torch::ones({elems}, opts);
+  auto big_out = torch::empty_like(big);  // all_to_all: input and output are distinct buffers
   auto once = [&] {
     tessel::parallel::Work w;
     if (op == "all_reduce")
@@ -41,15 +43,15 @@ double time_op(Group& g, const std::string& op, int64_t elems, int iters, int wa
     else if (op == "reduce_scatter")
       w = g.reduce_scatter(small, big);
     else
-      w = g.all_to_all(big, big);
+      w = g.all_to_all(big_out, big);
     w.wait();
   };
   for (int i = 0; i < warmup; ++i) once();
-  if (dev.is_cuda()) torch::cuda::synchronize();
+  if (dev.is_cuda()) torch::cuda::synchronize(dev.index());  // this rank's device
   g.barrier();
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < iters; ++i) once();
-  if (dev.is_cuda()) torch::cuda::synchronize();
+  if (dev.is_cuda()) torch::cuda::synchronize(dev.index());
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
 }
 
@@ -77,6 +79,7 @@ int main(int argc, char** argv) {
     const bool cuda = backend == "nccl" || (backend == "auto" && torch::cuda::is_available());
     const torch::Device dev =
         cuda ? torch::Device(torch::kCUDA, static_cast<int8_t>(world.local_rank)) : torch::kCPU;
+    if (cuda) c10::cuda::set_device(dev.index());  // before any CUDA or NCCL work
     // A plan of defaults whose only layout is data parallelism over every process.
     tessel::Config c = tessel::load_config_text(
         fmt::format(

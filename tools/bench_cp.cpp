@@ -3,6 +3,7 @@
 // method the median time, the bytes this rank moved (collective payloads and p2p sends, from the
 // group's counters) and the theory for them. Run it under tessel-launch:
 //   tessel-launch --nproc-per-node 2 -- build/bin/tessel-bench-cp --seq 1024
+#include <c10/cuda/CUDAFunctions.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
@@ -33,7 +34,7 @@ double time_fwd_bwd(F fn, const std::vector<torch::Tensor>& inputs, const torch:
     for (auto x : inputs) x.mutable_grad() = torch::Tensor();
     const auto t0 = std::chrono::steady_clock::now();
     (fn() * w).sum().backward();
-    if (inputs[0].is_cuda()) torch::cuda::synchronize();
+    if (inputs[0].is_cuda()) torch::cuda::synchronize(inputs[0].device().index());
     if (i > 0)
       t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
@@ -61,6 +62,7 @@ int main(int argc, char** argv) {
     const bool cuda = torch::cuda::is_available();
     const torch::Device dev =
         cuda ? torch::Device(torch::kCUDA, static_cast<int8_t>(world.local_rank)) : torch::kCPU;
+    if (cuda) c10::cuda::set_device(dev.index());  // before any CUDA or NCCL work
     const int64_t n = world.world;
     if (seq % (2 * n) != 0 || heads % kv_heads != 0)
       throw std::invalid_argument(fmt::format(

@@ -17,17 +17,14 @@ struct ReadyHook : torch::autograd::PostAccumulateGradHook {
   std::function<void(const torch::autograd::Variable&)> fn;
 };
 
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-
 }  // namespace
 
 GradReducer::GradReducer(const Mesh& mesh, models::Decoder& model, FlatAdamW& opt)
     : mesh_(mesh),
       opt_(opt),
       reduce_(mesh.dp_cp().size() > 1 || opt.zero() >= 2),
-      in_place_(mesh.dp_cp().backend_name() == "nccl") {
+      in_place_(mesh.dp_cp().backend_name() == "nccl"),
+      wait_(time_on_device(mesh.device(), mesh.dp_cp().backend_name())) {
   const auto& layout = opt.layout();
   // Each chunk's slots are one contiguous range (the model registers them so).
   const auto chunks = static_cast<size_t>(model->chunks());
@@ -121,9 +118,9 @@ void GradReducer::check_complete(size_t i) const {
 void GradReducer::drain(size_t i) {
   const auto& b = opt_.layout().buckets()[i];
   auto& st = state_[i];
-  const auto t0 = std::chrono::steady_clock::now();
+  wait_.start();
   st.work.wait();
-  wait_ms_ += ms_since(t0);
+  wait_.stop();
   if (opt_.zero() >= 2) {
     opt_.grad_shard().narrow(0, b.shard_offset, opt_.layout().piece_numel(b)).add_(st.piece);
     live_bucket_bytes_ -= st.buffer.numel() * 4;
@@ -160,7 +157,7 @@ void GradReducer::end_backward(int64_t chunk, bool final) {
   opt_.fold_microbatch(begin, end);
 }
 
-double GradReducer::finish() {
+void GradReducer::finish() {
   std::fill(final_.begin(), final_.end(), false);
   if (reduce_ && opt_.zero() < 2)
     for (size_t i = 0; i < state_.size(); ++i) {
@@ -168,14 +165,11 @@ double GradReducer::finish() {
       drain(i);
       state_[i].ready = 0;
     }
-  const double ms = wait_ms_;
-  wait_ms_ = 0;
-  return ms;
 }
 
-double gather_weights(Group& dp_cp, FlatAdamW& opt) {
-  if (dp_cp.size() == 1) return 0;
-  const auto t0 = std::chrono::steady_clock::now();
+void gather_weights(Group& dp_cp, FlatAdamW& opt, SpanTimer& timer) {
+  if (dp_cp.size() == 1) return;
+  timer.start();
   const auto& layout = opt.layout();
   const bool in_place = dp_cp.backend_name() == "nccl";
   std::vector<Work> works;
@@ -188,7 +182,7 @@ double gather_weights(Group& dp_cp, FlatAdamW& opt) {
     works.push_back(dp_cp.all_gather(whole, keep.back()));
   }
   for (auto& w : works) w.wait();
-  return ms_since(t0);
+  timer.stop();
 }
 
 }  // namespace tessel::parallel::dp

@@ -21,6 +21,7 @@
 #include "engine/optim.h"
 #include "models/layers.h"
 #include "parallel/mesh.h"
+#include "parallel/timing.h"
 
 namespace tessel::parallel::dp {
 
@@ -44,9 +45,11 @@ class GradReducer {
   /// After it: stages 0-1 fold bf16/fp16 gradients of a micro-batch that is not reduced;
   /// stages 2-3 add this micro-batch's reduced pieces into the gradient shard.
   void end_backward(int64_t chunk, bool final);
-  /// After the step's last backward: waits for every bucket and returns the time spent waiting
-  /// on reductions this step (the communication backward did not hide), in ms.
-  double finish();
+  /// After the step's last backward: waits for every bucket (orders the stream on NCCL).
+  void finish();
+  /// Milliseconds spent waiting on reductions since the last call (the communication backward
+  /// did not hide); on CUDA read from events, so call it where the host waits anyway.
+  double take_wait_ms() { return wait_.take_ms(); }
   /// Stage 3: called when backward has produced every gradient of bucket `b` (its unit's
   /// parameters are no longer needed this micro-batch).
   std::function<void(size_t b)> on_bucket_done;
@@ -70,13 +73,13 @@ class GradReducer {
   std::vector<bool> final_;                               // per chunk, during its last backward
   bool reduce_ = false;    // anything to do: dp×cp > 1, or gradients sharded
   bool in_place_ = false;  // NCCL reduce-scatters and all-gathers in place
-  double wait_ms_ = 0;
+  SpanTimer wait_;
   int64_t live_bucket_bytes_ = 0, peak_bucket_bytes_ = 0;
 };
 
 /// Stages 1-2, after the optimizer step: every rank updated only its piece of each bucket; one
-/// all-gather per bucket gives every rank the whole weights again. Returns the milliseconds it
-/// waited (all of it exposed: nothing runs beside it).
-double gather_weights(Group& dp_cp, FlatAdamW& opt);
+/// all-gather per bucket gives every rank the whole weights again. `timer` times the wait (all of
+/// it exposed: nothing runs beside it).
+void gather_weights(Group& dp_cp, FlatAdamW& opt, SpanTimer& timer);
 
 }  // namespace tessel::parallel::dp

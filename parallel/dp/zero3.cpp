@@ -26,7 +26,8 @@ void allocate_storage(const torch::Tensor& t) {
 
 }  // namespace
 
-UnitGatherer::UnitGatherer(Group& dp_cp, FlatAdamW& opt) : dp_cp_(dp_cp), opt_(opt) {
+UnitGatherer::UnitGatherer(Group& dp_cp, FlatAdamW& opt)
+    : dp_cp_(dp_cp), opt_(opt), wait_(dp_cp.backend_name() == "nccl") {  // NCCL: on CUDA
   const auto& buckets = opt.layout().buckets();
   for (size_t b = 0; b < buckets.size(); ++b) {
     auto& u = units_[buckets[b].unit];
@@ -72,17 +73,10 @@ void UnitGatherer::start(Unit& u) {
 
 void UnitGatherer::ready(Unit& u) {
   start(u);
-  const auto t0 = std::chrono::steady_clock::now();
+  wait_.start();
   for (auto& w : u.pending) w.wait();
-  wait_ms_ +=
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  wait_.stop();
   u.pending.clear();
-}
-
-double UnitGatherer::take_wait_ms() {
-  const double ms = wait_ms_;
-  wait_ms_ = 0;
-  return ms;
 }
 
 void UnitGatherer::release(Unit& u) {

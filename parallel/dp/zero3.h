@@ -10,6 +10,8 @@
 // is kept after forward, since its backward comes next.
 #pragma once
 
+#include "parallel/timing.h"
+
 #include <map>
 #include <string>
 #include <vector>
@@ -33,7 +35,7 @@ class UnitGatherer : public models::BlockHooks {
   void release_all();
   /// Milliseconds spent waiting for gathers since the last call (communication compute did not
   /// hide), and resets the count.
-  double take_wait_ms();
+  double take_wait_ms() { return wait_.take_ms(); }
   /// Bytes of gathered weights held at once, at most, so far.
   int64_t peak_gathered_bytes() const { return peak_bytes_; }
   /// Bytes of the largest unit.
@@ -59,7 +61,7 @@ class UnitGatherer : public models::BlockHooks {
   std::vector<std::string> unit_of_bucket_;
   int64_t last_layer_ = -1;
   int64_t live_bytes_ = 0, peak_bytes_ = 0;
-  double wait_ms_ = 0;
+  SpanTimer wait_;
 };
 
 }  // namespace tessel::parallel::dp

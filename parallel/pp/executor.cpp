@@ -13,11 +13,6 @@
 namespace tessel::parallel::pp {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
-
 // What one (micro-batch, chunk) holds between its actions.
 struct Held {
   torch::Tensor input;         // received activation (a leaf: its .grad goes back to the sender)
@@ -33,7 +28,10 @@ Executor::Executor(Group& pp, Schedule schedule, std::vector<int64_t> activation
     : pp_(pp),
       schedule_(std::move(schedule)),
       shape_(std::move(activation_shape)),
-      options_(options) {
+      options_(options),
+      step_(time_on_device(options.device(), pp.backend_name())),
+      compute_(time_on_device(options.device(), pp.backend_name())),
+      wait_(time_on_device(options.device(), pp.backend_name())) {
   TORCH_CHECK(pp_.size() == schedule_.stages, "pipeline group of ", pp_.size(),
               " ranks for a schedule of ", schedule_.stages);
   const auto& list = schedule_.ranks[static_cast<size_t>(pp_.rank())];
@@ -45,7 +43,7 @@ Executor::Executor(Group& pp, Schedule schedule, std::vector<int64_t> activation
 }
 
 StepStats Executor::run(const StageFns& fns) {
-  const auto t_step = Clock::now();
+  step_.start();
   const int64_t p = schedule_.stages, stages = p * schedule_.virtual_stages, r = pp_.rank();
   const int64_t m = schedule_.microbatches;
   const bool training = torch::GradMode::is_enabled();
@@ -80,9 +78,9 @@ StepStats Executor::run(const StageFns& fns) {
   StepStats st;
   int64_t live = 0;
   auto land = [&](Pending& r) {
-    const auto t0 = Clock::now();
+    wait_.start();
     r.work.wait();
-    st.wait_ms += ms_since(t0);
+    wait_.stop();
     if (r.host.defined()) r.dst.copy_(r.host, /*non_blocking=*/true);
   };
   // Posts the pending sends and receives together. Over Gloo every operation has its own work:
@@ -92,9 +90,9 @@ StepStats Executor::run(const StageFns& fns) {
     if (batch.empty()) return;
     auto works = pp_.send_recv(batch);
     if (works.size() != batch.size()) {
-      const auto t0 = Clock::now();
+      wait_.start();
       for (auto& w : works) w.wait();
-      st.wait_ms += ms_since(t0);
+      wait_.stop();
       for (auto& [key, r] : posted) land(r);
     } else {
       size_t next_recv = 0;
@@ -151,9 +149,9 @@ StepStats Executor::run(const StageFns& fns) {
         flush();
         await(a.microbatch, a.chunk, false);
         if (training && h.input.defined()) h.input.requires_grad_(true);
-        const auto t0 = Clock::now();
+        compute_.start();
         auto out = fns.forward(a.microbatch, a.chunk, h.input);
-        st.compute_ms += ms_since(t0);
+        compute_.stop();
         const bool last = stage == stages - 1;
         if (training) {
           h.edge = torch::autograd::impl::gradient_edge(out);
@@ -173,11 +171,11 @@ StepStats Executor::run(const StageFns& fns) {
                     a.microbatch, " before its forward");
         const bool final = last_backward_[i];
         if (fns.before_backward) fns.before_backward(a.chunk, final);
-        const auto t0 = Clock::now();
+        compute_.start();
         torch::autograd::Engine::get_default_engine().execute(
             {h.edge}, {h.grad}, /*keep_graph=*/false, /*create_graph=*/false,
             /*accumulate_grad=*/true, /*outputs=*/{});
-        st.compute_ms += ms_since(t0);
+        compute_.stop();
         if (fns.after_backward) fns.after_backward(a.chunk, final);
         --live;
         h.edge = torch::autograd::Edge();
@@ -190,11 +188,13 @@ StepStats Executor::run(const StageFns& fns) {
   flush();
   TORCH_CHECK(pending.empty(), "pipeline rank ", r, ": ", pending.size(),
               " received tensors were never used");
-  const auto t0 = Clock::now();
+  wait_.start();
   for (auto& w : sends) w.wait();
-  st.wait_ms += ms_since(t0);
-  st.step_ms = ms_since(t_step);
+  wait_.stop();
+  step_.stop();
   return st;
 }
+
+StepTimes Executor::take_times() { return {step_.take_ms(), compute_.take_ms(), wait_.take_ms()}; }
 
 }  // namespace tessel::parallel::pp

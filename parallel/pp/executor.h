@@ -13,6 +13,7 @@
 
 #include "parallel/comm.h"
 #include "parallel/pp/schedule.h"
+#include "parallel/timing.h"
 
 namespace tessel::parallel::pp {
 
@@ -27,10 +28,14 @@ struct StageFns {
   std::function<void(int64_t chunk, bool final)> after_backward;
 };
 
-/// One step as this rank saw it (host clock: on CUDA compute is asynchronous, so compute_ms is
-/// launch time there and only step_ms is meaningful).
+/// One step as this rank saw it.
 struct StepStats {
   int64_t peak_activations = 0;  // micro-batch chunks forwarded and not yet backwarded, at most
+};
+
+/// Time of the steps since the last take: whole steps, forward/backward compute, and waits for
+/// transfers (host clock on CPU and Gloo; CUDA events on the compute stream with NCCL).
+struct StepTimes {
   double step_ms = 0, compute_ms = 0, wait_ms = 0;
   double bubble() const { return step_ms > 0 ? (step_ms - compute_ms) / step_ms : 0.0; }
 };
@@ -44,6 +49,9 @@ class Executor {
 
   /// Runs this rank's list once. With grad mode off (evaluation) forwards keep no graph.
   StepStats run(const StageFns& fns);
+  /// The time of every step run since the last call (reads CUDA events: call it where the host
+  /// waits anyway).
+  StepTimes take_times();
   const Schedule& schedule() const { return schedule_; }
 
  private:
@@ -52,6 +60,7 @@ class Executor {
   std::vector<int64_t> shape_;
   torch::TensorOptions options_;
   std::vector<bool> last_backward_;  // per action of this rank: the chunk's last backward
+  SpanTimer step_, compute_, wait_;
 };
 
 }  // namespace tessel::parallel::pp

@@ -83,36 +83,38 @@ using torch::autograd::variable_list;
 
 // Softmax statistics cross the group as [N] vectors: the max, the sum of exponentials and the
 // target's logit. Backward is local: softmax minus the one-hot target (if this rank holds it).
+// Memory: one fp32 [N, V/tp] buffer (the logits' fp32 copy, turned into the softmax in place and
+// kept for backward, which turns it into the gradient in place) besides the input.
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits_in,
                                const torch::Tensor& targets, int64_t group, int64_t vocab_start,
                                int64_t vocab) {
     Group& g = *reinterpret_cast<Group*>(static_cast<intptr_t>(group));
-    auto logits = logits_in.to(torch::kFloat32);  // [N, Vl]
-    const int64_t vl = logits.size(1);
-    if (vocab_start + vl > vocab) {  // padding columns on this rank: never part of the softmax
-      auto col = torch::arange(vl, logits.options().dtype(torch::kInt64)) + vocab_start;
-      logits = logits.masked_fill(col >= vocab, -std::numeric_limits<float>::infinity());
-    }
-    auto max = std::get<0>(logits.max(1));  // [N]
+    // A copy even when the logits are fp32 already: they are the head's output, not ours to edit.
+    auto w = logits_in.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);  // [N, Vl]
+    const int64_t vl = w.size(1);
+    if (vocab_start + vl > vocab)  // padding columns (the last ones): never part of the softmax
+      w.narrow(1, vocab - vocab_start, vocab_start + vl - vocab)
+          .fill_(-std::numeric_limits<float>::infinity());
+    auto max = std::get<0>(w.max(1));  // [N]
     g.all_reduce(max, c10d::ReduceOp::MAX).wait();
-    auto shifted = logits - max.unsqueeze(1);
-    auto exp = shifted.exp();
-    auto sum = exp.sum(1);
-    g.all_reduce(sum).wait();
     auto mine = (targets >= vocab_start) & (targets < vocab_start + vl);
     auto local_t = (targets - vocab_start).masked_fill(~mine, 0);
-    auto target_logit = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0);
+    auto target_logit = (w.gather(1, local_t.unsqueeze(1)).squeeze(1) - max).masked_fill(~mine, 0);
     g.all_reduce(target_logit).wait();
-    ctx->save_for_backward({exp / sum.unsqueeze(1), local_t, mine});
+    w.sub_(max.unsqueeze(1)).exp_();
+    auto sum = w.sum(1);
+    g.all_reduce(sum).wait();
+    w.div_(sum.unsqueeze(1));  // softmax
+    ctx->save_for_backward({w, local_t, mine});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits_in.scalar_type());
     return sum.log() - target_logit;  // [N]
   }
 
+  // Runs once per forward (no retain_graph): the saved softmax becomes the gradient in place.
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
     auto saved = ctx->get_saved_variables();
-    auto softmax = saved[0], local_t = saved[1], mine = saved[2];
-    auto g = softmax.clone();
+    auto g = saved[0], local_t = saved[1], mine = saved[2];
     g.scatter_add_(1, local_t.unsqueeze(1), -mine.to(g.scalar_type()).unsqueeze(1));
     g.mul_(grad[0].unsqueeze(1));
     auto dtype = static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt());

@@ -46,6 +46,34 @@ TEST(Collectives, TypedWrappers) {
   g.barrier();
 }
 
+TEST(Collectives, CoalescedAllReduceIsOneCollective) {
+  // Views of one flat buffer, of several shapes, as the replicated gradients are.
+  auto& g = group();
+  auto buffer = torch::zeros({40});
+  std::vector<torch::Tensor> views = {buffer.narrow(0, 0, 6).view({2, 3}), buffer.narrow(0, 10, 1),
+                                      buffer.narrow(0, 20, 12).view({3, 4})};
+  for (size_t i = 0; i < views.size(); ++i)
+    views[i].copy_(torch::arange(views[i].numel()).view(views[i].sizes()) * (r() + 1) +
+                   static_cast<double>(i));
+  torch::Tensor staging;
+  const int64_t before = g.calls();
+  g.all_reduce_coalesced(views, staging);
+  EXPECT_EQ(g.calls() - before, 1);  // one all-reduce, not one per tensor
+  for (size_t i = 0; i < views.size(); ++i) {
+    auto want =
+        (torch::arange(views[i].numel()) * (n() * (n() + 1) / 2) + n() * static_cast<double>(i))
+            .view(views[i].sizes())
+            .to(torch::kFloat);
+    EXPECT_TRUE(torch::allclose(views[i], want)) << i;
+  }
+  // Elements between the views are untouched; the staging buffer is kept for the next call.
+  EXPECT_EQ(buffer.narrow(0, 6, 4).abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(buffer.narrow(0, 32, 8).abs().sum().item<double>(), 0.0);
+  const auto* kept = staging.data_ptr();
+  g.all_reduce_coalesced(views, staging);
+  EXPECT_EQ(staging.data_ptr(), kept);
+}
+
 // loss = sum(y · w) with w = (rank + 1): closed forms for every value and gradient below.
 torch::Tensor backward_through(const torch::Tensor& y) {
   (y * (r() + 1)).sum().backward();

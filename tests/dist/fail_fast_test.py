@@ -70,6 +70,8 @@ class FailFast(TmpDirTest):
             _, err = q.communicate(timeout=30)
             self.assertEqual(q.returncode, 128 + signal.SIGTERM, err)
             self.assertLess(time.time() - t0, 5)
+            print(f"\nnode {rank} waiting for the other node: out {time.time() - t0:.2f} s after SIGTERM",
+                  file=sys.stderr)
             self.assertIn("nothing started", err)
         # A master name that does not resolve: said at once.
         p = subprocess.run([LAUNCH, "--nnodes", "2", "--node-rank", "1", "--master-addr", "no-such-host.invalid",
@@ -84,7 +86,10 @@ class FailFast(TmpDirTest):
         t0 = time.time()
         procs = self.ranks([[path], [path, "--set", "training.threads=100000"]])
         errs = [p.communicate(timeout=120)[1] for p in procs]
-        self.assertLess(time.time() - t0, 30)  # not parallel.timeout_s (300 s)
+        took = time.time() - t0
+        self.assertLess(took, 30)  # not parallel.timeout_s (300 s)
+        print(f"\nrank 1 failed its start-up checks: both ranks out in {took:.1f} s (timeout_s 300)",
+              file=sys.stderr)
         self.assertEqual([p.returncode for p in procs], [2, 2], errs)
         self.assertIn("training.threads (100000) is more than", errs[1])
         self.assertIn("1 of 2 ranks failed their start-up checks, so none starts; rank 1:", errs[0])
@@ -138,7 +143,9 @@ class FailFast(TmpDirTest):
         procs = self.ranks([[path], [path]])
         t0 = time.time()
         errs = [p.communicate(timeout=120)[1] for p in procs]
-        self.assertLess(time.time() - t0, 60)
+        took = time.time() - t0
+        self.assertLess(took, 60)
+        print(f"\nrank 0 failed mid-run: rank 1 stopped naming it, both out in {took:.1f} s", file=sys.stderr)
         self.assertEqual([p.returncode for p in procs], [2, 1], errs)
         self.assertIn("metrics.jsonl: cannot write metrics: No space left on device", errs[0])
         self.assertRegex(errs[1], r"tessel-train\[rank 1\]: (error|internal error): stopping because rank 0 failed: ")

@@ -1,0 +1,118 @@
+// What a GPU step must not do, checked on CPU: recompute RoPE tables per micro-batch, or keep
+// several fp32 copies of the logits for the loss. CPU allocations are counted by an allocator
+// installed for the test.
+#include <c10/core/CPUAllocator.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "models/registry.h"
+#include "parallel/tp/layers.h"
+
+namespace tessel {
+namespace {
+
+// Counts the bytes the CPU allocator hands out (now and at peak), delegating to the default.
+class CountingAllocator final : public c10::Allocator {
+ public:
+  CountingAllocator() : base_(c10::GetCPUAllocator()) {}
+  c10::DataPtr allocate(size_t n) override {
+    auto inner = base_->allocate(n);
+    void* data = inner.get();
+    const auto device = inner.device();
+    auto* ctx = new Ctx{std::move(inner), n, this};
+    peak_ = std::max<int64_t>(peak_, now_ += static_cast<int64_t>(n));
+    return {data, ctx, &CountingAllocator::release, device};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+  void install() { c10::SetCPUAllocator(this, /*priority=*/100); }
+  void uninstall() { c10::SetCPUAllocator(base_, /*priority=*/100); }
+  void reset_peak() { peak_ = now_.load(); }
+  int64_t now() const { return now_; }
+  int64_t peak() const { return peak_; }
+
+ private:
+  struct Ctx {
+    c10::DataPtr inner;
+    size_t n;
+    CountingAllocator* self;
+  };
+  static void release(void* p) {
+    auto* c = static_cast<Ctx*>(p);
+    c->self->now_ -= static_cast<int64_t>(c->n);
+    delete c;
+  }
+  c10::Allocator* base_;
+  std::atomic<int64_t> now_{0}, peak_{0};
+};
+
+TEST(Memory, CrossEntropyKeepsOneFp32CopyOfTheLogits) {
+  torch::manual_seed(0);
+  const int64_t n = 512, v = 1000;
+  parallel::Group solo("solo", {0}, 0, nullptr);
+  CountingAllocator counter;
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    auto logits = torch::randn({n, v}).to(dtype).requires_grad_();
+    auto targets = torch::randint(0, v, {n});
+    // The reference: torch's own cross entropy in fp32.
+    auto ref_logits = logits.detach().to(torch::kFloat32).requires_grad_();
+    auto ref = torch::nn::functional::cross_entropy(
+        ref_logits, targets,
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    ref.backward();
+
+    counter.install();
+    const int64_t base = counter.now();
+    counter.reset_peak();
+    auto loss = parallel::tp::vocab_parallel_cross_entropy(solo, logits, targets, 0, v).sum();
+    loss.backward();
+    const int64_t extra = counter.peak() - base;
+    counter.uninstall();
+
+    const double fp32_logits = static_cast<double>(n * v * 4);
+    // One fp32 [n, v] buffer (softmax, then the gradient in place), plus the gradient in the
+    // logits' dtype when that is not fp32; the [n] statistics are small.
+    const double budget = fp32_logits * (dtype == torch::kFloat32 ? 1.1 : 1.6);
+    EXPECT_LT(static_cast<double>(extra), budget)
+        << c10::toString(dtype) << ": peak " << extra << " bytes beyond the inputs";
+    std::printf("cross entropy %s [%lld, %lld]: peak %.2f x the fp32 logits\n",
+                c10::toString(dtype), static_cast<long long>(n), static_cast<long long>(v),
+                static_cast<double>(extra) / fp32_logits);
+    const double tol = dtype == torch::kFloat32 ? 1e-5 : 1e-2;
+    EXPECT_NEAR(loss.item<double>(), ref.item<double>(), tol * std::abs(ref.item<double>()));
+    EXPECT_TRUE(torch::allclose(logits.grad().to(torch::kFloat32), ref_logits.grad(), tol, tol));
+  }
+}
+
+TEST(Memory, RopeTablesAreComputedOncePerShapeDeviceAndDtype) {
+  auto c = load_config_text(
+               "data: {path: x, format: tokens}\nmodel: {arch: llama, layers: 1, hidden: 32, heads: 4, "
+               "kv_heads: 2, ffn_hidden: 64, vocab_size: 100, max_seq_len: 128}\n",
+               "t")
+               .model;
+  auto model = models::build_model(c, 1);
+  const auto& a = model->rope(16, torch::kCPU, torch::kFloat32);
+  const auto& b = model->rope(16, torch::kCPU, torch::kFloat32);
+  EXPECT_EQ(a.first.data_ptr(), b.first.data_ptr());  // the same tables, not recomputed
+  EXPECT_EQ(a.second.data_ptr(), b.second.data_ptr());
+  // Hugging Face's definition: angle = position / theta^(2i/d), cos/sin of [angles, angles].
+  const int64_t d = 8;
+  auto inv = 1.0 / torch::pow(c.rope_theta, torch::arange(0, d, 2).to(torch::kFloat32) / d);
+  auto ang = torch::outer(torch::arange(16).to(torch::kFloat32), inv);
+  EXPECT_TRUE(torch::allclose(a.first, torch::cat({ang, ang}, -1).cos()));
+  EXPECT_TRUE(torch::allclose(a.second, torch::cat({ang, ang}, -1).sin()));
+  // Another length or dtype: other tables.
+  const auto& h = model->rope(16, torch::kCPU, torch::kBFloat16);
+  EXPECT_EQ(h.first.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(model->rope(32, torch::kCPU, torch::kFloat32).first.size(0), 32);
+  // A forward pass of a length seen before uses those tables (it does not replace them).
+  model->forward(torch::randint(0, 100, {2, 16}));
+  EXPECT_EQ(model->rope(16, torch::kCPU, torch::kFloat32).first.data_ptr(), a.first.data_ptr());
+}
+
+}  // namespace
+}  // namespace tessel
