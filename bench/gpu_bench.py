@@ -1,0 +1,161 @@
+"""Tessel against PyTorch on one GPU, in one sitting: configs/default.yaml's model and GPT-2 124M,
+bf16, world size 1 (NCCL backend), then the same model and batch in PyTorch eager and under
+torch.compile (bf16 autocast, fp32 master weights, fused AdamW). Prints tokens/s, MFU and the
+ratios; writes OUT/gpu_bench.json. bench/gpu.sh builds and runs it.
+
+Without a GPU (--cpu, or when CUDA is unavailable) it runs the same path on the CPU with a tiny
+model and a few steps: a check that the script works, not a figure to report."""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import BIN, ROOT  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+GPT2_124M = {"arch": "gpt2", "layers": 12, "hidden": 768, "heads": 12, "vocab_size": 50304, "max_seq_len": 1024}
+
+
+def plans(cpu):
+    """(name, model keys over configs/default.yaml's model, batch, seq, steps)."""
+    if cpu:  # small stand-ins and a few steps: the path works, the figures mean nothing
+        return [("default (cpu, 2 layers)", {"layers": 2}, 4, 64, 6),
+                ("gpt2 shape (cpu, 2x256, vocab 4096)", {"layers": 2, "hidden": 256, "heads": 4,
+                                                          "vocab_size": 4096}, 2, 64, 6)]
+    return [("default", {}, 64, 128, 40), ("gpt2-124M", GPT2_124M, 8, 1024, 40)]
+
+
+def default_model():
+    import yaml  # PyYAML comes with transformers
+    with open(os.path.join(ROOT, "configs", "default.yaml")) as f:
+        return yaml.safe_load(f)["model"]
+
+
+def token_file(out, vocab, n):
+    path = os.path.join(out, f"tokens_{vocab}.u16")
+    if not os.path.exists(path):
+        np.random.default_rng(0).integers(0, vocab, size=n, dtype=np.uint16).tofile(path)
+    return path
+
+
+def run_tessel(out, name, model, batch, seq, steps, cpu):
+    """Trains with tessel-train under tessel-launch (world 1); returns (tokens/s, MFU, GFLOP/token,
+    peak TFLOP/s, the resolved model section)."""
+    run_dir = os.path.join(out, re.sub(r"\W+", "_", name))
+    sets = [f"run.output_dir={run_dir}", f"training.steps={steps}", f"training.global_batch={batch}",
+            f"training.micro_batch={batch}", f"training.seq_len={seq}", "training.eval_every=0",
+            "logging.every=1", "checkpoint.every=0", "checkpoint.resume=never",
+            f"training.device={'cpu' if cpu else 'cuda'}", f"training.dtype={'fp32' if cpu else 'bf16'}",
+            f"parallel.backend={'gloo' if cpu else 'nccl'}", "training.schedule.warmup_steps=2"]
+    sets += [f"model.{k}={v}" for k, v in model.items()]
+    vocab = dict(default_model(), **model)["vocab_size"]
+    sets.append(f"data.path=[{token_file(out, vocab, batch * (seq + 1) * (steps + 2) + 10)}]")
+    sets += ["data.format=tokens", "data.token_dtype=uint16", "data.val_fraction=0"]
+    cmd = [os.path.join(BIN, "tessel-launch"), "--nproc-per-node", "1", "--",
+           os.path.join(BIN, "tessel-train"), os.path.join(ROOT, "configs", "default.yaml")]
+    for s in sets:
+        cmd += ["--set", s]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"tessel-train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    gflop = float(re.search(r"MFU: ([0-9.e+-]+) GFLOP/token", p.stdout).group(1))
+    peak = float(re.search(r"peak ([0-9.e+-]+) TFLOP/s", p.stdout).group(1))
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+        resolved = f.read()
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if '"loss"' in line]
+    timed = rows[len(rows) // 4:]  # after warm-up
+    tps = statistics.median(r["tokens_per_s"] for r in timed)
+    mfu = statistics.median(r["mfu"] for r in timed)
+    return tps, mfu, gflop, peak, resolved
+
+
+def model_section(resolved):
+    """The model keys of a resolved config.yaml (a flat YAML section)."""
+    m, inside = {}, False
+    for line in resolved.splitlines():
+        if line.startswith("model:"):
+            inside = True
+            continue
+        if inside and not line.startswith("  "):
+            break
+        if inside and ":" in line:
+            k, v = line.strip().split(":", 1)
+            m[k.strip()] = v.strip()
+    return m
+
+
+def run_pytorch(m, batch, seq, steps, cpu, compile_):
+    """The same GPT-2 in PyTorch (transformers' GPT2LMHeadModel): tokens/s (median after warm-up)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    dev = "cpu" if cpu else "cuda"
+    cfg = GPT2Config(vocab_size=int(m["vocab_size"]), n_positions=int(m["max_seq_len"]), n_embd=int(m["hidden"]),
+                     n_layer=int(m["layers"]), n_head=int(m["heads"]), resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, attn_implementation="sdpa")
+    model = GPT2LMHeadModel(cfg).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=not cpu)
+    fwd = torch.compile(model) if compile_ else model
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(dev)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=not cpu):
+            loss = fwd(input_ids=data[:, :-1], labels=data[:, 1:]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if not cpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return batch * seq / statistics.median(times[len(times) // 4:])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("out")
+    ap.add_argument("--cpu", action="store_true", help="the CPU dry path (automatic without CUDA)")
+    a = ap.parse_args()
+    cpu = a.cpu or not torch.cuda.is_available()
+    os.makedirs(a.out, exist_ok=True)
+    device = "cpu" if cpu else torch.cuda.get_device_name(0)
+    results = []
+    for name, model, batch, seq, steps in plans(cpu):
+        tps, mfu, gflop, peak, resolved = run_tessel(a.out, name, model, batch, seq, steps, cpu)
+        m = model_section(resolved)
+        row = {"plan": name, "batch": batch, "seq": seq, "tessel_tok_s": tps, "tessel_mfu": mfu}
+        for label, comp in (("eager", False), ("compile", True)):
+            try:
+                t = run_pytorch(m, batch, seq, steps, cpu, comp)
+                row[f"{label}_tok_s"] = t
+                row[f"{label}_mfu"] = t * gflop * 1e9 / (peak * 1e12) if peak > 0 else 0.0
+            except Exception as e:  # torch.compile needs a working toolchain; say why it is missing
+                row[f"{label}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        results.append(row)
+    print(f"# bench/gpu.sh on {device}, torch {torch.__version__}, commit "
+          f"{subprocess.run(['git', '-C', ROOT, 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}"
+          f"{' (CPU dry path: not a figure to report)' if cpu else ''}")
+    print("| plan | batch x seq | Tessel tok/s | MFU | PyTorch eager tok/s | MFU | torch.compile tok/s | MFU | "
+          "Tessel / eager | Tessel / compile |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        def cell(k):
+            return f"{r[k + '_tok_s']:.0f} | {100 * r[k + '_mfu']:.1f}%" if k + "_tok_s" in r else \
+                f"({r.get(k + '_error', 'n/a')}) | -"
+        ratio = lambda k: f"{r['tessel_tok_s'] / r[k + '_tok_s']:.2f}" if k + "_tok_s" in r else "-"  # noqa: E731
+        print(f"| {r['plan']} | {r['batch']}x{r['seq']} | {r['tessel_tok_s']:.0f} | {100 * r['tessel_mfu']:.1f}% | "
+              f"{cell('eager')} | {cell('compile')} | {ratio('eager')} | {ratio('compile')} |")
+    with open(os.path.join(a.out, "gpu_bench.json"), "w") as f:
+        json.dump({"device": device, "cpu_dry_path": cpu, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
