@@ -6,12 +6,15 @@
 
 #include <c10/cuda/CUDAFunctions.h>
 #include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <functional>
+#include <future>
 #include <map>
 #include <optional>
 
@@ -54,6 +57,25 @@ RunLock check_start(const Config& c, const parallel::WorldInfo& w) {
   // communicators would otherwise land on device 0 from every rank).
   if (device.is_cuda()) c10::cuda::set_device(device.index());
   return w.rank == 0 ? RunLock(c.run.output_dir) : RunLock();
+}
+
+// Runs `fn` aside and waits at most `seconds` for it: TCPStore calls have no deadline when the
+// server (rank 0) is stopped. `fn` owns what it uses (captured by value), so a thread that does
+// not return in time is left behind safely (this rank is failing and about to exit).
+template <class T>
+std::optional<T> within(double seconds, std::function<T()> fn) {
+  auto done = std::make_shared<std::promise<std::optional<T>>>();
+  auto result = done->get_future();
+  std::thread([done, fn = std::move(fn)] {
+    try {
+      done->set_value(fn());
+    } catch (const std::exception&) {
+      done->set_value(std::nullopt);
+    }
+  }).detach();
+  if (result.wait_for(std::chrono::duration<double>(seconds)) != std::future_status::ready)
+    return std::nullopt;
+  return result.get();
 }
 
 }  // namespace
@@ -106,20 +128,26 @@ RunLock::~RunLock() {
 }
 
 Peers::Peers(c10::intrusive_ptr<c10d::Store> store, int64_t rank, int64_t world, double timeout_s,
-             std::string where)
+             const std::string& host, int port)
     : store_(std::move(store)),
+      host_(host),
+      port_(port),
       rank_(rank),
       world_(world),
       timeout_s_(timeout_s),
-      where_(std::move(where)) {}
+      where_(fmt::format("{}:{}", host, port)) {}
 
 Peers::~Peers() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    std::lock_guard<std::mutex> lock(beat_->mu);
+    beat_->stop = true;
   }
-  cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  beat_->cv.notify_all();
+  if (!thread_.joinable()) return;
+  if (beat_->failed)
+    thread_.detach();  // it may be blocked on a stopped rank 0's store: the process is ending
+  else
+    thread_.join();
 }
 
 void Peers::agree_on_start(const std::string& my_error) {
@@ -157,29 +185,35 @@ void Peers::agree_on_start(const std::string& my_error) {
 }
 
 void Peers::start_heartbeat() {
-  thread_ = std::thread([this] { beat_loop(); });
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(port_);
+  o.isServer = false;
+  o.timeout = std::chrono::seconds(5);
+  beat_->store = c10::make_intrusive<c10d::TCPStore>(host_, o);
+  beat_->rank = rank_;
+  thread_ = std::thread([b = beat_] { beat_loop(b); });
 }
 
-void Peers::beat_loop() {
+void Peers::beat_loop(const std::shared_ptr<Beat>& b) {
   const char* env_rank = std::getenv("RANK");
   int64_t beats = 0;
   std::optional<Clock::time_point> seen_failure;
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stop_) {
+  std::unique_lock<std::mutex> lock(b->mu);
+  while (!b->stop) {
     lock.unlock();
     try {
-      store_->set(key("beat", rank_),
-                  bytes(fmt::format("{} {}", ++beats, step_.load(std::memory_order_relaxed))));
-      if (!failed_ && store_->check({"tessel/failed"})) {
+      b->store->set(key("beat", b->rank),
+                    bytes(fmt::format("{} {}", ++beats, b->step.load(std::memory_order_relaxed))));
+      if (!b->failed && b->store->check({"tessel/failed"})) {
         // Another rank failed: give this rank a moment to fail on its own (the same error on
         // every rank), then end it rather than wait for a collective to time out.
         if (!seen_failure) seen_failure = Clock::now();
-        if (Clock::now() - *seen_failure > std::chrono::seconds(3) && !failed_) {
+        if (Clock::now() - *seen_failure > std::chrono::seconds(3) && !b->failed) {
           std::fprintf(stderr, "tessel-train[rank %s]: error: stopping because %s\n",
-                       env_rank ? env_rank : std::to_string(rank_).c_str(),
-                       text(store_->get("tessel/failed")).c_str());
+                       env_rank ? env_rank : std::to_string(b->rank).c_str(),
+                       text(b->store->get("tessel/failed")).c_str());
           std::fflush(nullptr);
-          store_->add("tessel/gone", 1);
+          b->store->add("tessel/gone", 1);
           std::_Exit(1);
         }
       }
@@ -187,78 +221,76 @@ void Peers::beat_loop() {
       return;  // the store is gone (rank 0 ended): collectives report what happened
     }
     lock.lock();
-    cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; });
+    b->cv.wait_for(lock, std::chrono::seconds(1), [&] { return b->stop; });
   }
 }
 
 void Peers::report_failure(const std::string& what) {
-  failed_ = true;
-  try {
-    store_->setTimeout(std::chrono::seconds(5));
-    store_->compareSet("tessel/failed", {}, bytes(fmt::format("rank {} failed: {}", rank_, what)));
-    store_->add("tessel/gone", 1);
-    // Rank 0 serves the store: it stays a few seconds so that the others can read the failure
-    // (their heartbeat sees it within a second and ends them three seconds later).
+  beat_->failed = true;
+  // Rank 0 serves the store: it stays a few seconds so that the others can read the failure
+  // (their heartbeat sees it within a second and ends them three seconds later).
+  within<bool>(10, [store = store_, rank = rank_, world = world_, what] {
+    store->compareSet("tessel/failed", {}, bytes(fmt::format("rank {} failed: {}", rank, what)));
+    store->add("tessel/gone", 1);
     const auto until = Clock::now() + std::chrono::seconds(6);
-    while (rank_ == 0 && store_->add("tessel/gone", 0) < world_ && Clock::now() < until)
+    while (rank == 0 && store->add("tessel/gone", 0) < world && Clock::now() < until)
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  } catch (const std::exception&) {
-    // The store is unreachable; the launcher (or the collectives' timeout) stops the others.
-  }
+    return true;
+  });
 }
 
 std::string Peers::failure() {
-  try {
-    return store_->check({"tessel/failed"}) ? text(store_->get("tessel/failed")) : "";
-  } catch (const std::exception&) {
-    return "";
-  }
+  return within<std::string>(5,
+                             [store = store_] {
+                               return store->check({"tessel/failed"})
+                                          ? text(store->get("tessel/failed"))
+                                          : std::string();
+                             })
+      .value_or("");
 }
 
 std::string Peers::diagnose() {
-  try {
-    store_->setTimeout(std::chrono::seconds(5));
-    auto sample = [&] {
-      std::map<int64_t, std::pair<int64_t, int64_t>> s;  // rank -> (beats, step)
-      for (int64_t r = 0; r < world_; ++r) {
-        if (!store_->check({key("beat", r)})) {
-          s[r] = {-1, -1};
-          continue;
-        }
-        int64_t b = 0, st = 0;
-        std::sscanf(text(store_->get(key("beat", r))).c_str(), "%ld %ld", &b, &st);
-        s[r] = {b, st};
+  using Beats = std::map<int64_t, std::pair<int64_t, int64_t>>;  // rank -> (beats, step)
+  auto sample = [store = store_, world = world_]() -> Beats {
+    Beats s;
+    for (int64_t r = 0; r < world; ++r) {
+      if (!store->check({key("beat", r)})) {
+        s[r] = {-1, -1};
+        continue;
       }
-      return s;
-    };
-    const auto before = sample();
-    std::this_thread::sleep_for(std::chrono::milliseconds(3200));
-    const auto after = sample();
-    std::vector<int64_t> silent;
-    int64_t newest = 0;
-    for (const auto& [r, bs] : after) newest = std::max(newest, bs.second);
-    std::string behind;
-    for (const auto& [r, bs] : after) {
-      if (r != rank_ && bs.first == before.at(r).first) silent.push_back(r);
-      if (bs.second >= 0 && bs.second < newest && bs.first != before.at(r).first)
-        behind += fmt::format("{}rank {} at step {}", behind.empty() ? "" : ", ", r, bs.second);
+      int64_t b = 0, st = 0;
+      std::sscanf(text(store->get(key("beat", r))).c_str(), "%ld %ld", &b, &st);
+      s[r] = {b, st};
     }
-    std::string out;
-    if (!silent.empty())
-      out = fmt::format(
-          "{} stopped responding (no heartbeat for 3 s: stopped, hung, dead, or its host is "
-          "unreachable)",
-          list(silent));
-    if (!behind.empty())
-      out += fmt::format("{}behind the others (at step {}): {}", out.empty() ? "" : "; ", newest,
-                         behind);
-    return out;
-  } catch (const std::exception&) {
+    return s;
+  };
+  const auto before = within<Beats>(5, sample);
+  if (before) std::this_thread::sleep_for(std::chrono::milliseconds(3200));
+  const auto after = before ? within<Beats>(5, sample) : std::nullopt;
+  if (!after)
     return fmt::format(
         "the rendezvous store at {} (served by rank 0) does not answer: rank 0 has stopped or "
         "died",
         where_);
+  std::vector<int64_t> silent;
+  int64_t newest = 0;
+  for (const auto& [r, bs] : *after) newest = std::max(newest, bs.second);
+  std::string behind;
+  for (const auto& [r, bs] : *after) {
+    if (r != rank_ && bs.first == before->at(r).first) silent.push_back(r);
+    if (bs.second >= 0 && bs.second < newest && bs.first != before->at(r).first)
+      behind += fmt::format("{}rank {} at step {}", behind.empty() ? "" : ", ", r, bs.second);
   }
+  std::string out;
+  if (!silent.empty())
+    out = fmt::format(
+        "{} stopped responding (no heartbeat for 3 s: stopped, hung, dead, or its host is "
+        "unreachable)",
+        list(silent));
+  if (!behind.empty())
+    out += fmt::format("{}behind the others (at step {}): {}", out.empty() ? "" : "; ", newest,
+                       behind);
+  return out;
 }
 
 Start start_run(const std::string& plan, const std::vector<std::string>& sets,
@@ -285,8 +317,8 @@ Start start_run(const std::string& plan, const std::vector<std::string>& sets,
       if (f.key == "parallel.timeout_s") timeout_s = std::get<double>(f.def);
   }
   s.store = parallel::rendezvous(world, timeout_s);
-  s.peers = std::make_shared<Peers>(s.store, world.rank, world.world, timeout_s,
-                                    fmt::format("{}:{}", world.master_addr, world.master_port));
+  s.peers = std::make_shared<Peers>(s.store, world.rank, world.world, timeout_s, world.master_addr,
+                                    world.master_port);
   if (loaded) {
     try {
       s.lock = check_start(s.config, world);

@@ -46,8 +46,9 @@ class RunLock {
 
 class Peers {
  public:
+  /// `store`: the rendezvous store (rank 0 serves it at host:port).
   Peers(c10::intrusive_ptr<c10d::Store> store, int64_t rank, int64_t world, double timeout_s,
-        std::string where);
+        const std::string& host, int port);
   ~Peers();
   Peers(const Peers&) = delete;
   Peers& operator=(const Peers&) = delete;
@@ -55,9 +56,11 @@ class Peers {
   /// Posts this rank's start-up result ("" = ready) and waits for every rank's; throws UserError
   /// on every rank when any failed (naming it) or did not arrive within the timeout.
   void agree_on_start(const std::string& my_error);
-  /// Starts the heartbeat thread (after the start-up agreement).
+  /// Starts the heartbeat thread (after the start-up agreement). It talks to the store over a
+  /// connection of its own with a 5 s timeout: a stopped rank 0 never holds it (or the exit that
+  /// joins it) for parallel.timeout_s.
   void start_heartbeat();
-  void set_step(int64_t step) { step_.store(step, std::memory_order_relaxed); }
+  void set_step(int64_t step) { beat_->step.store(step, std::memory_order_relaxed); }
   /// Records this rank's failure so that the others stop at once (the first failure wins).
   void report_failure(const std::string& what);
   /// The failure another rank posted ("rank R failed: ..."), or "".
@@ -67,16 +70,25 @@ class Peers {
   std::string diagnose();
 
  private:
-  void beat_loop();
+  // What the heartbeat thread uses, shared with it: a thread blocked on a stopped rank 0's store
+  // can be left behind when this rank fails, without touching a destroyed Peers.
+  struct Beat {
+    c10::intrusive_ptr<c10d::Store> store;  // a connection of its own (5 s timeout)
+    int64_t rank = 0;
+    std::atomic<int64_t> step{0};
+    std::atomic<bool> failed{false};  // this rank reported a failure itself
+    std::mutex mu;
+    std::condition_variable cv;
+    bool stop = false;
+  };
+  static void beat_loop(const std::shared_ptr<Beat>& b);
   c10::intrusive_ptr<c10d::Store> store_;
+  std::string host_;
+  int port_;
   int64_t rank_, world_;
   double timeout_s_;
   std::string where_;  // host:port of the store
-  std::atomic<int64_t> step_{0};
-  std::atomic<bool> failed_{false};  // this rank reported a failure itself
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
+  std::shared_ptr<Beat> beat_ = std::make_shared<Beat>();
   std::thread thread_;
 };
 

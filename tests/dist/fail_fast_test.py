@@ -133,6 +133,21 @@ class FailFast(TmpDirTest):
         no_backtrace(self, err)
         print("\n" + err.strip()[-400:], file=sys.stderr)
 
+    def test_a_stopped_rank_0_is_named_and_the_others_exit(self):
+        # Rank 0 also serves the store: the others name it and exit (no wait on its store).
+        procs = self.start_pair("stop0", timeout_s=3)
+        procs[0].send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        _, err = procs[1].communicate(timeout=90)
+        took = time.time() - t0
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].communicate()
+        self.assertEqual(procs[1].returncode, 1, err)
+        self.assertIn("(served by rank 0) does not answer: rank 0 has stopped or died", err)
+        self.assertLess(took, 45)
+        print(f"\nrank 0 stopped: rank 1 named it and exited in {took:.1f} s (timeout_s 3)", file=sys.stderr)
+        no_backtrace(self, err)
+
     def test_a_failing_rank_stops_the_others_at_once(self):
         # Rank 0 fails after its first step (its metrics file cannot be written); rank 1, waiting
         # in a collective, stops within seconds naming rank 0 and its error, instead of waiting
