@@ -229,6 +229,7 @@ void Peers::report_failure(const std::string& what) {
   beat_->failed = true;
   // Rank 0 serves the store: it stays a few seconds so that the others can read the failure
   // (their heartbeat sees it within a second and ends them three seconds later).
+  if (store_silent_) return;
   within<bool>(10, [store = store_, rank = rank_, world = world_, what] {
     store->compareSet("tessel/failed", {}, bytes(fmt::format("rank {} failed: {}", rank, what)));
     store->add("tessel/gone", 1);
@@ -240,13 +241,12 @@ void Peers::report_failure(const std::string& what) {
 }
 
 std::string Peers::failure() {
-  return within<std::string>(5,
-                             [store = store_] {
-                               return store->check({"tessel/failed"})
-                                          ? text(store->get("tessel/failed"))
-                                          : std::string();
-                             })
-      .value_or("");
+  if (store_silent_) return "";
+  auto got = within<std::string>(5, [store = store_] {
+    return store->check({"tessel/failed"}) ? text(store->get("tessel/failed")) : std::string();
+  });
+  store_silent_ = !got;
+  return got.value_or("");
 }
 
 std::string Peers::diagnose() {
@@ -267,6 +267,7 @@ std::string Peers::diagnose() {
   const auto before = within<Beats>(5, sample);
   if (before) std::this_thread::sleep_for(std::chrono::milliseconds(3200));
   const auto after = before ? within<Beats>(5, sample) : std::nullopt;
+  store_silent_ = !after;
   if (!after)
     return fmt::format(
         "the rendezvous store at {} (served by rank 0) does not answer: rank 0 has stopped or "

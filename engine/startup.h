@@ -89,6 +89,7 @@ class Peers {
   double timeout_s_;
   std::string where_;  // host:port of the store
   std::shared_ptr<Beat> beat_ = std::make_shared<Beat>();
+  bool store_silent_ = false;  // a failure-path call found the store not answering: skip it now
   std::thread thread_;
 };
 
