@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "engine/safetensors.h"
+#include "engine/tokenizer.h"
 
 namespace fs = std::filesystem;
 
@@ -510,7 +511,42 @@ CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& mo
   return {index.at("step").get<int64_t>(), index.at("consumed_samples").get<int64_t>()};
 }
 
-void export_hf(const std::string& checkpoint_dir, const std::string& out_dir) {
+namespace {
+
+// Copies the tokenizer files into `out` and returns its special tokens.
+SpecialTokens export_tokenizer(const std::string& tokenizer, const fs::path& out,
+                               const ModelConfig& m) {
+  fs::path src = tokenizer;
+  if (fs::is_directory(src)) src /= "tokenizer.json";
+  if (!fs::is_regular_file(src))
+    throw UserError("--tokenizer: " + src.string() + " does not exist");
+  auto s = special_tokens(src.string());
+  if (s.vocab_size > m.vocab_size)
+    throw UserError("--tokenizer " + src.string() + " has " + std::to_string(s.vocab_size) +
+                    " ids but the model's vocabulary (model.vocab_size) is " +
+                    std::to_string(m.vocab_size));
+  fs::copy_file(src, out / "tokenizer.json", fs::copy_options::overwrite_existing);
+  for (const char* extra : {"tokenizer_config.json", "special_tokens_map.json"})
+    if (fs::exists(src.parent_path() / extra))
+      fs::copy_file(src.parent_path() / extra, out / extra, fs::copy_options::overwrite_existing);
+  nlohmann::json specials = nlohmann::json::object();
+  if (s.bos) specials["bos_token"] = s.bos_text;
+  if (s.eos) specials["eos_token"] = s.eos_text;
+  if (!fs::exists(out / "tokenizer_config.json")) {
+    auto cfg = specials;
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast";
+    cfg["model_max_length"] = m.max_seq_len;
+    write_file_atomic((out / "tokenizer_config.json").string(), cfg.dump(2) + "\n");
+  }
+  if (!fs::exists(out / "special_tokens_map.json"))
+    write_file_atomic((out / "special_tokens_map.json").string(), specials.dump(2) + "\n");
+  return s;
+}
+
+}  // namespace
+
+void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
+               const std::string& tokenizer) {
   const std::string dir = resolve_checkpoint(checkpoint_dir);
   Config c = load_config((fs::path(dir) / "config.yaml").string());
   // The fp32 master copy is exact for bf16 runs too (their model weights are its rounding).
@@ -525,9 +561,17 @@ void export_hf(const std::string& checkpoint_dir, const std::string& out_dir) {
   fs::create_directories(out_dir);
   write_safetensors((fs::path(out_dir) / "model.safetensors").string(), arch.to_hf(w, c.model),
                     {{"format", "pt"}});
-  write_file_atomic((fs::path(out_dir) / "config.json").string(),
-                    arch.hf_config(c.model).dump(2) + "\n");
-  spdlog::info("exported {} ({} tensors) to {}", dir, w.size(), out_dir);
+  auto config = arch.hf_config(c.model);
+  if (!tokenizer.empty()) {
+    auto s = export_tokenizer(tokenizer, out_dir, c.model);
+    nlohmann::json gen = {{"_from_model_config", true}};
+    for (auto [key, id] : {std::pair{"bos_token_id", s.bos}, std::pair{"eos_token_id", s.eos}})
+      if (id) config[key] = gen[key] = *id;
+    write_file_atomic((fs::path(out_dir) / "generation_config.json").string(), gen.dump(2) + "\n");
+  }
+  write_file_atomic((fs::path(out_dir) / "config.json").string(), config.dump(2) + "\n");
+  spdlog::info("exported {} ({} tensors{}) to {}", dir, w.size(),
+               tokenizer.empty() ? "" : ", with the tokenizer", out_dir);
 }
 
 }  // namespace tessel

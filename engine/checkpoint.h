@@ -47,6 +47,10 @@ CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& mo
                                 LossScaler* scaler = nullptr);
 
 /// `tessel-train export`: Hugging Face-named model.safetensors + config.json into out_dir.
-void export_hf(const std::string& checkpoint_dir, const std::string& out_dir);
+/// `tokenizer` (a tokenizer.json or its folder; empty: none): copied beside the weights with
+/// tokenizer_config.json and special_tokens_map.json (written when the source has none), and its
+/// bos/eos ids go into config.json and generation_config.json.
+void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
+               const std::string& tokenizer = "");
 
 }  // namespace tessel

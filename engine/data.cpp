@@ -9,8 +9,10 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include "engine/safetensors.h"
@@ -39,31 +41,6 @@ std::shared_ptr<Mapping> map_file(const std::string& path) {
   if (m->size && m->ptr == MAP_FAILED)
     throw UserError(path + ": cannot map: " + std::strerror(errno));
   return m;
-}
-
-std::vector<std::string> expand(const std::string& pattern) {
-  glob_t g{};
-  int rc = ::glob(pattern.c_str(), GLOB_NOSORT, nullptr, &g);
-  std::vector<std::string> out;
-  if (rc == 0)
-    for (size_t i = 0; i < g.gl_pathc; ++i) out.emplace_back(g.gl_pathv[i]);
-  globfree(&g);
-  std::sort(out.begin(), out.end());
-  if (out.empty()) throw UserError("data.path: '" + pattern + "' matches no file");
-  return out;
-}
-
-// Index of the first invalid UTF-8 byte, or -1.
-int64_t utf8_error(const uint8_t* p, int64_t n) {
-  for (int64_t i = 0; i < n;) {
-    uint8_t c = p[i];
-    int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-    if (len == 0 || i + len > n) return i;
-    for (int k = 1; k < len; ++k)
-      if ((p[i + k] & 0xC0) != 0x80) return i;
-    i += len;
-  }
-  return -1;
 }
 
 // Reports progress at most every two seconds while a long preparation runs.
@@ -132,6 +109,30 @@ void add_token_files(TokenStream& s, const std::vector<std::string>& patterns, i
 const char kIdxMagic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', 0, 0};
 
 }  // namespace
+
+std::vector<std::string> expand(const std::string& pattern) {
+  glob_t g{};
+  int rc = ::glob(pattern.c_str(), GLOB_NOSORT, nullptr, &g);
+  std::vector<std::string> out;
+  if (rc == 0)
+    for (size_t i = 0; i < g.gl_pathc; ++i) out.emplace_back(g.gl_pathv[i]);
+  globfree(&g);
+  std::sort(out.begin(), out.end());
+  if (out.empty()) throw UserError("data.path: '" + pattern + "' matches no file");
+  return out;
+}
+
+int64_t utf8_error(const uint8_t* p, int64_t n) {
+  for (int64_t i = 0; i < n;) {
+    uint8_t c = p[i];
+    int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+    if (len == 0 || i + len > n) return i;
+    for (int k = 1; k < len; ++k)
+      if ((p[i + k] & 0xC0) != 0x80) return i;
+    i += len;
+  }
+  return -1;
+}
 
 void TokenStream::add(Span s) {
   starts_.push_back(total_);
@@ -253,29 +254,70 @@ void add_megatron(TokenStream& s, const std::string& prefix) {
   s.storage.push_back(bm);
 }
 
-void write_megatron(const std::string& prefix, const std::vector<std::vector<uint16_t>>& docs) {
-  std::string bin_data, idx_data;
-  std::vector<int32_t> lens;
-  std::vector<int64_t> ptrs, doc_idx{0};
-  for (const auto& d : docs) {
-    ptrs.push_back(static_cast<int64_t>(bin_data.size()));
-    lens.push_back(static_cast<int32_t>(d.size()));
-    bin_data.append(reinterpret_cast<const char*>(d.data()), d.size() * 2);
-    doc_idx.push_back(static_cast<int64_t>(lens.size()));
+MegatronWriter::MegatronWriter(const std::string& prefix, int64_t vocab_size)
+    : prefix_(prefix), elem_(vocab_size <= 65536 ? 2 : 4) {
+  bin_ = std::fopen((prefix + ".bin.tmp").c_str(), "wb");
+  if (!bin_) throw UserError(prefix + ".bin.tmp: cannot create (" + std::strerror(errno) + ")");
+}
+
+MegatronWriter::~MegatronWriter() {
+  if (bin_) {
+    std::fclose(bin_);
+    std::remove((prefix_ + ".bin.tmp").c_str());
   }
-  auto put = [&](const void* v, size_t n) { idx_data.append(static_cast<const char*>(v), n); };
-  uint64_t version = 1, n_seq = lens.size(), n_doc = doc_idx.size();
-  uint8_t code = 8;  // uint16
+}
+
+void MegatronWriter::add(const uint32_t* tokens, int64_t n) {
+  buf_.resize(static_cast<size_t>(n) * elem_);
+  if (elem_ == 2) {
+    auto* o = reinterpret_cast<uint16_t*>(buf_.data());
+    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<uint16_t>(tokens[i]);
+  } else {
+    std::memcpy(buf_.data(), tokens, buf_.size());
+  }
+  if (n > 0 && std::fwrite(buf_.data(), 1, buf_.size(), bin_) != buf_.size())
+    throw UserError(prefix_ + ".bin.tmp: write failed (" + std::strerror(errno) + ")");
+  ptrs_.push_back(bytes_);
+  lens_.push_back(static_cast<int32_t>(n));
+  bytes_ += static_cast<int64_t>(buf_.size());
+  tokens_ += n;
+}
+
+void MegatronWriter::finish() {
+  std::string idx;
+  auto put = [&](const void* v, size_t n) { idx.append(static_cast<const char*>(v), n); };
+  std::vector<int64_t> doc_idx(lens_.size() + 1);
+  for (size_t i = 0; i < doc_idx.size(); ++i) doc_idx[i] = static_cast<int64_t>(i);
+  uint64_t version = 1, n_seq = lens_.size(), n_doc = doc_idx.size();
+  uint8_t code = elem_ == 2 ? 8 : 4;  // uint16 | int32
   put(kIdxMagic, 9);
   put(&version, 8);
   put(&code, 1);
   put(&n_seq, 8);
   put(&n_doc, 8);
-  put(lens.data(), 4 * lens.size());
-  put(ptrs.data(), 8 * ptrs.size());
+  put(lens_.data(), 4 * lens_.size());
+  put(ptrs_.data(), 8 * ptrs_.size());
   put(doc_idx.data(), 8 * doc_idx.size());
-  write_file_atomic(prefix + ".bin", bin_data);
-  write_file_atomic(prefix + ".idx", idx_data);
+  const bool ok = std::fflush(bin_) == 0 && ::fsync(::fileno(bin_)) == 0;
+  std::fclose(bin_);
+  bin_ = nullptr;
+  if (!ok) {
+    std::remove((prefix_ + ".bin.tmp").c_str());
+    throw UserError(prefix_ + ".bin.tmp: write failed (" + std::strerror(errno) + ")");
+  }
+  // .bin first: a reader opens the pair through .idx, which appears last.
+  std::filesystem::rename(prefix_ + ".bin.tmp", prefix_ + ".bin");
+  write_file_atomic(prefix_ + ".idx", idx);
+}
+
+void write_megatron(const std::string& prefix, const std::vector<std::vector<uint16_t>>& docs) {
+  MegatronWriter w(prefix, 65536);
+  std::vector<uint32_t> ids;
+  for (const auto& d : docs) {
+    ids.assign(d.begin(), d.end());
+    w.add(ids.data(), static_cast<int64_t>(ids.size()));
+  }
+  w.finish();
 }
 
 TokenStream open_stream(const DataConfig& d) {

@@ -8,6 +8,7 @@
 
 #include <torch/types.h>
 
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -48,11 +49,40 @@ class TokenStream {
   int64_t total_ = 0;
 };
 
+/// The files a path or glob names, sorted; UserError when none.
+std::vector<std::string> expand(const std::string& pattern);
+/// Index of the first invalid UTF-8 byte of p[0, n), or -1.
+int64_t utf8_error(const uint8_t* p, int64_t n);
+
 /// Opens the plan's data (text files/globs, megatron prefixes, or token files).
 TokenStream open_stream(const DataConfig& d);
 
 /// Megatron-LM MMapIndexedDataset: prefix.idx + prefix.bin. Errors name the file and what is wrong.
 void add_megatron(TokenStream& s, const std::string& prefix);
+
+/// Streams a Megatron-LM dataset: prefix.bin grows one document at a time; finish() writes
+/// prefix.idx (version 1, one sequence per document) and renames both into place, so a prefix
+/// is never left half-written. Tokens are uint16 (code 8) when the vocabulary fits, else int32
+/// (code 4: what Megatron's own preprocessing writes; its format has no uint32 code).
+class MegatronWriter {
+ public:
+  MegatronWriter(const std::string& prefix, int64_t vocab_size);
+  ~MegatronWriter();  // unfinished: the temporary files are removed
+  void add(const uint32_t* tokens, int64_t n);
+  void finish();
+  int64_t documents() const { return static_cast<int64_t>(lens_.size()); }
+  int64_t tokens() const { return tokens_; }
+  int elem_size() const { return elem_; }
+
+ private:
+  std::string prefix_;
+  int elem_;
+  std::FILE* bin_ = nullptr;
+  std::vector<int32_t> lens_;
+  std::vector<int64_t> ptrs_;
+  int64_t tokens_ = 0, bytes_ = 0;
+  std::vector<char> buf_;
+};
 
 /// Writes prefix.bin / prefix.idx (uint16 tokens, version 1) with one sequence per document.
 void write_megatron(const std::string& prefix, const std::vector<std::vector<uint16_t>>& docs);

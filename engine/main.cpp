@@ -6,8 +6,10 @@
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "engine/checkpoint.h"
@@ -15,6 +17,7 @@
 #include "engine/optim.h"
 #include "engine/score.h"
 #include "engine/startup.h"
+#include "engine/tokenizer.h"
 #include "engine/train.h"
 #include "models/registry.h"
 #include "parallel/mesh.h"
@@ -77,8 +80,10 @@ int run_train(int argc, char** argv) {
   app.add_flag("--help-config", help_config,
                "Print the reference of every plan key (Markdown) and exit");
   app.footer(
-      "Subcommands:\n  tessel-train score CONFIG --weights W.safetensors --tokens T.bin\n"
-      "  tessel-train export CHECKPOINT_DIR --format hf --out DIR");
+      "Subcommands:\n  tessel-train score CONFIG --weights W.safetensors (--tokens T.bin | --data "
+      "PREFIX|FILES)\n"
+      "  tessel-train generate CONFIG --weights W.safetensors --prompt TEXT\n"
+      "  tessel-train export CHECKPOINT_DIR --format hf --out DIR [--tokenizer tokenizer.json]");
   CLI11_PARSE(app, argc, argv);
   if (help_config) {
     std::fputs(tessel::config_reference().c_str(), stdout);
@@ -146,32 +151,128 @@ int run_train(int argc, char** argv) {
 }
 
 int run_score(int argc, char** argv) {
-  CLI::App app{"tessel-train score: mean next-token loss of given sequences", "tessel-train score"};
-  std::string config, weights, tokens;
+  CLI::App app{"tessel-train score: mean next-token loss and perplexity of given sequences",
+               "tessel-train score"};
+  std::string config, weights, tokens, data, tokenizer;
+  int64_t max_rows = 0;
   std::vector<std::string> sets;
   app.add_option("config", config, "YAML plan (model and training.seq_len)")->required();
   app.add_option("--weights", weights, "model.safetensors (Hugging Face or Tessel names)")
       ->required();
-  app.add_option("--tokens", tokens, "raw little-endian int32 rows of training.seq_len+1 tokens")
-      ->required();
+  auto* t = app.add_option("--tokens", tokens,
+                           "raw little-endian int32 rows of training.seq_len+1 tokens");
+  auto* d = app.add_option("--data", data,
+                           "a Megatron prefix (PREFIX.bin/.idx) or text files (one document each), "
+                           "cut into windows of training.seq_len+1 tokens");
+  t->excludes(d);
+  app.add_option("--tokenizer", tokenizer, "--data text: tokenizer.json (default: byte tokens)");
+  app.add_option("--max-rows", max_rows, "--data: score at most this many windows (0: all)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")->take_all();
   CLI11_PARSE(app, argc, argv);
-  auto r = tessel::score(tessel::load_config(config, sets), weights, tokens);
-  nlohmann::json out = {{"loss", r.loss}, {"tokens", r.tokens}};
+  if (tokens.empty() == data.empty())
+    throw tessel::UserError("score: give --tokens FILE or --data PREFIX|FILES");
+  const auto c = tessel::load_config(config, sets);
+  auto r = tokens.empty() ? tessel::score_data(c, weights, data, tokenizer, max_rows)
+                          : tessel::score(c, weights, tokens);
+  nlohmann::json out = {
+      {"loss", r.loss}, {"tokens", r.tokens}, {"rows", r.rows}, {"perplexity", std::exp(r.loss)}};
   std::printf("%s\n", out.dump().c_str());
+  return 0;
+}
+
+std::vector<int64_t> parse_ids(const std::string& s) {
+  std::vector<int64_t> ids;
+  size_t pos = 0;
+  while (pos < s.size()) {
+    size_t end = s.find(',', pos);
+    if (end == std::string::npos) end = s.size();
+    try {
+      ids.push_back(std::stoll(s.substr(pos, end - pos)));
+    } catch (const std::exception&) {
+      throw tessel::UserError("--prompt-ids: '" + s.substr(pos, end - pos) +
+                              "' is not a token id (expected e.g. 15496,995)");
+    }
+    pos = end + 1;
+  }
+  return ids;
+}
+
+int run_generate(int argc, char** argv) {
+  CLI::App app{"tessel-train generate: continue a prompt with the plan's model",
+               "tessel-train generate"};
+  std::string config, weights, tokenizer, prompt, prompt_ids;
+  std::vector<std::string> sets;
+  tessel::SampleOptions o;
+  bool json = false, no_stop = false;
+  app.add_option("config", config, "YAML plan (the model)")->required();
+  app.add_option("--weights", weights, "model.safetensors (Hugging Face or Tessel names)")
+      ->required();
+  app.add_option("--tokenizer", tokenizer,
+                 "tokenizer.json (default: the one beside --weights, as export writes it)");
+  auto* p = app.add_option("--prompt", prompt, "Prompt text");
+  auto* pi = app.add_option("--prompt-ids", prompt_ids, "Prompt token ids, comma-separated");
+  p->excludes(pi);
+  app.add_option("--max-new-tokens", o.max_new_tokens, "Tokens to generate")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--temperature", o.temperature, "0: greedy; > 0: sample from softmax(logits/T)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--top-k", o.top_k, "Sample among the k most likely tokens (0: all)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", o.seed, "Sampling seed");
+  app.add_flag("--no-stop", no_stop, "Do not stop at the tokenizer's end-of-sequence token");
+  app.add_flag("--json", json, "Print one JSON line: prompt_ids, ids, text");
+  app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")->take_all();
+  CLI11_PARSE(app, argc, argv);
+  if (prompt.empty() == prompt_ids.empty())
+    throw tessel::UserError("generate: give --prompt TEXT or --prompt-ids IDS");
+  if (tokenizer.empty()) {
+    auto beside = std::filesystem::path(weights).parent_path() / "tokenizer.json";
+    if (std::filesystem::exists(beside)) tokenizer = beside.string();
+  }
+  if (tokenizer.empty() && !prompt.empty())
+    throw tessel::UserError(
+        "generate: --prompt needs a tokenizer (--tokenizer, or tokenizer.json "
+        "beside --weights); --prompt-ids needs none");
+  const auto c = tessel::load_config(config, sets);
+  std::unique_ptr<tessel::TokenizerProcess> tok;
+  if (!tokenizer.empty()) {
+    tok = std::make_unique<tessel::TokenizerProcess>(tokenizer);
+    if (!no_stop) o.stop = tessel::special_tokens(tokenizer).eos;
+  }
+  std::vector<int64_t> ids;
+  if (!prompt.empty()) {
+    const auto encoded = tok->encode({prompt}, true);  // kept: [0] of a temporary would dangle
+    ids.assign(encoded[0].begin(), encoded[0].end());
+  } else
+    ids = parse_ids(prompt_ids);
+  auto model = tessel::load_for_inference(c, weights);
+  const auto out = tessel::generate(model, c, ids, o);
+  const std::string text = tok ? tok->decode(out, false) : "";
+  if (json) {
+    nlohmann::json j = {{"prompt_ids", ids}, {"ids", out}, {"text", text}};
+    std::printf("%s\n", j.dump().c_str());
+  } else if (tok) {
+    std::printf("%s%s\n", tok->decode(ids, true).c_str(), tok->decode(out, true).c_str());
+  } else {
+    std::printf("%s\n", nlohmann::json(out).dump().c_str());
+  }
   return 0;
 }
 
 int run_export(int argc, char** argv) {
   CLI::App app{"tessel-train export: a checkpoint as Hugging Face safetensors + config.json",
                "tessel-train export"};
-  std::string dir, format = "hf", out;
+  std::string dir, format = "hf", out, tokenizer;
   app.add_option("checkpoint", dir, "step_<N> folder, or a checkpoint.dir (its latest)")
       ->required();
   app.add_option("--format", format, "Output format")->check(CLI::IsMember({"hf"}));
   app.add_option("--out", out, "Output folder")->required();
+  app.add_option("--tokenizer", tokenizer,
+                 "tokenizer.json (or its folder) to write beside the weights, with its bos/eos "
+                 "ids in config.json and generation_config.json");
   CLI11_PARSE(app, argc, argv);
-  tessel::export_hf(dir, out);
+  tessel::export_hf(dir, out, tokenizer);
   return 0;
 }
 
@@ -189,6 +290,7 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "score") return run_score(argc - 1, argv + 1);
     if (cmd == "export") return run_export(argc - 1, argv + 1);
+    if (cmd == "generate") return run_generate(argc - 1, argv + 1);
     return run_train(argc, argv);
   } catch (const tessel::UserError& e) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());

@@ -1,12 +1,52 @@
 #include "engine/score.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <fstream>
 
+#include "engine/data.h"
+#include "engine/tokenizer.h"
 #include "engine/train.h"
 
 namespace tessel {
+namespace {
+
+void check_ids(const torch::Tensor& tokens, int64_t vocab, const std::string& source) {
+  auto bad = ((tokens < 0) | (tokens >= vocab)).nonzero();
+  if (bad.size(0) == 0) return;
+  int64_t r = bad[0][0].item<int64_t>(), k = bad[0][1].item<int64_t>();
+  throw UserError(source + ": token id " + std::to_string(tokens[r][k].item<int64_t>()) +
+                  " at row " + std::to_string(r) + ", column " + std::to_string(k) +
+                  " is outside model.vocab_size " + std::to_string(vocab));
+}
+
+// Mean loss of rows [B, T+1] (int64) in micro-batches of training.micro_batch.
+ScoreResult score_rows(const Config& c, const std::string& weights, const torch::Tensor& rows) {
+  auto model = load_for_inference(c, weights);
+  torch::NoGradGuard no_grad;
+  const auto device = model->parameters().front().device();
+  const int64_t b = rows.size(0), t = rows.size(1) - 1;
+  double total = 0;
+  for (int64_t first = 0; first < b; first += c.training.micro_batch) {
+    auto part = rows.narrow(0, first, std::min(c.training.micro_batch, b - first)).to(device);
+    total += model->loss_sum(part).to(torch::kFloat64).item<double>();
+  }
+  return {total / static_cast<double>(b * t), b * t, b};
+}
+
+}  // namespace
+
+models::Decoder load_for_inference(const Config& c, const std::string& weights) {
+  // --weights replaces every parameter, so the plan's init_from is not read first.
+  Config plan = c;
+  plan.model.init_from.clear();
+  auto model = make_model(plan, resolve_device(c.training.device), resolve_dtype(c.training.dtype));
+  models::load_weights(model, weights);
+  model->eval();
+  return model;
+}
 
 ScoreResult score(const Config& c, const std::string& weights, const std::string& tokens_path) {
   const int64_t row = c.training.seq_len + 1;
@@ -21,28 +61,85 @@ ScoreResult score(const Config& c, const std::string& weights, const std::string
   auto tokens = torch::empty({b, row}, torch::kInt32);
   f.seekg(0);
   f.read(reinterpret_cast<char*>(tokens.data_ptr<int32_t>()), bytes);
-  auto bad = ((tokens < 0) | (tokens >= c.model.vocab_size)).nonzero();
-  if (bad.size(0) > 0) {
-    int64_t r = bad[0][0].item<int64_t>(), k = bad[0][1].item<int64_t>();
-    throw UserError(tokens_path + ": token id " + std::to_string(tokens[r][k].item<int32_t>()) +
-                    " at row " + std::to_string(r) + ", column " + std::to_string(k) +
-                    " is outside model.vocab_size " + std::to_string(c.model.vocab_size));
+  auto rows = tokens.to(torch::kInt64);
+  check_ids(rows, c.model.vocab_size, tokens_path);
+  return score_rows(c, weights, rows);
+}
+
+ScoreResult score_data(const Config& c, const std::string& weights, const std::string& data,
+                       const std::string& tokenizer, int64_t max_rows) {
+  data::TokenStream stream;
+  std::vector<int64_t> ids;
+  if (std::filesystem::exists(data + ".idx")) {
+    data::add_megatron(stream, data);
+  } else if (!tokenizer.empty()) {  // text files, one document each, ended by the tokenizer's eos
+    auto eos = special_tokens(tokenizer).eos;
+    TokenizerProcess tok(tokenizer);
+    for (const auto& file : data::expand(data)) {
+      std::ifstream f(file, std::ios::binary);
+      std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      const auto encoded = tok.encode({text}, true);  // kept: [0] of a temporary would dangle
+      ids.insert(ids.end(), encoded[0].begin(), encoded[0].end());
+      if (eos) ids.push_back(*eos);
+    }
+  } else {
+    DataConfig d;
+    d.format = "text";
+    d.path = {data};
+    stream = data::open_stream(d);
   }
-  const auto device = resolve_device(c.training.device);
-  // --weights replaces every parameter, so the plan's init_from is not read first.
-  Config plan = c;
-  plan.model.init_from.clear();
-  auto model = make_model(plan, device, resolve_dtype(c.training.dtype));
-  models::load_weights(model, weights);
+  if (ids.empty()) {
+    ids.resize(static_cast<size_t>(stream.size()));
+    if (!ids.empty()) stream.read(0, stream.size(), ids.data());
+  }
+  const int64_t t = c.training.seq_len, n = static_cast<int64_t>(ids.size());
+  int64_t b = n > t ? (n - 1) / t : 0;
+  if (max_rows > 0) b = std::min(b, max_rows);
+  if (b == 0)
+    throw UserError(data + ": " + std::to_string(n) + " tokens do not fill one window of " +
+                    "training.seq_len+1 = " + std::to_string(t + 1) + " tokens");
+  auto all = torch::from_blob(ids.data(), {n}, torch::kInt64);
+  auto rows = all.as_strided({b, t + 1}, {t, 1}).clone();  // window i starts at token i·T
+  check_ids(rows, c.model.vocab_size, data);
+  return score_rows(c, weights, rows);
+}
+
+std::vector<int64_t> generate(models::Decoder& model, const Config& c,
+                              const std::vector<int64_t>& prompt, const SampleOptions& o) {
+  if (prompt.empty()) throw UserError("generate: the prompt has no tokens");
+  const int64_t limit = c.model.max_seq_len;
+  if (static_cast<int64_t>(prompt.size()) + o.max_new_tokens > limit)
+    throw UserError("generate: the prompt's " + std::to_string(prompt.size()) +
+                    " tokens + --max-new-tokens " + std::to_string(o.max_new_tokens) +
+                    " exceed model.max_seq_len " + std::to_string(limit));
+  for (auto id : prompt)
+    if (id < 0 || id >= c.model.vocab_size)
+      throw UserError("generate: prompt token " + std::to_string(id) +
+                      " is outside model.vocab_size " + std::to_string(c.model.vocab_size));
   torch::NoGradGuard no_grad;
-  model->eval();
-  double total = 0;
-  auto all = tokens.to(torch::kInt64);
-  for (int64_t first = 0; first < b; first += c.training.micro_batch) {
-    auto rows = all.narrow(0, first, std::min(c.training.micro_batch, b - first)).to(device);
-    total += model->loss_sum(rows).to(torch::kFloat64).item<double>();
+  const auto device = model->parameters().front().device();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
+  std::vector<int64_t> seq = prompt, out;
+  for (int64_t i = 0; i < o.max_new_tokens; ++i) {
+    auto x = torch::tensor(seq, torch::kInt64).view({1, -1}).to(device);
+    // [V] fp32: the last position's logits, padding columns of the vocabulary dropped.
+    auto logits = model->forward(x)[0][-1].narrow(0, 0, c.model.vocab_size).to(torch::kFloat32);
+    int64_t next;
+    if (o.temperature <= 0) {
+      next = logits.argmax().item<int64_t>();
+    } else {
+      auto l = (logits / o.temperature).cpu();
+      if (o.top_k > 0 && o.top_k < l.size(0)) {
+        auto kth = std::get<0>(l.topk(o.top_k)).min();
+        l = l.masked_fill(l < kth, -std::numeric_limits<float>::infinity());
+      }
+      next = torch::multinomial(l.softmax(0), 1, false, gen).item<int64_t>();
+    }
+    seq.push_back(next);
+    out.push_back(next);
+    if (o.stop && next == *o.stop) break;
   }
-  return {total / static_cast<double>(b * c.training.seq_len), b * c.training.seq_len};
+  return out;
 }
 
 }  // namespace tessel

@@ -10,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=2.11.0
+TOKENIZERS_VERSION=0.22.2  # the version transformers==4.57.6 pins
 PY_TEST_DEPS=(transformers==4.57.6 safetensors)
 cache=${TESSEL_CACHE:-$HOME/.cache/tessel}
 mode=${1:-build}   # build | test (test also needs the Python parity dependencies)
@@ -56,6 +57,11 @@ else
     echo "setup: installing torch==$TORCH_VERSION into $env_dir (about 2.7 GB, once per machine)"
     "$env_dir/bin/pip" install --no-input -q "torch==$TORCH_VERSION" numpy
   fi
+fi
+# tessel-data and generate run Hugging Face tokenizers through a Python helper (engine/tokenizer.h).
+if ! "$env_dir/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('tokenizers') != '$TOKENIZERS_VERSION')" 2>/dev/null; then
+  echo "setup: installing tokenizers==$TOKENIZERS_VERSION (tessel-data's tokenizer helper)"
+  "$env_dir/bin/pip" install --no-input -q "tokenizers==$TOKENIZERS_VERSION"
 fi
 if [ "$mode" = test ] && ! "$env_dir/bin/python" -c "import importlib.metadata as m; m.version('transformers'); m.version('safetensors')" 2>/dev/null; then
   echo "setup: installing Python test dependencies: ${PY_TEST_DEPS[*]}"

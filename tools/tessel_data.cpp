@@ -1,45 +1,351 @@
-// tessel-data: UTF-8 text files -> Megatron-LM .bin/.idx (byte tokens 0-255, each document
-// followed by the end-of-document token 256; one document per file).
+// tessel-data: text or JSONL corpora -> a Megatron-LM .bin/.idx dataset. With --tokenizer, a
+// Hugging Face tokenizer.json encodes the documents (one helper process per worker thread);
+// without, tokens are bytes 0-255 with end-of-document 256 (data.format text's vocabulary).
+// One reader thread cuts documents into chunks, the workers encode them, and the main thread
+// writes the chunks in input order, so the output does not depend on --workers.
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 #include <CLI/CLI.hpp>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <deque>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <thread>
 
 #include "engine/config.h"
 #include "engine/data.h"
+#include "engine/tokenizer.h"
+
+namespace {
+namespace fs = std::filesystem;
+
+struct Options {
+  std::vector<std::string> inputs;
+  std::string out, tokenizer, format = "auto", key = "text", eod, python;
+  int workers = 0;
+  bool no_special = false, progress = true;
+};
+
+struct Chunk {
+  std::vector<std::string> texts;
+  int64_t bytes = 0;
+  std::vector<std::vector<uint32_t>> ids;
+};
+
+// The pipeline's shared state: chunks in flight, results by index, and the first error.
+class Pipeline {
+ public:
+  explicit Pipeline(size_t capacity) : capacity_(capacity) {}
+  bool push(Chunk c) {  // reader; false once stopped
+    std::unique_lock<std::mutex> l(m_);
+    cv_.wait(l, [&] { return stop_ || todo_.size() + done_.size() < capacity_; });
+    if (stop_) return false;
+    todo_.emplace_back(next_in_++, std::move(c));
+    cv_.notify_all();
+    return true;
+  }
+  void close() {
+    std::lock_guard<std::mutex> l(m_);
+    closed_ = true;
+    cv_.notify_all();
+  }
+  bool pop(int64_t& index, Chunk& c) {  // worker
+    std::unique_lock<std::mutex> l(m_);
+    cv_.wait(l, [&] { return stop_ || closed_ || !todo_.empty(); });
+    if (stop_ || todo_.empty()) return false;
+    index = todo_.front().first;
+    c = std::move(todo_.front().second);
+    todo_.pop_front();
+    return true;
+  }
+  void done(int64_t index, Chunk c) {
+    std::lock_guard<std::mutex> l(m_);
+    done_.emplace(index, std::move(c));
+    cv_.notify_all();
+  }
+  // Writer: the next chunk in input order; false at the end (or after an error).
+  bool next(Chunk& c, std::chrono::milliseconds wait) {
+    std::unique_lock<std::mutex> l(m_);
+    while (true) {
+      if (stop_) return false;
+      auto it = done_.find(next_out_);
+      if (it != done_.end()) {
+        c = std::move(it->second);
+        done_.erase(it);
+        ++next_out_;
+        cv_.notify_all();
+        return true;
+      }
+      if (closed_ && next_out_ == next_in_) return false;
+      if (cv_.wait_for(l, wait) == std::cv_status::timeout) {
+        c = Chunk{};
+        c.bytes = -1;  // nothing yet: the caller refreshes its progress line
+        return true;
+      }
+    }
+  }
+  void fail(std::exception_ptr e) {
+    std::lock_guard<std::mutex> l(m_);
+    if (!error_) error_ = e;
+    stop_ = true;
+    cv_.notify_all();
+  }
+  void rethrow() {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  size_t capacity_;
+  std::deque<std::pair<int64_t, Chunk>> todo_;
+  std::map<int64_t, Chunk> done_;
+  int64_t next_in_ = 0, next_out_ = 0;
+  bool closed_ = false, stop_ = false;
+  std::exception_ptr error_;
+};
+
+std::string format_of(const Options& o, const std::string& file) {
+  if (o.format != "auto") return o.format;
+  auto ext = fs::path(file).extension().string();
+  return ext == ".jsonl" || ext == ".json" || ext == ".ndjson" ? "jsonl" : "text";
+}
+
+// Reads every input and pushes chunks of documents (about 1 MiB each).
+void read_inputs(const Options& o, const std::vector<std::string>& files, Pipeline& p,
+                 std::atomic<int64_t>& read_bytes, std::atomic<int64_t>& skipped) {
+  constexpr int64_t kChunkBytes = 1 << 20;
+  Chunk c;
+  auto add = [&](std::string text, const std::string& where) -> bool {
+    const auto* b = reinterpret_cast<const uint8_t*>(text.data());
+    if (int64_t bad = tessel::data::utf8_error(b, static_cast<int64_t>(text.size())); bad >= 0)
+      throw tessel::UserError(where + ": not UTF-8 (invalid byte at offset " + std::to_string(bad) +
+                              ")");
+    if (text.empty()) {
+      ++skipped;
+      return true;
+    }
+    c.bytes += static_cast<int64_t>(text.size());
+    c.texts.push_back(std::move(text));
+    if (c.bytes < kChunkBytes) return true;
+    bool ok = p.push(std::move(c));
+    c = Chunk{};
+    return ok;
+  };
+  for (const auto& file : files) {
+    std::ifstream f(file, std::ios::binary);
+    if (!f) throw tessel::UserError(file + ": cannot open");
+    if (format_of(o, file) == "text") {  // one document per file
+      std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      read_bytes += static_cast<int64_t>(text.size());
+      if (!add(std::move(text), file)) return;
+      continue;
+    }
+    std::string line;
+    for (int64_t n = 1; std::getline(f, line); ++n) {
+      read_bytes += static_cast<int64_t>(line.size()) + 1;
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      const auto where = fmt::format("{}:{}", file, n);
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(line);
+      } catch (const std::exception& e) {
+        throw tessel::UserError(where + ": not a JSON object (" + e.what() + ")");
+      }
+      if (!j.is_object() || !j.contains(o.key) || !j[o.key].is_string())
+        throw tessel::UserError(where + ": no string field \"" + o.key +
+                                "\" (--text-key names the field; keys here: " +
+                                (j.is_object() ? [&] {
+                                  std::string k;
+                                  for (auto& [name, _] : j.items()) k += (k.empty() ? "" : ", ") + name;
+                                  return k;
+                                }()
+                                               : std::string("not an object")) +
+                                ")");
+      if (!add(j[o.key].get<std::string>(), where)) return;
+    }
+  }
+  if (!c.texts.empty()) p.push(std::move(c));
+}
+
+std::string human(double v, const char* unit) {
+  const char* p[] = {"", "k", "M", "G", "T"};
+  int i = 0;
+  for (; v >= 1000 && i < 4; ++i) v /= 1000;
+  return *unit ? fmt::format("{:.1f} {}{}", v, p[i], unit) : fmt::format("{:.1f}{}", v, p[i]);
+}
+
+int run(const Options& o) {
+  std::vector<std::string> files;
+  for (const auto& in : o.inputs)
+    for (auto& f : tessel::data::expand(in)) files.push_back(std::move(f));
+  int64_t total_bytes = 0;
+  for (const auto& f : files) total_bytes += static_cast<int64_t>(fs::file_size(f));
+
+  // The end-of-document id and the vocabulary, checked before any work starts.
+  const bool bytes_mode = o.tokenizer.empty();
+  int64_t vocab = tessel::data::kTextVocab;
+  uint32_t eod = tessel::data::kTextEod;
+  std::string eod_text = "256 (bytes)";
+  if (!bytes_mode) {
+    tessel::TokenizerProcess probe(o.tokenizer, o.python);
+    vocab = probe.vocab_size();
+    if (o.eod.empty()) {
+      auto s = tessel::special_tokens(o.tokenizer);
+      if (!s.eos)
+        throw tessel::UserError(o.tokenizer +
+                                ": no end-of-document token found (none of <|endoftext|>, "
+                                "<|end_of_text|>, </s>, <eos>); name one with --eod TOKEN");
+      eod = static_cast<uint32_t>(*s.eos), eod_text = s.eos_text;
+    } else {
+      auto id = probe.token_to_id(o.eod);
+      if (!id) throw tessel::UserError("--eod '" + o.eod + "' is not a token of " + o.tokenizer);
+      eod = static_cast<uint32_t>(*id), eod_text = o.eod;
+    }
+  } else if (!o.eod.empty()) {
+    throw tessel::UserError("--eod needs --tokenizer (byte tokens end documents with 256)");
+  }
+  const int workers = o.workers > 0
+                          ? o.workers
+                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  spdlog::info("{} input file{} ({}), {}, end-of-document {} = {}, {} worker{}", files.size(),
+               files.size() == 1 ? "" : "s", human(static_cast<double>(total_bytes), "B"),
+               bytes_mode ? "byte tokens" : "tokenizer " + o.tokenizer, eod_text, eod, workers,
+               workers == 1 ? "" : "s");
+
+  Pipeline p(static_cast<size_t>(2 * workers + 2));
+  std::atomic<int64_t> read_bytes{0}, skipped{0};
+  std::vector<std::thread> threads;
+  threads.emplace_back([&] {
+    try {
+      read_inputs(o, files, p, read_bytes, skipped);
+      p.close();
+    } catch (...) {
+      p.fail(std::current_exception());
+    }
+  });
+  for (int w = 0; w < workers; ++w)
+    threads.emplace_back([&] {
+      try {
+        std::unique_ptr<tessel::TokenizerProcess> tok;
+        if (!bytes_mode) tok = std::make_unique<tessel::TokenizerProcess>(o.tokenizer, o.python);
+        int64_t index;
+        Chunk c;
+        while (p.pop(index, c)) {
+          if (tok) {
+            c.ids = tok->encode(c.texts, !o.no_special);
+          } else {
+            c.ids.resize(c.texts.size());
+            for (size_t i = 0; i < c.texts.size(); ++i)
+              c.ids[i].assign(
+                  reinterpret_cast<const uint8_t*>(c.texts[i].data()),
+                  reinterpret_cast<const uint8_t*>(c.texts[i].data()) + c.texts[i].size());
+          }
+          for (auto& d : c.ids) d.push_back(eod);
+          c.texts.clear();
+          p.done(index, std::move(c));
+        }
+      } catch (...) {
+        p.fail(std::current_exception());
+      }
+    });
+
+  tessel::data::MegatronWriter out(o.out, vocab);
+  const auto start = std::chrono::steady_clock::now();
+  auto last = start;
+  const bool tty = o.progress && ::isatty(2);
+  auto report = [&](bool final) {
+    const auto now = std::chrono::steady_clock::now();
+    if (!final && now - last < (tty ? std::chrono::milliseconds(200) : std::chrono::seconds(10)))
+      return;
+    last = now;
+    const double s = std::chrono::duration<double>(now - start).count();
+    const double frac = total_bytes ? static_cast<double>(read_bytes) / total_bytes : 1.0;
+    const int width = 30, filled = static_cast<int>(frac * width);
+    const auto line = fmt::format("[{}{}] {:3.0f}% {} of {}, {} documents, {} tokens, {}/s",
+                                  std::string(filled, '#'), std::string(width - filled, '.'),
+                                  100 * frac, human(static_cast<double>(read_bytes), "B"),
+                                  human(static_cast<double>(total_bytes), "B"), out.documents(),
+                                  human(static_cast<double>(out.tokens()), ""),
+                                  human(s > 0 ? static_cast<double>(read_bytes) / s : 0, "B"));
+    if (tty)
+      std::fprintf(stderr, "\r%s", line.c_str());
+    else if (o.progress)
+      spdlog::info("{}", line);
+  };
+  Chunk c;
+  try {
+    while (p.next(c, std::chrono::milliseconds(200))) {
+      for (const auto& d : c.ids) {
+        for (auto t : d)
+          if (t >= vocab)
+            throw tessel::UserError(
+                fmt::format("token id {} is outside the tokenizer's {} ids", t, vocab));
+        out.add(d.data(), static_cast<int64_t>(d.size()));
+      }
+      report(false);
+    }
+  } catch (...) {
+    p.fail(std::current_exception());
+  }
+  for (auto& t : threads) t.join();
+  if (tty) {
+    report(true);
+    std::fputc('\n', stderr);
+  }
+  p.rethrow();
+  out.finish();
+  if (!tty) report(true);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  spdlog::info(
+      "wrote {0}.bin / {0}.idx: {1} documents, {2} tokens ({3}-bit, vocabulary {4}){5} "
+      "in {6:.1f} s",
+      o.out, out.documents(), out.tokens(), 8 * out.elem_size(), vocab,
+      skipped ? fmt::format(", {} empty documents skipped", skipped.load()) : "", s);
+  return 0;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"tessel-data: text files to a Megatron .bin/.idx dataset (byte tokens)",
-               "tessel-data"};
-  std::vector<std::string> inputs;
-  std::string out;
-  app.add_option("inputs", inputs, "UTF-8 text files or globs; one document per file")->required();
-  app.add_option("--out", out, "Output prefix: writes PREFIX.bin and PREFIX.idx")->required();
+  CLI::App app{"tessel-data: text or JSONL corpora to a Megatron .bin/.idx dataset", "tessel-data"};
+  Options o;
+  app.add_option("inputs", o.inputs,
+                 "Input files or globs: .jsonl (one document per line) or text (one document per "
+                 "file)")
+      ->required();
+  app.add_option("--out", o.out, "Output prefix: writes PREFIX.bin and PREFIX.idx")->required();
+  app.add_option("--tokenizer", o.tokenizer,
+                 "A Hugging Face tokenizer.json (default: byte tokens, end-of-document 256)");
+  app.add_option("--format", o.format, "Input format (auto: .jsonl/.json/.ndjson are JSONL)")
+      ->check(CLI::IsMember({"auto", "text", "jsonl"}));
+  app.add_option("--text-key", o.key, "JSONL: the field holding the document's text");
+  app.add_option("--eod", o.eod,
+                 "End-of-document token appended to every document (default: the tokenizer's "
+                 "eos, e.g. <|endoftext|>)");
+  app.add_flag("--no-special-tokens", o.no_special,
+               "Do not apply the tokenizer's post-processor (no BOS for Llama-3 tokenizers)");
+  app.add_option("--workers", o.workers, "Tokenizer worker threads (default: all cores)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--python", o.python,
+                 "Python with the `tokenizers` package (default: $TESSEL_PYTHON, then the "
+                 "checkout's .env)");
+  app.add_flag("!--no-progress", o.progress, "No progress bar or progress lines");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_pattern("[%H:%M:%S] %v");
   try {
-    tessel::DataConfig d;
-    d.format = "text";
-    d.path = inputs;
-    auto stream = tessel::data::open_stream(d);
-    // Re-cut the stream into documents at each end-of-document token.
-    std::vector<std::vector<uint16_t>> docs(1);
-    std::vector<int64_t> buf(1 << 16);
-    for (int64_t pos = 0; pos < stream.size(); pos += static_cast<int64_t>(buf.size())) {
-      int64_t n = std::min<int64_t>(static_cast<int64_t>(buf.size()), stream.size() - pos);
-      stream.read(pos, n, buf.data());
-      for (int64_t i = 0; i < n; ++i) {
-        docs.back().push_back(static_cast<uint16_t>(buf[i]));
-        if (buf[i] == tessel::data::kTextEod) docs.emplace_back();
-      }
-    }
-    if (docs.back().empty()) docs.pop_back();
-    tessel::data::write_megatron(out, docs);
-    spdlog::info("wrote {}.bin / {}.idx: {} documents, {} tokens", out, out, docs.size(),
-                 stream.size());
+    return run(o);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tessel-data: error: %s\n", e.what());
     return 2;
   }
-  return 0;
 }
