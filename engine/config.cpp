@@ -256,6 +256,14 @@ class Validator {
     if (m.tie_embeddings == "auto") m.tie_embeddings = m.arch == "gpt2" ? "true" : "false";
     if (m.ffn_hidden == 0)
       m.ffn_hidden = m.arch == "gpt2" ? 4 * m.hidden : (8 * m.hidden / 3 + 63) / 64 * 64;
+    if (t.activation_checkpointing != "none") {
+      require(t.recompute == "none" || t.recompute == t.activation_checkpointing,
+              "training.recompute",
+              "training.recompute (" + t.recompute + ") and training.activation_checkpointing (" +
+                  t.activation_checkpointing + ") name the same setting and disagree");
+      t.recompute = t.activation_checkpointing;
+    }
+    t.activation_checkpointing = t.recompute;
     if (t.dtype == "auto")  // bf16 where it is fast and safe (CUDA), fp32 elsewhere
       t.dtype = t.device == "cuda" || (t.device == "auto" && torch::cuda::is_available()) ? "bf16"
                                                                                           : "fp32";

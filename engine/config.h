@@ -75,9 +75,11 @@ struct LossScaleConfig {  // fp16 dynamic loss scaling (as torch.amp.GradScaler)
 };
 
 struct TrainingConfig {
-  std::string device;  // auto | cpu | cuda
-  std::string dtype;   // fp32 | bf16 | fp16 (auto resolved at load: bf16 on CUDA, else fp32)
-  bool tf32;           // CUDA: fp32 matmuls and convolutions on TF32 tensor cores
+  std::string device;     // auto | cpu | cuda
+  std::string dtype;      // fp32 | bf16 | fp16 (auto resolved at load: bf16 on CUDA, else fp32)
+  bool tf32;              // CUDA: fp32 matmuls and convolutions on TF32 tensor cores
+  std::string recompute;  // none | selective | full (activation checkpointing)
+  std::string activation_checkpointing;  // alias of recompute, resolved into it at load
   int64_t steps, global_batch, micro_batch, seq_len;
   double grad_clip;
   int64_t eval_every, eval_batches, threads;

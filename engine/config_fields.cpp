@@ -112,6 +112,16 @@ std::vector<Field> bind_fields(Config& c) {
   add("training.tf32", &c.training.tf32, true,
       "On CUDA, fp32 matrix multiplications and convolutions use TF32 tensor cores (as "
       "Megatron-LM and torchtitan do); false keeps them exact fp32 (parity checks).");
+  add("training.recompute", &c.training.recompute, S("none"),
+      "Activation checkpointing. none: keep every block's activations for backward. selective: "
+      "recompute the attention core and the MLP's activation in backward (the cheap, large "
+      "tensors, as Megatron-LM's selective recomputation). full: keep only each block's input "
+      "and rerun the whole block in backward (about one more forward of compute).")
+      .one_of({"none", "selective", "full"});
+  add("training.activation_checkpointing", &c.training.activation_checkpointing, S("none"),
+      "The same setting as training.recompute, under the name DESIGN.md first gave it; set "
+      "either (both: they must agree).")
+      .one_of({"none", "selective", "full"});
   add("training.steps", &c.training.steps, int64_t{100}, "Optimizer steps.").range(1);
   add("training.global_batch", &c.training.global_batch, int64_t{8},
       "Sequences per optimizer step, over all data-parallel ranks.")

@@ -15,6 +15,8 @@
 #include "engine/checkpoint.h"
 #include "engine/config.h"
 #include "engine/optim.h"
+#include "engine/planner.h"
+#include "engine/safetensors.h"
 #include "engine/score.h"
 #include "engine/startup.h"
 #include "engine/tokenizer.h"
@@ -77,6 +79,19 @@ int run_train(int argc, char** argv) {
       "Validate the plan against the world, print it resolved with the rank grid, start nothing");
   app.add_option("--world-size", world_size, "With --dry-run: the number of processes to plan for")
       ->check(CLI::PositiveNumber);
+  std::string profile = "h100", plan_json;
+  std::vector<std::string> profile_sets;
+  app.add_option("--device-profile", profile,
+                 "With --dry-run: the device the step time is predicted for: h100, h200, a100, "
+                 "or a YAML file (base, peak_tflops, fp32_tflops, intra_node_gbps, "
+                 "inter_node_gbps, gpus_per_node, memory_gib, efficiency)");
+  app.add_option("--profile-set", profile_sets,
+                 "With --dry-run: override a device profile field: key=value (repeatable)")
+      ->take_all()
+      ->allow_extra_args(false);
+  app.add_option("--plan-json", plan_json,
+                 "With --dry-run: also write the planner's figures (per-rank bytes, "
+                 "communication, FLOPs, predicted step time) to this JSON file");
   app.add_flag("--help-config", help_config,
                "Print the reference of every plan key (Markdown) and exit");
   app.footer(
@@ -140,6 +155,10 @@ int run_train(int argc, char** argv) {
         static_cast<long long>(layout.cp), c.parallel.context_method.c_str(),
         static_cast<long long>(t.seq_len / layout.cp), static_cast<long long>(2 * layout.cp - 1),
         static_cast<long long>(2 * layout.cp));
+  const auto device = tessel::device_profile(profile, profile_sets);
+  const auto estimate = tessel::estimate(c, layout, device);
+  std::printf("%s", tessel::render(estimate, c, device).c_str());
+  if (!plan_json.empty()) tessel::write_file_atomic(plan_json, tessel::to_json(estimate, device));
   std::printf(
       "# plan %s is valid for %lld processes: %lld micro-batches of %lld sequences per data rank "
       "per step; "

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "engine/checkpoint.h"
+#include "engine/counters.h"
 #include "engine/safetensors.h"
 #include "engine/same_plan.h"
 #include "engine/stop.h"
@@ -50,6 +51,7 @@ models::Decoder make_model(const Config& c, const torch::Device& device, torch::
   auto model = models::build_model(c.model, c.run.seed, tp, c.parallel.sequence_parallel, stages,
                                    cp, c.parallel.context_method);
   if (!c.model.init_from.empty()) models::load_weights(model, c.model.init_from);
+  model->set_recompute(c.training.recompute);
   model->to(device, dtype);
   return model;
 }
@@ -123,6 +125,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
                kFlopsConvention, peak_.tflops, peak_.source);
   stop_ = std::make_unique<StopOnSignal>(c_.checkpoint.on_signal, mesh_->store());
+  counters_ = std::make_unique<StepCounters>(*mesh_, device_);
   setup_rss_ = peak_rss_bytes();  // before any step: what the steps add is activations
 }
 
@@ -287,8 +290,9 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   const double eta = elapsed / static_cast<double>(step - first_step_ + 1) *
                      static_cast<double>(c_.training.steps - step);
   metrics_->step({step, c_.training.steps, loss, lr_at(c_.training, step), norm, ms, tokens_per_s,
-                  tflops, peak_.tflops > 0 ? tflops / peak_.tflops : 0.0, memory_bytes(device_),
-                  eta, exposed_ms, scaler_->scale_value(), scaler_->skipped_steps()});
+                  tflops, peak_.tflops > 0 ? tflops / peak_.tflops : 0.0,
+                  device_.is_cuda() ? counters_->take_peak_since_log() : memory_bytes(device_), eta,
+                  exposed_ms, scaler_->scale_value(), scaler_->skipped_steps()});
 }
 
 Trainer::~Trainer() = default;
@@ -322,7 +326,9 @@ int Trainer::train() {
     spdlog::info("nothing to do: the checkpoint is at step {} of {}", first_step_ - 1, t.steps);
   for (int64_t step = first_step_; step <= t.steps; ++step) {
     if (peers_) peers_->set_step(step);
+    counters_->begin_step();
     StepOut out = train_step(step);
+    counters_->end_step();
     if (step == first_step_) executor_->take_times();  // the warm-up step is not timed
     const bool last = step == t.steps, stop = stop_->stop_after(step);  // same on every rank
     if (step % c_.logging.every == 0 || last || stop) log_step(step, out);
@@ -379,15 +385,21 @@ void Trainer::report_memory() {
   // steps added, activations mostly).
   auto& world = mesh_->world_group();
   const auto b = opt_->bytes();
-  auto mine =
-      torch::tensor({static_cast<double>(opt_->numel()),
-                     static_cast<double>(opt_->layout().numel()), static_cast<double>(b.params),
-                     static_cast<double>(b.grads), static_cast<double>(b.optimizer),
-                     static_cast<double>(gatherer_ ? gatherer_->peak_gathered_bytes() : 0),
-                     static_cast<double>(gatherer_ ? gatherer_->largest_unit_bytes() : 0),
-                     static_cast<double>(reducer_->peak_bucket_bytes()),
-                     static_cast<double>(setup_rss_), static_cast<double>(peak_rss_bytes())},
-                    torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  auto mine = torch::tensor(
+      {static_cast<double>(opt_->numel()), static_cast<double>(opt_->layout().numel()),
+       static_cast<double>(b.params), static_cast<double>(b.grads),
+       static_cast<double>(b.optimizer),
+       static_cast<double>(gatherer_ ? gatherer_->peak_gathered_bytes() : 0),
+       static_cast<double>(gatherer_ ? gatherer_->largest_unit_bytes() : 0),
+       static_cast<double>(reducer_->peak_bucket_bytes()), static_cast<double>(setup_rss_),
+       static_cast<double>(peak_rss_bytes()), static_cast<double>(counters_->step_base_bytes()),
+       static_cast<double>(counters_->step_peak_bytes())},
+      torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  // Then the bytes per training step of every group (the planner's comm figures).
+  const auto comm = counters_->comm_bytes_per_step();
+  std::vector<double> comm_values;
+  for (const auto& [_, v] : comm) comm_values.push_back(v);
+  mine = torch::cat({mine, torch::tensor(comm_values, mine.options())});
   auto all = torch::empty({world.size() * mine.numel()}, mine.options());
   world.all_gather(all, mine).wait();
   if (mesh_->rank() != 0) return;
@@ -405,10 +417,17 @@ void Trainer::report_memory() {
                         "largest_unit_bytes",
                         "grad_bucket_peak_bytes",
                         "setup_peak_rss_bytes",
-                        "peak_rss_bytes"};
+                        "peak_rss_bytes",
+                        "step_base_bytes",
+                        "step_peak_bytes"};
+  constexpr int64_t kKeys = 12;
   for (int64_t r = 0; r < world.size(); ++r) {
     nlohmann::json row = {{"rank", r}};
-    for (int64_t k = 0; k < 10; ++k) row[keys[k]] = static_cast<int64_t>(all[r][k].item<double>());
+    for (int64_t k = 0; k < kKeys; ++k)
+      row[keys[k]] = static_cast<int64_t>(all[r][k].item<double>());
+    int64_t k = kKeys;
+    for (const auto& [name, _] : comm)
+      row["comm_bytes_per_step"][name] = static_cast<int64_t>(all[r][k++].item<double>());
     out["ranks"].push_back(row);
   }
   write_file_atomic((std::filesystem::path(c_.run.output_dir) / "memory.json").string(),

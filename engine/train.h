@@ -27,6 +27,7 @@ struct StepStats;
 }  // namespace tessel::parallel::pp
 
 namespace tessel {
+class StepCounters;
 
 /// training.device resolved: auto -> cuda when available. Throws UserError for cuda without one.
 torch::Device resolve_device(const std::string& device, int64_t local_rank = 0);
@@ -82,6 +83,7 @@ class Trainer {
   std::unique_ptr<parallel::dp::UnitGatherer> gatherer_;  // ZeRO-3
   std::unique_ptr<LossScaler> scaler_;
   std::unique_ptr<StopOnSignal> stop_;
+  std::unique_ptr<StepCounters> counters_;  // per-step comm bytes and memory (the planner's)
   // Views of the reduced gradient this rank holds (its ZeRO pieces): parameters whose gradient
   // is summed over tp, and a tied token table on the first or last stage (summed over both).
   std::vector<torch::Tensor> tp_summed_grads_, embedding_grads_;

@@ -1,4 +1,5 @@
 #include "models/layers.h"
+#include "models/recompute.h"
 
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/torch.h>
@@ -142,7 +143,16 @@ BlockImpl::BlockImpl(const DecoderOptions& o) {
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                  const torch::Tensor& sin) {
   auto h = x + attn(attn_norm(x), cos, sin);
+  if (recompute_mlp)
+    return h + recompute([this](const torch::Tensor& t) { return mlp(mlp_norm(t)); }, h);
   return h + mlp(mlp_norm(h));
+}
+
+void DecoderImpl::set_recompute(const std::string& mode) {
+  TORCH_CHECK(mode == "none" || mode == "selective" || mode == "full", "recompute mode ", mode);
+  recompute_blocks_ = mode == "full";
+  for (auto& chunk : blocks_)
+    for (auto& b : chunk) b->recompute_mlp = mode == "selective";
 }
 
 DecoderImpl::DecoderImpl(DecoderOptions o) : o_(std::move(o)) {
@@ -294,7 +304,12 @@ torch::Tensor DecoderImpl::run_blocks(int64_t chunk, torch::Tensor x,
   int64_t layer = o_.stages.chunks[static_cast<size_t>(chunk)].first;  // global index
   for (auto& block : blocks_[static_cast<size_t>(chunk)]) {
     if (hooks_) x = hooks_->before_block(layer, x);
-    x = block->forward(x, cos, sin);
+    if (recompute_blocks_)  // cos/sin and the block by value: backward reruns it later
+      x = recompute(
+          [block, cos, sin](const torch::Tensor& t) mutable { return block->forward(t, cos, sin); },
+          x);
+    else
+      x = block->forward(x, cos, sin);
     if (hooks_) x = hooks_->after_block(layer, x);
     ++layer;
   }

@@ -118,6 +118,9 @@ class BlockImpl : public torch::nn::Module {
  public:
   explicit BlockImpl(const DecoderOptions& o);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  /// training.recompute selective: the MLP half (its norm and its ffn-wide activations) is rerun
+  /// in backward; attention keeps its activations.
+  bool recompute_mlp = false;
   Norm attn_norm{nullptr}, mlp_norm{nullptr};
   Attention attn{nullptr};
   Mlp mlp{nullptr};
@@ -161,6 +164,9 @@ class DecoderImpl : public torch::nn::Module {
   const DecoderOptions& options() const { return o_; }
   const std::map<std::string, ParamSpec>& specs() const { return specs_; }
   parallel::Group& tp() const { return *o_.tp; }
+  /// training.recompute: none | selective (each block's MLP half) | full (each block kept as its
+  /// input only and rerun in backward).
+  void set_recompute(const std::string& mode);
   /// Hooks around every block (not owned; null: none).
   void set_hooks(BlockHooks* hooks) { hooks_ = hooks; }
 
@@ -192,6 +198,7 @@ class DecoderImpl : public torch::nn::Module {
   std::map<std::tuple<int64_t, std::string, int>, std::pair<torch::Tensor, torch::Tensor>> rope_;
   std::map<std::string, ParamSpec> specs_;
   BlockHooks* hooks_ = nullptr;
+  bool recompute_blocks_ = false;
 };
 TORCH_MODULE(Decoder);
 

@@ -1,0 +1,21 @@
+// Activation checkpointing: run a piece of the model without keeping its activations, and run
+// it again in backward to get them (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
+// Cost"; the reentrant form of torch.utils.checkpoint). Only the piece's input is kept.
+#pragma once
+
+#include <torch/types.h>
+
+#include <functional>
+
+namespace tessel::models {
+
+using Piece = std::function<torch::Tensor(const torch::Tensor&)>;
+
+/// fn(x), with autograd recording one node instead of fn's graph. In backward the node reruns fn
+/// on x with gradients on and backpropagates through it: parameters fn uses get their gradients
+/// (and their hooks fire) then. fn must be deterministic and issue the same collectives again
+/// (every rank of a group recomputes the same piece at the same point of backward). Without grad
+/// mode this is fn(x).
+torch::Tensor recompute(Piece fn, const torch::Tensor& x);
+
+}  // namespace tessel::models

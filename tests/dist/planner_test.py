@@ -1,0 +1,108 @@
+"""The --dry-run planner against measured counters: for small plans in several layouts, the
+predicted per-rank state bytes, step activation peak and bytes per group per step are within 15%
+of what the run measured (memory.json, engine/counters.h)."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+BIN = os.environ.get("TESSEL_BIN", os.path.join(os.path.dirname(__file__), "../../build/bin"))
+TOL = 0.15
+
+# name: (parallel overrides, training overrides, world, arch)
+LAYOUTS = {
+    "single": ({}, {}, 1, "llama"),
+    "dp2": ({"dp": 2}, {}, 2, "llama"),
+    "tp2": ({"tp": 2}, {}, 2, "gpt2"),
+    "tp2_sp": ({"tp": 2, "sequence_parallel": True}, {}, 2, "llama"),
+    "pp2_1f1b": ({"pp": 2, "pipeline": {"schedule": "1f1b"}}, {}, 2, "llama"),
+    "cp2": ({"cp": 2}, {}, 2, "llama"),
+    "zero1_dp2": ({"dp": 2, "zero": 1}, {}, 2, "gpt2"),
+    "zero3_dp2": ({"dp": 2, "zero": 3}, {}, 2, "llama"),
+    "recompute_full": ({}, {"recompute": "full"}, 1, "llama"),
+    "recompute_selective": ({}, {"recompute": "selective"}, 1, "llama"),
+}
+
+
+def plan(tmp, name, par, tr, arch):
+    return {"run": {"seed": 1, "output_dir": os.path.join(tmp, name)},
+            "model": {"arch": arch, "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2 if arch == "llama" else 0,
+                      "vocab_size": 512, "max_seq_len": 64},
+            "parallel": par,
+            "training": {"device": "cpu", "steps": 2, "global_batch": 8, "micro_batch": 2, "seq_len": 64,
+                         "threads": 1, **tr},
+            "data": {"format": "tokens", "path": [os.path.join(tmp, "tokens.bin")], "token_dtype": "uint16"},
+            "checkpoint": {"every": 0}, "logging": {"every": 1}}
+
+
+def rel(pred, meas):
+    return abs(pred - meas) / max(meas, 1)
+
+
+class Planner(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmpdir = tempfile.TemporaryDirectory(prefix="tessel-plan-")
+        cls.tmp = cls.tmpdir.name
+        np.random.RandomState(0).randint(0, 512, size=100000).astype(np.uint16).tofile(
+            os.path.join(cls.tmp, "tokens.bin"))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmpdir.cleanup()
+
+    def check(self, name):
+        par, tr, world, arch = LAYOUTS[name]
+        path = os.path.join(self.tmp, name + ".yaml")
+        with open(path, "w") as f:
+            json.dump(plan(self.tmp, name, par, tr, arch), f)
+        pj = os.path.join(self.tmp, name + ".plan.json")
+        p = subprocess.run([os.path.join(BIN, "tessel-train"), path, "--dry-run", "--world-size", str(world),
+                            "--plan-json", pj], capture_output=True, text=True)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("# predicted on h100", p.stdout)
+        cmd = [os.path.join(BIN, "tessel-train"), path]
+        if world > 1:
+            cmd = [os.path.join(BIN, "tessel-launch"), "--nproc-per-node", str(world), "--"] + cmd
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        self.assertEqual(r.returncode, 0, r.stdout[-3000:] + r.stderr[-3000:])
+        with open(pj) as f:
+            pred = json.load(f)
+        with open(os.path.join(self.tmp, name, "memory.json")) as f:
+            meas = json.load(f)
+        pp = par.get("pp", 1)
+        worst = 0
+        lines = []
+        for row in meas["ranks"]:
+            stage = row["rank"] // (world // pp) if pp > 1 else 0  # order tp-cp-dp-pp: pp slowest
+            est = pred["ranks"][stage]
+            pairs = [("state", est["weights_bytes"] + est["grads_bytes"] + est["optimizer_bytes"],
+                      row["params_bytes"] + row["grads_bytes"] + row["optimizer_bytes"]),
+                     ("activations", est["activation_bytes"], row["step_peak_bytes"])]
+            for group, bytes_ in row["comm_bytes_per_step"].items():
+                if group in ("mp", "world") or (bytes_ < 64 and group not in est["comm_bytes_per_step"]):
+                    continue  # scalars: the gradient norm's sum
+                pairs.append((group, est["comm_bytes_per_step"].get(group, 0), bytes_))
+            for group in est["comm_bytes_per_step"]:
+                self.assertIn(group, row["comm_bytes_per_step"], f"{name}: predicted traffic on {group}")
+            for what, p_, m_ in pairs:
+                e = rel(p_, m_)
+                worst = max(worst, e)
+                lines.append(f"{name} rank {row['rank']} {what}: predicted {p_:.0f}, measured {m_:.0f} "
+                             f"({100 * (p_ - m_) / max(m_, 1):+.1f}%)")
+                self.assertLess(e, TOL, f"{name} rank {row['rank']} {what}: predicted {p_}, measured {m_}")
+        print("\n" + "\n".join(lines) + f"\n{name}: worst {100 * worst:.1f}%", file=sys.stderr)
+        return meas
+
+    def test_layouts(self):
+        for name in LAYOUTS:
+            with self.subTest(name):
+                self.check(name)
+
+
+if __name__ == "__main__":
+    unittest.main()
