@@ -107,6 +107,7 @@ struct LoggingConfig {
   int64_t every;
   std::string metrics_file;  // relative to run.output_dir
   double peak_tflops;        // 0 = from the device table (CPU: measured matmul peak)
+  bool tensorboard;          // events under <output_dir>/tensorboard
 };
 
 struct Config {

@@ -219,6 +219,9 @@ std::vector<Field> bind_fields(Config& c) {
       .one_of({"SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"});
 
   // logging
+  add("logging.tensorboard", &c.logging.tensorboard, true,
+      "Also write the logged figures as TensorBoard events under <run.output_dir>/tensorboard "
+      "(rank 0; `tensorboard --logdir` reads them).");
   add("logging.every", &c.logging.every, int64_t{1}, "Console and metrics line every N steps.")
       .range(1);
   add("logging.metrics_file", &c.logging.metrics_file, S("metrics.jsonl"),

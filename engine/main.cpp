@@ -119,7 +119,9 @@ int run_train(int argc, char** argv) {
   // --dry-run: the plan checked against the world, nothing started.
   tessel::Config c = tessel::load_config(config, sets);
   const int64_t n = world_size > 0 ? world_size : world.world;
-  const auto layout = tessel::parallel::check_layout(c, n, world_size > 0 ? n : world.local_world);
+  // --world-size plans for another machine (a GPU cluster from a laptop): this node's devices
+  // are not checked.
+  const auto layout = tessel::parallel::check_layout(c, n, world_size > 0 ? 0 : world.local_world);
   c.parallel.dp = layout.dp;
   const auto& t = c.training;
   std::printf("%s", tessel::dump_config(c).c_str());

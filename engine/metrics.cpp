@@ -101,6 +101,9 @@ MetricsLog::MetricsLog(const Config& c, int64_t resumed_step) {
   f_ = std::fopen(path_.c_str(), "w");
   if (f_) std::fputs(kept.c_str(), f_);
   if (!f_) throw UserError(path_ + ": cannot write metrics: " + std::strerror(errno));
+  if (c.logging.tensorboard)
+    tb_ = std::make_unique<TensorBoardWriter>(
+        (std::filesystem::path(c.run.output_dir) / "tensorboard").string());
 }
 
 MetricsLog::~MetricsLog() {
@@ -108,6 +111,10 @@ MetricsLog::~MetricsLog() {
 }
 
 namespace {
+double unix_time() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 std::string duration(double s) {
   long t = static_cast<long>(s + 0.5);
   return t >= 3600 ? fmt::format("{}h{:02d}m", t / 3600, (t / 60) % 60)
@@ -122,12 +129,19 @@ void MetricsLog::write_line(const std::string& line) {
 }
 
 void MetricsLog::step(const StepLine& s) {
+  const double tokens_per_s_global = s.tokens_per_s * static_cast<double>(s.world);
   nlohmann::json j = {{"step", s.step},
+                      {"time", unix_time()},
+                      {"elapsed_s", s.elapsed_s},
+                      {"samples", s.samples},
+                      {"tokens", s.tokens},
                       {"loss", s.loss},
                       {"lr", s.lr},
                       {"grad_norm", s.grad_norm},
                       {"ms_per_step", s.ms_per_step},
                       {"tokens_per_s", s.tokens_per_s},
+                      {"tokens_per_s_per_device", s.tokens_per_s},
+                      {"tokens_per_s_global", tokens_per_s_global},
                       {"tflops_per_device", s.tflops_per_device},
                       {"mfu", s.mfu},
                       {"mem_bytes", s.mem_bytes},
@@ -135,11 +149,23 @@ void MetricsLog::step(const StepLine& s) {
                       {"loss_scale", s.loss_scale},
                       {"skipped_steps", s.skipped_steps}};
   write_line(j.dump());
+  if (tb_)
+    tb_->scalars(s.step, {{"train/loss", s.loss},
+                          {"train/lr", s.lr},
+                          {"train/grad_norm", s.grad_norm},
+                          {"perf/ms_per_step", s.ms_per_step},
+                          {"perf/tokens_per_s_per_device", s.tokens_per_s},
+                          {"perf/tokens_per_s_global", tokens_per_s_global},
+                          {"perf/mfu", s.mfu},
+                          {"perf/mem_gib", static_cast<double>(s.mem_bytes) / (1 << 30)},
+                          {"perf/comm_exposed_ms", s.comm_exposed_ms},
+                          {"progress/tokens", static_cast<double>(s.tokens)}});
   spdlog::info(
-      "step {:>{}}/{} | loss {:.4f} | lr {:.3e} | norm {:.3f} | {:.1f} ms | {:.0f} tok/s | {:.3f} "
+      "step {:>{}}/{} | loss {:.4f} | lr {:.3e} | norm {:.3f} | {:.1f} ms | {:.0f} tok/s/device "
+      "({:.0f} global) | {:.3f} "
       "TFLOP/s | MFU {:.2f}% | mem {:.2f} GiB | comm {:.1f} ms{} | ETA {}",
       s.step, std::to_string(s.steps).size(), s.steps, s.loss, s.lr, s.grad_norm, s.ms_per_step,
-      s.tokens_per_s, s.tflops_per_device, 100.0 * s.mfu,
+      s.tokens_per_s, tokens_per_s_global, s.tflops_per_device, 100.0 * s.mfu,
       static_cast<double>(s.mem_bytes) / (1 << 30), s.comm_exposed_ms,
       s.loss_scale != 1.0 || s.skipped_steps > 0
           ? fmt::format(" | scale {:g} (skipped {})", s.loss_scale, s.skipped_steps)
@@ -147,9 +173,14 @@ void MetricsLog::step(const StepLine& s) {
       duration(s.eta_s));
 }
 
-void MetricsLog::eval(int64_t step, double val_loss, double ms) {
-  nlohmann::json j = {{"step", step}, {"val_loss", val_loss}, {"eval_ms", ms}};
+void MetricsLog::eval(int64_t step, double val_loss, double ms, int64_t tokens) {
+  nlohmann::json j = {{"step", step},
+                      {"time", unix_time()},
+                      {"tokens", tokens},
+                      {"val_loss", val_loss},
+                      {"eval_ms", ms}};
   write_line(j.dump());
+  if (tb_) tb_->scalars(step, {{"val/loss", val_loss}});
   spdlog::info("eval step {} | val_loss {:.4f} | {:.0f} ms", step, val_loss, ms);
 }
 

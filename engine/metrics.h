@@ -9,6 +9,10 @@
 #include "engine/config.h"
 #include "models/layers.h"
 
+#include <memory>
+
+#include "engine/tensorboard.h"
+
 namespace tessel {
 
 /// PaLM (appendix B) training FLOPs per token: 6·N + 12·L·H·Q·T, with N the parameters excluding
@@ -43,6 +47,10 @@ struct StepLine {
   double comm_exposed_ms;  // gradient reduction not hidden behind backward (host-side wait)
   double loss_scale;       // fp16's dynamic scale (1 otherwise)
   int64_t skipped_steps;   // fp16 steps skipped for overflowing gradients, so far
+  int64_t world;           // processes: tokens_per_s is per device, × world is global
+  int64_t samples;         // sequences consumed since the start of training (resumes included)
+  int64_t tokens;          // target tokens consumed (samples × seq_len)
+  double elapsed_s;        // since this process started training
 };
 
 /// Appends to <output_dir>/<metrics_file> (one JSON object per line) and prints the console line.
@@ -53,11 +61,12 @@ class MetricsLog {
   MetricsLog(const Config& c, int64_t resumed_step);
   ~MetricsLog();
   void step(const StepLine& s);
-  void eval(int64_t step, double val_loss, double ms);
+  void eval(int64_t step, double val_loss, double ms, int64_t tokens);
 
  private:
   void write_line(const std::string& line);  // throws UserError when the file cannot be written
   FILE* f_ = nullptr;
+  std::unique_ptr<TensorBoardWriter> tb_;  // logging.tensorboard
   std::string path_;
 };
 

@@ -292,7 +292,8 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   metrics_->step({step, c_.training.steps, loss, lr_at(c_.training, step), norm, ms, tokens_per_s,
                   tflops, peak_.tflops > 0 ? tflops / peak_.tflops : 0.0,
                   device_.is_cuda() ? counters_->take_peak_since_log() : memory_bytes(device_), eta,
-                  exposed_ms, scaler_->scale_value(), scaler_->skipped_steps()});
+                  exposed_ms, scaler_->scale_value(), scaler_->skipped_steps(), mesh_->world(),
+                  consumed_, consumed_ * c_.training.seq_len, elapsed});
 }
 
 Trainer::~Trainer() = default;
@@ -339,7 +340,8 @@ int Trainer::train() {
         metrics_->eval(
             step, val,
             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                .count());
+                .count(),
+            consumed_ * t.seq_len);
       last_log_time_ += std::chrono::steady_clock::now() - t0;  // keep evaluation out of ms/step
     }
     if ((c_.checkpoint.every > 0 && step % c_.checkpoint.every == 0) || last || stop) {

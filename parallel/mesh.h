@@ -40,6 +40,7 @@ std::vector<std::vector<int64_t>> group_ranks(GroupKind k, const Layout& l);
 
 /// The plan's layout for `world` processes (dp auto resolved), with every check of the plan
 /// against the world; messages name the quantities and their values. Runs before any communicator.
+/// `local_world`: processes on this node, checked against its CUDA devices (0: not checked).
 Layout check_layout(const Config& c, int64_t world, int64_t local_world);
 
 /// Text of the rank grid: every rank's coordinates and its group members (for --dry-run).

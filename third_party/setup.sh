@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=2.11.0
 TOKENIZERS_VERSION=0.22.2  # the version transformers==4.57.6 pins
-PY_TEST_DEPS=(transformers==4.57.6 safetensors)
+PY_TEST_DEPS=(transformers==4.57.6 safetensors matplotlib==3.10.7 tensorboard==2.20.0)
 cache=${TESSEL_CACHE:-$HOME/.cache/tessel}
 mode=${1:-build}   # build | test (test also needs the Python parity dependencies)
 
@@ -63,7 +63,7 @@ if ! "$env_dir/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.v
   echo "setup: installing tokenizers==$TOKENIZERS_VERSION (tessel-data's tokenizer helper)"
   "$env_dir/bin/pip" install --no-input -q "tokenizers==$TOKENIZERS_VERSION"
 fi
-if [ "$mode" = test ] && ! "$env_dir/bin/python" -c "import importlib.metadata as m; m.version('transformers'); m.version('safetensors')" 2>/dev/null; then
+if [ "$mode" = test ] && ! "$env_dir/bin/python" -c "import importlib.metadata as m; [m.version(p) for p in ('transformers', 'safetensors', 'matplotlib', 'tensorboard')]" 2>/dev/null; then
   echo "setup: installing Python test dependencies: ${PY_TEST_DEPS[*]}"
   "$env_dir/bin/pip" install --no-input -q "${PY_TEST_DEPS[@]}"
 fi

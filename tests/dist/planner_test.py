@@ -3,6 +3,7 @@ predicted per-rank state bytes, step activation peak and bytes per group per ste
 of what the run measured (memory.json, engine/counters.h)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -106,3 +107,36 @@ class Planner(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class ShippedConfigs(unittest.TestCase):
+    """configs/: each plan is valid at the world sizes it is written for and fits an H100."""
+    CASES = [("gpt2-124m.yaml", 8, [], 1), ("gpt2-124m.yaml", 32, ["parallel.tp=2", "parallel.pp=2"], 3),
+             ("llama3-1b.yaml", 16, [], 3), ("llama3-1b.yaml", 32, [], 3), ("llama3-1b.yaml", 64, [], 3),
+             ("llama3-8b.yaml", 32, [], 3), ("llama3-8b.yaml", 64, [], 4)]
+
+    def test_dry_run(self):
+        root = os.environ.get("TESSEL_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, world, sets, dims in self.CASES:
+                with self.subTest(f"{name} on {world}"):
+                    pj = os.path.join(tmp, "plan.json")
+                    cmd = [os.path.join(BIN, "tessel-train"), os.path.join(root, "configs", name), "--dry-run",
+                           "--world-size", str(world), "--plan-json", pj]
+                    for s in sets:
+                        cmd += ["--set", s]
+                    p = subprocess.run(cmd, capture_output=True, text=True)
+                    self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                    with open(pj) as f:
+                        plan = json.load(f)
+                    self.assertEqual(plan["world"], world)
+                    sizes = {k: int(v) for k, v in re.findall(r"^  (dp|tp|pp|cp): (\d+)$", p.stdout, re.M)}
+                    self.assertEqual(sizes["dp"] * sizes["tp"] * sizes["pp"] * sizes["cp"], world)
+                    used = sum(1 for v in sizes.values() if v > 1)
+                    self.assertGreaterEqual(used, dims, p.stdout)
+                    for r in plan["ranks"]:
+                        self.assertLess(r["total_bytes"], 80 * 2**30, f"{name} stage {r['stage']} does not fit an H100")
+                    self.assertTrue(0.1 < plan["mfu"] < 0.7, plan["mfu"])
+                    print(f"\n{name} on {world}: {max(r['total_bytes'] for r in plan['ranks']) / 2**30:.1f} GiB per rank, "
+                          f"predicted {plan['step_s'] * 1e3:.0f} ms/step, {plan['tokens_per_s']:.0f} tok/s, "
+                          f"MFU {100 * plan['mfu']:.1f}% on h100", file=sys.stderr)
