@@ -101,12 +101,19 @@ class Tokenize(TmpDirTest):
         self.assertEqual(p.returncode, 2)
         self.assertIn("--eod '<nope>' is not a token", p.stderr)
 
-    def test_train_export_transformers_generate(self):
+    def test_train_export_transformers_generate_llama(self):
+        self.end_to_end("llama")
+
+    def test_train_export_transformers_generate_gpt2(self):
+        self.end_to_end("gpt2")
+
+    def end_to_end(self, arch):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         run("tessel-data", self.path("corpus.jsonl"), "--tokenizer", self.path("tokenizer.json"),
             "--out", self.path("ds"))
+        shape = {"kv_heads": 2} if arch == "llama" else {}
         plan = {"run": {"seed": 5, "output_dir": self.path("run")},
-                "model": {"arch": "llama", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2,
+                "model": {"arch": arch, "layers": 2, "hidden": 64, "heads": 4, **shape,
                           "vocab_size": 300, "max_seq_len": 128},
                 "training": {"device": "cpu", "steps": 60, "global_batch": 8, "micro_batch": 4, "seq_len": 64,
                              "threads": 2, "optimizer": {"lr": 0.01}, "schedule": {"warmup_steps": 5}},
@@ -157,3 +164,17 @@ class Tokenize(TmpDirTest):
         self.assertEqual(got["tokens"], 6 * 64)
         self.assertLess(abs(got["loss"] - ref) / ref, 1e-5, (got, ref))
         self.assertAlmostEqual(got["perplexity"], float(np.exp(got["loss"])), places=6)
+        # score on text: tokenized with the tokenizer (document + eos), as transformers sees it.
+        with open(self.path("doc.txt"), "w") as f:
+            f.write(self.docs[7] + " " + self.docs[8])
+        p = run("tessel-train", "score", cfg, "--weights", self.path("hf", "model.safetensors"),
+                "--data", self.path("doc.txt"), "--tokenizer", self.path("tokenizer.json"))
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        ids = self.tok.encode(self.docs[7] + " " + self.docs[8]).ids + [eos]
+        n = (len(ids) - 1) // 64
+        rows = torch.tensor([ids[i * 64:i * 64 + 65] for i in range(n)])
+        with torch.no_grad():
+            logits = model(rows[:, :-1]).logits
+        ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1)).item()
+        self.assertEqual(got["rows"], n)
+        self.assertLess(abs(got["loss"] - ref) / ref, 1e-5, (got, ref))

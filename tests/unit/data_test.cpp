@@ -2,10 +2,12 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
 #include "engine/data.h"
+#include "engine/tensorboard.h"
 
 namespace fs = std::filesystem;
 
@@ -150,6 +152,68 @@ TEST_F(DataTest, BadFilesAreNamed) {
                "bin.txt: not UTF-8 text (invalid byte at offset 2)");
   write("short.txt", "abc");
   expect_error([&] { Dataset d(plan("text", {(dir_ / "short.txt").string()})); }, "not one sample");
+}
+
+}  // namespace
+}  // namespace tessel::data
+
+namespace tessel::data {
+namespace {
+
+TEST_F(DataTest, WriterPicks16Or32BitTokensAndReadsBack) {
+  const std::vector<std::vector<uint32_t>> docs = {{1, 70000, 65536, 5}, {}, {131071, 2}};
+  for (int64_t vocab : {int64_t{300}, int64_t{128256}}) {
+    const auto prefix = (dir_ / ("v" + std::to_string(vocab))).string();
+    {
+      data::MegatronWriter w(prefix, vocab);
+      for (const auto& d : docs) w.add(d.data(), static_cast<int64_t>(d.size()));
+      EXPECT_EQ(w.elem_size(), vocab <= 65536 ? 2 : 4);
+      EXPECT_FALSE(fs::exists(prefix + ".idx"));  // nothing is visible before finish()
+      w.finish();
+    }
+    data::TokenStream s;
+    data::add_megatron(s, prefix);
+    ASSERT_EQ(s.size(), 6);
+    std::vector<int64_t> got(6);
+    s.read(0, 6, got.data());
+    if (vocab > 65536) {
+      EXPECT_EQ(got, (std::vector<int64_t>{1, 70000, 65536, 5, 131071, 2}));
+    } else {  // the writer trusts its caller's vocabulary: ids are cut to 16 bits
+      EXPECT_EQ(got, (std::vector<int64_t>{1, 70000 & 0xffff, 0, 5, 131071 & 0xffff, 2}));
+    }
+  }
+  {  // an unfinished writer leaves nothing behind
+    data::MegatronWriter w((dir_ / "partial").string(), 300);
+    const uint32_t t[] = {1, 2};
+    w.add(t, 2);
+  }
+  EXPECT_FALSE(fs::exists(dir_ / "partial.bin") || fs::exists(dir_ / "partial.bin.tmp"));
+}
+
+TEST(TensorBoard, Crc32cKnownVectorAndRecordFraming) {
+  EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);  // the CRC-32C check value
+  const auto dir = fs::temp_directory_path() / ("tessel-tb-" + std::to_string(getpid()));
+  std::string path;
+  {
+    TensorBoardWriter w(dir.string());
+    w.scalars(7, {{"train/loss", 2.5}});
+    path = w.path();
+  }
+  std::ifstream f(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  // Two records (file_version, then the scalar), each 8 + 4 + payload + 4 bytes.
+  size_t at = 0;
+  int records = 0;
+  while (at < bytes.size()) {
+    uint64_t len;
+    std::memcpy(&len, bytes.data() + at, 8);
+    ASSERT_LE(at + 16 + len, bytes.size());
+    at += 16 + len;
+    ++records;
+  }
+  EXPECT_EQ(records, 2);
+  EXPECT_NE(bytes.find("train/loss"), std::string::npos);
+  fs::remove_all(dir);
 }
 
 }  // namespace
