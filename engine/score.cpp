@@ -88,11 +88,13 @@ ScoreResult score_data(const Config& c, const std::string& weights, const std::s
     d.path = {data};
     stream = data::open_stream(d);
   }
-  if (ids.empty()) {
-    ids.resize(static_cast<size_t>(stream.size()));
-    if (!ids.empty()) stream.read(0, stream.size(), ids.data());
+  const int64_t t = c.training.seq_len;
+  if (ids.empty()) {  // only the windows scored are read (a corpus may be larger than memory)
+    const int64_t want = max_rows > 0 ? std::min(stream.size(), max_rows * t + 1) : stream.size();
+    ids.resize(static_cast<size_t>(want));
+    if (!ids.empty()) stream.read(0, want, ids.data());
   }
-  const int64_t t = c.training.seq_len, n = static_cast<int64_t>(ids.size());
+  const int64_t n = static_cast<int64_t>(ids.size());
   int64_t b = n > t ? (n - 1) / t : 0;
   if (max_rows > 0) b = std::min(b, max_rows);
   if (b == 0)
