@@ -121,11 +121,15 @@ std::vector<int64_t> generate(models::Decoder& model, const Config& c,
   torch::NoGradGuard no_grad;
   const auto device = model->parameters().front().device();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
-  std::vector<int64_t> seq = prompt, out;
+  std::vector<int64_t> out;
+  int64_t start = 0;
+  auto next_input = torch::tensor(prompt, torch::kInt64).view({1, -1});
   for (int64_t i = 0; i < o.max_new_tokens; ++i) {
-    auto x = torch::tensor(seq, torch::kInt64).view({1, -1}).to(device);
+    // The prompt once, then one token per step over the cached keys and values.
+    auto all = model->decode(next_input.to(device), start);
+    start += next_input.size(1);
     // [V] fp32: the last position's logits, padding columns of the vocabulary dropped.
-    auto logits = model->forward(x)[0][-1].narrow(0, 0, c.model.vocab_size).to(torch::kFloat32);
+    auto logits = all[0][-1].narrow(0, 0, c.model.vocab_size).to(torch::kFloat32);
     int64_t next;
     if (o.temperature <= 0) {
       next = logits.argmax().item<int64_t>();
@@ -137,7 +141,7 @@ std::vector<int64_t> generate(models::Decoder& model, const Config& c,
       }
       next = torch::multinomial(l.softmax(0), 1, false, gen).item<int64_t>();
     }
-    seq.push_back(next);
+    next_input = torch::tensor({next}, torch::kInt64).view({1, 1});
     out.push_back(next);
     if (o.stop && next == *o.stop) break;
   }

@@ -39,8 +39,8 @@ struct SampleOptions {
   std::optional<int64_t> stop;  // end-of-sequence id: generation stops after producing it
 };
 
-/// Continues `prompt` (token ids); returns only the new tokens. Each step runs the whole sequence
-/// (no KV cache): exact, and fast enough for samples at the sizes this trains on one process.
+/// Continues `prompt` (token ids); returns only the new tokens. The prompt runs once, then each
+/// new token attends over cached keys and values (DecoderImpl::decode).
 std::vector<int64_t> generate(models::Decoder& model, const Config& c,
                               const std::vector<int64_t>& prompt, const SampleOptions& o);
 

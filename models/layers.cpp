@@ -111,10 +111,21 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     qh = apply_rope(qh, cos, sin);
     kh = apply_rope(kh, cos, sin);
   }
+  if (cache) {  // generation: earlier positions' keys and values come first
+    if (cache->k.defined()) {
+      kh = torch::cat({cache->k, kh}, 2);
+      vh = torch::cat({cache->v, vh}, 2);
+    }
+    cache->k = kh, cache->v = vh;
+  }
+  // Causal within the new tokens; one new token after cached ones sees them all.
+  TORCH_CHECK(qh.size(2) == kh.size(2) || qh.size(2) == 1,
+              "cached attention takes a whole prompt or one token at a time");
   auto y =
       cp_ ? parallel::cp::attention(*cp_, static_cast<parallel::cp::Method>(cp_method_), qh, kh, vh)
           : at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                             /*is_causal=*/true, /*scale=*/std::nullopt,
+                                             /*is_causal=*/qh.size(2) == kh.size(2),
+                                             /*scale=*/std::nullopt,
                                              /*enable_gqa=*/kv_heads_ != heads_);
   return o(y.transpose(1, 2).reshape({b, s, heads_ * head_dim_}));
 }
@@ -346,6 +357,34 @@ torch::Tensor DecoderImpl::forward(const torch::Tensor& tokens) {
   TORCH_CHECK(cp_size() == 1, "DecoderImpl::forward runs without context parallelism");
   const auto pos = positions(tokens.size(1), tokens.device());
   return logits(run_blocks(0, embed_tokens(tokens, pos), pos));
+}
+
+torch::Tensor DecoderImpl::decode(const torch::Tensor& tokens, int64_t start) {
+  TORCH_CHECK(
+      chunks() == 1 && o_.stages.first && o_.stages.last && cp_size() == 1 && o_.tp->size() == 1,
+      "DecoderImpl::decode needs the whole model in one process");
+  auto& blocks = blocks_[0];
+  if (start == 0) caches_.assign(blocks.size(), {});
+  TORCH_CHECK(caches_.size() == blocks.size() && (start == 0 || caches_[0].k.size(2) == start),
+              "decode: start ", start, " does not follow the cached positions");
+  const int64_t n = tokens.size(1);
+  auto pos = positions(start + n, tokens.device()).narrow(0, start, n);
+  auto x = embed(tokens);
+  if (pos_embed) x = x + pos_embed(pos);
+  torch::Tensor cos, sin;
+  if (!o_.learned_pos) {
+    // One table for every length (a position's angles do not depend on the length).
+    TORCH_CHECK(start + n <= o_.model.max_seq_len, "decode: position ", start + n,
+                " is beyond model.max_seq_len ", o_.model.max_seq_len);
+    const auto& [c, s] = rope(o_.model.max_seq_len, x.device(), x.scalar_type());
+    cos = c.narrow(0, start, n), sin = s.narrow(0, start, n);
+  }
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    blocks[i]->attn->cache = &caches_[i];
+    x = blocks[i]->forward(x, cos, sin);
+    blocks[i]->attn->cache = nullptr;
+  }
+  return logits(x);
 }
 
 torch::Tensor DecoderImpl::loss_sum(const torch::Tensor& rows) {

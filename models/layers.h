@@ -90,6 +90,13 @@ class AttentionImpl : public torch::nn::Module {
   torch::nn::Linear k_all{nullptr}, v_all{nullptr};  // registered as k, v when replicated
   parallel::tp::RowParallelLinear o{nullptr};
   bool kv_replicated() const { return !k; }
+  /// Generation: keys and values of the positions seen so far, [b, kv_heads, n, d] (after RoPE).
+  struct KvCache {
+    torch::Tensor k, v;
+  };
+  /// While set (DecoderImpl::decode), forward appends this call's keys/values to it and attends
+  /// over all of them: the new tokens follow the cached positions.
+  KvCache* cache = nullptr;
 
  private:
   parallel::Group* tp_;
@@ -147,6 +154,10 @@ class DecoderImpl : public torch::nn::Module {
   /// The whole model (one chunk holding every stage): tokens [b, s] int64 -> this rank's
   /// vocabulary slice of the logits [b, s, Vp/t].
   torch::Tensor forward(const torch::Tensor& tokens);
+  /// Generation with a key/value cache (whole model, one process): the logits [b, n, Vp] of
+  /// `tokens` [b, n] at positions [start, start+n), attending over the positions before `start`
+  /// given by earlier calls. start 0 begins a new sequence.
+  torch::Tensor decode(const torch::Tensor& tokens, int64_t start);
   /// Sum of next-token losses (fp32) of rows [b, T+1]: inputs row[:-1], targets row[1:].
   torch::Tensor loss_sum(const torch::Tensor& rows);
   /// One chunk's forward of micro-batch rows [b, T+1]. `input`: the previous stage's activation
@@ -199,6 +210,7 @@ class DecoderImpl : public torch::nn::Module {
   std::map<std::string, ParamSpec> specs_;
   BlockHooks* hooks_ = nullptr;
   bool recompute_blocks_ = false;
+  std::vector<AttentionImpl::KvCache> caches_;  // decode(): one per block
 };
 TORCH_MODULE(Decoder);
 

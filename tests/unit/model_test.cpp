@@ -64,6 +64,25 @@ TEST(Models, CausalAndGroupedQueryAttention) {
   EXPECT_FALSE(torch::allclose(l(x).narrow(1, 7, 1), l(y).narrow(1, 7, 1), 1e-6, 1e-6));
 }
 
+TEST(Models, CachedDecodingEqualsTheWholeSequence) {
+  // Generation's key/value cache: the prompt at once, then one token per call, gives the logits
+  // of running the whole sequence (gpt2's learned positions and llama's RoPE with GQA).
+  torch::NoGradGuard no_grad;
+  for (const char* yaml : {"{arch: gpt2, layers: 2, hidden: 32, heads: 4, vocab_size: 300}",
+                           "{arch: llama, layers: 2, hidden: 32, heads: 4, kv_heads: 2, "
+                           "vocab_size: 300}"}) {
+    auto d = build_model(model(yaml), 5);
+    auto x = torch::randint(0, 300, {2, 12}, torch::kInt64);
+    auto whole = d(x);  // [2, 12, Vp]
+    std::vector<torch::Tensor> parts = {d->decode(x.narrow(1, 0, 5), 0)};
+    for (int64_t i = 5; i < 12; ++i) parts.push_back(d->decode(x.narrow(1, i, 1), i));
+    auto stepped = torch::cat(parts, 1);
+    EXPECT_TRUE(torch::allclose(stepped, whole, 1e-5, 1e-5))
+        << yaml << ": " << (stepped - whole).abs().max().item<float>();
+    EXPECT_THROW(d->decode(x.narrow(1, 0, 1), 3), c10::Error);  // not where the cache ends
+  }
+}
+
 TEST(Models, PipelineStagesChainToTheWholeModel) {
   // p = 2 ranks x v = 2 chunks: stages 0..3 hold layers [0,2) [2,3) [3,5) [5,6) (chunk c of rank r
   // is stage 2c + r). Chaining the stages' forwards gives the whole model's loss, every parameter
