@@ -55,9 +55,17 @@ int cuda_index(const torch::Device& d) { return d.index() < 0 ? 0 : d.index(); }
 
 }  // namespace
 
+CpuAllocationCounter& CpuAllocationCounter::get() {
+  CountingAllocator::get();  // installed on first use
+  static CpuAllocationCounter counter;
+  return counter;
+}
+int64_t CpuAllocationCounter::now() const { return CountingAllocator::get().now(); }
+int64_t CpuAllocationCounter::take_peak() { return CountingAllocator::get().take_peak(); }
+
 StepCounters::StepCounters(const parallel::Mesh& mesh, const torch::Device& device)
     : mesh_(mesh), device_(device) {
-  if (!device.is_cuda()) CountingAllocator::get();
+  if (!device.is_cuda()) CpuAllocationCounter::get();
 }
 
 int64_t StepCounters::allocated() const {
@@ -65,7 +73,7 @@ int64_t StepCounters::allocated() const {
     return c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index(device_))
         .allocated_bytes[0]
         .current;
-  return CountingAllocator::get().now();
+  return CpuAllocationCounter::get().now();
 }
 
 int64_t StepCounters::reset_peak() {
@@ -75,7 +83,7 @@ int64_t StepCounters::reset_peak() {
     c10::cuda::CUDACachingAllocator::resetPeakStats(d);
     return peak;
   }
-  return CountingAllocator::get().take_peak();
+  return CpuAllocationCounter::get().take_peak();
 }
 
 void StepCounters::begin_step() {

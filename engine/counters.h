@@ -14,6 +14,17 @@
 
 namespace tessel {
 
+/// Bytes the CPU allocator has handed out (now and at peak), counted by a wrapper installed over
+/// the default CPU allocator on first use and never removed (tensors it allocated must find it
+/// at release). StepCounters and the memory unit tests read it.
+class CpuAllocationCounter {
+ public:
+  static CpuAllocationCounter& get();
+  int64_t now() const;
+  /// The highest count since the last call (or since installation); the peak restarts at now().
+  int64_t take_peak();
+};
+
 class StepCounters {
  public:
   StepCounters(const parallel::Mesh& mesh, const torch::Device& device);

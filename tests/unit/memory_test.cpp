@@ -1,60 +1,21 @@
 // What a GPU step must not do, checked on CPU: recompute RoPE tables per micro-batch, or keep
-// several fp32 copies of the logits for the loss. CPU allocations are counted by an allocator
-// installed for the test.
-#include <c10/core/CPUAllocator.h>
+// several fp32 copies of the logits for the loss. CPU allocations are counted by the allocator
+// wrapper the trainer's step counters use (engine/counters.h).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <atomic>
-#include <cstring>
-
+#include "engine/counters.h"
 #include "models/registry.h"
 #include "parallel/tp/layers.h"
 
 namespace tessel {
 namespace {
 
-// Counts the bytes the CPU allocator hands out (now and at peak), delegating to the default.
-class CountingAllocator final : public c10::Allocator {
- public:
-  CountingAllocator() : base_(c10::GetCPUAllocator()) {}
-  c10::DataPtr allocate(size_t n) override {
-    auto inner = base_->allocate(n);
-    void* data = inner.get();
-    const auto device = inner.device();
-    auto* ctx = new Ctx{std::move(inner), n, this};
-    peak_ = std::max<int64_t>(peak_, now_ += static_cast<int64_t>(n));
-    return {data, ctx, &CountingAllocator::release, device};
-  }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    std::memcpy(dest, src, count);
-  }
-  void install() { c10::SetCPUAllocator(this, /*priority=*/100); }
-  void uninstall() { c10::SetCPUAllocator(base_, /*priority=*/100); }
-  void reset_peak() { peak_ = now_.load(); }
-  int64_t now() const { return now_; }
-  int64_t peak() const { return peak_; }
-
- private:
-  struct Ctx {
-    c10::DataPtr inner;
-    size_t n;
-    CountingAllocator* self;
-  };
-  static void release(void* p) {
-    auto* c = static_cast<Ctx*>(p);
-    c->self->now_ -= static_cast<int64_t>(c->n);
-    delete c;
-  }
-  c10::Allocator* base_;
-  std::atomic<int64_t> now_{0}, peak_{0};
-};
-
 TEST(Memory, CrossEntropyKeepsOneFp32CopyOfTheLogits) {
   torch::manual_seed(0);
   const int64_t n = 512, v = 1000;
   parallel::Group solo("solo", {0}, 0, nullptr);
-  CountingAllocator counter;
+  auto& counter = CpuAllocationCounter::get();
   for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
     auto logits = torch::randn({n, v}).to(dtype).requires_grad_();
     auto targets = torch::randint(0, v, {n});
@@ -65,13 +26,11 @@ TEST(Memory, CrossEntropyKeepsOneFp32CopyOfTheLogits) {
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
     ref.backward();
 
-    counter.install();
     const int64_t base = counter.now();
-    counter.reset_peak();
+    counter.take_peak();
     auto loss = parallel::tp::vocab_parallel_cross_entropy(solo, logits, targets, 0, v).sum();
     loss.backward();
-    const int64_t extra = counter.peak() - base;
-    counter.uninstall();
+    const int64_t extra = counter.take_peak() - base;
 
     const double fp32_logits = static_cast<double>(n * v * 4);
     // One fp32 [n, v] buffer (softmax, then the gradient in place), plus the gradient in the
