@@ -176,6 +176,7 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
            : 0.0);
   const double act_row = tok * h * w / (sp ? tp : 1.0);  // one activation between stages
   const int64_t zero = c.parallel.zero, data_ranks = l.dp * l.cp;
+  const double block = static_cast<double>(models::block_parameters(m, l.tp));  // one layer's
 
   for (int64_t stage = 0; stage < l.pp; ++stage) {
     RankEstimate r;
@@ -202,8 +203,11 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
     }
     if (part.last)  // the head's logits and the loss's fp32 softmax/gradient buffer
       r.activations += tok * vocab_local * (w + 4) + (a.outside - 1) * tok * h * w;
+    if (zero == 2)  // gradient buckets being reduced (half the fp32 gradient at the peak, as
+                    // measured; at most three buckets exist at once)
+      r.activations += 0.5 * std::min(4.0 * static_cast<double>(r.params),
+                                      3 * c.parallel.ddp_bucket_mb * (1 << 20));
     if (zero == 3) {  // at the peak (backward begins): the root unit and the last block
-      const double block = static_cast<double>(models::block_parameters(m, l.tp));
       r.gathered = w * (static_cast<double>(r.params) - r.layers * block + block);
       r.activations += r.gathered;
     }
@@ -236,8 +240,11 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
       if (c.parallel.context_method == "allgather")  // keys/values gathered, their grads scattered
         g["cp"].gather_scatter +=
             mb * r.layers * 2 * kv_bytes * (t.recompute == "full" ? 1.5 : 1.0);
-      else  // ring: each rank passes its keys/values on cp-1 times forward; backward also dK/dV
-        g["cp"].p2p += mb * r.layers * kv_bytes / l.cp * (l.cp - 1) * 3;
+      else  // ring: this rank's keys/values go round cp-1 times forward and again in backward
+            // (plus once more when full recompute reruns forward); dK/dV go round cp times
+        g["cp"].p2p += mb * r.layers * kv_bytes / static_cast<double>(l.cp) *
+                       ((t.recompute == "full" ? 3.0 : 2.0) * static_cast<double>(l.cp - 1) +
+                        static_cast<double>(l.cp));
     }
     if (l.pp > 1) {  // activations forward, gradients backward, at every chunk boundary
       const double sends_fwd = own_chunks - (part.last ? 1 : 0);
@@ -251,7 +258,6 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
       if (zero == 1) d.gather_scatter += 4 * n + w * n;
       if (zero == 2) d.gather_scatter += mb * 4 * n + w * n;
       if (zero == 3) {
-        const double block = static_cast<double>(models::block_parameters(m, l.tp));
         const double root = n - r.layers * block;
         d.gather_scatter += mb * (4 * n + w * (root + (2 * r.layers - 1) * block));
       }

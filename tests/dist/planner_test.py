@@ -23,7 +23,12 @@ LAYOUTS = {
     "pp2_1f1b": ({"pp": 2, "pipeline": {"schedule": "1f1b"}}, {}, 2, "llama"),
     "cp2": ({"cp": 2}, {}, 2, "llama"),
     "zero1_dp2": ({"dp": 2, "zero": 1}, {}, 2, "gpt2"),
+    "zero2_dp2": ({"dp": 2, "zero": 2}, {}, 2, "llama"),
     "zero3_dp2": ({"dp": 2, "zero": 3}, {}, 2, "llama"),
+    "pp2_interleaved": ({"pp": 2, "pipeline": {"schedule": "interleaved", "virtual_stages": 2}}, {}, 2, "llama"),
+    "cp2_ring": ({"cp": 2, "context": {"method": "ring"}}, {}, 2, "llama"),
+    "cp4_ring": ({"cp": 4, "context": {"method": "ring"}}, {}, 4, "llama"),
+    "cp2_recompute_full": ({"cp": 2}, {"recompute": "full"}, 2, "llama"),
     "recompute_full": ({}, {"recompute": "full"}, 1, "llama"),
     "recompute_selective": ({}, {"recompute": "selective"}, 1, "llama"),
 }
