@@ -124,7 +124,8 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
                data_->train_samples(), data_->train_tokens(), data_->val_samples());
   spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
                kFlopsConvention, peak_.tflops, peak_.source);
-  stop_ = std::make_unique<StopOnSignal>(c_.checkpoint.on_signal, mesh_->store());
+  stop_ = std::make_unique<StopOnSignal>(c_.checkpoint.on_signal, mesh_->store(),
+                                         c_.parallel.timeout_s);
   counters_ = std::make_unique<StepCounters>(*mesh_, device_);
   setup_rss_ = peak_rss_bytes();  // before any step: what the steps add is activations
 }
@@ -331,7 +332,7 @@ int Trainer::train() {
     StepOut out = train_step(step);
     counters_->end_step();
     if (step == first_step_) executor_->take_times();  // the warm-up step is not timed
-    const bool last = step == t.steps, stop = stop_->stop_after(step);  // same on every rank
+    const bool last = step == t.steps, stop = stop_->stop_after(step, last);  // same on every rank
     if (step % c_.logging.every == 0 || last || stop) log_step(step, out);
     if (t.eval_every > 0 && (step % t.eval_every == 0 || last)) {
       auto t0 = std::chrono::steady_clock::now();
