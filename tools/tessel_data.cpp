@@ -19,6 +19,7 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <thread>
 
 #include "engine/config.h"
@@ -198,9 +199,10 @@ int run(const Options& o) {
   std::string eod_text = "256 (bytes)";
   if (!bytes_mode) {
     tessel::TokenizerProcess probe(o.tokenizer, o.python);
-    vocab = probe.vocab_size();
+    auto s = tessel::special_tokens(o.tokenizer);
+    // Ids may have gaps: the bound is the highest id + 1, not the number of tokens.
+    vocab = std::max(probe.vocab_size(), s.vocab_size);
     if (o.eod.empty()) {
-      auto s = tessel::special_tokens(o.tokenizer);
       if (!s.eos)
         throw tessel::UserError(o.tokenizer +
                                 ": no end-of-document token found (none of <|endoftext|>, "
@@ -222,9 +224,25 @@ int run(const Options& o) {
                bytes_mode ? "byte tokens" : "tokenizer " + o.tokenizer, eod_text, eod, workers,
                workers == 1 ? "" : "s");
 
+  // Opened before any thread starts: a bad --out is an error, not std::terminate on joinable
+  // threads.
+  tessel::data::MegatronWriter out(o.out, vocab);
   Pipeline p(static_cast<size_t>(2 * workers + 2));
   std::atomic<int64_t> read_bytes{0}, skipped{0};
   std::vector<std::thread> threads;
+  // On any early exit (a thread that cannot start, an exception below) stop and join the threads:
+  // destroying a joinable std::thread would terminate the process instead of reporting the error.
+  struct JoinAll {
+    Pipeline& p;
+    std::vector<std::thread>& threads;
+    ~JoinAll() {
+      for (auto& t : threads)
+        if (t.joinable()) {
+          p.fail(std::make_exception_ptr(std::runtime_error("stopped early")));
+          t.join();
+        }
+    }
+  } join_all{p, threads};
   threads.emplace_back([&] {
     try {
       read_inputs(o, files, p, read_bytes, skipped);
@@ -259,7 +277,6 @@ int run(const Options& o) {
       }
     });
 
-  tessel::data::MegatronWriter out(o.out, vocab);
   const auto start = std::chrono::steady_clock::now();
   auto last = start;
   const bool tty = o.progress && ::isatty(2);
