@@ -123,11 +123,29 @@ std::vector<std::string> expand(const std::string& pattern) {
 }
 
 int64_t utf8_error(const uint8_t* p, int64_t n) {
+  // Well-formed sequences only (Unicode Table 3-7, RFC 3629), as Python's strict decoder takes
+  // them: no overlong forms (C0, C1, E0 80-9F, F0 80-8F), surrogates (ED A0-BF) or code points
+  // past U+10FFFF (F4 90-BF, F5-FF).
   for (int64_t i = 0; i < n;) {
-    uint8_t c = p[i];
-    int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+    const uint8_t c = p[i];
+    int len = 0;
+    uint8_t lo = 0x80, hi = 0xBF;  // the range of the second byte
+    if (c < 0x80) {
+      len = 1;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;
+      if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    }
     if (len == 0 || i + len > n) return i;
-    for (int k = 1; k < len; ++k)
+    if (len > 1 && (p[i + 1] < lo || p[i + 1] > hi)) return i;
+    for (int k = 2; k < len; ++k)
       if ((p[i + k] & 0xC0) != 0x80) return i;
     i += len;
   }

@@ -57,7 +57,8 @@ while True:
     try:
         if op == b'E':
             special = read(1) == b'\x01'
-            texts = [read(u32()).decode('utf-8') for _ in range(u32())]
+            raw = [read(u32()) for _ in range(u32())]  # the whole request before any decoding,
+            texts = [r.decode('utf-8') for r in raw]  # so an error reply keeps the stream in step
             parts = [b'OK']
             for e in tok.encode_batch(texts, add_special_tokens=special):
                 ids = array('I', e.ids)

@@ -154,6 +154,37 @@ TEST_F(DataTest, BadFilesAreNamed) {
   expect_error([&] { Dataset d(plan("text", {(dir_ / "short.txt").string()})); }, "not one sample");
 }
 
+// The validator accepts exactly what Python's strict UTF-8 decoder (the tokenizer helper) accepts.
+TEST(Utf8, WellFormedOnly) {
+  struct Case {
+    std::string bytes;
+    int64_t error;  // offset of the first bad sequence, -1 when well formed
+  };
+  const std::vector<Case> cases = {
+      {"plain ascii", -1},
+      {"\xC3\xA9t\xC3\xA9", -1},  // é
+      {"\xE2\x82\xAC", -1},       // €
+      {"\xF0\x9F\x98\x80", -1},   // U+1F600
+      {"\xED\x9F\xBF", -1},       // U+D7FF, the last before the surrogates
+      {"\xF4\x8F\xBF\xBF", -1},   // U+10FFFF
+      {"ab\xC0\x80", 2},          // overlong NUL (modified UTF-8)
+      {"\xC1\xBF", 0},            // overlong
+      {"\xE0\x80\xAF", 0},        // overlong 3-byte
+      {"x\xF0\x80\x80\xAF", 1},   // overlong 4-byte
+      {"\xED\xA0\x80", 0},        // surrogate U+D800
+      {"\xF4\x90\x80\x80", 0},    // U+110000
+      {"\xF5\x80\x80\x80", 0},    // lead past F4
+      {"ok\xE2\x82", 2},          // truncated at the end
+      {"\xE2(\xAC", 0},           // bad continuation
+      {"\x80", 0},                // lone continuation
+  };
+  for (const auto& c : cases)
+    EXPECT_EQ(utf8_error(reinterpret_cast<const uint8_t*>(c.bytes.data()),
+                         static_cast<int64_t>(c.bytes.size())),
+              c.error)
+        << testing::PrintToString(c.bytes);
+}
+
 }  // namespace
 }  // namespace tessel::data
 
