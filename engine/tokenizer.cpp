@@ -133,6 +133,12 @@ SpecialTokens special_tokens(const std::string& tokenizer_json) {
       id = added[configured], text = configured;
       return;
     }
+    // A token that tokenizer_config.json names may be an ordinary vocabulary entry.
+    if (!configured.empty() && t.contains("model") && t["model"].contains("vocab") &&
+        t["model"]["vocab"].is_object() && t["model"]["vocab"].contains(configured)) {
+      id = t["model"]["vocab"][configured].get<int64_t>(), text = configured;
+      return;
+    }
     for (const char* n : names)
       if (added.count(n)) {
         id = added[n], text = n;
@@ -167,8 +173,14 @@ TokenizerProcess::TokenizerProcess(const std::string& tokenizer_json, const std:
     throw UserError(tokenizer_json + ": no such tokenizer file");
   std::signal(SIGPIPE, SIG_IGN);  // a dead helper is reported by the read, not by a signal
   int in[2], out[2];
-  if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0)
+  if (::pipe2(in, O_CLOEXEC) != 0)
     throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
+  if (::pipe2(out, O_CLOEXEC) != 0) {
+    const int e = errno;
+    ::close(in[0]);
+    ::close(in[1]);
+    throw std::runtime_error(std::string("pipe: ") + std::strerror(e));
+  }
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, in[0], 0);
@@ -192,6 +204,7 @@ TokenizerProcess::TokenizerProcess(const std::string& tokenizer_json, const std:
   to_ = in[1], from_ = out[0];
   if (rc != 0) {
     pid_ = -1;
+    shutdown();
     throw UserError("cannot start " + py + " for the tokenizer helper: " + std::strerror(rc) +
                     " (set TESSEL_PYTHON or --python to a python with the `tokenizers` package)");
   }
@@ -201,14 +214,20 @@ TokenizerProcess::TokenizerProcess(const std::string& tokenizer_json, const std:
     std::memcpy(&v, receive(4).data(), 4);
     vocab_ = v;
   } catch (const UserError& e) {
+    shutdown();  // the destructor does not run for a constructor that throws
     throw UserError(std::string(e.what()) + " (python: " + py + ")");
   }
 }
 
-TokenizerProcess::~TokenizerProcess() {
+TokenizerProcess::~TokenizerProcess() { shutdown(); }
+
+void TokenizerProcess::shutdown() {
+  // Closing stdin ends the helper's loop (EOF), so the wait cannot hang.
   if (to_ >= 0) ::close(to_);
   if (from_ >= 0) ::close(from_);
   if (pid_ > 0) ::waitpid(pid_, nullptr, 0);
+  to_ = from_ = -1;
+  pid_ = -1;
 }
 
 void TokenizerProcess::send(const std::string& bytes) {

@@ -48,6 +48,7 @@ class TokenizerProcess {
   void send(const std::string& bytes);
   std::string receive(size_t n);
   void check_ok();
+  void shutdown();  // close the pipes and reap the helper; idempotent
   std::string path_;
   int64_t vocab_ = 0;
   pid_t pid_ = -1;
