@@ -323,8 +323,15 @@ void MegatronWriter::finish() {
     std::remove((prefix_ + ".bin.tmp").c_str());
     throw UserError(prefix_ + ".bin.tmp: write failed (" + std::strerror(errno) + ")");
   }
-  // .bin first: a reader opens the pair through .idx, which appears last.
-  std::filesystem::rename(prefix_ + ".bin.tmp", prefix_ + ".bin");
+  // A reader opens the pair through .idx, so an older .idx goes first and the new one comes
+  // last: a crash in between leaves no dataset, never a new .bin beside an old .idx.
+  std::error_code ec;
+  std::filesystem::remove(prefix_ + ".idx", ec);
+  if (!ec) std::filesystem::rename(prefix_ + ".bin.tmp", prefix_ + ".bin", ec);
+  if (ec) {
+    std::remove((prefix_ + ".bin.tmp").c_str());
+    throw UserError(prefix_ + ".bin/.idx: cannot replace (" + ec.message() + ")");
+  }
   write_file_atomic(prefix_ + ".idx", idx);
 }
 
