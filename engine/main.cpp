@@ -274,7 +274,11 @@ int run_generate(int argc, char** argv) {
     nlohmann::json j = {{"prompt_ids", ids}, {"ids", out}, {"text", text}};
     std::printf("%s\n", j.dump().c_str());
   } else if (tok) {
-    std::printf("%s%s\n", tok->decode(ids, true).c_str(), tok->decode(out, true).c_str());
+    // Prompt and continuation decoded as one sequence: decoded apart, a SentencePiece decoder
+    // drops the space before the first new token and a byte-level one can split a character.
+    auto all = ids;
+    all.insert(all.end(), out.begin(), out.end());
+    std::printf("%s\n", tok->decode(all, true).c_str());
   } else {
     std::printf("%s\n", nlohmann::json(out).dump().c_str());
   }

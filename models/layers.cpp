@@ -379,10 +379,18 @@ torch::Tensor DecoderImpl::decode(const torch::Tensor& tokens, int64_t start) {
     const auto& [c, s] = rope(o_.model.max_seq_len, x.device(), x.scalar_type());
     cos = c.narrow(0, start, n), sin = s.narrow(0, start, n);
   }
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    blocks[i]->attn->cache = &caches_[i];
-    x = blocks[i]->forward(x, cos, sin);
-    blocks[i]->attn->cache = nullptr;
+  try {
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      blocks[i]->attn->cache = &caches_[i];
+      x = blocks[i]->forward(x, cos, sin);
+      blocks[i]->attn->cache = nullptr;
+    }
+  } catch (...) {
+    // No block may keep the cache (a later forward would attend to stale keys), and a cache
+    // extended in some blocks only is dropped: the next decode must start again at 0.
+    for (auto& b : blocks) b->attn->cache = nullptr;
+    caches_.clear();
+    throw;
   }
   return logits(x);
 }
