@@ -203,7 +203,17 @@ class Loader {
       if (!seen.insert(name).second) fail(line, "duplicate key '" + key + "'");
       auto it = by_key_.find(key);
       if (it != by_key_.end()) {
+        const auto* other = alias_of(key);
+        const std::string b =
+            other && lines_.count(other) ? *std::get<std::string*>(by_key_.at(other)->ref) : "";
         set(*it->second, kv.second, c_.source + ":" + std::to_string(line));
+        if (other && lines_.count(other)) {
+          const auto& a = *std::get<std::string*>(it->second->ref);
+          if (a != b)
+            fail(line, key + " (" + a + ") and " + other + " (" + b + ", line " +
+                           std::to_string(lines_.at(other)) +
+                           ") name the same setting and disagree");
+        }
         lines_[key] = line;
       } else if (is_section(key)) {
         if (kv.second.IsNull()) continue;
@@ -215,10 +225,20 @@ class Loader {
     }
   }
 
+  // training.recompute and training.activation_checkpointing (DESIGN.md's name) are one setting:
+  // either name sets both, so a --set of one overrides a plan that used the other.
+  static const char* alias_of(const std::string& key) {
+    if (key == "training.recompute") return "training.activation_checkpointing";
+    if (key == "training.activation_checkpointing") return "training.recompute";
+    return nullptr;
+  }
+
   void set(Field& f, const YAML::Node& n, const std::string& where) {
     std::string err = assign(f, n);
     if (err.empty()) err = check_field(f);
     if (!err.empty()) throw UserError(where + ": " + f.key + ": " + err);
+    if (const auto* other = alias_of(f.key))
+      *std::get<std::string*>(by_key_.at(other)->ref) = *std::get<std::string*>(f.ref);
   }
 
   Config c_;
@@ -256,14 +276,6 @@ class Validator {
     if (m.tie_embeddings == "auto") m.tie_embeddings = m.arch == "gpt2" ? "true" : "false";
     if (m.ffn_hidden == 0)
       m.ffn_hidden = m.arch == "gpt2" ? 4 * m.hidden : (8 * m.hidden / 3 + 63) / 64 * 64;
-    if (t.activation_checkpointing != "none") {
-      require(t.recompute == "none" || t.recompute == t.activation_checkpointing,
-              "training.recompute",
-              "training.recompute (" + t.recompute + ") and training.activation_checkpointing (" +
-                  t.activation_checkpointing + ") name the same setting and disagree");
-      t.recompute = t.activation_checkpointing;
-    }
-    t.activation_checkpointing = t.recompute;
     if (t.dtype == "auto")  // bf16 where it is fast and safe (CUDA), fp32 elsewhere
       t.dtype = t.device == "cuda" || (t.device == "auto" && torch::cuda::is_available()) ? "bf16"
                                                                                           : "fp32";

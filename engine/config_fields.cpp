@@ -114,13 +114,13 @@ std::vector<Field> bind_fields(Config& c) {
       "Megatron-LM and torchtitan do); false keeps them exact fp32 (parity checks).");
   add("training.recompute", &c.training.recompute, S("none"),
       "Activation checkpointing. none: keep every block's activations for backward. selective: "
-      "recompute the attention core and the MLP's activation in backward (the cheap, large "
-      "tensors, as Megatron-LM's selective recomputation). full: keep only each block's input "
-      "and rerun the whole block in backward (about one more forward of compute).")
+      "keep attention's and rerun each block's MLP half (its norm and the ffn-wide tensors, the "
+      "largest per token) in backward. full: keep only each block's input and rerun the whole "
+      "block in backward (about one more forward of compute).")
       .one_of({"none", "selective", "full"});
   add("training.activation_checkpointing", &c.training.activation_checkpointing, S("none"),
-      "The same setting as training.recompute, under the name DESIGN.md first gave it; set "
-      "either (both: they must agree).")
+      "The same setting as training.recompute, under the name DESIGN.md first gave it: either "
+      "name sets both (--set of one overrides the plan's other; a plan giving both must agree).")
       .one_of({"none", "selective", "full"});
   add("training.steps", &c.training.steps, int64_t{100}, "Optimizer steps.").range(1);
   add("training.global_batch", &c.training.global_batch, int64_t{8},

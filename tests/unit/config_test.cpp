@@ -43,6 +43,25 @@ TEST(Config, DumpReloadsToTheSamePlan) {
   EXPECT_EQ(again.training.optimizer.betas, (std::vector<double>{0.8, 0.99}));
 }
 
+const std::string kData = "data: {path: a.txt}\n";
+
+// training.recompute and training.activation_checkpointing are one setting: an override of
+// either wins over the plan's other name, and the resolved plan carries both.
+TEST(Config, RecomputeAliases) {
+  const std::string plan = kData + "training: {activation_checkpointing: full}\n";
+  Config c = load_config_text(plan, "p.yaml", {"training.recompute=none"});
+  EXPECT_EQ(c.training.recompute, "none");
+  EXPECT_EQ(c.training.activation_checkpointing, "none");
+  c = load_config_text(plan, "p.yaml");
+  EXPECT_EQ(c.training.recompute, "full");
+  c = load_config_text(kData + "training: {recompute: selective}\n", "p.yaml",
+                       {"training.activation_checkpointing=full"});
+  EXPECT_EQ(c.training.recompute, "full");
+  EXPECT_EQ(c.training.activation_checkpointing, "full");
+  Config again = load_config_text(dump_config(c), "dumped.yaml");  // both keys, agreeing
+  EXPECT_EQ(again.training.recompute, "full");
+}
+
 struct BadPlan {
   const char* name;
   std::string yaml;
@@ -65,11 +84,14 @@ TEST_P(BadPlans, FailWithTheirMessage) {
   }
 }
 
-const std::string kData = "data: {path: a.txt}\n";
-
 INSTANTIATE_TEST_SUITE_P(
     Table, BadPlans,
     ::testing::Values(
+        BadPlan{"recompute names disagree",
+                kData + "training:\n  recompute: full\n  activation_checkpointing: selective\n",
+                {},
+                "plan.yaml:4: training.activation_checkpointing (selective) and "
+                "training.recompute (full, line 3) name the same setting and disagree"},
         BadPlan{"unknown key",
                 kData + "training:\n  lrr: 3\n",
                 {},
