@@ -5,6 +5,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -72,13 +73,20 @@ void set_field(DeviceProfile& d, const std::string& key, const std::string& valu
     d.intra_node_gbps = num();
   else if (key == "inter_node_gbps")
     d.inter_node_gbps = num();
-  else if (key == "gpus_per_node")
-    d.gpus_per_node = static_cast<int64_t>(num());
-  else if (key == "memory_gib")
+  else if (key == "gpus_per_node") {
+    const double v = num();
+    if (v != std::floor(v))
+      throw UserError(where + ": gpus_per_node must be a whole number, not '" + value + "'");
+    d.gpus_per_node = static_cast<int64_t>(v);
+  } else if (key == "memory_gib")
     d.memory_gib = num();
-  else if (key == "efficiency")
-    d.efficiency = std::min(1.0, num());
-  else
+  else if (key == "efficiency") {
+    d.efficiency = num();
+    if (d.efficiency > 1)
+      throw UserError(where +
+                      ": efficiency is a fraction of the peak (0 < efficiency <= 1), not '" +
+                      value + "'");
+  } else
     throw UserError(where + ": unknown device profile key '" + key +
                     "' (keys: name, base, peak_tflops, fp32_tflops, intra_node_gbps, "
                     "inter_node_gbps, gpus_per_node, memory_gib, efficiency)");

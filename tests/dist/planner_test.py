@@ -110,15 +110,24 @@ class Planner(unittest.TestCase):
                 self.check(name)
 
 
-if __name__ == "__main__":
-    unittest.main()
-
 
 class ShippedConfigs(unittest.TestCase):
     """configs/: each plan is valid at the world sizes it is written for and fits an H100."""
     CASES = [("gpt2-124m.yaml", 8, [], 1), ("gpt2-124m.yaml", 32, ["parallel.tp=2", "parallel.pp=2"], 3),
              ("llama3-1b.yaml", 16, [], 3), ("llama3-1b.yaml", 32, [], 3), ("llama3-1b.yaml", 64, [], 3),
              ("llama3-8b.yaml", 32, [], 3), ("llama3-8b.yaml", 64, [], 4)]
+
+    def test_bad_profile_values_are_refused(self):
+        root = os.environ.get("TESSEL_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
+        for kv, msg in (("gpus_per_node=0.5", "gpus_per_node must be a whole number, not '0.5'"),
+                        ("efficiency=1.5", "efficiency is a fraction of the peak"),
+                        ("peak_tflops=-3", "peak_tflops must be a positive number, not '-3'")):
+            with self.subTest(kv):
+                p = subprocess.run([os.path.join(BIN, "tessel-train"), os.path.join(root, "configs", "gpt2-124m.yaml"),
+                                    "--dry-run", "--world-size", "8", "--profile-set", kv],
+                                   capture_output=True, text=True)
+                self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+                self.assertIn(msg, p.stderr)
 
     def test_dry_run(self):
         root = os.environ.get("TESSEL_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
@@ -145,3 +154,7 @@ class ShippedConfigs(unittest.TestCase):
                     print(f"\n{name} on {world}: {max(r['total_bytes'] for r in plan['ranks']) / 2**30:.1f} GiB per rank, "
                           f"predicted {plan['step_s'] * 1e3:.0f} ms/step, {plan['tokens_per_s']:.0f} tok/s, "
                           f"MFU {100 * plan['mfu']:.1f}% on h100", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -100,6 +100,22 @@ class Tokenize(TmpDirTest):
                 "--eod", "<nope>", "--out", self.path("bad"), check=False)
         self.assertEqual(p.returncode, 2)
         self.assertIn("--eod '<nope>' is not a token", p.stderr)
+        # An output folder that does not exist: an error, not an abort with threads running.
+        p = run("tessel-data", self.path("corpus.jsonl"), "--tokenizer", self.path("tokenizer.json"),
+                "--out", self.path("no", "such", "dir", "ds"), check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("cannot create", p.stderr)
+        # Overlong UTF-8 (modified UTF-8's NUL) is refused by tessel-data, naming the file, before
+        # the tokenizer's strict decoder sees it.
+        with open(self.path("a.txt"), "w") as f:
+            f.write("fine text")
+        with open(self.path("b.txt"), "wb") as f:
+            f.write(b"ab\xc0\x80cd")
+        p = run("tessel-data", self.path("a.txt"), self.path("b.txt"), "--tokenizer", self.path("tokenizer.json"),
+                "--out", self.path("bad"), check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("b.txt: not UTF-8 (invalid byte at offset 2)", p.stderr)
+        self.assertFalse(os.path.exists(self.path("bad.bin")) or os.path.exists(self.path("bad.idx")))
 
     def test_train_export_transformers_generate_llama(self):
         self.end_to_end("llama")
