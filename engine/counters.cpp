@@ -1,6 +1,8 @@
 #include "engine/counters.h"
 
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/alignment.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 
 #include <atomic>
@@ -9,8 +11,12 @@
 namespace tessel {
 namespace {
 
-// Counts the bytes the CPU allocator hands out (now and at peak), delegating to the default.
-// Installed once per process and never removed: tensors it allocated must find it at release.
+// Counts the bytes the CPU allocator hands out (now and at peak). Installed once per process and
+// never removed: tensors it allocated must find it at release.
+//
+// Its DataPtrs are plain (context == data, with raw_deleter()), as the default CPU allocator's
+// are: oneDNN's bf16 matmul allocates through Allocator::raw_allocate, which requires that. The
+// size lives in a header of one alignment unit in front of the block, so release needs no lookup.
 class CountingAllocator final : public c10::Allocator {
  public:
   static CountingAllocator& get() {
@@ -18,15 +24,17 @@ class CountingAllocator final : public c10::Allocator {
     return *a;
   }
   c10::DataPtr allocate(size_t n) override {
-    auto inner = base_->allocate(n);
-    void* data = inner.get();
-    const auto device = inner.device();
-    auto* ctx = new Ctx{std::move(inner), n, this};
+    const c10::Device cpu(c10::DeviceType::CPU);
+    if (n == 0) return {nullptr, nullptr, &CountingAllocator::release, cpu};
+    auto* base = static_cast<char*>(c10::alloc_cpu(n + kHeader));
+    *reinterpret_cast<size_t*>(base) = n;
+    void* data = base + kHeader;
     const int64_t now = now_ += static_cast<int64_t>(n);
     for (int64_t p = peak_; now > p && !peak_.compare_exchange_weak(p, now);) {
     }
-    return {data, ctx, &CountingAllocator::release, device};
+    return {data, data, &CountingAllocator::release, cpu};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
   }
@@ -34,20 +42,15 @@ class CountingAllocator final : public c10::Allocator {
   int64_t take_peak() { return peak_.exchange(now_.load()); }
 
  private:
-  CountingAllocator() : base_(c10::GetCPUAllocator()) {
-    c10::SetCPUAllocator(this, /*priority=*/100);
+  // One alignment unit keeps the data as aligned as alloc_cpu's blocks (c10::gAlignment).
+  static constexpr size_t kHeader = c10::gAlignment;
+  CountingAllocator() { c10::SetCPUAllocator(this, /*priority=*/100); }
+  static void release(void* data) {
+    if (!data) return;
+    char* base = static_cast<char*>(data) - kHeader;
+    get().now_ -= static_cast<int64_t>(*reinterpret_cast<size_t*>(base));
+    c10::free_cpu(base);
   }
-  struct Ctx {
-    c10::DataPtr inner;
-    size_t n;
-    CountingAllocator* self;
-  };
-  static void release(void* p) {
-    auto* c = static_cast<Ctx*>(p);
-    c->self->now_ -= static_cast<int64_t>(c->n);
-    delete c;
-  }
-  c10::Allocator* base_;
   std::atomic<int64_t> now_{0}, peak_{0};
 };
 

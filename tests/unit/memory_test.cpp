@@ -1,6 +1,7 @@
 // What a GPU step must not do, checked on CPU: recompute RoPE tables per micro-batch, or keep
 // several fp32 copies of the logits for the loss. CPU allocations are counted by the allocator
 // wrapper the trainer's step counters use (engine/counters.h).
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -10,6 +11,26 @@
 
 namespace tessel {
 namespace {
+
+// The counting allocator's blocks are plain, as the default CPU allocator's: oneDNN's bf16
+// matmul (CPUs with avx512_bf16 or AMX) allocates through raw_allocate, which asserts that.
+TEST(Memory, CountingAllocatorServesRawAllocations) {
+  auto& counter = CpuAllocationCounter::get();
+  auto* alloc = c10::GetCPUAllocator();
+  const int64_t before = counter.now();
+  void* p = alloc->raw_allocate(1000);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);
+  EXPECT_EQ(counter.now() - before, 1000);
+  alloc->raw_deallocate(p);
+  EXPECT_EQ(counter.now(), before);
+  auto a = torch::randn({64, 96}).to(torch::kBFloat16),
+       b = torch::randn({96, 32}).to(torch::kBFloat16);
+  auto c = torch::matmul(a, b);
+  EXPECT_TRUE(torch::allclose(c.to(torch::kFloat32),
+                              torch::matmul(a.to(torch::kFloat32), b.to(torch::kFloat32)), 0.05,
+                              0.1));
+}
 
 TEST(Memory, CrossEntropyKeepsOneFp32CopyOfTheLogits) {
   torch::manual_seed(0);
