@@ -154,6 +154,14 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                 fields[k] = v
         return fields
 
+    def logs(self, lines=40):
+        """The last lines of the controller's and every node daemon's log, for failure messages."""
+        out = []
+        for name in sorted(os.listdir(os.path.join(self.dir, "log"))):
+            with open(os.path.join(self.dir, "log", name), errors="replace") as f:
+                out.append(f"--- {name} (last {lines} lines)\n" + "".join(f.readlines()[-lines:]))
+        return "\n".join(out)
+
     def wait(self, job_id, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), timeout=300):
         deadline = time.time() + timeout
         while time.time() < deadline:
