@@ -203,17 +203,15 @@ class Loader {
       if (!seen.insert(name).second) fail(line, "duplicate key '" + key + "'");
       auto it = by_key_.find(key);
       if (it != by_key_.end()) {
+        // The plan gave the other name of this setting already: read it before set() copies.
         const auto* other = alias_of(key);
-        const std::string b =
-            other && lines_.count(other) ? *std::get<std::string*>(by_key_.at(other)->ref) : "";
+        const bool both = other && lines_.count(other);
+        const std::string earlier = both ? *std::get<std::string*>(by_key_.at(other)->ref) : "";
         set(*it->second, kv.second, c_.source + ":" + std::to_string(line));
-        if (other && lines_.count(other)) {
-          const auto& a = *std::get<std::string*>(it->second->ref);
-          if (a != b)
-            fail(line, key + " (" + a + ") and " + other + " (" + b + ", line " +
-                           std::to_string(lines_.at(other)) +
-                           ") name the same setting and disagree");
-        }
+        if (both && *std::get<std::string*>(it->second->ref) != earlier)
+          fail(line, key + " (" + *std::get<std::string*>(it->second->ref) + ") and " + other +
+                         " (" + earlier + ", line " + std::to_string(lines_.at(other)) +
+                         ") name the same setting and disagree");
         lines_[key] = line;
       } else if (is_section(key)) {
         if (kv.second.IsNull()) continue;

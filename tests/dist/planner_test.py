@@ -110,7 +110,6 @@ class Planner(unittest.TestCase):
                 self.check(name)
 
 
-
 class ShippedConfigs(unittest.TestCase):
     """configs/: each plan is valid at the world sizes it is written for and fits an H100."""
     CASES = [("gpt2-124m.yaml", 8, [], 1), ("gpt2-124m.yaml", 32, ["parallel.tp=2", "parallel.pp=2"], 3),
