@@ -2,12 +2,64 @@
 
 #include <fmt/format.h>
 #include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 #include "engine/config.h"
 
 namespace tessel::parallel {
+namespace {
+
+// Gloo's collectives run on the process group's worker thread, which holds the work, and so the
+// tensors the work holds, until just after it completes: a moment after wait() returns, later on
+// a busy CPU. Tensors a collective held would then be freed at a time that depends on thread
+// scheduling (planner_test's step peaks moved by a bucket or a shard between runs). Waiting here
+// for the worker to let go frees them at wait(). Bounded: past it they are freed later.
+void release(c10::intrusive_ptr<c10d::Work>& w) {
+  if (dynamic_cast<c10d::ProcessGroupGloo::AsyncWork*>(w.get())) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    while (w.use_count() > 1 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::yield();
+  }
+  w.reset();
+}
+
+// Reduce-scatter over Gloo, which has none: all-reduce a copy of the input, then take this rank's
+// chunk. c10d's own emulation does the same, but wraps the all-reduce in a work of its own, so the
+// copy escaped release() above.
+class GlooReduceScatter final : public c10d::Work {
+ public:
+  GlooReduceScatter(c10d::Backend& gloo, torch::Tensor out, const torch::Tensor& in,
+                    c10d::ReduceOp op)
+      : out_(std::move(out)),
+        copy_(in.flatten().clone()),
+        rank_(gloo.getRank()),
+        size_(gloo.getSize()) {
+    std::vector<at::Tensor> v{copy_};
+    c10d::AllreduceOptions o;
+    o.reduceOp = op;
+    allreduce_ = gloo.allreduce(v, o);
+  }
+  bool isCompleted() override { return !allreduce_ || allreduce_->isCompleted(); }
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (!allreduce_) return true;
+    allreduce_->wait(timeout);
+    release(allreduce_);
+    out_.copy_(copy_.chunk(size_)[rank_].view_as(out_));
+    copy_ = torch::Tensor();
+    return true;
+  }
+
+ private:
+  torch::Tensor out_, copy_;
+  c10::intrusive_ptr<c10d::Work> allreduce_;
+  int64_t rank_, size_;
+};
+
+}  // namespace
 
 void Work::wait() {
   if (!w_) return;
@@ -18,7 +70,7 @@ void Work::wait() {
   } catch (const std::exception& e) {
     throw CommError(what_ + " failed: " + e.what());
   }
-  w_.reset();
+  release(w_);
 }
 
 Group::Group(std::string name, std::vector<int64_t> ranks, int64_t global_rank,
@@ -102,9 +154,11 @@ Work Group::reduce_scatter(torch::Tensor& out, torch::Tensor& in, c10d::ReduceOp
     out.copy_(in.view_as(out));
     return {};
   }
+  bytes_ += in.numel() * in.element_size();
+  if (backend_->getBackendName() == "gloo")
+    return {c10::make_intrusive<GlooReduceScatter>(*backend_, out, in, op), what("reduce_scatter")};
   c10d::ReduceScatterOptions o;
   o.reduceOp = op;
-  bytes_ += in.numel() * in.element_size();
   return {backend_->_reduce_scatter_base(out, in, o), what("reduce_scatter")};
 }
 

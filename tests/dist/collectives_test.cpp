@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "engine/counters.h"
 #include "parallel/autograd_comm.h"
 #include "parallel/mesh.h"
 #include "tests/dist/dist_env.h"
@@ -78,6 +79,26 @@ TEST(Collectives, CoalescedAllReduceIsOneCollective) {
 torch::Tensor backward_through(const torch::Tensor& y) {
   (y * (r() + 1)).sum().backward();
   return y;
+}
+
+// What a collective held (Gloo's reduce-scatter copies its input) is freed by wait(), not a moment
+// later by Gloo's worker thread: the step peaks the planner is checked against must not depend on
+// thread scheduling.
+TEST(Collectives, WaitFreesWhatTheCollectiveHeld) {
+  auto& g = group();
+  auto& counter = tessel::CpuAllocationCounter::get();
+  const int64_t k = 4096;
+  for (int i = 0; i < 20; ++i) {
+    auto in = torch::full({static_cast<int64_t>(n()) * k}, r() + 1);
+    auto out = torch::empty({k});
+    auto gathered = torch::empty({static_cast<int64_t>(n()) * k});
+    const int64_t before = counter.now();
+    g.reduce_scatter(out, in).wait();
+    EXPECT_EQ(counter.now(), before) << "reduce_scatter, iteration " << i;
+    g.all_gather(gathered, out).wait();
+    EXPECT_EQ(counter.now(), before) << "all_gather, iteration " << i;
+    EXPECT_TRUE(torch::equal(gathered, torch::full_like(gathered, n() * (n() + 1) / 2)));
+  }
 }
 
 TEST(AutogradPairs, CopyToAndReduceFrom) {
