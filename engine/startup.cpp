@@ -51,8 +51,8 @@ RunLock check_start(const Config& c, const parallel::WorldInfo& w) {
         "{}: training.threads ({}) is more than this machine's {} hardware threads; set it to "
         "at most {} (or auto)",
         c.source, c.training.threads, cores, cores));
-  const auto device = resolve_device(c.training.device, w.local_rank);
-  parallel::check_layout(c, w.world, w.local_world);  // enough devices for the local ranks
+  const auto device = resolve_device(c.training.device, w);  // enough devices for the local ranks
+  parallel::check_layout(c, w.world, w.local_world);
   // The current device is this rank's before any CUDA or NCCL work (allocations, streams and
   // communicators would otherwise land on device 0 from every rank).
   if (device.is_cuda()) c10::cuda::set_device(device.index());

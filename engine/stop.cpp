@@ -1,27 +1,19 @@
 #include "engine/stop.h"
 
-#include <fmt/format.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <torch/torch.h>
 
-#include <chrono>
-#include <condition_variable>
 #include <csignal>
-#include <cstring>
-#include <deque>
-#include <functional>
 #include <map>
-#include <mutex>
-#include <thread>
+#include <optional>
 
 #include "engine/config.h"
-#include "parallel/comm.h"
 
 namespace tessel {
 namespace {
 
 volatile std::sig_atomic_t g_signal = 0;
 void on_signal(int s) { g_signal = s; }
-
-constexpr const char* kKey = "tessel/stop_after_step";
 
 int signal_number(const std::string& name) {
   static const std::map<std::string, int> known = {
@@ -33,102 +25,57 @@ int signal_number(const std::string& name) {
   return it->second;
 }
 
-int64_t parse(const std::vector<uint8_t>& v) { return std::stoll(std::string(v.begin(), v.end())); }
-
 }  // namespace
 
-// One thread, one connection, the lookups in order. Shared with the thread, so that a thread
-// blocked on a silent store can be left behind when this rank fails.
-struct StopOnSignal::Asker {
-  c10::intrusive_ptr<c10d::Store> store;
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::packaged_task<int64_t()>> jobs;
-  bool stop = false;
+// One step's summed votes on their way to the host. On the CPU the sum is already there; on CUDA
+// a copy into pinned memory is queued behind the all-reduce, and an event marks its end.
+struct StopOnSignal::Readback {
+  torch::Tensor host;
+  std::optional<at::cuda::CUDAEvent> done;
 
-  static void loop(const std::shared_ptr<Asker>& a) {
-    std::unique_lock<std::mutex> lock(a->mu);
-    while (true) {
-      a->cv.wait(lock, [&] { return a->stop || !a->jobs.empty(); });
-      if (a->jobs.empty()) return;  // stopped
-      auto job = std::move(a->jobs.front());
-      a->jobs.pop_front();
-      lock.unlock();
-      job();  // an exception goes to the job's future
-      lock.lock();
+  explicit Readback(const torch::Tensor& votes) {
+    if (!votes.is_cuda()) {
+      host = votes.detach().clone();
+      return;
     }
+    host = torch::empty({}, votes.options().device(torch::kCPU).pinned_memory(true));
+    host.copy_(votes.detach(), /*non_blocking=*/true);
+    done.emplace();
+    done->record();
   }
-  std::future<int64_t> ask(std::function<int64_t(c10d::Store&)> fn) {
-    std::packaged_task<int64_t()> job([s = store, fn = std::move(fn)] { return fn(*s); });
-    auto f = job.get_future();
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      jobs.push_back(std::move(job));
-    }
-    cv.notify_one();
-    return f;
+  double read() {
+    if (done) done->synchronize();
+    return host.item<double>();
   }
 };
 
-StopOnSignal::StopOnSignal(const std::vector<std::string>& signals, c10d::Store* store,
-                           double timeout_s)
-    : timeout_s_(timeout_s) {
+StopOnSignal::StopOnSignal(const std::vector<std::string>& signals, const torch::Device& device)
+    : device_(device) {
   for (const auto& name : signals) {
     signals_.push_back(signal_number(name));
     struct sigaction sa {};
     sa.sa_handler = on_signal;
     sigaction(signals_.back(), &sa, nullptr);
   }
-  if (store && !signals_.empty()) {
-    asker_ = std::make_shared<Asker>();
-    asker_->store = store->clone();  // a connection of its own
-    std::thread([a = asker_] { Asker::loop(a); }).detach();
-  }
 }
 
 StopOnSignal::~StopOnSignal() {
   for (int s : signals_) std::signal(s, SIG_DFL);
-  if (!asker_) return;
-  {
-    std::lock_guard<std::mutex> lock(asker_->mu);
-    asker_->stop = true;
-  }
-  asker_->cv.notify_one();  // the thread ends after its current lookup (it owns what it uses)
 }
 
 int StopOnSignal::signal() const { return g_signal; }
 
-int64_t StopOnSignal::answer(std::future<int64_t> f, int64_t step, const char* what) {
-  if (f.wait_for(std::chrono::duration<double>(timeout_s_)) != std::future_status::ready)
-    throw parallel::CommError(fmt::format(
-        "after step {}: the rendezvous store did not answer {} within parallel.timeout_s ({} s)",
-        step, what, timeout_s_));
-  try {
-    return f.get();
-  } catch (const std::exception& e) {
-    throw parallel::CommError(
-        fmt::format("after step {}: the rendezvous store failed {}: {}", step, what, e.what()));
-  }
+torch::Tensor StopOnSignal::vote() const {
+  return torch::full({}, g_signal != 0 ? 1.0 : 0.0,
+                     torch::TensorOptions().dtype(torch::kFloat32).device(device_));
 }
 
-bool StopOnSignal::stop_after(int64_t step, bool last) {
+bool StopOnSignal::stop_after(const torch::Tensor& votes) {
   if (signals_.empty()) return false;
-  if (!asker_) return g_signal != 0;  // one process: now
-  if (stop_at_ < 0 && g_signal != 0) {
-    // The first rank to ask sets the step; a later one keeps it (compare-and-set on absence).
-    // This rank waits for it: the key must exist before this rank starts the next step.
-    const std::string mine = std::to_string(step + 3);
-    stop_at_ = answer(asker_->ask([mine](c10d::Store& s) {
-      return parse(s.compareSet(kKey, {}, std::vector<uint8_t>(mine.begin(), mine.end())));
-    }),
-                      step, "the stop-on-signal request");
-  } else if (stop_at_ < 0 && pending_.valid()) {
-    stop_at_ = answer(std::move(pending_), step, "the stop-on-signal lookup");
-  }
-  if (stop_at_ < 0 && !last)
-    pending_ =
-        asker_->ask([](c10d::Store& s) { return s.check({kKey}) ? parse(s.get(kKey)) : -1; });
-  return stop_at_ >= 0 && step >= stop_at_;
+  // Read the previous step's sum first (its event fired long ago), then queue this step's.
+  const bool stop = previous_ && previous_->read() > 0;
+  previous_ = votes.defined() ? std::make_unique<Readback>(votes) : nullptr;
+  return stop;
 }
 
 }  // namespace tessel

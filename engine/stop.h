@@ -1,22 +1,20 @@
 // Save on signal: the signals in checkpoint.on_signal (SIGTERM and SIGUSR1 by default, what Slurm
-// sends before preemption) make every rank finish its current step, save a checkpoint and exit
-// with kExitStopped. A signal reaches the ranks at different moments, so they agree on the step
-// through the rendezvous store: the first rank to see one publishes "stop after step s+3" before
-// it starts step s+1. Every step's collectives link any two ranks within two hops (the
-// model-parallel group, then the data group), so no rank finishes step s+2 before that key exists.
-// Each rank looks the key up once per step, overlapped with the next step: the lookup sent after
-// step t is read after step t+1, so a rank reads the key by step s+3 at the latest, and every rank
-// stops after the same step.
+// sends before preemption) make every rank save a checkpoint after the same step and exit with
+// kExitStopped. A signal may reach only some ranks, at different moments, and under NCCL the host
+// of one rank may be steps ahead of another's (collectives return before they finish), so no rank
+// can decide alone, and no side channel (the store) can say "stop after step s" in time for a
+// rank already past s.
 //
-// The lookups run on a thread with a connection of its own, and this rank waits for an answer at
-// most parallel.timeout_s: a rank 0 that stopped (SIGSTOP, a hung host) leaves its store silent,
-// and a plain TCPStore call would wait for it for ever.
+// The ranks agree through a collective every rank joins on every step: the gradient-norm
+// all-reduce carries each rank's vote (1 when it has seen a signal). The summed votes of step t
+// are the same number on every rank; each rank reads them after step t+1 and, when positive,
+// stops after step t+1. Reading them needs no host sync on step t+1's work: on CUDA the sum is
+// copied to pinned memory behind an event when step t is queued, and the host waits for that
+// event only once step t+1 has been queued (it has long fired by then).
 #pragma once
 
-#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/types.h>
 
-#include <cstdint>
-#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,28 +27,28 @@ constexpr int kExitStopped = 75;
 
 class StopOnSignal {
  public:
-  /// Installs handlers for `signals` (names as in checkpoint.on_signal). `store`: null in a
-  /// one-process run; `timeout_s`: the longest wait for the store's answer (parallel.timeout_s).
-  StopOnSignal(const std::vector<std::string>& signals, c10d::Store* store, double timeout_s);
+  /// Installs handlers for `signals` (names as in checkpoint.on_signal); the votes live on
+  /// `device`.
+  StopOnSignal(const std::vector<std::string>& signals, const torch::Device& device);
   ~StopOnSignal();
   StopOnSignal(const StopOnSignal&) = delete;
   StopOnSignal& operator=(const StopOnSignal&) = delete;
 
-  /// After step `step` (`last`: the run's last step, no lookup is sent after it): true when
-  /// every rank stops after this step. Throws parallel::CommError when the store does not answer
-  /// within the timeout.
-  bool stop_after(int64_t step, bool last = false);
+  /// This rank's vote for the step being built: 1 when it has seen a signal, else 0 (an fp32
+  /// scalar on the device, to add into an all-reduce over every rank). No host sync.
+  torch::Tensor vote() const;
+  /// After a step whose all-reduced votes are `votes` (undefined: no vote was taken): true when
+  /// every rank stops after this step, i.e. when the previous step's votes were positive. The
+  /// same answer on every rank, since every rank passes the same sums.
+  bool stop_after(const torch::Tensor& votes);
   /// The signal that asked (0: none seen by this rank).
   int signal() const;
 
  private:
-  struct Asker;  // the lookup thread and its connection
-  int64_t answer(std::future<int64_t> f, int64_t step, const char* what);
+  struct Readback;  // the previous step's votes: pinned host copy and event (CUDA)
   std::vector<int> signals_;
-  std::shared_ptr<Asker> asker_;  // null in a one-process run or without signals
-  double timeout_s_;
-  std::future<int64_t> pending_;  // the lookup sent after the previous step
-  int64_t stop_at_ = -1;
+  torch::Device device_;
+  std::unique_ptr<Readback> previous_;
 };
 
 }  // namespace tessel

@@ -19,15 +19,22 @@
 
 namespace tessel {
 
-torch::Device resolve_device(const std::string& device, int64_t local_rank) {
+torch::Device resolve_device(const std::string& device, const parallel::WorldInfo& w,
+                             std::string* why) {
   const bool cuda = torch::cuda::is_available();
   if (device == "cuda" && !cuda)
     throw UserError(
         "training.device is cuda but no CUDA device is available (torch::cuda::is_available() is "
         "false)");
-  return (device == "cuda" || (device == "auto" && cuda))
-             ? torch::Device(torch::kCUDA, static_cast<int8_t>(local_rank))
-             : torch::Device(torch::kCPU);
+  if (device == "cpu" || !cuda) {
+    if (why) *why = device == "cpu" ? "training.device cpu" : "no CUDA device available";
+    return torch::kCPU;
+  }
+  const auto choice = parallel::choose_cuda_device(static_cast<int>(torch::cuda::device_count()),
+                                                   w.local_rank, w.local_world,
+                                                   std::getenv("CUDA_VISIBLE_DEVICES"));
+  if (why) *why = choice.why;
+  return {torch::kCUDA, static_cast<c10::DeviceIndex>(choice.index)};
 }
 
 torch::ScalarType resolve_dtype(const std::string& dtype) {
@@ -60,7 +67,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
     : c_(std::move(start.config)),
       peers_(std::move(start.peers)),
       lock_(std::move(start.lock)),
-      device_(resolve_device(c_.training.device, world.local_rank)),
+      device_(resolve_device(c_.training.device, world, &device_why_)),
       dtype_(resolve_dtype(c_.training.dtype)) {
   // start_run() checked the plan against this node and agreed with every rank.
   if (c_.training.threads > 0) torch::set_num_threads(static_cast<int>(c_.training.threads));
@@ -70,6 +77,8 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
     at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::CONV, p);
   }
   mesh_ = parallel::Mesh::create(c_, world, device_, std::move(start.store));
+  weight_gather_wait_ =
+      parallel::SpanTimer(parallel::time_on_device(device_, mesh_->dp_cp().backend_name()));
   const auto& l = mesh_->layout();
   c_.parallel.dp = l.dp;
   check_same_plan(c_, *mesh_);
@@ -122,10 +131,10 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   log_state();
   spdlog::info("data {} | {} training samples ({} tokens), {} validation samples", c_.data.format,
                data_->train_samples(), data_->train_tokens(), data_->val_samples());
+  spdlog::info("device {}: {}", device_.str(), device_why_);
   spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
                kFlopsConvention, peak_.tflops, peak_.source);
-  stop_ = std::make_unique<StopOnSignal>(c_.checkpoint.on_signal, mesh_->store(),
-                                         c_.parallel.timeout_s);
+  stop_ = std::make_unique<StopOnSignal>(c_.checkpoint.on_signal, device_);
   counters_ = std::make_unique<StepCounters>(*mesh_, device_);
   setup_rss_ = peak_rss_bytes();  // before any step: what the steps add is activations
 }
@@ -211,17 +220,26 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   reducer_->finish();
   pp_peak_activations_ = std::max(pp_peak_activations_, stats.peak_activations);
   sync_replicated_grads();
-  // With ZeRO each data rank holds other pieces of the gradient: the norm sums over every rank.
-  auto& holders =
-      c_.parallel.zero > 0 ? mesh_->world_group() : mesh_->group(parallel::GroupKind::kMp);
+  // The norm sums over every rank: with ZeRO each data rank holds other pieces of the gradient;
+  // without, data ranks hold equal gradients and only data rank 0 adds its squares. Every rank
+  // joins this all-reduce on every step, so it also carries the stop-on-signal votes.
+  const bool adds_squares = c_.parallel.zero > 0 || mesh_->dp_cp().rank() == 0;
+  torch::Tensor votes;
   auto norm = opt_->clip_grad_norm(
-      t.grad_clip, [&holders](torch::Tensor& sq) { holders.all_reduce(sq).wait(); },
+      t.grad_clip,
+      [&](torch::Tensor& sq) {
+        auto both = torch::stack(
+            {adds_squares ? sq : torch::zeros_like(sq), stop_->vote().to(sq.scalar_type())});
+        mesh_->world_group().all_reduce(both).wait();
+        sq = both[0];
+        votes = both[1];
+      },
       scaler_->unscale());
   opt_->step(lr_at(t, step), scaler_->update(norm, step));  // a non-finite step is skipped
   if (c_.parallel.zero == 1 || c_.parallel.zero == 2)
     parallel::dp::gather_weights(mesh_->dp_cp(), *opt_, weight_gather_wait_);
   if (gatherer_) gatherer_->release_all();
-  return {loss, norm};
+  return {loss, norm, votes};
 }
 
 double Trainer::take_exposed_comm_ms() {
@@ -332,7 +350,7 @@ int Trainer::train() {
     StepOut out = train_step(step);
     counters_->end_step();
     if (step == first_step_) executor_->take_times();  // the warm-up step is not timed
-    const bool last = step == t.steps, stop = stop_->stop_after(step, last);  // same on every rank
+    const bool last = step == t.steps, stop = stop_->stop_after(out.stop_votes);  // every rank's
     if (step % c_.logging.every == 0 || last || stop) log_step(step, out);
     if (t.eval_every > 0 && (step % t.eval_every == 0 || last)) {
       auto t0 = std::chrono::steady_clock::now();

@@ -29,8 +29,11 @@ struct StepStats;
 namespace tessel {
 class StepCounters;
 
-/// training.device resolved: auto -> cuda when available. Throws UserError for cuda without one.
-torch::Device resolve_device(const std::string& device, int64_t local_rank = 0);
+/// training.device resolved: auto -> cuda when available; the CUDA index by
+/// parallel::choose_cuda_device (`why`, when given, receives its reason). Throws UserError for
+/// cuda without one, or for too few devices for the processes on this node.
+torch::Device resolve_device(const std::string& device, const parallel::WorldInfo& w = {},
+                             std::string* why = nullptr);
 torch::ScalarType resolve_dtype(const std::string& dtype);
 
 /// Builds the plan's model on `device` in `dtype`: seeded init, or model.init_from.
@@ -55,6 +58,7 @@ class Trainer {
  private:
   struct StepOut {
     torch::Tensor loss, grad_norm;  // device scalars: read only when logging
+    torch::Tensor stop_votes;       // ranks that had seen a stop signal (engine/stop.h)
   };
   /// Communication the steps since the last call did not hide, ms (reads device timers).
   double take_exposed_comm_ms();
@@ -75,6 +79,7 @@ class Trainer {
   std::shared_ptr<Peers> peers_;  // several ranks: heartbeat and failures (startup.h)
   RunLock lock_;                  // rank 0: the run folder is ours
   std::unique_ptr<parallel::Mesh> mesh_;
+  std::string device_why_;  // why this device (the start-up log); before device_, which sets it
   torch::Device device_;
   torch::ScalarType dtype_;
   models::Decoder model_{nullptr};
@@ -100,7 +105,8 @@ class Trainer {
   // Timing between logged steps: the loss read at a log step is the only host sync.
   std::chrono::steady_clock::time_point last_log_time_, start_time_;
   int64_t last_log_step_ = 0;
-  parallel::SpanTimer weight_gather_wait_;  // ZeRO 1-2: the all-gather after the step
+  parallel::SpanTimer weight_gather_wait_{false};  // ZeRO 1-2: the all-gather after the step
+                                                   // (device-timed under NCCL: set with the mesh)
   double carried_exposed_ms_ = 0;           // taken early (before an evaluation), not yet logged
   int64_t first_step_ = 1;                  // > 1 when resumed
   int64_t consumed_ = 0;                    // the data position: global samples consumed so far

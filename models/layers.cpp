@@ -1,9 +1,9 @@
 #include "models/layers.h"
 #include "models/recompute.h"
 
-#include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/torch.h>
 
+#include "parallel/attention_kernels.h"
 #include "parallel/autograd_comm.h"
 #include "parallel/cp/attention.h"
 
@@ -123,10 +123,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
               "cached attention takes a whole prompt or one token at a time");
   auto y =
       cp_ ? parallel::cp::attention(*cp_, static_cast<parallel::cp::Method>(cp_method_), qh, kh, vh)
-          : at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                             /*is_causal=*/qh.size(2) == kh.size(2),
-                                             /*scale=*/std::nullopt,
-                                             /*enable_gqa=*/kv_heads_ != heads_);
+          : parallel::dense_attention(qh, kh, vh, /*causal=*/qh.size(2) == kh.size(2));
   return o(y.transpose(1, 2).reshape({b, s, heads_ * head_dim_}));
 }
 

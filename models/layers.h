@@ -78,7 +78,7 @@ class NormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Norm);
 
-/// Causal self-attention through at::scaled_dot_product_attention, grouped-query when
+/// Causal self-attention through parallel::dense_attention (the kernel choice), grouped-query when
 /// kv_heads < heads. Heads are split over tp; key/value heads too when kv_heads % tp == 0, else
 /// (tp > kv_heads) every rank holds all key/value projections and uses the head its query heads
 /// share. x: [b, s, h] (SP: [b, s/t, h]) -> same.

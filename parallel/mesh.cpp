@@ -32,6 +32,39 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const WorldInfo& w) {
                   : c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
+// NCCL, configured rather than left to defaults and environment variables:
+//  - bound to this rank's device and connected now (eagerConnectSingleDevice): NCCL otherwise
+//    creates a communicator at its group's first collective, in the middle of a step, in
+//    whatever order the ranks reach it. Point-to-point transfers go through Group::send_recv's
+//    coalesced batch, which uses this same communicator (no lazy per-pair ones).
+//  - parallel.timeout_s as the collective timeout, and asynchronous error handling on: NCCL
+//    collectives return before they finish, so a failure surfaces in the watchdog, not in
+//    wait(); with TearDown it aborts the communicators and ends the process, printing the
+//    group's description (our group name), the operation, its sequence number and the rank.
+c10::intrusive_ptr<c10d::Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                            int size, const std::string& name,
+                                            const std::vector<int64_t>& ranks,
+                                            std::chrono::milliseconds timeout,
+                                            const torch::Device& device) {
+  auto opts = c10d::ProcessGroupNCCL::Options::create();
+  opts->timeout = timeout;
+  opts->group_name = name;
+  opts->group_desc = name;
+  opts->global_ranks_in_group.assign(ranks.begin(), ranks.end());
+  auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
+  pg->setGroupDesc(name);
+  pg->setBoundDeviceId(device);
+  pg->eagerConnectSingleDevice(device);
+  return pg;
+}
+
+// TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (TearDown) unless the user chose otherwise; read by every
+// ProcessGroupNCCL at construction, so set before the first.
+std::string nccl_error_handling() {
+  setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", /*overwrite=*/0);
+  return std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING");
+}
+
 }  // namespace
 
 const char* group_name(GroupKind k) {
@@ -188,11 +221,13 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
           fmt::format("training.global_batch ({}) must be divisible by "
                       "parallel.dp·training.micro_batch ({}·{} = {})",
                       t.global_batch, l.dp, t.micro_batch, l.dp * t.micro_batch));
-  if (t.device == "cuda" || (t.device == "auto" && torch::cuda::is_available())) {
-    const int64_t n = torch::cuda::device_count();
-    require(local_world <= n,
-            fmt::format("{} processes on this node need {} CUDA devices, {} available", local_world,
-                        local_world, n));
+  if (local_world > 0 && (t.device == "cuda" || (t.device == "auto" && torch::cuda::is_available()))) {
+    try {  // the rule the device choice applies (one visible device each, or one per local rank)
+      choose_cuda_device(static_cast<int>(torch::cuda::device_count()), 0,
+                         static_cast<int>(local_world), std::getenv("CUDA_VISIBLE_DEVICES"));
+    } catch (const UserError& e) {
+      errors.push_back(c.source + ": " + e.what());
+    }
   }
   if (!errors.empty()) {
     std::string all;
@@ -238,6 +273,12 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const WorldInfo& w, double timeout_s)
   }
 }
 
+std::vector<const Group*> Mesh::groups() const {
+  std::vector<const Group*> out{world_.get()};
+  for (const auto& g : groups_) out.push_back(g.get());
+  return out;
+}
+
 std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const torch::Device& device,
                                    c10::intrusive_ptr<c10d::Store> store) {
   auto mesh = std::unique_ptr<Mesh>(new Mesh());
@@ -263,17 +304,16 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const to
         auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
         opts->devices.push_back(gloo_device(w));
         backend = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, my, n, opts);
+        backend->setGroupDesc(name);
       } else {
-        auto opts = c10d::ProcessGroupNCCL::Options::create();
-        opts->timeout = timeout;
-        backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, my, n, opts);
-        // Bound to this rank's device (the current one, set at start): NCCL never guesses the
-        // device from the rank, and communicators are created for it.
-        backend->setBoundDeviceId(device);
+        backend = make_nccl(prefixed, my, n, name, ranks, timeout, device);
       }
     }
     return std::make_unique<Group>(name, ranks, w.rank, backend);
   };
+  if (mesh->backend_ == "nccl" && w.world > 1)
+    spdlog::info("NCCL on {}: timeout {} s (parallel.timeout_s), TORCH_NCCL_ASYNC_ERROR_HANDLING={}",
+                 device.str(), c.parallel.timeout_s, nccl_error_handling());
   std::vector<int64_t> all(static_cast<size_t>(w.world));
   std::iota(all.begin(), all.end(), 0);
   mesh->world_ = make("world", all);
@@ -289,6 +329,15 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const to
       mine = std::make_unique<Group>(group_name(k), std::vector<int64_t>{w.rank}, w.rank, nullptr);
     mesh->groups_.push_back(std::move(mine));
   }
+  // Every communicator exists now, created in this order on every rank.
+  std::string created;
+  for (const auto* g : mesh->groups()) {
+    if (g->size() > 1)
+      created += fmt::format("{}{} [{}]", created.empty() ? "" : ", ", g->name(), fmt::join(g->ranks(), ","));
+  }
+  if (!created.empty())
+    spdlog::info("process groups of this rank ({}, connected at start-up): {}", mesh->backend_,
+                 created);
   return mesh;
 }
 

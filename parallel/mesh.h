@@ -52,9 +52,9 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const WorldInfo& w, double timeout_s)
 
 class Mesh {
  public:
-  /// Every process group, created in the same order on every rank, over `store` (null: a
-  /// rendezvous of its own, when there are several processes). Gloo on CPU; NCCL on CUDA
-  /// (device = local rank).
+  /// Every process group, created and connected at once, in the same order on every rank, over
+  /// `store` (null: a rendezvous of its own, when there are several processes). Gloo on CPU;
+  /// NCCL on CUDA (bound to `device`, parallel.timeout_s, asynchronous error handling).
   static std::unique_ptr<Mesh> create(const Config& c, const WorldInfo& w,
                                       const torch::Device& device,
                                       c10::intrusive_ptr<c10d::Store> store = {});
@@ -69,6 +69,8 @@ class Mesh {
   Group& world_group() const { return *world_; }
   Group& group(GroupKind k) const { return *groups_[static_cast<size_t>(k)]; }
   Group& dp_cp() const { return group(GroupKind::kDpCp); }
+  /// This rank's groups in creation order (world first), the same order on every rank.
+  std::vector<const Group*> groups() const;
   /// The rendezvous store (rank 0 serves it); null in a one-process run.
   c10d::Store* store() const { return store_.get(); }
 

@@ -14,7 +14,9 @@ namespace tessel::parallel {
 class SpanTimer {
  public:
   /// `device_side`: time the current CUDA stream (device must be CUDA); else the host clock.
-  explicit SpanTimer(bool device_side = false);
+  /// No default: a host clock around NCCL waits reads about 0 (they return at once), so every
+  /// timer says which it is, normally through time_on_device().
+  explicit SpanTimer(bool device_side);
   ~SpanTimer();
   SpanTimer(SpanTimer&&) noexcept;
   SpanTimer& operator=(SpanTimer&&) noexcept;

@@ -27,6 +27,25 @@ int env_int(const char* name, const char* from) {
 
 }  // namespace
 
+DeviceChoice choose_cuda_device(int visible, int local_rank, int local_world,
+                                const char* visible_env) {
+  const std::string seen =
+      visible_env ? fmt::format("CUDA_VISIBLE_DEVICES={}", visible_env) : "CUDA_VISIBLE_DEVICES unset";
+  if (visible < 1)
+    throw UserError(fmt::format("training.device cuda: this process sees no CUDA device ({})", seen));
+  if (visible == 1)
+    return {0, fmt::format("the only device this process sees ({}; local rank {} of {})", seen,
+                           local_rank, local_world)};
+  if (visible >= local_world)
+    return {local_rank, fmt::format("local rank {} of {} on {} visible devices ({})", local_rank,
+                                    local_world, visible, seen)};
+  throw UserError(fmt::format(
+      "{} processes on this node but each sees {} CUDA devices ({}): give every process its own "
+      "device (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES of one device per process), or "
+      "make at least {} devices visible to all of them",
+      local_world, visible, seen, local_world));
+}
+
 std::string first_slurm_host(const std::string& nodelist) {
   // "pre[3-5,7]suf,other" -> "pre3suf"; "a,b" -> "a"; "n1" -> "n1".
   std::string first;

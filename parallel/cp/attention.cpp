@@ -1,35 +1,18 @@
 #include "parallel/cp/attention.h"
 
-#include <ATen/ops/_scaled_dot_product_efficient_attention.h>
-#include <ATen/ops/_scaled_dot_product_efficient_attention_backward.h>
-#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
-#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
 #include <torch/torch.h>
 
+#include <array>
 #include <stdexcept>
 
+#include "parallel/attention_kernels.h"
 #include "parallel/autograd_comm.h"
 
 namespace tessel::parallel::cp {
 namespace {
 
-// The memory-efficient CUDA kernel pads its log-sum-exp to a multiple of 32 queries.
-constexpr int64_t kLseAlign = 32;
-
 // The global chunk indices this rank's two chunks hold.
 std::array<int64_t, 2> chunks_of(int64_t cp, int64_t rank) { return {rank, 2 * cp - 1 - rank}; }
-
-// Grouped-query: key/value heads repeated for the query heads that share them (SDPA's
-// enable_gqa order), and their gradients summed back.
-torch::Tensor expand_heads(const torch::Tensor& kv, int64_t heads) {
-  const int64_t groups = heads / kv.size(1);
-  return groups == 1 ? kv : kv.repeat_interleave(groups, 1);
-}
-torch::Tensor sum_heads(const torch::Tensor& g, int64_t kv_heads) {
-  const int64_t groups = g.size(1) / kv_heads;
-  if (groups == 1) return g;
-  return g.view({g.size(0), kv_heads, groups, g.size(2), g.size(3)}).sum(2);
-}
 
 // out, lse (fp32 accumulators) <- the log-sum-exp merge of a block's (o, l).
 void merge(torch::Tensor& out, torch::Tensor& lse, const torch::Tensor& o, const torch::Tensor& l) {
@@ -130,37 +113,86 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
   }
 };
 
-// All-gather K/V (reduce-scatter of their gradients in backward), in global chunk order.
-torch::Tensor gather_sequence(Group& g, const torch::Tensor& x) {
-  const int64_t n = g.size(), c = x.size(2) / 2;
-  auto all = sequence_gather(g, x.contiguous(), 2);  // rank order: r's chunks (r, 2n-1-r)
-  // Global chunk `chunk` sits at rank chunk (first half) or rank 2n-1-chunk (second half). Views
-  // and one cat: no index tensor to copy to the device on every layer.
+// All-gathered chunks along `dim` (each rank's 2 chunks of c, rank r's being r and 2n-1-r) put in
+// global chunk order. Views and one cat: no index tensor to copy to the device on every layer.
+torch::Tensor to_global_order(const torch::Tensor& all, int64_t dim, int64_t n, int64_t c) {
   std::vector<torch::Tensor> ordered;
   for (int64_t chunk = 0; chunk < 2 * n; ++chunk)
-    ordered.push_back(all.narrow(2, (chunk < n ? 2 * chunk : 2 * (2 * n - 1 - chunk) + 1) * c, c));
-  return torch::cat(ordered, 2);
+    ordered.push_back(
+        all.narrow(dim, (chunk < n ? 2 * chunk : 2 * (2 * n - 1 - chunk) + 1) * c, c));
+  return torch::cat(ordered, dim);
+}
+// Its inverse: rank r's slot holds global chunks r and 2n-1-r.
+torch::Tensor to_rank_order(const torch::Tensor& global, int64_t dim, int64_t n, int64_t c) {
+  std::vector<torch::Tensor> ordered;
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t chunk : chunks_of(n, r)) ordered.push_back(global.narrow(dim, chunk * c, c));
+  return torch::cat(ordered, dim);
 }
 
-torch::Tensor allgather_attention(Group& g, const torch::Tensor& q, const torch::Tensor& k,
-                                  const torch::Tensor& v) {
-  const int64_t c = q.size(2) / 2;
-  auto keys = gather_sequence(g, k), values = gather_sequence(g, v);
-  const auto mine = chunks_of(g.size(), g.rank());
-  std::array<torch::Tensor, 2> out;
-  for (int a = 0; a < 2; ++a) {
-    // Queries of chunk `mine[a]` see every key up to their own position (causal, aligned to the
-    // bottom right of the [c, (chunk + 1)·c] score block).
-    const int64_t seen = (mine[a] + 1) * c;
-    auto opts = torch::TensorOptions().dtype(torch::kInt64).device(q.device());
-    auto mask = torch::arange(seen, opts).unsqueeze(0) <=
-                (torch::arange(c, opts) + mine[a] * c).unsqueeze(1);
-    out[a] = at::scaled_dot_product_attention(q.narrow(2, a * c, c), keys.narrow(2, 0, seen),
-                                              values.narrow(2, 0, seen), mask, 0.0, false,
-                                              std::nullopt, /*enable_gqa=*/k.size(1) != q.size(1));
+// All-gather attention as one autograd node. Forward all-gathers K and V; each local query chunk
+// then attends to its own (diagonal) key chunk causally and to every earlier chunk in one
+// unmasked block, merged by log-sum-exp: the same block kernels as ring (flash on CPU, memory-
+// efficient on CUDA), no materialised mask, and no math-kernel fallback for grouped-query heads.
+// Backward accumulates dK/dV over the whole sequence in fp32 and reduce-scatters them in fp32
+// (as ring accumulates), so bf16 gradients are rounded once, after the sum over cp ranks.
+struct AllGatherAttention : torch::autograd::Function<AllGatherAttention> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
+                               const torch::Tensor& k, const torch::Tensor& v, int64_t group) {
+    auto& g = *reinterpret_cast<Group*>(group);
+    const int64_t n = g.size(), c = q.size(2) / 2, heads = q.size(1);
+    const auto mine = chunks_of(n, g.rank());
+    // [2, b, kv_heads, 2c, d] -> [2, b, kv_heads, 2n·c, d]: one all-gather for K and V.
+    auto kv = to_global_order(all_gather_dim(g, torch::stack({k, v}), 3), 3, n, c);
+    std::array<torch::Tensor, 2> out, lse;
+    for (int a = 0; a < 2; ++a) {
+      const auto qa = q.narrow(2, a * c, c);
+      const int64_t at = mine[a] * c;  // keys before this chunk: [0, at)
+      auto [o, l] = block_forward(qa, expand_heads(kv[0].narrow(2, at, c), heads),
+                                  expand_heads(kv[1].narrow(2, at, c), heads), /*causal=*/true);
+      out[a] = o.to(torch::kFloat32);
+      lse[a] = l;
+      if (at > 0) {
+        auto [op, lp] = block_forward(qa, expand_heads(kv[0].narrow(2, 0, at), heads),
+                                      expand_heads(kv[1].narrow(2, 0, at), heads), false);
+        merge(out[a], lse[a], op, lp);
+      }
+    }
+    auto y = torch::cat({out[0], out[1]}, 2).to(q.scalar_type());
+    ctx->save_for_backward({q, kv, y, torch::cat({lse[0], lse[1]}, 2)});
+    ctx->saved_data["group"] = group;
+    return y;
   }
-  return torch::cat({out[0], out[1]}, 2);
-}
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto& g = *reinterpret_cast<Group*>(ctx->saved_data["group"].toInt());
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &kv = saved[1], &y = saved[2], &lse = saved[3];
+    const int64_t n = g.size(), c = q.size(2) / 2, heads = q.size(1), kvh = kv.size(2);
+    const auto mine = chunks_of(n, g.rank());
+    auto dq = torch::zeros(q.sizes(), q.options().dtype(torch::kFloat32));
+    auto dkv = torch::zeros(kv.sizes(), dq.options());  // [2, b, kv_heads, 2n·c, d], global order
+    auto add = [&](int64_t a, int64_t from, int64_t len, bool causal) {
+      auto [dqa, dk, dv] =
+          block_backward(grads[0].narrow(2, a * c, c), q.narrow(2, a * c, c),
+                         expand_heads(kv[0].narrow(2, from, len), heads),
+                         expand_heads(kv[1].narrow(2, from, len), heads), y.narrow(2, a * c, c),
+                         lse.narrow(2, a * c, c), causal);
+      dq.narrow(2, a * c, c).add_(dqa);
+      dkv[0].narrow(2, from, len).add_(sum_heads(dk, kvh));
+      dkv[1].narrow(2, from, len).add_(sum_heads(dv, kvh));
+    };
+    for (int64_t a = 0; a < 2; ++a) {
+      add(a, mine[a] * c, c, true);
+      if (mine[a] > 0) add(a, 0, mine[a] * c, false);
+    }
+    // Every rank's contribution to this rank's two chunks, summed in fp32.
+    auto mine_kv = reduce_scatter_dim(g, to_rank_order(dkv, 3, n, c), 3);  // [2, b, kvh, 2c, d]
+    return {dq.to(q.scalar_type()), mine_kv[0].to(q.scalar_type()),
+            mine_kv[1].to(q.scalar_type()), torch::Tensor()};
+  }
+};
 
 }  // namespace
 
@@ -187,39 +219,9 @@ torch::Tensor local_chunks(const torch::Tensor& x, int64_t dim, int64_t cp, int6
 
 torch::Tensor attention(Group& cp, Method method, const torch::Tensor& q, const torch::Tensor& k,
                         const torch::Tensor& v) {
-  if (method == Method::kAllGather) return allgather_attention(cp, q, k, v);
+  if (method == Method::kAllGather)
+    return AllGatherAttention::apply(q, k, v, reinterpret_cast<int64_t>(&cp));
   return RingAttention::apply(q, k, v, reinterpret_cast<int64_t>(&cp));
-}
-
-std::pair<torch::Tensor, torch::Tensor> block_forward(const torch::Tensor& q,
-                                                      const torch::Tensor& k,
-                                                      const torch::Tensor& v, bool causal) {
-  if (q.is_cuda()) {
-    auto [out, lse, seed, offset] = at::_scaled_dot_product_efficient_attention(
-        q, k, v, std::nullopt, /*compute_log_sumexp=*/true, 0.0, causal);
-    return {out, lse.narrow(2, 0, q.size(2))};
-  }
-  auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q.contiguous(), k.contiguous(),
-                                                                    v.contiguous(), 0.0, causal);
-  return {out, lse};
-}
-
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> block_backward(
-    const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
-    const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, bool causal) {
-  if (q.is_cuda()) {
-    const int64_t m = q.size(2), padded = (m + kLseAlign - 1) / kLseAlign * kLseAlign;
-    auto full = torch::zeros({lse.size(0), lse.size(1), padded}, lse.options());
-    full.narrow(2, 0, m).copy_(lse);
-    auto none = torch::zeros({}, q.options().dtype(torch::kInt64));  // no dropout: unused
-    auto [dq, dk, dv, dbias] = at::_scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(), q, k, v, torch::Tensor(), out.contiguous(), full, none, none, 0.0,
-        {true, true, true, false}, causal);
-    return {dq, dk, dv};
-  }
-  return at::_scaled_dot_product_flash_attention_for_cpu_backward(
-      dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
-      lse.contiguous(), 0.0, causal);
 }
 
 }  // namespace tessel::parallel::cp

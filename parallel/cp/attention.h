@@ -3,19 +3,19 @@
 // early chunk sees few keys, its partner many). Everything outside attention is per token and
 // runs on the local 2 chunks unchanged; attention needs every earlier key, so it is the one
 // place that talks to the cp group:
-//   allgather: all-gather K and V over cp (reduce-scatter their gradients in backward), then
-//              each local query chunk attends to the keys before it;
+//   allgather: all-gather K and V over cp (reduce-scatter their gradients in backward, in fp32),
+//              then each local query chunk attends to its own chunk (causal) and to every
+//              earlier chunk (one unmasked block), merged by log-sum-exp;
 //   ring:      K/V blocks travel around the cp ring by p2p (the next block's transfer overlaps
 //              the current block's attention); partial results are merged by log-sum-exp, and
 //              backward sends dK/dV around the ring with their blocks, back to their owners.
-// Block attention uses LibTorch's kernels that return the log-sum-exp (the CPU flash kernel; the
-// memory-efficient kernel on CUDA).
+// Both use the block kernels of parallel/attention_kernels.h (the CPU flash kernel; the
+// memory-efficient kernel on CUDA), which return the log-sum-exp, and accumulate in fp32.
 #pragma once
 
 #include <torch/types.h>
 
 #include <string>
-#include <utility>
 
 #include "parallel/comm.h"
 
@@ -37,17 +37,5 @@ torch::Tensor local_chunks(const torch::Tensor& x, int64_t dim, int64_t cp, int6
 /// heads a multiple of kv_heads: grouped-query) -> [b, heads, 2c, d]. Differentiable.
 torch::Tensor attention(Group& cp, Method method, const torch::Tensor& q, const torch::Tensor& k,
                         const torch::Tensor& v);
-
-/// One block of attention and its log-sum-exp: q [b, h, m, d] against k, v [b, h, n, d]
-/// (causal: m == n and the block is on the diagonal). Returns (out [b, h, m, d], lse [b, h, m]
-/// fp32).
-std::pair<torch::Tensor, torch::Tensor> block_forward(const torch::Tensor& q,
-                                                      const torch::Tensor& k,
-                                                      const torch::Tensor& v, bool causal);
-/// Its gradients given the gradient of the final output and the final (merged) out and lse of
-/// these queries: (dq, dk, dv).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> block_backward(
-    const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
-    const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, bool causal);
 
 }  // namespace tessel::parallel::cp

@@ -123,5 +123,39 @@ TEST(World, DiscoveryPrefersTorchrunThenSlurmThenOpenMpi) {
   clear_world_env();
 }
 
+// The CUDA device of a process, from what Slurm or the user left visible to it.
+TEST(Device, OneVisibleDeviceEachIsDeviceZero) {
+  clear_world_env();
+  // srun --ntasks-per-node=4 --gpus-per-task=1: task 3 sees only its own GPU (Slurm sets
+  // CUDA_VISIBLE_DEVICES to one entry), so it is cuda:0, not cuda:3.
+  setenv("SLURM_PROCID", "3", 1);
+  setenv("SLURM_NTASKS", "4", 1);
+  setenv("SLURM_LOCALID", "3", 1);
+  setenv("SLURM_NTASKS_PER_NODE", "4", 1);
+  setenv("SLURM_JOB_NODELIST", "n1", 1);
+  setenv("CUDA_VISIBLE_DEVICES", "3", 1);
+  auto w = discover_world();
+  auto d = choose_cuda_device(1, w.local_rank, w.local_world, std::getenv("CUDA_VISIBLE_DEVICES"));
+  EXPECT_EQ(d.index, 0);
+  EXPECT_NE(d.why.find("CUDA_VISIBLE_DEVICES=3"), std::string::npos) << d.why;
+  // Every GPU visible to every task: the local rank's.
+  setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3", 1);
+  d = choose_cuda_device(4, w.local_rank, w.local_world, std::getenv("CUDA_VISIBLE_DEVICES"));
+  EXPECT_EQ(d.index, 3);
+  d = choose_cuda_device(8, w.local_rank, w.local_world, nullptr);
+  EXPECT_EQ(d.index, 3);
+  // Two devices for four processes: they would share; the message names both counts.
+  try {
+    choose_cuda_device(2, w.local_rank, w.local_world, "0,1");
+    ADD_FAILURE() << "2 devices for 4 local processes was accepted";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("4 processes"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("sees 2 CUDA devices"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(choose_cuda_device(0, 0, 1, ""), UserError);
+  unsetenv("CUDA_VISIBLE_DEVICES");
+  clear_world_env();
+}
+
 }  // namespace
 }  // namespace tessel::parallel

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "models/registry.h"
+#include "tests/common/recompute_cases.h"
 
 namespace tessel::models {
 namespace {
@@ -185,6 +186,10 @@ TEST(HfNames, RoundTripBothArchitectures) {
               std::string::npos);
   }
 }
+
+// The rerun of a recomputed piece draws the forward's random numbers (dropout would otherwise
+// drop other units in backward than in forward).
+TEST(Recompute, ReplaysTheForwardsRandomDraws) { testing::check_recompute_replays_rng(torch::kCPU); }
 
 }  // namespace
 }  // namespace tessel::models

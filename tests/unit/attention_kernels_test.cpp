@@ -1,0 +1,40 @@
+// The attention kernels on the CPU (tests/gpu runs the same cases on CUDA).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "tests/common/attention_cases.h"
+
+namespace tessel::testing {
+namespace {
+
+class BlockKernels : public ::testing::TestWithParam<BlockCase> {};
+
+TEST_P(BlockKernels, ForwardAndBackwardMatchPlainAttention) { check_block_kernels(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Cpu, BlockKernels, ::testing::ValuesIn(block_cases(torch::kCPU)),
+                         [](const auto& info) { return case_name(info.param); });
+
+TEST(DenseAttention, GroupedQueryHeadsMatchPlainAttention) {
+  torch::manual_seed(3);
+  auto q = torch::randn({2, 4, 24, 16}), k = torch::randn({2, 2, 24, 16}),
+       v = torch::randn({2, 2, 24, 16});
+  auto y = parallel::dense_attention(q, k, v, true);
+  auto ref = plain_attention(q.to(torch::kFloat64), k.to(torch::kFloat64), v.to(torch::kFloat64),
+                             true);
+  EXPECT_LT((y.to(torch::kFloat64) - ref).abs().max().item<double>(), 1e-5);
+}
+
+TEST(KernelLayout, IsTheForwardsOutputLayout) {
+  auto q = torch::randn({2, 3, 8, 16});
+  auto [out, lse] = parallel::block_forward(q, q, q, true);
+  // What the kernel returned needs no copy; a [b, h, m, d]-contiguous tensor gets one.
+  EXPECT_EQ(parallel::kernel_layout(out).data_ptr(), out.data_ptr());
+  auto plain = out.contiguous();
+  auto laid = parallel::kernel_layout(plain);
+  EXPECT_TRUE(torch::equal(laid, plain));
+  EXPECT_EQ(laid.stride(2), 3 * 16);  // rows of one head are h·d apart
+  EXPECT_EQ(lse.sizes(), (std::vector<int64_t>{2, 3, 8}));
+}
+
+}  // namespace
+}  // namespace tessel::testing
