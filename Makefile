@@ -12,8 +12,10 @@ export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := true
 export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
 export CCACHE_MAXSIZE ?= 5G
+# cmake and ninja from PyPI (setup.sh puts them there only when the machine has none): last on PATH.
+export PATH := $(PATH):$(CURDIR)/.env/bin
 
-.PHONY: setup setup-test configure build run test docs clean
+.PHONY: setup setup-test configure build run test docs bundle clean
 setup:
 	@third_party/setup.sh build
 setup-test:
@@ -31,6 +33,14 @@ run: build
 test: setup-test configure
 	@cmake --build $(BUILD) -j $(JOBS)
 	@cd $(BUILD) && ctest --output-on-failure -j 1 $(CTEST_ARGS)
+
+# A relocatable install packed as one archive (docs/gpu.md): runs against any python's torch
+# 2.11, with no root, no apt, no network. build/tessel-<commit>-<arch>.tar.gz.
+bundle: build
+	@rm -rf $(BUILD)/bundle && cmake --install $(BUILD) --prefix $(BUILD)/bundle/tessel >/dev/null
+	@name=tessel-$$(git rev-parse --short HEAD)-$$(uname -m); \
+	  tar -C $(BUILD)/bundle -czf $(BUILD)/$$name.tar.gz tessel && \
+	  echo "$(BUILD)/$$name.tar.gz ($$(du -h $(BUILD)/$$name.tar.gz | cut -f1))"
 
 # docs/configuration.md is generated from the field declarations (a test checks it is current).
 docs: build

@@ -3,15 +3,18 @@ import json
 import os
 import subprocess
 
-import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(ROOT, "build", "bin")
+# The checkout (build/bin), or an installed bundle (share/tessel beside bin/): TESSEL_BIN wins.
+ROOT = os.environ.get("TESSEL_ROOT", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_installed = os.path.join(ROOT, "..", "..", "bin", "tessel-train")
+BIN = os.environ.get("TESSEL_BIN", os.path.dirname(_installed) if os.path.exists(_installed)
+                     else os.path.join(ROOT, "build", "bin"))
 
 
 def token_file(out, n=400_000, vocab=512):
     """Random uint16 tokens in OUT/tokens.u16 (seed 0)."""
     path = os.path.join(out, "tokens.u16")
+    import numpy as np  # here: gpu_bench.py runs where numpy may be missing
     np.random.default_rng(0).integers(0, vocab, size=n, dtype=np.uint16).tofile(path)
     return path
 

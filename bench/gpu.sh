@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# One command on a machine with one GPU: build, then Tessel vs PyTorch eager vs torch.compile on
-# configs/default.yaml's model and GPT-2 124M in bf16 (bench/gpu_bench.py), printing tokens/s, MFU
-# and the ratios as a Markdown table for bench/RESULTS.md.
+# Tessel vs PyTorch eager vs torch.compile on one GPU (bench/gpu_bench.py): configs/default.yaml's
+# model, GPT-2 124M at seq 1024 and Llama-3 1B at seq 2048 in bf16, printing tokens/s, MFU, peak
+# memory and the ratios as a Markdown table for bench/RESULTS.md. It builds nothing (a GPU machine
+# may have no package registry or root): run `make build` here, or use an installed bundle, whose
+# bench/gpu-check.sh runs this together with the GPU suite.
 #   bench/gpu.sh [OUT]            (OUT defaults to /tmp/tessel-gpu-bench)
 # Without a GPU it runs the CPU dry path (tiny models, a few steps) to show that the path works.
-# TESSEL_PYTHON: a python with torch and transformers (default: the project's .env).
+# TESSEL_PYTHON: a python with torch (default: the checkout's .env, else python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-/tmp/tessel-gpu-bench}
-make build >/dev/null
-py=${TESSEL_PYTHON:-.env/bin/python}
-flag=""
-"$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || {
-  echo "bench/gpu.sh: no CUDA device: running the CPU dry path" >&2; flag=--cpu; }
-exec "$py" bench/gpu_bench.py "$out" $flag
+[ -x build/bin/tessel-train ] || [ -n "${TESSEL_BIN:-}" ] || {
+  echo "bench/gpu.sh: no build/bin/tessel-train: run make build (or set TESSEL_BIN)" >&2; exit 2; }
+py=${TESSEL_PYTHON:-$([ -x .env/bin/python ] && echo .env/bin/python || echo python3)}
+exec "$py" bench/gpu_bench.py "$out"

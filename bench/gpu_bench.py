@@ -1,7 +1,9 @@
-"""Tessel against PyTorch on one GPU, in one sitting: configs/default.yaml's model and GPT-2 124M,
-bf16, world size 1 (NCCL backend), then the same model and batch in PyTorch eager and under
-torch.compile (bf16 autocast, fp32 master weights, fused AdamW). Prints tokens/s, MFU and the
-ratios; writes OUT/gpu_bench.json. bench/gpu.sh builds and runs it.
+"""Tessel against PyTorch on one GPU, in one sitting: configs/default.yaml's model, GPT-2 124M at
+seq 1024 and Llama-3 1B (configs/llama3-1b.yaml's model) at seq 2048, bf16, world size 1, then the
+same model and batch in plain PyTorch (bench/torch_reference.py) eager and under torch.compile
+(bf16 autocast, fp32 master weights, fused AdamW, clipping). Prints tokens/s, MFU, peak memory and
+the ratios; writes OUT/gpu_bench.json. bench/gpu.sh (checkout) and bench/gpu-check.sh (checkout or
+installed bundle) run it. Needs only torch: no transformers, no numpy.
 
 Without a GPU (--cpu, or when CUDA is unavailable) it runs the same path on the CPU with a tiny
 model and a few steps: a check that the script works, not a figure to report."""
@@ -17,8 +19,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import BIN, ROOT  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from torch_reference import Decoder  # noqa: E402
 
 GPT2_124M = {"arch": "gpt2", "layers": 12, "hidden": 768, "heads": 12, "vocab_size": 50304, "max_seq_len": 1024}
 
@@ -28,20 +31,39 @@ def plans(cpu):
     if cpu:  # small stand-ins and a few steps: the path works, the figures mean nothing
         return [("default (cpu, 2 layers)", {"layers": 2}, 4, 64, 6),
                 ("gpt2 shape (cpu, 2x256, vocab 4096)", {"layers": 2, "hidden": 256, "heads": 4,
-                                                          "vocab_size": 4096}, 2, 64, 6)]
-    return [("default", {}, 64, 128, 40), ("gpt2-124M", GPT2_124M, 8, 1024, 40)]
+                                                          "vocab_size": 4096}, 2, 64, 6),
+                ("llama shape (cpu, 2x128, gqa)", {"arch": "llama", "layers": 2, "hidden": 128, "heads": 4,
+                                                   "kv_heads": 2, "ffn_hidden": 256, "vocab_size": 4096}, 2, 64, 6)]
+    return [("default", {}, 64, 128, 40), ("gpt2-124M", GPT2_124M, 8, 1024, 30),
+            ("llama3-1B", plan_model("llama3-1b.yaml"), 4, 2048, 20)]
+
+
+def plan_model(name):
+    """The model section of configs/NAME (flat `key: value` lines; no YAML library needed)."""
+    m, inside = {}, False
+    with open(os.path.join(ROOT, "configs", name)) as f:
+        for line in f:
+            if line.startswith("model:"):
+                inside = True
+            elif inside and line.startswith("  ") and ":" in line:
+                k, v = line.split("#")[0].strip().split(":", 1)
+                m[k.strip()] = v.strip()
+            elif inside and line.strip():
+                break
+    return m
 
 
 def default_model():
-    import yaml  # PyYAML comes with transformers
-    with open(os.path.join(ROOT, "configs", "default.yaml")) as f:
-        return yaml.safe_load(f)["model"]
+    return plan_model("default.yaml")
 
 
 def token_file(out, vocab, n):
     path = os.path.join(out, f"tokens_{vocab}.u16")
     if not os.path.exists(path):
-        np.random.default_rng(0).integers(0, vocab, size=n, dtype=np.uint16).tofile(path)
+        from array import array
+        toks = torch.randint(0, int(vocab), (n,), generator=torch.Generator().manual_seed(0))
+        with open(path, "wb") as f:
+            array("H" if int(vocab) <= 65536 else "I", toks.tolist()).tofile(f)
     return path
 
 
@@ -57,7 +79,8 @@ def run_tessel(out, name, model, batch, seq, steps, cpu):
     sets += [f"model.{k}={v}" for k, v in model.items()]
     vocab = dict(default_model(), **model)["vocab_size"]
     sets.append(f"data.path=[{token_file(out, vocab, batch * (seq + 1) * (steps + 2) + 10)}]")
-    sets += ["data.format=tokens", "data.token_dtype=uint16", "data.val_fraction=0"]
+    sets += ["data.format=tokens", f"data.token_dtype={'uint16' if int(vocab) <= 65536 else 'uint32'}",
+             "data.val_fraction=0"]
     cmd = [os.path.join(BIN, "tessel-launch"), "--nproc-per-node", "1", "--",
            os.path.join(BIN, "tessel-train"), os.path.join(ROOT, "configs", "default.yaml")]
     for s in sets:
@@ -74,7 +97,8 @@ def run_tessel(out, name, model, batch, seq, steps, cpu):
     timed = rows[len(rows) // 4:]  # after warm-up
     tps = statistics.median(r["tokens_per_s"] for r in timed)
     mfu = statistics.median(r["mfu"] for r in timed)
-    return tps, mfu, gflop, peak, resolved
+    mem = max(r["mem_bytes"] for r in rows)
+    return tps, mfu, gflop, peak, resolved, mem
 
 
 def model_section(resolved):
@@ -93,22 +117,20 @@ def model_section(resolved):
 
 
 def run_pytorch(m, batch, seq, steps, cpu, compile_):
-    """The same GPT-2 in PyTorch (transformers' GPT2LMHeadModel): tokens/s (median after warm-up)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """The same decoder in plain PyTorch: (tokens/s median after warm-up, peak bytes allocated)."""
     dev = "cpu" if cpu else "cuda"
-    cfg = GPT2Config(vocab_size=int(m["vocab_size"]), n_positions=int(m["max_seq_len"]), n_embd=int(m["hidden"]),
-                     n_layer=int(m["layers"]), n_head=int(m["heads"]), resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, attn_implementation="sdpa")
-    model = GPT2LMHeadModel(cfg).to(dev)
+    model = Decoder(m).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=not cpu)
     fwd = torch.compile(model) if compile_ else model
     g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(dev)
+    data = torch.randint(0, int(m["vocab_size"]), (batch, seq + 1), generator=g).to(dev)
+    if not cpu:
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=not cpu):
-            loss = fwd(input_ids=data[:, :-1], labels=data[:, 1:]).loss
+            loss = fwd(data[:, :-1], data[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -116,7 +138,21 @@ def run_pytorch(m, batch, seq, steps, cpu, compile_):
         if not cpu:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return batch * seq / statistics.median(times[len(times) // 4:])
+    mem = torch.cuda.max_memory_allocated() if not cpu else 0
+    del model, opt, fwd
+    if not cpu:
+        torch.cuda.empty_cache()
+    return batch * seq / statistics.median(times[len(times) // 4:]), mem
+
+
+def commit():
+    """The checkout's commit, or the one an installed bundle was built from."""
+    path = os.path.join(ROOT, "COMMIT")
+    if os.path.exists(path):
+        with open(path) as f:
+            return f.read().strip()
+    return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or "unknown"
 
 
 def main():
@@ -129,29 +165,32 @@ def main():
     device = "cpu" if cpu else torch.cuda.get_device_name(0)
     results = []
     for name, model, batch, seq, steps in plans(cpu):
-        tps, mfu, gflop, peak, resolved = run_tessel(a.out, name, model, batch, seq, steps, cpu)
+        tps, mfu, gflop, peak, resolved, mem = run_tessel(a.out, name, model, batch, seq, steps, cpu)
         m = model_section(resolved)
-        row = {"plan": name, "batch": batch, "seq": seq, "tessel_tok_s": tps, "tessel_mfu": mfu}
+        row = {"plan": name, "batch": batch, "seq": seq, "tessel_tok_s": tps, "tessel_mfu": mfu,
+               "tessel_mem": mem}
         for label, comp in (("eager", False), ("compile", True)):
             try:
-                t = run_pytorch(m, batch, seq, steps, cpu, comp)
+                t, pmem = run_pytorch(m, batch, seq, steps, cpu, comp)
                 row[f"{label}_tok_s"] = t
+                row[f"{label}_mem"] = pmem
                 row[f"{label}_mfu"] = t * gflop * 1e9 / (peak * 1e12) if peak > 0 else 0.0
             except Exception as e:  # torch.compile needs a working toolchain; say why it is missing
                 row[f"{label}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         results.append(row)
     print(f"# bench/gpu.sh on {device}, torch {torch.__version__}, commit "
-          f"{subprocess.run(['git', '-C', ROOT, 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}"
+          f"{commit()}"
           f"{' (CPU dry path: not a figure to report)' if cpu else ''}")
-    print("| plan | batch x seq | Tessel tok/s | MFU | PyTorch eager tok/s | MFU | torch.compile tok/s | MFU | "
-          "Tessel / eager | Tessel / compile |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| plan | batch x seq | Tessel tok/s | MFU | peak GiB | PyTorch eager tok/s | MFU | peak GiB | "
+          "torch.compile tok/s | MFU | peak GiB | Tessel / eager | Tessel / compile |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         def cell(k):
-            return f"{r[k + '_tok_s']:.0f} | {100 * r[k + '_mfu']:.1f}%" if k + "_tok_s" in r else \
-                f"({r.get(k + '_error', 'n/a')}) | -"
+            return f"{r[k + '_tok_s']:.0f} | {100 * r[k + '_mfu']:.1f}% | {r[k + '_mem'] / 2**30:.2f}" \
+                if k + "_tok_s" in r else f"({r.get(k + '_error', 'n/a')}) | - | -"
         ratio = lambda k: f"{r['tessel_tok_s'] / r[k + '_tok_s']:.2f}" if k + "_tok_s" in r else "-"  # noqa: E731
         print(f"| {r['plan']} | {r['batch']}x{r['seq']} | {r['tessel_tok_s']:.0f} | {100 * r['tessel_mfu']:.1f}% | "
+              f"{r['tessel_mem'] / 2**30:.2f} | "
               f"{cell('eager')} | {cell('compile')} | {ratio('eager')} | {ratio('compile')} |")
     with open(os.path.join(a.out, "gpu_bench.json"), "w") as f:
         json.dump({"device": device, "cpu_dry_path": cpu, "results": results}, f, indent=1)

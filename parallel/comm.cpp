@@ -59,7 +59,48 @@ class GlooReduceScatter final : public c10d::Work {
   int64_t rank_, size_;
 };
 
+// Gloo on CUDA tensors (several ranks sharing one GPU, where NCCL cannot run): every Gloo call gets
+// CPU copies, and wait() copies results back into the CUDA tensors. Gloo's send/recv and some of
+// its collectives take raw pointers and would read device memory from the host; staging them all
+// in one place means no Gloo call ever sees a device pointer.
+class HostStaged final : public c10d::Work {
+ public:
+  // `back`: (CUDA destination, its host copy) pairs to copy after the inner work finishes.
+  HostStaged(c10::intrusive_ptr<c10d::Work> inner,
+             std::vector<std::pair<torch::Tensor, torch::Tensor>> back)
+      : inner_(std::move(inner)), back_(std::move(back)) {}
+  bool isCompleted() override { return !inner_ || inner_->isCompleted(); }
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (!inner_) return true;
+    inner_->wait(timeout);
+    release(inner_);
+    for (auto& [device, host] : back_) device.copy_(host);
+    back_.clear();
+    return true;
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> inner_;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> back_;
+};
+
 }  // namespace
+
+bool Group::staged(const torch::Tensor& t) const {
+  return t.defined() && t.is_cuda() && backend_ && backend_->getBackendName() == "gloo";
+}
+
+torch::Tensor Group::host(const torch::Tensor& t) const {
+  return staged(t) ? t.to(torch::kCPU) : t;
+}
+
+Work Group::finish(c10::intrusive_ptr<c10d::Work> w, const torch::Tensor& device,
+                   const torch::Tensor& host_copy, const char* op) {
+  if (!staged(device)) return {std::move(w), what(op)};
+  return {c10::make_intrusive<HostStaged>(
+              std::move(w), std::vector<std::pair<torch::Tensor, torch::Tensor>>{{device, host_copy}}),
+          what(op)};
+}
 
 void Work::wait() {
   if (!w_) return;
@@ -92,8 +133,9 @@ std::string Group::what(const char* op) {
 Work Group::all_reduce(torch::Tensor& t, c10d::ReduceOp op) {
   if (size() == 1) return {};
   bytes_ += t.numel() * t.element_size();
-  std::vector<at::Tensor> v{t};
-  return {backend_->allreduce(v, c10d::AllreduceOptions{op}), what("all_reduce")};
+  auto h = host(t);
+  std::vector<at::Tensor> v{h};
+  return finish(backend_->allreduce(v, c10d::AllreduceOptions{op}), t, h, "all_reduce");
 }
 
 void Group::all_reduce_coalesced(const std::vector<torch::Tensor>& tensors,
@@ -121,19 +163,21 @@ void Group::all_reduce_coalesced(const std::vector<torch::Tensor>& tensors,
 
 Work Group::broadcast(torch::Tensor& t, int64_t root) {
   if (size() == 1) return {};
-  std::vector<at::Tensor> v{t};
+  auto h = host(t);
+  std::vector<at::Tensor> v{h};
   c10d::BroadcastOptions o;
   o.rootRank = root;
-  return {backend_->broadcast(v, o), what("broadcast")};
+  return finish(backend_->broadcast(v, o), t, h, "broadcast");
 }
 
 Work Group::reduce(torch::Tensor& t, int64_t root, c10d::ReduceOp op) {
   if (size() == 1) return {};
-  std::vector<at::Tensor> v{t};
+  auto h = host(t);
+  std::vector<at::Tensor> v{h};
   c10d::ReduceOptions o;
   o.reduceOp = op;
   o.rootRank = root;
-  return {backend_->reduce(v, o), what("reduce")};
+  return finish(backend_->reduce(v, o), t, h, "reduce");
 }
 
 Work Group::all_gather(torch::Tensor& out, torch::Tensor& in) {
@@ -144,7 +188,9 @@ Work Group::all_gather(torch::Tensor& out, torch::Tensor& in) {
     return {};
   }
   bytes_ += out.numel() * out.element_size();
-  return {backend_->_allgather_base(out, in), what("all_gather")};
+  auto h_out = staged(out) ? torch::empty_like(out, torch::kCPU) : out;
+  auto h_in = host(in);
+  return finish(backend_->_allgather_base(h_out, h_in), out, h_out, "all_gather");
 }
 
 Work Group::reduce_scatter(torch::Tensor& out, torch::Tensor& in, c10d::ReduceOp op) {
@@ -155,8 +201,11 @@ Work Group::reduce_scatter(torch::Tensor& out, torch::Tensor& in, c10d::ReduceOp
     return {};
   }
   bytes_ += in.numel() * in.element_size();
-  if (backend_->getBackendName() == "gloo")
-    return {c10::make_intrusive<GlooReduceScatter>(*backend_, out, in, op), what("reduce_scatter")};
+  if (backend_->getBackendName() == "gloo") {
+    auto h_out = staged(out) ? torch::empty_like(out, torch::kCPU) : out;
+    return finish(c10::make_intrusive<GlooReduceScatter>(*backend_, h_out, host(in), op), out,
+                  h_out, "reduce_scatter");
+  }
   c10d::ReduceScatterOptions o;
   o.reduceOp = op;
   return {backend_->_reduce_scatter_base(out, in, o), what("reduce_scatter")};
@@ -168,7 +217,9 @@ Work Group::all_to_all(torch::Tensor& out, torch::Tensor& in) {
     return {};
   }
   std::vector<int64_t> even;  // empty split sizes: equal slices
-  return {backend_->alltoall_base(out, in, even, even), what("all_to_all")};
+  auto h_out = staged(out) ? torch::empty_like(out, torch::kCPU) : out;
+  auto h_in = host(in);
+  return finish(backend_->alltoall_base(h_out, h_in, even, even), out, h_out, "all_to_all");
 }
 
 void Group::barrier() {
@@ -183,13 +234,17 @@ std::vector<Work> Group::send_recv(const std::vector<P2POp>& ops) {
   const bool coalesce = backend_ && backend_->getBackendName() == "nccl";
   if (coalesce) backend_->startCoalescing();
   for (const auto& op : ops) {
-    std::vector<at::Tensor> v{op.tensor};
     const int tag = op.tag;
     if (op.kind == P2POp::kSend) {
       sent_bytes_ += op.tensor.numel() * op.tensor.element_size();
-      works.emplace_back(backend_->send(v, static_cast<int>(op.peer), tag), what("send"));
-    } else
-      works.emplace_back(backend_->recv(v, static_cast<int>(op.peer), tag), what("recv"));
+      std::vector<at::Tensor> v{host(op.tensor.contiguous())};
+      works.push_back(finish(backend_->send(v, static_cast<int>(op.peer), tag), {}, {}, "send"));
+    } else {
+      auto h = staged(op.tensor) ? torch::empty_like(op.tensor, torch::kCPU) : op.tensor;
+      std::vector<at::Tensor> v{h};
+      works.push_back(
+          finish(backend_->recv(v, static_cast<int>(op.peer), tag), op.tensor, h, "recv"));
+    }
   }
   if (coalesce) {
     auto w = backend_->endCoalescing();

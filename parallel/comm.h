@@ -83,6 +83,12 @@ class Group {
 
  private:
   std::string what(const char* op);
+  // Gloo never sees a CUDA tensor: staged() says when a host copy stands in for `t`, host() makes
+  // it, and finish() wraps the work so that wait() copies the host result back (comm.cpp).
+  bool staged(const torch::Tensor& t) const;
+  torch::Tensor host(const torch::Tensor& t) const;
+  Work finish(c10::intrusive_ptr<c10d::Work> w, const torch::Tensor& device,
+              const torch::Tensor& host_copy, const char* op);
   std::string name_;
   std::vector<int64_t> ranks_;
   int64_t rank_;

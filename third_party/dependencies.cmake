@@ -25,6 +25,7 @@ message(STATUS "LibTorch ${Torch_VERSION} from ${Torch_DIR}")
 add_library(tessel_torch INTERFACE)
 add_library(tessel::torch ALIAS tessel_torch)
 target_link_libraries(tessel_torch INTERFACE ${TORCH_LIBRARIES})
+target_include_directories(tessel_torch SYSTEM INTERFACE ${TESSEL_GLOO_INCLUDE})
 if(TARGET torch_cuda)
   target_link_libraries(tessel_torch INTERFACE "-Wl,--no-as-needed,$<TARGET_FILE:torch_cuda>,--as-needed")
 endif()
@@ -35,12 +36,29 @@ endif()
 # pointer there). Naming libstdc++ first makes our std:: calls bind to the system library.
 target_link_options(tessel_torch INTERFACE "LINKER:--push-state,--no-as-needed" -lstdc++ "LINKER:--pop-state")
 
+# Debian packages that third_party/setup.sh unpacked without root (.deps -> the per-user cache).
+if(EXISTS ${CMAKE_SOURCE_DIR}/.deps/usr)
+  get_filename_component(_tessel_deps ${CMAKE_SOURCE_DIR}/.deps/usr REALPATH)
+  list(APPEND CMAKE_PREFIX_PATH ${_tessel_deps})
+endif()
+
 find_package(yaml-cpp REQUIRED)
 find_package(spdlog REQUIRED)
 find_package(fmt REQUIRED)
 find_package(CLI11 REQUIRED)
 find_package(nlohmann_json REQUIRED)
-find_package(GTest REQUIRED)
+find_package(GTest QUIET)  # tests only (CMakeLists.txt)
+
+# ProcessGroupGloo.hpp includes gloo's own headers, which the torch wheel does not ship: Debian's
+# libgloo-dev, or any folder holding gloo/algorithm.h (TESSEL_GLOO_INCLUDE, CMAKE_PREFIX_PATH).
+# Headers only: the wheel's libtorch_cpu carries gloo itself (docs/gloo.md says why that is sound).
+find_path(TESSEL_GLOO_INCLUDE gloo/algorithm.h HINTS ENV TESSEL_GLOO_INCLUDE ${_tessel_deps}/include)
+if(NOT TESSEL_GLOO_INCLUDE)
+  message(FATAL_ERROR "gloo headers not found (gloo/algorithm.h), needed by c10d's "
+          "ProcessGroupGloo.hpp: install Debian's libgloo-dev, or run third_party/setup.sh (which "
+          "unpacks it without root where apt-get exists), or set TESSEL_GLOO_INCLUDE to a folder "
+          "holding gloo/algorithm.h (a gloo source checkout's root)")
+endif()
 
 # LibTorch's include folder carries its own fmt (12.x) which would shadow Debian's fmt 9 that
 # Debian's spdlog is built against (spdlog then fails to compile). A folder holding only a link to
@@ -62,3 +80,9 @@ endif()
 file(MAKE_DIRECTORY ${TESSEL_FMT_SHIM})
 file(CREATE_LINK ${_fmt_inc}/fmt ${TESSEL_FMT_SHIM}/fmt SYMBOLIC)
 target_include_directories(tessel_torch SYSTEM BEFORE INTERFACE ${TESSEL_FMT_SHIM})
+
+# LibTorch's headers put their own path into the binaries (__FILE__ in TORCH_CHECK messages): map
+# it, and the shim's, to short names, so no installed binary names this machine's home or cache.
+get_filename_component(_torch_root "${Torch_DIR}/../../.." REALPATH)
+target_compile_options(tessel_torch INTERFACE "-ffile-prefix-map=${_torch_root}=torch"
+                       "-ffile-prefix-map=${TESSEL_FMT_SHIM}=fmt-shim")

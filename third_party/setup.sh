@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
-# Installs what Tessel needs, idempotently; a second run takes about a second.
-#   - Debian packages (compiler tools and C++ libraries), when missing.
+# Installs what Tessel needs, idempotently; a second run takes about a second. Root is never
+# required: what the machine already has (any prefix CMake finds: CMAKE_PREFIX_PATH, conda,
+# spack, modules) is used as it is.
+#   - C++ libraries (yaml-cpp, spdlog, fmt, CLI11, nlohmann-json, gloo's headers; GoogleTest for
+#     tests): when CMake cannot find one, Debian's package is installed with apt-get where this user
+#     may (root, or sudo without a password), else downloaded with `apt-get download` and unpacked
+#     without root into ${TESSEL_CACHE:-~/.cache/tessel}/deb-root (linked as .deps, which the build
+#     searches). Without apt-get, it names what is missing and how to supply it, and exits 1.
+#   - Tools: cmake and ninja from PyPI into the environment below when the machine has none.
 #   - The pinned PyPI torch wheel (its LibTorch) plus the Python test dependencies, into a per-user
 #     cache shared by every checkout: ${TESSEL_CACHE:-~/.cache/tessel}/py-torch<ver>. A fresh clone
 #     therefore neither downloads 2.7 GB again nor recompiles (ccache lives under the same cache).
@@ -13,30 +20,86 @@ TORCH_VERSION=2.11.0
 TOKENIZERS_VERSION=0.22.2  # the version transformers==4.57.6 pins
 PY_TEST_DEPS=(transformers==4.57.6 safetensors matplotlib==3.10.7 tensorboard==2.20.0)
 cache=${TESSEL_CACHE:-$HOME/.cache/tessel}
-mode=${1:-build}   # build | test (test also needs the Python parity dependencies)
+mode=${1:-build}   # build | test (test also needs GoogleTest, Slurm, Open MPI and the parity deps)
 
-need_apt=()
-have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
-for p in cmake ninja-build ccache g++ libyaml-cpp-dev libspdlog-dev libfmt-dev libcli11-dev \
-         nlohmann-json3-dev libgtest-dev libgloo-dev openmpi-bin python3-venv; do
-  have_pkg "$p" || need_apt+=("$p")
-done
-# The Slurm tests start a private cluster (tests/dist/local_slurm.py): Debian's Slurm, test mode only.
-if [ "$mode" = test ]; then
-  for p in slurmctld slurmd slurm-client; do have_pkg "$p" || need_apt+=("$p"); done
+# Who may install system packages: root, or sudo that asks for no password.
+apt_ok=""
+if command -v apt-get >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ]; then apt_ok=root; elif sudo -n true 2>/dev/null; then apt_ok=sudo; fi
 fi
-# python3-venv is only needed when we create the venv with Debian's python; a pyenv python has venv.
-if python3 -c 'import venv, ensurepip' 2>/dev/null; then
-  need_apt=("${need_apt[@]/python3-venv}")
-fi
-need_apt=(${need_apt[@]+"${need_apt[@]}"})
-if [ ${#need_apt[@]} -gt 0 ]; then
-  echo "setup: installing Debian packages: ${need_apt[*]}"
-  sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+have_pkg() { command -v dpkg-query >/dev/null 2>&1 &&
+             dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
+apt_install() {
+  local sudo_cmd=""; [ "$apt_ok" = sudo ] && sudo_cmd="sudo -n"
+  echo "setup: installing Debian packages: $*"
   $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+# 1. Tools and test-only system programs: Debian packages when this user may install them.
+tools=(cmake ninja-build ccache g++)
+[ "$mode" = test ] && tools+=(openmpi-bin slurmctld slurmd slurm-client)
+# python3-venv: only to create our environment (no Torch_DIR or TESSEL_PYTHON) with a python that
+# lacks venv (Debian's; a pyenv python has it).
+if [ -z "${Torch_DIR:-}${TESSEL_PYTHON:-}" ] && ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+  tools+=(python3-venv)
+fi
+missing_tools=()
+for p in "${tools[@]}"; do have_pkg "$p" || missing_tools+=("$p"); done
+if [ ${#missing_tools[@]} -gt 0 ] && [ -n "$apt_ok" ]; then
+  apt_install "${missing_tools[@]}"
+elif [ ${#missing_tools[@]} -gt 0 ]; then
+  for p in "${missing_tools[@]}"; do
+    case $p in
+      cmake|ninja-build) ;;  # from PyPI below when absent
+      ccache) command -v ccache >/dev/null || echo "setup: note: no ccache: builds are not cached" ;;
+      g++) command -v g++ >/dev/null || { echo "setup: no C++ compiler (g++ 9 or newer): load one (module load gcc) or install g++" >&2; exit 1; } ;;
+      python3-venv) echo "setup: python3 has no venv module: install python3-venv, or set TESSEL_PYTHON to a python with torch==$TORCH_VERSION" >&2; exit 1 ;;
+      *) command -v "${p%%-*}" >/dev/null || command -v mpirun >/dev/null ||
+           echo "setup: note: $p is not installed and this user cannot install it: the tests that need it will fail" ;;
+    esac
+  done
 fi
 
+# 2. C++ libraries: whatever CMake finds is used; the rest from Debian's packages.
+probe() {  # prints the names CMake cannot find
+  local dir; dir=$(mktemp -d)
+  cmake -S third_party/probe -B "$dir" -DTESSEL_DEPS="$cache/deb-root" \
+        $([ "$mode" = test ] && echo -DTESSEL_PROBE_TEST=ON) 2>&1 | sed -n 's/^missing //p'
+  rm -rf "$dir"
+}
+declare -A deb=([yaml-cpp]=libyaml-cpp-dev [spdlog]=libspdlog-dev [fmt]=libfmt-dev [CLI11]=libcli11-dev
+                [nlohmann_json]=nlohmann-json3-dev [GTest]=libgtest-dev [gloo]=libgloo-dev)
+if command -v cmake >/dev/null 2>&1; then
+  missing=($(probe))
+  if [ ${#missing[@]} -gt 0 ] && [ -n "$apt_ok" ]; then
+    apt_install $(for m in "${missing[@]}"; do echo "${deb[$m]}"; done)
+    missing=($(probe))
+  fi
+  if [ ${#missing[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+    # No root: download the packages (and the libraries they depend on) and unpack them privately.
+    pkgs=$(for m in "${missing[@]}"; do echo "${deb[$m]}"; done)
+    deps=$(apt-cache depends $pkgs 2>/dev/null | sed -n 's/^ *Depends: \(lib[^<>]*\)$/\1/p' | sort -u)
+    echo "setup: unpacking without root into $cache/deb-root: $pkgs $deps"
+    mkdir -p "$cache/debs" "$cache/deb-root"
+    (cd "$cache/debs" && apt-get download $pkgs $deps >/dev/null)
+    for f in "$cache"/debs/*.deb; do dpkg-deb -x "$f" "$cache/deb-root"; done
+    missing=($(probe))
+  fi
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "setup: CMake cannot find: ${missing[*]}. Supply them in one of these ways, then run again:" >&2
+    for m in "${missing[@]}"; do
+      case $m in
+        gloo) echo "  gloo: Debian/Ubuntu package libgloo-dev, or TESSEL_GLOO_INCLUDE=<folder holding gloo/algorithm.h and gloo/config.h> (a gloo install prefix's include/; headers only)" >&2 ;;
+        *) echo "  $m: Debian/Ubuntu package ${deb[$m]}, conda install -c conda-forge $(echo "$m" | tr 'A-Z_' 'a-z-'), spack, or a module; then put its prefix in CMAKE_PREFIX_PATH" >&2 ;;
+      esac
+    done
+    exit 1
+  fi
+  [ -d "$cache/deb-root/usr" ] && ln -sfn "$cache/deb-root" .deps
+fi
+
+# 3. LibTorch.
 if [ -n "${Torch_DIR:-}" ]; then
   echo "setup: using Torch_DIR=$Torch_DIR"
   [ "$mode" = test ] && echo "setup: note: parity tests need a python with torch, transformers and safetensors (TESSEL_PYTHON)"
@@ -58,6 +121,11 @@ else
     "$env_dir/bin/pip" install --no-input -q "torch==$TORCH_VERSION" numpy
   fi
 fi
+# cmake and ninja from PyPI when the machine has none (the Makefile puts .env/bin last on PATH).
+for t in cmake ninja; do
+  command -v "$t" >/dev/null 2>&1 || [ -x "$env_dir/bin/$t" ] || {
+    echo "setup: installing $t from PyPI into $env_dir"; "$env_dir/bin/pip" install --no-input -q "$t"; }
+done
 # tessel-data and generate run Hugging Face tokenizers through a Python helper (engine/tokenizer.h).
 if ! "$env_dir/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('tokenizers') != '$TOKENIZERS_VERSION')" 2>/dev/null; then
   echo "setup: installing tokenizers==$TOKENIZERS_VERSION (tessel-data's tokenizer helper)"

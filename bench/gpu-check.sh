@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One command for a machine with a GPU: the GPU suite, then Tessel vs PyTorch eager vs
+# torch.compile (bench/gpu_bench.py), written as one Markdown report. Runs from a checkout (after
+# `make build`) or from an installed bundle (share/tessel/bench/gpu-check.sh), with the torch of
+# TESSEL_PYTHON (else python3, or the checkout's .env). Needs no root, no network, no build.
+#   gpu-check.sh [OUT]        (OUT: /tmp/tessel-gpu-check)
+# Without a GPU every GPU test reports skipped and the bench runs its CPU dry path: the command
+# works end to end, and the report says that nothing in it is a GPU figure.
+set -uo pipefail
+here=$(cd "$(dirname "$(readlink -f "$0")")" && pwd)
+root=$(cd "$here/.." && pwd)
+out=${1:-/tmp/tessel-gpu-check}
+mkdir -p "$out"
+if [ -x "$root/../../bin/tessel-train" ]; then            # installed: P/share/tessel/bench
+  bin=$(cd "$root/../../bin" && pwd)
+else                                                       # checkout
+  bin=$root/build/bin
+  [ -x "$bin/tessel-train" ] || { echo "gpu-check: no $bin/tessel-train: run make build first" >&2; exit 2; }
+  [ -z "${TESSEL_PYTHON:-}" ] && [ -x "$root/.env/bin/python" ] && export TESSEL_PYTHON=$root/.env/bin/python
+fi
+py=${TESSEL_PYTHON:-python3}
+export TESSEL_BIN=$bin TESSEL_ROOT=$root TESSEL_PYTHON=$py
+report=$out/gpu-check.md
+status() { case $1 in 0) echo passed;; 77) echo "skipped (no GPU)";; *) echo "FAILED (exit $1)";; esac; }
+
+start=$(date +%s)
+"$bin/tessel-gpu-tests" > "$out/gpu-tests.log" 2>&1; kernels=$?
+(cd "$root" && "$py" tests/gpu/gpu_suite.py) > "$out/gpu-suite.log" 2>&1; suite=$?
+"$py" "$root/bench/gpu_bench.py" "$out/bench" > "$out/bench.md" 2> "$out/bench.log"; bench=$?
+took=$(( $(date +%s) - start ))
+
+{
+  echo "# Tessel GPU check, $(date -u +%Y-%m-%d)"
+  echo
+  "$py" - <<'PY'
+import torch
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU dry path: no figure here is a GPU figure)"
+print(f"- device: {gpu}; torch {torch.__version__}; CUDA devices: {torch.cuda.device_count()}")
+PY
+  echo "- commit: $(cat "$root/COMMIT" 2>/dev/null || git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown); took ${took} s"
+  echo
+  echo "| part | result | log |"
+  echo "|---|---|---|"
+  echo "| kernels, CUDA RNG replay (tessel-gpu-tests) | $(status $kernels) | gpu-tests.log |"
+  echo "| NCCL collectives, training on CUDA (tests/gpu/gpu_suite.py) | $(status $suite) | gpu-suite.log |"
+  echo "| Tessel vs PyTorch eager vs torch.compile (bench/gpu_bench.py) | $(status $bench) | bench.md, bench.log |"
+  echo
+  cat "$out/bench.md"
+  echo
+  grep -hE "kernel|worst rel|bf16 error" "$out/gpu-tests.log" "$out/gpu-suite.log" | sed 's/^/    /'
+} > "$report"
+cat "$report"
+for rc in $kernels $suite $bench; do
+  [ "$rc" -eq 0 ] || [ "$rc" -eq 77 ] || { echo "gpu-check: a part failed; logs in $out" >&2; exit 1; }
+done
+echo "gpu-check: report in $report"

@@ -1,0 +1,115 @@
+// tessel-gpu-tests: what only CUDA shows. Exits 77 (ctest: skipped, never passed) without a CUDA
+// device. Alone (world size 1): the attention kernels on CUDA (block forward/backward against
+// plain attention, the SDPA backend the dense layer gets), recomputation's CUDA RNG replay.
+// Under tessel-launch with one process per GPU (tests/gpu/gpu_suite.py does it when there are
+// two GPUs or more): every collective of parallel/comm.h over NCCL on CUDA tensors.
+#include <c10/cuda/CUDAFunctions.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <memory>
+
+#include "engine/train.h"
+#include "parallel/mesh.h"
+#include "tests/common/attention_cases.h"
+#include "tests/common/recompute_cases.h"
+
+namespace tessel::testing {
+namespace {
+
+std::unique_ptr<parallel::Mesh> g_mesh;  // NCCL over every rank (world > 1)
+torch::Device g_device(torch::kCUDA, 0);
+
+class CudaBlockKernels : public ::testing::TestWithParam<BlockCase> {};
+TEST_P(CudaBlockKernels, ForwardAndBackwardMatchPlainAttention) { check_block_kernels(GetParam()); }
+INSTANTIATE_TEST_SUITE_P(Cuda, CudaBlockKernels,
+                         ::testing::ValuesIn(block_cases(torch::Device(torch::kCUDA, 0))),
+                         [](const auto& info) { return case_name(info.param); });
+
+// The dense layer never falls to the math kernel (a full [s, s] score matrix): fp32 and bf16,
+// with and without grouped-query heads, training shapes and one-token generation.
+TEST(CudaDenseAttention, NeverTheMathKernel) {
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16})
+    for (int64_t kv : {8, 2}) {
+      auto o = torch::TensorOptions().dtype(dtype).device(g_device);
+      auto q = torch::randn({2, 8, 256, 64}, o), k = torch::randn({2, kv, 256, 64}, o),
+           v = torch::randn({2, kv, 256, 64}, o);
+      const auto kernel = parallel::dense_attention_kernel(q, k, v, true);
+      EXPECT_NE(kernel, "math") << "dtype " << dtype << " kv_heads " << kv;
+      std::fprintf(stderr, "dense attention %s kv_heads %ld: %s kernel\n",
+                   dtype == torch::kFloat32 ? "fp32" : "bf16", static_cast<long>(kv), kernel.c_str());
+      auto y = parallel::dense_attention(q, k, v, true);
+      auto ref = plain_attention(q.to(torch::kFloat64), k.to(torch::kFloat64),
+                                 v.to(torch::kFloat64), true);
+      const double tol = dtype == torch::kFloat32 ? 1e-4 : 3e-2;  // TF32 off: see main()
+      EXPECT_LT((y.to(torch::kFloat64) - ref).abs().max().item<double>(), tol);
+      auto one = q.narrow(2, 255, 1);  // a generated token against the cached keys
+      EXPECT_NE(parallel::dense_attention_kernel(one, k, v, false), "math");
+    }
+}
+
+TEST(CudaRecompute, ReplaysTheForwardsRandomDraws) { check_recompute_replays_rng(g_device); }
+
+// NCCL: every typed collective, on CUDA tensors, over all ranks (skipped at world size 1: two
+// ranks of one communicator cannot share a GPU).
+TEST(Nccl, EveryCollective) {
+  if (!g_mesh) GTEST_SKIP() << "world size 1: NCCL needs one GPU per rank";
+  auto& g = g_mesh->group(parallel::GroupKind::kTp);
+  EXPECT_EQ(g.backend_name(), "nccl");
+  const double r = static_cast<double>(g.rank()), n = static_cast<double>(g.size());
+  auto o = torch::TensorOptions().device(g_mesh->device());
+  auto x = torch::full({3}, r + 1, o);
+  g.all_reduce(x).wait();
+  EXPECT_TRUE(torch::allclose(x.cpu(), torch::full({3}, n * (n + 1) / 2)));
+  auto b = torch::full({2}, r, o);
+  g.broadcast(b, 1).wait();
+  EXPECT_TRUE(torch::equal(b.cpu(), torch::full({2}, 1.0)));
+  auto in = torch::full({2}, r, o), out = torch::empty({2 * g.size()}, o);
+  g.all_gather(out, in).wait();
+  EXPECT_TRUE(torch::equal(out.cpu(), torch::arange(g.size()).repeat_interleave(2).to(torch::kFloat)));
+  auto big = torch::arange(2 * g.size(), o.dtype(torch::kFloat)), mine = torch::empty({2}, o);
+  g.reduce_scatter(mine, big).wait();
+  EXPECT_TRUE(torch::equal(mine.cpu(), big.narrow(0, 2 * g.rank(), 2).cpu() * n));
+  auto a_in = torch::arange(g.size(), o.dtype(torch::kFloat)) + 10 * r, a_out = torch::empty({g.size()}, o);
+  g.all_to_all(a_out, a_in).wait();
+  EXPECT_TRUE(torch::equal(a_out.cpu(), torch::arange(g.size()).to(torch::kFloat) * 10 + r));
+  // A ring of point-to-point transfers in one coalesced batch (the pipeline's and ring
+  // attention's pattern).
+  const int64_t next = (g.rank() + 1) % g.size(), prev = (g.rank() + g.size() - 1) % g.size();
+  auto send = torch::full({4}, r, o), recv = torch::empty({4}, o);
+  for (auto& w : g.send_recv({{parallel::P2POp::kSend, send, next}, {parallel::P2POp::kRecv, recv, prev}}))
+    w.wait();
+  EXPECT_TRUE(torch::equal(recv.cpu(), torch::full({4}, static_cast<double>(prev))));
+  g.barrier();
+}
+
+}  // namespace
+}  // namespace tessel::testing
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  if (!torch::cuda::is_available()) {
+    std::printf("tessel-gpu-tests: no CUDA device (torch::cuda::is_available() is false): skipped\n");
+    return 77;
+  }
+  // Exact fp32 matmuls, as the CPU: the fp32 bounds above are kernel rounding only.
+  at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL,
+                                          at::Float32Precision::IEEE);
+  const auto world = tessel::parallel::discover_world();
+  if (world.world > 1) {
+    auto c = tessel::load_config_text(
+        "data: {path: none}\nmodel: {heads: 4}\ntraining: {global_batch: 1, micro_batch: 1, "
+        "device: cuda}\nparallel: {timeout_s: 120, backend: nccl, tp: " +
+            std::to_string(world.world) + "}\n",
+        "gpu_tests");
+    const auto device = tessel::resolve_device("cuda", world);
+    c10::cuda::set_device(device.index());
+    tessel::testing::g_device = device;
+    tessel::testing::g_mesh = tessel::parallel::Mesh::create(c, world, device);
+  }
+  const int rc = RUN_ALL_TESTS();
+  if (tessel::testing::g_mesh) tessel::testing::g_mesh->world_group().barrier();
+  tessel::testing::g_mesh.reset();
+  return rc;
+}

@@ -1,0 +1,65 @@
+# `cmake --install build --prefix P` (and `make bundle`): a relocatable tree that runs against the
+# torch of any Python with the pinned torch installed, with no root, no apt and no network.
+#   P/bin/<tool>              links to libexec/tessel/run.sh (finds LibTorch, then runs the tool)
+#   P/libexec/tessel/<tool>   the binaries; RUNPATH $ORIGIN/../../lib/tessel only
+#   P/lib/tessel/             their libraries that neither the system's C library nor torch's
+#                             wheel provides: yaml-cpp, spdlog, fmt, and the C++ runtime
+#   P/share/tessel/           plans, Python helpers, the GPU suite's scripts, bench drivers
+# No installed file carries a path into this machine's build tree, home or caches (a test checks).
+include(GNUInstallDirs)
+set(TESSEL_TOOLS tessel-train tessel-launch tessel-data tessel-bench-comm tessel-bench-cp)
+if(TARGET tessel-gpu-tests)
+  list(APPEND TESSEL_TOOLS tessel-gpu-tests)
+endif()
+set_target_properties(${TESSEL_TOOLS} PROPERTIES
+  INSTALL_RPATH "$ORIGIN/../../lib/tessel"
+  INSTALL_RPATH_USE_LINK_PATH OFF
+  SKIP_BUILD_RPATH OFF)
+install(TARGETS ${TESSEL_TOOLS} RUNTIME DESTINATION libexec/tessel)
+install(PROGRAMS tools/bundle/run.sh DESTINATION libexec/tessel)
+install(FILES ${CMAKE_BINARY_DIR}/TORCH_VERSION DESTINATION share/tessel)
+install(CODE "execute_process(COMMAND git -C \"${CMAKE_SOURCE_DIR}\" rev-parse --short HEAD
+                OUTPUT_FILE \"\$ENV{DESTDIR}\${CMAKE_INSTALL_PREFIX}/share/tessel/COMMIT\" ERROR_QUIET)")
+# What configs/default.yaml trains on (this project's own text), so that it runs from share/tessel.
+install(FILES README.md DESTINATION share/tessel)
+install(DIRECTORY docs DESTINATION share/tessel FILES_MATCHING PATTERN "*.md")
+foreach(dir engine models tools tests/unit)
+  install(DIRECTORY ${dir}/ DESTINATION share/tessel/${dir} FILES_MATCHING PATTERN "*.cpp" PATTERN "*.h"
+          PATTERN "bundle" EXCLUDE)
+endforeach()
+file(WRITE ${CMAKE_BINARY_DIR}/TORCH_VERSION "${Torch_VERSION}\n")
+install(DIRECTORY configs DESTINATION share/tessel FILES_MATCHING PATTERN "*.yaml")
+install(PROGRAMS tools/plot.py DESTINATION share/tessel/tools)
+install(DIRECTORY bench DESTINATION share/tessel FILES_MATCHING PATTERN "*.py")
+install(PROGRAMS bench/gpu-check.sh bench/gpu.sh DESTINATION share/tessel/bench)
+install(DIRECTORY tests/gpu DESTINATION share/tessel/tests FILES_MATCHING PATTERN "*.py")
+install(FILES tests/reference/common.py DESTINATION share/tessel/tests/reference)
+
+# bin/<tool> -> ../libexec/tessel/run.sh, made at install time (relative links: relocatable).
+foreach(tool ${TESSEL_TOOLS})
+  install(CODE "
+    file(MAKE_DIRECTORY \"\$ENV{DESTDIR}\${CMAKE_INSTALL_PREFIX}/bin\")
+    file(CREATE_LINK ../libexec/tessel/run.sh \"\$ENV{DESTDIR}\${CMAKE_INSTALL_PREFIX}/bin/${tool}\" SYMBOLIC)")
+endforeach()
+
+# The libraries the binaries need beyond glibc and LibTorch's wheel, resolved as this machine
+# resolves them and copied under their sonames.
+set(_tessel_exes "")
+foreach(tool ${TESSEL_TOOLS})
+  list(APPEND _tessel_exes "$<TARGET_FILE:${tool}>")
+endforeach()
+install(CODE "
+  file(GET_RUNTIME_DEPENDENCIES
+    EXECUTABLES ${_tessel_exes}
+    RESOLVED_DEPENDENCIES_VAR deps
+    UNRESOLVED_DEPENDENCIES_VAR missing
+    PRE_EXCLUDE_REGEXES
+      [[^lib(torch|c10|cuda|cudart|cublas|cudnn|nccl|nvrtc|nvToolsExt|gomp|shm|caffe2).*]]
+      [[^(linux-vdso|ld-linux).*]] [[^lib(c|m|dl|rt|pthread|util|resolv)\\.so.*]])
+  foreach(d \${deps})
+    file(INSTALL \${d} DESTINATION \"\${CMAKE_INSTALL_PREFIX}/lib/tessel\" FOLLOW_SYMLINK_CHAIN)
+  endforeach()
+  if(missing)
+    message(FATAL_ERROR \"tessel install: unresolved libraries: \${missing}\")
+  endif()
+")
