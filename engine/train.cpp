@@ -30,9 +30,9 @@ torch::Device resolve_device(const std::string& device, const parallel::WorldInf
     if (why) *why = device == "cpu" ? "training.device cpu" : "no CUDA device available";
     return torch::kCPU;
   }
-  const auto choice = parallel::choose_cuda_device(static_cast<int>(torch::cuda::device_count()),
-                                                   w.local_rank, w.local_world,
-                                                   std::getenv("CUDA_VISIBLE_DEVICES"));
+  const auto choice =
+      parallel::choose_cuda_device(static_cast<int>(torch::cuda::device_count()), w.local_rank,
+                                   w.local_world, std::getenv("CUDA_VISIBLE_DEVICES"));
   if (why) *why = choice.why;
   return {torch::kCUDA, static_cast<c10::DeviceIndex>(choice.index)};
 }

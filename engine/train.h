@@ -107,10 +107,10 @@ class Trainer {
   int64_t last_log_step_ = 0;
   parallel::SpanTimer weight_gather_wait_{false};  // ZeRO 1-2: the all-gather after the step
                                                    // (device-timed under NCCL: set with the mesh)
-  double carried_exposed_ms_ = 0;           // taken early (before an evaluation), not yet logged
-  int64_t first_step_ = 1;                  // > 1 when resumed
-  int64_t consumed_ = 0;                    // the data position: global samples consumed so far
-  int64_t setup_rss_ = 0;                   // peak resident set before the first step
+  double carried_exposed_ms_ = 0;  // taken early (before an evaluation), not yet logged
+  int64_t first_step_ = 1;         // > 1 when resumed
+  int64_t consumed_ = 0;           // the data position: global samples consumed so far
+  int64_t setup_rss_ = 0;          // peak resident set before the first step
 };
 
 }  // namespace tessel

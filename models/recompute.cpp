@@ -1,9 +1,9 @@
 #include "models/recompute.h"
 
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
-#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <optional>
@@ -90,7 +90,8 @@ torch::Tensor recompute(Piece fn, const torch::Tensor& x) {
     y = fn(x);
   }
   auto node = std::shared_ptr<RecomputeBackward>(
-      new RecomputeBackward(std::move(fn), x.detach(), std::move(rng)), torch::autograd::deleteNode);
+      new RecomputeBackward(std::move(fn), x.detach(), std::move(rng)),
+      torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(x));
   torch::autograd::create_gradient_edge(y, node);
   return y;

@@ -97,8 +97,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> block_backward(
     full.narrow(2, 0, m).copy_(lse);
     auto none = torch::zeros({}, q.options().dtype(torch::kInt64));  // no dropout: unused
     auto [dq, dk, dv, dbias] = at::_scaled_dot_product_efficient_attention_backward(
-        kernel_layout(dout), kernel_layout(q), kernel_layout(k), kernel_layout(v),
-        torch::Tensor(), o, full, none, none, 0.0, {true, true, true, false}, causal);
+        kernel_layout(dout), kernel_layout(q), kernel_layout(k), kernel_layout(v), torch::Tensor(),
+        o, full, none, none, 0.0, {true, true, true, false}, causal);
     return {dq, dk, dv};
   }
   return at::_scaled_dot_product_flash_attention_for_cpu_backward(

@@ -97,9 +97,10 @@ torch::Tensor Group::host(const torch::Tensor& t) const {
 Work Group::finish(c10::intrusive_ptr<c10d::Work> w, const torch::Tensor& device,
                    const torch::Tensor& host_copy, const char* op) {
   if (!staged(device)) return {std::move(w), what(op)};
-  return {c10::make_intrusive<HostStaged>(
-              std::move(w), std::vector<std::pair<torch::Tensor, torch::Tensor>>{{device, host_copy}}),
-          what(op)};
+  return {
+      c10::make_intrusive<HostStaged>(
+          std::move(w), std::vector<std::pair<torch::Tensor, torch::Tensor>>{{device, host_copy}}),
+      what(op)};
 }
 
 void Work::wait() {

@@ -221,7 +221,8 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
           fmt::format("training.global_batch ({}) must be divisible by "
                       "parallel.dp·training.micro_batch ({}·{} = {})",
                       t.global_batch, l.dp, t.micro_batch, l.dp * t.micro_batch));
-  if (local_world > 0 && (t.device == "cuda" || (t.device == "auto" && torch::cuda::is_available()))) {
+  if (local_world > 0 &&
+      (t.device == "cuda" || (t.device == "auto" && torch::cuda::is_available()))) {
     try {  // the rule the device choice applies (one visible device each, or one per local rank)
       choose_cuda_device(static_cast<int>(torch::cuda::device_count()), 0,
                          static_cast<int>(local_world), std::getenv("CUDA_VISIBLE_DEVICES"));
@@ -312,8 +313,9 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const to
     return std::make_unique<Group>(name, ranks, w.rank, backend);
   };
   if (mesh->backend_ == "nccl" && w.world > 1)
-    spdlog::info("NCCL on {}: timeout {} s (parallel.timeout_s), TORCH_NCCL_ASYNC_ERROR_HANDLING={}",
-                 device.str(), c.parallel.timeout_s, nccl_error_handling());
+    spdlog::info(
+        "NCCL on {}: timeout {} s (parallel.timeout_s), TORCH_NCCL_ASYNC_ERROR_HANDLING={}",
+        device.str(), c.parallel.timeout_s, nccl_error_handling());
   std::vector<int64_t> all(static_cast<size_t>(w.world));
   std::iota(all.begin(), all.end(), 0);
   mesh->world_ = make("world", all);
@@ -333,7 +335,8 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const to
   std::string created;
   for (const auto* g : mesh->groups()) {
     if (g->size() > 1)
-      created += fmt::format("{}{} [{}]", created.empty() ? "" : ", ", g->name(), fmt::join(g->ranks(), ","));
+      created += fmt::format("{}{} [{}]", created.empty() ? "" : ", ", g->name(),
+                             fmt::join(g->ranks(), ","));
   }
   if (!created.empty())
     spdlog::info("process groups of this rank ({}, connected at start-up): {}", mesh->backend_,

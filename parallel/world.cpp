@@ -29,10 +29,11 @@ int env_int(const char* name, const char* from) {
 
 DeviceChoice choose_cuda_device(int visible, int local_rank, int local_world,
                                 const char* visible_env) {
-  const std::string seen =
-      visible_env ? fmt::format("CUDA_VISIBLE_DEVICES={}", visible_env) : "CUDA_VISIBLE_DEVICES unset";
+  const std::string seen = visible_env ? fmt::format("CUDA_VISIBLE_DEVICES={}", visible_env)
+                                       : "CUDA_VISIBLE_DEVICES unset";
   if (visible < 1)
-    throw UserError(fmt::format("training.device cuda: this process sees no CUDA device ({})", seen));
+    throw UserError(
+        fmt::format("training.device cuda: this process sees no CUDA device ({})", seen));
   if (visible == 1)
     return {0, fmt::format("the only device this process sees ({}; local rank {} of {})", seen,
                            local_rank, local_world)};

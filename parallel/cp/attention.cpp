@@ -36,6 +36,20 @@ void wait_all(std::vector<Work>& works) {
   works.clear();
 }
 
+// The end of both methods' forward: the two chunks' merged outputs (fp32) in the queries' dtype;
+// saves `inputs`, then the output and the log-sum-exp, for backward.
+torch::Tensor save_merged(torch::autograd::AutogradContext* ctx,
+                          const std::array<torch::Tensor, 2>& out,
+                          const std::array<torch::Tensor, 2>& lse,
+                          std::vector<torch::Tensor> inputs, int64_t group) {
+  auto y = torch::cat({out[0], out[1]}, 2).to(inputs[0].scalar_type());
+  inputs.push_back(y);
+  inputs.push_back(torch::cat({lse[0], lse[1]}, 2));
+  ctx->save_for_backward(inputs);
+  ctx->saved_data["group"] = group;
+  return y;
+}
+
 // Ring attention as one autograd node: forward and backward each walk the ring once.
 struct RingAttention : torch::autograd::Function<RingAttention> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
@@ -65,10 +79,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       wait_all(works);
       if (next.defined()) kv = next;
     }
-    auto y = torch::cat({out[0], out[1]}, 2).to(q.scalar_type());
-    ctx->save_for_backward({q, k, v, y, torch::cat({lse[0], lse[1]}, 2)});
-    ctx->saved_data["group"] = group;
-    return y;
+    return save_merged(ctx, out, lse, {q, k, v}, group);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -158,10 +169,7 @@ struct AllGatherAttention : torch::autograd::Function<AllGatherAttention> {
         merge(out[a], lse[a], op, lp);
       }
     }
-    auto y = torch::cat({out[0], out[1]}, 2).to(q.scalar_type());
-    ctx->save_for_backward({q, kv, y, torch::cat({lse[0], lse[1]}, 2)});
-    ctx->saved_data["group"] = group;
-    return y;
+    return save_merged(ctx, out, lse, {q, kv}, group);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -174,11 +182,10 @@ struct AllGatherAttention : torch::autograd::Function<AllGatherAttention> {
     auto dq = torch::zeros(q.sizes(), q.options().dtype(torch::kFloat32));
     auto dkv = torch::zeros(kv.sizes(), dq.options());  // [2, b, kv_heads, 2n·c, d], global order
     auto add = [&](int64_t a, int64_t from, int64_t len, bool causal) {
-      auto [dqa, dk, dv] =
-          block_backward(grads[0].narrow(2, a * c, c), q.narrow(2, a * c, c),
-                         expand_heads(kv[0].narrow(2, from, len), heads),
-                         expand_heads(kv[1].narrow(2, from, len), heads), y.narrow(2, a * c, c),
-                         lse.narrow(2, a * c, c), causal);
+      auto [dqa, dk, dv] = block_backward(grads[0].narrow(2, a * c, c), q.narrow(2, a * c, c),
+                                          expand_heads(kv[0].narrow(2, from, len), heads),
+                                          expand_heads(kv[1].narrow(2, from, len), heads),
+                                          y.narrow(2, a * c, c), lse.narrow(2, a * c, c), causal);
       dq.narrow(2, a * c, c).add_(dqa);
       dkv[0].narrow(2, from, len).add_(sum_heads(dk, kvh));
       dkv[1].narrow(2, from, len).add_(sum_heads(dv, kvh));
@@ -189,8 +196,8 @@ struct AllGatherAttention : torch::autograd::Function<AllGatherAttention> {
     }
     // Every rank's contribution to this rank's two chunks, summed in fp32.
     auto mine_kv = reduce_scatter_dim(g, to_rank_order(dkv, 3, n, c), 3);  // [2, b, kvh, 2c, d]
-    return {dq.to(q.scalar_type()), mine_kv[0].to(q.scalar_type()),
-            mine_kv[1].to(q.scalar_type()), torch::Tensor()};
+    return {dq.to(q.scalar_type()), mine_kv[0].to(q.scalar_type()), mine_kv[1].to(q.scalar_type()),
+            torch::Tensor()};
   }
 };
 

@@ -36,7 +36,8 @@ inline torch::Tensor plain_attention(const torch::Tensor& q, const torch::Tensor
   auto s = torch::matmul(q, kk.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(3)));
   if (causal) {
     auto opts = torch::TensorOptions().dtype(torch::kInt64).device(q.device());
-    auto allowed = torch::arange(n, opts).unsqueeze(0) <= (torch::arange(m, opts) + (n - m)).unsqueeze(1);
+    auto allowed =
+        torch::arange(n, opts).unsqueeze(0) <= (torch::arange(m, opts) + (n - m)).unsqueeze(1);
     s = s.masked_fill(allowed.logical_not(), -INFINITY);
   }
   return torch::matmul(torch::softmax(s, -1), vv);
@@ -60,7 +61,8 @@ inline void check_block_kernels(const BlockCase& c) {
   ref.backward(dy.to(torch::kFloat64));
 
   auto kx = parallel::expand_heads(k, heads), vx = parallel::expand_heads(v, heads);
-  auto [o_diag, l_diag] = parallel::block_forward(q, kx.narrow(2, past, m), vx.narrow(2, past, m), c.causal);
+  auto [o_diag, l_diag] =
+      parallel::block_forward(q, kx.narrow(2, past, m), vx.narrow(2, past, m), c.causal);
   auto out = o_diag.to(torch::kFloat32), lse = l_diag;
   if (past > 0) {
     auto [o_past, l_past] =

@@ -14,7 +14,7 @@ inline void check_recompute_replays_rng(const torch::Device& device) {
   auto x = (torch::rand({64}, torch::TensorOptions().device(device)) + 0.5).requires_grad_();
   // A piece that draws: y = x · r with r uniform; dy/dx = r, so x.grad shows the r of the rerun.
   auto y = models::recompute([](const torch::Tensor& in) { return in * torch::rand_like(in); }, x);
-  const auto drawn = (y / x).detach();  // the forward's r
+  const auto drawn = (y / x).detach();                              // the forward's r
   auto probe = torch::rand({4}, x.options().requires_grad(false));  // the stream after forward
   y.sum().backward();
   EXPECT_TRUE(torch::allclose(x.grad(), drawn, 1e-6, 1e-6))

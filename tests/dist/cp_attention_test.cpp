@@ -76,7 +76,8 @@ TEST(CpAttentionBf16, BothMethodsHoldOneErrorBound) {
   auto mine = [&](const torch::Tensor& t) { return local_chunks(t, 2, n, g.rank()).contiguous(); };
   std::map<std::string, double> err;  // "allgather dk" -> relative error
   for (auto method : {Method::kAllGather, Method::kRing}) {
-    auto ql = mine(q).requires_grad_(), kl = mine(k).requires_grad_(), vl = mine(v).requires_grad_();
+    auto ql = mine(q).requires_grad_(), kl = mine(k).requires_grad_(),
+         vl = mine(v).requires_grad_();
     (attention(g, method, ql, kl, vl) * mine(w)).sum().backward();
     const std::string name = method == Method::kRing ? "ring" : "allgather";
     for (auto [what, got, want] : {std::tuple{"dk", kl.grad(), mine(kd.grad())},

@@ -38,7 +38,8 @@ TEST(CudaDenseAttention, NeverTheMathKernel) {
       const auto kernel = parallel::dense_attention_kernel(q, k, v, true);
       EXPECT_NE(kernel, "math") << "dtype " << dtype << " kv_heads " << kv;
       std::fprintf(stderr, "dense attention %s kv_heads %ld: %s kernel\n",
-                   dtype == torch::kFloat32 ? "fp32" : "bf16", static_cast<long>(kv), kernel.c_str());
+                   dtype == torch::kFloat32 ? "fp32" : "bf16", static_cast<long>(kv),
+                   kernel.c_str());
       auto y = parallel::dense_attention(q, k, v, true);
       auto ref = plain_attention(q.to(torch::kFloat64), k.to(torch::kFloat64),
                                  v.to(torch::kFloat64), true);
@@ -67,18 +68,21 @@ TEST(Nccl, EveryCollective) {
   EXPECT_TRUE(torch::equal(b.cpu(), torch::full({2}, 1.0)));
   auto in = torch::full({2}, r, o), out = torch::empty({2 * g.size()}, o);
   g.all_gather(out, in).wait();
-  EXPECT_TRUE(torch::equal(out.cpu(), torch::arange(g.size()).repeat_interleave(2).to(torch::kFloat)));
+  EXPECT_TRUE(
+      torch::equal(out.cpu(), torch::arange(g.size()).repeat_interleave(2).to(torch::kFloat)));
   auto big = torch::arange(2 * g.size(), o.dtype(torch::kFloat)), mine = torch::empty({2}, o);
   g.reduce_scatter(mine, big).wait();
   EXPECT_TRUE(torch::equal(mine.cpu(), big.narrow(0, 2 * g.rank(), 2).cpu() * n));
-  auto a_in = torch::arange(g.size(), o.dtype(torch::kFloat)) + 10 * r, a_out = torch::empty({g.size()}, o);
+  auto a_in = torch::arange(g.size(), o.dtype(torch::kFloat)) + 10 * r,
+       a_out = torch::empty({g.size()}, o);
   g.all_to_all(a_out, a_in).wait();
   EXPECT_TRUE(torch::equal(a_out.cpu(), torch::arange(g.size()).to(torch::kFloat) * 10 + r));
   // A ring of point-to-point transfers in one coalesced batch (the pipeline's and ring
   // attention's pattern).
   const int64_t next = (g.rank() + 1) % g.size(), prev = (g.rank() + g.size() - 1) % g.size();
   auto send = torch::full({4}, r, o), recv = torch::empty({4}, o);
-  for (auto& w : g.send_recv({{parallel::P2POp::kSend, send, next}, {parallel::P2POp::kRecv, recv, prev}}))
+  for (auto& w :
+       g.send_recv({{parallel::P2POp::kSend, send, next}, {parallel::P2POp::kRecv, recv, prev}}))
     w.wait();
   EXPECT_TRUE(torch::equal(recv.cpu(), torch::full({4}, static_cast<double>(prev))));
   g.barrier();
@@ -90,7 +94,8 @@ TEST(Nccl, EveryCollective) {
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   if (!torch::cuda::is_available()) {
-    std::printf("tessel-gpu-tests: no CUDA device (torch::cuda::is_available() is false): skipped\n");
+    std::printf(
+        "tessel-gpu-tests: no CUDA device (torch::cuda::is_available() is false): skipped\n");
     return 77;
   }
   // Exact fp32 matmuls, as the CPU: the fp32 bounds above are kernel rounding only.

@@ -58,10 +58,20 @@ def read_metrics(path):
 
 
 def free_port():
-    """A loopback port that is free now (for MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now, and the next one too (for MASTER_PORT: tessel-launch's
+    nodes meet at MASTER_PORT + 1; a busy neighbour failed a Slurm test with EADDRINUSE)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two adjacent free loopback ports")
 
 
 def read_text(path):

@@ -19,8 +19,8 @@ TEST(DenseAttention, GroupedQueryHeadsMatchPlainAttention) {
   auto q = torch::randn({2, 4, 24, 16}), k = torch::randn({2, 2, 24, 16}),
        v = torch::randn({2, 2, 24, 16});
   auto y = parallel::dense_attention(q, k, v, true);
-  auto ref = plain_attention(q.to(torch::kFloat64), k.to(torch::kFloat64), v.to(torch::kFloat64),
-                             true);
+  auto ref =
+      plain_attention(q.to(torch::kFloat64), k.to(torch::kFloat64), v.to(torch::kFloat64), true);
   EXPECT_LT((y.to(torch::kFloat64) - ref).abs().max().item<double>(), 1e-5);
 }
 

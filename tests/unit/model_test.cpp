@@ -189,7 +189,9 @@ TEST(HfNames, RoundTripBothArchitectures) {
 
 // The rerun of a recomputed piece draws the forward's random numbers (dropout would otherwise
 // drop other units in backward than in forward).
-TEST(Recompute, ReplaysTheForwardsRandomDraws) { testing::check_recompute_replays_rng(torch::kCPU); }
+TEST(Recompute, ReplaysTheForwardsRandomDraws) {
+  testing::check_recompute_replays_rng(torch::kCPU);
+}
 
 }  // namespace
 }  // namespace tessel::models
