@@ -279,12 +279,18 @@ std::string resolve_checkpoint(const std::string& dir) {
 namespace {
 
 // A rank file, mapped, checked against the size and checksum index.json recorded when it was
-// written (checkpoints written before checksums existed have no "files" entry: not checked).
+// written. A file the index records no checksum for is refused: it cannot be verified, and
+// loading it silently would trust whatever bytes are there.
 std::unique_ptr<MappedSafetensors> open_verified(const fs::path& dir, const nlohmann::json& index,
                                                  const std::string& file) {
   const std::string path = (dir / file).string();
-  if (!index.contains("files") || !index["files"].contains(file))
-    return std::make_unique<MappedSafetensors>(path);
+  if (!index.contains("files") || !index["files"].contains(file) ||
+      !index["files"][file].contains("checksum") || !index["files"][file].contains("bytes"))
+    throw UserError(fmt::format(
+        "{}: index.json records no size and checksum for {}, so it cannot be verified (a "
+        "checkpoint written before checksums existed, or an edited index); refusing to load it. "
+        "Resume from a checkpoint written by this version (checkpoint.resume)",
+        (dir / "index.json").string(), file));
   const auto& want = index["files"][file];
   const auto bytes = want.at("bytes").get<uint64_t>();
   const auto sum = want.at("checksum").get<std::string>();

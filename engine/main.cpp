@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/checkpoint.h"
+#include "engine/cli_checks.h"
 #include "engine/config.h"
 #include "engine/optim.h"
 #include "engine/planner.h"
@@ -78,7 +79,7 @@ int run_train(int argc, char** argv) {
       "--dry-run", dry_run,
       "Validate the plan against the world, print it resolved with the rank grid, start nothing");
   app.add_option("--world-size", world_size, "With --dry-run: the number of processes to plan for")
-      ->check(CLI::PositiveNumber);
+      ->check(tessel::cli::whole_at_least(1));
   std::string profile = "h100", plan_json;
   std::vector<std::string> profile_sets;
   app.add_option("--device-profile", profile,
@@ -99,7 +100,7 @@ int run_train(int argc, char** argv) {
       "PREFIX|FILES)\n"
       "  tessel-train generate CONFIG --weights W.safetensors --prompt TEXT\n"
       "  tessel-train export CHECKPOINT_DIR --format hf --out DIR [--tokenizer tokenizer.json]");
-  CLI11_PARSE(app, argc, argv);
+  TESSEL_CLI_PARSE(app, argc, argv);
   if (help_config) {
     std::fputs(tessel::config_reference().c_str(), stdout);
     return 0;
@@ -190,7 +191,7 @@ int run_score(int argc, char** argv) {
   app.add_option("--max-rows", max_rows, "--data: score at most this many windows (0: all)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")->take_all();
-  CLI11_PARSE(app, argc, argv);
+  TESSEL_CLI_PARSE(app, argc, argv);
   if (tokens.empty() == data.empty())
     throw tessel::UserError("score: give --tokens FILE or --data PREFIX|FILES");
   const auto c = tessel::load_config(config, sets);
@@ -235,16 +236,16 @@ int run_generate(int argc, char** argv) {
   auto* pi = app.add_option("--prompt-ids", prompt_ids, "Prompt token ids, comma-separated");
   p->excludes(pi);
   app.add_option("--max-new-tokens", o.max_new_tokens, "Tokens to generate")
-      ->check(CLI::PositiveNumber);
+      ->check(tessel::cli::whole_at_least(1));
   app.add_option("--temperature", o.temperature, "0: greedy; > 0: sample from softmax(logits/T)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessel::cli::finite_non_negative());
   app.add_option("--top-k", o.top_k, "Sample among the k most likely tokens (0: all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(tessel::cli::whole_at_least(0));
   app.add_option("--seed", o.seed, "Sampling seed");
   app.add_flag("--no-stop", no_stop, "Do not stop at the tokenizer's end-of-sequence token");
   app.add_flag("--json", json, "Print one JSON line: prompt_ids, ids, text");
   app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")->take_all();
-  CLI11_PARSE(app, argc, argv);
+  TESSEL_CLI_PARSE(app, argc, argv);
   if (prompt.empty() == prompt_ids.empty())
     throw tessel::UserError("generate: give --prompt TEXT or --prompt-ids IDS");
   if (tokenizer.empty()) {
@@ -296,7 +297,7 @@ int run_export(int argc, char** argv) {
   app.add_option("--tokenizer", tokenizer,
                  "tokenizer.json (or its folder) to write beside the weights, with its bos/eos "
                  "ids in config.json and generation_config.json");
-  CLI11_PARSE(app, argc, argv);
+  TESSEL_CLI_PARSE(app, argc, argv);
   tessel::export_hf(dir, out, tokenizer);
   return 0;
 }

@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -110,7 +111,8 @@ std::vector<int64_t> generate(models::Decoder& model, const Config& c,
                               const std::vector<int64_t>& prompt, const SampleOptions& o) {
   if (prompt.empty()) throw UserError("generate: the prompt has no tokens");
   const int64_t limit = c.model.max_seq_len;
-  if (static_cast<int64_t>(prompt.size()) + o.max_new_tokens > limit)
+  // Compared as room left, not as a sum: --max-new-tokens near INT64_MAX would overflow it.
+  if (o.max_new_tokens > limit - static_cast<int64_t>(prompt.size()))
     throw UserError("generate: the prompt's " + std::to_string(prompt.size()) +
                     " tokens + --max-new-tokens " + std::to_string(o.max_new_tokens) +
                     " exceed model.max_seq_len " + std::to_string(limit));
@@ -124,6 +126,8 @@ std::vector<int64_t> generate(models::Decoder& model, const Config& c,
   std::vector<int64_t> out;
   int64_t start = 0;
   auto next_input = torch::tensor(prompt, torch::kInt64).view({1, -1});
+  if (!std::isfinite(o.temperature) || o.temperature < 0 || o.top_k < 0)
+    throw UserError("generate: --temperature must be a finite number >= 0 and --top-k >= 0");
   for (int64_t i = 0; i < o.max_new_tokens; ++i) {
     // The prompt once, then one token per step over the cached keys and values.
     auto all = model->decode(next_input.to(device), start);

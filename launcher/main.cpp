@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "engine/cli_checks.h"
 #include "launcher/launch.h"
 
 int main(int argc, char** argv) {
@@ -16,12 +17,12 @@ int main(int argc, char** argv) {
       "contract)",
       "tessel-launch"};
   app.add_option("--nproc-per-node", o.nproc_per_node, "Workers on this node")
-      ->check(CLI::PositiveNumber);
+      ->check(tessel::cli::whole_at_least(1));
   auto* nnodes = app.add_option("--nnodes", o.nnodes, "Nodes in the job (Slurm: SLURM_NNODES)")
-                     ->check(CLI::PositiveNumber);
+                     ->check(tessel::cli::whole_at_least(1));
   auto* node_rank =
       app.add_option("--node-rank", o.node_rank, "This node's index (Slurm: SLURM_NODEID)")
-          ->check(CLI::NonNegativeNumber);
+          ->check(tessel::cli::whole_at_least(0));
   auto* master = app.add_option("--master-addr", o.master_addr,
                                 "Host of rank 0 (Slurm: first node of the allocation)");
   app.add_option("--master-port", o.master_port, "Rendezvous port; the launchers use the next one")
@@ -37,7 +38,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--log-dir", o.log_dir, "Write each rank's output to DIR/rank_<N>.log too");
   app.add_option("command", o.command, "The worker command (after --)")->required();
-  CLI11_PARSE(app, argc, argv);
+  TESSEL_CLI_PARSE(app, argc, argv);
   // c10d's own log lines about the launchers' store (connection retries, with C++ backtraces)
   // are noise: the launcher says what happened. TORCH_CPP_LOG_LEVEL brings them back.
   if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = 3;

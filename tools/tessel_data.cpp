@@ -22,6 +22,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "engine/cli_checks.h"
 #include "engine/config.h"
 #include "engine/data.h"
 #include "engine/tokenizer.h"
@@ -357,7 +358,7 @@ int main(int argc, char** argv) {
                  "Python with the `tokenizers` package (default: $TESSEL_PYTHON, then the "
                  "checkout's .env)");
   app.add_flag("!--no-progress", o.progress, "No progress bar or progress lines");
-  CLI11_PARSE(app, argc, argv);
+  TESSEL_CLI_PARSE(app, argc, argv);
   spdlog::set_pattern("[%H:%M:%S] %v");
   try {
     return run(o);

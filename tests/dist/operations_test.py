@@ -195,6 +195,22 @@ class Operations(TmpDirTest):
         self.assertEqual(p.returncode, 2, p.stderr)
         self.assertRegex(p.stderr, r"corrupt checkpoint file: \d+ bytes, but \d+ bytes with checksum")
         self.assertFalse(os.path.exists(self.path("c2", "checkpoints")), "nothing saved from a refused resume")
+        # An index without the checksum list (an old checkpoint, or an edited index) used to load
+        # without any verification: now refused, naming the file, and export refuses it too.
+        run("tessel-train", self.plan("u", steps=10))
+        unverified = self.path("u", "checkpoints", "step_10")
+        with open(os.path.join(unverified, "index.json")) as f:
+            index = json.load(f)
+        del index["files"]
+        with open(os.path.join(unverified, "index.json"), "w") as f:
+            json.dump(index, f)
+        for args in ([self.plan("u2", steps=20, checkpoint={"resume": unverified})],
+                     ["export", unverified, "--out", self.path("u_hf")]):
+            p = run("tessel-train", *args, check=False)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn("index.json records no size and checksum for rank_00000.safetensors, so it cannot be "
+                          "verified", p.stderr)
+        self.assertFalse(os.path.exists(self.path("u2", "checkpoints")), "nothing saved from a refused resume")
 
     def test_ranks_with_different_plans_stop(self):
         os.rename(self.plan("same", steps=5), self.path("a.yaml"))

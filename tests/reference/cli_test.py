@@ -37,6 +37,32 @@ class Cli(TmpDirTest):
         self.assertIn("missing.yaml: cannot read the plan file", p.stderr)
         self.assertFalse(os.path.exists(self.path("run")), "nothing may be written for a bad plan")
 
+    def test_command_line_values_say_what_is_allowed(self):
+        # Each used to reach the code: 0 got CLI11's "Value 0 not in range 0.000000 to 1.79e308"
+        # (exit 105), nan passed and failed inside multinomial, INT64_MAX overflowed the length
+        # check and ended in an internal error. Now exit 2, in words, before any work.
+        plan_path = write_plan(self.path("p.yaml"), self.plan(steps=1))
+        run("tessel-train", plan_path)
+        run("tessel-train", "export", self.path("run", "checkpoints"), "--out", self.path("hf"))
+        gen = ["tessel-train", "generate", plan_path, "--weights", self.path("hf", "model.safetensors"),
+               "--prompt-ids", "1,2,3"]
+        cases = [(gen + ["--max-new-tokens", "0"], "--max-new-tokens: '0' is too small (allowed: a whole number >= 1)"),
+                 (gen + ["--temperature", "nan"], "--temperature: 'nan' is not allowed (allowed: a finite number >= 0)"),
+                 (gen + ["--temperature", "inf"], "--temperature: 'inf' is not allowed"),
+                 (gen + ["--top-k", "-1"], "--top-k: '-1' is too small (allowed: a whole number >= 0)"),
+                 (gen + ["--max-new-tokens", "9223372036854775807"],
+                  "generate: the prompt's 3 tokens + --max-new-tokens 9223372036854775807 exceed model.max_seq_len 64"),
+                 (gen + ["--max-new-tokens", "99999999999999999999"], "is too large (allowed: a whole number >= 1)"),
+                 (["tessel-train", plan_path, "--dry-run", "--world-size", "0"],
+                  "--world-size: '0' is too small (allowed: a whole number >= 1)"),
+                 (["tessel-launch", "--nproc-per-node", "0", "--", "true"],
+                  "--nproc-per-node: '0' is too small (allowed: a whole number >= 1)")]
+        for args, message in cases:
+            p = run(*args, check=False)
+            self.assertEqual(p.returncode, 2, f"{args}: {p.stderr}")
+            self.assertIn(message, p.stderr + p.stdout, args)
+            self.assertNotIn("internal error", p.stderr, args)
+
     def test_missing_data_fails_before_training(self):
         plan = self.plan()
         plan["data"]["path"] = [self.path("nothing-*.u16")]
