@@ -56,7 +56,9 @@ RunLock check_start(const Config& c, const parallel::WorldInfo& w) {
   // The current device is this rank's before any CUDA or NCCL work (allocations, streams and
   // communicators would otherwise land on device 0 from every rank).
   if (device.is_cuda()) c10::cuda::set_device(device.index());
-  return w.rank == 0 ? RunLock(c.run.output_dir) : RunLock();
+  return w.rank == 0 ? RunLock({{"run.output_dir", c.run.output_dir},
+                                {"checkpoint.dir", c.checkpoint_dir()}})
+                     : RunLock();
 }
 
 // Runs `fn` aside and waits at most `seconds` for it: TCPStore calls have no deadline when the
@@ -80,51 +82,60 @@ std::optional<T> within(double seconds, std::function<T()> fn) {
 
 }  // namespace
 
-RunLock::RunLock(const std::string& output_dir) {
-  std::error_code ec;
-  std::filesystem::create_directories(output_dir, ec);
-  const std::string path = (std::filesystem::path(output_dir) / ".lock").string();
-  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd_ < 0)
-    throw UserError(
-        fmt::format("run.output_dir: cannot create {}: {}", path, std::strerror(errno)));
-  if (flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+RunLock::RunLock(const std::vector<std::pair<std::string, std::string>>& folders) {
+  std::vector<std::filesystem::path> done;
+  for (const auto& [key, folder] : folders) {
+    std::error_code ec;
+    std::filesystem::create_directories(folder, ec);
+    const auto real = std::filesystem::weakly_canonical(folder, ec);
+    if (std::find(done.begin(), done.end(), real) != done.end()) continue;  // flock per file
+    lock(key, folder);
+    done.push_back(real);
+  }
+}
+
+void RunLock::lock(const std::string& key, const std::string& folder) {
+  const std::string path = (std::filesystem::path(folder) / ".lock").string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0)
+    throw UserError(fmt::format("{} {}: cannot write there (creating {}: {})", key, folder, path,
+                                std::strerror(errno)));
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     char holder[512] = {0};
-    const ssize_t n = pread(fd_, holder, sizeof holder - 1, 0);
-    ::close(fd_);
-    fd_ = -1;
+    const ssize_t n = pread(fd, holder, sizeof holder - 1, 0);
+    ::close(fd);
     if (err != EWOULDBLOCK)
-      throw UserError(fmt::format("run.output_dir: cannot lock {}: {}", path, std::strerror(err)));
+      throw UserError(fmt::format("{}: cannot lock {}: {}", key, path, std::strerror(err)));
     std::string who = n > 0 ? std::string(holder, static_cast<size_t>(n)) : "another process";
     while (!who.empty() && who.back() == '\n') who.pop_back();
     throw UserError(fmt::format(
-        "run.output_dir {} is in use by another run ({}): two trainers would overwrite each "
-        "other's checkpoints and metrics; wait for it to end, or set run.output_dir to another "
-        "folder",
-        output_dir, who));
+        "{} {} is in use by another run ({}): two trainers would overwrite each other's "
+        "checkpoints and metrics; wait for it to end, or set {} to another folder",
+        key, folder, who, key));
   }
+  fds_.push_back(fd);
   const std::time_t now = std::time(nullptr);
   char when[64];
   std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", std::localtime(&now));
   const std::string me =
       fmt::format("pid {} on host {}, started {}\n", getpid(), host_name(), when);
-  if (ftruncate(fd_, 0) != 0 || pwrite(fd_, me.data(), me.size(), 0) < 0) {
+  if (ftruncate(fd, 0) != 0 || pwrite(fd, me.data(), me.size(), 0) < 0) {
     // The lock holds without the note; the second trainer is told "another process".
   }
 }
 
 RunLock& RunLock::operator=(RunLock&& o) noexcept {
   if (this != &o) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = o.fd_;
-    o.fd_ = -1;
+    for (int fd : fds_) ::close(fd);
+    fds_ = std::move(o.fds_);
+    o.fds_.clear();
   }
   return *this;
 }
 
 RunLock::~RunLock() {
-  if (fd_ >= 0) ::close(fd_);  // releases the flock
+  for (int fd : fds_) ::close(fd);  // releases the flocks
 }
 
 Peers::Peers(c10::intrusive_ptr<c10d::Store> store, int64_t rank, int64_t world, double timeout_s,

@@ -20,6 +20,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "engine/config.h"
@@ -27,21 +28,25 @@
 
 namespace tessel {
 
-/// An exclusive lock on <run.output_dir>/.lock (flock), held while the process lives: two
-/// trainers writing one run folder would overwrite each other's checkpoints and metrics. The
-/// file names the holder (host, pid, start time) for the error the second trainer prints. The
-/// kernel drops the lock when the process dies, however it dies.
+/// Exclusive locks on <folder>/.lock (flock) for each folder a run writes (run.output_dir and
+/// checkpoint.dir), held while the process lives: two trainers writing one run folder, or one
+/// checkpoint folder from two run folders, would overwrite each other's checkpoints (and a resume
+/// would load the other run's weights). Each file names its holder (host, pid, start time) for the
+/// error the second trainer prints. The kernel drops the locks when the process dies, however it
+/// dies. Creating the lock file is also the check that the folder can be written, before any work.
 class RunLock {
  public:
   RunLock() = default;
-  /// Throws UserError naming the folder and the process holding it.
-  explicit RunLock(const std::string& output_dir);
-  RunLock(RunLock&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  /// (plan key, folder) pairs; a folder given twice is locked once. Throws UserError naming the
+  /// key, the folder and the process holding it, or why the folder cannot be written.
+  explicit RunLock(const std::vector<std::pair<std::string, std::string>>& folders);
+  RunLock(RunLock&& o) noexcept : fds_(std::move(o.fds_)) { o.fds_.clear(); }
   RunLock& operator=(RunLock&& o) noexcept;
   ~RunLock();
 
  private:
-  int fd_ = -1;
+  void lock(const std::string& key, const std::string& folder);
+  std::vector<int> fds_;
 };
 
 class Peers {

@@ -186,6 +186,32 @@ class FailFast(TmpDirTest):
         p = run("tessel-train", path, "--set", "training.steps=2", check=False, timeout=120)
         self.assertEqual(p.returncode, 0, p.stderr)
 
+    def test_two_runs_cannot_share_a_checkpoint_folder(self):
+        # Different run folders, one checkpoint.dir: they used to overwrite each other's step
+        # folders (and a same-shape resume would load the other run's weights).
+        shared = self.path("ckpt")
+        a, b = self.plan("a"), self.plan("b")
+        first = subprocess.Popen([TRAIN, a, "--set", f"checkpoint.dir={shared}"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        for line in iter(first.stdout.readline, ""):
+            if re.search(r"step +2/", line):
+                break
+        p = run("tessel-train", b, "--set", f"checkpoint.dir={shared}", check=False, timeout=60)
+        first.kill()
+        first.communicate()
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertRegex(p.stderr, rf"checkpoint.dir {re.escape(shared)} is in use by another run "
+                                   rf"\(pid {first.pid} on host \S+, started [0-9-]+ [0-9:]+\)")
+        self.assertFalse(os.path.exists(self.path("b", "metrics.jsonl")), "the refused run trained")
+
+    def test_an_unwritable_checkpoint_folder_fails_before_training(self):
+        # checkpoint.dir=/proc/ck used to train every step and fail at the first save.
+        p = run("tessel-train", self.plan("u", steps=5), "--set", "checkpoint.dir=/proc/ck", check=False,
+                timeout=60)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("checkpoint.dir /proc/ck: cannot write there (creating /proc/ck/.lock: ", p.stderr)
+        self.assertFalse(os.path.exists(self.path("u", "metrics.jsonl")), "the refused run trained")
+
 
 if __name__ == "__main__":
     unittest.main()
