@@ -6,6 +6,7 @@
 
 #include <c10/cuda/CUDAFunctions.h>
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
@@ -56,9 +57,7 @@ RunLock check_start(const Config& c, const parallel::WorldInfo& w) {
   // The current device is this rank's before any CUDA or NCCL work (allocations, streams and
   // communicators would otherwise land on device 0 from every rank).
   if (device.is_cuda()) c10::cuda::set_device(device.index());
-  return w.rank == 0 ? RunLock({{"run.output_dir", c.run.output_dir},
-                                {"checkpoint.dir", c.checkpoint_dir()}})
-                     : RunLock();
+  return w.rank == 0 ? RunLock(c.run.output_dir, c.checkpoint_dir()) : RunLock();
 }
 
 // Runs `fn` aside and waits at most `seconds` for it: TCPStore calls have no deadline when the
@@ -82,24 +81,55 @@ std::optional<T> within(double seconds, std::function<T()> fn) {
 
 }  // namespace
 
-RunLock::RunLock(const std::vector<std::pair<std::string, std::string>>& folders) {
-  std::vector<std::filesystem::path> done;
-  for (const auto& [key, folder] : folders) {
-    std::error_code ec;
-    std::filesystem::create_directories(folder, ec);
-    const auto real = std::filesystem::weakly_canonical(folder, ec);
-    if (std::find(done.begin(), done.end(), real) != done.end()) continue;  // flock per file
-    lock(key, folder);
-    done.push_back(real);
+RunLock::RunLock(const std::string& output_dir, const std::string& checkpoint_dir) {
+  lock("run.output_dir", output_dir);
+  // The default checkpoint folder (<run.output_dir>/checkpoints), or any inside the run folder,
+  // is covered by that lock. Another one gets a lock on the folder itself: no file is added to
+  // it (its listing stays step_<N> and latest), and the folder is checked writable now.
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const auto run = fs::weakly_canonical(output_dir, ec);
+  auto ckpt = fs::weakly_canonical(checkpoint_dir, ec);
+  for (auto p = ckpt; !p.empty(); p = p.parent_path()) {
+    if (p == run) return;
+    if (p == p.parent_path()) break;
   }
+  fs::create_directories(checkpoint_dir, ec);
+  const std::string probe = (fs::path(checkpoint_dir) / ".tessel-write-test-XXXXXX").string();
+  std::vector<char> name(probe.begin(), probe.end());
+  name.push_back('\0');
+  const int tmp = ::mkstemp(name.data());
+  if (tmp < 0)
+    throw UserError(fmt::format("checkpoint.dir {}: cannot write there ({})", checkpoint_dir,
+                                ec ? ec.message() : std::strerror(errno)));
+  ::close(tmp);
+  ::unlink(name.data());
+  const int fd = ::open(checkpoint_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0 || flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    if (err == EWOULDBLOCK)
+      throw UserError(fmt::format(
+          "checkpoint.dir {} is in use by another run (a trainer whose checkpoint.dir is this "
+          "folder): two runs would overwrite each other's checkpoints, and a resume would load "
+          "the other run's weights; wait for it to end, or set checkpoint.dir to another folder",
+          checkpoint_dir));
+    spdlog::warn(
+        "checkpoint.dir {}: this filesystem does not lock folders ({}); make sure no "
+        "other run uses it",
+        checkpoint_dir, std::strerror(err));
+    return;
+  }
+  fds_.push_back(fd);
 }
 
 void RunLock::lock(const std::string& key, const std::string& folder) {
+  std::error_code ec;
+  std::filesystem::create_directories(folder, ec);
   const std::string path = (std::filesystem::path(folder) / ".lock").string();
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0)
-    throw UserError(fmt::format("{} {}: cannot write there (creating {}: {})", key, folder, path,
-                                std::strerror(errno)));
+    throw UserError(fmt::format("{}: cannot create {}: {}", key, path, std::strerror(errno)));
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     char holder[512] = {0};

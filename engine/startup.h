@@ -28,18 +28,18 @@
 
 namespace tessel {
 
-/// Exclusive locks on <folder>/.lock (flock) for each folder a run writes (run.output_dir and
-/// checkpoint.dir), held while the process lives: two trainers writing one run folder, or one
-/// checkpoint folder from two run folders, would overwrite each other's checkpoints (and a resume
-/// would load the other run's weights). Each file names its holder (host, pid, start time) for the
-/// error the second trainer prints. The kernel drops the locks when the process dies, however it
-/// dies. Creating the lock file is also the check that the folder can be written, before any work.
+/// Exclusive locks held while the process lives, so that two trainers never write one run: on
+/// <run.output_dir>/.lock (flock; the file names its holder, host, pid and start time, for the
+/// error the second trainer prints), and, when checkpoint.dir lies outside the run folder, on
+/// that folder itself (two runs with their own run folders but one checkpoint.dir would overwrite
+/// each other's step folders, and a resume would load the other run's weights); that folder is
+/// also checked writable. The kernel drops the locks when the process dies, however it dies.
 class RunLock {
  public:
   RunLock() = default;
-  /// (plan key, folder) pairs; a folder given twice is locked once. Throws UserError naming the
-  /// key, the folder and the process holding it, or why the folder cannot be written.
-  explicit RunLock(const std::vector<std::pair<std::string, std::string>>& folders);
+  /// Throws UserError naming the key, the folder and (for the run folder) the process holding it,
+  /// or why a folder cannot be written.
+  RunLock(const std::string& output_dir, const std::string& checkpoint_dir);
   RunLock(RunLock&& o) noexcept : fds_(std::move(o.fds_)) { o.fds_.clear(); }
   RunLock& operator=(RunLock&& o) noexcept;
   ~RunLock();
