@@ -312,10 +312,12 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const to
     }
     return std::make_unique<Group>(name, ranks, w.rank, backend);
   };
-  if (mesh->backend_ == "nccl" && w.world > 1)
+  if (mesh->backend_ == "nccl" && w.world > 1) {
+    const std::string handling = nccl_error_handling();  // before the first ProcessGroupNCCL
     spdlog::info(
         "NCCL on {}: timeout {} s (parallel.timeout_s), TORCH_NCCL_ASYNC_ERROR_HANDLING={}",
-        device.str(), c.parallel.timeout_s, nccl_error_handling());
+        device.str(), c.parallel.timeout_s, handling);
+  }
   std::vector<int64_t> all(static_cast<size_t>(w.world));
   std::iota(all.begin(), all.end(), 0);
   mesh->world_ = make("world", all);
