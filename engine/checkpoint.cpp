@@ -1,5 +1,7 @@
 #include "engine/checkpoint.h"
 
+#include <sys/statvfs.h>
+
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
@@ -7,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -260,6 +263,39 @@ std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models:
   }
   world.barrier();
   return dir.string();
+}
+
+// Bytes per parameter in a checkpoint: the weight in the run's dtype, master copy, two moments.
+int64_t checkpoint_bytes_per_parameter(const Config& c) {
+  return (c.training.dtype == "fp32" ? 4 : 2) + 12;
+}
+
+double checkpoint_bytes(const Config& c) {
+  return static_cast<double>(models::parameters_on_rank(c.model, 1, {})) *
+         static_cast<double>(checkpoint_bytes_per_parameter(c));
+}
+
+void check_room_for_checkpoint(const Config& c) {
+  const std::string dir = c.checkpoint_dir();
+  std::error_code ec;
+  fs::path probe = fs::absolute(dir, ec);
+  while (!probe.empty() && !fs::exists(probe, ec) && probe != probe.parent_path())
+    probe = probe.parent_path();  // the folder may not exist yet: its nearest existing parent
+  struct statvfs st {};
+  if (::statvfs(probe.c_str(), &st) != 0) return;  // no figure to go by: the save will tell
+  const double free_bytes = static_cast<double>(st.f_bavail) * static_cast<double>(st.f_frsize);
+  const double need = checkpoint_bytes(c);
+  auto gib = [](double b) { return fmt::format("{:.3g} GiB", b / (1024.0 * 1024 * 1024)); };
+  if (free_bytes < need)
+    throw UserError(fmt::format(
+        "checkpoint.dir {}: its filesystem has {} free, and one checkpoint of this plan needs "
+        "about {} ({} parameters x {} bytes: weights in {}, an fp32 master copy and two fp32 "
+        "AdamW moments); free space there or set checkpoint.dir to a larger filesystem",
+        dir, gib(free_bytes), gib(need), models::parameters_on_rank(c.model, 1, {}),
+        checkpoint_bytes_per_parameter(c), c.training.dtype));
+  if (free_bytes < 2 * need)
+    spdlog::warn("checkpoint.dir {}: {} free, room for {:.0f} checkpoint(s) of about {}", dir,
+                 gib(free_bytes), std::floor(free_bytes / need), gib(need));
 }
 
 std::string resolve_checkpoint(const std::string& dir) {

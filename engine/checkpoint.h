@@ -30,6 +30,15 @@ std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models:
                             const FlatAdamW& opt, const LossScaler& scaler,
                             const CheckpointState& st);
 
+/// The bytes one checkpoint of this plan takes on disk, all ranks' files together: each
+/// parameter in the run's dtype, its fp32 master copy and two fp32 AdamW moments.
+double checkpoint_bytes(const Config& c);
+
+/// Start-up (rank 0): the filesystem of checkpoint.dir has room for one more checkpoint (the
+/// previous one is pruned only after the next is complete); UserError naming the folder, the
+/// free space and the estimate otherwise.
+void check_room_for_checkpoint(const Config& c);
+
 /// The checkpoint folder a user named: a step_<N> folder, or a checkpoint.dir (then its latest).
 /// Throws UserError unless the folder is complete.
 std::string resolve_checkpoint(const std::string& dir);

@@ -2,6 +2,7 @@
 
 #include <torch/cuda.h>
 
+#include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -223,7 +224,7 @@ class Loader {
     }
   }
 
-  // training.recompute and training.activation_checkpointing (DESIGN.md's name) are one setting:
+  // training.recompute and training.activation_checkpointing (the name earlier releases documented) are one setting:
   // either name sets both, so a --set of one overrides a plan that used the other.
   static const char* alias_of(const std::string& key) {
     if (key == "training.recompute") return "training.activation_checkpointing";
@@ -286,8 +287,9 @@ class Validator {
             q("gpt2 has no grouped-query attention: model.kv_heads", m.kv_heads, "must equal",
               "model.heads", m.heads));
     require(m.arch != "llama" || m.head_dim() % 2 == 0, "model.hidden",
-            q("RoPE needs an even head dimension: model.hidden", m.hidden, "/", "model.heads",
-              std::to_string(m.heads) + " = " + std::to_string(m.head_dim())));
+            fmt::format("RoPE needs an even head dimension: model.hidden ({}) / model.heads ({}) "
+                        "= {} is odd",
+                        m.hidden, m.heads, m.head_dim()));
     require(t.seq_len <= m.max_seq_len, "training.seq_len",
             q("training.seq_len", t.seq_len, "must be <=", "model.max_seq_len", m.max_seq_len));
     require(t.global_batch % t.micro_batch == 0, "training.global_batch",
@@ -310,6 +312,12 @@ class Validator {
             q("text data has 257 token ids (bytes and end-of-document): model.vocab_size",
               m.vocab_size, "must be >=", "257", 257));
     require(!c_.data.path.empty(), "data.path", "data.path is empty: name the training data");
+    for (const auto& key : c_.checkpoint.accept_changes)
+      require(key != "checkpoint.accept_changes" && !nearest_key(key).empty() &&
+                  nearest_key(key) == key,
+              "checkpoint.accept_changes",
+              "checkpoint.accept_changes: '" + key + "' is not a plan key; did you mean '" +
+                  nearest_key(key) + "'?");
     // The layout is checked against the world size by parallel::check_layout (it needs the world).
     (void)p;
 

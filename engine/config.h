@@ -101,6 +101,7 @@ struct CheckpointConfig {
   int64_t every, keep;
   std::string resume;                  // auto | never | path of a checkpoint
   std::vector<std::string> on_signal;  // SIGTERM | SIGUSR1 | SIGUSR2 | SIGINT: save and stop
+  std::vector<std::string> accept_changes;  // plan keys that may differ from the checkpoint's
 };
 
 struct LoggingConfig {
@@ -138,6 +139,9 @@ struct Field {
   double min = -std::numeric_limits<double>::infinity();
   double max = std::numeric_limits<double>::infinity();
   bool auto_zero = false;  // integer where "auto" is accepted and stored as 0
+  // Why a resumed run may take another value than its checkpoint's plan (layout, logging, ...);
+  // empty: a change alters the run and needs checkpoint.accept_changes (engine/resume_plan.h).
+  std::string free_on_resume;
 
   Field& range(double lo, double hi = std::numeric_limits<double>::infinity()) {
     min = lo;

@@ -119,7 +119,7 @@ std::vector<Field> bind_fields(Config& c) {
       "block in backward (about one more forward of compute).")
       .one_of({"none", "selective", "full"});
   add("training.activation_checkpointing", &c.training.activation_checkpointing, S("none"),
-      "The same setting as training.recompute, under the name DESIGN.md first gave it: either "
+      "The same setting as training.recompute, under its earlier name: either "
       "name sets both (--set of one overrides the plan's other; a plan giving both must agree).")
       .one_of({"none", "selective", "full"});
   add("training.steps", &c.training.steps, int64_t{100}, "Optimizer steps.").range(1);
@@ -217,6 +217,12 @@ std::vector<Field> bind_fields(Config& c) {
       "Signals that make every rank finish its current step, save a checkpoint and exit with "
       "code 75 (preempted: rerun to resume). [] = the default action (terminate, nothing saved).")
       .one_of({"SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"});
+  add("checkpoint.accept_changes", &c.checkpoint.accept_changes, Strings{},
+      "Plan keys a resumed run may change although they alter the run (seq_len, global_batch, "
+      "seed, data, model, optimizer, LR schedule and, under a cosine or linear decay, steps), e.g. "
+      "[training.steps]. A resume under any other such change is refused, naming it. The step "
+      "count and the data position (samples consumed) carry over; the LR of each later step is "
+      "the new plan's.");
 
   // logging
   add("logging.tensorboard", &c.logging.tensorboard, true,
@@ -230,6 +236,30 @@ std::vector<Field> bind_fields(Config& c) {
       "Peak TFLOP/s per device for MFU. 0 = the device table (GPUs) or a matmul measured at start "
       "(CPU).")
       .range(0);
+
+  // What a resumed run may change without altering what it trains (the start-up prints each
+  // change); every other key needs checkpoint.accept_changes.
+  const std::pair<const char*, const char*> free_on_resume[] = {
+      {"run.name", "a label"},
+      {"run.output_dir", "where the run writes"},
+      {"model.init_from", "initial weights: a resumed run's come from the checkpoint"},
+      {"model.init_std", "initial weights: a resumed run's come from the checkpoint"},
+      {"parallel.", "the layout: the same global batch, the same losses"},
+      {"training.micro_batch", "the layout: the same global batch, the same losses"},
+      {"training.device", "where the run computes"},
+      {"training.dtype", "arithmetic precision: master weights and moments stay fp32"},
+      {"training.tf32", "arithmetic precision of fp32 matmuls on CUDA"},
+      {"training.recompute", "memory against time: the same losses"},
+      {"training.activation_checkpointing", "memory against time: the same losses"},
+      {"training.threads", "speed"},
+      {"training.eval_", "evaluation only"},
+      {"training.loss_scale.", "fp16 loss scaling: its state carries over in the checkpoint"},
+      {"checkpoint.", "checkpointing"},
+      {"logging.", "logging"},
+  };
+  for (auto& field : f)
+    for (const auto& [prefix, why] : free_on_resume)
+      if (field.key.rfind(prefix, 0) == 0) field.free_on_resume = why;
   return f;
 }
 

@@ -14,6 +14,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <type_traits>
 
 #include "engine/safetensors.h"
 
@@ -175,9 +177,11 @@ void TokenStream::read(int64_t begin, int64_t n, int64_t* out) const {
           out[i] = s.is_signed ? static_cast<const int16_t*>(s.data)[j]
                                : static_cast<const uint16_t*>(s.data)[j];
           break;
-        case 4:
-          out[i] = s.is_signed ? static_cast<const int32_t*>(s.data)[j]
-                               : static_cast<const uint32_t*>(s.data)[j];
+        case 4:  // not one ?: expression: int32 and uint32 would meet as uint32
+          if (s.is_signed)
+            out[i] = static_cast<const int32_t*>(s.data)[j];
+          else
+            out[i] = static_cast<const uint32_t*>(s.data)[j];
           break;
         default:
           out[i] = static_cast<const int64_t*>(s.data)[j];
@@ -189,6 +193,78 @@ void TokenStream::read(int64_t begin, int64_t n, int64_t* out) const {
     off = 0;
     ++k;
   }
+}
+
+namespace {
+
+// Largest and smallest id of p[0, n), written so that the compiler vectorises the loop.
+template <class T>
+std::pair<int64_t, int64_t> min_max(const T* p, int64_t n) {
+  T lo = std::numeric_limits<T>::max(), hi = std::numeric_limits<T>::min();
+  for (int64_t i = 0; i < n; ++i) {
+    lo = p[i] < lo ? p[i] : lo;
+    hi = p[i] > hi ? p[i] : hi;
+  }
+  return {static_cast<int64_t>(lo), static_cast<int64_t>(hi)};
+}
+
+template <class T>
+int64_t first_outside_typed(const T* p, int64_t n, int64_t vocab) {
+  constexpr int64_t kChunk = 1 << 16;
+  // An unsigned type whose every value is below vocab cannot hold a bad id.
+  if (!std::is_signed_v<T> &&
+      static_cast<uint64_t>(std::numeric_limits<T>::max()) < static_cast<uint64_t>(vocab))
+    return -1;
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t m = std::min(kChunk, n - c);
+    const auto [lo, hi] = min_max(p + c, m);
+    if (lo >= 0 && hi < vocab) continue;
+    for (int64_t i = 0; i < m; ++i)
+      if (static_cast<int64_t>(p[c + i]) < 0 || static_cast<int64_t>(p[c + i]) >= vocab)
+        return c + i;
+  }
+  return -1;
+}
+
+}  // namespace
+
+int64_t TokenStream::first_outside(int64_t begin, int64_t end, int64_t vocab) const {
+  if (begin >= end) return -1;
+  auto it = std::upper_bound(starts_.begin(), starts_.end(), begin);
+  for (size_t k = static_cast<size_t>(it - starts_.begin()) - 1; k < spans_.size(); ++k) {
+    const Span& s = spans_[k];
+    const int64_t off = std::max<int64_t>(0, begin - starts_[k]);
+    const int64_t n = std::min(s.tokens, end - starts_[k]) - off;
+    if (n <= 0) break;
+    int64_t bad = -1;
+    switch (s.elem_size) {
+      case 1:
+        bad = first_outside_typed(static_cast<const uint8_t*>(s.data) + off, n, vocab);
+        break;
+      case 2:
+        bad = s.is_signed ? first_outside_typed(static_cast<const int16_t*>(s.data) + off, n, vocab)
+                          : first_outside_typed(static_cast<const uint16_t*>(s.data) + off, n, vocab);
+        break;
+      case 4:
+        bad = s.is_signed ? first_outside_typed(static_cast<const int32_t*>(s.data) + off, n, vocab)
+                          : first_outside_typed(static_cast<const uint32_t*>(s.data) + off, n, vocab);
+        break;
+      default:
+        bad = first_outside_typed(static_cast<const int64_t*>(s.data) + off, n, vocab);
+        break;
+    }
+    if (bad >= 0) return starts_[k] + off + bad;
+  }
+  return -1;
+}
+
+int64_t TokenStream::bytes(int64_t begin, int64_t end) const {
+  int64_t out = 0;
+  for (size_t k = 0; k < spans_.size(); ++k) {
+    const int64_t lo = std::max(begin, starts_[k]), hi = std::min(end, starts_[k] + spans_[k].tokens);
+    if (hi > lo) out += (hi - lo) * spans_[k].elem_size;
+  }
+  return out;
 }
 
 std::string TokenStream::where(int64_t pos) const {
@@ -273,7 +349,7 @@ void add_megatron(TokenStream& s, const std::string& prefix) {
 }
 
 MegatronWriter::MegatronWriter(const std::string& prefix, int64_t vocab_size)
-    : prefix_(prefix), elem_(vocab_size <= 65536 ? 2 : 4) {
+    : prefix_(prefix), vocab_(vocab_size), elem_(vocab_size <= 65536 ? 2 : 4) {
   bin_ = std::fopen((prefix + ".bin.tmp").c_str(), "wb");
   if (!bin_) throw UserError(prefix + ".bin.tmp: cannot create (" + std::strerror(errno) + ")");
 }
@@ -286,6 +362,11 @@ MegatronWriter::~MegatronWriter() {
 }
 
 void MegatronWriter::add(const uint32_t* tokens, int64_t n) {
+  if (const int64_t bad = first_outside_typed(tokens, n, vocab_); bad >= 0)
+    throw UserError(fmt::format(
+        "{}: document {} token {}: id {} is outside the vocabulary of {} ids (0 to {}); "
+        "nothing was written",
+        prefix_, documents(), bad, tokens[bad], vocab_, vocab_ - 1));
   buf_.resize(static_cast<size_t>(n) * elem_);
   if (elem_ == 2) {
     auto* o = reinterpret_cast<uint16_t*>(buf_.data());
@@ -355,6 +436,40 @@ TokenStream open_stream(const DataConfig& d) {
     for (const auto& prefix : d.path) add_megatron(s, prefix);
   }
   return s;
+}
+
+void check_token_ids(const Config& c, int64_t rank, int64_t world) {
+  if (c.data.format == "text") return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const TokenStream s = open_stream(c.data);
+  const int64_t n = s.size(), begin = n * rank / world, end = n * (rank + 1) / world;
+  const int64_t vocab = c.model.vocab_size;
+  // Spans are scanned a share at a time on this rank's threads.
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (end - begin) >> 20));
+  std::vector<int64_t> bad(static_cast<size_t>(parts), -1);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      bad[p] = s.first_outside(begin + (end - begin) * p / parts,
+                               begin + (end - begin) * (p + 1) / parts, vocab);
+  });
+  for (int64_t pos : bad)
+    if (pos >= 0) {
+      int64_t id = 0;
+      s.read(pos, 1, &id);
+      throw UserError(fmt::format(
+          "data.path: {}: token id {} is outside model.vocab_size {} (ids run from 0 to {}); "
+          "found by the start-up scan of the data, before any training",
+          s.where(pos), id, vocab, vocab - 1));
+    }
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double bytes = static_cast<double>(s.bytes(begin, end));
+  if (rank == 0)
+    spdlog::info("data: token ids checked against model.vocab_size {}: {} tokens ({:.3g} MB{}) in "
+                 "{:.2f} s ({:.2f} GB/s)",
+                 vocab, end - begin, bytes / 1e6,
+                 world > 1 ? fmt::format(", this rank's share of {} tokens", n) : "", secs,
+                 bytes / 1e9 / std::max(secs, 1e-9));
 }
 
 std::vector<int64_t> epoch_permutation(int64_t n, int64_t seed, int64_t epoch) {

@@ -38,6 +38,12 @@ class TokenStream {
   void read(int64_t begin, int64_t n, int64_t* out) const;
   /// "<file> (token <k>)" for the stream position, for messages.
   std::string where(int64_t pos) const;
+  /// The first position in [begin, end) whose token id lies outside [0, vocab), or -1. Reads
+  /// the mapped files in chunks with a vectorised max (and min, for signed data); only a chunk
+  /// that holds a bad id is searched element by element.
+  int64_t first_outside(int64_t begin, int64_t end, int64_t vocab) const;
+  /// Bytes the files hold for positions [begin, end).
+  int64_t bytes(int64_t begin, int64_t end) const;
 
   std::vector<std::string> files;
   void add(Span s);
@@ -57,6 +63,13 @@ int64_t utf8_error(const uint8_t* p, int64_t n);
 /// Opens the plan's data (text files/globs, megatron prefixes, or token files).
 TokenStream open_stream(const DataConfig& d);
 
+/// The start-up scan of `tokens` and `megatron` data: rank `rank` of `world` checks its share of
+/// the stream (the ranks agree on start-up, so one bad id anywhere stops every rank before any
+/// work), and a token id outside [0, model.vocab_size) is a UserError naming the file, the
+/// token's index in it and the value. Text data needs no scan (its 257 ids are checked with the
+/// plan). Logs the share scanned and its speed.
+void check_token_ids(const Config& c, int64_t rank, int64_t world);
+
 /// Megatron-LM MMapIndexedDataset: prefix.idx + prefix.bin. Errors name the file and what is wrong.
 void add_megatron(TokenStream& s, const std::string& prefix);
 
@@ -68,6 +81,8 @@ class MegatronWriter {
  public:
   MegatronWriter(const std::string& prefix, int64_t vocab_size);
   ~MegatronWriter();  // unfinished: the temporary files are removed
+  /// One document. An id at or above vocab_size is a UserError naming the document, the token
+  /// and the value (never cut to 16 bits).
   void add(const uint32_t* tokens, int64_t n);
   void finish();
   int64_t documents() const { return static_cast<int64_t>(lens_.size()); }
@@ -76,6 +91,7 @@ class MegatronWriter {
 
  private:
   std::string prefix_;
+  int64_t vocab_;
   int elem_;
   std::FILE* bin_ = nullptr;
   std::vector<int32_t> lens_;

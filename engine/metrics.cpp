@@ -1,5 +1,7 @@
 #include "engine/metrics.h"
 
+#include "engine/planner.h"
+
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <spdlog/spdlog.h>
@@ -33,34 +35,40 @@ double flops_per_token(const ModelConfig& m, double n, int64_t seq_len) {
 }
 
 Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType dtype) {
-  if (c.logging.peak_tflops > 0) return {c.logging.peak_tflops, "logging.peak_tflops"};
-  const bool low = dtype != torch::kFloat32;  // bf16 and fp16 share the tensor-core peak
-  const std::string dname = dtype == torch::kHalf ? "fp16" : low ? "bf16" : "fp32";
+  if (c.logging.peak_tflops > 0) return {c.logging.peak_tflops, "logging.peak_tflops", false};
+  const std::string dname = dtype == torch::kHalf ? "fp16" : dtype == torch::kBFloat16 ? "bf16" : "fp32";
   std::string name = "CPU";
   if (device.is_cuda()) {
     name = at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index())->name;
-    // Dense peaks (no sparsity): bf16/fp16 tensor cores; fp32 without TF32 (torch's default).
-    struct Row {
-      const char* key;
-      double low, fp32;
-    };
-    const Row table[] = {{"H200", 989, 67}, {"H100", 989, 67}, {"A100", 312, 19.5}};
-    for (const auto& r : table)
-      if (name.find(r.key) != std::string::npos)
-        return {low ? r.low : r.fp32, name + (low ? " dense " : " ") + dname + " datasheet peak"};
+    // The planner's profile of this GPU: the one peak for its step time and its MFU.
+    if (const auto* p = profile_of_gpu(name))
+      return {matmul_peak_tflops(*p, c.training),
+              name + " " + matmul_peak_name(c.training) + " datasheet peak", false};
   }
-  // No table entry: measure. A 1024^3 matmul in the run's dtype, best of five, after a warm-up.
+  // No datasheet: measure the best matmul rate this device reaches in the run's dtype, on the
+  // run's threads: square matmuls of several sizes, each the best of several tries (at least
+  // three, and up to a quarter second per size), after a warm-up.
   auto opts = torch::TensorOptions().dtype(dtype).device(device);
-  auto a = torch::randn({1024, 1024}, opts), b = torch::randn({1024, 1024}, opts);
   double best = 0;
-  for (int i = 0; i < 6; ++i) {
-    auto t0 = std::chrono::steady_clock::now();
-    auto out = torch::matmul(a, b);
-    out.sum().item<double>();  // synchronises CUDA; negligible next to the matmul
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i > 0) best = std::max(best, 2.0 * 1024 * 1024 * 1024 / s / 1e12);
+  int64_t best_n = 0;
+  for (int64_t n : {256, 512, 1024, 2048}) {
+    auto a = torch::randn({n, n}, opts), b = torch::randn({n, n}, opts);
+    torch::matmul(a, b).sum().item<double>();  // warm-up (and CUDA sync)
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < 10; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      torch::matmul(a, b).sum().item<double>();  // synchronises CUDA; small next to the matmul
+      const auto t1 = std::chrono::steady_clock::now();
+      const double tflops = 2.0 * n * n * n / std::chrono::duration<double>(t1 - t0).count() / 1e12;
+      if (tflops > best) best = tflops, best_n = n;
+      if (i >= 2 && t1 - start > std::chrono::milliseconds(250)) break;
+    }
   }
-  return {best, "measured " + dname + " 1024^3 matmul on " + name + ", no datasheet entry"};
+  return {best,
+          fmt::format("measured: the best {} matmul rate on {} (sizes 256-2048, best {}^3), no "
+                      "datasheet entry",
+                      dname, name, best_n),
+          true};
 }
 
 int64_t memory_bytes(const torch::Device& device) {

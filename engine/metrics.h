@@ -29,6 +29,7 @@ constexpr const char* kFlopsConvention =
 struct Peak {
   double tflops;       // per device
   std::string source;  // where the figure comes from, printed once at start
+  bool measured;       // a rate measured at start, not a datasheet peak: a step may beat it
 };
 /// logging.peak_tflops when set; else the dense peak of known GPUs for the dtype; else (CPU or an
 /// unknown GPU) a large matmul measured now in the run's dtype, which the start line says.

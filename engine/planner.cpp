@@ -51,6 +51,30 @@ const std::map<std::string, DeviceProfile>& builtin_profiles() {
   return p;
 }
 
+}  // namespace
+
+double matmul_peak_tflops(const DeviceProfile& d, const TrainingConfig& t) {
+  if (t.dtype != "fp32") return d.peak_tflops;
+  return t.tf32 ? d.peak_tflops / 2 : d.fp32_tflops;
+}
+
+std::string matmul_peak_name(const TrainingConfig& t) {
+  if (t.dtype != "fp32") return "dense " + t.dtype;
+  return t.tf32 ? "dense TF32 (fp32 matmuls on tensor cores: training.tf32)" : "fp32";
+}
+
+const DeviceProfile* profile_of_gpu(const std::string& cuda_name) {
+  for (const char* key : {"H200", "H100", "A100"})
+    if (cuda_name.find(key) != std::string::npos) {
+      std::string k = key;
+      k[0] = static_cast<char>(std::tolower(k[0]));
+      return &builtin_profiles().at(k);
+    }
+  return nullptr;
+}
+
+namespace {
+
 void set_field(DeviceProfile& d, const std::string& key, const std::string& value,
                const std::string& where) {
   auto num = [&] {
@@ -172,6 +196,18 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
   if (m.arch == "gpt2") n_flops -= static_cast<double>(m.max_seq_len) * h;
   e.flops_per_step =
       flops_per_token(m, n_flops, t.seq_len) * static_cast<double>(t.global_batch * t.seq_len);
+  // The work the device does: recomputation reruns forward work the model FLOPs (and so MFU)
+  // do not count. Full: every block's forward again (2 per block weight, and attention's
+  // 4·L·H·Q·T, a third of its 12); selective: each block's MLP forward (2 per MLP weight).
+  const double mlp_weights = (m.arch == "llama" ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden);
+  const double layers = static_cast<double>(m.layers);
+  double rerun_per_token = 0;
+  if (t.recompute == "full")
+    rerun_per_token = 2.0 * layers * static_cast<double>(models::block_parameters(m, 1)) +
+                      4.0 * layers * h * static_cast<double>(t.seq_len);
+  else if (t.recompute == "selective")
+    rerun_per_token = 2.0 * layers * mlp_weights;
+  e.recompute_flops_per_step = rerun_per_token * static_cast<double>(t.global_batch * t.seq_len);
 
   const double block_tokens_floats =
       a.replicated * h / (sp ? tp : 1.0) + (a.attn * h + a.kv * kvd + a.ffn * m.ffn_hidden) / tp;
@@ -215,8 +251,14 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
                     // measured; at most three buckets exist at once)
       r.activations += 0.5 * std::min(4.0 * static_cast<double>(r.params),
                                       3 * c.parallel.ddp_bucket_mb * (1 << 20));
-    if (zero == 3) {  // at the peak (backward begins): the root unit and the last block
-      r.gathered = w * (static_cast<double>(r.params) - r.layers * block + block);
+    if (zero == 3) {
+      // At the peak, the root unit and blocks: without recomputation the peak is where backward
+      // begins (the last block gathered); with it, the saved activations are smaller and the
+      // peak moves into backward, where the block being differentiated, its prefetched
+      // neighbour and the one being released are gathered at once (measured: 3 blocks).
+      const double blocks = std::min<double>(static_cast<double>(r.layers),
+                                             t.recompute == "none" ? 1.0 : 3.0);
+      r.gathered = w * (static_cast<double>(r.params) - r.layers * block + blocks * block);
       r.activations += r.gathered;
     }
 
@@ -230,10 +272,13 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
       // the loss's three [tokens] fp32 all-reduces (max, sum, target logit).
       const double ends = (part.first ? 1 : 0) + (part.last ? 1 : 0);
       const double row = tok * h * w;
+      // Recomputation reruns forward collectives: selective the MLP's (SP: its all-gather and
+      // reduce-scatter; else its all-reduce), full the whole block's (twice that).
+      const double rerun = t.recompute == "full" ? 2 : t.recompute == "selective" ? 1 : 0;
       if (sp)
-        g["tp"].gather_scatter += mb * (8 * r.layers + 2 * ends) * row;
+        g["tp"].gather_scatter += mb * ((8 + 2 * rerun) * r.layers + 2 * ends) * row;
       else
-        g["tp"].all_reduce += mb * (4 * r.layers + ends) * row;
+        g["tp"].all_reduce += mb * ((4 + rerun) * r.layers + ends) * row;
       if (part.last) g["tp"].all_reduce += mb * 3 * tok * 4;
       // Replicated parameters whose gradient each tp rank holds part of: summed once per step.
       double replicated = 0;
@@ -274,10 +319,9 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
       g["embedding"].all_reduce += 4 * static_cast<double>(m.vocab_size) * h / tp;
 
     // Time on the device profile: this stage's compute, its communication on the group's link.
-    const double peak =
-        (t.dtype == "fp32" ? (t.tf32 ? dev.peak_tflops / 2 : dev.fp32_tflops) : dev.peak_tflops) *
-        1e12 * dev.efficiency;
-    const double compute = e.flops_per_step / static_cast<double>(e.world) / peak;
+    const double peak = matmul_peak_tflops(dev, t) * 1e12 * dev.efficiency;
+    const double compute =
+        (e.flops_per_step + e.recompute_flops_per_step) / static_cast<double>(e.world) / peak;
     double exposed = 0;
     for (const auto& [name, traffic] : g) {
       r.comm[name] = traffic.bytes();
@@ -311,8 +355,8 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
   e.bubble_s = l.pp > 1 ? e.compute_s * sim.bubble : 0.0;
   e.step_s = e.compute_s + e.comm_exposed_s + e.bubble_s;
   e.tokens_per_s = static_cast<double>(t.global_batch * t.seq_len) / e.step_s;
-  const double peak_raw = t.dtype == "fp32" ? dev.fp32_tflops : dev.peak_tflops;
-  e.mfu = e.flops_per_step / e.step_s / static_cast<double>(e.world) / (peak_raw * 1e12);
+  e.mfu = e.flops_per_step / e.step_s / static_cast<double>(e.world) /
+          (matmul_peak_tflops(dev, t) * 1e12);
   return e;
 }
 
@@ -344,11 +388,16 @@ std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& 
   for (const auto& [name, sec] : e.comm_s)
     links += fmt::format("{}{} {:.1f} ms", links.empty() ? "" : ", ", name, 1e3 * sec);
   s += fmt::format(
-      "# predicted on {} ({:.0f} TFLOP/s at {:.0f}% efficiency, {} GB/s in a node, {} GB/s "
-      "between nodes, {} per node): step {:.1f} ms = compute {:.1f} + exposed communication "
+      "# predicted on {} ({:.0f} TFLOP/s {} peak at {:.0f}% efficiency, {} GB/s in a node, {} GB/s "
+      "between nodes, {} per node): step {:.1f} ms = compute {:.1f}{} + exposed communication "
       "{:.1f} + bubble {:.1f}; {:.0f} tokens/s ({:.0f} per device), MFU {:.1f}%{}\n",
-      d.name, c.training.dtype == "fp32" ? d.fp32_tflops : d.peak_tflops, 100 * d.efficiency,
+      d.name, matmul_peak_tflops(d, c.training), matmul_peak_name(c.training), 100 * d.efficiency,
       d.intra_node_gbps, d.inter_node_gbps, d.gpus_per_node, 1e3 * e.step_s, 1e3 * e.compute_s,
+      e.recompute_flops_per_step > 0
+          ? fmt::format(" (of which {} recomputation {:.1f})", c.training.recompute,
+                        1e3 * e.compute_s * e.recompute_flops_per_step /
+                            (e.flops_per_step + e.recompute_flops_per_step))
+          : "",
       1e3 * e.comm_exposed_s, 1e3 * e.bubble_s, e.tokens_per_s,
       e.tokens_per_s / static_cast<double>(e.world), 100 * e.mfu,
       links.empty() ? "" : "; link time per group: " + links);
@@ -359,6 +408,7 @@ std::string to_json(const PlanEstimate& e, const DeviceProfile& d) {
   nlohmann::json j = {{"world", e.world},
                       {"params_total", e.params_total},
                       {"flops_per_step", e.flops_per_step},
+                      {"recompute_flops_per_step", e.recompute_flops_per_step},
                       {"device",
                        {{"name", d.name},
                         {"peak_tflops", d.peak_tflops},

@@ -25,6 +25,14 @@ struct DeviceProfile {
   double memory_gib = 0;
   double efficiency = 0.5;  // share of the peak the matmuls reach (MFU of the compute alone)
 };
+/// The one dense peak a plan's matmuls run at, for its step time and its MFU alike: bf16/fp16 on
+/// tensor cores; fp32 as TF32 (half the bf16 peak) when training.tf32, else plain fp32.
+double matmul_peak_tflops(const DeviceProfile& d, const TrainingConfig& t);
+/// Which peak that is, in words ("dense bf16", "dense TF32 (training.tf32)", "fp32").
+std::string matmul_peak_name(const TrainingConfig& t);
+/// The built-in profile of a GPU by its CUDA name ("NVIDIA H100 80GB HBM3" -> h100), or null.
+const DeviceProfile* profile_of_gpu(const std::string& cuda_name);
+
 /// `spec`: a built-in name, or a YAML file with the fields above (any subset, over `base`, a
 /// built-in name, default h100); then `overrides` (key=value).
 DeviceProfile device_profile(const std::string& spec, const std::vector<std::string>& overrides);
@@ -44,6 +52,7 @@ struct RankEstimate {
 struct PlanEstimate {
   int64_t world = 0, params_total = 0;
   double flops_per_step = 0;        // model FLOPs of the global batch (PaLM convention, as metrics)
+  double recompute_flops_per_step = 0;  // the forward work recomputation reruns (not in MFU)
   std::vector<RankEstimate> ranks;  // one per pipeline stage (tp/dp/cp peers are alike)
   // Step time on the device profile (seconds): compute, exposed communication, bubble.
   double compute_s = 0, comm_exposed_s = 0, bubble_s = 0, step_s = 0;

@@ -19,6 +19,9 @@
 #include <map>
 #include <optional>
 
+#include "engine/checkpoint.h"
+#include "engine/data.h"
+#include "engine/resume_plan.h"
 #include "engine/train.h"
 #include "parallel/comm.h"
 #include "parallel/mesh.h"
@@ -53,11 +56,20 @@ RunLock check_start(const Config& c, const parallel::WorldInfo& w) {
         "at most {} (or auto)",
         c.source, c.training.threads, cores, cores));
   const auto device = resolve_device(c.training.device, w);  // enough devices for the local ranks
-  parallel::check_layout(c, w.world, w.local_world);
+  const auto layout = parallel::check_layout(c, w.world, w.local_world);
   // The current device is this rank's before any CUDA or NCCL work (allocations, streams and
   // communicators would otherwise land on device 0 from every rank).
   if (device.is_cuda()) c10::cuda::set_device(device.index());
-  return w.rank == 0 ? RunLock(c.run.output_dir, c.checkpoint_dir()) : RunLock();
+  data::check_token_ids(c, w.rank, w.world);  // this rank's share of the data
+  if (const auto dir = checkpoint_to_resume(c); !dir.empty()) {
+    Config resolved = c;  // as the checkpoint recorded it: dp resolved
+    resolved.parallel.dp = layout.dp;
+    check_resume_plan(resolved, dir, w.rank == 0);
+  }
+  if (w.rank != 0) return RunLock();
+  RunLock lock(c.run.output_dir, c.checkpoint_dir());
+  check_room_for_checkpoint(c);
+  return lock;
 }
 
 // Runs `fn` aside and waits at most `seconds` for it: TCPStore calls have no deadline when the

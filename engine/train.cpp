@@ -156,6 +156,7 @@ void Trainer::setup_state() {
     auto st = load_checkpoint(dir, model_, *opt_, scaler_.get());
     first_step_ = st.step + 1;
     consumed_ = st.consumed_samples;
+    resumed_from_ = dir;
     spdlog::info("resumed from {} (step {}, {} samples consumed)", dir, st.step,
                  st.consumed_samples);
   }
@@ -177,7 +178,9 @@ void Trainer::setup_state() {
 void Trainer::log_state() const {
   spdlog::info("model {} | {} parameters on this rank | {} | {} on {}", c_.model.arch,
                opt_->numel(),
-               c_.model.init_from.empty() ? "seeded init" : "weights from " + c_.model.init_from,
+               !resumed_from_.empty()        ? "weights from checkpoint " + resumed_from_
+               : c_.model.init_from.empty() ? "seeded init"
+                                            : "weights from " + c_.model.init_from,
                c_.training.dtype, device_.str());
   const auto bytes = opt_->bytes();
   auto& data_group = mesh_->dp_cp();
@@ -305,6 +308,14 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   const double tokens_per_s = static_cast<double>(c_.training.global_batch * c_.training.seq_len) /
                               (ms / 1e3) / static_cast<double>(mesh_->world());
   const double tflops = flops_per_token_ * tokens_per_s / 1e12;
+  if (peak_.measured && tflops > peak_.tflops) {  // never an MFU above 100% without a word
+    spdlog::warn(
+        "MFU: the steps reach {:.4g} TFLOP/s, above the {:.4g} TFLOP/s measured at start ({}): "
+        "that was not this device's peak; MFU is against {:.4g} from now on (logging.peak_tflops "
+        "sets a fixed peak)",
+        tflops, peak_.tflops, peak_.source, tflops);
+    peak_ = {tflops, "the fastest rate its steps reached", true};
+  }
   const double elapsed = std::chrono::duration<double>(now - start_time_).count();
   const double eta = elapsed / static_cast<double>(step - first_step_ + 1) *
                      static_cast<double>(c_.training.steps - step);

@@ -109,6 +109,7 @@ class Trainer {
                                                    // (device-timed under NCCL: set with the mesh)
   double carried_exposed_ms_ = 0;  // taken early (before an evaluation), not yet logged
   int64_t first_step_ = 1;         // > 1 when resumed
+  std::string resumed_from_;       // the checkpoint folder, when resumed
   int64_t consumed_ = 0;           // the data position: global samples consumed so far
   int64_t setup_rss_ = 0;          // peak resident set before the first step
 };

@@ -163,16 +163,17 @@ void read_inputs(const Options& o, const std::vector<std::string>& files, Pipeli
       } catch (const std::exception& e) {
         throw tessel::UserError(where + ": not a JSON object (" + e.what() + ")");
       }
-      if (!j.is_object() || !j.contains(o.key) || !j[o.key].is_string())
-        throw tessel::UserError(where + ": no string field \"" + o.key +
-                                "\" (--text-key names the field; keys here: " +
-                                (j.is_object() ? [&] {
-                                  std::string k;
-                                  for (auto& [name, _] : j.items()) k += (k.empty() ? "" : ", ") + name;
-                                  return k;
-                                }()
-                                               : std::string("not an object")) +
-                                ")");
+      if (!j.is_object()) throw tessel::UserError(where + ": a JSON value, not an object");
+      if (!j.contains(o.key)) {
+        std::string keys;
+        for (auto& [name, _] : j.items()) keys += (keys.empty() ? "" : ", ") + name;
+        throw tessel::UserError(fmt::format(
+            "{}: no field \"{}\" (--text-key names the field); this line's fields: {}", where,
+            o.key, keys.empty() ? "none" : keys));
+      }
+      if (!j[o.key].is_string())
+        throw tessel::UserError(fmt::format("{}: field \"{}\" is a {}, not a string", where, o.key,
+                                            j[o.key].type_name()));
       if (!add(j[o.key].get<std::string>(), where)) return;
     }
   }
@@ -303,13 +304,7 @@ int run(const Options& o) {
   Chunk c;
   try {
     while (p.next(c, std::chrono::milliseconds(200))) {
-      for (const auto& d : c.ids) {
-        for (auto t : d)
-          if (t >= vocab)
-            throw tessel::UserError(
-                fmt::format("token id {} is outside the tokenizer's {} ids", t, vocab));
-        out.add(d.data(), static_cast<int64_t>(d.size()));
-      }
+      for (const auto& d : c.ids) out.add(d.data(), static_cast<int64_t>(d.size()));
       report(false);
     }
   } catch (...) {

@@ -44,7 +44,7 @@ class ContextParity(TmpDirTest):
     def compare(self, what, got, ref):
         (losses, val, weights), (ref_losses, ref_val, ref_weights) = got, ref
         assert_same_run(self, what, (losses, weights), (ref_losses, ref_weights), STEPS)
-        self.assertLess(max(rel(a, b) for a, b in zip(val, ref_val)), 1e-5, f"{what}: val {val} vs {ref_val}")
+        self.assertLess(max(rel(a, b) for a, b in zip(val, ref_val, strict=True)), 1e-5, f"{what}: val {val} vs {ref_val}")
 
     def check(self, arch):
         ref = self.train(arch, "single", 1)

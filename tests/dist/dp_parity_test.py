@@ -39,7 +39,7 @@ class DataParallelParity(TmpDirTest):
         ref_losses, ref_weights = self.train("single", arch, 1, micro_batch)
         losses, weights = self.train(f"dp{nproc}", arch, nproc, micro_batch)
         self.assertEqual(len(losses), STEPS)
-        worst = max(rel(a, b) for a, b in zip(losses, ref_losses))
+        worst = max(rel(a, b) for a, b in zip(losses, ref_losses, strict=True))
         self.assertLess(worst, 1e-5, f"{arch} dp={nproc} mb={micro_batch}: {losses} vs {ref_losses}")
         self.assertLess(ref_losses[-1], ref_losses[0] - 0.3, "the loss must fall")
         wdiff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)

@@ -212,6 +212,20 @@ class FailFast(TmpDirTest):
         self.assertIn("checkpoint.dir /proc/ck: cannot write there (", p.stderr)
         self.assertFalse(os.path.exists(self.path("u", "metrics.jsonl")), "the refused run trained")
 
+    def test_a_checkpoint_folder_without_room_for_one_checkpoint_fails_before_training(self):
+        # A run whose checkpoint cannot fit used to train to its first save and fail there. This
+        # plan's checkpoint needs about 9.4 TiB (644 G parameters x 16 bytes), more than any
+        # filesystem of a test machine holds: refused at start-up, naming both figures.
+        path = self.plan("big", steps=5)
+        p = run("tessel-train", path, "--set", "model.hidden=16384", "--set", "model.heads=128",
+                "--set", "model.layers=200", check=False, timeout=60)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertRegex(p.stderr, rf"checkpoint.dir {re.escape(self.path('big', 'checkpoints'))}: its filesystem "
+                                   r"has [0-9.e+]+ GiB free, and one checkpoint of this plan needs about 9\.6e\+03 GiB "
+                                   r"\(644\d{9} parameters x 16 bytes: weights in fp32, an fp32 master copy and two "
+                                   r"fp32 AdamW moments\)")
+        self.assertFalse(os.path.exists(self.path("big", "metrics.jsonl")), "the refused run trained")
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -67,7 +67,7 @@ class Launcher(unittest.TestCase):
                                    "-c", DUMP_ENV], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in (0, 1)]
         outs = [p.communicate(timeout=120) for p in procs]
-        for p, (out, err) in zip(procs, outs):
+        for p, (out, err) in zip(procs, outs, strict=True):
             self.assertEqual(p.returncode, 0, err)
         got = {e["RANK"]: e for out, _ in outs for e in envs(out)}
         self.assertEqual(sorted(got), ["0", "1", "2", "3"])
@@ -117,7 +117,7 @@ class Launcher(unittest.TestCase):
                                    sys.executable, "-c", worker], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True) for r in (0, 1)]
         outs = [p.communicate(timeout=120) for p in procs]
-        for p, (out, err) in zip(procs, outs):
+        for p, (out, err) in zip(procs, outs, strict=True):
             self.assertNotEqual(p.returncode, 0)
             self.assertIn("failure: rank 3 (host", err)
             self.assertIn("exited with code 5", err)

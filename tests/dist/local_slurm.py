@@ -43,8 +43,21 @@ def _consecutive_free_ports(n):
     raise RuntimeError("no run of free loopback ports")
 
 
+# Debian puts the daemons in /usr/sbin, which is not on a user's PATH.
+SEARCH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin", "/sbin"])
+
+
+def which(binary):
+    return shutil.which(binary, path=SEARCH)
+
+
+def missing():
+    """The Slurm programs this machine lacks (empty: a private cluster can run here)."""
+    return [b for b in ("slurmctld", "slurmd", "sbatch", "scontrol", "scancel") if not which(b)]
+
+
 def available():
-    return all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "scontrol", "scancel"))
+    return not missing()
 
 
 class LocalSlurm:
@@ -94,9 +107,9 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
             f.write(conf)
         for n in self.nodes:
             os.makedirs(os.path.join(d, "spool", n), exist_ok=True)
-        subprocess.run(["slurmctld", "-f", self.conf, "-c"], check=True, env=self.env)
+        subprocess.run([which("slurmctld"), "-f", self.conf, "-c"], check=True, env=self.env)
         for n in self.nodes:
-            subprocess.run(["slurmd", "-f", self.conf, "-N", n], check=True, env=self.env)
+            subprocess.run([which("slurmd"), "-f", self.conf, "-N", n], check=True, env=self.env)
         deadline = time.time() + 30
         while time.time() < deadline:
             out = self.client("sinfo", "-h", "-o", "%T %D", check=False).stdout.split()
@@ -107,7 +120,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         raise RuntimeError(f"the local Slurm cluster did not come up: sinfo says {out}; logs in {d}/log")
 
     def __exit__(self, *exc):
-        subprocess.run(["scancel", "--user", "root"], env=self.env, capture_output=True)
+        subprocess.run([which("scancel"), "--user", "root"], env=self.env, capture_output=True)
         pids = []
         run = os.path.join(self.dir, "run")
         for name in os.listdir(run) if os.path.isdir(run) else []:
@@ -134,7 +147,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         return False
 
     def client(self, *args, check=True, timeout=120):
-        p = subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run([which(args[0]) or args[0], *args[1:]], env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and p.returncode != 0:
             raise AssertionError(f"{args} exited {p.returncode}: {p.stdout}{p.stderr}")
         return p

@@ -29,7 +29,7 @@ class MpiRun(TmpDirTest):
         a = [m["loss"] for m in read_metrics(self.path("single", "metrics.jsonl"))]
         b = [m["loss"] for m in read_metrics(self.path("mpi", "metrics.jsonl"))]
         self.assertEqual(len(b), 10)
-        worst = max(rel(x, y) for x, y in zip(b, a))
+        worst = max(rel(x, y) for x, y in zip(b, a, strict=True))
         self.assertLess(worst, 1e-5)
         print(f"\nmpirun dp=2: worst loss rel diff {worst:.2e} over 10 steps", file=sys.stderr)
 

@@ -92,7 +92,7 @@ class Fp16LossScaling(Runs):
             for zero in (1, 3):
                 name = f"z{zero}_{dtype}"
                 self.launch(self.plan(name, dtype=dtype) | {"parallel": {"dp": 2, "zero": zero}}, 2)
-                worst = max(rel(a["loss"], b["loss"]) for a, b in zip(self.metrics(name), self.metrics(f"one_{dtype}")))
+                worst = max(rel(a["loss"], b["loss"]) for a, b in zip(self.metrics(name), self.metrics(f"one_{dtype}"), strict=True))
                 print(f"\n{dtype} zero={zero} dp=2: worst loss rel diff {worst:.1e} vs one process", file=sys.stderr)
                 self.assertLess(worst, 2e-3, name)
 

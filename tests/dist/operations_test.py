@@ -17,6 +17,14 @@ from common import BIN, TmpDirTest, base_plan, free_port, read_metrics, run, wri
 STOPPED = 75  # engine/stop.h kExitStopped
 
 
+def lr_at(step, lr, warmup, steps):
+    """engine/optim.cpp's schedule: linear warmup, then cosine to 0 at the last step."""
+    import math
+    if step <= warmup:
+        return lr * step / warmup
+    return lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
+
+
 def worker_pid(launcher_pid, rank):
     """The pid of the launcher's worker whose RANK is `rank`."""
     for task in os.listdir(f"/proc/{launcher_pid}/task"):
@@ -148,6 +156,49 @@ class Operations(TmpDirTest):
             self.assertEqual(f.read().strip(), "step_20")
         self.assertEqual(sorted(d for d in os.listdir(ckpts) if d.startswith("step_")), ["step_20", "step_30"])
         self.assertEqual(sorted(os.listdir(ckpts)), ["latest", "step_20", "step_30"])
+
+    def test_resume_under_a_changed_plan(self):
+        # A changed training.steps used to re-shape the cosine schedule without a word (lr jumped
+        # at the resumed step) and the log said "seeded init" while resuming.
+        run("tessel-train", self.plan("c", steps=20))  # step_10, step_20
+        step10 = self.path("c", "checkpoints", "step_10")
+        lines_before = len(self.losses("c"))
+        # Changes that alter the run are refused before any work, each named with its values.
+        p = run("tessel-train", self.plan("c", steps=40, run={"seed": 9}, checkpoint={"resume": step10}),
+                "--set", "logging.every=2", check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn(f"resuming from {step10}, this plan changes what the run trains (the checkpoint was saved "
+                      f"under {step10}/config.yaml):", p.stderr)
+        self.assertIn("\n  run.seed: 1 -> 9\n", p.stderr)
+        self.assertRegex(p.stderr, r"\n  training.steps: 20 -> 40 \(lr at step 11: 0.001\d* under the checkpoint's "
+                                   r"plan, 0.002\d* under this one\)")
+        self.assertIn("--set 'checkpoint.accept_changes=[run.seed,training.steps]'", p.stderr)
+        self.assertNotIn("logging.every", p.stderr)  # free: not among the refused
+        self.assertEqual(len(self.losses("c")), lines_before, "the refused run trained")
+        # Accepted: the run goes on from step 11 with the data position carried over and the new
+        # schedule's lr; every difference is printed, free ones with why they are free.
+        p = run("tessel-train", self.plan("c", steps=40, checkpoint={"resume": step10,
+                                                                     "accept_changes": ["training.steps"]}),
+                "--set", "logging.every=2")
+        out = p.stdout + p.stderr
+        self.assertIn("resume: the plan differs from the checkpoint's", out)
+        self.assertIn("\n  logging.every: 1 -> 2 (logging)", out)
+        self.assertRegex(out, r"\n  training.steps: 20 -> 40 \(alters the run; accepted by checkpoint.accept_changes\)"
+                              r" \(lr at step 11: 0.001\d* under the checkpoint's plan, (0.002\d*) under this one\)")
+        new_lr = float(re.search(r"(0\.002\d*) under this one", out).group(1))
+        self.assertIn(f"weights from checkpoint {step10}", out)
+        self.assertNotIn("seeded init", out)
+        at12 = next(m for m in read_metrics(self.path("c", "metrics.jsonl")) if m.get("step") == 12)
+        self.assertAlmostEqual(at12["lr"], lr_at(12, 3e-3, 2, 40), delta=1e-9)
+        self.assertAlmostEqual(lr_at(11, 3e-3, 2, 40), new_lr, delta=new_lr * 1e-3)
+        # Free changes alone (checkpointing, logging): the run goes on as it was, bitwise.
+        run("tessel-train", self.plan("g", steps=20))
+        uninterrupted = self.losses("g")
+        p = run("tessel-train", self.plan("g", steps=20, checkpoint={"every": 5, "resume": self.path("g", "checkpoints", "step_10")},
+                                          logging={"every": 1, "tensorboard": False}))
+        self.assertIn("\n  checkpoint.every: 10 -> 5 (checkpointing)", p.stdout + p.stderr)
+        self.assertEqual(len(uninterrupted), 20)
+        self.assertEqual(self.losses("g"), uninterrupted)
 
     def test_missing_latest_refuses_to_start_over(self):
         path = self.plan("m", steps=10)

@@ -31,6 +31,10 @@ LAYOUTS = {
     "cp2_recompute_full": ({"cp": 2}, {"recompute": "full"}, 2, "llama"),
     "recompute_full": ({}, {"recompute": "full"}, 1, "llama"),
     "recompute_selective": ({}, {"recompute": "selective"}, 1, "llama"),
+    "tp2_sp_selective": ({"tp": 2, "sequence_parallel": True}, {"recompute": "selective"}, 2, "llama"),
+    "tp2_sp_full": ({"tp": 2, "sequence_parallel": True}, {"recompute": "full"}, 2, "llama"),
+    "tp2_selective": ({"tp": 2}, {"recompute": "selective"}, 2, "gpt2"),
+    "zero3_dp2_selective": ({"dp": 2, "zero": 3}, {"recompute": "selective"}, 2, "llama"),
 }
 
 
@@ -108,6 +112,44 @@ class Planner(unittest.TestCase):
         for name in LAYOUTS:
             with self.subTest(name):
                 self.check(name)
+
+
+class RecomputeTime(unittest.TestCase):
+    """The predicted compute time counts the forward work recomputation reruns (it used to be the
+    same for none, selective and full): full adds each block's forward (2 FLOPs per block weight
+    plus a third of attention's 12·L·H·Q·T per token), selective each MLP's forward."""
+
+    def test_compute_grows_with_recomputation(self):
+        root = os.environ.get("TESSEL_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
+        figures = {}
+        for mode in ("none", "selective", "full"):
+            with tempfile.TemporaryDirectory() as tmp:
+                pj = os.path.join(tmp, "plan.json")
+                p = subprocess.run([os.path.join(BIN, "tessel-train"), os.path.join(root, "configs", "llama3-8b.yaml"),
+                                    "--dry-run", "--world-size", "64", "--plan-json", pj,
+                                    "--set", f"training.recompute={mode}"], capture_output=True, text=True)
+                self.assertEqual(p.returncode, 0, p.stderr)
+                with open(pj) as f:
+                    figures[mode] = json.load(f)
+        none, sel, full = (figures[m] for m in ("none", "selective", "full"))
+        # Llama-3 8B: 32 blocks of 218 M weights (MLP 176 M), hidden 4096, seq 8192 (the plan's).
+        with open(os.path.join(root, "configs", "llama3-8b.yaml")) as f:
+            text = f.read()
+        seq = int(re.search(r"seq_len: (\d+)", text).group(1))
+        tokens = int(re.search(r"global_batch: (\d+)", text).group(1)) * seq
+        self.assertEqual(none["recompute_flops_per_step"], 0)
+        self.assertAlmostEqual(sel["recompute_flops_per_step"] / tokens, 2 * 32 * 3 * 4096 * 14336, delta=1e9)
+        self.assertAlmostEqual(full["recompute_flops_per_step"] / tokens,
+                               2 * 32 * 218.1e6 + 4 * 32 * 4096 * seq, delta=0.01 * 2 * 32 * 218.1e6)
+        for mode, e in (("selective", sel), ("full", full)):
+            ratio = e["compute_s"] / none["compute_s"]
+            want = 1 + e["recompute_flops_per_step"] / none["flops_per_step"]
+            self.assertAlmostEqual(ratio, want, places=6)
+            self.assertAlmostEqual(e["mfu"] * e["step_s"], none["mfu"] * none["step_s"], places=6)  # model FLOPs
+            print(f"\nllama3-8b on 64: compute {1e3 * e['compute_s']:.0f} ms with {mode} recomputation, "
+                  f"{1e3 * none['compute_s']:.0f} ms without (x{ratio:.3f})", file=sys.stderr)
+        self.assertGreater(full["compute_s"], sel["compute_s"])
+        self.assertGreater(sel["compute_s"], none["compute_s"])
 
 
 class ShippedConfigs(unittest.TestCase):

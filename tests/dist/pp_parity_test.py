@@ -76,9 +76,9 @@ class PipelineParity(TmpDirTest):
             what = f"{arch} pp={pp} {schedule} v={v} tp={tp} dp={dp} sp={sp}"
             losses, val, weights, pipeline = self.train(arch, pp, schedule, v, tp, dp, sp)
             self.assertEqual(len(losses), STEPS)
-            worst = max(rel(a, b) for a, b in zip(losses, ref_losses))
+            worst = max(rel(a, b) for a, b in zip(losses, ref_losses, strict=True))
             self.assertLess(worst, 1e-5, f"{what}: {losses} vs {ref_losses}")
-            self.assertLess(max(rel(a, b) for a, b in zip(val, ref_val)), 1e-5, f"{what}: val {val} vs {ref_val}")
+            self.assertLess(max(rel(a, b) for a, b in zip(val, ref_val, strict=True)), 1e-5, f"{what}: val {val} vs {ref_val}")
             self.assertEqual(set(weights), set(ref_weights))
             wdiff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
             self.assertLess(wdiff, 1e-5, f"{what}: exported weights differ by {wdiff}")
@@ -105,7 +105,7 @@ class PipelineParity(TmpDirTest):
         self.launch(plan, 2)
         losses = [m["loss"] for m in read_metrics(self.path("uneven", "metrics.jsonl")) if "loss" in m]
         self.assertEqual(len(losses), STEPS)
-        worst = max(rel(a, b) for a, b in zip(losses, ref_losses))
+        worst = max(rel(a, b) for a, b in zip(losses, ref_losses, strict=True))
         self.assertLess(worst, 1e-5)
         print(f"\nllama pp=2 interleaved, layers per stage 3 2 2 1: worst loss rel diff {worst:.2e}", file=sys.stderr)
 
@@ -123,7 +123,7 @@ class PipelineParity(TmpDirTest):
             losses.append([m["loss"] for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m])
         self.assertEqual(len(losses[1]), 4)
         self.assertLess(losses[0][0], 5.0, "starts from the trained weights")
-        worst = max(rel(a, b) for a, b in zip(*losses))
+        worst = max(rel(a, b) for a, b in zip(*losses, strict=True))
         self.assertLess(worst, 1e-5)
         print(f"\ngpt2 init_from HF weights, pp=2 interleaved vs one process: worst loss rel diff {worst:.2e}",
               file=sys.stderr)

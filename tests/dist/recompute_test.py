@@ -50,7 +50,7 @@ class Recompute(TmpDirTest):
                 with self.subTest(f"{arch} {name} {mode}"):
                     losses, weights, peak = self.train(arch, par, world, mode)
                     self.assertEqual(len(losses), STEPS)
-                    worst = max(rel(a, b) for a, b in zip(losses, ref_losses))
+                    worst = max(rel(a, b) for a, b in zip(losses, ref_losses, strict=True))
                     self.assertLess(worst, 1e-5, f"{losses} vs {ref_losses}")
                     wdiff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
                     self.assertLess(wdiff, 1e-5)

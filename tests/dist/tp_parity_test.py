@@ -41,7 +41,7 @@ class TensorParallelParity(TmpDirTest):
         for tp, dp, sp in LAYOUTS:
             losses, weights = self.train(arch, tp, dp, sp)
             self.assertEqual(len(losses), STEPS)
-            worst = max(rel(a, b) for a, b in zip(losses, ref_losses))
+            worst = max(rel(a, b) for a, b in zip(losses, ref_losses, strict=True))
             self.assertLess(worst, 1e-5, f"{arch} tp={tp} dp={dp} sp={sp}: {losses} vs {ref_losses}")
             self.assertEqual(set(weights), set(ref_weights))
             wdiff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
@@ -68,10 +68,10 @@ class TensorParallelParity(TmpDirTest):
                         os.path.join(BIN, "tessel-train"), path, check=False)
                 out = p.stdout
             self.assertNotEqual(p.returncode, 0)
-            messages.append(next(line.split("error: ", 1)[1] for line in out.splitlines() if "error: " in line))
-        self.assertIn(f"bad.u16 (token 40): token id {VOCAB + 5} is outside model.vocab_size {VOCAB} (sample 2)",
-                      messages[0])
-        self.assertEqual(messages[0], messages[1])
+            messages.append(out)
+        for out in messages:  # found by the start-up scan, the same words with one or two ranks
+            self.assertIn(f"bad.u16 (token 40): token id {VOCAB + 5} is outside model.vocab_size {VOCAB} "
+                          f"(ids run from 0 to {VOCAB - 1}); found by the start-up scan", out)
 
     def test_resume_tp2_checkpoint_in_one_process(self):
         # A tp=2 run's step-10 checkpoint, continued by one process: steps 11-20 match the

@@ -96,7 +96,7 @@ class ZeroParity(TmpDirTest):
                     want = {0: (4 * psi, 4 * psi, 8 * psi), 1: (4 * psi, 4 * psi, 8 * psi / n),
                             2: (4 * psi, 4 * psi / n, 8 * psi / n), 3: (4 * psi / n, 4 * psi / n, 8 * psi / n)}[zero]
                     got = (r["params_bytes"], r["grads_bytes"], r["optimizer_bytes"])
-                    for what, g, w in zip(("weights", "gradients", "optimizer"), got, want):
+                    for what, g, w in zip(("weights", "gradients", "optimizer"), got, want, strict=True):
                         self.assertLess(abs(g - w) / w, 0.05, f"zero={zero} dp={dp} rank {r['rank']} {what}: {g} vs {w}")
                     if zero == 3:
                         # Gathered at once, at most: the root unit, a block and its prefetched neighbour.
@@ -136,7 +136,7 @@ class ZeroParity(TmpDirTest):
             for r in mem["ranks"]:
                 stage = stages[r["rank"] // per_stage]
                 self.assertEqual(int(stage[1]), r["numel"], f"{name} rank {r['rank']}")
-                for text, got in zip(stage[2:], (r["params_bytes"], r["grads_bytes"], r["optimizer_bytes"])):
+                for text, got in zip(stage[2:], (r["params_bytes"], r["grads_bytes"], r["optimizer_bytes"]), strict=True):
                     self.assertLess(abs(to_bytes(text) - got) / got, 0.05, f"{name} rank {r['rank']}: {text} vs {got}")
             print(f"\n{name}: --dry-run {[s[1] for s in stages]} parameters per stage, as built", file=sys.stderr)
 

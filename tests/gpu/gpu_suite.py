@@ -65,8 +65,8 @@ class DefaultPlan(TmpDirTest):
         cpu = self.train("cpu", "cpu", "fp32")
         fp32 = self.train("cuda_fp32", "cuda", "fp32")
         bf16 = self.train("cuda_bf16", "cuda", "bf16")
-        worst32 = max(rel(a, b) for a, b in zip(fp32, cpu))
-        worst16 = max(rel(a, b) for a, b in zip(bf16, cpu))
+        worst32 = max(rel(a, b) for a, b in zip(fp32, cpu, strict=True))
+        worst16 = max(rel(a, b) for a, b in zip(bf16, cpu, strict=True))
         print(f"\ndefault.yaml {STEPS} steps: CUDA fp32 vs CPU worst rel {worst32:.2e}; CUDA bf16 vs CPU fp32 "
               f"worst rel {worst16:.2e}", file=sys.stderr)
         self.assertEqual(len(fp32), STEPS)
@@ -104,7 +104,7 @@ class Layouts(TmpDirTest):
                 plan["parallel"]["backend"] = "nccl"
             launch_plan(plan, world)
             got = losses(self.path(name))
-            worst = max(rel(a, b) for a, b in zip(got, ref))
+            worst = max(rel(a, b) for a, b in zip(got, ref, strict=True))
             print(f"\n{what} on {'NCCL' if GPUS >= 2 or world == 1 else 'Gloo (CUDA tensors, one GPU)'}: "
                   f"worst rel {worst:.2e} vs one GPU", file=sys.stderr)
             self.assertEqual(len(got), STEPS, what)

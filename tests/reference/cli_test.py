@@ -142,7 +142,7 @@ class Cli(TmpDirTest):
         whole = read_metrics(self.path("whole", "metrics.jsonl"))
         cut = read_metrics(self.path("cut", "metrics.jsonl"))
         self.assertEqual([m["step"] for m in cut], [1, 2, 3, 4, 5, 6])
-        for a, b in zip(whole, cut):
+        for a, b in zip(whole, cut, strict=True):
             self.assertEqual((a["loss"], a["grad_norm"], a["lr"]), (b["loss"], b["grad_norm"], b["lr"]), a["step"])
         wa = load_file(self.path("whole", "checkpoints", "step_6", "rank_00000.safetensors"))
         wb = load_file(self.path("cut", "checkpoints", "step_6", "rank_00000.safetensors"))

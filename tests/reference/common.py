@@ -37,7 +37,7 @@ def assert_same_run(tc, what, got, ref, steps):
     every exported weight within 1e-5 of the reference run; prints the worst figures."""
     (losses, weights), (ref_losses, ref_weights) = got, ref
     tc.assertEqual(len(losses), steps, what)
-    worst = max(rel(a, b) for a, b in zip(losses, ref_losses))
+    worst = max(rel(a, b) for a, b in zip(losses, ref_losses, strict=True))
     tc.assertLess(worst, 1e-5, f"{what}: {losses} vs {ref_losses}")
     tc.assertEqual(set(weights), set(ref_weights))
     wdiff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)

@@ -44,7 +44,7 @@ class Dashboards(TmpDirTest):
             self.assertIn(tag, tags)
         tb_loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
         self.assertEqual([s for s, _ in tb_loss], list(range(1, 7)))
-        for (_, v), r in zip(tb_loss, steps):
+        for (_, v), r in zip(tb_loss, steps, strict=True):
             self.assertAlmostEqual(v, r["loss"], delta=1e-5 * abs(r["loss"]))
         self.assertEqual([e.step for e in acc.Scalars("val/loss")], [3, 6])
 

@@ -54,16 +54,39 @@ class DataCli(TmpDirTest):
         self.assertEqual(p.returncode, 2)
         self.assertIn(f"ds.bin: truncated: sequence 2 of {self.path('ds')}.idx needs bytes up to {size}", p.stderr)
 
-    def test_out_of_range_token(self):
-        toks = np.full(4000, 7, dtype="<u2")
-        toks[100] = 5000
+    def test_out_of_range_token_is_found_before_any_work(self):
+        # An id of 5000 at token 1500 used to train until the sample holding it was drawn (steps
+        # and checkpoints first), and a run that never drew it ended with exit 0. Now the start-up
+        # scan names it, the run exits 2, and nothing is written: no metrics, no checkpoint.
+        for fmt in ("tokens", "megatron"):
+            toks = np.full(4000, 7, dtype="<u2")
+            toks[1500] = 5000
+            if fmt == "tokens":
+                toks.tofile(self.path("t.u16"))
+                path, where = self.path("t.u16"), "t.u16 (token 1500)"
+            else:
+                run("tessel-data", self.path("txt", "*.txt"), "--out", self.path("ds"))
+                with open(self.path("ds.bin"), "r+b") as f:
+                    f.seek(2 * 500)
+                    f.write(np.array([5000], dtype="<u2").tobytes())
+                path, where = self.path("ds"), "ds.bin (token 500)"
+            plan = text_plan(self.tmp, fmt, [path], "o" + fmt)
+            plan["data"]["shuffle"] = False
+            plan["training"]["steps"] = 2  # reads samples 0-7: never the bad one
+            plan["checkpoint"] = {"every": 1}
+            p = run("tessel-train", write_plan(self.path("p.yaml"), plan), check=False)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn(f"{where}: token id 5000 is outside model.vocab_size 257 (ids run from 0 to 256); "
+                          "found by the start-up scan of the data, before any training", p.stderr)
+            out = self.path("o" + fmt)
+            self.assertEqual(os.listdir(out) if os.path.exists(out) else [], [], "the refused run wrote")
+        # Clean data: the scan says what it read and how fast.
+        toks[1500] = 7
         toks.tofile(self.path("t.u16"))
-        plan = text_plan(self.tmp, "tokens", [self.path("t.u16")], "t")
-        plan["data"]["shuffle"] = False
-        p = run("tessel-train", write_plan(self.path("p.yaml"), plan), check=False)
-        self.assertEqual(p.returncode, 2)
-        self.assertIn("t.u16 (token 100): token id 5000 is outside model.vocab_size 257 (sample 3)", p.stderr)
-
+        plan = text_plan(self.tmp, "tokens", [self.path("t.u16")], "clean")
+        p = run("tessel-train", write_plan(self.path("c.yaml"), plan))
+        self.assertRegex(p.stdout + p.stderr, r"data: token ids checked against model.vocab_size 257: 4000 tokens "
+                                              r"\(0.008 MB\) in [0-9.]+ s \([0-9.]+ GB/s\)")
 
 if __name__ == "__main__":
     unittest.main()

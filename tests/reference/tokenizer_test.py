@@ -87,9 +87,15 @@ class Tokenize(TmpDirTest):
         p = run("tessel-data", self.path("bad.jsonl"), "--tokenizer", self.path("tokenizer.json"),
                 "--out", self.path("bad"), check=False)
         self.assertEqual(p.returncode, 2)
-        self.assertIn("bad.jsonl:2", p.stderr)
-        self.assertIn('no string field "text"', p.stderr)
-        self.assertIn("body", p.stderr)
+        self.assertIn('bad.jsonl:2: no field "text" (--text-key names the field); this line\'s fields: body',
+                      p.stderr)
+        # A "text" that is there but not a string says so (it used to read "keys here: text").
+        with open(self.path("bad.jsonl"), "w") as f:
+            f.write('{"text": 5}\n')
+        p = run("tessel-data", self.path("bad.jsonl"), "--tokenizer", self.path("tokenizer.json"),
+                "--out", self.path("bad"), check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn('bad.jsonl:1: field "text" is a number, not a string', p.stderr)
         self.assertFalse(os.path.exists(self.path("bad.bin")) or os.path.exists(self.path("bad.idx")))
         with open(self.path("bad.jsonl"), "w") as f:
             f.write('{"text": "fine"}\n{"text": broken\n')

@@ -83,7 +83,7 @@ class TrainParity(TmpDirTest):
         self.assertTrue(any(n > CLIP for n in norms), f"clipping never engaged: norms {norms}")
         self.assertLess(want[-1], want[0] - 0.05, f"the loss must fall: {want}")
         worst = 0.0
-        for s, (m, w, n) in enumerate(zip(got, want, norms), start=1):
+        for s, (m, w, n) in enumerate(zip(got, want, norms, strict=True), start=1):
             self.assertLess(rel(m["loss"], w), TOL, f"{arch} step {s}: tessel {m['loss']} vs torch {w}")
             self.assertLess(rel(m["grad_norm"], n), 1e-4, f"{arch} step {s}: grad norm {m['grad_norm']} vs {n}")
             self.assertAlmostEqual(m["lr"], lr_at(s), places=12)

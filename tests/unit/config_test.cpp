@@ -170,7 +170,12 @@ INSTANTIATE_TEST_SUITE_P(
         BadPlan{"RoPE needs an even head dim",
                 kData + "model: {arch: llama, hidden: 12, heads: 4}\n",
                 {},
-                "RoPE needs an even head dimension"}),
+                "RoPE needs an even head dimension: model.hidden (12) / model.heads (4) = 3 is odd"},
+        BadPlan{"accept_changes names plan keys",
+                kData + "checkpoint: {accept_changes: [training.step]}\n",
+                {},
+                "checkpoint.accept_changes: 'training.step' is not a plan key; did you mean "
+                "'training.steps'?"}),
     [](const auto& info) {
       std::string n = info.param.name;
       for (auto& ch : n)

@@ -141,6 +141,66 @@ TEST_F(DataTest, OutOfRangeTokenNamesFileAndSample) {
                "t.u16 (token 21): token id 300 is outside model.vocab_size 257 (sample 2)");
 }
 
+// The start-up scan finds every bad id wherever it sits: either side of a 64Ki-token chunk
+// boundary, in the last token of a file, in a later file, as a negative id in signed data; and it
+// finds none in clean data, whatever the rank's share.
+TEST_F(DataTest, StartUpScanFindsEveryBadIdAndOnlyThose) {
+  const int64_t n = 200000;
+  for (int64_t pos : {int64_t{0}, int64_t{65535}, int64_t{65536}, int64_t{131073}, n - 1}) {
+    std::vector<uint16_t> a(n, 299), b(1000, 3);
+    a[pos] = 300;
+    write("a.u16", std::string(reinterpret_cast<const char*>(a.data()), a.size() * 2));
+    write("b.u16", std::string(reinterpret_cast<const char*>(b.data()), b.size() * 2));
+    Config c = plan("tokens", {(dir_ / "*.u16").string()});
+    c.model.vocab_size = 300;
+    const auto s = open_stream(c.data);
+    EXPECT_EQ(s.first_outside(0, s.size(), 300), pos);
+    EXPECT_EQ(s.first_outside(0, s.size(), 301), -1);
+    EXPECT_EQ(s.first_outside(pos + 1, s.size(), 300), -1);
+    for (int64_t world : {1, 2, 3}) {  // exactly one rank's share holds it
+      int failed = 0;
+      for (int64_t r = 0; r < world; ++r) try {
+          check_token_ids(c, r, world);
+        } catch (const UserError& e) {
+          ++failed;
+          EXPECT_NE(std::string(e.what()).find("a.u16 (token " + std::to_string(pos) +
+                                               "): token id 300 is outside model.vocab_size 300"),
+                    std::string::npos)
+              << e.what();
+        }
+      EXPECT_EQ(failed, 1) << "pos " << pos << " world " << world;
+    }
+  }
+  // In the second file, found by its own index there.
+  std::vector<uint16_t> a(5000, 1), b(7000, 2);
+  b[6999] = 65535;
+  write("a.u16", std::string(reinterpret_cast<const char*>(a.data()), a.size() * 2));
+  write("b.u16", std::string(reinterpret_cast<const char*>(b.data()), b.size() * 2));
+  Config c = plan("tokens", {(dir_ / "*.u16").string()});
+  c.model.vocab_size = 300;
+  expect_error([&] { check_token_ids(c, 0, 1); },
+               "b.u16 (token 6999): token id 65535 is outside model.vocab_size 300");
+  c.model.vocab_size = 65536;  // every uint16 fits: nothing to find
+  EXPECT_NO_THROW(check_token_ids(c, 0, 1));
+  // A hand-made int32 dataset with a negative id (Megatron's code 4 is signed).
+  std::vector<std::vector<uint16_t>> docs = {{1, 2, 3}};
+  write_megatron((dir_ / "neg").string(), docs);
+  {
+    std::ifstream in(dir_ / "neg.idx", std::ios::binary);
+    std::string idx((std::istreambuf_iterator<char>(in)), {});
+    idx[17] = 4;            // int32 tokens
+    const int32_t len = 2;  // one sequence of two of them, at byte 0
+    std::memcpy(&idx[34], &len, 4);
+    write("neg.idx", idx);
+    const int32_t toks[2] = {7, -5};
+    write("neg.bin", std::string(reinterpret_cast<const char*>(toks), 8));
+  }
+  Config m = plan("megatron", {(dir_ / "neg").string()}, 1);
+  m.model.vocab_size = 300;
+  expect_error([&] { check_token_ids(m, 0, 1); },
+               "neg.bin (token 1): token id -5 is outside model.vocab_size 300");
+}
+
 TEST_F(DataTest, BadFilesAreNamed) {
   expect_error([&] { Dataset d(plan("text", {(dir_ / "none*.txt").string()})); },
                "matches no file");
@@ -193,12 +253,26 @@ namespace {
 
 TEST_F(DataTest, WriterPicks16Or32BitTokensAndReadsBack) {
   const std::vector<std::vector<uint32_t>> docs = {{1, 70000, 65536, 5}, {}, {131071, 2}};
-  for (int64_t vocab : {int64_t{300}, int64_t{128256}}) {
+  for (int64_t vocab : {int64_t{65536}, int64_t{131072}}) {
     const auto prefix = (dir_ / ("v" + std::to_string(vocab))).string();
     {
       data::MegatronWriter w(prefix, vocab);
+      if (vocab <= 65536) {  // 16-bit tokens: ids past the vocabulary are refused, never cut
+        expect_error([&] { w.add(docs[0].data(), 4); },
+                     "document 0 token 1: id 70000 is outside the vocabulary of 65536 ids");
+        const std::vector<uint32_t> ok = {1, 65535, 5};
+        w.add(ok.data(), 3);
+        EXPECT_EQ(w.elem_size(), 2);
+        w.finish();
+        data::TokenStream s;
+        data::add_megatron(s, prefix);
+        std::vector<int64_t> got(3);
+        s.read(0, 3, got.data());
+        EXPECT_EQ(got, (std::vector<int64_t>{1, 65535, 5}));
+        continue;
+      }
       for (const auto& d : docs) w.add(d.data(), static_cast<int64_t>(d.size()));
-      EXPECT_EQ(w.elem_size(), vocab <= 65536 ? 2 : 4);
+      EXPECT_EQ(w.elem_size(), 4);
       EXPECT_FALSE(fs::exists(prefix + ".idx"));  // nothing is visible before finish()
       w.finish();
     }
@@ -207,11 +281,7 @@ TEST_F(DataTest, WriterPicks16Or32BitTokensAndReadsBack) {
     ASSERT_EQ(s.size(), 6);
     std::vector<int64_t> got(6);
     s.read(0, 6, got.data());
-    if (vocab > 65536) {
-      EXPECT_EQ(got, (std::vector<int64_t>{1, 70000, 65536, 5, 131071, 2}));
-    } else {  // the writer trusts its caller's vocabulary: ids are cut to 16 bits
-      EXPECT_EQ(got, (std::vector<int64_t>{1, 70000 & 0xffff, 0, 5, 131071 & 0xffff, 2}));
-    }
+    EXPECT_EQ(got, (std::vector<int64_t>{1, 70000, 65536, 5, 131071, 2}));
   }
   {  // an unfinished writer leaves nothing behind
     data::MegatronWriter w((dir_ / "partial").string(), 300);
