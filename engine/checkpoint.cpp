@@ -587,19 +587,67 @@ SpecialTokens export_tokenizer(const std::string& tokenizer, const fs::path& out
 
 }  // namespace
 
-void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
-               const std::string& tokenizer) {
-  const std::string dir = resolve_checkpoint(checkpoint_dir);
-  Config c = load_config((fs::path(dir) / "config.yaml").string());
+models::Weights checkpoint_model_weights(const std::string& step_dir) {
   // The fp32 master copy is exact for bf16 runs too (their model weights are its rounding).
-  auto all = read_checkpoint_tensors(dir);
+  auto all = read_checkpoint_tensors(step_dir);
   models::Weights w;
   for (auto& [name, t] : all)
     if (name.rfind("optim.", 0) != 0) {
       auto master = all.find("optim.master." + name);
       w[name] = (master != all.end() ? master->second : t).to(torch::kFloat32);
     }
+  return w;
+}
+
+namespace {
+
+// The files an export writes: a folder holding only these is a previous export.
+const std::set<std::string> kExportFiles = {"model.safetensors",     "config.json",
+                                            "generation_config.json", "tokenizer.json",
+                                            "tokenizer_config.json",  "special_tokens_map.json"};
+
+// An export never writes into a checkpoint, and never leaves a previous export's files (a stale
+// tokenizer beside new weights): a folder holding only export files is emptied first (said in
+// the log); a folder holding anything else is refused.
+void prepare_export_folder(const std::string& out_dir, const std::string& step_dir) {
+  std::error_code ec;
+  const auto out = fs::weakly_canonical(out_dir, ec);
+  const auto step = fs::weakly_canonical(step_dir, ec);
+  for (const auto& guarded : {step, step.parent_path()})
+    for (auto p = out; !p.empty(); p = p.parent_path()) {
+      if (p == guarded)
+        throw UserError(fmt::format(
+            "export --out {}: inside the checkpoint folder {}; export into a folder of its own",
+            out_dir, guarded.string()));
+      if (p == p.parent_path()) break;
+    }
+  if (!fs::is_directory(out_dir, ec)) return;
+  std::vector<std::string> previous, other;
+  for (const auto& e : fs::directory_iterator(out_dir, ec))
+    (kExportFiles.count(e.path().filename().string()) && e.is_regular_file() ? previous : other)
+        .push_back(e.path().filename().string());
+  std::sort(other.begin(), other.end());
+  if (!other.empty())
+    throw UserError(fmt::format(
+        "export --out {}: the folder holds files an export does not write ({}); export into a "
+        "new or empty folder, or a previous export's",
+        out_dir, fmt::join(other, ", ")));
+  if (previous.empty()) return;
+  std::sort(previous.begin(), previous.end());
+  for (const auto& f : previous) fs::remove(fs::path(out_dir) / f);
+  spdlog::info("export: replacing the previous export in {} (removed {})", out_dir,
+               fmt::join(previous, ", "));
+}
+
+}  // namespace
+
+void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
+               const std::string& tokenizer) {
+  const std::string dir = resolve_checkpoint(checkpoint_dir);
+  Config c = load_config((fs::path(dir) / "config.yaml").string());
+  const auto w = checkpoint_model_weights(dir);
   const auto& arch = models::arch(c.model.arch);
+  prepare_export_folder(out_dir, dir);  // once the checkpoint has been read
   fs::create_directories(out_dir);
   write_safetensors((fs::path(out_dir) / "model.safetensors").string(), arch.to_hf(w, c.model),
                     {{"format", "pt"}});

@@ -47,6 +47,9 @@ std::string resolve_checkpoint(const std::string& dir);
 models::Weights read_checkpoint_tensors(const std::string& step_dir,
                                         const std::string& prefix = "");
 
+/// The model weights of a complete checkpoint by global name, fp32 (the master copy where held).
+models::Weights checkpoint_model_weights(const std::string& step_dir);
+
 /// The checkpoint a run continues from, per checkpoint.resume: "" when it starts afresh.
 std::string checkpoint_to_resume(const Config& c);
 

@@ -11,6 +11,8 @@
 namespace tessel {
 namespace {
 
+thread_local Held current_held = Held::kOther;
+
 // Counts the bytes the CPU allocator hands out (now and at peak). Installed once per process and
 // never removed: tensors it allocated must find it at release.
 //
@@ -28,6 +30,9 @@ class CountingAllocator final : public c10::Allocator {
     if (n == 0) return {nullptr, nullptr, &CountingAllocator::release, cpu};
     auto* base = static_cast<char*>(c10::alloc_cpu(n + kHeader));
     *reinterpret_cast<size_t*>(base) = n;
+    const int held = static_cast<int>(current_held);
+    std::memcpy(base + sizeof(size_t), &held, sizeof held);
+    held_[held] += static_cast<int64_t>(n);
     void* data = base + kHeader;
     const int64_t now = now_ += static_cast<int64_t>(n);
     for (int64_t p = peak_; now > p && !peak_.compare_exchange_weak(p, now);) {
@@ -40,18 +45,26 @@ class CountingAllocator final : public c10::Allocator {
   }
   int64_t now() const { return now_; }
   int64_t take_peak() { return peak_.exchange(now_.load()); }
+  int64_t live(Held what) const { return held_[static_cast<int>(what)]; }
 
  private:
-  // One alignment unit keeps the data as aligned as alloc_cpu's blocks (c10::gAlignment).
+  // One alignment unit keeps the data as aligned as alloc_cpu's blocks (c10::gAlignment); it
+  // holds the size, then what the block holds (Held).
   static constexpr size_t kHeader = c10::gAlignment;
+  static_assert(kHeader >= sizeof(size_t) + sizeof(int));
   CountingAllocator() { c10::SetCPUAllocator(this, /*priority=*/100); }
   static void release(void* data) {
     if (!data) return;
     char* base = static_cast<char*>(data) - kHeader;
-    get().now_ -= static_cast<int64_t>(*reinterpret_cast<size_t*>(base));
+    const auto n = static_cast<int64_t>(*reinterpret_cast<size_t*>(base));
+    int held = 0;
+    std::memcpy(&held, base + sizeof(size_t), sizeof held);
+    get().held_[held] -= n;
+    get().now_ -= n;
     c10::free_cpu(base);
   }
   std::atomic<int64_t> now_{0}, peak_{0};
+  std::atomic<int64_t> held_[static_cast<int>(Held::kCount)] = {};
 };
 
 int cuda_index(const torch::Device& d) { return d.index() < 0 ? 0 : d.index(); }
@@ -65,6 +78,10 @@ CpuAllocationCounter& CpuAllocationCounter::get() {
 }
 int64_t CpuAllocationCounter::now() const { return CountingAllocator::get().now(); }
 int64_t CpuAllocationCounter::take_peak() { return CountingAllocator::get().take_peak(); }
+int64_t CpuAllocationCounter::live(Held what) const { return CountingAllocator::get().live(what); }
+
+HeldAs::HeldAs(Held what) : before_(current_held) { current_held = what; }
+HeldAs::~HeldAs() { current_held = before_; }
 
 StepCounters::StepCounters(const parallel::Mesh& mesh, const torch::Device& device)
     : mesh_(mesh), device_(device) {

@@ -98,7 +98,7 @@ int run_train(int argc, char** argv) {
   app.footer(
       "Subcommands:\n  tessel-train score CONFIG --weights W.safetensors (--tokens T.bin | --data "
       "PREFIX|FILES)\n"
-      "  tessel-train generate CONFIG --weights W.safetensors --prompt TEXT\n"
+      "  tessel-train generate [CONFIG] --weights W.safetensors|EXPORT_DIR|CHECKPOINT --prompt TEXT\n"
       "  tessel-train export CHECKPOINT_DIR --format hf --out DIR [--tokenizer tokenizer.json]");
   TESSEL_CLI_PARSE(app, argc, argv);
   if (help_config) {
@@ -161,6 +161,24 @@ int run_train(int argc, char** argv) {
   const auto device = tessel::device_profile(profile, profile_sets);
   const auto estimate = tessel::estimate(c, layout, device);
   std::printf("%s", tessel::render(estimate, c, device).c_str());
+  if (const auto better = tessel::faster_layout(c, n, device, estimate)) {
+    const auto& b = *better;
+    double most = 0;
+    for (const auto& r : b.estimate.ranks) most = std::max(most, r.total());
+    std::string sets;
+    for (const auto& s : b.sets) sets += " --set " + s;
+    std::printf(
+        "# by these figures a faster layout on %lld processes: tp %lld cp %lld pp %lld dp %lld, "
+        "ZeRO %lld%s: step %.1f ms, %.0f%% less than this plan's %.1f ms, at most %s per rank\n"
+        "#   tessel-train %s --dry-run --world-size %lld%s\n",
+        static_cast<long long>(n), static_cast<long long>(b.layout.tp),
+        static_cast<long long>(b.layout.cp), static_cast<long long>(b.layout.pp),
+        static_cast<long long>(b.layout.dp), static_cast<long long>(b.plan.parallel.zero),
+        b.layout.pp > 1 ? (" (" + b.plan.parallel.pipeline_schedule + ")").c_str() : "",
+        1e3 * b.estimate.step_s, 100 * (1 - b.estimate.step_s / estimate.step_s),
+        1e3 * estimate.step_s, human_bytes(most).c_str(), config.c_str(), static_cast<long long>(n),
+        sets.c_str());
+  }
   if (!plan_json.empty()) tessel::write_file_atomic(plan_json, tessel::to_json(estimate, device));
   std::printf(
       "# plan %s is valid for %lld processes: %lld micro-batches of %lld sequences per data rank "
@@ -179,10 +197,16 @@ int run_score(int argc, char** argv) {
   int64_t max_rows = 0;
   std::vector<std::string> sets;
   app.add_option("config", config, "YAML plan (model and training.seq_len)")->required();
-  app.add_option("--weights", weights, "model.safetensors (Hugging Face or Tessel names)")
+  app.add_option("--weights", weights,
+                 "model.safetensors (Hugging Face or Tessel names), an export's folder, or a "
+                 "checkpoint (a step_<N> folder, or a checkpoint.dir: its latest)")
       ->required();
   auto* t = app.add_option("--tokens", tokens,
-                           "raw little-endian int32 rows of training.seq_len+1 tokens");
+                           "raw little-endian rows of training.seq_len+1 tokens (--token-dtype)");
+  std::string token_dtype = "int32";
+  app.add_option("--token-dtype", token_dtype,
+                 "--tokens element type: int32, or uint16/uint32 as data.format tokens files")
+      ->check(CLI::IsMember({"int32", "uint16", "uint32"}));
   auto* d = app.add_option("--data", data,
                            "a Megatron prefix (PREFIX.bin/.idx) or text files (one document each), "
                            "cut into windows of training.seq_len+1 tokens");
@@ -196,7 +220,7 @@ int run_score(int argc, char** argv) {
     throw tessel::UserError("score: give --tokens FILE or --data PREFIX|FILES");
   const auto c = tessel::load_config(config, sets);
   auto r = tokens.empty() ? tessel::score_data(c, weights, data, tokenizer, max_rows)
-                          : tessel::score(c, weights, tokens);
+                          : tessel::score(c, weights, tokens, token_dtype);
   nlohmann::json out = {
       {"loss", r.loss}, {"tokens", r.tokens}, {"rows", r.rows}, {"perplexity", std::exp(r.loss)}};
   std::printf("%s\n", out.dump().c_str());
@@ -227,8 +251,12 @@ int run_generate(int argc, char** argv) {
   std::vector<std::string> sets;
   tessel::SampleOptions o;
   bool json = false, no_stop = false;
-  app.add_option("config", config, "YAML plan (the model)")->required();
-  app.add_option("--weights", weights, "model.safetensors (Hugging Face or Tessel names)")
+  app.add_option("config", config,
+                 "YAML plan (the model); default: the Hugging Face config.json beside --weights "
+                 "(as export writes it)");
+  app.add_option("--weights", weights,
+                 "model.safetensors (Hugging Face or Tessel names), an export's folder, or a "
+                 "checkpoint (a step_<N> folder, or a checkpoint.dir: its latest)")
       ->required();
   app.add_option("--tokenizer", tokenizer,
                  "tokenizer.json (default: the one beside --weights, as export writes it)");
@@ -248,15 +276,20 @@ int run_generate(int argc, char** argv) {
   TESSEL_CLI_PARSE(app, argc, argv);
   if (prompt.empty() == prompt_ids.empty())
     throw tessel::UserError("generate: give --prompt TEXT or --prompt-ids IDS");
+  // Files beside the weights: in the folder --weights names, or beside the file it names.
+  const auto folder = std::filesystem::is_directory(weights)
+                          ? std::filesystem::path(weights)
+                          : std::filesystem::path(weights).parent_path();
   if (tokenizer.empty()) {
-    auto beside = std::filesystem::path(weights).parent_path() / "tokenizer.json";
+    auto beside = folder / "tokenizer.json";
     if (std::filesystem::exists(beside)) tokenizer = beside.string();
   }
   if (tokenizer.empty() && !prompt.empty())
     throw tessel::UserError(
         "generate: --prompt needs a tokenizer (--tokenizer, or tokenizer.json "
         "beside --weights); --prompt-ids needs none");
-  const auto c = tessel::load_config(config, sets);
+  const auto c = !config.empty() ? tessel::load_config(config, sets)
+                                  : tessel::plan_from_hf_config((folder / "config.json").string(), sets);
   std::unique_ptr<tessel::TokenizerProcess> tok;
   if (!tokenizer.empty()) {
     tok = std::make_unique<tessel::TokenizerProcess>(tokenizer);

@@ -1,5 +1,7 @@
 #include "engine/optim.h"
 
+#include "engine/counters.h"
+
 #include <fmt/format.h>
 
 #include <ATen/ops/_fused_adamw.h>
@@ -55,14 +57,20 @@ FlatAdamW::FlatAdamW(models::Decoder& model, const TrainingConfig& t, dp::FlatLa
   const int64_t z = layout_.zero(), n = layout_.numel(), s = layout_.shard_numel();
   auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(front.device());
   auto w16 = f32.dtype(front.scalar_type());
-  if (z < 3) params_ = torch::zeros({n}, w16);
-  if (low_precision_ || z == 3) master_ = torch::zeros({s}, f32);  // fp32 stages 0-2: the weights
-  if (z == 3 && low_precision_) shard16_ = torch::zeros({s}, w16);
-  if (z < 2) grad_ = torch::zeros({n}, f32);
-  if (z < 2 && low_precision_) grads16_ = torch::zeros({n}, w16);
-  if (z >= 2) grad_shard_ = torch::zeros({s}, f32);
-  exp_avg_ = torch::zeros({s}, f32);
-  exp_avg_sq_ = torch::zeros({s}, f32);
+  {  // each buffer counted by the CPU allocator as the part of the state it holds (counters.h)
+    HeldAs weights(Held::kWeights);
+    if (z < 3) params_ = torch::zeros({n}, w16);
+    if (z == 3 && low_precision_) shard16_ = torch::zeros({s}, w16);
+    HeldAs master(low_precision_ ? Held::kOptimizer : Held::kWeights);
+    if (low_precision_ || z == 3) master_ = torch::zeros({s}, f32);  // fp32 stages 0-2: the weights
+    HeldAs grads(Held::kGrads);
+    if (z < 2) grad_ = torch::zeros({n}, f32);
+    if (z < 2 && low_precision_) grads16_ = torch::zeros({n}, w16);
+    if (z >= 2) grad_shard_ = torch::zeros({s}, f32);
+    HeldAs optimizer(Held::kOptimizer);
+    exp_avg_ = torch::zeros({s}, f32);
+    exp_avg_sq_ = torch::zeros({s}, f32);
+  }
   step_count_ = torch::zeros({}, f32);
   if (z == 3)
     for (const auto& b : layout_.buckets()) units_.push_back(torch::zeros({b.end - b.begin}, w16));

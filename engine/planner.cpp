@@ -259,7 +259,9 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
       const double blocks = std::min<double>(static_cast<double>(r.layers),
                                              t.recompute == "none" ? 1.0 : 3.0);
       r.gathered = w * (static_cast<double>(r.params) - r.layers * block + blocks * block);
-      r.activations += r.gathered;
+      // Plus the gradient buckets in flight: up to three units' fp32 gradients wait for their
+      // reduce-scatter (measured with the allocator counting from the first byte, 2026-11-25).
+      r.activations += r.gathered + 4.0 * std::min(static_cast<double>(r.params), 3 * block);
     }
 
     // Communication per step: the collectives this implementation issues (comm.h's byte count).
@@ -358,6 +360,71 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
   e.mfu = e.flops_per_step / e.step_s / static_cast<double>(e.world) /
           (matmul_peak_tflops(dev, t) * 1e12);
   return e;
+}
+
+std::optional<LayoutChoice> faster_layout(const Config& c, int64_t world, const DeviceProfile& d,
+                                          const PlanEstimate& current, double margin) {
+  const auto& t = c.training;
+  const double fits = 0.9 * d.memory_gib * 1024 * 1024 * 1024;
+  std::optional<LayoutChoice> best;
+  auto consider = [&](Config p, std::vector<std::string> sets) {
+    parallel::Layout l;
+    try {
+      l = parallel::check_layout(p, world, 0);
+    } catch (const UserError&) {
+      return;  // not a layout this plan can take
+    }
+    p.parallel.dp = l.dp;
+    auto e = estimate(p, l, d);
+    for (const auto& r : e.ranks)
+      if (r.total() > fits) return;
+    if (!best || e.step_s < best->estimate.step_s)
+      best = LayoutChoice{std::move(p), l, std::move(e), std::move(sets)};
+  };
+  for (int64_t tp = 1; tp <= std::min<int64_t>(d.gpus_per_node, world); tp *= 2)
+    for (int64_t cp = 1; tp * cp <= world; cp *= 2)
+      for (int64_t pp = 1; tp * cp * pp <= world && pp <= c.model.layers; pp *= 2) {
+        const int64_t dp = world / (tp * cp * pp);
+        if (dp * tp * cp * pp != world || t.global_batch % dp != 0) continue;
+        // The plan's micro-batch, or the largest that divides this dp's share of the batch.
+        int64_t mb = std::min(t.micro_batch, t.global_batch / dp);
+        while ((t.global_batch / dp) % mb != 0) --mb;
+        for (int64_t zero = 0; zero <= 3; ++zero)
+          for (const std::string schedule : {"1f1b", "interleaved"}) {
+            if (pp == 1 && schedule == "interleaved") continue;
+            Config p = c;
+            auto& par = p.parallel;
+            par.tp = tp, par.cp = cp, par.pp = pp, par.dp = dp, par.zero = zero;
+            par.sequence_parallel = tp > 1;
+            if (cp > 1 && c.parallel.cp == 1) par.context_method = "ring";
+            par.pipeline_schedule = pp > 1 ? schedule : c.parallel.pipeline_schedule;
+            par.virtual_stages = pp > 1 && schedule == "interleaved" ? 2 : 1;
+            par.layers_per_stage.clear();
+            p.training.micro_batch = mb;
+            // The overrides that turn the plan into this one: only the values that change.
+            std::vector<std::string> sets;
+            auto set = [&sets](const std::string& key, const auto& from, const auto& to) {
+              if (from != to) sets.push_back(fmt::format("{}={}", key, to));
+            };
+            const auto& was = c.parallel;
+            set("parallel.tp", was.tp, tp);
+            set("parallel.cp", was.cp, cp);
+            set("parallel.pp", was.pp, pp);
+            set("parallel.dp", was.dp, dp);
+            set("parallel.zero", was.zero, zero);
+            set("parallel.sequence_parallel", was.sequence_parallel, par.sequence_parallel);
+            if (pp > 1) {
+              set("parallel.pipeline.schedule", was.pipeline_schedule, par.pipeline_schedule);
+              set("parallel.pipeline.virtual_stages", was.virtual_stages, par.virtual_stages);
+            }
+            if (cp > 1) set("parallel.context.method", was.context_method, par.context_method);
+            if (!was.layers_per_stage.empty()) sets.push_back("parallel.pipeline.layers_per_stage=[]");
+            set("training.micro_batch", t.micro_batch, mb);
+            consider(std::move(p), std::move(sets));
+          }
+      }
+  if (!best || best->estimate.step_s > (1 - margin) * current.step_s) return std::nullopt;
+  return best;
 }
 
 std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& d) {

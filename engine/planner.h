@@ -5,6 +5,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,19 @@ struct PlanEstimate {
 };
 
 PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DeviceProfile& d);
+
+/// A layout of the same model, batch and recomputation on the same world, and its figures.
+struct LayoutChoice {
+  Config plan;  // the plan with its parallel keys (and micro_batch) changed
+  parallel::Layout layout;
+  PlanEstimate estimate;
+  std::vector<std::string> sets;  // the --set overrides that turn the plan into this one
+};
+/// The fastest layout by the planner's own figures among tp, cp, pp (1F1B or interleaved), dp
+/// and ZeRO stages that the checks accept and that fit the device's memory (90%); nullopt when
+/// none is at least `margin` (0.1 = 10%) faster than `current`.
+std::optional<LayoutChoice> faster_layout(const Config& c, int64_t world, const DeviceProfile& d,
+                                          const PlanEstimate& current, double margin = 0.1);
 
 /// Human-readable lines for --dry-run ("# ..."), and the same figures as JSON.
 std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& d);

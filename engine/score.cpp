@@ -6,7 +6,9 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
+#include "engine/checkpoint.h"
 #include "engine/data.h"
 #include "engine/tokenizer.h"
 #include "engine/train.h"
@@ -39,29 +41,92 @@ ScoreResult score_rows(const Config& c, const std::string& weights, const torch:
 
 }  // namespace
 
+Config plan_from_hf_config(const std::string& path, const std::vector<std::string>& sets) {
+  std::ifstream f(path);
+  if (!f) throw UserError(path + ": cannot open (no plan given: the model comes from config.json)");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    throw UserError(path + ": not valid JSON (" + e.what() + ")");
+  }
+  const std::string type = j.value("model_type", "");
+  if (type != "gpt2" && type != "llama")
+    throw UserError(path + ": model_type '" + type +
+                    "' is not one Tessel builds (gpt2, llama); give a plan instead");
+  auto key = [&](const char* name) -> const nlohmann::json& {
+    if (!j.contains(name)) throw UserError(path + ": no \"" + std::string(name) + "\" (model_type " + type + ")");
+    return j.at(name);
+  };
+  // The model section as YAML, so that the plan's own checks validate it.
+  std::string m = "arch: " + type;
+  auto put = [&](const char* plan_key, const nlohmann::json& v) {
+    m += std::string(", ") + plan_key + ": " + v.dump();
+  };
+  const bool gpt2 = type == "gpt2";
+  put("layers", key(gpt2 ? "n_layer" : "num_hidden_layers"));
+  put("hidden", key(gpt2 ? "n_embd" : "hidden_size"));
+  put("heads", key(gpt2 ? "n_head" : "num_attention_heads"));
+  put("vocab_size", key("vocab_size"));
+  put("max_seq_len", key(gpt2 ? "n_positions" : "max_position_embeddings"));
+  put("norm_eps", key(gpt2 ? "layer_norm_epsilon" : "rms_norm_eps"));
+  if (gpt2 && j.contains("n_inner") && !j["n_inner"].is_null()) put("ffn_hidden", j["n_inner"]);
+  if (!gpt2) {
+    put("kv_heads", j.value("num_key_value_heads", key("num_attention_heads")));
+    put("ffn_hidden", key("intermediate_size"));
+    if (j.contains("rope_theta")) put("rope_theta", j["rope_theta"]);
+  }
+  put("tie_embeddings", nlohmann::json(j.value("tie_word_embeddings", gpt2)));
+  // seq_len: the model's whole context (score's windows, generate's limit).
+  const auto ctx = key(gpt2 ? "n_positions" : "max_position_embeddings").dump();
+  return load_config_text("model: {" + m + "}\ntraining: {seq_len: " + ctx +
+                              ", micro_batch: 1, global_batch: 1}\ndata: {path: [unused]}\n",
+                          path, sets);
+}
+
 models::Decoder load_for_inference(const Config& c, const std::string& weights) {
   // --weights replaces every parameter, so the plan's init_from is not read first.
   Config plan = c;
   plan.model.init_from.clear();
   auto model = make_model(plan, resolve_device(c.training.device), resolve_dtype(c.training.dtype));
-  models::load_weights(model, weights);
+  namespace fs = std::filesystem;
+  if (!fs::is_directory(weights)) {
+    models::load_weights(model, weights);
+  } else if (fs::exists(fs::path(weights) / "model.safetensors")) {  // an export's folder
+    models::load_weights(model, (fs::path(weights) / "model.safetensors").string());
+  } else {  // a checkpoint: a step_<N> folder, or a checkpoint.dir (its latest)
+    std::string dir;
+    try {
+      dir = resolve_checkpoint(weights);
+    } catch (const UserError& e) {
+      throw UserError("--weights " + weights +
+                      ": a folder with no model.safetensors (an export's folder) that is not a "
+                      "complete checkpoint either (" + e.what() + ")");
+    }
+    models::assign_weights(model, checkpoint_model_weights(dir), dir);
+  }
   model->eval();
   return model;
 }
 
-ScoreResult score(const Config& c, const std::string& weights, const std::string& tokens_path) {
+ScoreResult score(const Config& c, const std::string& weights, const std::string& tokens_path,
+                  const std::string& token_dtype) {
   const int64_t row = c.training.seq_len + 1;
+  const int64_t elem = token_dtype == "uint16" ? 2 : 4;
   std::ifstream f(tokens_path, std::ios::binary | std::ios::ate);
   if (!f) throw UserError(tokens_path + ": cannot open the tokens file");
   const int64_t bytes = f.tellg();
-  if (bytes == 0 || bytes % (4 * row) != 0)
+  if (bytes == 0 || bytes % (elem * row) != 0)
     throw UserError(tokens_path + ": " + std::to_string(bytes) +
                     " bytes is not a whole number of rows of training.seq_len+1 = " +
-                    std::to_string(row) + " int32 tokens (" + std::to_string(4 * row) + " bytes)");
-  const int64_t b = bytes / (4 * row);
-  auto tokens = torch::empty({b, row}, torch::kInt32);
+                    std::to_string(row) + " " + token_dtype + " tokens (" +
+                    std::to_string(elem * row) + " bytes; --token-dtype says which type)");
+  const int64_t b = bytes / (elem * row);
+  auto tokens = torch::empty({b, row}, token_dtype == "uint16" ? torch::kUInt16
+                                       : token_dtype == "uint32" ? torch::kUInt32
+                                                                 : torch::kInt32);
   f.seekg(0);
-  f.read(reinterpret_cast<char*>(tokens.data_ptr<int32_t>()), bytes);
+  f.read(static_cast<char*>(tokens.data_ptr()), bytes);
   auto rows = tokens.to(torch::kInt64);
   check_ids(rows, c.model.vocab_size, tokens_path);
   return score_rows(c, weights, rows);

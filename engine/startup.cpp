@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
@@ -243,6 +244,8 @@ void Peers::start_heartbeat() {
   o.isServer = false;
   o.timeout = std::chrono::seconds(5);
   beat_->store = c10::make_intrusive<c10d::TCPStore>(host_, o);
+  if (const auto prefix = parallel::agent_store_prefix(); !prefix.empty())
+    beat_->store = c10::make_intrusive<c10d::PrefixStore>(prefix, beat_->store);
   beat_->rank = rank_;
   thread_ = std::thread([b = beat_] { beat_loop(b); });
 }

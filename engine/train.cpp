@@ -76,6 +76,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
     at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL, p);
     at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::CONV, p);
   }
+  if (!device_.is_cuda()) CpuAllocationCounter::get();  // counts the state from its first byte
   mesh_ = parallel::Mesh::create(c_, world, device_, std::move(start.store));
   weight_gather_wait_ =
       parallel::SpanTimer(parallel::time_on_device(device_, mesh_->dp_cp().backend_name()));
@@ -417,6 +418,11 @@ void Trainer::report_memory() {
   // steps added, activations mostly).
   auto& world = mesh_->world_group();
   const auto b = opt_->bytes();
+  // The state as the CPU allocator counted it, each part on its own (-1 on CUDA: not counted).
+  auto allocated = [this](Held what) {
+    return device_.is_cuda() ? -1.0
+                             : static_cast<double>(CpuAllocationCounter::get().live(what));
+  };
   auto mine = torch::tensor(
       {static_cast<double>(opt_->numel()), static_cast<double>(opt_->layout().numel()),
        static_cast<double>(b.params), static_cast<double>(b.grads),
@@ -425,7 +431,8 @@ void Trainer::report_memory() {
        static_cast<double>(gatherer_ ? gatherer_->largest_unit_bytes() : 0),
        static_cast<double>(reducer_->peak_bucket_bytes()), static_cast<double>(setup_rss_),
        static_cast<double>(peak_rss_bytes()), static_cast<double>(counters_->step_base_bytes()),
-       static_cast<double>(counters_->step_peak_bytes())},
+       static_cast<double>(counters_->step_peak_bytes()), allocated(Held::kWeights),
+       allocated(Held::kGrads), allocated(Held::kOptimizer)},
       torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   // Then the bytes per training step of every group (the planner's comm figures).
   const auto comm = counters_->comm_bytes_per_step();
@@ -451,8 +458,11 @@ void Trainer::report_memory() {
                         "setup_peak_rss_bytes",
                         "peak_rss_bytes",
                         "step_base_bytes",
-                        "step_peak_bytes"};
-  constexpr int64_t kKeys = 12;
+                        "step_peak_bytes",
+                        "allocated_weights_bytes",
+                        "allocated_grads_bytes",
+                        "allocated_optimizer_bytes"};
+  constexpr int64_t kKeys = 15;
   for (int64_t r = 0; r < world.size(); ++r) {
     nlohmann::json row = {{"rank", r}};
     for (int64_t k = 0; k < kKeys; ++k)

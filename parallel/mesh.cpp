@@ -256,15 +256,26 @@ std::string describe_grid(const Layout& l) {
   return s.str();
 }
 
+std::string agent_store_prefix() {
+  const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  if (!agent || std::string(agent) != "True") return "";
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  return std::string("/tessel/attempt_") + (attempt ? attempt : "0");
+}
+
 c10::intrusive_ptr<c10d::Store> rendezvous(const WorldInfo& w, double timeout_s) {
+  const std::string prefix = agent_store_prefix();
+  const bool agent_store = !prefix.empty();
   c10d::TCPStoreOptions o;
   o.port = static_cast<uint16_t>(w.master_port);
-  o.isServer = w.rank == 0;
+  o.isServer = w.rank == 0 && !agent_store;
   o.numWorkers = w.world;
   o.waitWorkers = false;  // the start-up agreement waits, naming the ranks that do not come
   o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   try {
-    return c10::make_intrusive<c10d::TCPStore>(w.master_addr, o);
+    c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::TCPStore>(w.master_addr, o);
+    if (!agent_store) return store;
+    return c10::make_intrusive<c10d::PrefixStore>(prefix, store);
   } catch (const c10::Error& e) {
     throw UserError(fmt::format("rank {}: rendezvous at {}:{} failed: {}", w.rank, w.master_addr,
                                 w.master_port, e.what_without_backtrace()));

@@ -46,6 +46,10 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world);
 /// Text of the rank grid: every rank's coordinates and its group members (for --dry-run).
 std::string describe_grid(const Layout& l);
 
+/// Under torchrun's elastic agent (TORCHELASTIC_USE_AGENT_STORE=True) MASTER_PORT is the
+/// agent's own store: every rank is its client, and each restart attempt keeps its keys under
+/// this prefix ("/tessel/attempt_<TORCHELASTIC_RESTART_COUNT>"). Empty otherwise.
+std::string agent_store_prefix();
 /// The rendezvous store: a TCPStore at master_addr:master_port served by rank 0 (which does not
 /// wait for the others here); the others connect, retrying up to timeout_s. Throws UserError.
 c10::intrusive_ptr<c10d::Store> rendezvous(const WorldInfo& w, double timeout_s);

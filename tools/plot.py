@@ -5,12 +5,33 @@
 
 Several runs are drawn on the same axes (labelled by folder), e.g. to compare layouts. Writes
 loss.png, throughput.png and memory.png into --out (default: the first run's folder). Needs
-matplotlib (third_party/setup.sh test installs it into the project's Python environment).
+matplotlib: run by any python3, it re-runs itself with the first Python that has it among
+$TESSEL_PYTHON, the checkout's .env and the per-user cache's environment
+(${TESSEL_CACHE:-~/.cache/tessel}/py-torch*), where `make test` installs it.
 """
 import argparse
+import glob
 import json
 import os
+import subprocess
 import sys
+
+
+def python_with_matplotlib():
+    """A Python that can import matplotlib, or exits naming the ones it tried."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cache = os.environ.get("TESSEL_CACHE", os.path.expanduser("~/.cache/tessel"))
+    tried = []
+    for py in [os.environ.get("TESSEL_PYTHON"), os.path.join(here, "..", ".env", "bin", "python"),
+               *sorted(glob.glob(os.path.join(cache, "py-torch*", "bin", "python")))]:
+        if not py or not os.path.exists(py) or py in tried:
+            continue
+        tried.append(py)
+        if subprocess.run([py, "-c", "import matplotlib"], capture_output=True).returncode == 0:
+            return py
+    sys.exit("plot: matplotlib is missing from this Python (" + sys.executable + ")" +
+             (" and from " + ", ".join(tried) if tried else "") +
+             ": pip install matplotlib, or set TESSEL_PYTHON to a Python that has it")
 
 
 def read(path):
@@ -40,7 +61,10 @@ def main():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        sys.exit("plot: matplotlib is missing: pip install matplotlib (or third_party/setup.sh test)")
+        if os.environ.get("TESSEL_PLOT_REEXEC"):
+            sys.exit("plot: matplotlib is missing")
+        py = python_with_matplotlib()
+        os.execve(py, [py, os.path.abspath(__file__), *sys.argv[1:]], dict(os.environ, TESSEL_PLOT_REEXEC="1"))
     runs = [read(p) for p in args.runs]
     out = args.out or os.path.dirname(os.path.abspath(runs[0][0]))
     os.makedirs(out, exist_ok=True)
@@ -66,16 +90,22 @@ def main():
                     y = [v / 2**30 for v in y]
                 if x:
                     ax.plot(x, y, style, label=f"{label}: {what}" if len(runs) > 1 else what)
-        if name == "throughput.png":
+        handles = []
+        if name == "throughput.png":  # MFU on its own axis, one labelled line per run
             ax2 = ax.twinx()
             for path, rows in runs:
+                label = os.path.basename(os.path.dirname(os.path.abspath(path)))
                 x, y = series(rows, "mfu")
                 if x:
-                    ax2.plot(x, [100 * v for v in y], ":", color="gray", label="MFU")
+                    ax2.plot(x, [100 * v for v in y], ":", label=f"{label}: MFU" if len(runs) > 1 else "MFU")
             ax2.set_ylabel("MFU (%)")
+            handles = ax2.get_legend_handles_labels()
         ax.set_xlabel("tokens consumed" if args.x == "tokens" else "step")
         ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=8)
+        h, lab = ax.get_legend_handles_labels()
+        if handles:
+            h, lab = h + handles[0], lab + handles[1]
+        ax.legend(h, lab, loc="best", fontsize=8)
         ax.set_title(name[:-4])
         fig.tight_layout()
         target = os.path.join(out, name)

@@ -45,9 +45,13 @@ TEST_P(CpAttention, MatchesDenseCausalAttention) {
   EXPECT_TRUE(close(kl.grad(), mine(kd.grad())))
       << (kl.grad() - mine(kd.grad())).abs().max().item<double>();
   EXPECT_TRUE(close(vl.grad(), mine(vd.grad())));
-  // The positions of this rank's tokens are those the chunks were cut from.
-  auto pos = local_positions(seq, n, g.rank(), torch::kCPU);
-  EXPECT_TRUE(torch::equal(pos, mine(torch::arange(seq).view({1, 1, seq, 1})).flatten()));
+  // The positions of this rank's tokens, written out: chunks r and 2n-1-r of 2n, each seq/2n
+  // long (the load-balanced causal layout), not derived from the code that cuts them.
+  const int64_t len = seq / (2 * n), r = g.rank();
+  auto want = torch::cat({torch::arange(r * len, (r + 1) * len),
+                          torch::arange((2 * n - 1 - r) * len, (2 * n - r) * len)});
+  EXPECT_TRUE(torch::equal(local_positions(seq, n, r, torch::kCPU), want));
+  EXPECT_TRUE(torch::equal(mine(torch::arange(seq).view({1, 1, seq, 1})).flatten(), want));
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, CpAttention,

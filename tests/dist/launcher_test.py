@@ -9,7 +9,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
-from common import free_port  # noqa: E402
+from common import base_plan, free_port, read_metrics, write_plan, write_tokens  # noqa: E402
 
 BIN = os.environ.get("TESSEL_BIN", os.path.join(os.path.dirname(__file__), "../../build/bin"))
 LAUNCH = os.path.join(BIN, "tessel-launch")
@@ -144,6 +144,27 @@ class Launcher(unittest.TestCase):
         p.communicate(timeout=30)
         self.assertEqual(p.returncode, 128 + signal.SIGTERM)
         self.assertEqual(sorted(f for f in os.listdir(self.tmp) if f.startswith("term_")), ["term_0", "term_1", "term_2"])
+
+    def test_torchrun_runs_tessel_train(self):
+        # torchrun --no-python starts the binary itself; its MASTER_PORT is the elastic agent's
+        # store (every rank a client, keys per restart attempt). The same losses as tessel-launch.
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        data = write_tokens(os.path.join(self.tmp, "d.u16"), 20000, period=37)
+        losses = {}
+        for how in ("tessel-launch", "torchrun"):
+            plan = base_plan(self.tmp, "gpt2", data, steps=4, global_batch=4, micro_batch=1, threads=1)
+            plan["run"]["output_dir"] = os.path.join(self.tmp, how)
+            plan["parallel"] = {"dp": 2}
+            path = write_plan(os.path.join(self.tmp, how + ".yaml"), plan)
+            train = os.path.join(BIN, "tessel-train")
+            cmd = ([LAUNCH, "--nproc-per-node", "2", "--master-port", str(free_port()), "--", train, path]
+                   if how == "tessel-launch" else
+                   [torchrun, "--standalone", "--nproc-per-node", "2", "--no-python", train, path])
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-3000:])
+            losses[how] = [m["loss"] for m in read_metrics(os.path.join(self.tmp, how, "metrics.jsonl")) if "loss" in m]
+        self.assertEqual(len(losses["torchrun"]), 4)
+        self.assertEqual(losses["torchrun"], losses["tessel-launch"])
 
 
 if __name__ == "__main__":

@@ -150,7 +150,8 @@ class Operations(TmpDirTest):
         # Continue from step_10 to step 20 with keep=1: the new step_20 must survive and `latest`
         # name it; step_30 belongs to the abandoned timeline and is left alone.
         run("tessel-train", self.plan("q", steps=20, checkpoint={"every": 10, "keep": 1,
-                                                               "resume": self.path("q", "checkpoints", "step_10")}))
+                                                               "resume": self.path("q", "checkpoints", "step_10"),
+                                                               "accept_changes": ["training.steps"]}))
         ckpts = self.path("q", "checkpoints")
         with open(os.path.join(ckpts, "latest")) as f:
             self.assertEqual(f.read().strip(), "step_20")
@@ -220,7 +221,8 @@ class Operations(TmpDirTest):
         index["tensors"][name]["shards"].pop()
         with open(index_path, "w") as f:
             json.dump(index, f)
-        p = run("tessel-train", self.plan("z1", steps=20, checkpoint={"resume": self.path("z", "checkpoints")}),
+        p = run("tessel-train", self.plan("z1", steps=20, checkpoint={"resume": self.path("z", "checkpoints"),
+                                                                             "accept_changes": ["training.steps"]}),
                 check=False)
         self.assertEqual(p.returncode, 2, p.stderr)
         self.assertRegex(p.stderr, rf"the shards of '{re.escape(name)}' cover \d+ of its \d+ elements")
@@ -235,7 +237,7 @@ class Operations(TmpDirTest):
             b = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([b[0] ^ 1]))
-        resume = self.plan("c2", steps=20, checkpoint={"resume": files})
+        resume = self.plan("c2", steps=20, checkpoint={"resume": files, "accept_changes": ["training.steps"]})
         p = run("tessel-train", resume, check=False)
         self.assertEqual(p.returncode, 2, p.stderr)
         self.assertRegex(p.stderr, rf"{re.escape(shard)}: corrupt checkpoint file: \d+ bytes with checksum [0-9a-f]{{16}}, "
@@ -255,7 +257,7 @@ class Operations(TmpDirTest):
         del index["files"]
         with open(os.path.join(unverified, "index.json"), "w") as f:
             json.dump(index, f)
-        for args in ([self.plan("u2", steps=20, checkpoint={"resume": unverified})],
+        for args in ([self.plan("u2", steps=20, checkpoint={"resume": unverified, "accept_changes": ["training.steps"]})],
                      ["export", unverified, "--out", self.path("u_hf")]):
             p = run("tessel-train", *args, check=False)
             self.assertEqual(p.returncode, 2, p.stderr)

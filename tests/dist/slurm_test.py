@@ -4,6 +4,7 @@ that gets `scancel --signal=USR1` mid-run saves a checkpoint, requeues itself an
 bitwise equal to the uninterrupted run."""
 import os
 import re
+import subprocess
 import sys
 import time
 import unittest
@@ -48,6 +49,28 @@ class Slurm(TmpDirTest):
     def losses(self, name):
         return [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(self.path(name, "metrics.jsonl"))
                 if "loss" in m]
+
+    def test_srun_starts_tessel_train_directly(self):
+        # One Slurm task per rank, no launcher (as examples/slurm/gpu_srun.sbatch does on GPUs):
+        # ranks from SLURM_PROCID/SLURM_NTASKS, two nodes; the same losses as tessel-launch.
+        script = self.path("srun.sbatch")
+        with open(script, "w") as f:
+            f.write('#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\nset -u\n'
+                    'srun --kill-on-bad-exit=1 "$TESSEL_BIN/tessel-train" "$@"\n')
+        exports = dict(TESSEL_BIN=os.path.abspath(BIN), MASTER_PORT=str(free_port()), MASTER_ADDR="127.0.0.1",
+                       OMP_NUM_THREADS="1")
+        job = self.cluster.submit(script, ["--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items()),
+                                           "-D", self.tmp, "-o", self.path("job-%j.out")], [self.plan("srun", 12)])
+        state = self.cluster.wait(job)
+        out = self.output(job)
+        self.assertEqual(state["JobState"], "COMPLETED", f"{out}\n{state}\n{self.cluster.logs()}")
+        self.assertEqual(state["NodeList"], "n[1-2]")
+        self.assertIn("2 processes (Slurm", out)
+        subprocess.run([os.path.join(BIN, "tessel-launch"), "--nproc-per-node", "2", "--master-port", str(free_port()),
+                        "--", os.path.join(BIN, "tessel-train"), self.plan("launch", 12)], check=True,
+                       capture_output=True, timeout=300)
+        self.assertEqual(len(self.losses("srun")), 12)
+        self.assertEqual(self.losses("srun"), self.losses("launch"))
 
     def test_single_node_multi_node_and_preemption(self):
         # One node, two workers: trains to completion.

@@ -9,7 +9,7 @@ from common import (TmpDirTest, base_plan, random_rows, read_json, read_metrics,
                     write_rows, write_tokens)
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "ms_per_step", "tokens_per_s", "tflops_per_device", "mfu",
-               "mem_bytes"}
+               "mem_bytes", "comm_exposed_ms"}
 
 
 class Cli(TmpDirTest):
@@ -99,6 +99,13 @@ class Cli(TmpDirTest):
             self.assertTrue(METRIC_KEYS <= set(m), set(m))
             self.assertGreater(m["tokens_per_s"], 0)
             self.assertAlmostEqual(m["mfu"], m["tflops_per_device"] / 1.0)  # logging.peak_tflops = 1
+            self.assertEqual(m["comm_exposed_ms"], 0.0)  # one process: no communication to expose
+            # The FLOPs behind the figure, counted here: gpt2, 2 blocks of 12h²+13h weights, h=32,
+            # final norm 2h, the tied table 300·h (the head's weights); 6N + 12·L·h·T with T=16.
+            n = 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32 + 300 * 32
+            flops_per_token = 6 * n + 12 * 2 * 32 * 16
+            self.assertAlmostEqual(m["tflops_per_device"], flops_per_token * m["tokens_per_s"] / 1e12,
+                                   delta=1e-9 * m["tflops_per_device"])
         self.assertEqual([m["step"] for m in evals], [2, 4])
         # Resolved plan next to the metrics; checkpoints: keep=2 leaves the two newest, latest -> step_4.
         self.assertIn("tie_embeddings: true", read_text(self.path("run", "config.yaml")))
@@ -119,6 +126,26 @@ class Cli(TmpDirTest):
         self.assertIn("not a complete checkpoint", p.stderr)
         run("tessel-train", "export", os.path.join(ckpts, "step_3"), "--out", self.path("hf3"))
         self.assertEqual(read_json(self.path("hf3", "config.json"))["architectures"], ["GPT2LMHeadModel"])
+        # Into a previous export's folder: its files are replaced, none left stale (a tokenizer.json
+        # from before used to stay beside the new weights); a folder holding other files, or one
+        # inside a checkpoint (export could write into the checkpoint itself), is refused.
+        with open(self.path("hf3", "tokenizer.json"), "w") as f:
+            f.write("{}")
+        p = run("tessel-train", "export", os.path.join(ckpts, "step_3"), "--out", self.path("hf3"))
+        self.assertIn(f"replacing the previous export in {self.path('hf3')} (removed config.json, model.safetensors, "
+                      "tokenizer.json)", p.stdout + p.stderr)
+        self.assertEqual(sorted(os.listdir(self.path("hf3"))), ["config.json", "model.safetensors"])
+        with open(self.path("hf3", "notes.txt"), "w") as f:
+            f.write("mine")
+        p = run("tessel-train", "export", os.path.join(ckpts, "step_3"), "--out", self.path("hf3"), check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn(f"export --out {self.path('hf3')}: the folder holds files an export does not write (notes.txt)",
+                      p.stderr)
+        for inside in (os.path.join(ckpts, "step_3"), os.path.join(ckpts, "hf")):
+            p = run("tessel-train", "export", os.path.join(ckpts, "step_3"), "--out", inside, check=False)
+            self.assertEqual(p.returncode, 2, inside)
+            self.assertIn("inside the checkpoint folder", p.stderr)
+        self.assertEqual(sorted(os.listdir(ckpts)), ["latest", "step_3", "step_4"])
 
     def check_resume(self, dtype):
         import shutil
@@ -191,6 +218,43 @@ class Cli(TmpDirTest):
                 check=False)
         self.assertEqual(p.returncode, 2)
         self.assertIn("token id 300 at row 1, column 5 is outside model.vocab_size 300", p.stderr)
+
+    def test_inference_takes_what_a_user_has(self):
+        # --weights given a checkpoint folder used to fail with "cannot map: No such device";
+        # score --tokens wanted int32 while tokens data is uint16 by default; generate wanted a
+        # plan although config.json sits beside exported weights.
+        rows = random_rows(3)
+        write_rows(self.path("rows.bin"), rows)
+        rows.numpy().astype("<u2").tofile(self.path("rows.u16"))
+        plan = write_plan(self.path("p.yaml"), self.plan(steps=2))
+        run("tessel-train", plan)
+        run("tessel-train", "export", self.path("run", "checkpoints"), "--out", self.path("hf"))
+        scores = []
+        for weights, tokens, dtype in ((self.path("hf", "model.safetensors"), "rows.bin", "int32"),
+                                       (self.path("hf"), "rows.u16", "uint16"),
+                                       (self.path("run", "checkpoints"), "rows.bin", "int32"),
+                                       (self.path("run", "checkpoints", "step_2"), "rows.u16", "uint16")):
+            p = run("tessel-train", "score", plan, "--weights", weights, "--tokens", self.path(tokens),
+                    "--token-dtype", dtype)
+            scores.append(json.loads(p.stdout)["loss"])
+        self.assertEqual(len(set(scores)), 1, scores)  # one model, one loss, whichever way named
+        p = run("tessel-train", "score", plan, "--weights", self.path("hf"), "--tokens", self.path("rows.u16"),
+                check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("is not a whole number of rows of training.seq_len+1", p.stderr)
+        self.assertIn("--token-dtype says which type", p.stderr)
+        os.makedirs(self.path("txt"))
+        p = run("tessel-train", "score", plan, "--weights", self.path("txt"), "--tokens", self.path("rows.bin"),
+                check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn(f"--weights {self.path('txt')}: a folder with no model.safetensors", p.stderr)
+        # generate with no plan: the model from config.json beside the weights; the same ids as with it.
+        with_plan = run("tessel-train", "generate", plan, "--weights", self.path("hf"), "--prompt-ids", "1,2,3",
+                        "--max-new-tokens", "5", "--json")
+        without = run("tessel-train", "generate", "--weights", self.path("hf", "model.safetensors"),
+                      "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--json")
+        self.assertEqual(json.loads(with_plan.stdout)["ids"], json.loads(without.stdout)["ids"])
+        self.assertEqual(len(json.loads(without.stdout)["ids"]), 5)
 
 
 if __name__ == "__main__":

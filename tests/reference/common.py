@@ -53,8 +53,13 @@ def write_plan(path, plan):
 
 
 def read_metrics(path):
+    """metrics.jsonl's lines; no MFU above 100% is ever written (every test reading metrics checks)."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        rows = [json.loads(line) for line in f if line.strip()]
+    over = [r for r in rows if r.get("mfu", 0) > 1.0]
+    if over:
+        raise AssertionError(f"{path}: MFU above 100% at step {over[0].get('step')}: {over[0]['mfu']}")
+    return rows
 
 
 def free_port():
@@ -111,8 +116,9 @@ def model_plan(arch):
             "vocab_size": 300, "max_seq_len": 64, "norm_eps": 1e-6, "rope_theta": 5000.0}
 
 
-def hf_model(arch, seed=0):
-    """A transformers model with random weights (norm weights and biases perturbed too)."""
+def hf_model(arch, seed=0, tied=False):
+    """A transformers model with random weights (norm weights and biases perturbed too); `tied`:
+    a llama whose head is its embedding (Llama-3.2 1B/3B style; gpt2 is always tied)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     m = model_plan(arch)
@@ -125,7 +131,7 @@ def hf_model(arch, seed=0):
         cfg = LlamaConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden"], intermediate_size=m["ffn_hidden"],
                           num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
                           num_key_value_heads=m["kv_heads"], max_position_embeddings=m["max_seq_len"],
-                          rms_norm_eps=m["norm_eps"], rope_theta=m["rope_theta"], tie_word_embeddings=False,
+                          rms_norm_eps=m["norm_eps"], rope_theta=m["rope_theta"], tie_word_embeddings=tied,
                           attn_implementation="eager")
         model = LlamaForCausalLM(cfg)
     with torch.no_grad():

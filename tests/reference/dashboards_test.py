@@ -62,3 +62,12 @@ class Dashboards(TmpDirTest):
         plan["parallel"] = {}
         run("tessel-train", write_plan(self.path("quiet.yaml"), plan))
         self.assertFalse(os.path.exists(self.path("quiet", "tensorboard")))
+        # tools/plot.py run as a program by the system's python3, which lacks matplotlib: it
+        # re-runs itself with the project's Python (it used to need that Python named, and was
+        # not executable). Two runs on one plot.
+        env = {k: v for k, v in os.environ.items() if k != "TESSEL_PYTHON"}
+        env["PATH"] = "/usr/bin:/bin"
+        p = subprocess.run([os.path.join(ROOT, "tools", "plot.py"), self.path("run"), self.path("quiet"),
+                            "--out", self.path("png2")], capture_output=True, text=True, env=env)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(sorted(os.listdir(self.path("png2"))), ["loss.png", "memory.png", "throughput.png"])

@@ -54,6 +54,27 @@ class DataCli(TmpDirTest):
         self.assertEqual(p.returncode, 2)
         self.assertIn(f"ds.bin: truncated: sequence 2 of {self.path('ds')}.idx needs bytes up to {size}", p.stderr)
 
+    def test_tokens_in_uint32_train_like_uint16(self):
+        # data.token_dtype uint32 (vocabularies past 65,536): the same ids give the same losses.
+        toks = np.random.default_rng(1).integers(0, 257, size=6000)
+        toks.astype("<u2").tofile(self.path("t.u16"))
+        toks.astype("<u4").tofile(self.path("t.u32"))
+        losses = []
+        for name, dtype in (("t.u16", "uint16"), ("t.u32", "uint32")):
+            plan = text_plan(self.tmp, "tokens", [self.path(name)], dtype)
+            plan["data"]["token_dtype"] = dtype
+            run("tessel-train", write_plan(self.path(dtype + ".yaml"), plan))
+            losses.append([m["loss"] for m in read_metrics(self.path(dtype, "metrics.jsonl"))])
+        self.assertEqual(len(losses[0]), 3)
+        self.assertEqual(losses[0], losses[1])
+        # A uint16 file read as uint32 is refused when its size says so, or names the bad id.
+        np.arange(3, dtype="<u2").tofile(self.path("odd.u16"))
+        plan = text_plan(self.tmp, "tokens", [self.path("odd.u16")], "odd")
+        plan["data"]["token_dtype"] = "uint32"
+        p = run("tessel-train", write_plan(self.path("odd.yaml"), plan), check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("odd.u16: size 6 bytes is not a multiple of 4 (data.token_dtype uint32)", p.stderr)
+
     def test_out_of_range_token_is_found_before_any_work(self):
         # An id of 5000 at token 1500 used to train until the sample holding it was drawn (steps
         # and checkpoints first), and a run that never drew it ended with exit 0. Now the start-up

@@ -21,13 +21,19 @@ def score(plan_path, weights, tokens):
 
 
 class HfParity(TmpDirTest):
-    def check_hf_to_tessel(self, arch):
-        model = hf_model(arch)
+    def plan(self, arch, data, tied=False, **training):
+        plan = base_plan(self.tmp, arch, data, **training)
+        if tied:
+            plan["model"]["tie_embeddings"] = "true"
+        return write_plan(self.path("plan.yaml"), plan)
+
+    def check_hf_to_tessel(self, arch, tied=False):
+        model = hf_model(arch, tied=tied)
         model.save_pretrained(self.path("hf"), safe_serialization=True)
         rows = random_rows(6)
         write_rows(self.path("rows.bin"), rows)
         data = write_tokens(self.path("data.u16"), 2000)
-        plan = write_plan(self.path("plan.yaml"), base_plan(self.tmp, arch, data))
+        plan = self.plan(arch, data, tied)
         got = score(plan, self.path("hf", "model.safetensors"), self.path("rows.bin"))
         want = hf_loss(model, rows)
         self.assertEqual(got["tokens"], 6 * 16)
@@ -35,10 +41,10 @@ class HfParity(TmpDirTest):
         print(f"\n{arch} HF->Tessel: loss {want:.6f}, relative difference {rel(got['loss'], want):.2e}", file=sys.stderr)
         return got["loss"]
 
-    def check_tessel_to_hf(self, arch):
+    def check_tessel_to_hf(self, arch, tied=False):
         # Tessel trains from its own seeded init, exports Hugging Face files, transformers reads them.
         data = write_tokens(self.path("data.u16"), 2000)
-        plan = write_plan(self.path("plan.yaml"), base_plan(self.tmp, arch, data, steps=2))
+        plan = self.plan(arch, data, tied, steps=2)
         run("tessel-train", plan)
         ckpt = self.path("run", "checkpoints")
         run("tessel-train", "export", ckpt, "--format", "hf", "--out", self.path("export"))
@@ -66,6 +72,12 @@ class HfParity(TmpDirTest):
 
     def test_llama_gqa_export(self):
         self.check_tessel_to_hf("llama")
+
+    def test_llama_tied_embeddings_both_ways(self):
+        # Llama-3.2 1B/3B tie the head to the embedding: read from and exported to transformers.
+        self.check_hf_to_tessel("llama", tied=True)
+        self.check_tessel_to_hf("llama", tied=True)
+        self.assertTrue(AutoModelForCausalLM.from_pretrained(self.path("export")).config.tie_word_embeddings)
 
     def test_hub_style_gpt2_names(self):
         # The hub's gpt2 files have no "transformer." prefix and carry attn.bias buffers.

@@ -174,6 +174,27 @@ class Tokenize(TmpDirTest):
         a, b = (json.loads(run(*args, "--temperature", 2.0, "--seed", 7).stdout.splitlines()[-1])["ids"]
                 for _ in range(2))
         self.assertEqual(a, b)
+        # And sampling changes what comes out (a sampler that ignored its options would pass the
+        # lines above): seeds differ; every token drawn under --top-k 3 is among the model's three
+        # most likely at its position (transformers' logits), and without it some are not; a tiny
+        # temperature is greedy.
+        def sample(*extra):
+            return json.loads(run(*args, *extra).stdout.splitlines()[-1])["ids"]
+
+        prompt_ids = hf_tok("the quick", return_tensors="pt").input_ids[0].tolist()
+
+        def ranks(seq):  # how many tokens the model ranks above each drawn one
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt_ids + seq])).logits[0, len(prompt_ids) - 1:-1]
+            return [int((logits[i] > logits[i, t]).sum()) for i, t in enumerate(seq)]
+
+        hot = [sample("--temperature", 3.0, "--seed", s) for s in (1, 2, 3, 4)]
+        self.assertEqual(len({tuple(h) for h in hot}), 4, hot)
+        self.assertGreater(max(max(ranks(h)) for h in hot), 2, hot)
+        top3 = [sample("--temperature", 3.0, "--top-k", 3, "--seed", s) for s in (1, 2, 3, 4)]
+        self.assertLessEqual(max(max(ranks(h)) for h in top3), 2, top3)
+        self.assertGreater(len({tuple(h) for h in top3}), 1, top3)
+        self.assertEqual(sample("--temperature", 0.01, "--seed", 5), greedy)
         # score on the dataset equals transformers' loss on the same windows.
         p = run("tessel-train", "score", cfg, "--weights", self.path("hf", "model.safetensors"),
                 "--data", self.path("ds"), "--max-rows", 6)

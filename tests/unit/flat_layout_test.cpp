@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <set>
 
 #include "parallel/dp/flat_layout.h"
 
@@ -64,13 +65,29 @@ TEST(FlatLayout, Zero3BucketsAreUnitsAndChunksNeverMix) {
   EXPECT_EQ(units, (std::vector<std::string>{"root", "layers.1", "layers.0", "root"}));
   EXPECT_EQ(unit_of("layers.12.attn.q.weight"), "layers.12");
   EXPECT_EQ(unit_of("norm.weight"), "root");
+  // Chunks 1 and 0 alternate in the entry order, and the bucket cap (1000) would hold them all:
+  // every bucket must still hold one chunk's parameters only (a bucket is reduced when its chunk's
+  // backward is done), and the tied embedding a bucket of its own.
   auto chunked = toy();
-  for (size_t i = 0; i < 4; ++i) chunked[i].chunk = 1;
+  const std::map<std::string, int64_t> chunk_of = {
+      {"head.weight", 1},           {"norm.weight", 1},           {"layers.1.mlp.up.weight", 0},
+      {"layers.1.attn.q.weight", 1}, {"layers.0.mlp.up.weight", 0}, {"layers.0.attn.q.weight", 0},
+      {"embed.weight", 0}};
+  for (auto& e : chunked) e.chunk = chunk_of.at(e.name);
   FlatLayout pp(chunked, {1000, 2, 0, 1, true});
-  for (const auto& s : pp.slots())
+  std::set<std::pair<int64_t, int64_t>> bucket_chunks;  // (bucket, chunk) pairs seen
+  for (const auto& s : pp.slots()) {
+    bucket_chunks.insert({s.bucket, chunk_of.at(s.name)});
+    EXPECT_EQ(pp.buckets()[static_cast<size_t>(s.bucket)].chunk, chunk_of.at(s.name)) << s.name;
     for (const auto& t : pp.slots())
-      if (s.bucket == t.bucket)
-        EXPECT_EQ(s.name.substr(0, 3) == "emb", t.name.substr(0, 3) == "emb");
+      if (s.bucket == t.bucket) {
+        EXPECT_EQ(chunk_of.at(s.name), chunk_of.at(t.name)) << s.name << " and " << t.name;
+        EXPECT_EQ(s.name == "embed.weight", t.name == "embed.weight") << s.name << " and " << t.name;
+      }
+  }
+  std::set<int64_t> buckets;
+  for (const auto& [b, c] : bucket_chunks) EXPECT_TRUE(buckets.insert(b).second) << "bucket " << b;
+  EXPECT_GE(pp.buckets().size(), 4u);  // chunk runs 1 | 0 | 1 | 0 (embedding alone)
   EXPECT_THROW(pp.slot("nope"), std::out_of_range);
 }
 

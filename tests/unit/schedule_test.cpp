@@ -57,12 +57,24 @@ TEST_P(Schedules, RunWithoutDeadlockAndMatchTheBubbleTheory) {
   EXPECT_TRUE(sim.ordered_messages);
   // And the executor's batches complete when sends wait for their receive (NCCL's rendezvous).
   EXPECT_EQ(rendezvous_deadlock(s), "");
-  // Activations held: GPipe all m; 1F1B at most p (p on the first stage).
-  if (c.name == "gpipe")
-    for (auto a : sim.peak_activations) EXPECT_EQ(a, c.m);
-  if (c.name == "1f1b") {
-    for (auto a : sim.peak_activations) EXPECT_LE(a, c.p);
-    EXPECT_EQ(sim.peak_activations[0], c.p);
+  // Activations held, counted from the schedule's own action lists (a forward holds one
+  // micro-batch chunk until its backward) and compared with the papers' bounds and with what the
+  // simulator reports: GPipe m; 1F1B min(m, p-r) on rank r; interleaved (Megatron's warm-up of
+  // 2(p-r-1) + (v-1)p forwards, then one more) min(vm, 2(p-r-1) + (v-1)p + 1).
+  for (int64_t r = 0; r < c.p; ++r) {
+    int64_t held = 0, peak = 0;
+    for (const auto& a : s.ranks[static_cast<size_t>(r)]) {
+      if (a.op == Op::kForward) ++held;
+      if (a.op == Op::kBackward) --held;
+      peak = std::max(peak, held);
+    }
+    EXPECT_EQ(held, 0) << c.name << " rank " << r;
+    const int64_t bound = c.name == "gpipe" ? c.m
+                          : c.name == "1f1b"
+                              ? std::min(c.m, c.p - r)
+                              : std::min(c.v * c.m, 2 * (c.p - r - 1) + (c.v - 1) * c.p + 1);
+    EXPECT_EQ(peak, bound) << c.name << " p=" << c.p << " m=" << c.m << " v=" << c.v << " rank " << r;
+    EXPECT_EQ(sim.peak_activations[static_cast<size_t>(r)], peak) << c.name << " rank " << r;
   }
 }
 
