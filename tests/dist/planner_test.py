@@ -158,6 +158,29 @@ class RecomputeTime(unittest.TestCase):
         self.assertGreater(sel["compute_s"], none["compute_s"])
 
 
+class OnePeak(unittest.TestCase):
+    """The step time and the MFU of a plan use one peak: an fp32 plan with TF32 on used to be
+    timed at the TF32 rate and divided by the plain fp32 peak (MFU 367.9% on h100)."""
+
+    def test_mfu_never_exceeds_the_efficiency(self):
+        root = os.environ.get("TESSEL_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
+        peaks = {("bf16", "true"): 989.4, ("fp32", "true"): 989.4 / 2, ("fp32", "false"): 66.9}
+        for (dtype, tf32), peak in peaks.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                pj = os.path.join(tmp, "plan.json")
+                p = subprocess.run([os.path.join(BIN, "tessel-train"), os.path.join(root, "configs", "gpt2-124m.yaml"),
+                                    "--dry-run", "--world-size", "8", "--plan-json", pj, "--set",
+                                    f"training.dtype={dtype}", "--set", f"training.tf32={tf32}"],
+                                   capture_output=True, text=True)
+                self.assertEqual(p.returncode, 0, p.stderr)
+                with open(pj) as f:
+                    e = json.load(f)
+            mfu = e["flops_per_step"] / e["step_s"] / e["world"] / (peak * 1e12)
+            self.assertAlmostEqual(e["mfu"], mfu, places=9, msg=f"{dtype} tf32={tf32}")
+            self.assertLessEqual(e["mfu"], e["device"]["efficiency"] + 1e-9, f"{dtype} tf32={tf32}")
+            self.assertIn(f"MFU {100 * e['mfu']:.1f}%", p.stdout)
+
+
 class ShippedConfigs(unittest.TestCase):
     """configs/: each plan is valid at the world sizes it is written for and fits an H100."""
     # Every world size a plan's comments promise, with the overrides they name.

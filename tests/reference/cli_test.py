@@ -219,6 +219,22 @@ class Cli(TmpDirTest):
         self.assertEqual(p.returncode, 2)
         self.assertIn("token id 300 at row 1, column 5 is outside model.vocab_size 300", p.stderr)
 
+    def test_mfu_on_cpu_is_never_above_100_percent(self):
+        # Without logging.peak_tflops the CPU's peak is measured at start; fp16 on CPU used to
+        # print MFU 230-350% and fp32 172.9% on a busy machine. read_metrics refuses any MFU above
+        # 100%; a step faster than the measured rate raises it, with a warning that says so.
+        for dtype in ("fp32", "bf16", "fp16"):
+            plan = self.plan(steps=4, dtype=dtype)
+            plan["logging"]["peak_tflops"] = 0
+            plan["run"]["output_dir"] = self.path(dtype)
+            p = run("tessel-train", write_plan(self.path(dtype + ".yaml"), plan))
+            out = p.stdout + p.stderr
+            self.assertIn(f"(measured: the best {dtype} matmul rate on CPU (sizes 256 and up", out)
+            steps = [m for m in read_metrics(self.path(dtype, "metrics.jsonl")) if "loss" in m]
+            self.assertEqual(len(steps), 4)
+            if any(m["mfu"] == 1.0 for m in steps):
+                self.assertIn("that was not this device's peak", out)
+
     def test_inference_takes_what_a_user_has(self):
         # --weights given a checkpoint folder used to fail with "cannot map: No such device";
         # score --tokens wanted int32 while tokens data is uint16 by default; generate wanted a
