@@ -602,7 +602,7 @@ models::Weights checkpoint_model_weights(const std::string& step_dir) {
 namespace {
 
 // The files an export writes: a folder holding only these is a previous export.
-const std::set<std::string> kExportFiles = {"model.safetensors",     "config.json",
+const std::set<std::string> kExportFiles = {"model.safetensors",      "config.json",
                                             "generation_config.json", "tokenizer.json",
                                             "tokenizer_config.json",  "special_tokens_map.json"};
 

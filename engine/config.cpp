@@ -224,8 +224,8 @@ class Loader {
     }
   }
 
-  // training.recompute and training.activation_checkpointing (the name earlier releases documented) are one setting:
-  // either name sets both, so a --set of one overrides a plan that used the other.
+  // training.recompute and training.activation_checkpointing (the name earlier releases documented)
+  // are one setting: either name sets both, so a --set of one overrides a plan that used the other.
   static const char* alias_of(const std::string& key) {
     if (key == "training.recompute") return "training.activation_checkpointing";
     if (key == "training.activation_checkpointing") return "training.recompute";

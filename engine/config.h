@@ -99,8 +99,8 @@ struct DataConfig {
 struct CheckpointConfig {
   std::string dir;
   int64_t every, keep;
-  std::string resume;                  // auto | never | path of a checkpoint
-  std::vector<std::string> on_signal;  // SIGTERM | SIGUSR1 | SIGUSR2 | SIGINT: save and stop
+  std::string resume;                       // auto | never | path of a checkpoint
+  std::vector<std::string> on_signal;       // SIGTERM | SIGUSR1 | SIGUSR2 | SIGINT: save and stop
   std::vector<std::string> accept_changes;  // plan keys that may differ from the checkpoint's
 };
 

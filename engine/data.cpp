@@ -242,12 +242,14 @@ int64_t TokenStream::first_outside(int64_t begin, int64_t end, int64_t vocab) co
         bad = first_outside_typed(static_cast<const uint8_t*>(s.data) + off, n, vocab);
         break;
       case 2:
-        bad = s.is_signed ? first_outside_typed(static_cast<const int16_t*>(s.data) + off, n, vocab)
-                          : first_outside_typed(static_cast<const uint16_t*>(s.data) + off, n, vocab);
+        bad = s.is_signed
+                  ? first_outside_typed(static_cast<const int16_t*>(s.data) + off, n, vocab)
+                  : first_outside_typed(static_cast<const uint16_t*>(s.data) + off, n, vocab);
         break;
       case 4:
-        bad = s.is_signed ? first_outside_typed(static_cast<const int32_t*>(s.data) + off, n, vocab)
-                          : first_outside_typed(static_cast<const uint32_t*>(s.data) + off, n, vocab);
+        bad = s.is_signed
+                  ? first_outside_typed(static_cast<const int32_t*>(s.data) + off, n, vocab)
+                  : first_outside_typed(static_cast<const uint32_t*>(s.data) + off, n, vocab);
         break;
       default:
         bad = first_outside_typed(static_cast<const int64_t*>(s.data) + off, n, vocab);
@@ -261,7 +263,8 @@ int64_t TokenStream::first_outside(int64_t begin, int64_t end, int64_t vocab) co
 int64_t TokenStream::bytes(int64_t begin, int64_t end) const {
   int64_t out = 0;
   for (size_t k = 0; k < spans_.size(); ++k) {
-    const int64_t lo = std::max(begin, starts_[k]), hi = std::min(end, starts_[k] + spans_[k].tokens);
+    const int64_t lo = std::max(begin, starts_[k]),
+                  hi = std::min(end, starts_[k] + spans_[k].tokens);
     if (hi > lo) out += (hi - lo) * spans_[k].elem_size;
   }
   return out;
@@ -445,7 +448,8 @@ void check_token_ids(const Config& c, int64_t rank, int64_t world) {
   const int64_t n = s.size(), begin = n * rank / world, end = n * (rank + 1) / world;
   const int64_t vocab = c.model.vocab_size;
   // Spans are scanned a share at a time on this rank's threads.
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (end - begin) >> 20));
+  const int64_t parts =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (end - begin) >> 20));
   std::vector<int64_t> bad(static_cast<size_t>(parts), -1);
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
@@ -461,15 +465,15 @@ void check_token_ids(const Config& c, int64_t rank, int64_t world) {
           "found by the start-up scan of the data, before any training",
           s.where(pos), id, vocab, vocab - 1));
     }
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double bytes = static_cast<double>(s.bytes(begin, end));
   if (rank == 0)
-    spdlog::info("data: token ids checked against model.vocab_size {}: {} tokens ({:.3g} MB{}) in "
-                 "{:.2f} s ({:.2f} GB/s)",
-                 vocab, end - begin, bytes / 1e6,
-                 world > 1 ? fmt::format(", this rank's share of {} tokens", n) : "", secs,
-                 bytes / 1e9 / std::max(secs, 1e-9));
+    spdlog::info(
+        "data: token ids checked against model.vocab_size {}: {} tokens ({:.3g} MB{}) in "
+        "{:.2f} s ({:.2f} GB/s)",
+        vocab, end - begin, bytes / 1e6,
+        world > 1 ? fmt::format(", this rank's share of {} tokens", n) : "", secs,
+        bytes / 1e9 / std::max(secs, 1e-9));
 }
 
 std::vector<int64_t> epoch_permutation(int64_t n, int64_t seed, int64_t epoch) {

@@ -98,7 +98,8 @@ int run_train(int argc, char** argv) {
   app.footer(
       "Subcommands:\n  tessel-train score CONFIG --weights W.safetensors (--tokens T.bin | --data "
       "PREFIX|FILES)\n"
-      "  tessel-train generate [CONFIG] --weights W.safetensors|EXPORT_DIR|CHECKPOINT --prompt TEXT\n"
+      "  tessel-train generate [CONFIG] --weights W.safetensors|EXPORT_DIR|CHECKPOINT --prompt "
+      "TEXT\n"
       "  tessel-train export CHECKPOINT_DIR --format hf --out DIR [--tokenizer tokenizer.json]");
   TESSEL_CLI_PARSE(app, argc, argv);
   if (help_config) {
@@ -288,8 +289,9 @@ int run_generate(int argc, char** argv) {
     throw tessel::UserError(
         "generate: --prompt needs a tokenizer (--tokenizer, or tokenizer.json "
         "beside --weights); --prompt-ids needs none");
-  const auto c = !config.empty() ? tessel::load_config(config, sets)
-                                  : tessel::plan_from_hf_config((folder / "config.json").string(), sets);
+  const auto c = !config.empty()
+                     ? tessel::load_config(config, sets)
+                     : tessel::plan_from_hf_config((folder / "config.json").string(), sets);
   std::unique_ptr<tessel::TokenizerProcess> tok;
   if (!tokenizer.empty()) {
     tok = std::make_unique<tessel::TokenizerProcess>(tokenizer);

@@ -36,7 +36,9 @@ double flops_per_token(const ModelConfig& m, double n, int64_t seq_len) {
 
 Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType dtype) {
   if (c.logging.peak_tflops > 0) return {c.logging.peak_tflops, "logging.peak_tflops", false};
-  const std::string dname = dtype == torch::kHalf ? "fp16" : dtype == torch::kBFloat16 ? "bf16" : "fp32";
+  const std::string dname = dtype == torch::kHalf       ? "fp16"
+                            : dtype == torch::kBFloat16 ? "bf16"
+                                                        : "fp32";
   std::string name = "CPU";
   if (device.is_cuda()) {
     name = at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index())->name;

@@ -199,7 +199,8 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
   // The work the device does: recomputation reruns forward work the model FLOPs (and so MFU)
   // do not count. Full: every block's forward again (2 per block weight, and attention's
   // 4·L·H·Q·T, a third of its 12); selective: each block's MLP forward (2 per MLP weight).
-  const double mlp_weights = (m.arch == "llama" ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden);
+  const double mlp_weights =
+      (m.arch == "llama" ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden);
   const double layers = static_cast<double>(m.layers);
   double rerun_per_token = 0;
   if (t.recompute == "full")
@@ -256,8 +257,8 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
       // begins (the last block gathered); with it, the saved activations are smaller and the
       // peak moves into backward, where the block being differentiated, its prefetched
       // neighbour and the one being released are gathered at once (measured: 3 blocks).
-      const double blocks = std::min<double>(static_cast<double>(r.layers),
-                                             t.recompute == "none" ? 1.0 : 3.0);
+      const double blocks =
+          std::min<double>(static_cast<double>(r.layers), t.recompute == "none" ? 1.0 : 3.0);
       r.gathered = w * (static_cast<double>(r.params) - r.layers * block + blocks * block);
       // Plus the gradient buckets in flight: up to three units' fp32 gradients wait for their
       // reduce-scatter (measured with the allocator counting from the first byte, 2026-11-25).
@@ -418,7 +419,8 @@ std::optional<LayoutChoice> faster_layout(const Config& c, int64_t world, const 
               set("parallel.pipeline.virtual_stages", was.virtual_stages, par.virtual_stages);
             }
             if (cp > 1) set("parallel.context.method", was.context_method, par.context_method);
-            if (!was.layers_per_stage.empty()) sets.push_back("parallel.pipeline.layers_per_stage=[]");
+            if (!was.layers_per_stage.empty())
+              sets.push_back("parallel.pipeline.layers_per_stage=[]");
             set("training.micro_batch", t.micro_batch, mb);
             consider(std::move(p), std::move(sets));
           }

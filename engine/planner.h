@@ -52,9 +52,9 @@ struct RankEstimate {
 
 struct PlanEstimate {
   int64_t world = 0, params_total = 0;
-  double flops_per_step = 0;        // model FLOPs of the global batch (PaLM convention, as metrics)
+  double flops_per_step = 0;  // model FLOPs of the global batch (PaLM convention, as metrics)
   double recompute_flops_per_step = 0;  // the forward work recomputation reruns (not in MFU)
-  std::vector<RankEstimate> ranks;  // one per pipeline stage (tp/dp/cp peers are alike)
+  std::vector<RankEstimate> ranks;      // one per pipeline stage (tp/dp/cp peers are alike)
   // Step time on the device profile (seconds): compute, exposed communication, bubble.
   double compute_s = 0, comm_exposed_s = 0, bubble_s = 0, step_s = 0;
   std::map<std::string, double> comm_s;  // per group, the time its bytes take on their links

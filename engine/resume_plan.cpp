@@ -49,9 +49,10 @@ void check_resume_plan(const Config& plan, const std::string& step_dir, bool log
   const std::string saved = (std::filesystem::path(step_dir) / "config.yaml").string();
   if (!std::filesystem::exists(saved)) {
     if (log)
-      spdlog::warn("resume: {} has no config.yaml (an older checkpoint): the plan cannot be "
-                   "compared with the one it was saved with",
-                   step_dir);
+      spdlog::warn(
+          "resume: {} has no config.yaml (an older checkpoint): the plan cannot be "
+          "compared with the one it was saved with",
+          step_dir);
     return;
   }
   const Config then = load_config(saved);
@@ -61,18 +62,19 @@ void check_resume_plan(const Config& plan, const std::string& step_dir, bool log
   const double lr_then = lr_at(then.training, next), lr_now = lr_at(plan.training, next);
   std::string lr_note;
   if (next > then.training.steps)
-    lr_note = fmt::format(" (lr at step {}: {:.4g} under this plan; the checkpoint's plan ended at "
-                          "step {})",
-                          next, lr_now, then.training.steps);
+    lr_note = fmt::format(
+        " (lr at step {}: {:.4g} under this plan; the checkpoint's plan ended at "
+        "step {})",
+        next, lr_now, then.training.steps);
   else if (lr_then != lr_now)
-    lr_note = fmt::format(" (lr at step {}: {:.4g} under the checkpoint's plan, {:.4g} under this one)",
-                          next, lr_then, lr_now);
+    lr_note =
+        fmt::format(" (lr at step {}: {:.4g} under the checkpoint's plan, {:.4g} under this one)",
+                    next, lr_then, lr_now);
   std::string lines, refused;
   for (const auto& ch : changes) {
     std::string line = fmt::format("\n  {}: {} -> {}", ch.key, ch.before, ch.after);
-    const bool shapes_lr =
-        ch.key.rfind("training.schedule.", 0) == 0 || ch.key == "training.optimizer.lr" ||
-        ch.key == "training.steps";
+    const bool shapes_lr = ch.key.rfind("training.schedule.", 0) == 0 ||
+                           ch.key == "training.optimizer.lr" || ch.key == "training.steps";
     if (!ch.why_free.empty()) {
       lines += line + " (" + ch.why_free + ")";
     } else if (ch.accepted) {
@@ -96,9 +98,10 @@ void check_resume_plan(const Config& plan, const std::string& step_dir, bool log
           return keys;
         }()));
   if (log)
-    spdlog::info("resume: the plan differs from the checkpoint's ({}) in {} key{}; the run goes "
-                 "on:{}",
-                 saved, changes.size(), changes.size() == 1 ? "" : "s", lines);
+    spdlog::info(
+        "resume: the plan differs from the checkpoint's ({}) in {} key{}; the run goes "
+        "on:{}",
+        saved, changes.size(), changes.size() == 1 ? "" : "s", lines);
 }
 
 }  // namespace tessel

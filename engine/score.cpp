@@ -55,7 +55,8 @@ Config plan_from_hf_config(const std::string& path, const std::vector<std::strin
     throw UserError(path + ": model_type '" + type +
                     "' is not one Tessel builds (gpt2, llama); give a plan instead");
   auto key = [&](const char* name) -> const nlohmann::json& {
-    if (!j.contains(name)) throw UserError(path + ": no \"" + std::string(name) + "\" (model_type " + type + ")");
+    if (!j.contains(name))
+      throw UserError(path + ": no \"" + std::string(name) + "\" (model_type " + type + ")");
     return j.at(name);
   };
   // The model section as YAML, so that the plan's own checks validate it.
@@ -101,7 +102,8 @@ models::Decoder load_for_inference(const Config& c, const std::string& weights) 
     } catch (const UserError& e) {
       throw UserError("--weights " + weights +
                       ": a folder with no model.safetensors (an export's folder) that is not a "
-                      "complete checkpoint either (" + e.what() + ")");
+                      "complete checkpoint either (" +
+                      e.what() + ")");
     }
     models::assign_weights(model, checkpoint_model_weights(dir), dir);
   }
@@ -122,7 +124,7 @@ ScoreResult score(const Config& c, const std::string& weights, const std::string
                     std::to_string(row) + " " + token_dtype + " tokens (" +
                     std::to_string(elem * row) + " bytes; --token-dtype says which type)");
   const int64_t b = bytes / (elem * row);
-  auto tokens = torch::empty({b, row}, token_dtype == "uint16" ? torch::kUInt16
+  auto tokens = torch::empty({b, row}, token_dtype == "uint16"   ? torch::kUInt16
                                        : token_dtype == "uint32" ? torch::kUInt32
                                                                  : torch::kInt32);
   f.seekg(0);

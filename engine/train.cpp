@@ -179,7 +179,7 @@ void Trainer::setup_state() {
 void Trainer::log_state() const {
   spdlog::info("model {} | {} parameters on this rank | {} | {} on {}", c_.model.arch,
                opt_->numel(),
-               !resumed_from_.empty()        ? "weights from checkpoint " + resumed_from_
+               !resumed_from_.empty()       ? "weights from checkpoint " + resumed_from_
                : c_.model.init_from.empty() ? "seeded init"
                                             : "weights from " + c_.model.init_from,
                c_.training.dtype, device_.str());
@@ -420,8 +420,7 @@ void Trainer::report_memory() {
   const auto b = opt_->bytes();
   // The state as the CPU allocator counted it, each part on its own (-1 on CUDA: not counted).
   auto allocated = [this](Held what) {
-    return device_.is_cuda() ? -1.0
-                             : static_cast<double>(CpuAllocationCounter::get().live(what));
+    return device_.is_cuda() ? -1.0 : static_cast<double>(CpuAllocationCounter::get().live(what));
   };
   auto mine = torch::tensor(
       {static_cast<double>(opt_->numel()), static_cast<double>(opt_->layout().numel()),

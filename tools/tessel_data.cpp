@@ -167,9 +167,9 @@ void read_inputs(const Options& o, const std::vector<std::string>& files, Pipeli
       if (!j.contains(o.key)) {
         std::string keys;
         for (auto& [name, _] : j.items()) keys += (keys.empty() ? "" : ", ") + name;
-        throw tessel::UserError(fmt::format(
-            "{}: no field \"{}\" (--text-key names the field); this line's fields: {}", where,
-            o.key, keys.empty() ? "none" : keys));
+        throw tessel::UserError(
+            fmt::format("{}: no field \"{}\" (--text-key names the field); this line's fields: {}",
+                        where, o.key, keys.empty() ? "none" : keys));
       }
       if (!j[o.key].is_string())
         throw tessel::UserError(fmt::format("{}: field \"{}\" is a {}, not a string", where, o.key,

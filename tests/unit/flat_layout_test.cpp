@@ -69,10 +69,13 @@ TEST(FlatLayout, Zero3BucketsAreUnitsAndChunksNeverMix) {
   // every bucket must still hold one chunk's parameters only (a bucket is reduced when its chunk's
   // backward is done), and the tied embedding a bucket of its own.
   auto chunked = toy();
-  const std::map<std::string, int64_t> chunk_of = {
-      {"head.weight", 1},           {"norm.weight", 1},           {"layers.1.mlp.up.weight", 0},
-      {"layers.1.attn.q.weight", 1}, {"layers.0.mlp.up.weight", 0}, {"layers.0.attn.q.weight", 0},
-      {"embed.weight", 0}};
+  const std::map<std::string, int64_t> chunk_of = {{"head.weight", 1},
+                                                   {"norm.weight", 1},
+                                                   {"layers.1.mlp.up.weight", 0},
+                                                   {"layers.1.attn.q.weight", 1},
+                                                   {"layers.0.mlp.up.weight", 0},
+                                                   {"layers.0.attn.q.weight", 0},
+                                                   {"embed.weight", 0}};
   for (auto& e : chunked) e.chunk = chunk_of.at(e.name);
   FlatLayout pp(chunked, {1000, 2, 0, 1, true});
   std::set<std::pair<int64_t, int64_t>> bucket_chunks;  // (bucket, chunk) pairs seen
@@ -82,7 +85,8 @@ TEST(FlatLayout, Zero3BucketsAreUnitsAndChunksNeverMix) {
     for (const auto& t : pp.slots())
       if (s.bucket == t.bucket) {
         EXPECT_EQ(chunk_of.at(s.name), chunk_of.at(t.name)) << s.name << " and " << t.name;
-        EXPECT_EQ(s.name == "embed.weight", t.name == "embed.weight") << s.name << " and " << t.name;
+        EXPECT_EQ(s.name == "embed.weight", t.name == "embed.weight")
+            << s.name << " and " << t.name;
       }
   }
   std::set<int64_t> buckets;

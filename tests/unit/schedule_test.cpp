@@ -73,7 +73,8 @@ TEST_P(Schedules, RunWithoutDeadlockAndMatchTheBubbleTheory) {
                           : c.name == "1f1b"
                               ? std::min(c.m, c.p - r)
                               : std::min(c.v * c.m, 2 * (c.p - r - 1) + (c.v - 1) * c.p + 1);
-    EXPECT_EQ(peak, bound) << c.name << " p=" << c.p << " m=" << c.m << " v=" << c.v << " rank " << r;
+    EXPECT_EQ(peak, bound) << c.name << " p=" << c.p << " m=" << c.m << " v=" << c.v << " rank "
+                           << r;
     EXPECT_EQ(sim.peak_activations[static_cast<size_t>(r)], peak) << c.name << " rank " << r;
   }
 }
