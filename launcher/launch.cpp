@@ -17,9 +17,9 @@
 #include <optional>
 #include <thread>
 
-#include "engine/stop.h"
 #include "launcher/coordinator.h"
 #include "parallel/world.h"
+#include "run/stop.h"
 
 extern char** environ;
 

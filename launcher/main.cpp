@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "engine/cli_checks.h"
+#include "cli/cli_checks.h"
 #include "launcher/launch.h"
 
 int main(int argc, char** argv) {

@@ -7,7 +7,7 @@
 namespace tessel::models {
 namespace {
 
-DecoderOptions gpt2_options(const ModelConfig& m) {
+DecoderOptions gpt2_options(const ModelShape& m) {
   DecoderOptions o;
   o.model = m;
   o.layer_norm = true;
@@ -34,7 +34,7 @@ const Pair kTop[] = {{"embed.weight", "wte.weight", false},
                      {"norm.weight", "ln_f.weight", false},
                      {"norm.bias", "ln_f.bias", false}};
 
-Weights gpt2_from_hf(const Weights& hf_in, const ModelConfig& m, const std::string& source) {
+Weights gpt2_from_hf(const Weights& hf_in, const ModelShape& m, const std::string& source) {
   // save_pretrained of GPT2LMHeadModel prefixes "transformer."; the hub's gpt2 files do not.
   Weights hf;
   for (const auto& [k, v] : hf_in) hf[k.rfind("transformer.", 0) == 0 ? k.substr(12) : k] = v;
@@ -66,7 +66,7 @@ Weights gpt2_from_hf(const Weights& hf_in, const ModelConfig& m, const std::stri
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> gpt2_to_hf(const Weights& w,
-                                                              const ModelConfig& m) {
+                                                              const ModelShape& m) {
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (const auto& p : kTop) out.emplace_back("transformer." + std::string(p.hf), w.at(p.tessel));
   for (int64_t i = 0; i < m.layers; ++i) {
@@ -89,7 +89,7 @@ std::vector<std::pair<std::string, torch::Tensor>> gpt2_to_hf(const Weights& w,
   return out;
 }
 
-nlohmann::json gpt2_hf_config(const ModelConfig& m) {
+nlohmann::json gpt2_hf_config(const ModelShape& m) {
   return {{"architectures", {"GPT2LMHeadModel"}},
           {"model_type", "gpt2"},
           {"vocab_size", m.vocab_size},

@@ -18,9 +18,11 @@
 #include <utility>
 #include <vector>
 
-#include "engine/config.h"
+#include "models/shape.h"
+#include "parallel/block_hooks.h"
 #include "parallel/comm.h"
 #include "parallel/tp/layers.h"
+#include "plan/user_error.h"
 
 namespace tessel::models {
 
@@ -35,7 +37,7 @@ struct StagePart {
 
 /// What differs between the two architectures (from the registry), and the tensor-parallel group.
 struct DecoderOptions {
-  ModelConfig model;
+  ModelShape model;
   bool layer_norm = true;         // LayerNorm with bias (gpt2) or RMSNorm (llama)
   bool learned_pos = true;        // learned position table (gpt2) or RoPE (llama)
   bool swiglu = false;            // SwiGLU MLP (llama) or GELU-tanh MLP (gpt2)
@@ -134,17 +136,6 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-/// What runs around the blocks: ZeRO-3 (parallel/dp/zero3.h) gathers a layer's parameters just
-/// before it runs and frees them after. `layer` is the global layer index.
-class BlockHooks {
- public:
-  virtual ~BlockHooks() = default;
-  /// Before a chunk's forward: the parameters outside the blocks (embeddings, norm, head).
-  virtual void before_stage() = 0;
-  virtual torch::Tensor before_block(int64_t layer, const torch::Tensor& x) = 0;
-  virtual torch::Tensor after_block(int64_t layer, const torch::Tensor& y) = 0;
-};
-
 /// The decoder: embed (+ pos_embed) -> layers -> norm -> head (or the tied embedding). Under
 /// pipeline parallelism a rank holds only its stages' parts (options().stages), each parameter
 /// under its global name (layers.<global index>...).
@@ -179,7 +170,7 @@ class DecoderImpl : public torch::nn::Module {
   /// input only and rerun in backward).
   void set_recompute(const std::string& mode);
   /// Hooks around every block (not owned; null: none).
-  void set_hooks(BlockHooks* hooks) { hooks_ = hooks; }
+  void set_hooks(parallel::BlockHooks* hooks) { hooks_ = hooks; }
 
   parallel::tp::VocabParallelEmbedding embed{nullptr};  // first stage; tied: last stage too
   torch::nn::Embedding pos_embed{nullptr};
@@ -208,7 +199,7 @@ class DecoderImpl : public torch::nn::Module {
   torch::Tensor inv_freq_;                 // [head_dim / 2], fp32, as Hugging Face computes it
   std::map<std::tuple<int64_t, std::string, int>, std::pair<torch::Tensor, torch::Tensor>> rope_;
   std::map<std::string, ParamSpec> specs_;
-  BlockHooks* hooks_ = nullptr;
+  parallel::BlockHooks* hooks_ = nullptr;
   bool recompute_blocks_ = false;
   std::vector<AttentionImpl::KvCache> caches_;  // decode(): one per block
 };

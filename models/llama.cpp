@@ -7,7 +7,7 @@
 namespace tessel::models {
 namespace {
 
-DecoderOptions llama_options(const ModelConfig& m) {
+DecoderOptions llama_options(const ModelShape& m) {
   DecoderOptions o;
   o.model = m;
   o.layer_norm = false;
@@ -28,7 +28,7 @@ const std::pair<const char*, const char*> kBlock[] = {
     {"mlp.up.weight", "mlp.up_proj.weight"},
     {"mlp.down.weight", "mlp.down_proj.weight"}};
 
-std::vector<std::pair<std::string, std::string>> name_pairs(const ModelConfig& m) {
+std::vector<std::pair<std::string, std::string>> name_pairs(const ModelShape& m) {
   std::vector<std::pair<std::string, std::string>> p = {
       {"embed.weight", "model.embed_tokens.weight"}, {"norm.weight", "model.norm.weight"}};
   for (int64_t i = 0; i < m.layers; ++i)
@@ -39,7 +39,7 @@ std::vector<std::pair<std::string, std::string>> name_pairs(const ModelConfig& m
   return p;
 }
 
-Weights llama_from_hf(const Weights& hf, const ModelConfig& m, const std::string& source) {
+Weights llama_from_hf(const Weights& hf, const ModelShape& m, const std::string& source) {
   Weights w;
   std::set<std::string> used;
   for (const auto& [t, h] : name_pairs(m)) {
@@ -54,13 +54,13 @@ Weights llama_from_hf(const Weights& hf, const ModelConfig& m, const std::string
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> llama_to_hf(const Weights& w,
-                                                               const ModelConfig& m) {
+                                                               const ModelShape& m) {
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (const auto& [t, h] : name_pairs(m)) out.emplace_back(h, w.at(t));
   return out;
 }
 
-nlohmann::json llama_hf_config(const ModelConfig& m) {
+nlohmann::json llama_hf_config(const ModelShape& m) {
   return {{"architectures", {"LlamaForCausalLM"}},
           {"model_type", "llama"},
           {"vocab_size", m.vocab_size},

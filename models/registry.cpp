@@ -2,8 +2,6 @@
 
 #include <torch/torch.h>
 
-#include "engine/safetensors.h"
-
 namespace tessel::models {
 
 extern const Arch kGpt2;
@@ -34,7 +32,7 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
         extra);
 }
 
-Decoder build_model(const ModelConfig& m, int64_t seed, parallel::Group* tp, bool sequence_parallel,
+Decoder build_model(const ModelShape& m, int64_t seed, parallel::Group* tp, bool sequence_parallel,
                     const StagePart& stages, parallel::Group* cp, const std::string& cp_method) {
   auto o = arch(m.arch).options(m);
   o.tp = tp;
@@ -47,7 +45,7 @@ Decoder build_model(const ModelConfig& m, int64_t seed, parallel::Group* tp, boo
   return model;
 }
 
-int64_t block_parameters(const ModelConfig& m, int64_t tp) {
+int64_t block_parameters(const ModelShape& m, int64_t tp) {
   const auto o = arch(m.arch).options(m);
   const int64_t h = m.hidden, f = m.ffn_hidden, kv = m.kv_heads * m.head_dim();
   const int64_t bias = o.linear_bias ? 1 : 0;
@@ -61,7 +59,7 @@ int64_t block_parameters(const ModelConfig& m, int64_t tp) {
   return 2 * norm + attn + mlp;
 }
 
-int64_t parameters_on_rank(const ModelConfig& m, int64_t tp, const StagePart& stages) {
+int64_t parameters_on_rank(const ModelShape& m, int64_t tp, const StagePart& stages) {
   const auto o = arch(m.arch).options(m);
   int64_t layers = 0;
   for (const auto& [b, e] : stages.chunks) layers += e - b;
@@ -108,18 +106,26 @@ void assign_weights(Decoder& model, const Weights& w, const std::string& source)
   }
 }
 
-void load_weights(Decoder& model, const std::string& path) {
-  auto file = read_safetensors(path);
+std::vector<NamedParam> named_params(Decoder& model) {
+  std::vector<NamedParam> out;
+  for (const auto& p : model->named_parameters()) {
+    const auto& spec = model->specs().at(p.key());
+    out.push_back({p.key(), p.value(), spec.chunk, spec.replicas});
+  }
+  return out;
+}
+
+void load_weights(Decoder& model, const Weights& tensors, const std::string& source) {
   const auto& m = model->options().model;
   // Tessel's own files use Tessel names; anything else is read as Hugging Face names.
   // A checkpoint's rank file also holds optimizer state (optim.*), which is not model weights.
-  if (file.tensors.count("embed.weight") > 0) {
+  if (tensors.count("embed.weight") > 0) {
     Weights w;
-    for (auto& [name, t] : file.tensors)
+    for (auto& [name, t] : tensors)
       if (name.rfind("optim.", 0) != 0) w[name] = t;
-    assign_weights(model, w, path);
+    assign_weights(model, w, source);
   } else {
-    assign_weights(model, arch(m.arch).from_hf(file.tensors, m, path), path);
+    assign_weights(model, arch(m.arch).from_hf(tensors, m, source), source);
   }
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "models/layers.h"
+#include "optim/optim.h"
 
 namespace tessel::models {
 
@@ -18,13 +19,13 @@ using Weights = std::map<std::string, torch::Tensor>;  // global name -> global 
 
 struct Arch {
   std::string name;
-  DecoderOptions (*options)(const ModelConfig&);
+  DecoderOptions (*options)(const ModelShape&);
   /// Hugging Face names and layouts -> Tessel names; throws UserError naming missing keys.
-  Weights (*from_hf)(const Weights& hf, const ModelConfig&, const std::string& source);
+  Weights (*from_hf)(const Weights& hf, const ModelShape&, const std::string& source);
   /// Tessel -> Hugging Face names and layouts (what save_pretrained writes).
-  std::vector<std::pair<std::string, torch::Tensor>> (*to_hf)(const Weights&, const ModelConfig&);
+  std::vector<std::pair<std::string, torch::Tensor>> (*to_hf)(const Weights&, const ModelShape&);
   /// config.json for transformers' from_pretrained.
-  nlohmann::json (*hf_config)(const ModelConfig&);
+  nlohmann::json (*hf_config)(const ModelShape&);
 };
 
 const Arch& arch(const std::string& name);
@@ -39,25 +40,30 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
 /// `tp` (optional) is the tensor-parallel group: the model then holds this rank's shards;
 /// `stages` the pipeline stages this rank holds (default: all); `cp` (optional) the
 /// context-parallel group, whose attention runs by `cp_method` (allgather | ring).
-Decoder build_model(const ModelConfig& m, int64_t seed, parallel::Group* tp = nullptr,
+Decoder build_model(const ModelShape& m, int64_t seed, parallel::Group* tp = nullptr,
                     bool sequence_parallel = false, const StagePart& stages = {},
                     parallel::Group* cp = nullptr, const std::string& cp_method = "allgather");
 
 /// Elements of one transformer block on a tensor-parallel rank, from the plan alone.
-int64_t block_parameters(const ModelConfig& m, int64_t tp);
+int64_t block_parameters(const ModelShape& m, int64_t tp);
 /// Elements a rank holds (its tensor-parallel shards of the stages in `stages`), from the plan
 /// alone, without building anything (`--dry-run` sizes plans larger than this machine with it).
 /// Equal to the built model's count (tests/unit/model_test.cpp checks).
-int64_t parameters_on_rank(const ModelConfig& m, int64_t tp, const StagePart& stages);
+int64_t parameters_on_rank(const ModelShape& m, int64_t tp, const StagePart& stages);
 /// Fills every parameter from the keyed generator (see init.cpp for the rules).
 void init_weights(Decoder& model, int64_t seed);
 
-/// Loads weights with Tessel names or Hugging Face names (detected), checking that names and
-/// shapes match the model exactly; the file is named in every error.
-void load_weights(Decoder& model, const std::string& path);
+/// Loads the tensors of a weights file (read by the layer above: models know no file format),
+/// with Tessel names or Hugging Face names (detected), checking that names and shapes match the
+/// model exactly; `source` (the file) is named in every error.
+void load_weights(Decoder& model, const Weights& tensors, const std::string& source);
 
 /// This rank's parameter tensors by global name (CPU copies in their dtype; shards under tp).
 Weights model_weights(Decoder& model);
+
+/// Every parameter of `model` in registration order, with its pipeline chunk and replica count
+/// (from the specs), for the optimizer and gradient reduction.
+std::vector<NamedParam> named_params(Decoder& model);
 
 /// Checks global tensors `w` against the model (names and global shapes) and copies this rank's
 /// slices in.

@@ -8,7 +8,7 @@
 #include <chrono>
 #include <thread>
 
-#include "engine/config.h"
+#include "plan/config.h"
 
 namespace tessel::parallel {
 namespace {

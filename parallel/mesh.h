@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/config.h"
 #include "parallel/comm.h"
 #include "parallel/world.h"
+#include "plan/config.h"
 
 namespace tessel::parallel {
 

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "engine/config.h"
+#include "plan/config.h"
 
 namespace tessel::parallel {
 namespace {

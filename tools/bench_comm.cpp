@@ -9,8 +9,8 @@
 #include <chrono>
 #include <cstdio>
 
-#include "engine/config.h"
 #include "parallel/mesh.h"
+#include "plan/config.h"
 
 namespace {
 

@@ -12,9 +12,9 @@
 #include <chrono>
 #include <cstdio>
 
-#include "engine/config.h"
 #include "parallel/cp/attention.h"
 #include "parallel/mesh.h"
+#include "plan/config.h"
 
 namespace {
 

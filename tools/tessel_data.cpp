@@ -22,10 +22,10 @@
 #include <stdexcept>
 #include <thread>
 
-#include "engine/cli_checks.h"
-#include "engine/config.h"
-#include "engine/data.h"
-#include "engine/tokenizer.h"
+#include "cli/cli_checks.h"
+#include "data/data.h"
+#include "io/tokenizer.h"
+#include "plan/config.h"
 
 namespace {
 namespace fs = std::filesystem;

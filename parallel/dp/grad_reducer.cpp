@@ -19,7 +19,7 @@ struct ReadyHook : torch::autograd::PostAccumulateGradHook {
 
 }  // namespace
 
-GradReducer::GradReducer(const Mesh& mesh, models::Decoder& model, FlatAdamW& opt)
+GradReducer::GradReducer(const Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt)
     : mesh_(mesh),
       opt_(opt),
       reduce_(mesh.dp_cp().size() > 1 || opt.zero() >= 2),
@@ -27,11 +27,16 @@ GradReducer::GradReducer(const Mesh& mesh, models::Decoder& model, FlatAdamW& op
       wait_(time_on_device(mesh.device(), mesh.dp_cp().backend_name())) {
   const auto& layout = opt.layout();
   // Each chunk's slots are one contiguous range (the model registers them so).
-  const auto chunks = static_cast<size_t>(model->chunks());
-  chunk_range_.assign(chunks, {-1, -1});
-  final_.assign(chunks, false);
+  std::map<std::string, const NamedParam*> by_name;
+  int64_t chunks = 0;
+  for (const auto& p : params) {
+    by_name[p.name] = &p;
+    chunks = std::max(chunks, p.chunk + 1);
+  }
+  chunk_range_.assign(static_cast<size_t>(chunks), {-1, -1});
+  final_.assign(static_cast<size_t>(chunks), false);
   for (const auto& s : layout.slots()) {
-    auto& [b, e] = chunk_range_[static_cast<size_t>(model->specs().at(s.name).chunk)];
+    auto& [b, e] = chunk_range_[static_cast<size_t>(by_name.at(s.name)->chunk)];
     if (b < 0) b = s.offset;
     TORCH_CHECK(e < 0 || e <= s.offset,
                 "gradient reducer: the parameters of a pipeline chunk are "
@@ -41,9 +46,8 @@ GradReducer::GradReducer(const Mesh& mesh, models::Decoder& model, FlatAdamW& op
   }
   state_.resize(layout.buckets().size());
   if (!reduce_) return;
-  auto params = model->named_parameters();
   for (const auto& s : layout.slots()) {
-    auto& p = params[s.name];
+    auto p = by_name.at(s.name)->tensor;
     const auto index = static_cast<size_t>(s.bucket);
     const Slot* slot = &s;
     torch::autograd::impl::set_post_acc_grad_hooks(

@@ -18,12 +18,14 @@
 #include <memory>
 #include <vector>
 
-#include "engine/optim.h"
-#include "models/layers.h"
+#include "observe/timing.h"
+#include "optim/optim.h"
 #include "parallel/mesh.h"
-#include "parallel/timing.h"
 
 namespace tessel::parallel::dp {
+
+using optim::FlatBucket;
+using optim::Slot;
 
 struct BucketState {
   int64_t ready = 0;     // parameters counted in during this backward
@@ -34,7 +36,9 @@ struct BucketState {
 
 class GradReducer {
  public:
-  GradReducer(const Mesh& mesh, models::Decoder& model, FlatAdamW& opt);
+  /// Hooks `params` (those FlatAdamW took over) to reduce their gradients as backward produces
+  /// them.
+  GradReducer(const Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt);
   ~GradReducer();
   GradReducer(const GradReducer&) = delete;
   GradReducer& operator=(const GradReducer&) = delete;

@@ -10,19 +10,19 @@
 // is kept after forward, since its backward comes next.
 #pragma once
 
-#include "parallel/timing.h"
+#include "observe/timing.h"
 
 #include <map>
 #include <string>
 #include <vector>
 
-#include "engine/optim.h"
-#include "models/layers.h"
+#include "optim/optim.h"
+#include "parallel/block_hooks.h"
 #include "parallel/comm.h"
 
 namespace tessel::parallel::dp {
 
-class UnitGatherer : public models::BlockHooks {
+class UnitGatherer : public BlockHooks {
  public:
   /// Frees every unit's storage (the shards hold the weights from now on).
   UnitGatherer(Group& dp_cp, FlatAdamW& opt);

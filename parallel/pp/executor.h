@@ -11,9 +11,9 @@
 #include <functional>
 #include <vector>
 
+#include "observe/timing.h"
 #include "parallel/comm.h"
 #include "parallel/pp/schedule.h"
-#include "parallel/timing.h"
 
 namespace tessel::parallel::pp {
 

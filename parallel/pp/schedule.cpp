@@ -10,7 +10,7 @@
 #include <tuple>
 
 #include <c10/util/Exception.h>
-#include "engine/config.h"
+#include "plan/config.h"
 
 namespace tessel::parallel::pp {
 namespace {

@@ -1,7 +1,6 @@
-"""Tensor parallelism (with and without sequence parallelism, alone and with data parallelism)
-against the single-process run: loss within 1e-5 relative at each of 20 steps, and exported
-global weights within 1e-5. gpt2 and llama with grouped-query attention (kv_heads 2, so tp=4
-replicates key/value heads), vocabulary 301 (not divisible by tp)."""
+"""Tensor parallelism beyond the parity table (tests/dist/layouts.py holds every tp layout's
+same-run check): an out-of-range token stops every tp with the same words, and a tp=2 checkpoint
+continues in one process as the uninterrupted run."""
 import os
 import sys
 import unittest
@@ -12,7 +11,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
 from common import (BIN, TmpDirTest, base_plan, read_metrics, rel, run, write_plan, write_tokens, free_port)  # noqa: E402
 
 STEPS, VOCAB = 20, 301
-LAYOUTS = [(2, 1, False), (2, 1, True), (4, 1, False), (4, 1, True), (2, 2, False), (2, 2, True)]  # tp, dp, sp
 
 
 class TensorParallelParity(TmpDirTest):
@@ -33,21 +31,6 @@ class TensorParallelParity(TmpDirTest):
         run("tessel-train", "export", self.path(out, "checkpoints"), "--out", self.path(out, "hf"))
         losses = [m["loss"] for m in read_metrics(self.path(out, "metrics.jsonl")) if "loss" in m]
         return losses, load_file(self.path(out, "hf", "model.safetensors"))
-
-    def check(self, arch):
-        self.data = write_tokens(self.path("d.u16"), 6000, vocab=VOCAB, period=41)
-        ref_losses, ref_weights = self.train(arch, 1, 1, False)
-        self.assertLess(ref_losses[-1], ref_losses[0] - 0.3, "the loss must fall")
-        for tp, dp, sp in LAYOUTS:
-            losses, weights = self.train(arch, tp, dp, sp)
-            self.assertEqual(len(losses), STEPS)
-            worst = max(rel(a, b) for a, b in zip(losses, ref_losses, strict=True))
-            self.assertLess(worst, 1e-5, f"{arch} tp={tp} dp={dp} sp={sp}: {losses} vs {ref_losses}")
-            self.assertEqual(set(weights), set(ref_weights))
-            wdiff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
-            self.assertLess(wdiff, 1e-5, f"{arch} tp={tp} dp={dp} sp={sp}: exported weights differ by {wdiff}")
-            print(f"\n{arch} tp={tp} dp={dp} sp={sp}: worst loss rel diff {worst:.2e}, worst exported weight diff "
-                  f"{wdiff:.2e}", file=sys.stderr)
 
     def test_out_of_range_token_same_error_at_every_tp(self):
         import numpy as np
@@ -96,12 +79,6 @@ class TensorParallelParity(TmpDirTest):
         worst = max(rel(m["loss"], ref_losses[m["step"] - 1]) for m in cont)
         self.assertLess(worst, 1e-5)
         print(f"\nllama tp=2 -> tp=1 resume at step 10: worst loss rel diff {worst:.2e} over steps 11-20", file=sys.stderr)
-
-    def test_gpt2(self):
-        self.check("gpt2")
-
-    def test_llama_gqa(self):
-        self.check("llama")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,6 @@
-"""ZeRO-1/2/3 over Gloo on CPU against the single-process run of the same global batch: loss
-within 1e-5 relative at each of 20 steps and exported weights within 1e-5, for gpt2 (tied) and
-llama (grouped-query attention) at dp=2 and dp=4, and ZeRO-1 composed with dp2 x tp2 x pp2
-(interleaved, sequence parallel). The per-rank state counters against the ZeRO paper's figures,
-resharding of a ZeRO-3 checkpoint into other layouts, and bitwise same-layout resume."""
+"""ZeRO beyond the parity table (tests/dist/layouts.py holds ZeRO-1/2/3's same-run checks over 2
+and 4 data ranks and inside 3D layouts): the per-rank state counters against the ZeRO paper's
+figures, --dry-run's prediction of them, and a ZeRO-3 checkpoint resharded into other layouts."""
 import json
 import os
 import re
@@ -12,7 +10,7 @@ import unittest
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
-from common import TmpDirTest, assert_same_run, base_plan, launch_plan, read_metrics, rel, run, write_plan, write_tokens  # noqa: E402
+from common import TmpDirTest, base_plan, launch_plan, read_metrics, rel, run, write_plan, write_tokens  # noqa: E402
 
 STEPS, VOCAB, LAYERS, BATCH = 20, 301, 4, 8
 
@@ -50,34 +48,6 @@ class ZeroParity(TmpDirTest):
         self.launch(self.plan(arch, name, **layout), world)
         run("tessel-train", "export", self.path(name, "checkpoints"), "--out", self.path(name, "hf"))
         return [m["loss"] for m in self.losses(name)], load_file(self.path(name, "hf", "model.safetensors"))
-
-    def compare(self, what, got, ref):
-        assert_same_run(self, what, got, ref, STEPS)
-
-    def check(self, arch):
-        ref = self.train(arch, "single", 1)
-        self.assertLess(ref[0][-1], ref[0][0] - 0.3, "the loss must fall")
-        for dp in (2, 4):
-            for zero in (1, 2, 3):
-                name = f"zero{zero}_dp{dp}"
-                self.compare(f"{arch} zero={zero} dp={dp}", self.train(arch, name, dp, zero=zero, dp=dp), ref)
-        return ref
-
-    def test_gpt2(self):
-        self.check("gpt2")
-
-    def test_llama(self):
-        self.check("llama")
-
-    def test_zero1_with_tp_and_interleaved_pipeline(self):
-        for arch in ("gpt2", "llama"):
-            ref = self.train(arch, f"{arch}_single", 1)
-            got = self.train(arch, f"{arch}_3d", 8, zero=1, dp=2, tp=2, pp=2, schedule="interleaved", v=2, sp=True)
-            self.compare(f"{arch} zero=1 dp=2 x tp=2 x pp=2 interleaved, sequence parallel", got, ref)
-
-    def test_zero3_with_tp(self):
-        ref = self.train("llama", "single", 1)
-        self.compare("llama zero=3 dp=2 x tp=2", self.train("llama", "z3tp2", 4, zero=3, dp=2, tp=2), ref)
 
     def test_state_bytes(self):
         # fp32, dp=2 and 4: weights, gradients and AdamW state per rank against the ZeRO paper's

@@ -10,8 +10,8 @@
 #include <cstdio>
 #include <memory>
 
-#include "engine/train.h"
 #include "parallel/mesh.h"
+#include "run/train.h"
 #include "tests/common/attention_cases.h"
 #include "tests/common/recompute_cases.h"
 

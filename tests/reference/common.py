@@ -1,119 +1,11 @@
-"""Helpers shared by the reference tests: run the binaries, write plans, build tiny HF models."""
-import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import unittest
-
+"""Helpers shared by the reference tests: everything of plans.py (run the binaries, write plans and
+token files), and tiny Hugging Face models built with torch."""
 import torch
 
-BIN = os.environ.get("TESSEL_BIN", os.path.join(os.path.dirname(__file__), "../../build/bin"))
-ROOT = os.environ.get("TESSEL_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
+from plans import *  # noqa: F401,F403  (re-exported: the tests import them from here)
+from plans import SEQ
+
 torch.set_num_threads(2)
-
-
-def run(*args, check=True, timeout=600):
-    """Runs a Tessel binary; returns the CompletedProcess (stdout/stderr as text)."""
-    p = subprocess.run([os.path.join(BIN, args[0]), *map(str, args[1:])], capture_output=True, text=True,
-                       timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{args} exited {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
-    return p
-
-
-def launch_plan(plan, world, check=True):
-    """Writes plan beside its output_dir and trains it: one process, or `world` under tessel-launch."""
-    path = write_plan(plan["run"]["output_dir"] + ".yaml", plan)
-    if world == 1:
-        return run("tessel-train", path, check=check)
-    return run("tessel-launch", "--nproc-per-node", world, "--master-port", free_port(), "--",
-               os.path.join(BIN, "tessel-train"), path, check=check)
-
-
-def assert_same_run(tc, what, got, ref, steps):
-    """got, ref: (per-step losses, exported weights). Loss within 1e-5 relative at every step and
-    every exported weight within 1e-5 of the reference run; prints the worst figures."""
-    (losses, weights), (ref_losses, ref_weights) = got, ref
-    tc.assertEqual(len(losses), steps, what)
-    worst = max(rel(a, b) for a, b in zip(losses, ref_losses, strict=True))
-    tc.assertLess(worst, 1e-5, f"{what}: {losses} vs {ref_losses}")
-    tc.assertEqual(set(weights), set(ref_weights))
-    wdiff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
-    tc.assertLess(wdiff, 1e-5, f"{what}: exported weights differ by {wdiff}")
-    print(f"\n{what}: worst loss rel diff {worst:.2e}, worst exported weight diff {wdiff:.2e}", file=sys.stderr)
-
-
-def write_plan(path, plan):
-    """YAML is a superset of JSON: a plan written as JSON is a valid YAML plan."""
-    with open(path, "w") as f:
-        json.dump(plan, f, indent=1)
-    return path
-
-
-def read_metrics(path):
-    """metrics.jsonl's lines; no MFU above 100% is ever written (every test reading metrics checks)."""
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    over = [r for r in rows if r.get("mfu", 0) > 1.0]
-    if over:
-        raise AssertionError(f"{path}: MFU above 100% at step {over[0].get('step')}: {over[0]['mfu']}")
-    return rows
-
-
-def free_port():
-    """A loopback port that is free now, and the next one too (for MASTER_PORT: tessel-launch's
-    nodes meet at MASTER_PORT + 1; a busy neighbour failed a Slurm test with EADDRINUSE)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two adjacent free loopback ports")
-
-
-def read_text(path):
-    with open(path) as f:
-        return f.read()
-
-
-def read_json(path):
-    return json.loads(read_text(path))
-
-
-def rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-30)
-
-
-class TmpDirTest(unittest.TestCase):
-    def setUp(self):
-        self._tmp = tempfile.TemporaryDirectory(prefix="tessel-ref-")
-        self.tmp = self._tmp.name
-
-    def tearDown(self):
-        self._tmp.cleanup()
-
-    def path(self, *parts):
-        return os.path.join(self.tmp, *parts)
-
-
-# Tiny models: Tessel plan sections and the matching transformers models.
-SEQ = 16
-
-
-def model_plan(arch):
-    if arch == "gpt2":
-        return {"arch": "gpt2", "layers": 2, "hidden": 32, "heads": 4, "vocab_size": 300, "max_seq_len": 64,
-                "norm_eps": 1e-5}
-    return {"arch": "llama", "layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn_hidden": 80,
-            "vocab_size": 300, "max_seq_len": 64, "norm_eps": 1e-6, "rope_theta": 5000.0}
 
 
 def hf_model(arch, seed=0, tied=False):
@@ -159,25 +51,3 @@ def write_rows(path, rows):
 def random_rows(batch, vocab=300, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, SEQ + 1), generator=g)
-
-
-def base_plan(tmp, arch, data_path, **training):
-    t = {"device": "cpu", "dtype": "fp32", "steps": 3, "global_batch": 4, "micro_batch": 2, "seq_len": SEQ,
-         "threads": 2}
-    t.update(training)
-    return {"run": {"name": "ref", "seed": 1, "output_dir": os.path.join(tmp, "run")},
-            "model": model_plan(arch), "training": t,
-            "data": {"format": "tokens", "path": [data_path], "shuffle": False, "token_dtype": "uint16"},
-            "logging": {"every": 1, "peak_tflops": 1.0}}
-
-
-def write_tokens(path, n, vocab=300, seed=2, period=None):
-    """Random uint16 tokens; with `period`, a repeated random pattern (learnable: the loss falls)."""
-    import numpy as np  # here, not at the top: the GPU suite runs where numpy may be missing
-    g = np.random.default_rng(seed)
-    if period:
-        toks = np.tile(g.integers(0, vocab, size=period), n // period + 1)[:n]
-    else:
-        toks = g.integers(0, vocab, size=n)
-    toks.astype("<u2").tofile(path)
-    return path

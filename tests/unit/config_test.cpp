@@ -4,7 +4,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "engine/config.h"
+#include "plan/config.h"
 
 namespace tessel {
 namespace {

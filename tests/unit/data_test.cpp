@@ -6,8 +6,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "engine/data.h"
-#include "engine/tensorboard.h"
+#include "data/data.h"
+#include "observe/tensorboard.h"
 
 namespace fs = std::filesystem;
 

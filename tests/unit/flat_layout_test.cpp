@@ -3,9 +3,9 @@
 #include <map>
 #include <set>
 
-#include "parallel/dp/flat_layout.h"
+#include "optim/flat_layout.h"
 
-namespace tessel::parallel::dp {
+namespace tessel::optim {
 namespace {
 
 std::vector<ParamEntry> toy() {  // reverse registration order, as layout_of gives it
@@ -96,4 +96,4 @@ TEST(FlatLayout, Zero3BucketsAreUnitsAndChunksNeverMix) {
 }
 
 }  // namespace
-}  // namespace tessel::parallel::dp
+}  // namespace tessel::optim

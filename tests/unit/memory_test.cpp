@@ -1,13 +1,14 @@
 // What a GPU step must not do, checked on CPU: recompute RoPE tables per micro-batch, or keep
 // several fp32 copies of the logits for the loss. CPU allocations are counted by the allocator
-// wrapper the trainer's step counters use (engine/counters.h).
+// wrapper the trainer's step counters use (observe/counters.h).
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "engine/counters.h"
 #include "models/registry.h"
+#include "observe/counters.h"
 #include "parallel/tp/layers.h"
+#include "planner/model_plan.h"
 
 namespace tessel {
 namespace {
@@ -81,7 +82,7 @@ TEST(Memory, RopeTablesAreComputedOncePerShapeDeviceAndDtype) {
           "kv_heads: 2, ffn_hidden: 64, vocab_size: 100, max_seq_len: 128}\n",
           "t")
           .model;
-  auto model = models::build_model(c, 1);
+  auto model = models::build_model(model_shape(c), 1);
   const auto& a = model->rope(16, torch::kCPU, torch::kFloat32);
   const auto& b = model->rope(16, torch::kCPU, torch::kFloat32);
   EXPECT_EQ(a.first.data_ptr(), b.first.data_ptr());  // the same tables, not recomputed

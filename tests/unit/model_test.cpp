@@ -3,13 +3,14 @@
 #include <torch/torch.h>
 
 #include "models/registry.h"
+#include "planner/model_plan.h"
 #include "tests/common/recompute_cases.h"
 
 namespace tessel::models {
 namespace {
 
-ModelConfig model(const std::string& yaml) {
-  return load_config_text("data: {path: x}\nmodel: " + yaml + "\n", "t").model;
+ModelShape model(const std::string& yaml) {
+  return model_shape(load_config_text("data: {path: x}\nmodel: " + yaml + "\n", "t").model);
 }
 
 TEST(Init, KeyedBySeedAndGlobalName) {

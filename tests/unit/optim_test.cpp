@@ -1,8 +1,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "engine/optim.h"
 #include "models/registry.h"
+#include "optim/optim.h"
+#include "planner/model_plan.h"
 
 namespace tessel {
 namespace {
@@ -39,10 +40,10 @@ TEST(FlatAdamW, MatchesReferenceAdamWAndClipping) {
       "data: {path: x}\nmodel: {arch: llama, layers: 1, hidden: 16, heads: 2, vocab_size: 300}\n"
       "training: {optimizer: {lr: 0.01, weight_decay: 0.1}}\n",
       "t");
-  auto model = models::build_model(c.model, 3);
+  auto model = models::build_model(model_shape(c.model), 3);
   std::map<std::string, torch::Tensor> w0;
   for (const auto& p : model->named_parameters()) w0[p.key()] = p.value().detach().clone();
-  FlatAdamW opt(model, c.training);
+  FlatAdamW opt(models::named_params(model), c.training);
   // The parameters are now views of the flat master buffer, with their values unchanged.
   for (const auto& p : model->named_parameters()) ASSERT_TRUE(torch::equal(p.value(), w0[p.key()]));
   std::map<std::string, torch::Tensor> m, v;
@@ -90,9 +91,11 @@ TEST(FlatAdamW, StateBytesAsPlanned) {
     for (int64_t shards : {1, 2, 3})
       for (int64_t zero = 0; zero <= 3; ++zero) {
         if (zero == 0 && shards > 1) continue;
-        auto model = models::build_model(c.model, 3);
+        auto model = models::build_model(model_shape(c.model), 3);
         model->to(dtype);
-        FlatAdamW opt(model, c.training, layout_of(model, {2000, shards, shards - 1, zero, false}));
+        const auto params = models::named_params(model);
+        FlatAdamW opt(params, c.training,
+                      layout_of(params, {2000, shards, shards - 1, zero, false}));
         const auto got = opt.bytes();
         const auto want = planned_state_bytes(opt.numel(), zero, shards, dtype);
         const int64_t slack = 16 * static_cast<int64_t>(opt.layout().buckets().size()) * shards;

@@ -5,9 +5,9 @@
 #include <filesystem>
 #include <fstream>
 
-#include "engine/checksum.h"
-#include "engine/config.h"
-#include "engine/safetensors.h"
+#include "io/checksum.h"
+#include "io/safetensors.h"
+#include "plan/config.h"
 
 namespace fs = std::filesystem;
 

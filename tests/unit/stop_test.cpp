@@ -3,7 +3,7 @@
 
 #include <csignal>
 
-#include "engine/stop.h"
+#include "run/stop.h"
 
 namespace tessel {
 namespace {

@@ -23,7 +23,7 @@ install(CODE "execute_process(COMMAND git -C \"${CMAKE_SOURCE_DIR}\" rev-parse -
 # What configs/default.yaml trains on (this project's own text), so that it runs from share/tessel.
 install(FILES README.md DESTINATION share/tessel)
 install(DIRECTORY docs DESTINATION share/tessel FILES_MATCHING PATTERN "*.md")
-foreach(dir engine models tools tests/unit)
+foreach(dir cli run checkpoint planner optim io data observe plan models tools tests/unit)
   install(DIRECTORY ${dir}/ DESTINATION share/tessel/${dir} FILES_MATCHING PATTERN "*.cpp" PATTERN "*.h"
           PATTERN "bundle" EXCLUDE)
 endforeach()
@@ -33,7 +33,7 @@ install(PROGRAMS tools/plot.py DESTINATION share/tessel/tools)
 install(DIRECTORY bench DESTINATION share/tessel FILES_MATCHING PATTERN "*.py")
 install(PROGRAMS bench/gpu-check.sh bench/gpu.sh DESTINATION share/tessel/bench)
 install(DIRECTORY tests/gpu DESTINATION share/tessel/tests FILES_MATCHING PATTERN "*.py")
-install(FILES tests/reference/common.py DESTINATION share/tessel/tests/reference)
+install(FILES tests/reference/common.py tests/reference/plans.py DESTINATION share/tessel/tests/reference)
 
 # bin/<tool> -> ../libexec/tessel/run.sh, made at install time (relative links: relocatable).
 foreach(tool ${TESSEL_TOOLS})

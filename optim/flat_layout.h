@@ -1,0 +1,86 @@
+// The flat layout of this rank's parameters, shared by the optimizer, the gradient reduction and
+// ZeRO. Parameters sit in one flat buffer in reverse registration order (the order backward
+// produces gradients in), cut into buckets: a bucket never straddles two pipeline chunks, and
+// under ZeRO-3 never two layer units (a unit is gathered as its buckets). With `shards` > 1
+// (ZeRO over the dp×cp group) each bucket is zero-padded to a multiple of `shards` and shard
+// rank r owns piece r of every bucket, as Megatron's distributed optimizer does: one
+// reduce-scatter per bucket leaves each rank the summed gradient of exactly the elements whose
+// AdamW state it keeps. This rank's pieces, bucket after bucket, form its shard buffer.
+//
+//   flat:   | bucket 0 (piece 0 | piece 1) | bucket 1 (piece 0 | piece 1) | ...   [numel]
+//   shard:  | bucket 0 piece r | bucket 1 piece r | ...                            [shard_numel]
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tessel::optim {
+
+struct Slot {
+  std::string name;       // global parameter name
+  int64_t offset, numel;  // range of the flat buffer
+  int64_t bucket;
+};
+
+struct FlatBucket {
+  int64_t begin, end;    // range of the flat buffer, padded: (end - begin) % shards == 0
+  int64_t chunk;         // the pipeline chunk whose backward fills it
+  int64_t params;        // parameters in it
+  std::string unit;      // ZeRO-3 gather unit: "layers.<i>" or "root" (everything else)
+  int64_t shard_offset;  // where this rank's piece starts in the shard buffer
+};
+
+/// One contiguous part of a parameter that this rank's shard holds.
+struct Piece {
+  int64_t param_offset;  // first element, within the flattened parameter
+  int64_t flat;          // position in the flat buffer
+  int64_t shard;         // position in the shard buffer
+  int64_t numel;
+};
+
+/// What the layout is built from: each parameter's name, element count and pipeline chunk, in
+/// the order they take in the flat buffer.
+struct ParamEntry {
+  std::string name;
+  int64_t numel, chunk;
+};
+
+struct LayoutOptions {
+  int64_t bucket_elements = 1;  // cap (ignored under ZeRO-3, where a bucket is a unit)
+  int64_t shards = 1, shard_rank = 0;
+  int64_t zero = 0;
+  bool isolate_embedding = false;  // "embed.weight" in a bucket of its own (tied table under pp)
+};
+
+class FlatLayout {
+ public:
+  FlatLayout(const std::vector<ParamEntry>& params, const LayoutOptions& o);
+
+  const std::vector<Slot>& slots() const { return slots_; }
+  const std::vector<FlatBucket>& buckets() const { return buckets_; }
+  int64_t numel() const { return numel_; }  // the flat buffer, padding included
+  int64_t shard_numel() const { return shard_numel_; }
+  int64_t shards() const { return o_.shards; }
+  int64_t shard_rank() const { return o_.shard_rank; }
+  int64_t zero() const { return o_.zero; }
+  /// Elements of one piece of bucket `b` (its length / shards).
+  int64_t piece_numel(const FlatBucket& b) const { return (b.end - b.begin) / o_.shards; }
+  /// The flat position of this rank's piece of `b`.
+  int64_t piece_flat(const FlatBucket& b) const { return b.begin + o_.shard_rank * piece_numel(b); }
+  /// The part of `slot` in this rank's shard (none, or one range: a parameter lies in one bucket).
+  std::vector<Piece> pieces(const Slot& slot) const;
+  /// The slot of a parameter (throws std::out_of_range for a name this rank does not hold).
+  const Slot& slot(const std::string& name) const;
+
+ private:
+  LayoutOptions o_;
+  std::vector<Slot> slots_;
+  std::vector<FlatBucket> buckets_;
+  int64_t numel_ = 0, shard_numel_ = 0;
+};
+
+/// The ZeRO-3 unit of a parameter: "layers.<i>" for a block's parameters, else "root".
+std::string unit_of(const std::string& name);
+
+}  // namespace tessel::optim

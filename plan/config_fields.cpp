@@ -1,0 +1,266 @@
+// The one declaration of every plan field: key, default, help, and its range or choices.
+#include "plan/config.h"
+
+namespace tessel {
+namespace {
+using S = std::string;
+using Strings = std::vector<std::string>;
+using Doubles = std::vector<double>;
+}  // namespace
+
+std::vector<Field> bind_fields(Config& c) {
+  std::vector<Field> f;
+  auto add = [&f](S key, FieldRef ref, FieldValue def, S help) -> Field& {
+    f.push_back(Field{std::move(key), ref, std::move(def), std::move(help)});
+    return f.back();
+  };
+  // run
+  add("run.name", &c.run.name, S("tessel"), "Name shown in logs and metrics.");
+  add("run.seed", &c.run.seed, int64_t{1234},
+      "Seed of the initial weights (keyed by parameter name) and of the data order.")
+      .range(0);
+  add("run.output_dir", &c.run.output_dir, S("runs/tessel"),
+      "Folder for metrics.jsonl, the resolved plan (config.yaml) and checkpoints.");
+
+  // model
+  add("model.arch", &c.model.arch, S("gpt2"), "Architecture.").one_of({"gpt2", "llama"});
+  add("model.layers", &c.model.layers, int64_t{2}, "Transformer blocks.").range(1);
+  add("model.hidden", &c.model.hidden, int64_t{64}, "Model width.").range(1);
+  add("model.heads", &c.model.heads, int64_t{4}, "Attention (query) heads.").range(1);
+  add("model.kv_heads", &c.model.kv_heads, int64_t{0},
+      "Key/value heads (grouped-query attention; llama). auto = heads.")
+      .range(0)
+      .allow_auto();
+  add("model.ffn_hidden", &c.model.ffn_hidden, int64_t{0},
+      "MLP width. auto = 4·hidden (gpt2) or 8/3·hidden rounded up to a multiple of 64 (llama).")
+      .range(0)
+      .allow_auto();
+  add("model.vocab_size", &c.model.vocab_size, int64_t{257},
+      "Vocabulary size (text data needs at least 257: bytes plus end-of-document).")
+      .range(1);
+  add("model.max_seq_len", &c.model.max_seq_len, int64_t{256},
+      "Longest sequence (gpt2: rows of the position table).")
+      .range(1);
+  add("model.tie_embeddings", &c.model.tie_embeddings, S("auto"),
+      "Share input embedding and output head. auto = true for gpt2, false for llama.")
+      .one_of({"auto", "true", "false"});
+  add("model.norm_eps", &c.model.norm_eps, 1e-5, "Epsilon of LayerNorm / RMSNorm.").range(0);
+  add("model.rope_theta", &c.model.rope_theta, 10000.0, "RoPE base (llama).").range(1);
+  add("model.init_std", &c.model.init_std, 0.02, "Std of the normal initial weights.").range(0);
+  add("model.init_from", &c.model.init_from, S(""),
+      "Start from these weights: a model.safetensors with Hugging Face names (save_pretrained of "
+      "GPT2LMHeadModel / LlamaForCausalLM) or Tessel names. Empty = seeded init.");
+
+  // parallel
+  add("parallel.dp", &c.parallel.dp, int64_t{0},
+      "Data-parallel degree. auto = world size / (tp·cp·pp).")
+      .range(0)
+      .allow_auto();
+  add("parallel.tp", &c.parallel.tp, int64_t{1}, "Tensor-parallel degree.").range(1);
+  add("parallel.pp", &c.parallel.pp, int64_t{1}, "Pipeline-parallel degree.").range(1);
+  add("parallel.cp", &c.parallel.cp, int64_t{1},
+      "Context-parallel degree: each sequence is cut into 2·cp chunks and cp rank r holds chunks "
+      "r and 2·cp−1−r (equal causal work per rank).")
+      .range(1);
+  add("parallel.context.method", &c.parallel.context_method, S("allgather"),
+      "How attention sees the other cp ranks' keys and values: allgather = gather K/V over cp "
+      "before attention (reduce-scatter their gradients); ring = pass K/V blocks around the cp "
+      "ring while attending to the current one, merged by log-sum-exp.")
+      .one_of({"allgather", "ring"});
+  add("parallel.sequence_parallel", &c.parallel.sequence_parallel, false,
+      "Split activations outside the tensor-parallel regions along the sequence (tp > 1): "
+      "all-gather before column-parallel layers, reduce-scatter after row-parallel ones.");
+  add("parallel.order", &c.parallel.order, S("tp-cp-dp-pp"),
+      "Rank order, fastest-varying first (tensor-parallel peers share a node).")
+      .one_of({"tp-cp-dp-pp"});
+  add("parallel.backend", &c.parallel.backend, S("auto"),
+      "Collectives: auto = nccl on CUDA, gloo on CPU.")
+      .one_of({"auto", "gloo", "nccl"});
+  add("parallel.timeout_s", &c.parallel.timeout_s, 600.0,
+      "Rendezvous and collective timeout; a collective that takes longer fails, naming its group, "
+      "operation, sequence number and rank.")
+      .range(1);
+  add("parallel.pipeline.schedule", &c.parallel.pipeline_schedule, S("1f1b"),
+      "Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, or interleaved 1F1B.")
+      .one_of({"gpipe", "1f1b", "interleaved"});
+  add("parallel.pipeline.virtual_stages", &c.parallel.virtual_stages, int64_t{1},
+      "Model chunks per pipeline rank (interleaved schedule; 1 otherwise).")
+      .range(1);
+  add("parallel.pipeline.layers_per_stage", &c.parallel.layers_per_stage, Doubles{},
+      "Layers of each pipeline stage (pp·virtual_stages integers summing to model.layers); empty = "
+      "an even split.");
+  add("parallel.ddp.bucket_mb", &c.parallel.ddp_bucket_mb, 25.0,
+      "Gradient bucket size (MiB of fp32): each bucket is summed over dp×cp as soon as backward "
+      "completes it.")
+      .range(0.001);
+  add("parallel.zero", &c.parallel.zero, int64_t{0},
+      "ZeRO stage over the data group (dp×cp): 0 = every rank holds everything (DDP); 1 = AdamW "
+      "state and fp32 master sharded (gradients reduce-scattered, parameters all-gathered after "
+      "the step); 2 = gradients sharded too (reduce-scattered per bucket during every "
+      "backward); 3 = parameters sharded too (each layer gathered before its forward and "
+      "backward, freed after).")
+      .range(0, 3);
+
+  // training
+  add("training.device", &c.training.device, S("auto"), "auto = cuda when available, else cpu.")
+      .one_of({"auto", "cpu", "cuda"});
+  add("training.dtype", &c.training.dtype, S("auto"),
+      "fp32, or bf16/fp16 weights and activations with fp32 master weights and fp32 gradient "
+      "accumulation; fp16 scales the loss dynamically (training.loss_scale). auto = bf16 when "
+      "training.device resolves to cuda, else fp32.")
+      .one_of({"auto", "fp32", "bf16", "fp16"});
+  add("training.tf32", &c.training.tf32, true,
+      "On CUDA, fp32 matrix multiplications and convolutions use TF32 tensor cores (as "
+      "Megatron-LM and torchtitan do); false keeps them exact fp32 (parity checks).");
+  add("training.recompute", &c.training.recompute, S("none"),
+      "Activation checkpointing. none: keep every block's activations for backward. selective: "
+      "keep attention's and rerun each block's MLP half (its norm and the ffn-wide tensors, the "
+      "largest per token) in backward. full: keep only each block's input and rerun the whole "
+      "block in backward (about one more forward of compute).")
+      .one_of({"none", "selective", "full"});
+  add("training.activation_checkpointing", &c.training.activation_checkpointing, S("none"),
+      "The same setting as training.recompute, under its earlier name: either "
+      "name sets both (--set of one overrides the plan's other; a plan giving both must agree).")
+      .one_of({"none", "selective", "full"});
+  add("training.steps", &c.training.steps, int64_t{100}, "Optimizer steps.").range(1);
+  add("training.global_batch", &c.training.global_batch, int64_t{8},
+      "Sequences per optimizer step, over all data-parallel ranks.")
+      .range(1);
+  add("training.micro_batch", &c.training.micro_batch, int64_t{8},
+      "Sequences per forward/backward; micro-batches per step = global_batch / (dp·micro_batch).")
+      .range(1);
+  add("training.seq_len", &c.training.seq_len, int64_t{128}, "Tokens per sequence.").range(1);
+  add("training.grad_clip", &c.training.grad_clip, 1.0,
+      "Clip the global gradient norm to this value; 0 = no clipping.")
+      .range(0);
+  add("training.eval_every", &c.training.eval_every, int64_t{0},
+      "Validation loss every N steps (and at the last step); 0 = never.")
+      .range(0);
+  add("training.eval_batches", &c.training.eval_batches, int64_t{4},
+      "Global batches of validation data per evaluation.")
+      .range(1);
+  add("training.threads", &c.training.threads, int64_t{0},
+      "CPU threads for intra-op parallelism. auto = torch's default.")
+      .range(0)
+      .allow_auto();
+  add("training.optimizer.lr", &c.training.optimizer.lr, 3e-4, "Peak learning rate (AdamW).")
+      .range(0);
+  add("training.optimizer.betas", &c.training.optimizer.betas, Doubles{0.9, 0.95},
+      "AdamW betas [beta1, beta2].");
+  add("training.optimizer.eps", &c.training.optimizer.eps, 1e-8, "AdamW epsilon.").range(0);
+  add("training.optimizer.weight_decay", &c.training.optimizer.weight_decay, 0.1,
+      "Decoupled weight decay.")
+      .range(0);
+  add("training.optimizer.no_decay", &c.training.optimizer.no_decay,
+      Strings{"*norm*", "*.bias", "embed.*", "pos_embed.*"},
+      "Parameter-name globs exempt from weight decay (Tessel names, e.g. layers.0.attn.q.bias).");
+  add("training.schedule.warmup_steps", &c.training.schedule.warmup_steps, int64_t{0},
+      "Linear warmup: lr·s/warmup_steps at step s.")
+      .range(0);
+  add("training.schedule.decay", &c.training.schedule.decay, S("cosine"),
+      "Decay from lr to min_lr over the steps after warmup.")
+      .one_of({"cosine", "linear", "constant"});
+  add("training.schedule.min_lr", &c.training.schedule.min_lr, 0.0, "Final learning rate.")
+      .range(0);
+  add("training.loss_scale.initial", &c.training.loss_scale.initial, 65536.0,
+      "fp16: the first loss scale.")
+      .range(1);
+  add("training.loss_scale.growth_factor", &c.training.loss_scale.growth_factor, 2.0,
+      "fp16: the scale is multiplied by this after growth_interval steps without overflow.")
+      .range(1);
+  add("training.loss_scale.backoff_factor", &c.training.loss_scale.backoff_factor, 0.5,
+      "fp16: the scale is multiplied by this after a step whose gradients overflow (the step is "
+      "skipped).")
+      .range(0, 1);
+  add("training.loss_scale.growth_interval", &c.training.loss_scale.growth_interval, int64_t{2000},
+      "fp16: steps without overflow before the scale grows.")
+      .range(1);
+  add("training.loss_scale.min_scale", &c.training.loss_scale.min_scale, 1.0,
+      "fp16: the scale never backs off below this.")
+      .range(0);
+  add("training.loss_scale.inject_overflow_step", &c.training.loss_scale.inject_overflow_step,
+      int64_t{0},
+      "Testing: multiply this step's loss by 1e30 so its gradients overflow (0 = never). fp16 "
+      "skips the step; other dtypes stop with the non-finite error.")
+      .range(0);
+
+  // data
+  add("data.format", &c.data.format, S("text"),
+      "text: UTF-8 files as byte tokens 0-255 plus end-of-document 256; megatron: .bin/.idx "
+      "indexed datasets (path = prefix); tokens: flat little-endian token files.")
+      .one_of({"text", "megatron", "tokens"});
+  add("data.path", &c.data.path, Strings{},
+      "Files, globs (text, tokens) or prefixes (megatron); relative to the working directory.");
+  add("data.val_fraction", &c.data.val_fraction, 0.0,
+      "Share of the token stream (its end) held out for validation.")
+      .range(0, 0.5);
+  add("data.shuffle", &c.data.shuffle, true,
+      "Shuffle the sample order each epoch (a pure function of run.seed and the epoch).");
+  add("data.token_dtype", &c.data.token_dtype, S("uint16"), "Element type of `tokens` files.")
+      .one_of({"uint16", "uint32"});
+
+  // checkpoint
+  add("checkpoint.dir", &c.checkpoint.dir, S(""),
+      "Checkpoint folder. Empty = <run.output_dir>/checkpoints.");
+  add("checkpoint.every", &c.checkpoint.every, int64_t{0},
+      "Save every N steps; the last step is always saved. 0 = only the last.")
+      .range(0);
+  add("checkpoint.keep", &c.checkpoint.keep, int64_t{0},
+      "Keep the newest N checkpoints. 0 = keep all.")
+      .range(0);
+  add("checkpoint.resume", &c.checkpoint.resume, S("auto"),
+      "auto: continue from <checkpoint.dir>/latest when it exists, else start; never: start from "
+      "step 0; or the path of a checkpoint (step_<N> folder or a checkpoint.dir) to continue "
+      "from.");
+
+  add("checkpoint.on_signal", &c.checkpoint.on_signal, Strings{"SIGTERM", "SIGUSR1"},
+      "Signals that make every rank finish its current step, save a checkpoint and exit with "
+      "code 75 (preempted: rerun to resume). [] = the default action (terminate, nothing saved).")
+      .one_of({"SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"});
+  add("checkpoint.accept_changes", &c.checkpoint.accept_changes, Strings{},
+      "Plan keys a resumed run may change although they alter the run (seq_len, global_batch, "
+      "seed, data, model, optimizer, LR schedule and, under a cosine or linear decay, steps), e.g. "
+      "[training.steps]. A resume under any other such change is refused, naming it. The step "
+      "count and the data position (samples consumed) carry over; the LR of each later step is "
+      "the new plan's.");
+
+  // logging
+  add("logging.tensorboard", &c.logging.tensorboard, true,
+      "Also write the logged figures as TensorBoard events under <run.output_dir>/tensorboard "
+      "(rank 0; `tensorboard --logdir` reads them).");
+  add("logging.every", &c.logging.every, int64_t{1}, "Console and metrics line every N steps.")
+      .range(1);
+  add("logging.metrics_file", &c.logging.metrics_file, S("metrics.jsonl"),
+      "JSON-lines metrics, relative to run.output_dir.");
+  add("logging.peak_tflops", &c.logging.peak_tflops, 0.0,
+      "Peak TFLOP/s per device for MFU. 0 = the device table (GPUs) or a matmul measured at start "
+      "(CPU).")
+      .range(0);
+
+  // What a resumed run may change without altering what it trains (the start-up prints each
+  // change); every other key needs checkpoint.accept_changes.
+  const std::pair<const char*, const char*> free_on_resume[] = {
+      {"run.name", "a label"},
+      {"run.output_dir", "where the run writes"},
+      {"model.init_from", "initial weights: a resumed run's come from the checkpoint"},
+      {"model.init_std", "initial weights: a resumed run's come from the checkpoint"},
+      {"parallel.", "the layout: the same global batch, the same losses"},
+      {"training.micro_batch", "the layout: the same global batch, the same losses"},
+      {"training.device", "where the run computes"},
+      {"training.dtype", "arithmetic precision: master weights and moments stay fp32"},
+      {"training.tf32", "arithmetic precision of fp32 matmuls on CUDA"},
+      {"training.recompute", "memory against time: the same losses"},
+      {"training.activation_checkpointing", "memory against time: the same losses"},
+      {"training.threads", "speed"},
+      {"training.eval_", "evaluation only"},
+      {"training.loss_scale.", "fp16 loss scaling: its state carries over in the checkpoint"},
+      {"checkpoint.", "checkpointing"},
+      {"logging.", "logging"},
+  };
+  for (auto& field : f)
+    for (const auto& [prefix, why] : free_on_resume)
+      if (field.key.rfind(prefix, 0) == 0) field.free_on_resume = why;
+  return f;
+}
+
+}  // namespace tessel

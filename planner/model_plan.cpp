@@ -1,0 +1,39 @@
+#include "planner/model_plan.h"
+
+#include "parallel/pp/schedule.h"
+
+namespace tessel {
+
+models::ModelShape model_shape(const ModelConfig& m) {
+  models::ModelShape s;
+  s.arch = m.arch;
+  s.layers = m.layers;
+  s.hidden = m.hidden;
+  s.heads = m.heads;
+  s.kv_heads = m.kv_heads;
+  s.ffn_hidden = m.ffn_hidden;
+  s.vocab_size = m.vocab_size;
+  s.max_seq_len = m.max_seq_len;
+  s.tie_embeddings = m.tied();
+  s.norm_eps = m.norm_eps;
+  s.rope_theta = m.rope_theta;
+  s.init_std = m.init_std;
+  return s;
+}
+
+c10::ScalarType resolve_dtype(const std::string& dtype) {
+  if (dtype == "bf16") return c10::kBFloat16;
+  return dtype == "fp16" ? c10::kHalf : c10::kFloat;
+}
+
+models::StagePart stage_part(const Config& c, int64_t pp, int64_t rank) {
+  const int64_t v = c.parallel.virtual_stages;
+  const auto layers =
+      parallel::pp::stage_layers(c.model.layers, pp * v, c.parallel.layers_per_stage);
+  models::StagePart part{{}, rank == 0, rank == pp - 1};
+  for (int64_t chunk = 0; chunk < v; ++chunk)
+    part.chunks.push_back(layers[static_cast<size_t>(chunk * pp + rank)]);
+  return part;
+}
+
+}  // namespace tessel

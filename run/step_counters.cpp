@@ -1,0 +1,66 @@
+#include "run/step_counters.h"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+
+#include <algorithm>
+
+namespace tessel {
+namespace {
+
+int cuda_index(const torch::Device& d) { return d.index() < 0 ? 0 : d.index(); }
+
+}  // namespace
+
+StepCounters::StepCounters(const parallel::Mesh& mesh, const torch::Device& device)
+    : mesh_(mesh), device_(device) {
+  if (!device.is_cuda()) CpuAllocationCounter::get();
+}
+
+int64_t StepCounters::allocated() const {
+  if (device_.is_cuda())
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index(device_))
+        .allocated_bytes[0]
+        .current;
+  return CpuAllocationCounter::get().now();
+}
+
+int64_t StepCounters::reset_peak() {
+  if (device_.is_cuda()) {
+    const int d = cuda_index(device_);
+    const int64_t peak = c10::cuda::CUDACachingAllocator::getDeviceStats(d).allocated_bytes[0].peak;
+    c10::cuda::CUDACachingAllocator::resetPeakStats(d);
+    return peak;
+  }
+  return CpuAllocationCounter::get().take_peak();
+}
+
+void StepCounters::begin_step() {
+  for (auto k : parallel::all_group_kinds()) {
+    const auto& g = mesh_.group(k);
+    at_begin_[k] = g.bytes() + g.sent_bytes();
+  }
+  reset_peak();
+  base_ = allocated();
+}
+
+void StepCounters::end_step() {
+  for (auto k : parallel::all_group_kinds()) {
+    const auto& g = mesh_.group(k);
+    total_[k] += g.bytes() + g.sent_bytes() - at_begin_[k];
+  }
+  const int64_t peak = reset_peak();
+  // The first step also allocates what lives on (lazy buffers, caches): steady state is the rest.
+  if (steps_ == 1 || steps_ == 0) peak_extra_ = 0;
+  peak_extra_ = std::max(peak_extra_, peak - base_);
+  peak_abs_ = std::max(peak_abs_, peak);
+  ++steps_;
+}
+
+std::map<std::string, double> StepCounters::comm_bytes_per_step() const {
+  std::map<std::string, double> out;
+  for (const auto& [k, bytes] : total_)
+    out[parallel::group_name(k)] = steps_ ? static_cast<double>(bytes) / steps_ : 0.0;
+  return out;
+}
+
+}  // namespace tessel

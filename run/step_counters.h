@@ -1,0 +1,42 @@
+// Measured per-step figures that --dry-run's planner predicts (tests compare the two): bytes each
+// process group carried during training steps, and the memory a step allocates beyond the state
+// held between steps (activations, their gradients, temporaries). On CPU the allocations are
+// counted by observe/counters.h's allocator; on CUDA they come from the caching allocator.
+#pragma once
+
+#include <torch/types.h>
+
+#include <map>
+#include <string>
+#include <utility>
+
+#include "observe/counters.h"
+#include "parallel/mesh.h"
+
+namespace tessel {
+
+class StepCounters {
+ public:
+  StepCounters(const parallel::Mesh& mesh, const torch::Device& device);
+  void begin_step();
+  void end_step();
+  /// Mean payload bytes per step of each group (collectives + point-to-point sent), by name.
+  std::map<std::string, double> comm_bytes_per_step() const;
+  /// Largest memory a step allocated above what was allocated when it began (steps after the
+  /// first, which also allocates lasting buffers; the first when it is the only one).
+  int64_t step_peak_bytes() const { return peak_extra_; }
+  /// Memory allocated when the last step began (weights, gradients, optimizer state, buffers).
+  int64_t step_base_bytes() const { return base_; }
+  /// CUDA: the highest allocated bytes since the last call (metrics' mem_bytes).
+  int64_t take_peak_since_log() { return std::exchange(peak_abs_, 0); }
+
+ private:
+  int64_t allocated() const;
+  int64_t reset_peak();
+  const parallel::Mesh& mesh_;
+  torch::Device device_;
+  std::map<parallel::GroupKind, int64_t> at_begin_, total_;
+  int64_t steps_ = 0, base_ = 0, peak_extra_ = 0, peak_abs_ = 0;
+};
+
+}  // namespace tessel

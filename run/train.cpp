@@ -1,0 +1,518 @@
+#include "run/train.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "checkpoint/checkpoint.h"
+#include "io/safetensors.h"
+#include "parallel/dp/grad_reducer.h"
+#include "parallel/dp/zero3.h"
+#include "parallel/pp/executor.h"
+#include "run/same_plan.h"
+#include "run/step_counters.h"
+#include "run/stop.h"
+
+namespace tessel {
+
+torch::Device resolve_device(const std::string& device, const parallel::WorldInfo& w,
+                             std::string* why) {
+  const bool cuda = torch::cuda::is_available();
+  if (device == "cuda" && !cuda)
+    throw UserError(
+        "training.device is cuda but no CUDA device is available (torch::cuda::is_available() is "
+        "false)");
+  if (device == "cpu" || !cuda) {
+    if (why) *why = device == "cpu" ? "training.device cpu" : "no CUDA device available";
+    return torch::kCPU;
+  }
+  const auto choice =
+      parallel::choose_cuda_device(static_cast<int>(torch::cuda::device_count()), w.local_rank,
+                                   w.local_world, std::getenv("CUDA_VISIBLE_DEVICES"));
+  if (why) *why = choice.why;
+  return {torch::kCUDA, static_cast<c10::DeviceIndex>(choice.index)};
+}
+
+void load_weights_file(models::Decoder& model, const std::string& path) {
+  models::load_weights(model, read_safetensors(path).tensors, path);
+}
+
+models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
+                           parallel::Group* tp, const models::StagePart& stages,
+                           parallel::Group* cp) {
+  auto model =
+      models::build_model(model_shape(c.model), c.run.seed, tp, c.parallel.sequence_parallel,
+                          stages, cp, c.parallel.context_method);
+  if (!c.model.init_from.empty()) load_weights_file(model, c.model.init_from);
+  model->set_recompute(c.training.recompute);
+  model->to(device, dtype);
+  return model;
+}
+
+Trainer::Trainer(Start start, const parallel::WorldInfo& world)
+    : c_(std::move(start.config)),
+      peers_(std::move(start.peers)),
+      lock_(std::move(start.lock)),
+      device_(resolve_device(c_.training.device, world, &device_why_)),
+      dtype_(resolve_dtype(c_.training.dtype)) {
+  // start_run() checked the plan against this node and agreed with every rank.
+  if (c_.training.threads > 0) torch::set_num_threads(static_cast<int>(c_.training.threads));
+  if (device_.is_cuda()) {  // TF32 tensor cores for fp32 matmuls and convolutions, unless refused
+    const auto p = c_.training.tf32 ? at::Float32Precision::TF32 : at::Float32Precision::IEEE;
+    at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL, p);
+    at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::CONV, p);
+  }
+  if (!device_.is_cuda()) CpuAllocationCounter::get();  // counts the state from its first byte
+  mesh_ = parallel::Mesh::create(c_, world, device_, std::move(start.store));
+  weight_gather_wait_ = SpanTimer(time_on_device(device_, mesh_->dp_cp().backend_name()));
+  const auto& l = mesh_->layout();
+  c_.parallel.dp = l.dp;
+  check_same_plan(c_, *mesh_);
+  if (mesh_->rank() == 0) {
+    std::filesystem::create_directories(c_.run.output_dir);
+    write_file_atomic((std::filesystem::path(c_.run.output_dir) / "config.yaml").string(),
+                      dump_config(c_));
+  } else {
+    spdlog::set_level(spdlog::level::warn);  // rank 0 reports for everyone
+  }
+  data_ = std::make_unique<data::Dataset>(c_);
+  model_ =
+      make_model(c_, device_, dtype_, &mesh_->group(parallel::GroupKind::kTp),
+                 stage_part(c_, l.pp, mesh_->coord().pp), &mesh_->group(parallel::GroupKind::kCp));
+  setup_state();
+  const auto& t = c_.training;
+  const bool sp = c_.parallel.sequence_parallel && l.tp > 1;
+  // One micro-batch between stages: this cp rank's tokens (SP: its tp share of them).
+  activation_shape_ = {t.micro_batch, t.seq_len / l.cp / (sp ? l.tp : 1), c_.model.hidden};
+  executor_ = std::make_unique<parallel::pp::Executor>(
+      mesh_->group(parallel::GroupKind::kPp),
+      parallel::pp::make_schedule(c_.parallel.pipeline_schedule, l.pp,
+                                  t.global_batch / (l.dp * t.micro_batch),
+                                  c_.parallel.virtual_stages),
+      activation_shape_, torch::TensorOptions().dtype(dtype_).device(device_));
+  if (mesh_->rank() == 0) metrics_ = std::make_unique<MetricsLog>(c_, first_step_ - 1);
+  spdlog::info("{} process{} ({}, {}): dp {} tp {}{} pp {} cp {}{} | {} gradient bucket{}",
+               mesh_->world(), mesh_->world() > 1 ? "es" : "", world.source, mesh_->backend(), l.dp,
+               l.tp, sp ? " (sequence parallel)" : "", l.pp, l.cp,
+               l.cp > 1 ? fmt::format(" ({}, {} tokens per rank)", c_.parallel.context_method,
+                                      t.seq_len / l.cp)
+                        : "",
+               reducer_->buckets().size(), reducer_->buckets().size() == 1 ? "" : "s");
+  if (l.pp > 1) {
+    const auto& s = executor_->schedule();
+    const auto layers = parallel::pp::stage_layer_counts(c_.model.layers, l.pp * s.virtual_stages,
+                                                         c_.parallel.layers_per_stage);
+    spdlog::info(
+        "pipeline: {} over {} ranks x {} chunk{}, {} micro-batches per step; layers per "
+        "stage [{}]; tied embeddings {}",
+        s.name, l.pp, s.virtual_stages, s.virtual_stages > 1 ? "s" : "", s.microbatches, layers,
+        c_.model.tied() ? "kept equal over the embedding group" : "no");
+  }
+  // N sums over pipeline stages (each rank counts its own stages' parameters).
+  auto n = torch::full({}, flops_parameters(model_),
+                       torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  if (l.pp > 1) mesh_->group(parallel::GroupKind::kPp).all_reduce(n).wait();
+  flops_per_token_ =
+      flops_per_token(model_->options().model, n.item<double>(), c_.training.seq_len);
+  peak_ = device_peak(c_, device_, dtype_);
+  log_state();
+  spdlog::info("data {} | {} training samples ({} tokens), {} validation samples", c_.data.format,
+               data_->train_samples(), data_->train_tokens(), data_->val_samples());
+  spdlog::info("device {}: {}", device_.str(), device_why_);
+  spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
+               kFlopsConvention, peak_.tflops, peak_.source);
+  stop_ = std::make_unique<StopOnSignal>(c_.checkpoint.on_signal, device_);
+  counters_ = std::make_unique<StepCounters>(*mesh_, device_);
+  setup_rss_ = peak_rss_bytes();  // before any step: what the steps add is activations
+}
+
+void Trainer::setup_state() {
+  // ZeRO shards over the data group (dp×cp); a tied table under pp gets a bucket of its own, so
+  // the first and last stage hold the same piece of it and can sum its gradient.
+  const auto& l = mesh_->layout();
+  auto& data_group = mesh_->dp_cp();
+  const int64_t zero = c_.parallel.zero;
+  const auto params = models::named_params(model_);
+  opt_ = std::make_unique<FlatAdamW>(
+      params, c_.training,
+      layout_of(params, {std::max<int64_t>(
+                             1, static_cast<int64_t>(c_.parallel.ddp_bucket_mb * (1 << 20) / 4)),
+                         zero > 0 ? data_group.size() : 1, zero > 0 ? data_group.rank() : 0, zero,
+                         zero > 0 && l.pp > 1 && c_.model.tied()}));
+  scaler_ = std::make_unique<LossScaler>(c_.training, device_);
+  if (auto dir = checkpoint_to_resume(c_); !dir.empty()) {
+    auto st = load_checkpoint(dir, model_, *opt_, scaler_.get());
+    first_step_ = st.step + 1;
+    consumed_ = st.consumed_samples;
+    resumed_from_ = dir;
+    spdlog::info("resumed from {} (step {}, {} samples consumed)", dir, st.step,
+                 st.consumed_samples);
+  }
+  for (const auto& s : opt_->layout().slots()) {
+    auto views = opt_->grad_views(s);
+    auto& into = s.name == "embed.weight" ? embedding_grads_ : tp_summed_grads_;
+    if ((s.name == "embed.weight" && l.pp > 1 && c_.model.tied()) ||
+        (l.tp > 1 && model_->specs().at(s.name).tp_grad_sum))
+      into.insert(into.end(), views.begin(), views.end());
+  }
+  reducer_ = std::make_unique<parallel::dp::GradReducer>(*mesh_, params, *opt_);
+  if (zero == 3) {
+    gatherer_ = std::make_unique<parallel::dp::UnitGatherer>(data_group, *opt_);
+    model_->set_hooks(gatherer_.get());
+    reducer_->on_bucket_done = [g = gatherer_.get()](size_t b) { g->bucket_done(b); };
+  }
+}
+
+void Trainer::log_state() const {
+  spdlog::info("model {} | {} parameters on this rank | {} | {} on {}", c_.model.arch,
+               opt_->numel(),
+               !resumed_from_.empty()       ? "weights from checkpoint " + resumed_from_
+               : c_.model.init_from.empty() ? "seeded init"
+                                            : "weights from " + c_.model.init_from,
+               c_.training.dtype, device_.str());
+  const auto bytes = opt_->bytes();
+  auto& data_group = mesh_->dp_cp();
+  const int64_t zero = c_.parallel.zero;
+  spdlog::info(
+      "state on this rank (ZeRO {} over {} data rank{}): weights {:.2f} MiB, gradients {:.2f} MiB, "
+      "optimizer {:.2f} MiB{}",
+      zero, data_group.size(), data_group.size() == 1 ? "" : "s", bytes.params / 1048576.0,
+      bytes.grads / 1048576.0, bytes.optimizer / 1048576.0,
+      gatherer_ ? fmt::format(" (+ gathered units, the largest {:.2f} MiB)",
+                              gatherer_->largest_unit_bytes() / 1048576.0)
+                : "");
+}
+
+Trainer::StepOut Trainer::train_step(int64_t step) {
+  const auto& t = c_.training;
+  // This data rank's rows of the global batch (the next B positions of the global order).
+  const int64_t rows = t.global_batch / mesh_->layout().dp;
+  auto batch = data_->train_batch(consumed_ + mesh_->coord().dp * rows, rows);
+  consumed_ += t.global_batch;
+  batch = device_.is_cuda() ? batch.pin_memory().to(device_, /*non_blocking=*/true) : batch;
+  // The loss rule: sum of token losses over the global batch / its number of target tokens.
+  const double scale = 1.0 / static_cast<double>(t.global_batch * t.seq_len);
+  auto loss = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
+  const bool overflow = step == t.loss_scale.inject_overflow_step;  // testing hook
+  // The schedule decides the order of forwards and backwards (one stage: F0 B0 F1 B1 ...).
+  parallel::pp::StageFns fns{
+      [&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
+        auto out =
+            model_->stage_forward(chunk, input, batch.narrow(0, mb * t.micro_batch, t.micro_batch));
+        if (!model_->is_last_stage(chunk)) return out;
+        out = out * scale;
+        loss += out.detach();
+        if (scaler_->dynamic()) out = out * scaler_->scale();  // fp16: scaled into range
+        return overflow ? out * 1e30 : out;
+      },
+      [&](int64_t chunk, bool final) { reducer_->begin_backward(chunk, final); },
+      [&](int64_t chunk, bool final) { reducer_->end_backward(chunk, final); }};
+  const auto stats = executor_->run(fns);
+  reducer_->finish();
+  pp_peak_activations_ = std::max(pp_peak_activations_, stats.peak_activations);
+  sync_replicated_grads();
+  // The norm sums over every rank: with ZeRO each data rank holds other pieces of the gradient;
+  // without, data ranks hold equal gradients and only data rank 0 adds its squares. Every rank
+  // joins this all-reduce on every step, so it also carries the stop-on-signal votes.
+  const bool adds_squares = c_.parallel.zero > 0 || mesh_->dp_cp().rank() == 0;
+  torch::Tensor votes;
+  auto norm = opt_->clip_grad_norm(
+      t.grad_clip,
+      [&](torch::Tensor& sq) {
+        auto both = torch::stack(
+            {adds_squares ? sq : torch::zeros_like(sq), stop_->vote().to(sq.scalar_type())});
+        mesh_->world_group().all_reduce(both).wait();
+        sq = both[0];
+        votes = both[1];
+      },
+      scaler_->unscale());
+  opt_->step(lr_at(t, step), scaler_->update(norm, step));  // a non-finite step is skipped
+  if (c_.parallel.zero == 1 || c_.parallel.zero == 2)
+    parallel::dp::gather_weights(mesh_->dp_cp(), *opt_, weight_gather_wait_);
+  if (gatherer_) gatherer_->release_all();
+  return {loss, norm, votes};
+}
+
+double Trainer::take_exposed_comm_ms() {
+  // Reductions backward did not hide, the weight all-gather after the step (stages 1-2), and
+  // waits for ZeRO-3 gathers their prefetch did not hide (CUDA: from events, read now).
+  const double carried = carried_exposed_ms_;
+  carried_exposed_ms_ = 0;
+  return carried + reducer_->take_wait_ms() + weight_gather_wait_.take_ms() +
+         (gatherer_ ? gatherer_->take_wait_ms() : 0.0);
+}
+
+double Trainer::evaluate() {
+  torch::NoGradGuard no_grad;
+  const auto& t = c_.training;
+  const auto& l = mesh_->layout();
+  auto total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  const int64_t rows = t.eval_batches * t.global_batch, mine = rows / l.dp;
+  if (gatherer_) carried_exposed_ms_ += gatherer_->take_wait_ms();  // the steps' so far
+  auto last = std::chrono::steady_clock::now();
+  parallel::pp::StageFns fns{[&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
+    const int64_t first = mb * t.micro_batch;
+    torch::Tensor rows_mb;  // read only by the stages that embed tokens or score targets
+    if (model_->needs_rows(chunk))
+      rows_mb = data_->val_batch(mesh_->coord().dp * mine + first, t.micro_batch).to(device_);
+    auto out = model_->stage_forward(chunk, input, rows_mb);
+    if (model_->is_last_stage(chunk)) total += out.to(torch::kFloat64);
+    if (chunk == 0 && std::chrono::steady_clock::now() - last > std::chrono::seconds(2)) {
+      last = std::chrono::steady_clock::now();
+      spdlog::info("eval: {}/{} sequences", (first + t.micro_batch) * l.dp, rows);
+    }
+    return out;
+  }};
+  parallel::pp::Executor(
+      mesh_->group(parallel::GroupKind::kPp),
+      parallel::pp::forward_only(l.pp, mine / t.micro_batch, executor_->schedule().virtual_stages),
+      activation_shape_, torch::TensorOptions().dtype(dtype_).device(device_))
+      .run(fns);
+  if (gatherer_) gatherer_->take_wait_ms();  // evaluation's gathers are not a step's
+  mesh_->group(parallel::GroupKind::kPp).all_reduce(total).wait();  // the last stage's sum
+  mesh_->dp_cp().all_reduce(total).wait();
+  return total.item<double>() / static_cast<double>(rows * t.seq_len);
+}
+
+void Trainer::log_step(int64_t step, StepOut& out) {
+  // The last pipeline stage holds the loss; each data rank its rows' share.
+  mesh_->group(parallel::GroupKind::kPp).all_reduce(out.loss).wait();
+  mesh_->dp_cp().all_reduce(out.loss).wait();
+  check_finite();  // every rank: they all hold the same flag
+  // Device timers are read here, where the host waits for the loss anyway (every rank).
+  const double loss = out.loss.item<double>(), norm = out.grad_norm.item<double>();  // host sync
+  const double steps = static_cast<double>(step - last_log_step_);
+  const double exposed_ms = take_exposed_comm_ms() / steps;
+  const auto pp = executor_->take_times();
+  const int64_t timed = step - std::max(last_log_step_, first_step_);  // not the warm-up step
+  pp_step_ms_ += pp.step_ms, pp_compute_ms_ += pp.compute_ms, pp_wait_ms_ += pp.wait_ms;
+  pp_steps_ += std::max<int64_t>(0, timed);
+  const auto now = std::chrono::steady_clock::now();
+  const double ms = std::chrono::duration<double, std::milli>(now - last_log_time_).count() / steps;
+  last_log_time_ = now;
+  last_log_step_ = step;
+  if (!metrics_) return;
+  // Per device, as the anchors print it (and as MFU needs it).
+  const double tokens_per_s = static_cast<double>(c_.training.global_batch * c_.training.seq_len) /
+                              (ms / 1e3) / static_cast<double>(mesh_->world());
+  const double tflops = flops_per_token_ * tokens_per_s / 1e12;
+  if (peak_.measured && tflops > peak_.tflops) {  // never an MFU above 100% without a word
+    spdlog::warn(
+        "MFU: the steps reach {:.4g} TFLOP/s, above the {:.4g} TFLOP/s measured at start ({}): "
+        "that was not this device's peak; MFU is against {:.4g} from now on (logging.peak_tflops "
+        "sets a fixed peak)",
+        tflops, peak_.tflops, peak_.source, tflops);
+    peak_ = {tflops, "the fastest rate its steps reached", true};
+  }
+  const double elapsed = std::chrono::duration<double>(now - start_time_).count();
+  const double eta = elapsed / static_cast<double>(step - first_step_ + 1) *
+                     static_cast<double>(c_.training.steps - step);
+  metrics_->step({step, c_.training.steps, loss, lr_at(c_.training, step), norm, ms, tokens_per_s,
+                  tflops, peak_.tflops > 0 ? tflops / peak_.tflops : 0.0,
+                  device_.is_cuda() ? counters_->take_peak_since_log() : memory_bytes(device_), eta,
+                  exposed_ms, scaler_->scale_value(), scaler_->skipped_steps(), mesh_->world(),
+                  consumed_, consumed_ * c_.training.seq_len, elapsed});
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::sync_replicated_grads() {
+  // Replicated parameters whose tp ranks each hold part of the gradient (sequence-parallel
+  // norms and biases, key/value projections shared by query heads on several ranks): sum them.
+  // One all-reduce for all of them (not one per parameter).
+  mesh_->group(parallel::GroupKind::kTp).all_reduce_coalesced(tp_summed_grads_, sum_staging_);
+  // A tied token table lives on the first stage (embedding) and the last (head): each holds part
+  // of its gradient; the sum keeps the two copies equal (Megatron's embedding group).
+  mesh_->group(parallel::GroupKind::kEmbedding)
+      .all_reduce_coalesced(embedding_grads_, sum_staging_);
+}
+
+void Trainer::check_finite() const {
+  if (const int64_t bad = scaler_->first_non_finite_step())
+    throw UserError(fmt::format(
+        "step {}: the loss or the gradient norm is not finite (training.dtype {}); that step's "
+        "update was skipped and training stops here, saving nothing from step {} on. Lower "
+        "training.optimizer.lr, set training.grad_clip, or check the data; the last checkpoint "
+        "in {} resumes the run",
+        bad, c_.training.dtype, bad, c_.checkpoint_dir()));
+}
+
+int Trainer::train() {
+  const auto& t = c_.training;
+  start_time_ = last_log_time_ = std::chrono::steady_clock::now();
+  last_log_step_ = first_step_ - 1;
+  if (first_step_ > t.steps)
+    spdlog::info("nothing to do: the checkpoint is at step {} of {}", first_step_ - 1, t.steps);
+  for (int64_t step = first_step_; step <= t.steps; ++step) {
+    if (peers_) peers_->set_step(step);
+    counters_->begin_step();
+    StepOut out = train_step(step);
+    counters_->end_step();
+    if (step == first_step_) executor_->take_times();  // the warm-up step is not timed
+    const bool last = step == t.steps, stop = stop_->stop_after(out.stop_votes);  // every rank's
+    if (step % c_.logging.every == 0 || last || stop) log_step(step, out);
+    if (t.eval_every > 0 && (step % t.eval_every == 0 || last)) {
+      auto t0 = std::chrono::steady_clock::now();
+      double val = evaluate();
+      if (metrics_)
+        metrics_->eval(
+            step, val,
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count(),
+            consumed_ * t.seq_len);
+      last_log_time_ += std::chrono::steady_clock::now() - t0;  // keep evaluation out of ms/step
+    }
+    if ((c_.checkpoint.every > 0 && step % c_.checkpoint.every == 0) || last || stop) {
+      auto t0 = std::chrono::steady_clock::now();
+      check_finite();  // a non-finite step is never saved
+      auto dir = save_checkpoint(c_, *mesh_, model_, *opt_, *scaler_, {step, consumed_});
+      spdlog::info("checkpoint {}", dir);
+      last_log_time_ += std::chrono::steady_clock::now() - t0;
+    }
+    if (stop && !last) {
+      spdlog::warn(
+          "stopped after step {} on a signal, its checkpoint saved; exit {}: run the same "
+          "command again to resume",
+          step, kExitStopped);
+      return kExitStopped;
+    }
+  }
+  report_end();
+  return 0;
+}
+
+void Trainer::report_end() {
+  const auto& t = c_.training;
+  if (mesh_->layout().pp > 1) report_pipeline();
+  report_memory();
+  const int64_t steps = t.steps - first_step_ + 1;
+  if (const auto& tp = mesh_->group(parallel::GroupKind::kTp); tp.size() > 1 && steps > 0)
+    spdlog::info(
+        "tensor-parallel traffic: {} bytes per step per rank (collective payloads, training and "
+        "logging)",
+        tp.bytes() / steps);
+  if (const auto& cp = mesh_->group(parallel::GroupKind::kCp); cp.size() > 1 && steps > 0)
+    spdlog::info(
+        "context-parallel traffic: {} bytes per step per rank in collective payloads, {} sent "
+        "point-to-point (training and evaluation)",
+        cp.bytes() / steps, cp.sent_bytes() / steps);
+}
+
+void Trainer::report_memory() {
+  // Every rank's state bytes, gathered to rank 0: <output_dir>/memory.json (persistent buffers;
+  // ZeRO-3's gathered units and ZeRO-2/3's gradient buckets as measured peaks; the process's
+  // peak resident set before the first step and at the end: on CPU their difference is what the
+  // steps added, activations mostly).
+  auto& world = mesh_->world_group();
+  const auto b = opt_->bytes();
+  // The state as the CPU allocator counted it, each part on its own (-1 on CUDA: not counted).
+  auto allocated = [this](Held what) {
+    return device_.is_cuda() ? -1.0 : static_cast<double>(CpuAllocationCounter::get().live(what));
+  };
+  auto mine = torch::tensor(
+      {static_cast<double>(opt_->numel()), static_cast<double>(opt_->layout().numel()),
+       static_cast<double>(b.params), static_cast<double>(b.grads),
+       static_cast<double>(b.optimizer),
+       static_cast<double>(gatherer_ ? gatherer_->peak_gathered_bytes() : 0),
+       static_cast<double>(gatherer_ ? gatherer_->largest_unit_bytes() : 0),
+       static_cast<double>(reducer_->peak_bucket_bytes()), static_cast<double>(setup_rss_),
+       static_cast<double>(peak_rss_bytes()), static_cast<double>(counters_->step_base_bytes()),
+       static_cast<double>(counters_->step_peak_bytes()), allocated(Held::kWeights),
+       allocated(Held::kGrads), allocated(Held::kOptimizer)},
+      torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  // Then the bytes per training step of every group (the planner's comm figures).
+  const auto comm = counters_->comm_bytes_per_step();
+  std::vector<double> comm_values;
+  for (const auto& [_, v] : comm) comm_values.push_back(v);
+  mine = torch::cat({mine, torch::tensor(comm_values, mine.options())});
+  auto all = torch::empty({world.size() * mine.numel()}, mine.options());
+  world.all_gather(all, mine).wait();
+  if (mesh_->rank() != 0) return;
+  all = all.view({world.size(), -1}).cpu();
+  nlohmann::json out = {{"zero", c_.parallel.zero},
+                        {"dtype", c_.training.dtype},
+                        {"data_ranks", mesh_->dp_cp().size()},
+                        {"ranks", nlohmann::json::array()}};
+  const char* keys[] = {"numel",
+                        "flat_numel",
+                        "params_bytes",
+                        "grads_bytes",
+                        "optimizer_bytes",
+                        "gathered_peak_bytes",
+                        "largest_unit_bytes",
+                        "grad_bucket_peak_bytes",
+                        "setup_peak_rss_bytes",
+                        "peak_rss_bytes",
+                        "step_base_bytes",
+                        "step_peak_bytes",
+                        "allocated_weights_bytes",
+                        "allocated_grads_bytes",
+                        "allocated_optimizer_bytes"};
+  constexpr int64_t kKeys = 15;
+  for (int64_t r = 0; r < world.size(); ++r) {
+    nlohmann::json row = {{"rank", r}};
+    for (int64_t k = 0; k < kKeys; ++k)
+      row[keys[k]] = static_cast<int64_t>(all[r][k].item<double>());
+    int64_t k = kKeys;
+    for (const auto& [name, _] : comm)
+      row["comm_bytes_per_step"][name] = static_cast<int64_t>(all[r][k++].item<double>());
+    out["ranks"].push_back(row);
+  }
+  write_file_atomic((std::filesystem::path(c_.run.output_dir) / "memory.json").string(),
+                    out.dump(1) + "\n");
+}
+
+void Trainer::report_pipeline() {
+  // Every rank's own figures, gathered to rank 0: <output_dir>/pipeline.json and one line per
+  // stage. Measured bubble = idle time / step time, from the executor's clock (steps after the
+  // first); theory = the simulator's idle share with backward = 2 forwards.
+  auto& world = mesh_->world_group();
+  const double steps = static_cast<double>(std::max<int64_t>(1, pp_steps_));
+  auto mine = torch::tensor(
+      {static_cast<double>(mesh_->coord().pp), static_cast<double>(pp_peak_activations_),
+       pp_step_ms_ / steps, pp_compute_ms_ / steps, pp_wait_ms_ / steps},
+      torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  auto all = torch::empty({world.size() * mine.numel()}, mine.options());
+  world.all_gather(all, mine).wait();
+  if (mesh_->rank() != 0) return;
+  all = all.view({world.size(), -1}).cpu();
+  const auto& s = executor_->schedule();
+  const auto sim = parallel::pp::simulate(s);
+  nlohmann::json out = {{"schedule", s.name},
+                        {"stages", s.stages},
+                        {"microbatches", s.microbatches},
+                        {"virtual_stages", s.virtual_stages},
+                        {"steps_timed", pp_steps_},
+                        {"theory_bubble", sim.bubble / (1.0 + sim.bubble)},
+                        {"ranks", nlohmann::json::array()}};
+  for (int64_t r = 0; r < world.size(); ++r) {
+    auto row = all[r];
+    const auto stage = static_cast<int64_t>(row[0].item<double>());
+    const double step = row[2].item<double>(), compute = row[3].item<double>();
+    const double bubble = step > 0 ? (step - compute) / step : 0.0;
+    const auto peak = static_cast<int64_t>(row[1].item<double>());
+    out["ranks"].push_back({{"rank", r},
+                            {"pp", stage},
+                            {"peak_activations", peak},
+                            {"schedule_peak_activations", sim.peak_activations[stage]},
+                            {"step_ms", step},
+                            {"compute_ms", compute},
+                            {"wait_ms", row[4].item<double>()},
+                            {"bubble", bubble}});
+    if (parallel::coord_of(r, mesh_->layout()).tp == 0 &&
+        parallel::coord_of(r, mesh_->layout()).dp == 0)
+      spdlog::info(
+          "pipeline stage {}: at most {} micro-batch chunks of activations held (schedule: {}); "
+          "bubble {:.1f}% of {:.1f} ms/step measured (idle / step time), {:.1f}% in theory",
+          stage, peak, sim.peak_activations[stage], 100 * bubble, step,
+          100 * sim.bubble / (1.0 + sim.bubble));
+  }
+  write_file_atomic((std::filesystem::path(c_.run.output_dir) / "pipeline.json").string(),
+                    out.dump(1) + "\n");
+}
+
+}  // namespace tessel

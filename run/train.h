@@ -1,0 +1,118 @@
+// The training run: components are built once (device, model, optimizer, data, metrics,
+// checkpoints); train() loops over steps; train_step() runs the micro-batches of one global batch.
+#pragma once
+
+#include <torch/types.h>
+
+#include <memory>
+
+#include "data/data.h"
+#include "models/registry.h"
+#include "observe/metrics.h"
+#include "observe/timing.h"
+#include "optim/loss_scale.h"
+#include "optim/optim.h"
+#include "parallel/mesh.h"
+#include "plan/config.h"
+#include "planner/figures.h"
+#include "planner/model_plan.h"
+#include "run/startup.h"
+#include "run/stop.h"
+
+namespace tessel::parallel::dp {
+class GradReducer;
+class UnitGatherer;
+}  // namespace tessel::parallel::dp
+namespace tessel::parallel::pp {
+class Executor;
+struct StepStats;
+}  // namespace tessel::parallel::pp
+
+namespace tessel {
+class StepCounters;
+
+/// training.device resolved: auto -> cuda when available; the CUDA index by
+/// parallel::choose_cuda_device (`why`, when given, receives its reason). Throws UserError for
+/// cuda without one, or for too few devices for the processes on this node.
+torch::Device resolve_device(const std::string& device, const parallel::WorldInfo& w = {},
+                             std::string* why = nullptr);
+
+/// Builds the plan's model on `device` in `dtype`: seeded init, or model.init_from.
+/// `tp`: the tensor-parallel group (null: one process holds the whole model); `stages`: the
+/// pipeline stages this rank holds (default: all); `cp`: the context-parallel group.
+models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
+                           parallel::Group* tp = nullptr, const models::StagePart& stages = {},
+                           parallel::Group* cp = nullptr);
+
+/// Loads a safetensors file of Tessel or Hugging Face names into `model` (models/registry.h).
+void load_weights_file(models::Decoder& model, const std::string& path);
+
+class Trainer {
+ public:
+  /// Builds the mesh over the started run's store, then the model, optimizer and data.
+  Trainer(Start start, const parallel::WorldInfo& world);
+  ~Trainer();
+  /// Trains to training.steps (0), or until a signal of checkpoint.on_signal: then every rank
+  /// saves after the same step and it returns kExitStopped.
+  int train();
+
+ private:
+  struct StepOut {
+    torch::Tensor loss, grad_norm;  // device scalars: read only when logging
+    torch::Tensor stop_votes;       // ranks that had seen a stop signal (run/stop.h)
+  };
+  /// Communication the steps since the last call did not hide, ms (reads device timers).
+  double take_exposed_comm_ms();
+  /// The flat layout, optimizer, loss scaler, gradient reduction and ZeRO-3 gathering of this
+  /// rank; resumes their state (and the model's) from a checkpoint when the plan says so.
+  void setup_state();
+  void log_state() const;  // the start lines about parameters and state bytes
+  StepOut train_step(int64_t step);
+  double evaluate();
+  void sync_replicated_grads();
+  void check_finite() const;  // host sync: throws UserError naming the first non-finite step
+  void log_step(int64_t step, StepOut& out);
+  void report_pipeline();
+  void report_memory();
+  void report_end();  // the figures printed and written when the run is done
+
+  Config c_;
+  std::shared_ptr<Peers> peers_;  // several ranks: heartbeat and failures (startup.h)
+  RunLock lock_;                  // rank 0: the run folder is ours
+  std::unique_ptr<parallel::Mesh> mesh_;
+  std::string device_why_;  // why this device (the start-up log); before device_, which sets it
+  torch::Device device_;
+  torch::ScalarType dtype_;
+  models::Decoder model_{nullptr};
+  std::unique_ptr<FlatAdamW> opt_;
+  std::unique_ptr<parallel::dp::GradReducer> reducer_;
+  std::unique_ptr<parallel::dp::UnitGatherer> gatherer_;  // ZeRO-3
+  std::unique_ptr<LossScaler> scaler_;
+  std::unique_ptr<StopOnSignal> stop_;
+  std::unique_ptr<StepCounters> counters_;  // per-step comm bytes and memory (the planner's)
+  // Views of the reduced gradient this rank holds (its ZeRO pieces): parameters whose gradient
+  // is summed over tp, and a tied token table on the first or last stage (summed over both).
+  std::vector<torch::Tensor> tp_summed_grads_, embedding_grads_;
+  torch::Tensor sum_staging_;  // their packed buffer for one all-reduce
+  std::unique_ptr<parallel::pp::Executor> executor_;
+  std::vector<int64_t> activation_shape_;  // one micro-batch's activation between stages
+  // Pipeline figures summed over the steps after the first (which warms up): step, compute, wait.
+  double pp_step_ms_ = 0, pp_compute_ms_ = 0, pp_wait_ms_ = 0;
+  int64_t pp_steps_ = 0, pp_peak_activations_ = 0;
+  std::unique_ptr<data::Dataset> data_;
+  std::unique_ptr<MetricsLog> metrics_;
+  double flops_per_token_ = 0;
+  Peak peak_;
+  // Timing between logged steps: the loss read at a log step is the only host sync.
+  std::chrono::steady_clock::time_point last_log_time_, start_time_;
+  int64_t last_log_step_ = 0;
+  SpanTimer weight_gather_wait_{false};  // ZeRO 1-2: the all-gather after the step
+                                         // (device-timed under NCCL: set with the mesh)
+  double carried_exposed_ms_ = 0;        // taken early (before an evaluation), not yet logged
+  int64_t first_step_ = 1;               // > 1 when resumed
+  std::string resumed_from_;             // the checkpoint folder, when resumed
+  int64_t consumed_ = 0;                 // the data position: global samples consumed so far
+  int64_t setup_rss_ = 0;                // peak resident set before the first step
+};
+
+}  // namespace tessel

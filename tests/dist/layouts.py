@@ -1,0 +1,100 @@
+"""The parity table: every layout Tessel promises trains the same run as one process.
+
+Each row is one ctest entry (parity.<id>, run by parity.py): the layout's run is compared with
+the single-process run of the same plan (same global batch, same training keys, no parallel
+keys, no recompute): loss within 1e-5 relative at every step, validation loss too when the base
+evaluates, and every exported weight within 1e-5. Runs are cached by plan and binary, so rows
+that share a reference train it once. Adding a layout is one line.
+
+Row(id, base, arch, world, parallel keys, training keys, peak_below=(row id, factor)):
+  base        one of BASES: the model, data and training of the experiment
+  parallel    the plan's parallel section (dp, tp, cp, pp, zero, sequence_parallel,
+              pipeline {schedule, virtual_stages, layers_per_stage}, context {method})
+  training    training keys of this row and of its reference (micro_batch, dtype, recompute...)
+  peak_below  the step's peak memory must stay under factor x that row's ("reference": the
+              single-process run's), for recompute; ZeRO-3's step peak is its gathered weights
+              and gradient buckets at these sizes, hence 1.01 there
+"""
+from collections import namedtuple
+
+Row = namedtuple("Row", "id base arch world parallel training peak_below", defaults=({}, {}, None))
+
+# Each base: the plan's sections over tests/reference/plans.py's base_plan, and its token data.
+BASES = {
+    "dp": {"data": {"n": 6000, "vocab": 300, "period": 37},
+           "training": {"steps": 20, "global_batch": 8, "optimizer": {"lr": 3e-3}, "schedule": {"warmup_steps": 3}}},
+    "tp": {"data": {"n": 6000, "vocab": 301, "period": 41}, "model": {"vocab_size": 301},
+           "training": {"steps": 20, "global_batch": 8, "micro_batch": 2, "optimizer": {"lr": 3e-3},
+                        "schedule": {"warmup_steps": 3}, "grad_clip": 0.5}},
+    "pp": {"data": {"n": 6000, "vocab": 301, "period": 41, "val_fraction": 0.1}, "model": {"vocab_size": 301, "layers": 8},
+           "training": {"steps": 20, "global_batch": 8, "micro_batch": 1, "optimizer": {"lr": 3e-3},
+                        "schedule": {"warmup_steps": 3}, "grad_clip": 0.5, "eval_every": 10, "eval_batches": 1}},
+    "cp": {"data": {"n": 12000, "vocab": 301, "period": 41, "val_fraction": 0.1}, "model": {"vocab_size": 301, "layers": 4},
+           "training": {"steps": 20, "global_batch": 8, "micro_batch": 1, "seq_len": 32, "optimizer": {"lr": 3e-3},
+                        "schedule": {"warmup_steps": 3}, "grad_clip": 0.5, "eval_every": 10, "eval_batches": 1}},
+    "zero": {"data": {"n": 6000, "vocab": 301, "period": 41}, "model": {"vocab_size": 301, "layers": 4},
+             "training": {"steps": 20, "global_batch": 8, "micro_batch": 1, "optimizer": {"lr": 3e-3},
+                          "schedule": {"warmup_steps": 3}, "grad_clip": 0.5},
+             "parallel": {"ddp": {"bucket_mb": 0.02}}},
+    "recompute": {"data": {"n": 6000, "vocab": 300, "period": 41}, "model": {"layers": 4, "max_seq_len": 64},
+                  "training": {"steps": 8, "global_batch": 8, "micro_batch": 2, "seq_len": 64, "optimizer": {"lr": 3e-3},
+                               "schedule": {"warmup_steps": 2}, "grad_clip": 0.5}},
+}
+
+SP = {"sequence_parallel": True}
+
+
+def pipe(pp, schedule, v=1, **more):
+    return {"pp": pp, "pipeline": {"schedule": schedule, "virtual_stages": v}, **more}
+
+
+LAYOUTS = [
+    # data parallel, with and without gradient accumulation
+    Row("dp2_gpt2", "dp", "gpt2", 2, {"dp": 2}, {"micro_batch": 4}),
+    Row("dp2_accumulate_llama", "dp", "llama", 2, {"dp": 2}, {"micro_batch": 1}),
+    Row("dp4_llama", "dp", "llama", 4, {"dp": 4}, {"micro_batch": 2}),
+    Row("dp4_accumulate_gpt2", "dp", "gpt2", 4, {"dp": 4}, {"micro_batch": 1}),
+    # tensor parallel (vocabulary 301: not divisible by tp; llama kv_heads 2: tp=4 replicates them)
+    *[Row(f"tp{tp}_dp{dp}{'_sp' if sp else ''}_{arch}", "tp", arch, tp * dp, {"tp": tp, "sequence_parallel": sp})
+      for arch in ("gpt2", "llama") for tp, dp, sp in
+      ((2, 1, False), (2, 1, True), (4, 1, False), (4, 1, True), (2, 2, False), (2, 2, True))],
+    # pipeline parallel: every schedule, interleaved chunks, 3D, uneven stages
+    *[Row(f"pp{pp}_{s}_v{v}_{arch}", "pp", arch, pp, pipe(pp, s, v)) for arch in ("gpt2", "llama")
+      for pp, s, v in ((2, "gpipe", 1), (2, "1f1b", 1), (4, "gpipe", 1), (4, "1f1b", 1),
+                       (2, "interleaved", 2), (4, "interleaved", 2))],
+    Row("pp2_1f1b_tp2_dp2_gpt2", "pp", "gpt2", 8, pipe(2, "1f1b", tp=2, dp=2)),
+    Row("pp2_1f1b_tp2_dp2_llama", "pp", "llama", 8, pipe(2, "1f1b", tp=2, dp=2)),
+    Row("pp2_interleaved_tp2_dp2_sp_gpt2", "pp", "gpt2", 8, pipe(2, "interleaved", 2, tp=2, dp=2, **SP)),
+    Row("pp2_interleaved_tp2_dp2_sp_llama", "pp", "llama", 8, pipe(2, "interleaved", 2, tp=2, dp=2, **SP)),
+    Row("pp2_interleaved_uneven_3221_llama", "pp", "llama", 2,
+        {"pp": 2, "pipeline": {"schedule": "interleaved", "virtual_stages": 2, "layers_per_stage": [3, 2, 2, 1]}}),
+    # context parallel: both methods, and in 4D
+    *[Row(f"cp{cp}_{m}_{arch}", "cp", arch, cp, {"cp": cp, "context": {"method": m}})
+      for arch in ("gpt2", "llama") for cp in (2, 4) for m in ("allgather", "ring")],
+    *[Row(f"cp2_tp2_pp2_sp_{m}_llama", "cp", "llama", 8, {"cp": 2, "tp": 2, "pp": 2, "context": {"method": m}, **SP})
+      for m in ("allgather", "ring")],
+    *[Row(f"dp2_cp2_zero1_{m}_llama", "cp", "llama", 4, {"cp": 2, "dp": 2, "zero": 1, "context": {"method": m}})
+      for m in ("allgather", "ring")],
+    # ZeRO 1-3 over 2 and 4 data ranks, and inside 3D layouts
+    *[Row(f"zero{z}_dp{dp}_{arch}", "zero", arch, dp, {"dp": dp, "zero": z})
+      for arch in ("gpt2", "llama") for dp in (2, 4) for z in (1, 2, 3)],
+    *[Row(f"zero1_dp2_tp2_pp2_interleaved_sp_{arch}", "zero", arch, 8,
+          pipe(2, "interleaved", 2, tp=2, dp=2, zero=1, **SP)) for arch in ("gpt2", "llama")],
+    Row("zero3_dp2_tp2_llama", "zero", "llama", 4, {"dp": 2, "tp": 2, "zero": 3}),
+    # activation recomputation: the same run, and less memory than the same layout without it
+    *[Row(f"recompute_{name}_{mode}_{arch}", "recompute", arch, world, par, {"recompute": mode},
+          (f"recompute_{name}_none_{arch}" if name != "single" else "reference",
+           most if name != "zero3" else 1.01) if mode != "none" else None)
+      for name, arch, par, world in (("single", "llama", {}, 1), ("single", "gpt2", {}, 1),
+                                     ("tp2_sp", "llama", {"tp": 2, **SP}, 2),
+                                     ("pp2", "gpt2", pipe(2, "1f1b"), 2),
+                                     ("zero3", "llama", {"dp": 2, "zero": 3}, 2))
+      for mode, most in (("none", None), ("selective", 0.9), ("full", 0.7))
+      if not (name == "single" and mode == "none")],
+]
+
+BY_ID = {r.id: r for r in LAYOUTS}
+assert len(BY_ID) == len(LAYOUTS), "row ids must be unique"
+
+if __name__ == "__main__":  # the ids, for CMake (one ctest entry per row)
+    print(";".join(BY_ID))

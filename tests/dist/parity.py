@@ -1,0 +1,148 @@
+"""Runs one row of the parity table (layouts.py): `parity.py ROW_ID`. Trains the row's layout and
+its single-process reference (each once per plan and binary: runs are cached under
+$TESSEL_PARITY_CACHE, by default <build>/parity-cache), then checks the loss at every step, the
+validation loss, the exported weights, the pipeline's activations against its schedule's bound
+and, for recompute rows, the step's peak memory. Exit 0 when every check holds."""
+import copy
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
+from plans import BIN, base_plan, launch_plan, read_metrics, rel, run, write_tokens  # noqa: E402
+from layouts import BASES, BY_ID  # noqa: E402
+
+TOL = 1e-5
+CACHE = os.environ.get("TESSEL_PARITY_CACHE", os.path.join(BIN, "..", "parity-cache"))
+
+
+def merge(into, more):
+    for k, v in more.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            merge(into[k], v)
+        else:
+            into[k] = copy.deepcopy(v)
+    return into
+
+
+def binary_key():
+    h = hashlib.sha256()
+    with open(os.path.join(BIN, "tessel-train"), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:12]
+
+
+class Runs:
+    """Finished runs, keyed by (binary, plan, world); a run is trusted only once it completed."""
+
+    def __init__(self):
+        self.root = os.path.abspath(os.path.join(CACHE, binary_key()))
+        os.makedirs(self.root, exist_ok=True)
+        for old in os.listdir(CACHE):  # runs of other binaries are never read again
+            if os.path.join(os.path.abspath(CACHE), old) != self.root:
+                shutil.rmtree(os.path.join(CACHE, old), ignore_errors=True)
+
+    def data(self, base):
+        d = BASES[base]["data"]
+        path = os.path.join(self.root, f"{base}.u16")
+        if not os.path.exists(path):
+            write_tokens(path + ".tmp", d["n"], vocab=d["vocab"], period=d["period"])
+            os.replace(path + ".tmp", path)
+        return path
+
+    def plan(self, row, parallel, recompute=True):
+        base = BASES[row.base]
+        training = {k: v for k, v in row.training.items() if recompute or k != "recompute"}
+        plan = base_plan(self.root, row.arch, self.data(row.base), threads=1,
+                         **merge(copy.deepcopy(base["training"]), training))
+        merge(plan["model"], base.get("model", {}))
+        plan["data"].update(shuffle=True, val_fraction=base["data"].get("val_fraction", 0.0))
+        plan["parallel"] = merge(merge({"timeout_s": 120}, base.get("parallel", {})), parallel)
+        plan["checkpoint"] = {"resume": "never"}
+        return plan
+
+    def get(self, plan, world):
+        """The output folder of `plan` run by `world` processes (trained now if not cached)."""
+        key = hashlib.sha256(json.dumps([plan, world], sort_keys=True).encode()).hexdigest()[:16]
+        out = os.path.join(self.root, key)
+        with open(out + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(os.path.join(out, "done")):
+                shutil.rmtree(out, ignore_errors=True)
+                plan = dict(plan, run=dict(plan["run"], output_dir=out))
+                launch_plan(plan, world)
+                run("tessel-train", "export", os.path.join(out, "checkpoints"), "--out", os.path.join(out, "hf"))
+                open(os.path.join(out, "done"), "w").close()
+        return out
+
+
+def result(out):
+    from safetensors.numpy import load_file  # numpy, not torch: starts in well under a second
+    metrics = read_metrics(os.path.join(out, "metrics.jsonl"))
+    peak = None
+    if os.path.exists(os.path.join(out, "memory.json")):
+        with open(os.path.join(out, "memory.json")) as f:
+            peak = max(r["step_peak_bytes"] for r in json.load(f)["ranks"])
+    return {"loss": [m["loss"] for m in metrics if "loss" in m],
+            "val": [m["val_loss"] for m in metrics if "val_loss" in m],
+            "weights": load_file(os.path.join(out, "hf", "model.safetensors")), "peak": peak, "out": out}
+
+
+class Parity(unittest.TestCase):
+    row = None
+
+    def test_same_run_as_one_process(self):
+        row, runs = self.row, Runs()
+        ref = result(runs.get(runs.plan(row, {}, recompute=False), 1))
+        got = result(runs.get(runs.plan(row, row.parallel), row.world))
+        what = f"{row.id} ({row.world} processes)"
+        steps = BASES[row.base]["training"]["steps"]
+        self.assertEqual(len(got["loss"]), steps, what)
+        if steps >= 20:
+            self.assertLess(ref["loss"][-1], ref["loss"][0] - 0.3, "the reference's loss must fall")
+        worst = max(rel(a, b) for a, b in zip(got["loss"], ref["loss"], strict=True))
+        self.assertLess(worst, TOL, f"{what}: losses {got['loss']} vs {ref['loss']}")
+        self.assertEqual(len(got["val"]), len(ref["val"]), what)
+        worst_val = max((rel(a, b) for a, b in zip(got["val"], ref["val"], strict=True)), default=0.0)
+        self.assertLess(worst_val, TOL, f"{what}: validation {got['val']} vs {ref['val']}")
+        self.assertEqual(set(got["weights"]), set(ref["weights"]), what)
+        wdiff = max(float(abs(got["weights"][k] - ref["weights"][k]).max()) for k in ref["weights"])
+        self.assertLess(wdiff, TOL, f"{what}: exported weights differ by {wdiff}")
+        line = f"{what}: worst loss rel diff {worst:.2e}, val {worst_val:.2e}, exported weights {wdiff:.2e}"
+        if row.parallel.get("pp", 1) > 1:
+            line += self.check_pipeline(got["out"], row)
+        if row.peak_below:
+            other, factor = row.peak_below
+            base = ref if other == "reference" else result(runs.get(runs.plan(BY_ID[other], BY_ID[other].parallel),
+                                                                     BY_ID[other].world))
+            self.assertLess(got["peak"], factor * base["peak"], f"{what}: step peak {got['peak']} vs {base['peak']}")
+            line += f"; step peak {got['peak'] / 2**20:.2f} MiB vs {base['peak'] / 2**20:.2f} MiB ({other})"
+        print("\n" + line, file=sys.stderr)
+
+    def check_pipeline(self, out, row):
+        """The executor held exactly the activations its schedule says (1F1B: at most pp)."""
+        with open(os.path.join(out, "pipeline.json")) as f:
+            pipeline = json.load(f)
+        pp, schedule = row.parallel["pp"], row.parallel["pipeline"]["schedule"]
+        for r in pipeline["ranks"]:
+            held, bound = r["peak_activations"], r["schedule_peak_activations"]
+            self.assertEqual(held, bound, f"rank {r['rank']}: executor held {held}, schedule says {bound}")
+            if schedule == "1f1b":
+                self.assertLessEqual(held, pp)
+                if r["pp"] == 0:
+                    self.assertEqual(held, min(pp, pipeline["microbatches"]))
+            elif schedule == "gpipe":
+                self.assertEqual(held, pipeline["microbatches"])
+        return "; bubble per rank " + " ".join(f"{r['bubble']:.2f}" for r in pipeline["ranks"])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in BY_ID:
+        sys.exit(f"usage: parity.py ROW_ID (one of {len(BY_ID)} rows of layouts.py)")
+    Parity.row = BY_ID[sys.argv.pop(1)]
+    unittest.main(verbosity=2)
