@@ -20,6 +20,7 @@
 #include <sstream>
 
 #include "io/safetensors.h"
+#include "optim/state_names.h"
 #include "io/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -114,12 +115,12 @@ std::vector<Entry> checkpoint_entries(models::Decoder& model, const FlatAdamW& o
       return Entry{name, t, spec, piece.param_offset, piece.param_offset + piece.numel, true};
     };
     if (opt.zero() == 3) out.push_back(entry(piece.name, piece.weight));
-    out.push_back(entry("optim.master." + piece.name, piece.master));
-    out.push_back(entry("optim.exp_avg." + piece.name, piece.exp_avg));
-    out.push_back(entry("optim.exp_avg_sq." + piece.name, piece.exp_avg_sq));
+    out.push_back(entry(optim::kSlotPrefixes[0] + piece.name, piece.master));
+    out.push_back(entry(optim::kSlotPrefixes[1] + piece.name, piece.exp_avg));
+    out.push_back(entry(optim::kSlotPrefixes[2] + piece.name, piece.exp_avg_sq));
   }
   models::ParamSpec scalar;
-  out.push_back({"optim.step", opt.step_count(), scalar});
+  out.push_back({optim::kStepName, opt.step_count(), scalar});
   for (const auto& [name, t] : scaler.state()) out.push_back({name, t, scalar});
   return out;
 }
@@ -358,6 +359,71 @@ nlohmann::json read_index(const fs::path& dir) {
   }
 }
 
+// Copies a part out of the mapping 16 MiB at a time, dropping each block's pages once copied:
+// resident memory holds the global tensor being assembled, not the files.
+void copy_out(torch::Tensor dst, const torch::Tensor& src, const MappedSafetensors& f) {
+  if (src.dim() == 0 || src.numel() == 0) {
+    dst.copy_(src);
+    return;
+  }
+  const int64_t row = src.numel() / src.size(0) * src.element_size();
+  const int64_t rows = std::max<int64_t>(1, (16 << 20) / std::max<int64_t>(row, 1));
+  for (int64_t r = 0; r < src.size(0); r += rows) {
+    const int64_t n = std::min(rows, src.size(0) - r);
+    dst.narrow(0, r, n).copy_(src.narrow(0, r, n));
+    f.release(src.narrow(0, r, n).data_ptr(), static_cast<size_t>(n * row));
+  }
+}
+
+// One shard that is the whole tensor covers it; otherwise a mask of which elements some shard
+// wrote (1 byte each) checks that the shards cover it.
+bool one_whole_shard(const nlohmann::json& shards, const std::vector<int64_t>& shape) {
+  bool whole = shards.size() == 1 && !shards[0].contains("flat");
+  for (size_t d = 0; whole && d < shape.size(); ++d)
+    whole = shards[0].at("slice").at(d) == nlohmann::json::array({0, shape[d]});
+  return whole;
+}
+
+// Writes one shard's `part` (from `file`) into its slice of `global` and marks it in `covered`:
+// a tensor-parallel slice, or a ZeRO piece (elements [begin, end) of the slice, row-major).
+void place_shard(const fs::path& path, const std::string& name, const nlohmann::json& shard,
+                 const torch::Tensor& part, const MappedSafetensors& f, torch::Tensor view,
+                 torch::Tensor cover) {
+  int dim = 0;
+  for (const auto& r : shard.at("slice")) {
+    view = view.slice(dim, r[0].get<int64_t>(), r[1].get<int64_t>());
+    cover = cover.slice(dim++, r[0].get<int64_t>(), r[1].get<int64_t>());
+  }
+  if (!shard.contains("flat")) {
+    copy_out(view, part, f);
+    cover.fill_(true);
+    return;
+  }
+  const int64_t b = shard.at("flat")[0].get<int64_t>(), en = shard.at("flat")[1].get<int64_t>();
+  if (b < 0 || en > view.numel() || en - b != part.numel())
+    throw UserError(path.string() + ": '" + name + "' piece [" + std::to_string(b) + ", " +
+                    std::to_string(en) + ") does not fit its slice of " +
+                    std::to_string(view.numel()) + " elements");
+  auto write_flat = [&](torch::Tensor target, const torch::Tensor& values) {
+    auto whole = target.contiguous();
+    whole.view(-1).narrow(0, b, en - b).copy_(values);
+    if (!target.is_contiguous() || whole.data_ptr() != target.data_ptr()) target.copy_(whole);
+  };
+  write_flat(view, part.flatten());
+  write_flat(cover, torch::ones({en - b}, torch::kBool));
+  f.release(part.data_ptr(), static_cast<size_t>(part.nbytes()));
+}
+
+// Shards that leave part of a tensor unwritten (a lost rank file, a hand-edited index) would
+// resume from uninitialised memory.
+void check_covered(const fs::path& dir, const std::string& name, const torch::Tensor& covered) {
+  if (const int64_t missing = covered.numel() - covered.sum().item<int64_t>(); missing > 0)
+    throw UserError((dir / "index.json").string() + ": the shards of '" + name + "' cover " +
+                    std::to_string(covered.numel() - missing) + " of its " +
+                    std::to_string(covered.numel()) +
+                    " elements; the checkpoint is incomplete and cannot be resumed");
+}
+
 // The global tensors of a complete checkpoint that `want` accepts, assembled one at a time from
 // the mapped rank files and handed to `use`, then freed: only the files holding wanted tensors
 // are opened (and verified), and only their pages that hold them are read.
@@ -365,30 +431,11 @@ void for_each_tensor(const fs::path& dir, const nlohmann::json& index,
                      const std::function<bool(const std::string&)>& want,
                      const std::function<void(const std::string&, torch::Tensor)>& use) {
   std::map<std::string, std::unique_ptr<MappedSafetensors>> files;
-  // Copies a part out of the mapping 16 MiB at a time, dropping each block's pages once copied:
-  // resident memory holds the global tensor being assembled, not the files.
-  auto copy_out = [](torch::Tensor dst, const torch::Tensor& src, const MappedSafetensors& f) {
-    if (src.dim() == 0 || src.numel() == 0) {
-      dst.copy_(src);
-      return;
-    }
-    const int64_t row = src.numel() / src.size(0) * src.element_size();
-    const int64_t rows = std::max<int64_t>(1, (16 << 20) / std::max<int64_t>(row, 1));
-    for (int64_t r = 0; r < src.size(0); r += rows) {
-      const int64_t n = std::min(rows, src.size(0) - r);
-      dst.narrow(0, r, n).copy_(src.narrow(0, r, n));
-      f.release(src.narrow(0, r, n).data_ptr(), static_cast<size_t>(n * row));
-    }
-  };
   for (const auto& [name, e] : index.at("tensors").items()) {
     if (!want(name)) continue;
     const auto shape = e.at("shape").get<std::vector<int64_t>>();
     const auto& shards = e.at("shards");
-    // One shard that is the whole tensor covers it; otherwise a mask of which elements some
-    // shard wrote (1 byte each) checks that the shards cover it.
-    bool whole = shards.size() == 1 && !shards[0].contains("flat");
-    for (size_t d = 0; whole && d < shape.size(); ++d)
-      whole = shards[0].at("slice").at(d) == nlohmann::json::array({0, shape[d]});
+    const bool whole = one_whole_shard(shards, shape);
     torch::Tensor global, covered;
     for (const auto& shard : shards) {
       std::string file = shard.at("file");
@@ -401,46 +448,14 @@ void for_each_tensor(const fs::path& dir, const nlohmann::json& index,
         global = torch::empty(shape, part.options());
         if (!whole) covered = torch::zeros(global.sizes(), torch::kBool);
       }
-      if (whole) {
+      if (whole)
         copy_out(global, part, *files[file]);
-        continue;
-      }
-      auto view = global, cover = covered;
-      int dim = 0;
-      for (const auto& r : shard.at("slice")) {
-        view = view.slice(dim, r[0].get<int64_t>(), r[1].get<int64_t>());
-        cover = cover.slice(dim++, r[0].get<int64_t>(), r[1].get<int64_t>());
-      }
-      if (!shard.contains("flat")) {
-        copy_out(view, part, *files[file]);
-        cover.fill_(true);
-        continue;
-      }
-      // A ZeRO piece: elements [begin, end) of the slice, flattened row-major.
-      const int64_t b = shard.at("flat")[0].get<int64_t>(), en = shard.at("flat")[1].get<int64_t>();
-      if (b < 0 || en > view.numel() || en - b != part.numel())
-        throw UserError((dir / file).string() + ": '" + name + "' piece [" + std::to_string(b) +
-                        ", " + std::to_string(en) + ") does not fit its slice of " +
-                        std::to_string(view.numel()) + " elements");
-      auto write_flat = [&](torch::Tensor target, const torch::Tensor& values) {
-        auto whole = target.contiguous();
-        whole.view(-1).narrow(0, b, en - b).copy_(values);
-        if (!target.is_contiguous() || whole.data_ptr() != target.data_ptr()) target.copy_(whole);
-      };
-      write_flat(view, part.flatten());
-      write_flat(cover, torch::ones({en - b}, torch::kBool));
-      files[file]->release(part.data_ptr(), static_cast<size_t>(part.nbytes()));
+      else
+        place_shard(dir / file, name, shard, part, *files[file], global, covered);
     }
     if (!global.defined())
       throw UserError((dir / "index.json").string() + ": '" + name + "' lists no shards");
-    // Shards that leave part of a tensor unwritten (a lost rank file, a hand-edited index) would
-    // resume from uninitialised memory.
-    if (const int64_t missing = whole ? 0 : covered.numel() - covered.sum().item<int64_t>();
-        missing > 0)
-      throw UserError((dir / "index.json").string() + ": the shards of '" + name + "' cover " +
-                      std::to_string(covered.numel() - missing) + " of its " +
-                      std::to_string(covered.numel()) +
-                      " elements; the checkpoint is incomplete and cannot be resumed");
+    if (!whole) check_covered(dir, name, covered);
     use(name, std::move(global));
   }
 }
@@ -484,18 +499,17 @@ std::string checkpoint_to_resume(const Config& c) {
   }
 }
 
-CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model, FlatAdamW& opt,
-                                LossScaler* scaler) {
-  const fs::path dir(step_dir);
-  const std::string source = step_dir;
-  const auto index = read_index(dir);
-  // Names and shapes first, from the index alone: every model tensor of the file exists in the
-  // global model with its shape, and every parameter this rank holds is in the file.
+namespace {
+
+// Names and shapes, from the index alone: every model tensor of the file exists in the global
+// model with its shape, and every parameter this rank holds is in the file, with the
+// optimizer's step count.
+void check_checkpoint_names(const std::string& source, const nlohmann::json& tensors,
+                            models::Decoder& model) {
   const auto global = model->global_names();
-  const auto& tensors = index.at("tensors");
   std::string missing, extra;
   for (const auto& [name, e] : tensors.items()) {
-    if (name.rfind("optim.", 0) == 0) continue;
+    if (optim::is_optimizer_state(name)) continue;
     if (!global.count(name)) {
       extra += (extra.empty() ? "" : ", ") + name;
       continue;
@@ -509,23 +523,35 @@ CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& mo
                                   source, name, fmt::join(shape, ", "),
                                   fmt::join(spec->second.global_shape, ", ")));
   }
-  auto params = model->named_parameters();
-  for (const auto& p : params)
+  for (const auto& p : model->named_parameters())
     if (!tensors.contains(p.key())) missing += (missing.empty() ? "" : ", ") + p.key();
   if (!missing.empty()) throw UserError(source + ": missing tensors for this model: " + missing);
   if (!extra.empty()) throw UserError(source + ": tensors this model does not have: " + extra);
-  if (!tensors.contains("optim.step"))
-    throw UserError(source + ": no optimizer state (optim.step) to resume from");
+  if (!tensors.contains(optim::kStepName))
+    throw UserError(source + ": no optimizer state (" + optim::kStepName + ") to resume from");
+}
+
+// The optimizer slot a checkpoint name holds (0-2, FlatAdamW::load_slot's kinds) and its
+// parameter; -1 and the name itself for a model weight or a scalar.
+std::pair<int, std::string> slot_of(const std::string& name) {
+  for (int i = 0; i < 3; ++i) {
+    const auto& prefix = optim::kSlotPrefixes[static_cast<size_t>(i)];
+    if (name.rfind(prefix, 0) == 0) return {i, name.substr(prefix.size())};
+  }
+  return {-1, name};
+}
+
+}  // namespace
+
+CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model, FlatAdamW& opt,
+                                LossScaler* scaler) {
+  const fs::path dir(step_dir);
+  const std::string source = step_dir;
+  const auto index = read_index(dir);
+  check_checkpoint_names(source, index.at("tensors"), model);
   // Then only this rank's tensors (its pipeline stages), one global tensor at a time, each cut
   // to this rank's slice at once (any layout resumes any checkpoint).
-  const std::vector<std::string> per_param = {"optim.master.", "optim.exp_avg.",
-                                              "optim.exp_avg_sq."};
-  auto param_of = [&](const std::string& name) -> std::pair<int, std::string> {
-    for (int i = 0; i < 3; ++i)
-      if (name.rfind(per_param[static_cast<size_t>(i)], 0) == 0)
-        return {i, name.substr(per_param[static_cast<size_t>(i)].size())};
-    return {-1, name};
-  };
+  auto params = model->named_parameters();
   const auto mine = params.keys();
   const std::set<std::string> held(mine.begin(), mine.end());
   models::Weights scalars;
@@ -533,11 +559,11 @@ CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& mo
   for_each_tensor(
       dir, index,
       [&](const std::string& name) {
-        const auto [kind, param] = param_of(name);
-        return held.count(param) > 0 || (kind < 0 && name.rfind("optim.", 0) == 0);
+        const auto [kind, param] = slot_of(name);
+        return held.count(param) > 0 || (kind < 0 && optim::is_optimizer_state(name));
       },
       [&](const std::string& name, torch::Tensor t) {
-        const auto [kind, param] = param_of(name);
+        const auto [kind, param] = slot_of(name);
         if (!held.count(param)) {
           scalars[name] = std::move(t);  // optim.step, the loss scale
           return;
@@ -548,7 +574,7 @@ CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& mo
         else
           opt.load_slot(kind, param, local, source);  // into this rank's pieces at once
       });
-  opt.finish_load(scalars.at("optim.step"), source);
+  opt.finish_load(scalars.at(optim::kStepName), source);
   if (scaler) scaler->load_state(scalars);
   return {index.at("step").get<int64_t>(), index.at("consumed_samples").get<int64_t>()};
 }
@@ -592,8 +618,8 @@ models::Weights checkpoint_model_weights(const std::string& step_dir) {
   auto all = read_checkpoint_tensors(step_dir);
   models::Weights w;
   for (auto& [name, t] : all)
-    if (name.rfind("optim.", 0) != 0) {
-      auto master = all.find("optim.master." + name);
+    if (!optim::is_optimizer_state(name)) {
+      auto master = all.find(optim::kSlotPrefixes[0] + name);
       w[name] = (master != all.end() ? master->second : t).to(torch::kFloat32);
     }
   return w;

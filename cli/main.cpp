@@ -65,35 +65,38 @@ void print_state_bytes(const tessel::Config& c, const tessel::parallel::Layout& 
   }
 }
 
-int run_train(int argc, char** argv) {
-  CLI::App app{"tessel-train: train GPT-2 / Llama models from a YAML plan", "tessel-train"};
+struct TrainArgs {
   std::string config;
   std::vector<std::string> sets;
   bool dry_run = false, help_config = false;
   int64_t world_size = 0;
-  app.add_option("config", config, "YAML plan");
-  app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")
+  std::string profile = "h100", plan_json;
+  std::vector<std::string> profile_sets;
+};
+
+void add_train_options(CLI::App& app, TrainArgs& a) {
+  app.add_option("config", a.config, "YAML plan");
+  app.add_option("--set", a.sets, "Override a plan key: section.key=value (repeatable)")
       ->take_all()
       ->allow_extra_args(false);
   app.add_flag(
-      "--dry-run", dry_run,
+      "--dry-run", a.dry_run,
       "Validate the plan against the world, print it resolved with the rank grid, start nothing");
-  app.add_option("--world-size", world_size, "With --dry-run: the number of processes to plan for")
+  app.add_option("--world-size", a.world_size,
+                 "With --dry-run: the number of processes to plan for")
       ->check(tessel::cli::whole_at_least(1));
-  std::string profile = "h100", plan_json;
-  std::vector<std::string> profile_sets;
-  app.add_option("--device-profile", profile,
+  app.add_option("--device-profile", a.profile,
                  "With --dry-run: the device the step time is predicted for: h100, h200, a100, "
                  "or a YAML file (base, peak_tflops, fp32_tflops, intra_node_gbps, "
                  "inter_node_gbps, gpus_per_node, memory_gib, efficiency)");
-  app.add_option("--profile-set", profile_sets,
+  app.add_option("--profile-set", a.profile_sets,
                  "With --dry-run: override a device profile field: key=value (repeatable)")
       ->take_all()
       ->allow_extra_args(false);
-  app.add_option("--plan-json", plan_json,
+  app.add_option("--plan-json", a.plan_json,
                  "With --dry-run: also write the planner's figures (per-rank bytes, "
                  "communication, FLOPs, predicted step time) to this JSON file");
-  app.add_flag("--help-config", help_config,
+  app.add_flag("--help-config", a.help_config,
                "Print the reference of every plan key (Markdown) and exit");
   app.footer(
       "Subcommands:\n  tessel-train score CONFIG --weights W.safetensors (--tokens T.bin | --data "
@@ -101,94 +104,114 @@ int run_train(int argc, char** argv) {
       "  tessel-train generate [CONFIG] --weights W.safetensors|EXPORT_DIR|CHECKPOINT --prompt "
       "TEXT\n"
       "  tessel-train export CHECKPOINT_DIR --format hf --out DIR [--tokenizer tokenizer.json]");
-  TESSEL_CLI_PARSE(app, argc, argv);
-  if (help_config) {
-    std::fputs(tessel::config_reference().c_str(), stdout);
-    return 0;
+}
+
+int run_training(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
+  auto start = tessel::start_run(a.config, a.sets, world);
+  auto peers = start.peers;  // a failure is posted for the other ranks, a hang diagnosed
+  try {
+    return tessel::Trainer(std::move(start), world).train();
+  } catch (...) {
+    tessel::fail_run(peers.get(), std::current_exception());
   }
-  if (config.empty())
-    throw tessel::UserError("no plan given: tessel-train CONFIG.yaml (see --help)");
-  const auto world = tessel::parallel::discover_world();
-  if (!dry_run) {
-    auto start = tessel::start_run(config, sets, world);
-    auto peers = start.peers;  // a failure is posted for the other ranks, a hang diagnosed
-    try {
-      return tessel::Trainer(std::move(start), world).train();
-    } catch (...) {
-      tessel::fail_run(peers.get(), std::current_exception());
-    }
-  }
-  // --dry-run: the plan checked against the world, nothing started.
-  tessel::Config c = tessel::load_config(config, sets);
-  const int64_t n = world_size > 0 ? world_size : world.world;
+}
+
+// --dry-run with pipeline stages: the schedule, its bubble and peak activations, the layers.
+void print_pipeline(const tessel::Config& c, const tessel::parallel::Layout& layout) {
+  namespace pp = tessel::parallel::pp;
+  const auto& t = c.training;
+  const int64_t m = t.global_batch / (layout.dp * t.micro_batch);
+  auto schedule =
+      pp::make_schedule(c.parallel.pipeline_schedule, layout.pp, m, c.parallel.virtual_stages);
+  auto sim = pp::simulate(schedule);
+  std::printf("%s", pp::render(schedule, sim).c_str());
+  std::printf(
+      "# predicted bubble %.4f of ideal step time (theory (p-1)/(v*m) = %.4f); peak "
+      "activations per "
+      "rank:",
+      sim.bubble,
+      static_cast<double>(layout.pp - 1) / static_cast<double>(c.parallel.virtual_stages * m));
+  for (auto a : sim.peak_activations) std::printf(" %lld", static_cast<long long>(a));
+  std::printf(" micro-batch chunks\n");
+  std::printf("# layers per stage (stage = chunk·pp + pipeline rank): %s\n",
+              pp::stage_layer_counts(c.model.layers, layout.pp * c.parallel.virtual_stages,
+                                     c.parallel.layers_per_stage)
+                  .c_str());
+}
+
+void print_context_parallel(const tessel::Config& c, const tessel::parallel::Layout& layout) {
+  std::printf(
+      "# context parallel: %lld ranks (%s), %lld tokens per rank per sequence (chunks "
+      "r and %lld-r of %lld)\n",
+      static_cast<long long>(layout.cp), c.parallel.context_method.c_str(),
+      static_cast<long long>(c.training.seq_len / layout.cp),
+      static_cast<long long>(2 * layout.cp - 1), static_cast<long long>(2 * layout.cp));
+}
+
+// A layout the planner finds faster than the plan's (`current`), and the command that plans it.
+void print_faster_layout(const std::string& config, int64_t n, const tessel::LayoutChoice& b,
+                         const tessel::PlanEstimate& current) {
+  double most = 0;
+  for (const auto& r : b.estimate.ranks) most = std::max(most, r.total());
+  std::string sets;
+  for (const auto& s : b.sets) sets += " --set " + s;
+  std::printf(
+      "# by these figures a faster layout on %lld processes: tp %lld cp %lld pp %lld dp %lld, "
+      "ZeRO %lld%s: step %.1f ms, %.0f%% less than this plan's %.1f ms, at most %s per rank\n"
+      "#   tessel-train %s --dry-run --world-size %lld%s\n",
+      static_cast<long long>(n), static_cast<long long>(b.layout.tp),
+      static_cast<long long>(b.layout.cp), static_cast<long long>(b.layout.pp),
+      static_cast<long long>(b.layout.dp), static_cast<long long>(b.plan.parallel.zero),
+      b.layout.pp > 1 ? (" (" + b.plan.parallel.pipeline_schedule + ")").c_str() : "",
+      1e3 * b.estimate.step_s, 100 * (1 - b.estimate.step_s / current.step_s), 1e3 * current.step_s,
+      human_bytes(most).c_str(), config.c_str(), static_cast<long long>(n), sets.c_str());
+}
+
+// --dry-run: the plan checked against the world, nothing started.
+int plan_dry_run(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
+  tessel::Config c = tessel::load_config(a.config, a.sets);
+  const int64_t n = a.world_size > 0 ? a.world_size : world.world;
   // --world-size plans for another machine (a GPU cluster from a laptop): this node's devices
   // are not checked.
-  const auto layout = tessel::parallel::check_layout(c, n, world_size > 0 ? 0 : world.local_world);
+  const auto layout =
+      tessel::parallel::check_layout(c, n, a.world_size > 0 ? 0 : world.local_world);
   c.parallel.dp = layout.dp;
   const auto& t = c.training;
   std::printf("%s", tessel::dump_config(c).c_str());
   std::printf("%s", tessel::parallel::describe_grid(layout).c_str());
   print_state_bytes(c, layout);
-  if (layout.pp > 1) {
-    namespace pp = tessel::parallel::pp;
-    const int64_t m = t.global_batch / (layout.dp * t.micro_batch);
-    auto schedule =
-        pp::make_schedule(c.parallel.pipeline_schedule, layout.pp, m, c.parallel.virtual_stages);
-    auto sim = pp::simulate(schedule);
-    std::printf("%s", pp::render(schedule, sim).c_str());
-    std::printf(
-        "# predicted bubble %.4f of ideal step time (theory (p-1)/(v*m) = %.4f); peak "
-        "activations per "
-        "rank:",
-        sim.bubble,
-        static_cast<double>(layout.pp - 1) / static_cast<double>(c.parallel.virtual_stages * m));
-    for (auto a : sim.peak_activations) std::printf(" %lld", static_cast<long long>(a));
-    std::printf(" micro-batch chunks\n");
-  }
-  if (layout.pp > 1) {
-    std::printf(
-        "# layers per stage (stage = chunk·pp + pipeline rank): %s\n",
-        tessel::parallel::pp::stage_layer_counts(
-            c.model.layers, layout.pp * c.parallel.virtual_stages, c.parallel.layers_per_stage)
-            .c_str());
-  }
-  if (layout.cp > 1)
-    std::printf(
-        "# context parallel: %lld ranks (%s), %lld tokens per rank per sequence (chunks "
-        "r and %lld-r of %lld)\n",
-        static_cast<long long>(layout.cp), c.parallel.context_method.c_str(),
-        static_cast<long long>(t.seq_len / layout.cp), static_cast<long long>(2 * layout.cp - 1),
-        static_cast<long long>(2 * layout.cp));
-  const auto device = tessel::device_profile(profile, profile_sets);
+  if (layout.pp > 1) print_pipeline(c, layout);
+  if (layout.cp > 1) print_context_parallel(c, layout);
+  const auto device = tessel::device_profile(a.profile, a.profile_sets);
   const auto estimate = tessel::estimate(c, layout, device);
   std::printf("%s", tessel::render(estimate, c, device).c_str());
-  if (const auto better = tessel::faster_layout(c, n, device, estimate)) {
-    const auto& b = *better;
-    double most = 0;
-    for (const auto& r : b.estimate.ranks) most = std::max(most, r.total());
-    std::string sets;
-    for (const auto& s : b.sets) sets += " --set " + s;
-    std::printf(
-        "# by these figures a faster layout on %lld processes: tp %lld cp %lld pp %lld dp %lld, "
-        "ZeRO %lld%s: step %.1f ms, %.0f%% less than this plan's %.1f ms, at most %s per rank\n"
-        "#   tessel-train %s --dry-run --world-size %lld%s\n",
-        static_cast<long long>(n), static_cast<long long>(b.layout.tp),
-        static_cast<long long>(b.layout.cp), static_cast<long long>(b.layout.pp),
-        static_cast<long long>(b.layout.dp), static_cast<long long>(b.plan.parallel.zero),
-        b.layout.pp > 1 ? (" (" + b.plan.parallel.pipeline_schedule + ")").c_str() : "",
-        1e3 * b.estimate.step_s, 100 * (1 - b.estimate.step_s / estimate.step_s),
-        1e3 * estimate.step_s, human_bytes(most).c_str(), config.c_str(), static_cast<long long>(n),
-        sets.c_str());
-  }
-  if (!plan_json.empty()) tessel::write_file_atomic(plan_json, tessel::to_json(estimate, device));
+  if (const auto better = tessel::faster_layout(c, n, device, estimate))
+    print_faster_layout(a.config, n, *better, estimate);
+  if (!a.plan_json.empty())
+    tessel::write_file_atomic(a.plan_json, tessel::to_json(estimate, device));
   std::printf(
       "# plan %s is valid for %lld processes: %lld micro-batches of %lld sequences per data rank "
       "per step; "
       "%lld tokens per step\n",
-      config.c_str(), static_cast<long long>(n),
+      a.config.c_str(), static_cast<long long>(n),
       static_cast<long long>(t.global_batch / (layout.dp * t.micro_batch)),
       static_cast<long long>(t.micro_batch), static_cast<long long>(t.global_batch * t.seq_len));
   return 0;
+}
+
+int run_train(int argc, char** argv) {
+  CLI::App app{"tessel-train: train GPT-2 / Llama models from a YAML plan", "tessel-train"};
+  TrainArgs a;
+  add_train_options(app, a);
+  TESSEL_CLI_PARSE(app, argc, argv);
+  if (a.help_config) {
+    std::fputs(tessel::config_reference().c_str(), stdout);
+    return 0;
+  }
+  if (a.config.empty())
+    throw tessel::UserError("no plan given: tessel-train CONFIG.yaml (see --help)");
+  const auto world = tessel::parallel::discover_world();
+  return a.dry_run ? plan_dry_run(a, world) : run_training(a, world);
 }
 
 int run_score(int argc, char** argv) {
@@ -245,66 +268,61 @@ std::vector<int64_t> parse_ids(const std::string& s) {
   return ids;
 }
 
-int run_generate(int argc, char** argv) {
-  CLI::App app{"tessel-train generate: continue a prompt with the plan's model",
-               "tessel-train generate"};
+struct GenerateArgs {
   std::string config, weights, tokenizer, prompt, prompt_ids;
   std::vector<std::string> sets;
   tessel::SampleOptions o;
   bool json = false, no_stop = false;
-  app.add_option("config", config,
+};
+
+void add_generate_options(CLI::App& app, GenerateArgs& a) {
+  app.add_option("config", a.config,
                  "YAML plan (the model); default: the Hugging Face config.json beside --weights "
                  "(as export writes it)");
-  app.add_option("--weights", weights,
+  app.add_option("--weights", a.weights,
                  "model.safetensors (Hugging Face or Tessel names), an export's folder, or a "
                  "checkpoint (a step_<N> folder, or a checkpoint.dir: its latest)")
       ->required();
-  app.add_option("--tokenizer", tokenizer,
+  app.add_option("--tokenizer", a.tokenizer,
                  "tokenizer.json (default: the one beside --weights, as export writes it)");
-  auto* p = app.add_option("--prompt", prompt, "Prompt text");
-  auto* pi = app.add_option("--prompt-ids", prompt_ids, "Prompt token ids, comma-separated");
+  auto* p = app.add_option("--prompt", a.prompt, "Prompt text");
+  auto* pi = app.add_option("--prompt-ids", a.prompt_ids, "Prompt token ids, comma-separated");
   p->excludes(pi);
-  app.add_option("--max-new-tokens", o.max_new_tokens, "Tokens to generate")
+  app.add_option("--max-new-tokens", a.o.max_new_tokens, "Tokens to generate")
       ->check(tessel::cli::whole_at_least(1));
-  app.add_option("--temperature", o.temperature, "0: greedy; > 0: sample from softmax(logits/T)")
+  app.add_option("--temperature", a.o.temperature, "0: greedy; > 0: sample from softmax(logits/T)")
       ->check(tessel::cli::finite_non_negative());
-  app.add_option("--top-k", o.top_k, "Sample among the k most likely tokens (0: all)")
+  app.add_option("--top-k", a.o.top_k, "Sample among the k most likely tokens (0: all)")
       ->check(tessel::cli::whole_at_least(0));
-  app.add_option("--seed", o.seed, "Sampling seed");
-  app.add_flag("--no-stop", no_stop, "Do not stop at the tokenizer's end-of-sequence token");
-  app.add_flag("--json", json, "Print one JSON line: prompt_ids, ids, text");
-  app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")->take_all();
-  TESSEL_CLI_PARSE(app, argc, argv);
-  if (prompt.empty() == prompt_ids.empty())
-    throw tessel::UserError("generate: give --prompt TEXT or --prompt-ids IDS");
-  // Files beside the weights: in the folder --weights names, or beside the file it names.
-  const auto folder = std::filesystem::is_directory(weights)
-                          ? std::filesystem::path(weights)
-                          : std::filesystem::path(weights).parent_path();
+  app.add_option("--seed", a.o.seed, "Sampling seed");
+  app.add_flag("--no-stop", a.no_stop, "Do not stop at the tokenizer's end-of-sequence token");
+  app.add_flag("--json", a.json, "Print one JSON line: prompt_ids, ids, text");
+  app.add_option("--set", a.sets, "Override a plan key: section.key=value (repeatable)")
+      ->take_all();
+}
+
+// --tokenizer, else the tokenizer.json in `folder` if there is one; --prompt needs one.
+std::string tokenizer_for(const GenerateArgs& a, const std::filesystem::path& folder) {
+  std::string tokenizer = a.tokenizer;
   if (tokenizer.empty()) {
     auto beside = folder / "tokenizer.json";
     if (std::filesystem::exists(beside)) tokenizer = beside.string();
   }
-  if (tokenizer.empty() && !prompt.empty())
+  if (tokenizer.empty() && !a.prompt.empty())
     throw tessel::UserError(
         "generate: --prompt needs a tokenizer (--tokenizer, or tokenizer.json "
         "beside --weights); --prompt-ids needs none");
-  const auto c = !config.empty()
-                     ? tessel::load_config(config, sets)
-                     : tessel::plan_from_hf_config((folder / "config.json").string(), sets);
-  std::unique_ptr<tessel::TokenizerProcess> tok;
-  if (!tokenizer.empty()) {
-    tok = std::make_unique<tessel::TokenizerProcess>(tokenizer);
-    if (!no_stop) o.stop = tessel::special_tokens(tokenizer).eos;
-  }
-  std::vector<int64_t> ids;
-  if (!prompt.empty()) {
-    const auto encoded = tok->encode({prompt}, true);  // kept: [0] of a temporary would dangle
-    ids.assign(encoded[0].begin(), encoded[0].end());
-  } else
-    ids = parse_ids(prompt_ids);
-  auto model = tessel::load_for_inference(c, weights);
-  const auto out = tessel::generate(model, c, ids, o);
+  return tokenizer;
+}
+
+std::vector<int64_t> encode_prompt(tessel::TokenizerProcess& tok, const std::string& prompt) {
+  const auto encoded = tok.encode({prompt}, true);  // kept: [0] of a temporary would dangle
+  return std::vector<int64_t>(encoded[0].begin(), encoded[0].end());
+}
+
+// The continuation `out` of the prompt `ids`: as JSON, as text, or (no tokenizer) as ids.
+void print_generated(const std::vector<int64_t>& ids, const std::vector<int64_t>& out,
+                     tessel::TokenizerProcess* tok, bool json) {
   const std::string text = tok ? tok->decode(out, false) : "";
   if (json) {
     nlohmann::json j = {{"prompt_ids", ids}, {"ids", out}, {"text", text}};
@@ -318,6 +336,34 @@ int run_generate(int argc, char** argv) {
   } else {
     std::printf("%s\n", nlohmann::json(out).dump().c_str());
   }
+}
+
+int run_generate(int argc, char** argv) {
+  CLI::App app{"tessel-train generate: continue a prompt with the plan's model",
+               "tessel-train generate"};
+  GenerateArgs a;
+  add_generate_options(app, a);
+  TESSEL_CLI_PARSE(app, argc, argv);
+  if (a.prompt.empty() == a.prompt_ids.empty())
+    throw tessel::UserError("generate: give --prompt TEXT or --prompt-ids IDS");
+  // Files beside the weights: in the folder --weights names, or beside the file it names.
+  const auto folder = std::filesystem::is_directory(a.weights)
+                          ? std::filesystem::path(a.weights)
+                          : std::filesystem::path(a.weights).parent_path();
+  a.tokenizer = tokenizer_for(a, folder);
+  const auto c = !a.config.empty()
+                     ? tessel::load_config(a.config, a.sets)
+                     : tessel::plan_from_hf_config((folder / "config.json").string(), a.sets);
+  std::unique_ptr<tessel::TokenizerProcess> tok;
+  if (!a.tokenizer.empty()) {
+    tok = std::make_unique<tessel::TokenizerProcess>(a.tokenizer);
+    if (!a.no_stop) a.o.stop = tessel::special_tokens(a.tokenizer).eos;
+  }
+  const std::vector<int64_t> ids =
+      a.prompt.empty() ? parse_ids(a.prompt_ids) : encode_prompt(*tok, a.prompt);
+  auto model = tessel::load_for_inference(c, a.weights);
+  const auto out = tessel::generate(model, c, ids, a.o);
+  print_generated(ids, out, tok.get(), a.json);
   return 0;
 }
 

@@ -277,27 +277,24 @@ std::string TokenStream::where(int64_t pos) const {
          std::to_string(spans_[k].file_token + pos - starts_[k]) + ")";
 }
 
-void add_megatron(TokenStream& s, const std::string& prefix) {
-  const std::string idx = prefix + ".idx", bin = prefix + ".bin";
-  auto im = map_file(idx);
-  auto corrupt = [&](const std::string& why) {
-    return UserError(idx + ": corrupt Megatron index: " + why);
-  };
-  const auto* p = static_cast<const uint8_t*>(im->ptr);
-  const size_t head = 9 + 8 + 1 + 8 + 8;
-  if (im->size < head)
-    throw corrupt("file of " + std::to_string(im->size) + " bytes is shorter than the " +
-                  std::to_string(head) + "-byte header");
-  if (std::memcmp(p, kIdxMagic, 9) != 0) throw corrupt("bad magic (expected MMIDIDX)");
-  uint64_t version, n_seq, n_doc;
-  std::memcpy(&version, p + 9, 8);
-  if (version != 1) throw corrupt("version " + std::to_string(version) + ", expected 1");
-  const uint8_t code = p[17];
-  std::memcpy(&n_seq, p + 18, 8);
-  std::memcpy(&n_doc, p + 26, 8);
-  // Megatron's dtype codes: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 8 uint16.
-  int elem = 0;
-  bool is_signed = true;
+namespace {
+
+constexpr size_t kIdxHead = 9 + 8 + 1 + 8 + 8;  // magic, version, dtype code, counts
+
+// What a Megatron .idx header says: sequence and document counts and the token type.
+struct IdxHeader {
+  uint64_t n_seq, n_doc;
+  int elem;  // bytes per token
+  bool is_signed;
+};
+
+UserError corrupt_index(const std::string& idx, const std::string& why) {
+  return UserError(idx + ": corrupt Megatron index: " + why);
+}
+
+// Megatron's dtype codes: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 8 uint16.
+void token_type(const std::string& idx, uint8_t code, int& elem, bool& is_signed) {
+  is_signed = true;
   switch (code) {
     case 1:
       elem = 1;
@@ -317,35 +314,64 @@ void add_megatron(TokenStream& s, const std::string& prefix) {
       is_signed = false;
       break;
     default:
-      throw corrupt("token dtype code " + std::to_string(code) +
-                    " is not an integer type Tessel reads (1, 3, 4, 5, 8)");
+      throw corrupt_index(idx, "token dtype code " + std::to_string(code) +
+                                   " is not an integer type Tessel reads (1, 3, 4, 5, 8)");
   }
-  const uint64_t want = head + 4 * n_seq + 8 * n_seq + 8 * n_doc;
-  if (n_seq > im->size || n_doc > im->size || im->size != want)
-    throw corrupt(std::to_string(n_seq) + " sequences and " + std::to_string(n_doc) +
-                  " document indices need " + std::to_string(want) + " bytes, the file has " +
-                  std::to_string(im->size));
+}
+
+// Reads and checks the header of the mapped index `im` (named `idx` in messages), including that
+// the file is exactly as long as its counts say.
+IdxHeader read_idx_header(const std::string& idx, const Mapping& im) {
+  const auto* p = static_cast<const uint8_t*>(im.ptr);
+  if (im.size < kIdxHead)
+    throw corrupt_index(idx, "file of " + std::to_string(im.size) + " bytes is shorter than the " +
+                                 std::to_string(kIdxHead) + "-byte header");
+  if (std::memcmp(p, kIdxMagic, 9) != 0) throw corrupt_index(idx, "bad magic (expected MMIDIDX)");
+  uint64_t version;
+  IdxHeader h{};
+  std::memcpy(&version, p + 9, 8);
+  if (version != 1) throw corrupt_index(idx, "version " + std::to_string(version) + ", expected 1");
+  const uint8_t code = p[17];
+  std::memcpy(&h.n_seq, p + 18, 8);
+  std::memcpy(&h.n_doc, p + 26, 8);
+  token_type(idx, code, h.elem, h.is_signed);
+  const uint64_t want = kIdxHead + 4 * h.n_seq + 8 * h.n_seq + 8 * h.n_doc;
+  if (h.n_seq > im.size || h.n_doc > im.size || im.size != want)
+    throw corrupt_index(idx, std::to_string(h.n_seq) + " sequences and " + std::to_string(h.n_doc) +
+                                 " document indices need " + std::to_string(want) +
+                                 " bytes, the file has " + std::to_string(im.size));
+  return h;
+}
+
+}  // namespace
+
+void add_megatron(TokenStream& s, const std::string& prefix) {
+  const std::string idx = prefix + ".idx", bin = prefix + ".bin";
+  auto im = map_file(idx);
+  const IdxHeader h = read_idx_header(idx, *im);
+  const int elem = h.elem;
   auto bm = map_file(bin);
-  const auto* lens = reinterpret_cast<const int32_t*>(p + head);
-  const auto* ptrs = reinterpret_cast<const int64_t*>(p + head + 4 * n_seq);
+  const auto* p = static_cast<const uint8_t*>(im->ptr);
+  const auto* lens = reinterpret_cast<const int32_t*>(p + kIdxHead);
+  const auto* ptrs = reinterpret_cast<const int64_t*>(p + kIdxHead + 4 * h.n_seq);
   s.files.push_back(bin);
   const int file = static_cast<int>(s.files.size()) - 1;
-  for (uint64_t i = 0; i < n_seq; ++i) {
+  for (uint64_t i = 0; i < h.n_seq; ++i) {
     int32_t len;
     int64_t ptr;
     std::memcpy(&len, lens + i, 4);  // the arrays need not be aligned in the mapping
     std::memcpy(&ptr, ptrs + i, 8);
     if (len < 0 || ptr < 0 || ptr % elem)
-      throw corrupt("sequence " + std::to_string(i) + " has length " + std::to_string(len) +
-                    " at byte " + std::to_string(ptr));
+      throw corrupt_index(idx, "sequence " + std::to_string(i) + " has length " +
+                                   std::to_string(len) + " at byte " + std::to_string(ptr));
     uint64_t end = static_cast<uint64_t>(ptr) + static_cast<uint64_t>(len) * elem;
     if (end > bm->size)
       throw UserError(bin + ": truncated: sequence " + std::to_string(i) + " of " + idx +
                       " needs bytes up to " + std::to_string(end) + ", the file has " +
                       std::to_string(bm->size));
     if (len)
-      s.add(
-          Span{static_cast<const uint8_t*>(bm->ptr) + ptr, len, elem, is_signed, file, ptr / elem});
+      s.add(Span{static_cast<const uint8_t*>(bm->ptr) + ptr, len, elem, h.is_signed, file,
+                 ptr / elem});
   }
   s.storage.push_back(im);
   s.storage.push_back(bm);

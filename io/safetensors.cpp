@@ -59,34 +59,40 @@ void write_atomic(const std::string& path, const std::function<bool(FILE*)>& wri
   fsync_path(dir.empty() ? "." : dir, O_RDONLY | O_DIRECTORY);
 }
 
-}  // namespace
+UserError invalid_file(const std::string& path, const std::string& why) {
+  return UserError(path + ": not a valid safetensors file: " + why);
+}
 
-MappedSafetensors::MappedSafetensors(const std::string& path) : path_(path) {
-  auto bad = [&](const std::string& why) {
-    return UserError(path + ": not a valid safetensors file: " + why);
-  };
+// Maps `path` read-only into (data, size); data stays MAP_FAILED for an empty file.
+void map_file(const std::string& path, void*& data, size_t& size) {
   int fd = ::open(path.c_str(), O_RDONLY);
   if (fd < 0) throw UserError(path + ": cannot open: " + std::strerror(errno));
   struct stat st {};
   fstat(fd, &st);
-  size_ = static_cast<size_t>(st.st_size);
-  if (size_ > 0) data_ = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  size = static_cast<size_t>(st.st_size);
+  if (size > 0) data = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
-  if (size_ < 8)
-    throw bad("file of " + std::to_string(size_) +
-              " bytes is shorter than its 8-byte header length");
-  if (data_ == MAP_FAILED) throw UserError(path + ": cannot map: " + std::strerror(errno));
-  const auto* bytes = static_cast<const uint8_t*>(data_);
+  if (size < 8)
+    throw invalid_file(path, "file of " + std::to_string(size) +
+                                 " bytes is shorter than its 8-byte header length");
+  if (data == MAP_FAILED) throw UserError(path + ": cannot map: " + std::strerror(errno));
+}
+
+// The header's length (the file's first 8 bytes), checked against the limit and the file size.
+uint64_t header_length(const std::string& path, const uint8_t* bytes, size_t size) {
   uint64_t n = 0;
   std::memcpy(&n, bytes, 8);  // little-endian host (x86_64, aarch64)
   if (n > kMaxHeader)
-    throw bad("header of " + std::to_string(n) + " bytes exceeds the 100 MB limit");
-  if (8 + n > size_)
-    throw bad("header length " + std::to_string(n) + " runs past the end of the file (" +
-              std::to_string(size_) + " bytes)");
-  const uint64_t data_size = size_ - 8 - n;
-  data_offset_ = 8 + n;
+    throw invalid_file(path, "header of " + std::to_string(n) + " bytes exceeds the 100 MB limit");
+  if (8 + n > size)
+    throw invalid_file(path, "header length " + std::to_string(n) +
+                                 " runs past the end of the file (" + std::to_string(size) +
+                                 " bytes)");
+  return n;
+}
 
+// The `n`-byte JSON header at `begin`: an object without duplicate keys.
+nlohmann::json parse_header(const std::string& path, const uint8_t* begin, uint64_t n) {
   // Duplicate keys are refused: nlohmann keeps the last silently, so watch the parser's key events.
   std::set<std::string> seen;
   std::string dup;
@@ -99,55 +105,88 @@ MappedSafetensors::MappedSafetensors(const std::string& path) : path_(path) {
   };
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(bytes + 8, bytes + 8 + n, cb);
+    header = nlohmann::json::parse(begin, begin + n, cb);
   } catch (const nlohmann::json::exception& e) {
-    throw bad(std::string("header is not JSON: ") + e.what());
+    throw invalid_file(path, std::string("header is not JSON: ") + e.what());
   }
-  if (!dup.empty()) throw bad("duplicate tensor name '" + dup + "'");
-  if (!header.is_object()) throw bad("header is not a JSON object");
+  if (!dup.empty()) throw invalid_file(path, "duplicate tensor name '" + dup + "'");
+  if (!header.is_object()) throw invalid_file(path, "header is not a JSON object");
+  return header;
+}
+
+// One tensor's header entry, validated: [begin, end) in the data section.
+struct HeaderEntry {
+  torch::ScalarType dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin, end;
+};
+
+HeaderEntry parse_entry(const std::string& path, const std::string& name, const nlohmann::json& e,
+                        uint64_t data_size) {
+  auto what = [&](const std::string& w) {
+    return invalid_file(path, "tensor '" + name + "': " + w);
+  };
+  if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets"))
+    throw what("needs dtype, shape and data_offsets");
+  auto dt = dtypes().find(e["dtype"].is_string() ? e["dtype"].get<std::string>() : "");
+  if (dt == dtypes().end()) throw what("unsupported dtype " + e["dtype"].dump());
+  std::vector<int64_t> shape;
+  uint64_t numel = 1;
+  for (const auto& d : e["shape"]) {
+    if (!d.is_number_unsigned())
+      throw what("shape " + e["shape"].dump() + " is not a list of non-negative integers");
+    shape.push_back(d.get<int64_t>());
+    numel *= d.get<uint64_t>();
+  }
+  const auto& off = e["data_offsets"];
+  if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
+      !off[1].is_number_unsigned())
+    throw what("data_offsets " + off.dump() + " is not [begin, end]");
+  uint64_t b = off[0], en = off[1];
+  if (b > en || en > data_size)
+    throw what("data_offsets [" + std::to_string(b) + ", " + std::to_string(en) +
+               "] out of range of the " + std::to_string(data_size) + "-byte data section");
+  uint64_t want = numel * c10::elementSize(dt->second);
+  if (en - b != want)
+    throw what("holds " + std::to_string(en - b) + " bytes but its shape and dtype need " +
+               std::to_string(want));
+  return {dt->second, std::move(shape), b, en};
+}
+
+// Refuses tensors whose byte ranges (begin, end, name) overlap.
+void check_no_overlap(const std::string& path,
+                      std::vector<std::tuple<uint64_t, uint64_t, std::string>> ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i)
+    if (std::get<0>(ranges[i]) < std::get<1>(ranges[i - 1]))
+      throw invalid_file(path, "tensors '" + std::get<2>(ranges[i - 1]) + "' and '" +
+                                   std::get<2>(ranges[i]) + "' overlap");
+}
+
+}  // namespace
+
+MappedSafetensors::MappedSafetensors(const std::string& path) : path_(path) {
+  map_file(path, data_, size_);
+  const auto* bytes = static_cast<const uint8_t*>(data_);
+  const uint64_t n = header_length(path, bytes, size_);
+  const uint64_t data_size = size_ - 8 - n;
+  data_offset_ = 8 + n;
+  nlohmann::json header = parse_header(path, bytes + 8, n);
 
   std::vector<std::tuple<uint64_t, uint64_t, std::string>> ranges;
   for (auto& [name, e] : header.items()) {
     if (name == "__metadata__") {
-      if (!e.is_object()) throw bad("__metadata__ is not an object");
+      if (!e.is_object()) throw invalid_file(path, "__metadata__ is not an object");
       for (auto& [k, v] : e.items())
         if (v.is_string()) metadata_[k] = v.get<std::string>();
       continue;
     }
-    auto what = [&](const std::string& w) { return bad("tensor '" + name + "': " + w); };
-    if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") ||
-        !e.contains("data_offsets"))
-      throw what("needs dtype, shape and data_offsets");
-    auto dt = dtypes().find(e["dtype"].is_string() ? e["dtype"].get<std::string>() : "");
-    if (dt == dtypes().end()) throw what("unsupported dtype " + e["dtype"].dump());
-    std::vector<int64_t> shape;
-    uint64_t numel = 1;
-    for (const auto& d : e["shape"]) {
-      if (!d.is_number_unsigned())
-        throw what("shape " + e["shape"].dump() + " is not a list of non-negative integers");
-      shape.push_back(d.get<int64_t>());
-      numel *= d.get<uint64_t>();
-    }
-    const auto& off = e["data_offsets"];
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
-        !off[1].is_number_unsigned())
-      throw what("data_offsets " + off.dump() + " is not [begin, end]");
-    uint64_t b = off[0], en = off[1];
-    if (b > en || en > data_size)
-      throw what("data_offsets [" + std::to_string(b) + ", " + std::to_string(en) +
-                 "] out of range of the " + std::to_string(data_size) + "-byte data section");
-    uint64_t want = numel * c10::elementSize(dt->second);
-    if (en - b != want)
-      throw what("holds " + std::to_string(en - b) + " bytes but its shape and dtype need " +
-                 std::to_string(want));
-    ranges.emplace_back(b, en, name);
-    entries_.emplace(name, Entry{dt->second, shape, b, want});
+    HeaderEntry entry = parse_entry(path, name, e, data_size);
+    ranges.emplace_back(entry.begin, entry.end, name);
+    entries_.emplace(
+        name, Entry{entry.dtype, std::move(entry.shape), entry.begin, entry.end - entry.begin});
   }
-  std::sort(ranges.begin(), ranges.end());
-  for (size_t i = 1; i < ranges.size(); ++i)
-    if (std::get<0>(ranges[i]) < std::get<1>(ranges[i - 1]))
-      throw bad("tensors '" + std::get<2>(ranges[i - 1]) + "' and '" + std::get<2>(ranges[i]) +
-                "' overlap");
+  check_no_overlap(path, std::move(ranges));
 }
 
 MappedSafetensors::~MappedSafetensors() {

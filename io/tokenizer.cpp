@@ -104,7 +104,9 @@ std::string tokenizer_python(const std::string& explicit_python) {
   return "python3";
 }
 
-SpecialTokens special_tokens(const std::string& tokenizer_json) {
+namespace {
+
+nlohmann::json read_tokenizer_json(const std::string& tokenizer_json) {
   std::ifstream f(tokenizer_json);
   if (!f) throw UserError(tokenizer_json + ": cannot open the tokenizer");
   nlohmann::json t;
@@ -113,8 +115,12 @@ SpecialTokens special_tokens(const std::string& tokenizer_json) {
   } catch (const std::exception& e) {
     throw UserError(tokenizer_json + ": not a tokenizer.json (" + e.what() + ")");
   }
-  std::map<std::string, int64_t> added;
-  SpecialTokens s;
+  return t;
+}
+
+// Fills `added` (added token text -> id) and s.vocab_size (the highest id + 1, added tokens and
+// the model's vocabulary).
+void read_vocab(const nlohmann::json& t, std::map<std::string, int64_t>& added, SpecialTokens& s) {
   for (const auto& a : t.value("added_tokens", nlohmann::json::array())) {
     added[a.at("content").get<std::string>()] = a.at("id").get<int64_t>();
     s.vocab_size = std::max(s.vocab_size, a.at("id").get<int64_t>() + 1);
@@ -127,25 +133,11 @@ SpecialTokens special_tokens(const std::string& tokenizer_json) {
     else if (v.is_array())  // Unigram: [[piece, score], ...]
       s.vocab_size = std::max<int64_t>(s.vocab_size, static_cast<int64_t>(v.size()));
   }
-  auto pick = [&](std::optional<int64_t>& id, std::string& text, const std::string& configured,
-                  std::initializer_list<const char*> names) {
-    if (!configured.empty() && added.count(configured)) {
-      id = added[configured], text = configured;
-      return;
-    }
-    // A token that tokenizer_config.json names may be an ordinary vocabulary entry.
-    if (!configured.empty() && t.contains("model") && t["model"].contains("vocab") &&
-        t["model"]["vocab"].is_object() && t["model"]["vocab"].contains(configured)) {
-      id = t["model"]["vocab"][configured].get<int64_t>(), text = configured;
-      return;
-    }
-    for (const char* n : names)
-      if (added.count(n)) {
-        id = added[n], text = n;
-        return;
-      }
-  };
-  std::string cfg_bos, cfg_eos;
+}
+
+// The bos and eos tokens tokenizer_config.json (beside tokenizer.json) names, if any.
+void configured_tokens(const std::string& tokenizer_json, std::string& cfg_bos,
+                       std::string& cfg_eos) {
   auto cfg_path = fs::path(tokenizer_json).parent_path() / "tokenizer_config.json";
   if (std::ifstream c(cfg_path); c) {
     try {
@@ -161,8 +153,41 @@ SpecialTokens special_tokens(const std::string& tokenizer_json) {
       throw UserError(cfg_path.string() + ": not JSON (" + e.what() + ")");
     }
   }
-  pick(s.eos, s.eos_text, cfg_eos, {"<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"});
-  pick(s.bos, s.bos_text, cfg_bos, {"<|begin_of_text|>", "<s>", "<bos>"});
+}
+
+// Sets (id, text) to the configured token, else to the first of `names` that is an added token.
+void pick_token(const nlohmann::json& t, const std::map<std::string, int64_t>& added,
+                std::optional<int64_t>& id, std::string& text, const std::string& configured,
+                std::initializer_list<const char*> names) {
+  if (!configured.empty() && added.count(configured)) {
+    id = added.at(configured), text = configured;
+    return;
+  }
+  // A token that tokenizer_config.json names may be an ordinary vocabulary entry.
+  if (!configured.empty() && t.contains("model") && t["model"].contains("vocab") &&
+      t["model"]["vocab"].is_object() && t["model"]["vocab"].contains(configured)) {
+    id = t["model"]["vocab"][configured].get<int64_t>(), text = configured;
+    return;
+  }
+  for (const char* n : names)
+    if (added.count(n)) {
+      id = added.at(n), text = n;
+      return;
+    }
+}
+
+}  // namespace
+
+SpecialTokens special_tokens(const std::string& tokenizer_json) {
+  const nlohmann::json t = read_tokenizer_json(tokenizer_json);
+  std::map<std::string, int64_t> added;
+  SpecialTokens s;
+  read_vocab(t, added, s);
+  std::string cfg_bos, cfg_eos;
+  configured_tokens(tokenizer_json, cfg_bos, cfg_eos);
+  pick_token(t, added, s.eos, s.eos_text, cfg_eos,
+             {"<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"});
+  pick_token(t, added, s.bos, s.bos_text, cfg_bos, {"<|begin_of_text|>", "<s>", "<bos>"});
   if (!s.bos && s.eos && cfg_bos.empty()) s.bos = s.eos, s.bos_text = s.eos_text;  // GPT-2
   return s;
 }

@@ -166,6 +166,84 @@ void signal_all(std::vector<Worker>& ws, int sig) {
 
 enum class RoundEnd { kSuccess, kFailure, kSignal, kStopped };
 
+Clock::time_point after_grace(const Options& o) {
+  return Clock::now() +
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.grace_s));
+}
+
+// Waits up to 100 ms for output, then prints what the workers wrote.
+void pump_output(std::vector<Worker>& ws) {
+  std::vector<pollfd> fds;
+  for (auto& w : ws)
+    if (w.out >= 0) fds.push_back({w.out, POLLIN, 0});
+  poll(fds.data(), fds.size(), 100);
+  for (auto& w : ws) drain(w, false);
+}
+
+// Reaps exited workers; with `report`, a failure is reported to the whole job.
+void reap(std::vector<Worker>& ws, Coordinator& coord, int round, bool report) {
+  int status;
+  pid_t pid;
+  while ((pid = waitpid(-1, &status, WNOHANG)) > 0)
+    for (auto& w : ws)
+      if (w.pid == pid && w.running) {
+        w.running = false;
+        w.status = status;
+        drain(w, true);
+        if (failed(status) && report)
+          coord.report_failure(round, "rank " + std::to_string(w.rank) + " (host " + host_name() +
+                                          ", local rank " + std::to_string(w.local_rank) + ") " +
+                                          describe(status));
+      }
+}
+
+// Signals: forward; INT/TERM also end the job without restart.
+void forward_signal(const Options& o, std::vector<Worker>& ws, int& signal_code,
+                    std::optional<Clock::time_point>& kill_at) {
+  const int sig = g_signal;
+  if (sig == 0) return;
+  g_signal = 0;
+  signal_all(ws, sig);
+  if (sig == SIGINT || sig == SIGTERM) {
+    signal_code = 128 + sig;
+    if (!kill_at) kill_at = after_grace(o);
+  }
+}
+
+// Any failure anywhere in the job tears this node down: SIGTERM now, SIGKILL after the grace.
+void tear_down(const Options& o, Coordinator& coord, std::vector<Worker>& ws, int round,
+               std::string& failure, std::optional<Clock::time_point>& kill_at) {
+  if (!kill_at) {
+    if (auto f = coord.failure(round)) {
+      failure = *f;
+      signal_all(ws, SIGTERM);
+      kill_at = after_grace(o);
+    }
+  } else if (Clock::now() >= *kill_at) {
+    signal_all(ws, SIGKILL);
+  }
+}
+
+// Once every local worker has exited: how the round ended, or nothing while the other nodes
+// still run.
+std::optional<RoundEnd> round_end(const Options& o, Coordinator& coord, std::vector<Worker>& ws,
+                                  int round, std::string& failure, int signal_code,
+                                  bool& reported_done) {
+  for (auto& w : ws) drain(w, true);
+  bool saved = false;  // workers saved a checkpoint on a signal and stopped
+  for (const auto& w : ws) saved = saved || stopped(w.status);
+  if (saved && !coord.failure(round)) return RoundEnd::kStopped;
+  if (signal_code != 0) return RoundEnd::kSignal;
+  if (auto f = coord.failure(round)) {
+    failure = *f;
+    return RoundEnd::kFailure;
+  }
+  // Every local worker exited 0: wait for the other nodes (or a failure among them).
+  if (!reported_done) coord.report_done(round), reported_done = true;
+  if (coord.done_count(round) >= o.nnodes) return RoundEnd::kSuccess;
+  return std::nullopt;
+}
+
 // Runs one round of the job on this node; `failure` gets the job's first failure.
 RoundEnd run_round(const Options& o, Coordinator& coord, std::vector<Worker>& ws, int round,
                    std::string& failure, int& signal_code) {
@@ -173,63 +251,115 @@ RoundEnd run_round(const Options& o, Coordinator& coord, std::vector<Worker>& ws
   std::optional<Clock::time_point> kill_at;  // set once teardown starts
   bool reported_done = false;
   while (true) {
-    std::vector<pollfd> fds;
-    for (auto& w : ws)
-      if (w.out >= 0) fds.push_back({w.out, POLLIN, 0});
-    poll(fds.data(), fds.size(), 100);
-    for (auto& w : ws) drain(w, false);
-    // Reap.
-    int status;
-    pid_t pid;
-    while ((pid = waitpid(-1, &status, WNOHANG)) > 0)
-      for (auto& w : ws)
-        if (w.pid == pid && w.running) {
-          w.running = false;
-          w.status = status;
-          drain(w, true);
-          if (failed(status) && !kill_at && signal_code == 0)
-            coord.report_failure(round, "rank " + std::to_string(w.rank) + " (host " + host_name() +
-                                            ", local rank " + std::to_string(w.local_rank) + ") " +
-                                            describe(status));
-        }
-    // Signals: forward; INT/TERM also end the job without restart.
-    if (int sig = g_signal; sig != 0) {
-      g_signal = 0;
-      signal_all(ws, sig);
-      if (sig == SIGINT || sig == SIGTERM) {
-        signal_code = 128 + sig;
-        if (!kill_at)
-          kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                       std::chrono::duration<double>(o.grace_s));
-      }
-    }
-    // Any failure anywhere in the job tears this node down: SIGTERM now, SIGKILL after the grace.
-    if (!kill_at) {
-      if (auto f = coord.failure(round)) {
-        failure = *f;
-        signal_all(ws, SIGTERM);
-        kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                     std::chrono::duration<double>(o.grace_s));
-      }
-    } else if (Clock::now() >= *kill_at) {
-      signal_all(ws, SIGKILL);
-    }
+    pump_output(ws);
+    reap(ws, coord, round, !kill_at && signal_code == 0);
+    forward_signal(o, ws, signal_code, kill_at);
+    tear_down(o, coord, ws, round, failure, kill_at);
     bool any_running = false;
     for (auto& w : ws) any_running = any_running || w.running;
     if (any_running) continue;
-    for (auto& w : ws) drain(w, true);
-    bool saved = false;  // workers saved a checkpoint on a signal and stopped
-    for (const auto& w : ws) saved = saved || stopped(w.status);
-    if (saved && !coord.failure(round)) return RoundEnd::kStopped;
-    if (signal_code != 0) return RoundEnd::kSignal;
-    if (auto f = coord.failure(round)) {
-      failure = *f;
-      return RoundEnd::kFailure;
-    }
-    // Every local worker exited 0: wait for the other nodes (or a failure among them).
-    if (!reported_done) coord.report_done(round), reported_done = true;
-    if (coord.done_count(round) >= o.nnodes) return RoundEnd::kSuccess;
+    if (auto end = round_end(o, coord, ws, round, failure, signal_code, reported_done)) return *end;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+void install_signal_handlers() {
+  for (int s : {SIGINT, SIGTERM, SIGUSR1, SIGUSR2}) {
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigaction(s, &sa, nullptr);
+  }
+}
+
+// This node's workers, each with its log file under --log-dir when there is one.
+std::vector<Worker> make_workers(const Options& o) {
+  std::vector<Worker> ws(static_cast<size_t>(o.nproc_per_node));
+  for (int i = 0; i < o.nproc_per_node; ++i) {
+    ws[i].local_rank = i;
+    ws[i].rank = o.node_rank * o.nproc_per_node + i;
+  }
+  if (!o.log_dir.empty()) {
+    std::filesystem::create_directories(o.log_dir);
+    for (auto& w : ws) {
+      auto path = o.log_dir + "/rank_" + std::to_string(w.rank) + ".log";
+      w.log = std::fopen(path.c_str(), "a");
+      if (!w.log) throw std::runtime_error(path + ": cannot write: " + std::strerror(errno));
+    }
+  }
+  return ws;
+}
+
+// A name that does not resolve would otherwise be retried until the timeout.
+void check_master_resolves(const Options& o) {
+  addrinfo* found = nullptr;
+  if (int rc = getaddrinfo(o.master_addr.c_str(), nullptr, nullptr, &found); rc != 0)
+    throw std::runtime_error(
+        "master address '" + o.master_addr + "' (" +
+        (o.source == "command line" ? "--master-addr" : "first host of SLURM_JOB_NODELIST") +
+        ") does not resolve: " + gai_strerror(rc) +
+        "; pass --master-addr with an address every node can reach");
+  freeaddrinfo(found);
+}
+
+void requeue_under_slurm(const Options& o) {
+  // Under Slurm the job goes back to the queue and resumes from the checkpoint when it runs
+  // again (TESSEL_SLURM_REQUEUE=0 leaves that to the user). Node 0's launcher asks, once.
+  const char* job = std::getenv("SLURM_JOB_ID");
+  const char* want = std::getenv("TESSEL_SLURM_REQUEUE");
+  if (!job || o.node_rank != 0 || (want && std::string(want) == "0")) return;
+  const std::string cmd = std::string("scontrol requeue ") + job + " 2>&1";
+  std::fprintf(stderr, "tessel-launch: %s\n", cmd.c_str());
+  const int rc = std::system(cmd.c_str());
+  if (rc != 0)
+    std::fprintf(stderr,
+                 "tessel-launch: scontrol requeue %s failed (status %d): requeue the job by "
+                 "hand, or submit it again; it resumes from the checkpoint\n",
+                 job, rc);
+}
+
+// After a round that did not succeed: the launcher's exit code, or nothing to restart.
+std::optional<int> after_round(const Options& o, RoundEnd end, int round,
+                               const std::string& failure, int signal_code) {
+  if (end == RoundEnd::kStopped) {
+    std::fprintf(stderr,
+                 "tessel-launch: the workers saved a checkpoint on a signal and stopped (exit "
+                 "%d): run the same command again to resume\n",
+                 kExitStopped);
+    requeue_under_slurm(o);
+    return kExitStopped;
+  }
+  if (end == RoundEnd::kSignal) {
+    std::fprintf(stderr, "tessel-launch: stopped by signal; workers terminated\n");
+    return signal_code;
+  }
+  std::fprintf(stderr, "tessel-launch: failure: %s\n", failure.c_str());
+  if (round >= o.max_restarts) {
+    std::fprintf(stderr, "tessel-launch: giving up after %d restart%s (--max-restarts %d)\n", round,
+                 round == 1 ? "" : "s", o.max_restarts);
+    return 1;
+  }
+  std::fprintf(stderr, "tessel-launch: restarting every worker (restart %d of %d)\n", round + 1,
+               o.max_restarts);
+  return std::nullopt;
+}
+
+// Rounds until one succeeds, stops, or no restart is left; returns the launcher's exit code.
+int run_rounds(const Options& o, Coordinator& coord, std::vector<Worker>& ws) {
+  for (int round = 0;; ++round) {
+    try {
+      coord.barrier(round);
+    } catch (const Interrupted& i) {
+      std::fprintf(stderr, "tessel-launch: %s while waiting for the other nodes; %s\n",
+                   strsignal(i.signal), round == 0 ? "nothing started" : "not restarting");
+      return 128 + i.signal;
+    }
+    for (auto& w : ws)
+      if (w.log) std::fprintf(w.log, "=== tessel-launch: start (restart %d) ===\n", round);
+    std::string failure;
+    int signal_code = 0;
+    const auto end = run_round(o, coord, ws, round, failure, signal_code);
+    if (end == RoundEnd::kSuccess) return 0;
+    if (auto code = after_round(o, end, round, failure, signal_code)) return *code;
   }
 }
 
@@ -251,55 +381,14 @@ void apply_slurm(Options& o, bool nnodes_given, bool node_rank_given, bool maste
   o.source = std::string("Slurm job ") + job;
 }
 
-void requeue_under_slurm(const Options& o) {
-  // Under Slurm the job goes back to the queue and resumes from the checkpoint when it runs
-  // again (TESSEL_SLURM_REQUEUE=0 leaves that to the user). Node 0's launcher asks, once.
-  const char* job = std::getenv("SLURM_JOB_ID");
-  const char* want = std::getenv("TESSEL_SLURM_REQUEUE");
-  if (!job || o.node_rank != 0 || (want && std::string(want) == "0")) return;
-  const std::string cmd = std::string("scontrol requeue ") + job + " 2>&1";
-  std::fprintf(stderr, "tessel-launch: %s\n", cmd.c_str());
-  const int rc = std::system(cmd.c_str());
-  if (rc != 0)
-    std::fprintf(stderr,
-                 "tessel-launch: scontrol requeue %s failed (status %d): requeue the job by "
-                 "hand, or submit it again; it resumes from the checkpoint\n",
-                 job, rc);
-}
-
 int run(const Options& o) {
-  for (int s : {SIGINT, SIGTERM, SIGUSR1, SIGUSR2}) {
-    struct sigaction sa {};
-    sa.sa_handler = on_signal;
-    sigaction(s, &sa, nullptr);
-  }
-  std::vector<Worker> ws(static_cast<size_t>(o.nproc_per_node));
-  for (int i = 0; i < o.nproc_per_node; ++i) {
-    ws[i].local_rank = i;
-    ws[i].rank = o.node_rank * o.nproc_per_node + i;
-  }
-  if (!o.log_dir.empty()) {
-    std::filesystem::create_directories(o.log_dir);
-    for (auto& w : ws) {
-      auto path = o.log_dir + "/rank_" + std::to_string(w.rank) + ".log";
-      w.log = std::fopen(path.c_str(), "a");
-      if (!w.log) throw std::runtime_error(path + ": cannot write: " + std::strerror(errno));
-    }
-  }
+  install_signal_handlers();
+  std::vector<Worker> ws = make_workers(o);
   std::fprintf(stderr,
                "tessel-launch: node %d/%d (%s), %d workers per node, world %d, master %s:%d\n",
                o.node_rank, o.nnodes, o.source.c_str(), o.nproc_per_node,
                o.nnodes * o.nproc_per_node, o.master_addr.c_str(), o.master_port);
-  if (o.nnodes > 1) {  // a name that does not resolve would otherwise be retried until the timeout
-    addrinfo* found = nullptr;
-    if (int rc = getaddrinfo(o.master_addr.c_str(), nullptr, nullptr, &found); rc != 0)
-      throw std::runtime_error(
-          "master address '" + o.master_addr + "' (" +
-          (o.source == "command line" ? "--master-addr" : "first host of SLURM_JOB_NODELIST") +
-          ") does not resolve: " + gai_strerror(rc) +
-          "; pass --master-addr with an address every node can reach");
-    freeaddrinfo(found);
-  }
+  if (o.nnodes > 1) check_master_resolves(o);
   std::unique_ptr<Coordinator> coord;
   try {
     coord = make_coordinator(o.nnodes, o.node_rank, o.master_addr, o.master_port + 1,
@@ -309,46 +398,7 @@ int run(const Options& o) {
                  strsignal(i.signal), o.master_addr.c_str(), o.master_port + 1);
     return 128 + i.signal;
   }
-  int code = 0;
-  for (int round = 0;; ++round) {
-    try {
-      coord->barrier(round);
-    } catch (const Interrupted& i) {
-      std::fprintf(stderr, "tessel-launch: %s while waiting for the other nodes; %s\n",
-                   strsignal(i.signal), round == 0 ? "nothing started" : "not restarting");
-      code = 128 + i.signal;
-      break;
-    }
-    for (auto& w : ws)
-      if (w.log) std::fprintf(w.log, "=== tessel-launch: start (restart %d) ===\n", round);
-    std::string failure;
-    int signal_code = 0;
-    auto end = run_round(o, *coord, ws, round, failure, signal_code);
-    if (end == RoundEnd::kSuccess) break;
-    if (end == RoundEnd::kStopped) {
-      std::fprintf(stderr,
-                   "tessel-launch: the workers saved a checkpoint on a signal and stopped (exit "
-                   "%d): run the same command again to resume\n",
-                   kExitStopped);
-      requeue_under_slurm(o);
-      code = kExitStopped;
-      break;
-    }
-    if (end == RoundEnd::kSignal) {
-      std::fprintf(stderr, "tessel-launch: stopped by signal; workers terminated\n");
-      code = signal_code;
-      break;
-    }
-    std::fprintf(stderr, "tessel-launch: failure: %s\n", failure.c_str());
-    if (round >= o.max_restarts) {
-      std::fprintf(stderr, "tessel-launch: giving up after %d restart%s (--max-restarts %d)\n",
-                   round, round == 1 ? "" : "s", o.max_restarts);
-      code = 1;
-      break;
-    }
-    std::fprintf(stderr, "tessel-launch: restarting every worker (restart %d of %d)\n", round + 1,
-                 o.max_restarts);
-  }
+  const int code = run_rounds(o, *coord, ws);
   coord->leave(60.0);
   for (auto& w : ws)
     if (w.log) std::fclose(w.log);

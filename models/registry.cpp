@@ -1,5 +1,7 @@
 #include "models/registry.h"
 
+#include "optim/state_names.h"
+
 #include <torch/torch.h>
 
 namespace tessel::models {
@@ -122,7 +124,7 @@ void load_weights(Decoder& model, const Weights& tensors, const std::string& sou
   if (tensors.count("embed.weight") > 0) {
     Weights w;
     for (auto& [name, t] : tensors)
-      if (name.rfind("optim.", 0) != 0) w[name] = t;
+      if (!optim::is_optimizer_state(name)) w[name] = t;
     assign_weights(model, w, source);
   } else {
     assign_weights(model, arch(m.arch).from_hf(tensors, m, source), source);

@@ -3,6 +3,8 @@
 #include <ATen/ops/_amp_update_scale.h>
 #include <torch/torch.h>
 
+#include "optim/state_names.h"
+
 namespace tessel {
 
 LossScaler::LossScaler(const TrainingConfig& t, const torch::Device& device)
@@ -35,20 +37,20 @@ int64_t LossScaler::first_non_finite_step() const { return bad_step_.item<int64_
 
 std::vector<std::pair<std::string, torch::Tensor>> LossScaler::state() const {
   if (!dynamic_) return {};
-  return {{"optim.loss_scale", scale_},
-          {"optim.loss_scale_growth_tracker", growth_tracker_},
-          {"optim.skipped_steps", skipped_}};
+  return {{optim::kLossScaleName, scale_},
+          {optim::kGrowthTrackerName, growth_tracker_},
+          {optim::kSkippedStepsName, skipped_}};
 }
 
 void LossScaler::load_state(const std::map<std::string, torch::Tensor>& by_name) {
   if (!dynamic_) return;
   // A checkpoint of another dtype carries no scale: the run starts from the plan's initial one.
-  auto take = [&](const char* name, torch::Tensor& into) {
+  auto take = [&](const std::string& name, torch::Tensor& into) {
     if (auto it = by_name.find(name); it != by_name.end()) into.copy_(it->second);
   };
-  take("optim.loss_scale", scale_);
-  take("optim.loss_scale_growth_tracker", growth_tracker_);
-  take("optim.skipped_steps", skipped_);
+  take(optim::kLossScaleName, scale_);
+  take(optim::kGrowthTrackerName, growth_tracker_);
+  take(optim::kSkippedStepsName, skipped_);
 }
 
 }  // namespace tessel

@@ -54,6 +54,22 @@ FlatAdamW::FlatAdamW(const std::vector<NamedParam>& named, const TrainingConfig&
   for (const auto& p : named) params[p.name] = &p;
   const auto& front = named.front().tensor;
   low_precision_ = front.scalar_type() != torch::kFloat32;
+  allocate_buffers(front);
+
+  // Re-seat every parameter (and, at stages 0-1, its .grad) as a view of the flat buffers, so
+  // backward accumulates straight into them and the optimizer updates them in place.
+  torch::NoGradGuard no_grad;
+  for (const auto& slot : layout_.slots())
+    seat_param(slot, params.at(slot.name)->tensor);  // shares the parameter's TensorImpl
+  groups_.erase(std::remove_if(groups_.begin(), groups_.end(),
+                               [](const DecayGroup& g) { return g.w.empty(); }),
+                groups_.end());
+
+  const std::vector<int64_t> at = build_grad_pieces();
+  build_replicated_spans(params, at);
+}
+
+void FlatAdamW::allocate_buffers(const torch::Tensor& front) {
   const int64_t z = layout_.zero(), n = layout_.numel(), s = layout_.shard_numel();
   auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(front.device());
   auto w16 = f32.dtype(front.scalar_type());
@@ -74,52 +90,52 @@ FlatAdamW::FlatAdamW(const std::vector<NamedParam>& named, const TrainingConfig&
   step_count_ = torch::zeros({}, f32);
   if (z == 3)
     for (const auto& b : layout_.buckets()) units_.push_back(torch::zeros({b.end - b.begin}, w16));
+}
 
-  // Re-seat every parameter (and, at stages 0-1, its .grad) as a view of the flat buffers, so
-  // backward accumulates straight into them and the optimizer updates them in place.
-  torch::NoGradGuard no_grad;
-  for (const auto& slot : layout_.slots()) {
-    auto p = params.at(slot.name)->tensor;  // shares the parameter's TensorImpl
-    const auto& b = layout_.buckets()[static_cast<size_t>(slot.bucket)];
-    auto full = z < 3 ? params_.narrow(0, slot.offset, slot.numel)
-                      : units_[static_cast<size_t>(slot.bucket)].narrow(0, slot.offset - b.begin,
-                                                                        slot.numel);
-    const auto values = p.detach().flatten();
-    full.copy_(values);
-    const bool decay =
-        !exempt_from_decay(slot.name, t.optimizer.no_decay) && t.optimizer.weight_decay > 0;
-    for (const auto& piece : layout_.pieces(slot)) {
-      auto mine = values.narrow(0, piece.param_offset, piece.numel);
-      if (master_.defined()) master_view(piece).copy_(mine);
-      if (shard16_.defined()) shard16_.narrow(0, piece.shard, piece.numel).copy_(mine);
-      auto weight = z < 3
-                        ? params_.narrow(0, piece.flat, piece.numel)
-                        : (low_precision_ ? shard16_ : master_).narrow(0, piece.shard, piece.numel);
-      pieces_.push_back({slot.name, piece.param_offset, piece.numel, weight, master_view(piece),
-                         exp_avg_.narrow(0, piece.shard, piece.numel),
-                         exp_avg_sq_.narrow(0, piece.shard, piece.numel)});
-      // One fused call per weight-decay group over per-piece views, built once: the views stay
-      // valid because the buffers are only ever updated in place.
-      if (groups_.empty()) groups_ = {{true, {}, {}, {}, {}, {}}, {false, {}, {}, {}, {}, {}}};
-      auto& grp = groups_[decay ? 0 : 1];
-      grp.w.push_back(master_view(piece));
-      grp.g.push_back(grad_view(piece));
-      grp.m.push_back(pieces_.back().exp_avg);
-      grp.v.push_back(pieces_.back().exp_avg_sq);
-      grp.steps.push_back(step_count_);  // read-only in the kernel; step() increments it
-    }
-    p.set_data(full.view(p.sizes()));
-    if (z < 2)
-      p.mutable_grad() =
-          (low_precision_ ? grads16_ : grad_).narrow(0, slot.offset, slot.numel).view(p.sizes());
-  }
-  groups_.erase(std::remove_if(groups_.begin(), groups_.end(),
-                               [](const DecayGroup& g) { return g.w.empty(); }),
-                groups_.end());
+void FlatAdamW::seat_param(const optim::Slot& slot, torch::Tensor p) {
+  const int64_t z = layout_.zero();
+  const auto& b = layout_.buckets()[static_cast<size_t>(slot.bucket)];
+  auto full =
+      z < 3 ? params_.narrow(0, slot.offset, slot.numel)
+            : units_[static_cast<size_t>(slot.bucket)].narrow(0, slot.offset - b.begin, slot.numel);
+  const auto values = p.detach().flatten();
+  full.copy_(values);
+  const bool decay =
+      !exempt_from_decay(slot.name, t_.optimizer.no_decay) && t_.optimizer.weight_decay > 0;
+  for (const auto& piece : layout_.pieces(slot)) add_piece(slot.name, piece, values, decay);
+  p.set_data(full.view(p.sizes()));
+  if (z < 2)
+    p.mutable_grad() =
+        (low_precision_ ? grads16_ : grad_).narrow(0, slot.offset, slot.numel).view(p.sizes());
+}
 
+void FlatAdamW::add_piece(const std::string& name, const optim::Piece& piece,
+                          const torch::Tensor& values, bool decay) {
+  auto mine = values.narrow(0, piece.param_offset, piece.numel);
+  if (master_.defined()) master_view(piece).copy_(mine);
+  if (shard16_.defined()) shard16_.narrow(0, piece.shard, piece.numel).copy_(mine);
+  auto weight = layout_.zero() < 3
+                    ? params_.narrow(0, piece.flat, piece.numel)
+                    : (low_precision_ ? shard16_ : master_).narrow(0, piece.shard, piece.numel);
+  pieces_.push_back({name, piece.param_offset, piece.numel, weight, master_view(piece),
+                     exp_avg_.narrow(0, piece.shard, piece.numel),
+                     exp_avg_sq_.narrow(0, piece.shard, piece.numel)});
+  // One fused call per weight-decay group over per-piece views, built once: the views stay
+  // valid because the buffers are only ever updated in place.
+  if (groups_.empty()) groups_ = {{true, {}, {}, {}, {}, {}}, {false, {}, {}, {}, {}, {}}};
+  auto& grp = groups_[decay ? 0 : 1];
+  grp.w.push_back(master_view(piece));
+  grp.g.push_back(grad_view(piece));
+  grp.m.push_back(pieces_.back().exp_avg);
+  grp.v.push_back(pieces_.back().exp_avg_sq);
+  grp.steps.push_back(step_count_);  // read-only in the kernel; step() increments it
+}
+
+std::vector<int64_t> FlatAdamW::build_grad_pieces() {
   // The reduced gradient this rank holds: all of it (stage 0), its piece of each bucket inside
   // the full buffer (stage 1), or its shard (stages 2-3); `at` is each piece's offset in this
   // rank's shard coordinates (those of optim::Piece::shard).
+  const int64_t z = layout_.zero();
   std::vector<int64_t> at;
   if (z == 1) {
     for (const auto& b : layout_.buckets()) {
@@ -130,6 +146,11 @@ FlatAdamW::FlatAdamW(const std::vector<NamedParam>& named, const TrainingConfig&
     grad_pieces_.push_back(z == 0 ? grad_ : grad_shard_);
     at.push_back(0);
   }
+  return at;
+}
+
+void FlatAdamW::build_replicated_spans(const std::map<std::string, const NamedParam*>& params,
+                                       const std::vector<int64_t>& at) {
   // Parameters replicated over tensor-parallel ranks count once in the global norm: their
   // squares are weighted 1/replicas (views, no N-sized weight vector).
   std::map<int64_t, std::vector<torch::Tensor>> by_replicas;

@@ -119,6 +119,14 @@ class FlatAdamW {
   torch::Tensor master_view(const optim::Piece& p) const;
   torch::Tensor grad_view(const optim::Piece& p) const;
   void refresh_weights();  // low-precision weights (or the stage-3 weight shard) from the master
+  // Construction steps, in order.
+  void allocate_buffers(const torch::Tensor& front);  // front: dtype and device of the params
+  void seat_param(const optim::Slot& slot, torch::Tensor p);
+  void add_piece(const std::string& name, const optim::Piece& piece, const torch::Tensor& values,
+                 bool decay);
+  std::vector<int64_t> build_grad_pieces();  // returns each piece's offset in shard coordinates
+  void build_replicated_spans(const std::map<std::string, const NamedParam*>& params,
+                              const std::vector<int64_t>& at);
 
   TrainingConfig t_;
   optim::FlatLayout layout_;

@@ -8,11 +8,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The group travels through the autograd context as an integer (an IValue cannot hold a pointer).
-int64_t pack(Group& g) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&g)); }
-Group& unpack(AutogradContext* ctx) {
-  return *reinterpret_cast<Group*>(static_cast<intptr_t>(ctx->saved_data["g"].toInt()));
-}
+// The group these Functions saved as "g" (pack_group).
+Group& unpack(AutogradContext* ctx) { return unpack_group(ctx->saved_data["g"].toInt()); }
 
 // Sums x over the group in place when it is contiguous (no copy), else a contiguous copy.
 torch::Tensor all_reduced_in_place(Group& g, torch::Tensor x) {
@@ -43,7 +40,7 @@ struct CopyTo : torch::autograd::Function<CopyTo> {
 // it dirty, so that autograd refuses any later use of the unsummed value.
 struct ReduceFrom : torch::autograd::Function<ReduceFrom> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t g) {
-    auto& group = *reinterpret_cast<Group*>(static_cast<intptr_t>(g));
+    auto& group = unpack_group(g);
     // A leaf that requires grad (a test's input) cannot be edited in place: sum a copy.
     if (!x.is_contiguous() || (x.is_leaf() && x.requires_grad()))
       return all_reduced_in_place(group, x.clone(at::MemoryFormat::Contiguous));
@@ -75,6 +72,11 @@ struct DimPair : torch::autograd::Function<DimPair<Forward, Backward>> {
 };
 
 }  // namespace
+
+int64_t pack_group(Group& g) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&g)); }
+Group& unpack_group(int64_t packed) {
+  return *reinterpret_cast<Group*>(static_cast<intptr_t>(packed));
+}
 
 // Rank r's part is chunk r along `dim`. The collective runs on [n, ...] buffers; moving n next
 // to `dim` copies only when a dimension before `dim` is larger than 1 (with one sequence per
@@ -111,22 +113,24 @@ torch::Tensor reduce_scatter_dim(Group& g, const torch::Tensor& x, int64_t dim) 
 }
 
 torch::Tensor copy_to(Group& g, const torch::Tensor& x) {
-  return g.size() == 1 ? x : CopyTo::apply(x, pack(g));
+  return g.size() == 1 ? x : CopyTo::apply(x, pack_group(g));
 }
 torch::Tensor reduce_from(Group& g, const torch::Tensor& x) {
-  return g.size() == 1 ? x : ReduceFrom::apply(x, pack(g));
+  return g.size() == 1 ? x : ReduceFrom::apply(x, pack_group(g));
 }
 torch::Tensor split(Group& g, const torch::Tensor& x, int64_t dim) {
-  return g.size() == 1 ? x : DimPair<my_chunk, all_gather_dim>::apply(x, pack(g), dim);
+  return g.size() == 1 ? x : DimPair<my_chunk, all_gather_dim>::apply(x, pack_group(g), dim);
 }
 torch::Tensor gather(Group& g, const torch::Tensor& x, int64_t dim) {
-  return g.size() == 1 ? x : DimPair<all_gather_dim, my_chunk>::apply(x, pack(g), dim);
+  return g.size() == 1 ? x : DimPair<all_gather_dim, my_chunk>::apply(x, pack_group(g), dim);
 }
 torch::Tensor sequence_gather(Group& g, const torch::Tensor& x, int64_t dim) {
-  return g.size() == 1 ? x : DimPair<all_gather_dim, reduce_scatter_dim>::apply(x, pack(g), dim);
+  return g.size() == 1 ? x
+                       : DimPair<all_gather_dim, reduce_scatter_dim>::apply(x, pack_group(g), dim);
 }
 torch::Tensor sequence_scatter(Group& g, const torch::Tensor& x, int64_t dim) {
-  return g.size() == 1 ? x : DimPair<reduce_scatter_dim, all_gather_dim>::apply(x, pack(g), dim);
+  return g.size() == 1 ? x
+                       : DimPair<reduce_scatter_dim, all_gather_dim>::apply(x, pack_group(g), dim);
 }
 
 }  // namespace tessel::parallel

@@ -24,6 +24,12 @@ torch::Tensor gather(Group& g, const torch::Tensor& x, int64_t dim);
 torch::Tensor sequence_gather(Group& g, const torch::Tensor& x, int64_t dim);
 torch::Tensor sequence_scatter(Group& g, const torch::Tensor& x, int64_t dim);
 
+/// A group travels through an autograd Function's arguments and saved data as an integer (an
+/// IValue cannot hold a pointer): pack_group() makes it, unpack_group() turns it back into the
+/// group, which must outlive the graph.
+int64_t pack_group(Group& g);
+Group& unpack_group(int64_t packed);
+
 /// Plain (non-autograd) helpers used by the pairs: all-gather / reduce-scatter along a dimension.
 torch::Tensor all_gather_dim(Group& g, const torch::Tensor& x, int64_t dim);
 torch::Tensor reduce_scatter_dim(Group& g, const torch::Tensor& x, int64_t dim);

@@ -86,6 +86,8 @@ class HostStaged final : public c10d::Work {
 
 }  // namespace
 
+bool is_nccl_backend(const std::string& backend) { return backend == "nccl"; }
+
 bool Group::staged(const torch::Tensor& t) const {
   return t.defined() && t.is_cuda() && backend_ && backend_->getBackendName() == "gloo";
 }
@@ -232,7 +234,7 @@ std::vector<Work> Group::send_recv(const std::vector<P2POp>& ops) {
   std::vector<Work> works;
   // Gloo's send/recv are asynchronous pairs, so posting all of them before waiting is enough;
   // NCCL batches them between startCoalescing/endCoalescing (one grouped launch).
-  const bool coalesce = backend_ && backend_->getBackendName() == "nccl";
+  const bool coalesce = is_nccl();
   if (coalesce) backend_->startCoalescing();
   for (const auto& op : ops) {
     const int tag = op.tag;

@@ -43,6 +43,10 @@ struct P2POp {
   int tag = 0;   // tells apart messages between the same pair (Gloo; NCCL matches by order)
 };
 
+/// Whether a backend name ("gloo", "nccl", "none") is NCCL's: the one spelling of that check, for
+/// code that has a name before any Group exists (the Mesh choosing its backend).
+bool is_nccl_backend(const std::string& backend);
+
 class Group {
  public:
   Group(std::string name, std::vector<int64_t> ranks, int64_t global_rank,
@@ -59,6 +63,8 @@ class Group {
   int64_t sent_bytes() const { return sent_bytes_; }
   /// "gloo", "nccl", or "none" for a group of one.
   std::string backend_name() const { return backend_ ? backend_->getBackendName() : "none"; }
+  /// NCCL: collectives run in place and their waits order the stream instead of blocking.
+  bool is_nccl() const { return backend_ && is_nccl_backend(backend_->getBackendName()); }
 
   Work all_reduce(torch::Tensor& t, c10d::ReduceOp op = c10d::ReduceOp::SUM);
   /// Sums `tensors` (one dtype and device; any shapes, views allowed) with one all-reduce: they

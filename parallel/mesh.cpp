@@ -136,105 +136,163 @@ std::vector<std::vector<int64_t>> group_ranks(GroupKind k, const Layout& l) {
   return out;
 }
 
-Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
+namespace {
+
+// Every broken rule of the plan against the world, each prefixed with the plan's source, so that
+// one error names them all.
+class Problems {
+ public:
+  explicit Problems(const std::string& source) : source_(source) {}
+  void require(bool ok, const std::string& msg) {
+    if (!ok) add(msg);
+  }
+  void add(const std::string& msg) { errors_.push_back(source_ + ": " + msg); }
+  void throw_if_any() const {
+    if (errors_.empty()) return;
+    std::string all;
+    for (const auto& e : errors_) all += (all.empty() ? "" : "\n") + e;
+    throw UserError(all);
+  }
+
+ private:
+  const std::string& source_;
+  std::vector<std::string> errors_;
+};
+
+// The plan's layout with dp auto resolved, and the world size it must fill.
+Layout resolve_layout(const Config& c, int64_t world, Problems& problems) {
   const auto& p = c.parallel;
-  const auto& m = c.model;
-  const auto& t = c.training;
-  std::vector<std::string> errors;
-  auto require = [&](bool ok, std::string msg) {
-    if (!ok) errors.push_back(c.source + ": " + msg);
-  };
   Layout l{p.tp, p.cp, p.dp, p.pp};
   const int64_t model_parallel = p.tp * p.cp * p.pp;
   if (p.dp == 0) {
-    require(world % model_parallel == 0,
-            fmt::format("world size ({}) must be divisible by parallel.tp·cp·pp ({}·{}·{} = {}) "
-                        "for parallel.dp: auto",
-                        world, p.tp, p.cp, p.pp, model_parallel));
+    problems.require(world % model_parallel == 0,
+                     fmt::format("world size ({}) must be divisible by parallel.tp·cp·pp "
+                                 "({}·{}·{} = {}) for parallel.dp: auto",
+                                 world, p.tp, p.cp, p.pp, model_parallel));
     l.dp = std::max<int64_t>(1, world / model_parallel);
   } else {
-    require(world == l.world(),
-            fmt::format("world size ({}) must equal parallel.tp·cp·dp·pp ({}·{}·{}·{} = {})", world,
-                        p.tp, p.cp, p.dp, p.pp, l.world()));
+    problems.require(world == l.world(),
+                     fmt::format("world size ({}) must equal parallel.tp·cp·dp·pp "
+                                 "({}·{}·{}·{} = {})",
+                                 world, p.tp, p.cp, p.dp, p.pp, l.world()));
   }
-  require(m.heads % p.tp == 0,
-          fmt::format("model.heads ({}) must be divisible by parallel.tp ({})", m.heads, p.tp));
-  require(m.kv_heads % p.tp == 0 || p.tp % m.kv_heads == 0,
-          fmt::format("model.kv_heads ({}) and parallel.tp ({}) must divide one another",
-                      m.kv_heads, p.tp));
-  require(m.ffn_hidden % p.tp == 0,
-          fmt::format("model.ffn_hidden ({}) must be divisible by parallel.tp ({})", m.ffn_hidden,
-                      p.tp));
-  require(!p.sequence_parallel || t.seq_len % (p.tp * p.cp) == 0,
-          fmt::format("parallel.sequence_parallel: training.seq_len ({}) must be divisible by "
-                      "parallel.tp ({}){}",
-                      t.seq_len, p.tp,
-                      p.cp > 1 ? fmt::format(" x parallel.cp ({}) (each cp rank's tokens are split "
-                                             "over tp)",
-                                             p.cp)
-                               : ""));
-  require(
+  return l;
+}
+
+// The model's dimensions that tensor parallelism (and sequence parallelism) split.
+void check_tensor_split(const Config& c, Problems& problems) {
+  const auto& p = c.parallel;
+  const auto& m = c.model;
+  const auto& t = c.training;
+  problems.require(
+      m.heads % p.tp == 0,
+      fmt::format("model.heads ({}) must be divisible by parallel.tp ({})", m.heads, p.tp));
+  problems.require(m.kv_heads % p.tp == 0 || p.tp % m.kv_heads == 0,
+                   fmt::format("model.kv_heads ({}) and parallel.tp ({}) must divide one another",
+                               m.kv_heads, p.tp));
+  problems.require(m.ffn_hidden % p.tp == 0,
+                   fmt::format("model.ffn_hidden ({}) must be divisible by parallel.tp ({})",
+                               m.ffn_hidden, p.tp));
+  problems.require(
+      !p.sequence_parallel || t.seq_len % (p.tp * p.cp) == 0,
+      fmt::format("parallel.sequence_parallel: training.seq_len ({}) must be divisible by "
+                  "parallel.tp ({}){}",
+                  t.seq_len, p.tp,
+                  p.cp > 1 ? fmt::format(" x parallel.cp ({}) (each cp rank's tokens are split "
+                                         "over tp)",
+                                         p.cp)
+                           : ""));
+}
+
+// Enough layers for every stage, and an explicit split that covers them.
+void check_stage_layers(const Config& c, Problems& problems) {
+  const auto& p = c.parallel;
+  const auto& m = c.model;
+  problems.require(
       m.layers >= p.pp * p.virtual_stages,
       fmt::format("model.layers ({}) must be >= parallel.pp ({}) x pipeline.virtual_stages ({})",
                   m.layers, p.pp, p.virtual_stages));
-  if (!p.layers_per_stage.empty()) {
-    double sum = 0;
-    bool whole = true;
-    for (double x : p.layers_per_stage) sum += x, whole = whole && x >= 1 && x == std::floor(x);
-    require(static_cast<int64_t>(p.layers_per_stage.size()) == p.pp * p.virtual_stages && whole &&
-                sum == static_cast<double>(m.layers),
-            fmt::format("parallel.pipeline.layers_per_stage must hold pp x virtual_stages ({}) "
-                        "positive integers "
-                        "summing to model.layers ({}); got {} entries summing to {}",
-                        p.pp * p.virtual_stages, m.layers, p.layers_per_stage.size(), sum));
-  }
-  require(p.virtual_stages == 1 || (p.pipeline_schedule == "interleaved" && p.pp > 1),
-          fmt::format("parallel.pipeline.virtual_stages ({}) > 1 needs schedule interleaved and "
-                      "parallel.pp > 1 (schedule {}, pp {})",
-                      p.virtual_stages, p.pipeline_schedule, p.pp));
-  require(p.pipeline_schedule != "interleaved" || p.pp > 1,
-          "parallel.pipeline.schedule interleaved needs parallel.pp > 1 (pp is 1)");
+  if (p.layers_per_stage.empty()) return;
+  double sum = 0;
+  bool whole = true;
+  for (double x : p.layers_per_stage) sum += x, whole = whole && x >= 1 && x == std::floor(x);
+  problems.require(static_cast<int64_t>(p.layers_per_stage.size()) == p.pp * p.virtual_stages &&
+                       whole && sum == static_cast<double>(m.layers),
+                   fmt::format("parallel.pipeline.layers_per_stage must hold pp x virtual_stages "
+                               "({}) positive integers summing to model.layers ({}); got {} "
+                               "entries summing to {}",
+                               p.pp * p.virtual_stages, m.layers, p.layers_per_stage.size(), sum));
+}
+
+// The pipeline schedule against pp, the micro-batch count and ZeRO.
+void check_schedule(const Config& c, const Layout& l, Problems& problems) {
+  const auto& p = c.parallel;
+  const auto& t = c.training;
+  problems.require(p.virtual_stages == 1 || (p.pipeline_schedule == "interleaved" && p.pp > 1),
+                   fmt::format("parallel.pipeline.virtual_stages ({}) > 1 needs schedule "
+                               "interleaved and parallel.pp > 1 (schedule {}, pp {})",
+                               p.virtual_stages, p.pipeline_schedule, p.pp));
+  problems.require(p.pipeline_schedule != "interleaved" || p.pp > 1,
+                   "parallel.pipeline.schedule interleaved needs parallel.pp > 1 (pp is 1)");
   if (p.pp > 1) {  // the schedule's own needs (m >= p; interleaved: m % p == 0, v >= 2)
     try {
       pp::make_schedule(p.pipeline_schedule, p.pp,
                         t.global_batch / std::max<int64_t>(1, l.dp * t.micro_batch),
                         p.virtual_stages);
     } catch (const UserError& e) {
-      errors.push_back(c.source + ": " + e.what());
+      problems.add(e.what());
     }
   }
   // ZeRO-2/3 reduce-scatter every micro-batch's gradients (and ZeRO-3 gathers every layer's
   // parameters for each forward and backward); a pipeline runs many micro-batches per chunk
   // interleaved across chunks, so the data-parallel traffic would grow with the micro-batch
   // count. DeepSpeed refuses the same combination; ZeRO-1 composes with every schedule.
-  require(p.zero <= 1 || p.pp == 1,
-          fmt::format("parallel.zero {} with parallel.pp {}: ZeRO-2/3 reduce-scatter gradients on "
-                      "every micro-batch, which a pipeline schedule multiplies by its micro-batch "
-                      "count; use parallel.zero 1 with pipeline parallelism (it shards AdamW "
-                      "state and the fp32 master)",
-                      p.zero, p.pp));
-  require(p.cp == 1 || t.seq_len % (2 * p.cp) == 0,
-          fmt::format("training.seq_len ({}) must be divisible by 2·parallel.cp (2·{} = {}): "
-                      "each sequence is cut into 2·cp equal chunks",
-                      t.seq_len, p.cp, 2 * p.cp));
-  require(t.global_batch % (l.dp * t.micro_batch) == 0,
-          fmt::format("training.global_batch ({}) must be divisible by "
-                      "parallel.dp·training.micro_batch ({}·{} = {})",
-                      t.global_batch, l.dp, t.micro_batch, l.dp * t.micro_batch));
-  if (local_world > 0 &&
-      (t.device == "cuda" || (t.device == "auto" && torch::cuda::is_available()))) {
-    try {  // the rule the device choice applies (one visible device each, or one per local rank)
-      choose_cuda_device(static_cast<int>(torch::cuda::device_count()), 0,
-                         static_cast<int>(local_world), std::getenv("CUDA_VISIBLE_DEVICES"));
-    } catch (const UserError& e) {
-      errors.push_back(c.source + ": " + e.what());
-    }
+  problems.require(p.zero <= 1 || p.pp == 1,
+                   fmt::format("parallel.zero {} with parallel.pp {}: ZeRO-2/3 reduce-scatter "
+                               "gradients on every micro-batch, which a pipeline schedule "
+                               "multiplies by its micro-batch count; use parallel.zero 1 with "
+                               "pipeline parallelism (it shards AdamW state and the fp32 master)",
+                               p.zero, p.pp));
+}
+
+// The sequence's split over cp, and the global batch's over dp and micro-batches.
+void check_batch(const Config& c, const Layout& l, Problems& problems) {
+  const auto& p = c.parallel;
+  const auto& t = c.training;
+  problems.require(p.cp == 1 || t.seq_len % (2 * p.cp) == 0,
+                   fmt::format("training.seq_len ({}) must be divisible by 2·parallel.cp "
+                               "(2·{} = {}): each sequence is cut into 2·cp equal chunks",
+                               t.seq_len, p.cp, 2 * p.cp));
+  problems.require(t.global_batch % (l.dp * t.micro_batch) == 0,
+                   fmt::format("training.global_batch ({}) must be divisible by "
+                               "parallel.dp·training.micro_batch ({}·{} = {})",
+                               t.global_batch, l.dp, t.micro_batch, l.dp * t.micro_batch));
+}
+
+// The `local_world` processes of this node against its CUDA devices, when it trains on CUDA.
+void check_devices(const Config& c, int64_t local_world, Problems& problems) {
+  const auto& t = c.training;
+  const bool cuda = t.device == "cuda" || (t.device == "auto" && torch::cuda::is_available());
+  if (!cuda) return;
+  try {  // the rule the device choice applies (one visible device each, or one per local rank)
+    choose_cuda_device(static_cast<int>(torch::cuda::device_count()), 0,
+                       static_cast<int>(local_world), std::getenv("CUDA_VISIBLE_DEVICES"));
+  } catch (const UserError& e) {
+    problems.add(e.what());
   }
-  if (!errors.empty()) {
-    std::string all;
-    for (const auto& e : errors) all += (all.empty() ? "" : "\n") + e;
-    throw UserError(all);
-  }
+}
+
+}  // namespace
+
+Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
+  Problems problems(c.source);
+  const Layout l = resolve_layout(c, world, problems);
+  check_tensor_split(c, problems);
+  check_stage_layers(c, problems);
+  check_schedule(c, l, problems);
+  check_batch(c, l, problems);
+  if (local_world > 0) check_devices(c, local_world, problems);
+  problems.throw_if_any();
   return l;
 }
 
@@ -291,6 +349,81 @@ std::vector<const Group*> Mesh::groups() const {
   return out;
 }
 
+namespace {
+
+// parallel.backend with auto resolved: NCCL on CUDA, Gloo on the CPU.
+std::string choose_backend(const Config& c, const torch::Device& device) {
+  std::string backend =
+      c.parallel.backend == "auto" ? (device.is_cuda() ? "nccl" : "gloo") : c.parallel.backend;
+  if (is_nccl_backend(backend) && !device.is_cuda())
+    throw UserError(c.source + ": parallel.backend nccl needs training.device cuda");
+  return backend;
+}
+
+// Makes this rank's Group of `ranks` named `name`: with a backend of its own, connected over
+// the store under the group's name, when it has several ranks.
+struct GroupMaker {
+  const WorldInfo& w;
+  const std::string& backend;
+  c10::intrusive_ptr<c10d::Store> store;
+  std::chrono::milliseconds timeout;
+  const torch::Device& device;
+
+  std::unique_ptr<Group> operator()(const std::string& name,
+                                    const std::vector<int64_t>& ranks) const {
+    c10::intrusive_ptr<c10d::Backend> made;
+    if (ranks.size() > 1) {
+      auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
+      const int my =
+          static_cast<int>(std::find(ranks.begin(), ranks.end(), w.rank) - ranks.begin());
+      const int n = static_cast<int>(ranks.size());
+      if (backend == "gloo") {
+        auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+        opts->devices.push_back(gloo_device(w));
+        made = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, my, n, opts);
+        made->setGroupDesc(name);
+      } else {
+        made = make_nccl(prefixed, my, n, name, ranks, timeout, device);
+      }
+    }
+    return std::make_unique<Group>(name, ranks, w.rank, made);
+  }
+};
+
+// Every rank walks every group of every kind in the same order and joins the ones that hold it
+// (a group of one, without a backend, when none of a kind does: embedding, off the first and
+// last pipeline stage or without pipelining).
+std::vector<std::unique_ptr<Group>> join_groups(const GroupMaker& make, const Layout& l,
+                                                int64_t rank) {
+  std::vector<std::unique_ptr<Group>> joined;
+  for (auto k : all_group_kinds()) {
+    std::unique_ptr<Group> mine;
+    auto groups = group_ranks(k, l);
+    for (size_t i = 0; i < groups.size(); ++i)
+      if (std::find(groups[i].begin(), groups[i].end(), rank) != groups[i].end())
+        mine = make(fmt::format("{}.{}", group_name(k), i), groups[i]);
+    if (!mine)
+      mine = std::make_unique<Group>(group_name(k), std::vector<int64_t>{rank}, rank, nullptr);
+    joined.push_back(std::move(mine));
+  }
+  return joined;
+}
+
+// Every communicator exists now, created in this order on every rank.
+void log_groups(const Mesh& mesh) {
+  std::string created;
+  for (const auto* g : mesh.groups()) {
+    if (g->size() > 1)
+      created += fmt::format("{}{} [{}]", created.empty() ? "" : ", ", g->name(),
+                             fmt::join(g->ranks(), ","));
+  }
+  if (!created.empty())
+    spdlog::info("process groups of this rank ({}, connected at start-up): {}", mesh.backend(),
+                 created);
+}
+
+}  // namespace
+
 std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const torch::Device& device,
                                    c10::intrusive_ptr<c10d::Store> store) {
   auto mesh = std::unique_ptr<Mesh>(new Mesh());
@@ -298,32 +431,11 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const to
   mesh->rank_ = w.rank;
   mesh->coord_ = coord_of(w.rank, mesh->layout_);
   mesh->device_ = device;
-  mesh->backend_ =
-      c.parallel.backend == "auto" ? (device.is_cuda() ? "nccl" : "gloo") : c.parallel.backend;
-  if (mesh->backend_ == "nccl" && !device.is_cuda())
-    throw UserError(c.source + ": parallel.backend nccl needs training.device cuda");
+  mesh->backend_ = choose_backend(c, device);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(c.parallel.timeout_s * 1000));
   if (w.world > 1 && !store) store = rendezvous(w, c.parallel.timeout_s);
-  auto make = [&](const std::string& name,
-                  const std::vector<int64_t>& ranks) -> std::unique_ptr<Group> {
-    c10::intrusive_ptr<c10d::Backend> backend;
-    if (ranks.size() > 1) {
-      auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
-      const int my =
-          static_cast<int>(std::find(ranks.begin(), ranks.end(), w.rank) - ranks.begin());
-      const int n = static_cast<int>(ranks.size());
-      if (mesh->backend_ == "gloo") {
-        auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-        opts->devices.push_back(gloo_device(w));
-        backend = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, my, n, opts);
-        backend->setGroupDesc(name);
-      } else {
-        backend = make_nccl(prefixed, my, n, name, ranks, timeout, device);
-      }
-    }
-    return std::make_unique<Group>(name, ranks, w.rank, backend);
-  };
-  if (mesh->backend_ == "nccl" && w.world > 1) {
+  const GroupMaker make{w, mesh->backend_, store, timeout, device};
+  if (is_nccl_backend(mesh->backend_) && w.world > 1) {
     const std::string handling = nccl_error_handling();  // before the first ProcessGroupNCCL
     spdlog::info(
         "NCCL on {}: timeout {} s (parallel.timeout_s), TORCH_NCCL_ASYNC_ERROR_HANDLING={}",
@@ -333,27 +445,8 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const to
   std::iota(all.begin(), all.end(), 0);
   mesh->world_ = make("world", all);
   mesh->store_ = store;
-  // Every rank walks every group in the same order and joins the ones that hold it.
-  for (auto k : all_group_kinds()) {
-    std::unique_ptr<Group> mine;
-    auto groups = group_ranks(k, mesh->layout_);
-    for (size_t i = 0; i < groups.size(); ++i)
-      if (std::find(groups[i].begin(), groups[i].end(), w.rank) != groups[i].end())
-        mine = make(fmt::format("{}.{}", group_name(k), i), groups[i]);
-    if (!mine)
-      mine = std::make_unique<Group>(group_name(k), std::vector<int64_t>{w.rank}, w.rank, nullptr);
-    mesh->groups_.push_back(std::move(mine));
-  }
-  // Every communicator exists now, created in this order on every rank.
-  std::string created;
-  for (const auto* g : mesh->groups()) {
-    if (g->size() > 1)
-      created += fmt::format("{}{} [{}]", created.empty() ? "" : ", ", g->name(),
-                             fmt::join(g->ranks(), ","));
-  }
-  if (!created.empty())
-    spdlog::info("process groups of this rank ({}, connected at start-up): {}", mesh->backend_,
-                 created);
+  mesh->groups_ = join_groups(make, mesh->layout_, w.rank);
+  log_groups(*mesh);
   return mesh;
 }
 

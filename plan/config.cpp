@@ -267,10 +267,23 @@ class Validator {
   }
 
   void run() {
+    // Resolve the "auto" values first: later rules talk about the resolved numbers.
+    resolve_auto();
+    check_model();
+    check_training();
+    check_data_and_checkpoint();
+    // The layout is checked against the world size by parallel::check_layout (it needs the world).
+    if (!errors_.empty()) {
+      std::string all;
+      for (const auto& e : errors_) all += (all.empty() ? "" : "\n") + e;
+      throw UserError(all);
+    }
+  }
+
+ private:
+  void resolve_auto() {
     auto& m = c_.model;
     auto& t = c_.training;
-    auto& p = c_.parallel;
-    // Resolve the "auto" values first: later rules talk about the resolved numbers.
     if (m.kv_heads == 0) m.kv_heads = m.heads;
     if (m.tie_embeddings == "auto") m.tie_embeddings = m.arch == "gpt2" ? "true" : "false";
     if (m.ffn_hidden == 0)
@@ -278,7 +291,10 @@ class Validator {
     if (t.dtype == "auto")  // bf16 where it is fast and safe (CUDA), fp32 elsewhere
       t.dtype = t.device == "cuda" || (t.device == "auto" && torch::cuda::is_available()) ? "bf16"
                                                                                           : "fp32";
+  }
 
+  void check_model() {
+    const auto& m = c_.model;
     require(m.hidden % m.heads == 0, "model.hidden",
             q("model.hidden", m.hidden, "must be divisible by", "model.heads", m.heads));
     require(m.heads % m.kv_heads == 0, "model.kv_heads",
@@ -290,6 +306,11 @@ class Validator {
             fmt::format("RoPE needs an even head dimension: model.hidden ({}) / model.heads ({}) "
                         "= {} is odd",
                         m.hidden, m.heads, m.head_dim()));
+  }
+
+  void check_training() {
+    const auto& m = c_.model;
+    const auto& t = c_.training;
     require(t.seq_len <= m.max_seq_len, "training.seq_len",
             q("training.seq_len", t.seq_len, "must be <=", "model.max_seq_len", m.max_seq_len));
     require(t.global_batch % t.micro_batch == 0, "training.global_batch",
@@ -305,6 +326,11 @@ class Validator {
     require(t.schedule.warmup_steps <= t.steps, "training.schedule.warmup_steps",
             q("training.schedule.warmup_steps", t.schedule.warmup_steps,
               "must be <=", "training.steps", t.steps));
+  }
+
+  void check_data_and_checkpoint() {
+    const auto& m = c_.model;
+    const auto& t = c_.training;
     require(t.eval_every == 0 || c_.data.val_fraction > 0, "training.eval_every",
             "training.eval_every (" + std::to_string(t.eval_every) +
                 ") needs validation data: data.val_fraction is 0");
@@ -318,17 +344,8 @@ class Validator {
               "checkpoint.accept_changes",
               "checkpoint.accept_changes: '" + key + "' is not a plan key; did you mean '" +
                   nearest_key(key) + "'?");
-    // The layout is checked against the world size by parallel::check_layout (it needs the world).
-    (void)p;
-
-    if (!errors_.empty()) {
-      std::string all;
-      for (const auto& e : errors_) all += (all.empty() ? "" : "\n") + e;
-      throw UserError(all);
-    }
   }
 
- private:
   std::string betas_text() const {
     std::string s = "[";
     for (double b : c_.training.optimizer.betas) s += (s.size() > 1 ? ", " : "") + fmt_double(b);

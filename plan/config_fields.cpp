@@ -6,23 +6,33 @@ namespace {
 using S = std::string;
 using Strings = std::vector<std::string>;
 using Doubles = std::vector<double>;
-}  // namespace
 
-std::vector<Field> bind_fields(Config& c) {
-  std::vector<Field> f;
-  auto add = [&f](S key, FieldRef ref, FieldValue def, S help) -> Field& {
-    f.push_back(Field{std::move(key), ref, std::move(def), std::move(help)});
-    return f.back();
-  };
-  // run
+// Appends one field to the table, in call order (the order of docs/configuration.md and of the
+// YAML dump); returns it for .range() / .one_of() / .allow_auto().
+class FieldAdder {
+ public:
+  explicit FieldAdder(std::vector<Field>& f) : f_(f) {}
+  Field& operator()(S key, FieldRef ref, FieldValue def, S help) {
+    f_.push_back(Field{std::move(key), ref, std::move(def), std::move(help)});
+    return f_.back();
+  }
+
+ private:
+  std::vector<Field>& f_;
+};
+
+// run.*
+void add_run_fields(FieldAdder& add, Config& c) {
   add("run.name", &c.run.name, S("tessel"), "Name shown in logs and metrics.");
   add("run.seed", &c.run.seed, int64_t{1234},
       "Seed of the initial weights (keyed by parameter name) and of the data order.")
       .range(0);
   add("run.output_dir", &c.run.output_dir, S("runs/tessel"),
       "Folder for metrics.jsonl, the resolved plan (config.yaml) and checkpoints.");
+}
 
-  // model
+// model.*
+void add_model_fields(FieldAdder& add, Config& c) {
   add("model.arch", &c.model.arch, S("gpt2"), "Architecture.").one_of({"gpt2", "llama"});
   add("model.layers", &c.model.layers, int64_t{2}, "Transformer blocks.").range(1);
   add("model.hidden", &c.model.hidden, int64_t{64}, "Model width.").range(1);
@@ -50,8 +60,10 @@ std::vector<Field> bind_fields(Config& c) {
   add("model.init_from", &c.model.init_from, S(""),
       "Start from these weights: a model.safetensors with Hugging Face names (save_pretrained of "
       "GPT2LMHeadModel / LlamaForCausalLM) or Tessel names. Empty = seeded init.");
+}
 
-  // parallel
+// parallel.*: degrees, rank order and collectives
+void add_parallel_fields(FieldAdder& add, Config& c) {
   add("parallel.dp", &c.parallel.dp, int64_t{0},
       "Data-parallel degree. auto = world size / (tp·cp·pp).")
       .range(0)
@@ -80,6 +92,10 @@ std::vector<Field> bind_fields(Config& c) {
       "Rendezvous and collective timeout; a collective that takes longer fails, naming its group, "
       "operation, sequence number and rank.")
       .range(1);
+}
+
+// parallel.*: pipeline schedule, gradient buckets and ZeRO
+void add_parallel_pipeline_fields(FieldAdder& add, Config& c) {
   add("parallel.pipeline.schedule", &c.parallel.pipeline_schedule, S("1f1b"),
       "Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, or interleaved 1F1B.")
       .one_of({"gpipe", "1f1b", "interleaved"});
@@ -100,8 +116,10 @@ std::vector<Field> bind_fields(Config& c) {
       "backward); 3 = parameters sharded too (each layer gathered before its forward and "
       "backward, freed after).")
       .range(0, 3);
+}
 
-  // training
+// training.*: device, precision, batch shape and evaluation
+void add_training_fields(FieldAdder& add, Config& c) {
   add("training.device", &c.training.device, S("auto"), "auto = cuda when available, else cpu.")
       .one_of({"auto", "cpu", "cuda"});
   add("training.dtype", &c.training.dtype, S("auto"),
@@ -143,6 +161,10 @@ std::vector<Field> bind_fields(Config& c) {
       "CPU threads for intra-op parallelism. auto = torch's default.")
       .range(0)
       .allow_auto();
+}
+
+// training.optimizer.* and training.schedule.*
+void add_training_optimizer_fields(FieldAdder& add, Config& c) {
   add("training.optimizer.lr", &c.training.optimizer.lr, 3e-4, "Peak learning rate (AdamW).")
       .range(0);
   add("training.optimizer.betas", &c.training.optimizer.betas, Doubles{0.9, 0.95},
@@ -162,6 +184,10 @@ std::vector<Field> bind_fields(Config& c) {
       .one_of({"cosine", "linear", "constant"});
   add("training.schedule.min_lr", &c.training.schedule.min_lr, 0.0, "Final learning rate.")
       .range(0);
+}
+
+// training.loss_scale.* (fp16)
+void add_training_loss_scale_fields(FieldAdder& add, Config& c) {
   add("training.loss_scale.initial", &c.training.loss_scale.initial, 65536.0,
       "fp16: the first loss scale.")
       .range(1);
@@ -183,8 +209,10 @@ std::vector<Field> bind_fields(Config& c) {
       "Testing: multiply this step's loss by 1e30 so its gradients overflow (0 = never). fp16 "
       "skips the step; other dtypes stop with the non-finite error.")
       .range(0);
+}
 
-  // data
+// data.*
+void add_data_fields(FieldAdder& add, Config& c) {
   add("data.format", &c.data.format, S("text"),
       "text: UTF-8 files as byte tokens 0-255 plus end-of-document 256; megatron: .bin/.idx "
       "indexed datasets (path = prefix); tokens: flat little-endian token files.")
@@ -198,8 +226,10 @@ std::vector<Field> bind_fields(Config& c) {
       "Shuffle the sample order each epoch (a pure function of run.seed and the epoch).");
   add("data.token_dtype", &c.data.token_dtype, S("uint16"), "Element type of `tokens` files.")
       .one_of({"uint16", "uint32"});
+}
 
-  // checkpoint
+// checkpoint.*
+void add_checkpoint_fields(FieldAdder& add, Config& c) {
   add("checkpoint.dir", &c.checkpoint.dir, S(""),
       "Checkpoint folder. Empty = <run.output_dir>/checkpoints.");
   add("checkpoint.every", &c.checkpoint.every, int64_t{0},
@@ -212,7 +242,6 @@ std::vector<Field> bind_fields(Config& c) {
       "auto: continue from <checkpoint.dir>/latest when it exists, else start; never: start from "
       "step 0; or the path of a checkpoint (step_<N> folder or a checkpoint.dir) to continue "
       "from.");
-
   add("checkpoint.on_signal", &c.checkpoint.on_signal, Strings{"SIGTERM", "SIGUSR1"},
       "Signals that make every rank finish its current step, save a checkpoint and exit with "
       "code 75 (preempted: rerun to resume). [] = the default action (terminate, nothing saved).")
@@ -223,8 +252,10 @@ std::vector<Field> bind_fields(Config& c) {
       "[training.steps]. A resume under any other such change is refused, naming it. The step "
       "count and the data position (samples consumed) carry over; the LR of each later step is "
       "the new plan's.");
+}
 
-  // logging
+// logging.*
+void add_logging_fields(FieldAdder& add, Config& c) {
   add("logging.tensorboard", &c.logging.tensorboard, true,
       "Also write the logged figures as TensorBoard events under <run.output_dir>/tensorboard "
       "(rank 0; `tensorboard --logdir` reads them).");
@@ -236,7 +267,9 @@ std::vector<Field> bind_fields(Config& c) {
       "Peak TFLOP/s per device for MFU. 0 = the device table (GPUs) or a matmul measured at start "
       "(CPU).")
       .range(0);
+}
 
+void mark_free_on_resume(std::vector<Field>& f) {
   // What a resumed run may change without altering what it trains (the start-up prints each
   // change); every other key needs checkpoint.accept_changes.
   const std::pair<const char*, const char*> free_on_resume[] = {
@@ -260,6 +293,24 @@ std::vector<Field> bind_fields(Config& c) {
   for (auto& field : f)
     for (const auto& [prefix, why] : free_on_resume)
       if (field.key.rfind(prefix, 0) == 0) field.free_on_resume = why;
+}
+
+}  // namespace
+
+std::vector<Field> bind_fields(Config& c) {
+  std::vector<Field> f;
+  FieldAdder add(f);
+  add_run_fields(add, c);
+  add_model_fields(add, c);
+  add_parallel_fields(add, c);
+  add_parallel_pipeline_fields(add, c);
+  add_training_fields(add, c);
+  add_training_optimizer_fields(add, c);
+  add_training_loss_scale_fields(add, c);
+  add_data_fields(add, c);
+  add_checkpoint_fields(add, c);
+  add_logging_fields(add, c);
+  mark_free_on_resume(f);
   return f;
 }
 

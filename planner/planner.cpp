@@ -171,26 +171,63 @@ DeviceProfile device_profile(const std::string& spec, const std::vector<std::str
   return d;
 }
 
-PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DeviceProfile& dev) {
-  namespace pp = parallel::pp;
-  const auto m = model_shape(c.model);
-  const auto& t = c.training;
-  const auto dtype = resolve_dtype(t.dtype);
-  const double w = static_cast<double>(c10::elementSize(dtype));
-  const bool sp = c.parallel.sequence_parallel && l.tp > 1;
-  const int64_t mbs = t.global_batch / (l.dp * t.micro_batch);
-  const double tok = static_cast<double>(t.micro_batch * t.seq_len) / static_cast<double>(l.cp);
-  const double h = static_cast<double>(m.hidden), tp = static_cast<double>(l.tp);
-  const double kvd = static_cast<double>(m.kv_heads * m.head_dim());
-  const double vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
-  const auto a = activation_model(m, t.recompute);
-  const int64_t v = c.parallel.virtual_stages;
-  const auto schedule = pp::make_schedule(l.pp > 1 ? c.parallel.pipeline_schedule : "gpipe", l.pp,
-                                          mbs, l.pp > 1 ? v : 1);
-  const auto sim = pp::simulate(schedule);
+namespace {
 
-  PlanEstimate e;
-  e.world = l.world();
+// What every stage's estimate uses, computed once per plan.
+struct PlanBasis {
+  models::ModelShape m;
+  c10::ScalarType dtype;
+  double w;            // bytes per element of the compute dtype
+  bool sp;             // sequence parallelism in effect
+  int64_t mbs;         // micro-batches per step
+  double tok;          // tokens of one micro-batch on one rank (cp splits the sequence)
+  double h, tp, kvd;   // hidden size, tensor-parallel size, keys' (and values') width
+  double vocab_local;  // the head's rows on one tp rank
+  ActivationModel a;
+  parallel::pp::Simulation sim;  // the plan's pipeline schedule (gpipe when pp = 1)
+  double per_layer;              // one micro-batch's saved activations in one block, bytes
+  double act_row;                // one activation between stages, bytes
+  int64_t zero, data_ranks;
+  double block;  // one layer's parameters on one tp rank
+};
+
+PlanBasis plan_basis(const Config& c, const parallel::Layout& l) {
+  namespace pp = parallel::pp;
+  const auto& t = c.training;
+  PlanBasis b;
+  b.m = model_shape(c.model);
+  const auto& m = b.m;
+  b.dtype = resolve_dtype(t.dtype);
+  const double w = b.w = static_cast<double>(c10::elementSize(b.dtype));
+  const bool sp = b.sp = c.parallel.sequence_parallel && l.tp > 1;
+  b.mbs = t.global_batch / (l.dp * t.micro_batch);
+  const double tok = b.tok =
+      static_cast<double>(t.micro_batch * t.seq_len) / static_cast<double>(l.cp);
+  const double h = b.h = static_cast<double>(m.hidden), tp = b.tp = static_cast<double>(l.tp);
+  const double kvd = b.kvd = static_cast<double>(m.kv_heads * m.head_dim());
+  b.vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
+  const auto& a = b.a = activation_model(m, t.recompute);
+  b.sim = pp::simulate(pp::make_schedule(l.pp > 1 ? c.parallel.pipeline_schedule : "gpipe", l.pp,
+                                         b.mbs, l.pp > 1 ? c.parallel.virtual_stages : 1));
+
+  const double block_tokens_floats =
+      a.replicated * h / (sp ? tp : 1.0) + (a.attn * h + a.kv * kvd + a.ffn * m.ffn_hidden) / tp;
+  // One micro-batch through one block: its saved activations (+ CP all-gather: the whole
+  // sequence's keys and values, kept for backward).
+  b.per_layer = w * tok * block_tokens_floats +
+                (l.cp > 1 && c.parallel.context_method == "allgather" && t.recompute != "full"
+                     ? w * static_cast<double>(t.micro_batch * t.seq_len) * 2 * kvd / tp
+                     : 0.0);
+  b.act_row = tok * h * w / (sp ? tp : 1.0);
+  b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp;
+  b.block = static_cast<double>(models::block_parameters(m, l.tp));
+  return b;
+}
+
+// The model FLOPs of a step, and the forward work recomputation reruns on top of them.
+void add_step_flops(PlanEstimate& e, const PlanBasis& b, const TrainingConfig& t) {
+  const auto& m = b.m;
+  const double h = b.h;
   e.params_total = models::parameters_on_rank(m, 1, {});
   double n_flops = static_cast<double>(e.params_total);
   n_flops -= static_cast<double>(m.vocab_size) * h * (m.tied() ? 0 : 1);  // input embeddings
@@ -210,153 +247,256 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
   else if (t.recompute == "selective")
     rerun_per_token = 2.0 * layers * mlp_weights;
   e.recompute_flops_per_step = rerun_per_token * static_cast<double>(t.global_batch * t.seq_len);
+}
 
-  const double block_tokens_floats =
-      a.replicated * h / (sp ? tp : 1.0) + (a.attn * h + a.kv * kvd + a.ffn * m.ffn_hidden) / tp;
-  // One micro-batch through one block: its saved activations (+ CP all-gather: the whole
-  // sequence's keys and values, kept for backward).
-  const double per_layer =
-      w * tok * block_tokens_floats +
-      (l.cp > 1 && c.parallel.context_method == "allgather" && t.recompute != "full"
-           ? w * static_cast<double>(t.micro_batch * t.seq_len) * 2 * kvd / tp
-           : 0.0);
-  const double act_row = tok * h * w / (sp ? tp : 1.0);  // one activation between stages
-  const int64_t zero = c.parallel.zero, data_ranks = l.dp * l.cp;
-  const double block = static_cast<double>(models::block_parameters(m, l.tp));  // one layer's
-
-  for (int64_t stage = 0; stage < l.pp; ++stage) {
-    RankEstimate r;
-    r.stage = stage;
-    const auto part = stage_part(c, l.pp, stage);
-    r.params = models::parameters_on_rank(m, l.tp, part);
-    for (const auto& [first, end] : part.chunks) r.layers += end - first;
-    const auto state = planned_state_bytes(r.params, zero, data_ranks, dtype);
-    r.weights = static_cast<double>(state.params);
-    r.grads = static_cast<double>(state.grads);
-    r.optimizer = static_cast<double>(state.optimizer);
-    const int64_t chunks = std::max<int64_t>(1, static_cast<int64_t>(part.chunks.size()));
-    r.inflight = l.pp > 1 ? sim.peak_activations[static_cast<size_t>(stage)] : 1;
-    const double layers_per_chunk = static_cast<double>(r.layers) / static_cast<double>(chunks);
-    r.activations = static_cast<double>(r.inflight) * layers_per_chunk * per_layer;
-    if (part.first) r.activations += static_cast<double>(r.inflight) * tok * h * w;
-    if (t.recompute != "none" && r.layers > 0) {  // one block (full) or MLP (selective) rerun
-      const auto none = activation_model(m, "none");
-      const double rerun_floats =
-          t.recompute == "full" ? none.replicated * h / (sp ? tp : 1.0) +
-                                      (none.attn * h + none.kv * kvd + none.ffn * m.ffn_hidden) / tp
-                                : none.ffn * m.ffn_hidden / tp;
-      r.activations += a.rerun * w * tok * rerun_floats;
-    }
-    if (part.last)  // the head's logits and the loss's fp32 softmax/gradient buffer
-      r.activations += tok * vocab_local * (w + 4) + (a.outside - 1) * tok * h * w;
-    if (zero == 2)  // gradient buckets being reduced (half the fp32 gradient at the peak, as
+// ZeRO-2's and ZeRO-3's buffers at a stage's peak, added to its activations.
+void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
+  const auto& t = c.training;
+  const double w = b.w, block = b.block;
+  if (b.zero == 2)  // gradient buckets being reduced (half the fp32 gradient at the peak, as
                     // measured; at most three buckets exist at once)
-      r.activations += 0.5 * std::min(4.0 * static_cast<double>(r.params),
-                                      3 * c.parallel.ddp_bucket_mb * (1 << 20));
-    if (zero == 3) {
-      // At the peak, the root unit and blocks: without recomputation the peak is where backward
-      // begins (the last block gathered); with it, the saved activations are smaller and the
-      // peak moves into backward, where the block being differentiated, its prefetched
-      // neighbour and the one being released are gathered at once (measured: 3 blocks).
-      const double blocks =
-          std::min<double>(static_cast<double>(r.layers), t.recompute == "none" ? 1.0 : 3.0);
-      r.gathered = w * (static_cast<double>(r.params) - r.layers * block + blocks * block);
-      // Plus the gradient buckets in flight: up to three units' fp32 gradients wait for their
-      // reduce-scatter (measured with the allocator counting from the first byte, 2026-11-25).
-      r.activations += r.gathered + 4.0 * std::min(static_cast<double>(r.params), 3 * block);
-    }
+    r.activations += 0.5 * std::min(4.0 * static_cast<double>(r.params),
+                                    3 * c.parallel.ddp_bucket_mb * (1 << 20));
+  if (b.zero == 3) {
+    // At the peak, the root unit and blocks: without recomputation the peak is where backward
+    // begins (the last block gathered); with it, the saved activations are smaller and the
+    // peak moves into backward, where the block being differentiated, its prefetched
+    // neighbour and the one being released are gathered at once (measured: 3 blocks).
+    const double blocks =
+        std::min<double>(static_cast<double>(r.layers), t.recompute == "none" ? 1.0 : 3.0);
+    r.gathered = w * (static_cast<double>(r.params) - r.layers * block + blocks * block);
+    // Plus the gradient buckets in flight: up to three units' fp32 gradients wait for their
+    // reduce-scatter (measured with the allocator counting from the first byte, 2026-11-25).
+    r.activations += r.gathered + 4.0 * std::min(static_cast<double>(r.params), 3 * block);
+  }
+}
 
-    // Communication per step: the collectives this implementation issues (comm.h's byte count).
-    std::map<std::string, Traffic> g;
-    const double mb = static_cast<double>(mbs);
-    const double own_chunks = static_cast<double>(chunks);
-    if (l.tp > 1) {
-      // Per block, forward and backward: 2 all-reduces each, or under SP 2 all-gathers and 2
-      // reduce-scatters each; plus the embedding (first stage) and the head's input (last), and
-      // the loss's three [tokens] fp32 all-reduces (max, sum, target logit).
-      const double ends = (part.first ? 1 : 0) + (part.last ? 1 : 0);
-      const double row = tok * h * w;
-      // Recomputation reruns forward collectives: selective the MLP's (SP: its all-gather and
-      // reduce-scatter; else its all-reduce), full the whole block's (twice that).
-      const double rerun = t.recompute == "full" ? 2 : t.recompute == "selective" ? 1 : 0;
-      if (sp)
-        g["tp"].gather_scatter += mb * ((8 + 2 * rerun) * r.layers + 2 * ends) * row;
-      else
-        g["tp"].all_reduce += mb * ((4 + rerun) * r.layers + ends) * row;
-      if (part.last) g["tp"].all_reduce += mb * 3 * tok * 4;
-      // Replicated parameters whose gradient each tp rank holds part of: summed once per step.
-      double replicated = 0;
-      if (sp)
-        replicated += (m.arch == "llama" ? 2.0 : 6.0) * h * r.layers +
-                      (part.last ? (m.arch == "llama" ? 1 : 2) * h : 0);
-      if (m.kv_heads < l.tp) replicated += 2 * h * kvd * r.layers;
-      g["tp"].all_reduce += 4 * replicated;
-    }
-    if (l.cp > 1) {
-      const double kv_bytes = static_cast<double>(t.micro_batch * t.seq_len) * 2 * kvd / tp * w;
-      if (c.parallel.context_method == "allgather")  // keys/values gathered, their grads scattered
-        g["cp"].gather_scatter +=
-            mb * r.layers * 2 * kv_bytes * (t.recompute == "full" ? 1.5 : 1.0);
-      else  // ring: this rank's keys/values go round cp-1 times forward and again in backward
-            // (plus once more when full recompute reruns forward); dK/dV go round cp times
-        g["cp"].p2p += mb * r.layers * kv_bytes / static_cast<double>(l.cp) *
-                       ((t.recompute == "full" ? 3.0 : 2.0) * static_cast<double>(l.cp - 1) +
-                        static_cast<double>(l.cp));
-    }
-    if (l.pp > 1) {  // activations forward, gradients backward, at every chunk boundary
-      const double sends_fwd = own_chunks - (part.last ? 1 : 0);
-      const double sends_bwd = own_chunks - (part.first ? 1 : 0);
-      g["pp"].p2p += mb * (sends_fwd + sends_bwd) * act_row;
-    }
-    if (data_ranks > 1) {
-      const double n = static_cast<double>(r.params);
-      auto& d = g["dp_cp"];
-      if (zero == 0) d.all_reduce += 4 * n;
-      if (zero == 1) d.gather_scatter += 4 * n + w * n;
-      if (zero == 2) d.gather_scatter += mb * 4 * n + w * n;
-      if (zero == 3) {
-        const double root = n - r.layers * block;
-        d.gather_scatter += mb * (4 * n + w * (root + (2 * r.layers - 1) * block));
-      }
-    }
-    if (l.pp > 1 && m.tied() && (part.first || part.last))
-      g["embedding"].all_reduce += 4 * static_cast<double>(m.vocab_size) * h / tp;
+// One stage's bytes: its parameters' state between steps and what a step adds at its peak.
+RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const PlanBasis& b,
+                          int64_t stage, const models::StagePart& part) {
+  const auto& t = c.training;
+  const auto& m = b.m;
+  const auto& a = b.a;
+  const bool sp = b.sp;
+  const double w = b.w, tok = b.tok, h = b.h, tp = b.tp, kvd = b.kvd;
+  RankEstimate r;
+  r.stage = stage;
+  r.params = models::parameters_on_rank(m, l.tp, part);
+  for (const auto& [first, end] : part.chunks) r.layers += end - first;
+  const auto state = planned_state_bytes(r.params, b.zero, b.data_ranks, b.dtype);
+  r.weights = static_cast<double>(state.params);
+  r.grads = static_cast<double>(state.grads);
+  r.optimizer = static_cast<double>(state.optimizer);
+  const int64_t chunks = std::max<int64_t>(1, static_cast<int64_t>(part.chunks.size()));
+  r.inflight = l.pp > 1 ? b.sim.peak_activations[static_cast<size_t>(stage)] : 1;
+  const double layers_per_chunk = static_cast<double>(r.layers) / static_cast<double>(chunks);
+  r.activations = static_cast<double>(r.inflight) * layers_per_chunk * b.per_layer;
+  if (part.first) r.activations += static_cast<double>(r.inflight) * tok * h * w;
+  if (t.recompute != "none" && r.layers > 0) {  // one block (full) or MLP (selective) rerun
+    const auto none = activation_model(m, "none");
+    const double rerun_floats =
+        t.recompute == "full" ? none.replicated * h / (sp ? tp : 1.0) +
+                                    (none.attn * h + none.kv * kvd + none.ffn * m.ffn_hidden) / tp
+                              : none.ffn * m.ffn_hidden / tp;
+    r.activations += a.rerun * w * tok * rerun_floats;
+  }
+  if (part.last)  // the head's logits and the loss's fp32 softmax/gradient buffer
+    r.activations += tok * b.vocab_local * (w + 4) + (a.outside - 1) * tok * h * w;
+  add_zero_buffers(r, c, b);
+  return r;
+}
 
+// Adds tensor parallelism's bytes per step on one rank of the stage to `g`.
+void add_tp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, const PlanBasis& b,
+                    const RankEstimate& r, const models::StagePart& part) {
+  const auto& t = c.training;
+  const auto& m = b.m;
+  const bool sp = b.sp;
+  const double mb = static_cast<double>(b.mbs), tok = b.tok, h = b.h, w = b.w, kvd = b.kvd;
+  // Per block, forward and backward: 2 all-reduces each, or under SP 2 all-gathers and 2
+  // reduce-scatters each; plus the embedding (first stage) and the head's input (last), and
+  // the loss's three [tokens] fp32 all-reduces (max, sum, target logit).
+  const double ends = (part.first ? 1 : 0) + (part.last ? 1 : 0);
+  const double row = tok * h * w;
+  // Recomputation reruns forward collectives: selective the MLP's (SP: its all-gather and
+  // reduce-scatter; else its all-reduce), full the whole block's (twice that).
+  const double rerun = t.recompute == "full" ? 2 : t.recompute == "selective" ? 1 : 0;
+  if (sp)
+    g.gather_scatter += mb * ((8 + 2 * rerun) * r.layers + 2 * ends) * row;
+  else
+    g.all_reduce += mb * ((4 + rerun) * r.layers + ends) * row;
+  if (part.last) g.all_reduce += mb * 3 * tok * 4;
+  // Replicated parameters whose gradient each tp rank holds part of: summed once per step.
+  double replicated = 0;
+  if (sp)
+    replicated += (m.arch == "llama" ? 2.0 : 6.0) * h * r.layers +
+                  (part.last ? (m.arch == "llama" ? 1 : 2) * h : 0);
+  if (m.kv_heads < l.tp) replicated += 2 * h * kvd * r.layers;
+  g.all_reduce += 4 * replicated;
+}
+
+// Adds context parallelism's bytes per step to `g`: the keys and values (and their gradients).
+void add_cp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, const PlanBasis& b,
+                    const RankEstimate& r) {
+  const auto& t = c.training;
+  const double mb = static_cast<double>(b.mbs);
+  const double kv_bytes = static_cast<double>(t.micro_batch * t.seq_len) * 2 * b.kvd / b.tp * b.w;
+  if (c.parallel.context_method == "allgather")  // keys/values gathered, their grads scattered
+    g.gather_scatter += mb * r.layers * 2 * kv_bytes * (t.recompute == "full" ? 1.5 : 1.0);
+  else  // ring: this rank's keys/values go round cp-1 times forward and again in backward
+        // (plus once more when full recompute reruns forward); dK/dV go round cp times
+    g.p2p += mb * r.layers * kv_bytes / static_cast<double>(l.cp) *
+             ((t.recompute == "full" ? 3.0 : 2.0) * static_cast<double>(l.cp - 1) +
+              static_cast<double>(l.cp));
+}
+
+// Adds the data-parallel (dp×cp) group's bytes per step to `d`: gradients reduced, and under
+// ZeRO weights gathered.
+void add_data_traffic(Traffic& d, const PlanBasis& b, const RankEstimate& r) {
+  const double mb = static_cast<double>(b.mbs), w = b.w, block = b.block;
+  const double n = static_cast<double>(r.params);
+  if (b.zero == 0) d.all_reduce += 4 * n;
+  if (b.zero == 1) d.gather_scatter += 4 * n + w * n;
+  if (b.zero == 2) d.gather_scatter += mb * 4 * n + w * n;
+  if (b.zero == 3) {
+    const double root = n - r.layers * block;
+    d.gather_scatter += mb * (4 * n + w * (root + (2 * r.layers - 1) * block));
+  }
+}
+
+// Communication per step: the collectives this implementation issues (comm.h's byte count).
+std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::Layout& l,
+                                             const PlanBasis& b, const RankEstimate& r,
+                                             const models::StagePart& part) {
+  std::map<std::string, Traffic> g;
+  const double mb = static_cast<double>(b.mbs);
+  const double own_chunks =
+      static_cast<double>(std::max<int64_t>(1, static_cast<int64_t>(part.chunks.size())));
+  if (l.tp > 1) add_tp_traffic(g["tp"], c, l, b, r, part);
+  if (l.cp > 1) add_cp_traffic(g["cp"], c, l, b, r);
+  if (l.pp > 1) {  // activations forward, gradients backward, at every chunk boundary
+    const double sends_fwd = own_chunks - (part.last ? 1 : 0);
+    const double sends_bwd = own_chunks - (part.first ? 1 : 0);
+    g["pp"].p2p += mb * (sends_fwd + sends_bwd) * b.act_row;
+  }
+  if (b.data_ranks > 1) add_data_traffic(g["dp_cp"], b, r);
+  if (l.pp > 1 && b.m.tied() && (part.first || part.last))
+    g["embedding"].all_reduce += 4 * static_cast<double>(b.m.vocab_size) * b.h / b.tp;
+  return g;
+}
+
+parallel::GroupKind group_kind(const std::string& name) {
+  return name == "tp"      ? parallel::GroupKind::kTp
+         : name == "cp"    ? parallel::GroupKind::kCp
+         : name == "pp"    ? parallel::GroupKind::kPp
+         : name == "dp_cp" ? parallel::GroupKind::kDpCp
+                           : parallel::GroupKind::kEmbedding;
+}
+
+// The part of a stage's communication time that its `compute` does not hide. Records each
+// group's bytes on `r` and its link time on `e` (the slowest stage's).
+double exposed_comm_s(const std::map<std::string, Traffic>& g, double compute,
+                      const parallel::Layout& l, const DeviceProfile& dev, const PlanBasis& b,
+                      RankEstimate& r, PlanEstimate& e) {
+  double exposed = 0;
+  for (const auto& [name, traffic] : g) {
+    r.comm[name] = traffic.bytes();
+    const parallel::GroupKind kind = group_kind(name);
+    const int64_t n = static_cast<int64_t>(parallel::group_ranks(kind, l)[0].size());
+    const double gbps =
+        within_node(kind, l, dev.gpus_per_node) ? dev.intra_node_gbps : dev.inter_node_gbps;
+    const double s = traffic.wire(n) / (gbps * 1e9);
+    e.comm_s[name] = std::max(e.comm_s[name], s);
+    // tp, cp and pipeline transfers sit on the critical path; data-parallel reductions overlap
+    // backward (about 2/3 of compute), ZeRO-1/2's weight all-gather after the step does not.
+    if (name == "dp_cp") {
+      const double after_step =
+          (b.zero == 1 || b.zero == 2) ? b.w * static_cast<double>(r.params) / (gbps * 1e9) : 0;
+      exposed +=
+          std::max(0.0, s - after_step - (b.zero == 3 ? 1.0 : 2.0 / 3.0) * compute) + after_step;
+    } else {
+      exposed += s;
+    }
+  }
+  return exposed;
+}
+
+// One layout faster_layout tries.
+struct Candidate {
+  int64_t tp, cp, pp, dp, zero, micro_batch;
+  std::string schedule;  // 1f1b | interleaved (when pp > 1)
+};
+
+// The plan `c` on candidate `k`: sequence parallel with any tp, ring attention when cp is new,
+// the even layer split.
+Config with_layout(const Config& c, const Candidate& k) {
+  Config p = c;
+  auto& par = p.parallel;
+  par.tp = k.tp, par.cp = k.cp, par.pp = k.pp, par.dp = k.dp, par.zero = k.zero;
+  par.sequence_parallel = k.tp > 1;
+  if (k.cp > 1 && c.parallel.cp == 1) par.context_method = "ring";
+  par.pipeline_schedule = k.pp > 1 ? k.schedule : c.parallel.pipeline_schedule;
+  par.virtual_stages = k.pp > 1 && k.schedule == "interleaved" ? 2 : 1;
+  par.layers_per_stage.clear();
+  p.training.micro_batch = k.micro_batch;
+  return p;
+}
+
+// The overrides that turn plan `c` into `p` (from with_layout): only the values that change.
+std::vector<std::string> layout_overrides(const Config& c, const Config& p) {
+  std::vector<std::string> sets;
+  auto set = [&sets](const std::string& key, const auto& from, const auto& to) {
+    if (from != to) sets.push_back(fmt::format("{}={}", key, to));
+  };
+  const auto& was = c.parallel;
+  const auto& par = p.parallel;
+  set("parallel.tp", was.tp, par.tp);
+  set("parallel.cp", was.cp, par.cp);
+  set("parallel.pp", was.pp, par.pp);
+  set("parallel.dp", was.dp, par.dp);
+  set("parallel.zero", was.zero, par.zero);
+  set("parallel.sequence_parallel", was.sequence_parallel, par.sequence_parallel);
+  if (par.pp > 1) {
+    set("parallel.pipeline.schedule", was.pipeline_schedule, par.pipeline_schedule);
+    set("parallel.pipeline.virtual_stages", was.virtual_stages, par.virtual_stages);
+  }
+  if (par.cp > 1) set("parallel.context.method", was.context_method, par.context_method);
+  if (!was.layers_per_stage.empty()) sets.push_back("parallel.pipeline.layers_per_stage=[]");
+  set("training.micro_batch", c.training.micro_batch, p.training.micro_batch);
+  return sets;
+}
+
+// The plan's micro-batch, or the largest that divides this dp's share of the batch.
+int64_t micro_batch_for(const TrainingConfig& t, int64_t dp) {
+  int64_t mb = std::min(t.micro_batch, t.global_batch / dp);
+  while ((t.global_batch / dp) % mb != 0) --mb;
+  return mb;
+}
+
+}  // namespace
+
+PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DeviceProfile& dev) {
+  const auto& t = c.training;
+  const PlanBasis b = plan_basis(c, l);
+  PlanEstimate e;
+  e.world = l.world();
+  add_step_flops(e, b, t);
+  for (int64_t stage = 0; stage < l.pp; ++stage) {
+    const auto part = stage_part(c, l.pp, stage);
+    RankEstimate r = stage_memory(c, l, b, stage, part);
+    const auto traffic = stage_traffic(c, l, b, r, part);
     // Time on the device profile: this stage's compute, its communication on the group's link.
     const double peak = matmul_peak_tflops(dev, t) * 1e12 * dev.efficiency;
     const double compute =
         (e.flops_per_step + e.recompute_flops_per_step) / static_cast<double>(e.world) / peak;
-    double exposed = 0;
-    for (const auto& [name, traffic] : g) {
-      r.comm[name] = traffic.bytes();
-      parallel::GroupKind kind = name == "tp"      ? parallel::GroupKind::kTp
-                                 : name == "cp"    ? parallel::GroupKind::kCp
-                                 : name == "pp"    ? parallel::GroupKind::kPp
-                                 : name == "dp_cp" ? parallel::GroupKind::kDpCp
-                                                   : parallel::GroupKind::kEmbedding;
-      const int64_t n = static_cast<int64_t>(parallel::group_ranks(kind, l)[0].size());
-      const double gbps =
-          within_node(kind, l, dev.gpus_per_node) ? dev.intra_node_gbps : dev.inter_node_gbps;
-      const double s = traffic.wire(n) / (gbps * 1e9);
-      e.comm_s[name] = std::max(e.comm_s[name], s);
-      // tp, cp and pipeline transfers sit on the critical path; data-parallel reductions overlap
-      // backward (about 2/3 of compute), ZeRO-1/2's weight all-gather after the step does not.
-      if (name == "dp_cp") {
-        const double after_step =
-            (zero == 1 || zero == 2) ? w * static_cast<double>(r.params) / (gbps * 1e9) : 0;
-        exposed +=
-            std::max(0.0, s - after_step - (zero == 3 ? 1.0 : 2.0 / 3.0) * compute) + after_step;
-      } else {
-        exposed += s;
-      }
-    }
+    const double exposed = exposed_comm_s(traffic, compute, l, dev, b, r, e);
     if (stage == 0 || compute + exposed > e.compute_s + e.comm_exposed_s) {
       e.compute_s = compute;
       e.comm_exposed_s = exposed;
     }
     e.ranks.push_back(std::move(r));
   }
-  e.bubble_s = l.pp > 1 ? e.compute_s * sim.bubble : 0.0;
+  e.bubble_s = l.pp > 1 ? e.compute_s * b.sim.bubble : 0.0;
   e.step_s = e.compute_s + e.comm_exposed_s + e.bubble_s;
   e.tokens_per_s = static_cast<double>(t.global_batch * t.seq_len) / e.step_s;
   e.mfu = e.flops_per_step / e.step_s / static_cast<double>(e.world) /
@@ -388,127 +528,17 @@ std::optional<LayoutChoice> faster_layout(const Config& c, int64_t world, const 
       for (int64_t pp = 1; tp * cp * pp <= world && pp <= c.model.layers; pp *= 2) {
         const int64_t dp = world / (tp * cp * pp);
         if (dp * tp * cp * pp != world || t.global_batch % dp != 0) continue;
-        // The plan's micro-batch, or the largest that divides this dp's share of the batch.
-        int64_t mb = std::min(t.micro_batch, t.global_batch / dp);
-        while ((t.global_batch / dp) % mb != 0) --mb;
+        const int64_t mb = micro_batch_for(t, dp);
         for (int64_t zero = 0; zero <= 3; ++zero)
           for (const std::string schedule : {"1f1b", "interleaved"}) {
             if (pp == 1 && schedule == "interleaved") continue;
-            Config p = c;
-            auto& par = p.parallel;
-            par.tp = tp, par.cp = cp, par.pp = pp, par.dp = dp, par.zero = zero;
-            par.sequence_parallel = tp > 1;
-            if (cp > 1 && c.parallel.cp == 1) par.context_method = "ring";
-            par.pipeline_schedule = pp > 1 ? schedule : c.parallel.pipeline_schedule;
-            par.virtual_stages = pp > 1 && schedule == "interleaved" ? 2 : 1;
-            par.layers_per_stage.clear();
-            p.training.micro_batch = mb;
-            // The overrides that turn the plan into this one: only the values that change.
-            std::vector<std::string> sets;
-            auto set = [&sets](const std::string& key, const auto& from, const auto& to) {
-              if (from != to) sets.push_back(fmt::format("{}={}", key, to));
-            };
-            const auto& was = c.parallel;
-            set("parallel.tp", was.tp, tp);
-            set("parallel.cp", was.cp, cp);
-            set("parallel.pp", was.pp, pp);
-            set("parallel.dp", was.dp, dp);
-            set("parallel.zero", was.zero, zero);
-            set("parallel.sequence_parallel", was.sequence_parallel, par.sequence_parallel);
-            if (pp > 1) {
-              set("parallel.pipeline.schedule", was.pipeline_schedule, par.pipeline_schedule);
-              set("parallel.pipeline.virtual_stages", was.virtual_stages, par.virtual_stages);
-            }
-            if (cp > 1) set("parallel.context.method", was.context_method, par.context_method);
-            if (!was.layers_per_stage.empty())
-              sets.push_back("parallel.pipeline.layers_per_stage=[]");
-            set("training.micro_batch", t.micro_batch, mb);
+            Config p = with_layout(c, {tp, cp, pp, dp, zero, mb, schedule});
+            auto sets = layout_overrides(c, p);
             consider(std::move(p), std::move(sets));
           }
       }
   if (!best || best->estimate.step_s > (1 - margin) * current.step_s) return std::nullopt;
   return best;
-}
-
-std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& d) {
-  auto gib = [](double b) { return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024)); };
-  auto mib = [](double b) { return fmt::format("{:.1f} MiB", b / (1024.0 * 1024)); };
-  std::string s = fmt::format(
-      "# planner: {:.4g} B parameters; {:.4g} TFLOP per step ({} tokens); training.recompute "
-      "{}; dtype {}\n",
-      static_cast<double>(e.params_total) / 1e9, e.flops_per_step / 1e12,
-      c.training.global_batch * c.training.seq_len, c.training.recompute, c.training.dtype);
-  for (const auto& r : e.ranks) {
-    s += fmt::format(
-        "#   {}{} parameters, {} blocks: weights {}, gradients {}, optimizer {}, activations {} "
-        "({} micro-batch{} in flight{}) = {}{}\n",
-        e.ranks.size() > 1 ? fmt::format("stage {}: ", r.stage) : "", r.params, r.layers,
-        gib(r.weights), gib(r.grads), gib(r.optimizer), gib(r.activations), r.inflight,
-        r.inflight == 1 ? "" : "es",
-        r.gathered > 0 ? ", incl. ZeRO-3 gathered " + gib(r.gathered) : "", gib(r.total()),
-        d.memory_gib > 0 && r.total() > d.memory_gib * 1024 * 1024 * 1024
-            ? fmt::format("  ** exceeds {}'s {} GiB **", d.name, d.memory_gib)
-            : "");
-    std::string comm;
-    for (const auto& [name, bytes] : r.comm)
-      comm += fmt::format("{}{} {}", comm.empty() ? "" : ", ", name, mib(bytes));
-    if (!comm.empty()) s += "#     communication per step on this rank: " + comm + "\n";
-  }
-  std::string links;
-  for (const auto& [name, sec] : e.comm_s)
-    links += fmt::format("{}{} {:.1f} ms", links.empty() ? "" : ", ", name, 1e3 * sec);
-  s += fmt::format(
-      "# predicted on {} ({:.0f} TFLOP/s {} peak at {:.0f}% efficiency, {} GB/s in a node, {} GB/s "
-      "between nodes, {} per node): step {:.1f} ms = compute {:.1f}{} + exposed communication "
-      "{:.1f} + bubble {:.1f}; {:.0f} tokens/s ({:.0f} per device), MFU {:.1f}%{}\n",
-      d.name, matmul_peak_tflops(d, c.training), matmul_peak_name(c.training), 100 * d.efficiency,
-      d.intra_node_gbps, d.inter_node_gbps, d.gpus_per_node, 1e3 * e.step_s, 1e3 * e.compute_s,
-      e.recompute_flops_per_step > 0
-          ? fmt::format(" (of which {} recomputation {:.1f})", c.training.recompute,
-                        1e3 * e.compute_s * e.recompute_flops_per_step /
-                            (e.flops_per_step + e.recompute_flops_per_step))
-          : "",
-      1e3 * e.comm_exposed_s, 1e3 * e.bubble_s, e.tokens_per_s,
-      e.tokens_per_s / static_cast<double>(e.world), 100 * e.mfu,
-      links.empty() ? "" : "; link time per group: " + links);
-  return s;
-}
-
-std::string to_json(const PlanEstimate& e, const DeviceProfile& d) {
-  nlohmann::json j = {{"world", e.world},
-                      {"params_total", e.params_total},
-                      {"flops_per_step", e.flops_per_step},
-                      {"recompute_flops_per_step", e.recompute_flops_per_step},
-                      {"device",
-                       {{"name", d.name},
-                        {"peak_tflops", d.peak_tflops},
-                        {"fp32_tflops", d.fp32_tflops},
-                        {"intra_node_gbps", d.intra_node_gbps},
-                        {"inter_node_gbps", d.inter_node_gbps},
-                        {"gpus_per_node", d.gpus_per_node},
-                        {"memory_gib", d.memory_gib},
-                        {"efficiency", d.efficiency}}},
-                      {"step_s", e.step_s},
-                      {"compute_s", e.compute_s},
-                      {"comm_exposed_s", e.comm_exposed_s},
-                      {"bubble_s", e.bubble_s},
-                      {"comm_s", e.comm_s},
-                      {"tokens_per_s", e.tokens_per_s},
-                      {"mfu", e.mfu},
-                      {"ranks", nlohmann::json::array()}};
-  for (const auto& r : e.ranks)
-    j["ranks"].push_back({{"stage", r.stage},
-                          {"params", r.params},
-                          {"layers", r.layers},
-                          {"weights_bytes", r.weights},
-                          {"grads_bytes", r.grads},
-                          {"optimizer_bytes", r.optimizer},
-                          {"activation_bytes", r.activations},
-                          {"gathered_bytes", r.gathered},
-                          {"inflight_microbatches", r.inflight},
-                          {"total_bytes", r.total()},
-                          {"comm_bytes_per_step", r.comm}});
-  return j.dump(1) + "\n";
 }
 
 }  // namespace tessel

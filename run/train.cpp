@@ -60,13 +60,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
       device_(resolve_device(c_.training.device, world, &device_why_)),
       dtype_(resolve_dtype(c_.training.dtype)) {
   // start_run() checked the plan against this node and agreed with every rank.
-  if (c_.training.threads > 0) torch::set_num_threads(static_cast<int>(c_.training.threads));
-  if (device_.is_cuda()) {  // TF32 tensor cores for fp32 matmuls and convolutions, unless refused
-    const auto p = c_.training.tf32 ? at::Float32Precision::TF32 : at::Float32Precision::IEEE;
-    at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL, p);
-    at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::CONV, p);
-  }
-  if (!device_.is_cuda()) CpuAllocationCounter::get();  // counts the state from its first byte
+  configure_device();
   mesh_ = parallel::Mesh::create(c_, world, device_, std::move(start.store));
   weight_gather_wait_ = SpanTimer(time_on_device(device_, mesh_->dp_cp().backend_name()));
   const auto& l = mesh_->layout();
@@ -88,13 +82,38 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   const bool sp = c_.parallel.sequence_parallel && l.tp > 1;
   // One micro-batch between stages: this cp rank's tokens (SP: its tp share of them).
   activation_shape_ = {t.micro_batch, t.seq_len / l.cp / (sp ? l.tp : 1), c_.model.hidden};
-  executor_ = std::make_unique<parallel::pp::Executor>(
-      mesh_->group(parallel::GroupKind::kPp),
-      parallel::pp::make_schedule(c_.parallel.pipeline_schedule, l.pp,
-                                  t.global_batch / (l.dp * t.micro_batch),
-                                  c_.parallel.virtual_stages),
-      activation_shape_, torch::TensorOptions().dtype(dtype_).device(device_));
+  executor_ = make_executor(parallel::pp::make_schedule(c_.parallel.pipeline_schedule, l.pp,
+                                                        t.global_batch / (l.dp * t.micro_batch),
+                                                        c_.parallel.virtual_stages));
   if (mesh_->rank() == 0) metrics_ = std::make_unique<MetricsLog>(c_, first_step_ - 1);
+  log_layout(world);
+  measure_flops();
+  log_state();
+  stop_ = std::make_unique<StopOnSignal>(c_.checkpoint.on_signal, device_);
+  counters_ = std::make_unique<StepCounters>(*mesh_, device_);
+  setup_rss_ = peak_rss_bytes();  // before any step: what the steps add is activations
+}
+
+void Trainer::configure_device() {
+  if (c_.training.threads > 0) torch::set_num_threads(static_cast<int>(c_.training.threads));
+  if (device_.is_cuda()) {  // TF32 tensor cores for fp32 matmuls and convolutions, unless refused
+    const auto p = c_.training.tf32 ? at::Float32Precision::TF32 : at::Float32Precision::IEEE;
+    at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL, p);
+    at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::CONV, p);
+  }
+  if (!device_.is_cuda()) CpuAllocationCounter::get();  // counts the state from its first byte
+}
+
+std::unique_ptr<parallel::pp::Executor> Trainer::make_executor(parallel::pp::Schedule s) const {
+  return std::make_unique<parallel::pp::Executor>(
+      mesh_->group(parallel::GroupKind::kPp), std::move(s), activation_shape_,
+      torch::TensorOptions().dtype(dtype_).device(device_));
+}
+
+void Trainer::log_layout(const parallel::WorldInfo& world) const {
+  const auto& l = mesh_->layout();
+  const auto& t = c_.training;
+  const bool sp = c_.parallel.sequence_parallel && l.tp > 1;
   spdlog::info("{} process{} ({}, {}): dp {} tp {}{} pp {} cp {}{} | {} gradient bucket{}",
                mesh_->world(), mesh_->world() > 1 ? "es" : "", world.source, mesh_->backend(), l.dp,
                l.tp, sp ? " (sequence parallel)" : "", l.pp, l.cp,
@@ -112,22 +131,16 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
         s.name, l.pp, s.virtual_stages, s.virtual_stages > 1 ? "s" : "", s.microbatches, layers,
         c_.model.tied() ? "kept equal over the embedding group" : "no");
   }
+}
+
+void Trainer::measure_flops() {
   // N sums over pipeline stages (each rank counts its own stages' parameters).
   auto n = torch::full({}, flops_parameters(model_),
                        torch::TensorOptions().dtype(torch::kFloat64).device(device_));
-  if (l.pp > 1) mesh_->group(parallel::GroupKind::kPp).all_reduce(n).wait();
+  if (mesh_->layout().pp > 1) mesh_->group(parallel::GroupKind::kPp).all_reduce(n).wait();
   flops_per_token_ =
       flops_per_token(model_->options().model, n.item<double>(), c_.training.seq_len);
   peak_ = device_peak(c_, device_, dtype_);
-  log_state();
-  spdlog::info("data {} | {} training samples ({} tokens), {} validation samples", c_.data.format,
-               data_->train_samples(), data_->train_tokens(), data_->val_samples());
-  spdlog::info("device {}: {}", device_.str(), device_why_);
-  spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
-               kFlopsConvention, peak_.tflops, peak_.source);
-  stop_ = std::make_unique<StopOnSignal>(c_.checkpoint.on_signal, device_);
-  counters_ = std::make_unique<StepCounters>(*mesh_, device_);
-  setup_rss_ = peak_rss_bytes();  // before any step: what the steps add is activations
 }
 
 void Trainer::setup_state() {
@@ -185,6 +198,11 @@ void Trainer::log_state() const {
       gatherer_ ? fmt::format(" (+ gathered units, the largest {:.2f} MiB)",
                               gatherer_->largest_unit_bytes() / 1048576.0)
                 : "");
+  spdlog::info("data {} | {} training samples ({} tokens), {} validation samples", c_.data.format,
+               data_->train_samples(), data_->train_tokens(), data_->val_samples());
+  spdlog::info("device {}: {}", device_.str(), device_why_);
+  spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
+               kFlopsConvention, peak_.tflops, peak_.source);
 }
 
 Trainer::StepOut Trainer::train_step(int64_t step) {
@@ -267,11 +285,9 @@ double Trainer::evaluate() {
     }
     return out;
   }};
-  parallel::pp::Executor(
-      mesh_->group(parallel::GroupKind::kPp),
-      parallel::pp::forward_only(l.pp, mine / t.micro_batch, executor_->schedule().virtual_stages),
-      activation_shape_, torch::TensorOptions().dtype(dtype_).device(device_))
-      .run(fns);
+  make_executor(
+      parallel::pp::forward_only(l.pp, mine / t.micro_batch, executor_->schedule().virtual_stages))
+      ->run(fns);
   if (gatherer_) gatherer_->take_wait_ms();  // evaluation's gathers are not a step's
   mesh_->group(parallel::GroupKind::kPp).all_reduce(total).wait();  // the last stage's sum
   mesh_->dp_cp().all_reduce(total).wait();
@@ -402,84 +418,76 @@ void Trainer::report_end() {
         cp.bytes() / steps, cp.sent_bytes() / steps);
 }
 
+torch::Tensor Trainer::gather_figures(const std::vector<double>& mine) const {
+  auto& world = mesh_->world_group();
+  auto t = torch::tensor(mine, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  auto all = torch::empty({world.size() * t.numel()}, t.options());
+  world.all_gather(all, t).wait();
+  return mesh_->rank() == 0 ? all.view({world.size(), -1}).cpu() : torch::Tensor();
+}
+
+void Trainer::write_report(const std::string& file, const nlohmann::json& report) const {
+  write_file_atomic((std::filesystem::path(c_.run.output_dir) / file).string(),
+                    report.dump(1) + "\n");
+}
+
 void Trainer::report_memory() {
   // Every rank's state bytes, gathered to rank 0: <output_dir>/memory.json (persistent buffers;
   // ZeRO-3's gathered units and ZeRO-2/3's gradient buckets as measured peaks; the process's
   // peak resident set before the first step and at the end: on CPU their difference is what the
   // steps added, activations mostly).
-  auto& world = mesh_->world_group();
   const auto b = opt_->bytes();
   // The state as the CPU allocator counted it, each part on its own (-1 on CUDA: not counted).
   auto allocated = [this](Held what) {
-    return device_.is_cuda() ? -1.0 : static_cast<double>(CpuAllocationCounter::get().live(what));
+    return device_.is_cuda() ? -1 : CpuAllocationCounter::get().live(what);
   };
-  auto mine = torch::tensor(
-      {static_cast<double>(opt_->numel()), static_cast<double>(opt_->layout().numel()),
-       static_cast<double>(b.params), static_cast<double>(b.grads),
-       static_cast<double>(b.optimizer),
-       static_cast<double>(gatherer_ ? gatherer_->peak_gathered_bytes() : 0),
-       static_cast<double>(gatherer_ ? gatherer_->largest_unit_bytes() : 0),
-       static_cast<double>(reducer_->peak_bucket_bytes()), static_cast<double>(setup_rss_),
-       static_cast<double>(peak_rss_bytes()), static_cast<double>(counters_->step_base_bytes()),
-       static_cast<double>(counters_->step_peak_bytes()), allocated(Held::kWeights),
-       allocated(Held::kGrads), allocated(Held::kOptimizer)},
-      torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  const std::vector<std::pair<const char*, int64_t>> figures = {
+      {"numel", opt_->numel()},
+      {"flat_numel", opt_->layout().numel()},
+      {"params_bytes", b.params},
+      {"grads_bytes", b.grads},
+      {"optimizer_bytes", b.optimizer},
+      {"gathered_peak_bytes", gatherer_ ? gatherer_->peak_gathered_bytes() : 0},
+      {"largest_unit_bytes", gatherer_ ? gatherer_->largest_unit_bytes() : 0},
+      {"grad_bucket_peak_bytes", reducer_->peak_bucket_bytes()},
+      {"setup_peak_rss_bytes", setup_rss_},
+      {"peak_rss_bytes", peak_rss_bytes()},
+      {"step_base_bytes", counters_->step_base_bytes()},
+      {"step_peak_bytes", counters_->step_peak_bytes()},
+      {"allocated_weights_bytes", allocated(Held::kWeights)},
+      {"allocated_grads_bytes", allocated(Held::kGrads)},
+      {"allocated_optimizer_bytes", allocated(Held::kOptimizer)}};
+  std::vector<double> mine;
+  for (const auto& [_, v] : figures) mine.push_back(static_cast<double>(v));
   // Then the bytes per training step of every group (the planner's comm figures).
   const auto comm = counters_->comm_bytes_per_step();
-  std::vector<double> comm_values;
-  for (const auto& [_, v] : comm) comm_values.push_back(v);
-  mine = torch::cat({mine, torch::tensor(comm_values, mine.options())});
-  auto all = torch::empty({world.size() * mine.numel()}, mine.options());
-  world.all_gather(all, mine).wait();
-  if (mesh_->rank() != 0) return;
-  all = all.view({world.size(), -1}).cpu();
+  for (const auto& [_, v] : comm) mine.push_back(v);
+  const auto all = gather_figures(mine);
+  if (!all.defined()) return;
   nlohmann::json out = {{"zero", c_.parallel.zero},
                         {"dtype", c_.training.dtype},
                         {"data_ranks", mesh_->dp_cp().size()},
                         {"ranks", nlohmann::json::array()}};
-  const char* keys[] = {"numel",
-                        "flat_numel",
-                        "params_bytes",
-                        "grads_bytes",
-                        "optimizer_bytes",
-                        "gathered_peak_bytes",
-                        "largest_unit_bytes",
-                        "grad_bucket_peak_bytes",
-                        "setup_peak_rss_bytes",
-                        "peak_rss_bytes",
-                        "step_base_bytes",
-                        "step_peak_bytes",
-                        "allocated_weights_bytes",
-                        "allocated_grads_bytes",
-                        "allocated_optimizer_bytes"};
-  constexpr int64_t kKeys = 15;
-  for (int64_t r = 0; r < world.size(); ++r) {
+  for (int64_t r = 0; r < all.size(0); ++r) {
     nlohmann::json row = {{"rank", r}};
-    for (int64_t k = 0; k < kKeys; ++k)
-      row[keys[k]] = static_cast<int64_t>(all[r][k].item<double>());
-    int64_t k = kKeys;
+    int64_t k = 0;
+    for (const auto& [key, _] : figures) row[key] = static_cast<int64_t>(all[r][k++].item<double>());
     for (const auto& [name, _] : comm)
       row["comm_bytes_per_step"][name] = static_cast<int64_t>(all[r][k++].item<double>());
     out["ranks"].push_back(row);
   }
-  write_file_atomic((std::filesystem::path(c_.run.output_dir) / "memory.json").string(),
-                    out.dump(1) + "\n");
+  write_report("memory.json", out);
 }
 
 void Trainer::report_pipeline() {
   // Every rank's own figures, gathered to rank 0: <output_dir>/pipeline.json and one line per
   // stage. Measured bubble = idle time / step time, from the executor's clock (steps after the
   // first); theory = the simulator's idle share with backward = 2 forwards.
-  auto& world = mesh_->world_group();
   const double steps = static_cast<double>(std::max<int64_t>(1, pp_steps_));
-  auto mine = torch::tensor(
-      {static_cast<double>(mesh_->coord().pp), static_cast<double>(pp_peak_activations_),
-       pp_step_ms_ / steps, pp_compute_ms_ / steps, pp_wait_ms_ / steps},
-      torch::TensorOptions().dtype(torch::kFloat64).device(device_));
-  auto all = torch::empty({world.size() * mine.numel()}, mine.options());
-  world.all_gather(all, mine).wait();
-  if (mesh_->rank() != 0) return;
-  all = all.view({world.size(), -1}).cpu();
+  const auto all = gather_figures({static_cast<double>(mesh_->coord().pp),
+                                   static_cast<double>(pp_peak_activations_), pp_step_ms_ / steps,
+                                   pp_compute_ms_ / steps, pp_wait_ms_ / steps});
+  if (!all.defined()) return;
   const auto& s = executor_->schedule();
   const auto sim = parallel::pp::simulate(s);
   nlohmann::json out = {{"schedule", s.name},
@@ -489,7 +497,7 @@ void Trainer::report_pipeline() {
                         {"steps_timed", pp_steps_},
                         {"theory_bubble", sim.bubble / (1.0 + sim.bubble)},
                         {"ranks", nlohmann::json::array()}};
-  for (int64_t r = 0; r < world.size(); ++r) {
+  for (int64_t r = 0; r < all.size(0); ++r) {
     auto row = all[r];
     const auto stage = static_cast<int64_t>(row[0].item<double>());
     const double step = row[2].item<double>(), compute = row[3].item<double>();
@@ -511,8 +519,7 @@ void Trainer::report_pipeline() {
           stage, peak, sim.peak_activations[stage], 100 * bubble, step,
           100 * sim.bubble / (1.0 + sim.bubble));
   }
-  write_file_atomic((std::filesystem::path(c_.run.output_dir) / "pipeline.json").string(),
-                    out.dump(1) + "\n");
+  write_report("pipeline.json", out);
 }
 
 }  // namespace tessel

@@ -5,6 +5,9 @@
 #include <torch/types.h>
 
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
 
 #include "data/data.h"
 #include "models/registry.h"
@@ -26,6 +29,7 @@ class UnitGatherer;
 namespace tessel::parallel::pp {
 class Executor;
 struct StepStats;
+struct Schedule;
 }  // namespace tessel::parallel::pp
 
 namespace tessel {
@@ -72,6 +76,13 @@ class Trainer {
   void sync_replicated_grads();
   void check_finite() const;  // host sync: throws UserError naming the first non-finite step
   void log_step(int64_t step, StepOut& out);
+  void configure_device();  // threads, TF32, the CPU allocation counter
+  std::unique_ptr<parallel::pp::Executor> make_executor(parallel::pp::Schedule s) const;
+  void log_layout(const parallel::WorldInfo& world) const;  // the start lines about the layout
+  void measure_flops();  // FLOPs per token (over every stage) and the device peak
+  /// Every rank's `mine` gathered to rank 0: [world, n] on the CPU there, undefined elsewhere.
+  torch::Tensor gather_figures(const std::vector<double>& mine) const;
+  void write_report(const std::string& file, const nlohmann::json& report) const;  // output_dir
   void report_pipeline();
   void report_memory();
   void report_end();  // the figures printed and written when the run is done

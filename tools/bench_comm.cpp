@@ -55,61 +55,73 @@ double time_op(Group& g, const std::string& op, int64_t elems, int iters, int wa
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
 }
 
+struct Args {
+  std::string backend = "auto", ops = "all";
+  int64_t min_bytes = 1 << 10, max_bytes = 64 << 20;
+  int iters = 20, warmup = 5;
+};
+
+// One collective's table, sizes doubling from --min-bytes to --max-bytes; rank 0 prints.
+void bench_op(const Args& a, Group& g, const std::string& op, const torch::Device& dev,
+              bool print) {
+  if (print)
+    std::printf("#\n# %s\n# %12s %12s %12s %12s %12s\n", op.c_str(), "size(B)", "count", "time(us)",
+                "algbw(GB/s)", "busbw(GB/s)");
+  for (int64_t bytes = a.min_bytes; bytes <= a.max_bytes; bytes *= 2) {
+    const int64_t elems = std::max<int64_t>(1, bytes / 4);
+    const double s = time_op(g, op, elems, a.iters, a.warmup, dev);
+    const double algbw = static_cast<double>(elems * 4) / s / 1e9;
+    if (print)
+      std::printf("  %12lld %12lld %12.1f %12.3f %12.3f\n", static_cast<long long>(elems * 4),
+                  static_cast<long long>(elems), s * 1e6, algbw, algbw * bus_factor(op, g.size()));
+  }
+}
+
+void bench(const Args& a) {
+  const auto world = tessel::parallel::discover_world();
+  const bool cuda = a.backend == "nccl" || (a.backend == "auto" && torch::cuda::is_available());
+  const torch::Device dev =
+      cuda ? torch::Device(torch::kCUDA, static_cast<int8_t>(world.local_rank)) : torch::kCPU;
+  if (cuda) c10::cuda::set_device(dev.index());  // before any CUDA or NCCL work
+  // A plan of defaults whose only layout is data parallelism over every process.
+  tessel::Config c = tessel::load_config_text(
+      fmt::format(
+          "data: {{path: none}}\ntraining: {{global_batch: {}, micro_batch: 1, device: {}}}\n"
+          "parallel: {{backend: {}}}\n",
+          world.world, cuda ? "cuda" : "cpu", a.backend),
+      "tessel-bench-comm");
+  auto mesh = tessel::parallel::Mesh::create(c, world, dev);
+  auto& g = mesh->world_group();
+  std::vector<std::string> ops = {"all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                                  "all_to_all"};
+  if (a.ops != "all") ops = {a.ops};
+  if (world.rank == 0)
+    std::printf("# tessel-bench-comm: %d ranks, %s, float32, %d iterations after %d warm-up\n",
+                world.world, mesh->backend().c_str(), a.iters, a.warmup);
+  for (const auto& op : ops) bench_op(a, g, op, dev, world.rank == 0);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{
       "tessel-bench-comm: collective bandwidth over the world group (run under tessel-launch)",
       "tessel-bench-comm"};
-  std::string backend = "auto", ops_arg = "all";
-  int64_t min_bytes = 1 << 10, max_bytes = 64 << 20;
-  int iters = 20, warmup = 5;
-  app.add_option("--backend", backend, "gloo, nccl, or auto (nccl when CUDA is available)")
+  Args a;
+  app.add_option("--backend", a.backend, "gloo, nccl, or auto (nccl when CUDA is available)")
       ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
-  app.add_option("--ops", ops_arg,
+  app.add_option("--ops", a.ops,
                  "all, or one of all_reduce, all_gather, reduce_scatter, broadcast, all_to_all");
-  app.add_option("--min-bytes", min_bytes, "Smallest message")->check(CLI::PositiveNumber);
-  app.add_option("--max-bytes", max_bytes, "Largest message (sizes double)")
+  app.add_option("--min-bytes", a.min_bytes, "Smallest message")->check(CLI::PositiveNumber);
+  app.add_option("--max-bytes", a.max_bytes, "Largest message (sizes double)")
       ->check(CLI::PositiveNumber);
-  app.add_option("--iters", iters, "Timed iterations per size")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", warmup, "Untimed iterations per size")->check(CLI::NonNegativeNumber);
+  app.add_option("--iters", a.iters, "Timed iterations per size")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", a.warmup, "Untimed iterations per size")
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
   try {
-    const auto world = tessel::parallel::discover_world();
-    const bool cuda = backend == "nccl" || (backend == "auto" && torch::cuda::is_available());
-    const torch::Device dev =
-        cuda ? torch::Device(torch::kCUDA, static_cast<int8_t>(world.local_rank)) : torch::kCPU;
-    if (cuda) c10::cuda::set_device(dev.index());  // before any CUDA or NCCL work
-    // A plan of defaults whose only layout is data parallelism over every process.
-    tessel::Config c = tessel::load_config_text(
-        fmt::format(
-            "data: {{path: none}}\ntraining: {{global_batch: {}, micro_batch: 1, device: {}}}\n"
-            "parallel: {{backend: {}}}\n",
-            world.world, cuda ? "cuda" : "cpu", backend),
-        "tessel-bench-comm");
-    auto mesh = tessel::parallel::Mesh::create(c, world, dev);
-    auto& g = mesh->world_group();
-    std::vector<std::string> ops = {"all_reduce", "all_gather", "reduce_scatter", "broadcast",
-                                    "all_to_all"};
-    if (ops_arg != "all") ops = {ops_arg};
-    if (world.rank == 0)
-      std::printf("# tessel-bench-comm: %d ranks, %s, float32, %d iterations after %d warm-up\n",
-                  world.world, mesh->backend().c_str(), iters, warmup);
-    for (const auto& op : ops) {
-      if (world.rank == 0)
-        std::printf("#\n# %s\n# %12s %12s %12s %12s %12s\n", op.c_str(), "size(B)", "count",
-                    "time(us)", "algbw(GB/s)", "busbw(GB/s)");
-      for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
-        const int64_t elems = std::max<int64_t>(1, bytes / 4);
-        const double s = time_op(g, op, elems, iters, warmup, dev);
-        const double algbw = static_cast<double>(elems * 4) / s / 1e9;
-        if (world.rank == 0)
-          std::printf("  %12lld %12lld %12.1f %12.3f %12.3f\n", static_cast<long long>(elems * 4),
-                      static_cast<long long>(elems), s * 1e6, algbw,
-                      algbw * bus_factor(op, g.size()));
-      }
-    }
-    std::fflush(stdout);
+    bench(a);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tessel-bench-comm: error: %s\n", e.what());
     return 2;

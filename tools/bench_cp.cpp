@@ -41,94 +41,133 @@ double time_fwd_bwd(F fn, const std::vector<torch::Tensor>& inputs, const torch:
   return median(t);
 }
 
+struct Args {
+  int64_t seq = 1024, batch = 1, heads = 8, kv_heads = 4, head_dim = 32;
+  int iters = 5;
+};
+
+// The whole sequence's q, k, v, and w, the weights that turn the attention output into a loss.
+struct Inputs {
+  torch::Tensor q, k, v, w;
+};
+
+Inputs random_inputs(const Args& a, const torch::Device& dev) {
+  torch::manual_seed(3);
+  auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(dev);
+  Inputs in;
+  in.q = torch::randn({a.batch, a.heads, a.seq, a.head_dim}, opts);
+  in.k = torch::randn({a.batch, a.kv_heads, a.seq, a.head_dim}, opts);
+  in.v = torch::randn({a.batch, a.kv_heads, a.seq, a.head_dim}, opts);
+  in.w = torch::randn({a.batch, a.heads, a.seq, a.head_dim}, opts);
+  return in;
+}
+
+// A plan whose only layout is context parallelism over every process.
+tessel::Config cp_config(const Args& a, bool cuda, int64_t n) {
+  return tessel::load_config_text(
+      fmt::format("data: {{path: none}}\nmodel: {{heads: 4, max_seq_len: {}}}\n"
+                  "training: {{global_batch: 1, micro_batch: 1, device: {}, seq_len: {}}}\n"
+                  "parallel: {{cp: {}, dp: 1}}\n",
+                  a.seq, cuda ? "cuda" : "cpu", a.seq, n),
+      "tessel-bench-cp");
+}
+
+void print_header(const Args& a, int64_t n, const std::string& backend) {
+  std::printf(
+      "# tessel-bench-cp: %lld ranks (%s), b %lld, seq %lld, heads %lld/%lld, d %lld, "
+      "fp32, forward + backward, median of %d\n"
+      "| method | cp | ms | collective payload B/rank | p2p sent B/rank | theory B/rank |\n"
+      "|---|---|---|---|---|---|\n",
+      static_cast<long long>(n), backend.c_str(), static_cast<long long>(a.batch),
+      static_cast<long long>(a.seq), static_cast<long long>(a.heads),
+      static_cast<long long>(a.kv_heads), static_cast<long long>(a.head_dim), a.iters);
+}
+
+// Dense causal attention, one process, the whole sequence.
+void bench_dense(const Args& a, const Inputs& in) {
+  auto qd = in.q.clone().requires_grad_(), kd = in.k.clone().requires_grad_(),
+       vd = in.v.clone().requires_grad_();
+  const double s = time_fwd_bwd(
+      [&] {
+        return at::scaled_dot_product_attention(qd, kd, vd, {}, 0.0, true, std::nullopt,
+                                                a.kv_heads != a.heads);
+      },
+      {qd, kd, vd}, in.w, a.iters);
+  std::printf("| dense | 1 | %.2f | 0 | 0 | 0 |\n", s * 1e3);
+}
+
+// The bytes one rank moves per forward + backward. `kv_all`: one K or V of the whole sequence,
+// bytes; a local block is 1/n of it. allgather: all-gather K and V (payload = the whole gathered
+// tensor) and reduce-scatter dK, dV (payload = the whole input); ring: n-1 K/V blocks forward,
+// n-1 K/V blocks and n dK/dV blocks backward, each block 2·kv_all/n.
+double theory_bytes(cp::Method method, int64_t n, double kv_all) {
+  return method == cp::Method::kAllGather
+             ? 4 * kv_all
+             : (3.0 * static_cast<double>(n) - 2) * 2 * kv_all / static_cast<double>(n);
+}
+
+// One cp method over `g` (n ranks): time and bytes from the group's counters; rank 0 prints.
+void bench_method(const Args& a, tessel::parallel::Group& g, cp::Method method, const Inputs& in,
+                  int64_t n, bool print) {
+  auto local = [&](const torch::Tensor& t) {
+    return cp::local_chunks(t, 2, n, g.rank()).contiguous().requires_grad_();
+  };
+  auto ql = local(in.q), kl = local(in.k), vl = local(in.v);
+  auto wl = cp::local_chunks(in.w, 2, n, g.rank()).contiguous();
+  const int64_t bytes0 = g.bytes(), sent0 = g.sent_bytes();
+  const double s =
+      time_fwd_bwd([&] { return cp::attention(g, method, ql, kl, vl); }, {ql, kl, vl}, wl, a.iters);
+  const double runs = a.iters + 1;
+  const double coll = static_cast<double>(g.bytes() - bytes0) / runs,
+               sent = static_cast<double>(g.sent_bytes() - sent0) / runs;
+  const double kv_all = static_cast<double>(a.batch * a.kv_heads * a.seq * a.head_dim * 4);
+  if (print)
+    std::printf("| %s | %lld | %.2f | %.0f | %.0f | %.0f |\n",
+                method == cp::Method::kRing ? "ring" : "allgather", static_cast<long long>(n),
+                s * 1e3, coll, sent, theory_bytes(method, n, kv_all));
+}
+
+void bench(const Args& a) {
+  const auto world = tessel::parallel::discover_world();
+  const bool cuda = torch::cuda::is_available();
+  const torch::Device dev =
+      cuda ? torch::Device(torch::kCUDA, static_cast<int8_t>(world.local_rank)) : torch::kCPU;
+  if (cuda) c10::cuda::set_device(dev.index());  // before any CUDA or NCCL work
+  const int64_t n = world.world;
+  if (a.seq % (2 * n) != 0 || a.heads % a.kv_heads != 0)
+    throw std::invalid_argument(fmt::format(
+        "--seq ({}) must be divisible by 2·ranks ({}) and --heads ({}) by --kv-heads ({})", a.seq,
+        2 * n, a.heads, a.kv_heads));
+  const tessel::Config c = cp_config(a, cuda, n);
+  auto mesh = tessel::parallel::Mesh::create(c, world, dev);
+  auto& g = mesh->group(tessel::parallel::GroupKind::kCp);
+  const Inputs in = random_inputs(a, dev);
+  if (world.rank == 0) {
+    print_header(a, n, mesh->backend());
+    bench_dense(a, in);
+  }
+  for (auto method : {cp::Method::kAllGather, cp::Method::kRing})
+    bench_method(a, g, method, in, n, world.rank == 0);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{
       "tessel-bench-cp: context-parallel attention time and bytes (run under tessel-launch)",
       "tessel-bench-cp"};
-  int64_t seq = 1024, batch = 1, heads = 8, kv_heads = 4, head_dim = 32;
-  int iters = 5;
-  app.add_option("--seq", seq, "Tokens per sequence (whole, over every cp rank)")
+  Args a;
+  app.add_option("--seq", a.seq, "Tokens per sequence (whole, over every cp rank)")
       ->check(CLI::PositiveNumber);
-  app.add_option("--batch", batch, "Sequences")->check(CLI::PositiveNumber);
-  app.add_option("--heads", heads, "Query heads")->check(CLI::PositiveNumber);
-  app.add_option("--kv-heads", kv_heads, "Key/value heads")->check(CLI::PositiveNumber);
-  app.add_option("--head-dim", head_dim, "Head dimension")->check(CLI::PositiveNumber);
-  app.add_option("--iters", iters, "Timed iterations")->check(CLI::PositiveNumber);
+  app.add_option("--batch", a.batch, "Sequences")->check(CLI::PositiveNumber);
+  app.add_option("--heads", a.heads, "Query heads")->check(CLI::PositiveNumber);
+  app.add_option("--kv-heads", a.kv_heads, "Key/value heads")->check(CLI::PositiveNumber);
+  app.add_option("--head-dim", a.head_dim, "Head dimension")->check(CLI::PositiveNumber);
+  app.add_option("--iters", a.iters, "Timed iterations")->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   try {
-    const auto world = tessel::parallel::discover_world();
-    const bool cuda = torch::cuda::is_available();
-    const torch::Device dev =
-        cuda ? torch::Device(torch::kCUDA, static_cast<int8_t>(world.local_rank)) : torch::kCPU;
-    if (cuda) c10::cuda::set_device(dev.index());  // before any CUDA or NCCL work
-    const int64_t n = world.world;
-    if (seq % (2 * n) != 0 || heads % kv_heads != 0)
-      throw std::invalid_argument(fmt::format(
-          "--seq ({}) must be divisible by 2·ranks ({}) and --heads ({}) by --kv-heads ({})", seq,
-          2 * n, heads, kv_heads));
-    tessel::Config c = tessel::load_config_text(
-        fmt::format("data: {{path: none}}\nmodel: {{heads: 4, max_seq_len: {}}}\n"
-                    "training: {{global_batch: 1, micro_batch: 1, device: {}, seq_len: {}}}\n"
-                    "parallel: {{cp: {}, dp: 1}}\n",
-                    seq, cuda ? "cuda" : "cpu", seq, n),
-        "tessel-bench-cp");
-    auto mesh = tessel::parallel::Mesh::create(c, world, dev);
-    auto& g = mesh->group(tessel::parallel::GroupKind::kCp);
-    torch::manual_seed(3);
-    auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(dev);
-    auto q = torch::randn({batch, heads, seq, head_dim}, opts),
-         k = torch::randn({batch, kv_heads, seq, head_dim}, opts),
-         v = torch::randn({batch, kv_heads, seq, head_dim}, opts),
-         w = torch::randn({batch, heads, seq, head_dim}, opts);
-    if (world.rank == 0)
-      std::printf(
-          "# tessel-bench-cp: %lld ranks (%s), b %lld, seq %lld, heads %lld/%lld, d %lld, "
-          "fp32, forward + backward, median of %d\n"
-          "| method | cp | ms | collective payload B/rank | p2p sent B/rank | theory B/rank |\n"
-          "|---|---|---|---|---|---|\n",
-          static_cast<long long>(n), mesh->backend().c_str(), static_cast<long long>(batch),
-          static_cast<long long>(seq), static_cast<long long>(heads),
-          static_cast<long long>(kv_heads), static_cast<long long>(head_dim), iters);
-    if (world.rank == 0) {  // dense, one process, the whole sequence
-      auto qd = q.clone().requires_grad_(), kd = k.clone().requires_grad_(),
-           vd = v.clone().requires_grad_();
-      const double s = time_fwd_bwd(
-          [&] {
-            return at::scaled_dot_product_attention(qd, kd, vd, {}, 0.0, true, std::nullopt,
-                                                    kv_heads != heads);
-          },
-          {qd, kd, vd}, w, iters);
-      std::printf("| dense | 1 | %.2f | 0 | 0 | 0 |\n", s * 1e3);
-    }
-    // One K or V of the whole sequence, bytes; a local block is 1/n of it.
-    const double kv_all = static_cast<double>(batch * kv_heads * seq * head_dim * 4);
-    for (auto method : {cp::Method::kAllGather, cp::Method::kRing}) {
-      auto local = [&](const torch::Tensor& t) {
-        return cp::local_chunks(t, 2, n, g.rank()).contiguous().requires_grad_();
-      };
-      auto ql = local(q), kl = local(k), vl = local(v);
-      auto wl = cp::local_chunks(w, 2, n, g.rank()).contiguous();
-      const int64_t bytes0 = g.bytes(), sent0 = g.sent_bytes();
-      const double s = time_fwd_bwd([&] { return cp::attention(g, method, ql, kl, vl); },
-                                    {ql, kl, vl}, wl, iters);
-      const double runs = iters + 1;
-      const double coll = static_cast<double>(g.bytes() - bytes0) / runs,
-                   sent = static_cast<double>(g.sent_bytes() - sent0) / runs;
-      // allgather: all-gather K and V (payload = the whole gathered tensor) and reduce-scatter
-      // dK, dV (payload = the whole input); ring: n-1 K/V blocks forward, n-1 K/V blocks and n
-      // dK/dV blocks backward, each block 2·kv_all/n.
-      const double theory =
-          method == cp::Method::kAllGather
-              ? 4 * kv_all
-              : (3.0 * static_cast<double>(n) - 2) * 2 * kv_all / static_cast<double>(n);
-      if (world.rank == 0)
-        std::printf("| %s | %lld | %.2f | %.0f | %.0f | %.0f |\n",
-                    method == cp::Method::kRing ? "ring" : "allgather", static_cast<long long>(n),
-                    s * 1e3, coll, sent, theory);
-    }
-    std::fflush(stdout);
+    bench(a);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tessel-bench-cp: error: %s\n", e.what());
     return 2;

@@ -122,62 +122,117 @@ std::string format_of(const Options& o, const std::string& file) {
   return ext == ".jsonl" || ext == ".json" || ext == ".ndjson" ? "jsonl" : "text";
 }
 
-// Reads every input and pushes chunks of documents (about 1 MiB each).
-void read_inputs(const Options& o, const std::vector<std::string>& files, Pipeline& p,
-                 std::atomic<int64_t>& read_bytes, std::atomic<int64_t>& skipped) {
-  constexpr int64_t kChunkBytes = 1 << 20;
-  Chunk c;
-  auto add = [&](std::string text, const std::string& where) -> bool {
+// Collects documents into chunks of about 1 MiB and pushes each full one.
+class Chunker {
+ public:
+  Chunker(Pipeline& p, std::atomic<int64_t>& skipped) : p_(p), skipped_(skipped) {}
+  // False once the pipeline has stopped.
+  bool add(std::string text, const std::string& where) {
     const auto* b = reinterpret_cast<const uint8_t*>(text.data());
     if (int64_t bad = tessel::data::utf8_error(b, static_cast<int64_t>(text.size())); bad >= 0)
       throw tessel::UserError(where + ": not UTF-8 (invalid byte at offset " + std::to_string(bad) +
                               ")");
     if (text.empty()) {
-      ++skipped;
+      ++skipped_;
       return true;
     }
-    c.bytes += static_cast<int64_t>(text.size());
-    c.texts.push_back(std::move(text));
-    if (c.bytes < kChunkBytes) return true;
-    bool ok = p.push(std::move(c));
-    c = Chunk{};
+    c_.bytes += static_cast<int64_t>(text.size());
+    c_.texts.push_back(std::move(text));
+    if (c_.bytes < kChunkBytes) return true;
+    bool ok = p_.push(std::move(c_));
+    c_ = Chunk{};
     return ok;
-  };
+  }
+  void flush() {
+    if (!c_.texts.empty()) p_.push(std::move(c_));
+  }
+
+ private:
+  static constexpr int64_t kChunkBytes = 1 << 20;
+  Pipeline& p_;
+  std::atomic<int64_t>& skipped_;
+  Chunk c_;
+};
+
+// A text file is one document. False once the pipeline has stopped.
+bool read_text_file(std::ifstream& f, const std::string& file, std::atomic<int64_t>& read_bytes,
+                    Chunker& chunks) {
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  read_bytes += static_cast<int64_t>(text.size());
+  return chunks.add(std::move(text), file);
+}
+
+// The document of one JSONL line: its --text-key field, which must be a string.
+std::string jsonl_document(const Options& o, const std::string& line, const std::string& where) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(line);
+  } catch (const std::exception& e) {
+    throw tessel::UserError(where + ": not a JSON object (" + e.what() + ")");
+  }
+  if (!j.is_object()) throw tessel::UserError(where + ": a JSON value, not an object");
+  if (!j.contains(o.key)) {
+    std::string keys;
+    for (auto& [name, _] : j.items()) keys += (keys.empty() ? "" : ", ") + name;
+    throw tessel::UserError(
+        fmt::format("{}: no field \"{}\" (--text-key names the field); this line's fields: {}",
+                    where, o.key, keys.empty() ? "none" : keys));
+  }
+  if (!j[o.key].is_string())
+    throw tessel::UserError(
+        fmt::format("{}: field \"{}\" is a {}, not a string", where, o.key, j[o.key].type_name()));
+  return j[o.key].get<std::string>();
+}
+
+// A JSONL file is one document per non-blank line. False once the pipeline has stopped.
+bool read_jsonl_file(const Options& o, std::ifstream& f, const std::string& file,
+                     std::atomic<int64_t>& read_bytes, Chunker& chunks) {
+  std::string line;
+  for (int64_t n = 1; std::getline(f, line); ++n) {
+    read_bytes += static_cast<int64_t>(line.size()) + 1;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const auto where = fmt::format("{}:{}", file, n);
+    if (!chunks.add(jsonl_document(o, line, where), where)) return false;
+  }
+  return true;
+}
+
+// Reads every input and pushes chunks of documents (about 1 MiB each).
+void read_inputs(const Options& o, const std::vector<std::string>& files, Pipeline& p,
+                 std::atomic<int64_t>& read_bytes, std::atomic<int64_t>& skipped) {
+  Chunker chunks(p, skipped);
   for (const auto& file : files) {
     std::ifstream f(file, std::ios::binary);
     if (!f) throw tessel::UserError(file + ": cannot open");
-    if (format_of(o, file) == "text") {  // one document per file
-      std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-      read_bytes += static_cast<int64_t>(text.size());
-      if (!add(std::move(text), file)) return;
-      continue;
-    }
-    std::string line;
-    for (int64_t n = 1; std::getline(f, line); ++n) {
-      read_bytes += static_cast<int64_t>(line.size()) + 1;
-      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-      const auto where = fmt::format("{}:{}", file, n);
-      nlohmann::json j;
-      try {
-        j = nlohmann::json::parse(line);
-      } catch (const std::exception& e) {
-        throw tessel::UserError(where + ": not a JSON object (" + e.what() + ")");
-      }
-      if (!j.is_object()) throw tessel::UserError(where + ": a JSON value, not an object");
-      if (!j.contains(o.key)) {
-        std::string keys;
-        for (auto& [name, _] : j.items()) keys += (keys.empty() ? "" : ", ") + name;
-        throw tessel::UserError(
-            fmt::format("{}: no field \"{}\" (--text-key names the field); this line's fields: {}",
-                        where, o.key, keys.empty() ? "none" : keys));
-      }
-      if (!j[o.key].is_string())
-        throw tessel::UserError(fmt::format("{}: field \"{}\" is a {}, not a string", where, o.key,
-                                            j[o.key].type_name()));
-      if (!add(j[o.key].get<std::string>(), where)) return;
-    }
+    const bool more = format_of(o, file) == "text"
+                          ? read_text_file(f, file, read_bytes, chunks)
+                          : read_jsonl_file(o, f, file, read_bytes, chunks);
+    if (!more) return;
   }
-  if (!c.texts.empty()) p.push(std::move(c));
+  chunks.flush();
+}
+
+// Byte tokens: each document's UTF-8 bytes.
+std::vector<std::vector<uint32_t>> byte_tokens(const std::vector<std::string>& texts) {
+  std::vector<std::vector<uint32_t>> ids(texts.size());
+  for (size_t i = 0; i < texts.size(); ++i)
+    ids[i].assign(reinterpret_cast<const uint8_t*>(texts[i].data()),
+                  reinterpret_cast<const uint8_t*>(texts[i].data()) + texts[i].size());
+  return ids;
+}
+
+// A worker: encodes chunks (each document ends with eod) until the reader is done.
+void encode_chunks(const Options& o, uint32_t eod, Pipeline& p) {
+  std::unique_ptr<tessel::TokenizerProcess> tok;
+  if (!o.tokenizer.empty()) tok = std::make_unique<tessel::TokenizerProcess>(o.tokenizer, o.python);
+  int64_t index;
+  Chunk c;
+  while (p.pop(index, c)) {
+    c.ids = tok ? tok->encode(c.texts, !o.no_special) : byte_tokens(c.texts);
+    for (auto& d : c.ids) d.push_back(eod);
+    c.texts.clear();
+    p.done(index, std::move(c));
+  }
 }
 
 std::string human(double v, const char* unit) {
@@ -187,143 +242,175 @@ std::string human(double v, const char* unit) {
   return *unit ? fmt::format("{:.1f} {}{}", v, p[i], unit) : fmt::format("{:.1f}{}", v, p[i]);
 }
 
-int run(const Options& o) {
+std::vector<std::string> input_files(const Options& o) {
   std::vector<std::string> files;
   for (const auto& in : o.inputs)
     for (auto& f : tessel::data::expand(in)) files.push_back(std::move(f));
+  return files;
+}
+
+int64_t total_size(const std::vector<std::string>& files) {
   int64_t total_bytes = 0;
   for (const auto& f : files) total_bytes += static_cast<int64_t>(fs::file_size(f));
+  return total_bytes;
+}
 
-  // The end-of-document id and the vocabulary, checked before any work starts.
-  const bool bytes_mode = o.tokenizer.empty();
-  int64_t vocab = tessel::data::kTextVocab;
+struct Vocabulary {
+  int64_t size = tessel::data::kTextVocab;
   uint32_t eod = tessel::data::kTextEod;
   std::string eod_text = "256 (bytes)";
-  if (!bytes_mode) {
-    tessel::TokenizerProcess probe(o.tokenizer, o.python);
-    auto s = tessel::special_tokens(o.tokenizer);
-    // Ids may have gaps: the bound is the highest id + 1, not the number of tokens.
-    vocab = std::max(probe.vocab_size(), s.vocab_size);
-    if (o.eod.empty()) {
-      if (!s.eos)
-        throw tessel::UserError(o.tokenizer +
-                                ": no end-of-document token found (none of <|endoftext|>, "
-                                "<|end_of_text|>, </s>, <eos>); name one with --eod TOKEN");
-      eod = static_cast<uint32_t>(*s.eos), eod_text = s.eos_text;
-    } else {
-      auto id = probe.token_to_id(o.eod);
-      if (!id) throw tessel::UserError("--eod '" + o.eod + "' is not a token of " + o.tokenizer);
-      eod = static_cast<uint32_t>(*id), eod_text = o.eod;
-    }
-  } else if (!o.eod.empty()) {
-    throw tessel::UserError("--eod needs --tokenizer (byte tokens end documents with 256)");
+};
+
+// The end-of-document id and the vocabulary, checked before any work starts.
+Vocabulary vocabulary_of(const Options& o) {
+  Vocabulary v;
+  if (o.tokenizer.empty()) {
+    if (!o.eod.empty())
+      throw tessel::UserError("--eod needs --tokenizer (byte tokens end documents with 256)");
+    return v;
   }
+  tessel::TokenizerProcess probe(o.tokenizer, o.python);
+  auto s = tessel::special_tokens(o.tokenizer);
+  // Ids may have gaps: the bound is the highest id + 1, not the number of tokens.
+  v.size = std::max(probe.vocab_size(), s.vocab_size);
+  if (o.eod.empty()) {
+    if (!s.eos)
+      throw tessel::UserError(o.tokenizer +
+                              ": no end-of-document token found (none of <|endoftext|>, "
+                              "<|end_of_text|>, </s>, <eos>); name one with --eod TOKEN");
+    v.eod = static_cast<uint32_t>(*s.eos), v.eod_text = s.eos_text;
+  } else {
+    auto id = probe.token_to_id(o.eod);
+    if (!id) throw tessel::UserError("--eod '" + o.eod + "' is not a token of " + o.tokenizer);
+    v.eod = static_cast<uint32_t>(*id), v.eod_text = o.eod;
+  }
+  return v;
+}
+
+// On any early exit (a thread that cannot start, an exception below) stop and join the threads:
+// destroying a joinable std::thread would terminate the process instead of reporting the error.
+struct JoinAll {
+  Pipeline& p;
+  std::vector<std::thread>& threads;
+  ~JoinAll() {
+    for (auto& t : threads)
+      if (t.joinable()) {
+        p.fail(std::make_exception_ptr(std::runtime_error("stopped early")));
+        t.join();
+      }
+  }
+};
+
+// Starts a pipeline thread: its exception stops the pipeline, and the main thread rethrows it.
+template <class F>
+void spawn(std::vector<std::thread>& threads, Pipeline& p, F body) {
+  threads.emplace_back([&p, body] {
+    try {
+      body();
+    } catch (...) {
+      p.fail(std::current_exception());
+    }
+  });
+}
+
+// The progress line: a bar redrawn every 200 ms on a terminal, else a log line every 10 s.
+class Progress {
+ public:
+  Progress(const Options& o, int64_t total_bytes, const std::atomic<int64_t>& read_bytes,
+           const tessel::data::MegatronWriter& out)
+      : o_(o),
+        total_bytes_(total_bytes),
+        read_bytes_(read_bytes),
+        out_(out),
+        tty_(o.progress && ::isatty(2)) {}
+  bool tty() const { return tty_; }
+  double seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+  void report(bool final) {
+    const auto now = std::chrono::steady_clock::now();
+    if (!final && now - last_ < (tty_ ? std::chrono::milliseconds(200) : std::chrono::seconds(10)))
+      return;
+    last_ = now;
+    const double s = std::chrono::duration<double>(now - start_).count();
+    const double done = static_cast<double>(read_bytes_.load());
+    const double frac = total_bytes_ ? done / total_bytes_ : 1.0;
+    const int width = 30, filled = static_cast<int>(frac * width);
+    const auto line = fmt::format(
+        "[{}{}] {:3.0f}% {} of {}, {} documents, {} tokens, {}/s", std::string(filled, '#'),
+        std::string(width - filled, '.'), 100 * frac, human(done, "B"),
+        human(static_cast<double>(total_bytes_), "B"), out_.documents(),
+        human(static_cast<double>(out_.tokens()), ""), human(s > 0 ? done / s : 0, "B"));
+    if (tty_)
+      std::fprintf(stderr, "\r%s", line.c_str());
+    else if (o_.progress)
+      spdlog::info("{}", line);
+  }
+
+ private:
+  const Options& o_;
+  int64_t total_bytes_;
+  const std::atomic<int64_t>& read_bytes_;
+  const tessel::data::MegatronWriter& out_;
+  bool tty_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now(), last_ = start_;
+};
+
+// The main thread's part: writes the encoded chunks in input order.
+void write_chunks(Pipeline& p, tessel::data::MegatronWriter& out, Progress& progress) {
+  Chunk c;
+  try {
+    while (p.next(c, std::chrono::milliseconds(200))) {
+      for (const auto& d : c.ids) out.add(d.data(), static_cast<int64_t>(d.size()));
+      progress.report(false);
+    }
+  } catch (...) {
+    p.fail(std::current_exception());
+  }
+}
+
+int run(const Options& o) {
+  const auto files = input_files(o);
+  const int64_t total_bytes = total_size(files);
+  const Vocabulary v = vocabulary_of(o);
   const int workers = o.workers > 0
                           ? o.workers
                           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   spdlog::info("{} input file{} ({}), {}, end-of-document {} = {}, {} worker{}", files.size(),
                files.size() == 1 ? "" : "s", human(static_cast<double>(total_bytes), "B"),
-               bytes_mode ? "byte tokens" : "tokenizer " + o.tokenizer, eod_text, eod, workers,
-               workers == 1 ? "" : "s");
+               o.tokenizer.empty() ? "byte tokens" : "tokenizer " + o.tokenizer, v.eod_text, v.eod,
+               workers, workers == 1 ? "" : "s");
 
   // Opened before any thread starts: a bad --out is an error, not std::terminate on joinable
   // threads.
-  tessel::data::MegatronWriter out(o.out, vocab);
+  tessel::data::MegatronWriter out(o.out, v.size);
   Pipeline p(static_cast<size_t>(2 * workers + 2));
   std::atomic<int64_t> read_bytes{0}, skipped{0};
   std::vector<std::thread> threads;
-  // On any early exit (a thread that cannot start, an exception below) stop and join the threads:
-  // destroying a joinable std::thread would terminate the process instead of reporting the error.
-  struct JoinAll {
-    Pipeline& p;
-    std::vector<std::thread>& threads;
-    ~JoinAll() {
-      for (auto& t : threads)
-        if (t.joinable()) {
-          p.fail(std::make_exception_ptr(std::runtime_error("stopped early")));
-          t.join();
-        }
-    }
-  } join_all{p, threads};
-  threads.emplace_back([&] {
-    try {
-      read_inputs(o, files, p, read_bytes, skipped);
-      p.close();
-    } catch (...) {
-      p.fail(std::current_exception());
-    }
+  JoinAll join_all{p, threads};
+  spawn(threads, p, [&] {
+    read_inputs(o, files, p, read_bytes, skipped);
+    p.close();
   });
-  for (int w = 0; w < workers; ++w)
-    threads.emplace_back([&] {
-      try {
-        std::unique_ptr<tessel::TokenizerProcess> tok;
-        if (!bytes_mode) tok = std::make_unique<tessel::TokenizerProcess>(o.tokenizer, o.python);
-        int64_t index;
-        Chunk c;
-        while (p.pop(index, c)) {
-          if (tok) {
-            c.ids = tok->encode(c.texts, !o.no_special);
-          } else {
-            c.ids.resize(c.texts.size());
-            for (size_t i = 0; i < c.texts.size(); ++i)
-              c.ids[i].assign(
-                  reinterpret_cast<const uint8_t*>(c.texts[i].data()),
-                  reinterpret_cast<const uint8_t*>(c.texts[i].data()) + c.texts[i].size());
-          }
-          for (auto& d : c.ids) d.push_back(eod);
-          c.texts.clear();
-          p.done(index, std::move(c));
-        }
-      } catch (...) {
-        p.fail(std::current_exception());
-      }
-    });
+  const uint32_t eod = v.eod;
+  for (int w = 0; w < workers; ++w) spawn(threads, p, [&o, &p, eod] { encode_chunks(o, eod, p); });
 
-  const auto start = std::chrono::steady_clock::now();
-  auto last = start;
-  const bool tty = o.progress && ::isatty(2);
-  auto report = [&](bool final) {
-    const auto now = std::chrono::steady_clock::now();
-    if (!final && now - last < (tty ? std::chrono::milliseconds(200) : std::chrono::seconds(10)))
-      return;
-    last = now;
-    const double s = std::chrono::duration<double>(now - start).count();
-    const double frac = total_bytes ? static_cast<double>(read_bytes) / total_bytes : 1.0;
-    const int width = 30, filled = static_cast<int>(frac * width);
-    const auto line = fmt::format("[{}{}] {:3.0f}% {} of {}, {} documents, {} tokens, {}/s",
-                                  std::string(filled, '#'), std::string(width - filled, '.'),
-                                  100 * frac, human(static_cast<double>(read_bytes), "B"),
-                                  human(static_cast<double>(total_bytes), "B"), out.documents(),
-                                  human(static_cast<double>(out.tokens()), ""),
-                                  human(s > 0 ? static_cast<double>(read_bytes) / s : 0, "B"));
-    if (tty)
-      std::fprintf(stderr, "\r%s", line.c_str());
-    else if (o.progress)
-      spdlog::info("{}", line);
-  };
-  Chunk c;
-  try {
-    while (p.next(c, std::chrono::milliseconds(200))) {
-      for (const auto& d : c.ids) out.add(d.data(), static_cast<int64_t>(d.size()));
-      report(false);
-    }
-  } catch (...) {
-    p.fail(std::current_exception());
-  }
+  Progress progress(o, total_bytes, read_bytes, out);
+  write_chunks(p, out, progress);
   for (auto& t : threads) t.join();
-  if (tty) {
-    report(true);
+  if (progress.tty()) {
+    progress.report(true);
     std::fputc('\n', stderr);
   }
   p.rethrow();
   out.finish();
-  if (!tty) report(true);
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!progress.tty()) progress.report(true);
   spdlog::info(
       "wrote {0}.bin / {0}.idx: {1} documents, {2} tokens ({3}-bit, vocabulary {4}){5} "
       "in {6:.1f} s",
-      o.out, out.documents(), out.tokens(), 8 * out.elem_size(), vocab,
-      skipped ? fmt::format(", {} empty documents skipped", skipped.load()) : "", s);
+      o.out, out.documents(), out.tokens(), 8 * out.elem_size(), v.size,
+      skipped ? fmt::format(", {} empty documents skipped", skipped.load()) : "",
+      progress.seconds());
   return 0;
 }
 

@@ -54,7 +54,7 @@ torch::Tensor save_merged(torch::autograd::AutogradContext* ctx,
 struct RingAttention : torch::autograd::Function<RingAttention> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
                                const torch::Tensor& k, const torch::Tensor& v, int64_t group) {
-    auto& g = *reinterpret_cast<Group*>(group);
+    auto& g = unpack_group(group);
     const int64_t n = g.size(), r = g.rank(), c = q.size(2) / 2, heads = q.size(1);
     const auto mine = chunks_of(n, r);
     std::array<torch::Tensor, 2> out, lse;
@@ -84,7 +84,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto& g = *reinterpret_cast<Group*>(ctx->saved_data["group"].toInt());
+    auto& g = unpack_group(ctx->saved_data["group"].toInt());
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &y = saved[3], &lse = saved[4];
     const auto dy = grads[0].contiguous();
@@ -150,7 +150,7 @@ torch::Tensor to_rank_order(const torch::Tensor& global, int64_t dim, int64_t n,
 struct AllGatherAttention : torch::autograd::Function<AllGatherAttention> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
                                const torch::Tensor& k, const torch::Tensor& v, int64_t group) {
-    auto& g = *reinterpret_cast<Group*>(group);
+    auto& g = unpack_group(group);
     const int64_t n = g.size(), c = q.size(2) / 2, heads = q.size(1);
     const auto mine = chunks_of(n, g.rank());
     // [2, b, kv_heads, 2c, d] -> [2, b, kv_heads, 2n·c, d]: one all-gather for K and V.
@@ -174,7 +174,7 @@ struct AllGatherAttention : torch::autograd::Function<AllGatherAttention> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto& g = *reinterpret_cast<Group*>(ctx->saved_data["group"].toInt());
+    auto& g = unpack_group(ctx->saved_data["group"].toInt());
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &kv = saved[1], &y = saved[2], &lse = saved[3];
     const int64_t n = g.size(), c = q.size(2) / 2, heads = q.size(1), kvh = kv.size(2);
@@ -226,9 +226,8 @@ torch::Tensor local_chunks(const torch::Tensor& x, int64_t dim, int64_t cp, int6
 
 torch::Tensor attention(Group& cp, Method method, const torch::Tensor& q, const torch::Tensor& k,
                         const torch::Tensor& v) {
-  if (method == Method::kAllGather)
-    return AllGatherAttention::apply(q, k, v, reinterpret_cast<int64_t>(&cp));
-  return RingAttention::apply(q, k, v, reinterpret_cast<int64_t>(&cp));
+  if (method == Method::kAllGather) return AllGatherAttention::apply(q, k, v, pack_group(cp));
+  return RingAttention::apply(q, k, v, pack_group(cp));
 }
 
 }  // namespace tessel::parallel::cp

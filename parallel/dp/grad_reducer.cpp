@@ -8,6 +8,8 @@
 #include <chrono>
 #include <deque>
 
+#include "parallel/dp/bucket_gather.h"
+
 namespace tessel::parallel::dp {
 namespace {
 
@@ -23,7 +25,7 @@ GradReducer::GradReducer(const Mesh& mesh, const std::vector<NamedParam>& params
     : mesh_(mesh),
       opt_(opt),
       reduce_(mesh.dp_cp().size() > 1 || opt.zero() >= 2),
-      in_place_(mesh.dp_cp().backend_name() == "nccl"),
+      in_place_(mesh.dp_cp().is_nccl()),
       wait_(time_on_device(mesh.device(), mesh.dp_cp().backend_name())) {
   const auto& layout = opt.layout();
   // Each chunk's slots are one contiguous range (the model registers them so).
@@ -175,17 +177,12 @@ void gather_weights(Group& dp_cp, FlatAdamW& opt, SpanTimer& timer) {
   if (dp_cp.size() == 1) return;
   timer.start();
   const auto& layout = opt.layout();
-  const bool in_place = dp_cp.backend_name() == "nccl";
-  std::vector<Work> works;
-  std::vector<torch::Tensor> keep;  // inputs alive until their all-gather completes
+  BucketGather gathers;
   auto weights = opt.weights();
-  for (const auto& b : layout.buckets()) {
-    auto whole = weights.narrow(0, b.begin, b.end - b.begin);
-    auto mine = weights.narrow(0, layout.piece_flat(b), layout.piece_numel(b));
-    keep.push_back(in_place ? mine : mine.clone());
-    works.push_back(dp_cp.all_gather(whole, keep.back()));
-  }
-  for (auto& w : works) w.wait();
+  for (const auto& b : layout.buckets())
+    gathers.start(dp_cp, weights.narrow(0, b.begin, b.end - b.begin),
+                  weights.narrow(0, layout.piece_flat(b), layout.piece_numel(b)));
+  gathers.wait();
   timer.stop();
 }
 

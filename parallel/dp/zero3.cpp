@@ -27,7 +27,7 @@ void allocate_storage(const torch::Tensor& t) {
 }  // namespace
 
 UnitGatherer::UnitGatherer(Group& dp_cp, FlatAdamW& opt)
-    : dp_cp_(dp_cp), opt_(opt), wait_(dp_cp.backend_name() == "nccl") {  // NCCL: on CUDA
+    : dp_cp_(dp_cp), opt_(opt), wait_(dp_cp.is_nccl()) {  // NCCL: on CUDA
   const auto& buckets = opt.layout().buckets();
   for (size_t b = 0; b < buckets.size(); ++b) {
     auto& u = units_[buckets[b].unit];
@@ -66,23 +66,20 @@ void UnitGatherer::start(Unit& u) {
     const auto& bucket = layout.buckets()[b];
     auto full = opt_.unit_buffers()[b];
     allocate_storage(full);
-    auto mine = shard.narrow(0, bucket.shard_offset, layout.piece_numel(bucket));
-    u.pending.push_back(dp_cp_.all_gather(full, mine));
+    u.pending.start(dp_cp_, full, shard.narrow(0, bucket.shard_offset, layout.piece_numel(bucket)));
   }
 }
 
 void UnitGatherer::ready(Unit& u) {
   start(u);
   wait_.start();
-  for (auto& w : u.pending) w.wait();
+  u.pending.wait();
   wait_.stop();
-  u.pending.clear();
 }
 
 void UnitGatherer::release(Unit& u) {
   if (!u.resident) return;
-  for (auto& w : u.pending) w.wait();  // never free a buffer a gather is writing
-  u.pending.clear();
+  u.pending.wait();  // never free a buffer a gather is writing
   for (size_t b : u.buckets) drop_storage(opt_.unit_buffers()[b]);
   u.resident = false;
   u.done = 0;

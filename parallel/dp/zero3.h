@@ -19,6 +19,7 @@
 #include "optim/optim.h"
 #include "parallel/block_hooks.h"
 #include "parallel/comm.h"
+#include "parallel/dp/bucket_gather.h"
 
 namespace tessel::parallel::dp {
 
@@ -45,8 +46,8 @@ class UnitGatherer : public BlockHooks {
   struct Unit {
     std::vector<size_t> buckets;
     bool resident = false;
-    std::vector<Work> pending;  // a gather in flight
-    size_t done = 0;            // buckets whose gradients are in, this backward
+    BucketGather pending;  // a gather in flight
+    size_t done = 0;       // buckets whose gradients are in, this backward
     int64_t bytes = 0;
   };
   Unit* find(const std::string& name);

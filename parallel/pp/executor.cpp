@@ -21,6 +21,220 @@ struct Held {
   torch::Tensor grad;          // received gradient of the output (last stage: ones)
 };
 
+// A posted receive: waited for by the pass that needs it.
+struct Pending {
+  Work work;
+  torch::Tensor host, dst;  // staged: lands in `host`, then copied into `dst`
+};
+using RecvKey = std::tuple<int64_t, int64_t, bool>;  // (micro-batch, chunk, gradient?)
+
+// One step's sends and receives: queued as the list names them, posted together by flush().
+class Transfers {
+ public:
+  Transfers(Group& pp, const std::vector<int64_t>& shape, const torch::TensorOptions& options,
+            SpanTimer& wait)
+      : pp_(pp),
+        shape_(shape),
+        options_(options),
+        wait_(wait),
+        // Gloo's send/recv move host memory only: CUDA tensors travel through host copies.
+        staged_(options.device().is_cuda() && pp.backend_name() == "gloo") {}
+
+  void send(const torch::Tensor& t, int64_t peer, int tag) {
+    batch_.push_back({P2POp::kSend, to_send(t), peer, tag});
+  }
+  void recv(const torch::Tensor& dst, int64_t peer, int tag, RecvKey key) {
+    Pending r{{},
+              staged_ ? torch::empty(shape_, options_.device(torch::kCPU).pinned_memory(true))
+                      : torch::Tensor(),
+              dst};
+    batch_.push_back({P2POp::kRecv, staged_ ? r.host : dst, peer, tag});
+    posted_.emplace_back(key, std::move(r));
+  }
+  void flush();
+  // Waits for the receive `key`, if one is pending.
+  void await(const RecvKey& key) {
+    auto it = pending_.find(key);
+    if (it == pending_.end()) return;
+    land(it->second);
+    pending_.erase(it);
+  }
+  // The end of pipeline rank `rank`'s step: posts what is queued, waits for every send.
+  void finish(int64_t rank);
+
+ private:
+  torch::Tensor to_send(const torch::Tensor& t) const {
+    return staged_ ? t.detach().to(torch::kCPU) : t.detach().contiguous();
+  }
+  void land(Pending& r) {
+    wait_.start();
+    r.work.wait();
+    wait_.stop();
+    if (r.host.defined()) r.dst.copy_(r.host, /*non_blocking=*/true);
+  }
+
+  Group& pp_;
+  const std::vector<int64_t>& shape_;
+  torch::TensorOptions options_;
+  SpanTimer& wait_;
+  const bool staged_;
+  std::map<RecvKey, Pending> pending_;
+  std::vector<P2POp> batch_;
+  std::vector<std::pair<RecvKey, Pending>> posted_;  // this batch's receives, in batch order
+  std::vector<Work> sends_;
+};
+
+// Posts the pending sends and receives together. Over Gloo every operation has its own work:
+// sends finish in the background and each receive is waited for by the pass that needs it.
+// NCCL returns one work for the batch, which orders the compute stream after all of it.
+void Transfers::flush() {
+  if (batch_.empty()) return;
+  auto works = pp_.send_recv(batch_);
+  if (works.size() != batch_.size()) {
+    wait_.start();
+    for (auto& w : works) w.wait();
+    wait_.stop();
+    for (auto& [key, r] : posted_) land(r);
+  } else {
+    size_t next_recv = 0;
+    for (size_t i = 0; i < works.size(); ++i) {
+      if (batch_[i].kind == P2POp::kSend) {
+        sends_.push_back(std::move(works[i]));
+      } else {
+        auto& [key, r] = posted_[next_recv++];
+        r.work = std::move(works[i]);
+        pending_.emplace(key, std::move(r));
+      }
+    }
+  }
+  batch_.clear();
+  posted_.clear();
+  sends_.erase(
+      std::remove_if(sends_.begin(), sends_.end(), [](const Work& w) { return w.completed(); }),
+      sends_.end());
+}
+
+void Transfers::finish(int64_t rank) {
+  flush();
+  TORCH_CHECK(pending_.empty(), "pipeline rank ", rank, ": ", pending_.size(),
+              " received tensors were never used");
+  wait_.start();
+  for (auto& w : sends_) w.wait();
+  wait_.stop();
+}
+
+// One run of a rank's action list: what each (micro-batch, chunk) holds, and its transfers.
+class StepRun {
+ public:
+  StepRun(const Schedule& s, int64_t rank, const StageFns& fns, Group& pp,
+          const std::vector<int64_t>& shape, const torch::TensorOptions& options,
+          SpanTimer& compute, SpanTimer& wait)
+      : p_(s.stages),
+        stages_(s.stages * s.virtual_stages),
+        m_(s.microbatches),
+        r_(rank),
+        fns_(fns),
+        shape_(shape),
+        options_(options),
+        compute_(compute),
+        io_(pp, shape, options, wait) {}
+
+  // `final`: a backward that is its chunk's last of the step.
+  void act(const Action& a, bool final);
+  StepStats finish() {
+    io_.finish(r_);
+    return st_;
+  }
+
+ private:
+  // A message's tag: (activation or gradient, sending stage, micro-batch), unique in the step.
+  int tag(bool grad, int64_t from_stage, int64_t mb) const {
+    return static_cast<int>(((grad ? stages_ : 0) + from_stage) * m_ + mb);
+  }
+  void forward(const Action& a, int64_t stage, Held& h);
+  void backward(const Action& a, int64_t stage, Held& h, bool final);
+
+  const int64_t p_, stages_, m_, r_;
+  const bool training_ = torch::GradMode::is_enabled();
+  const StageFns& fns_;
+  const std::vector<int64_t>& shape_;
+  torch::TensorOptions options_;
+  SpanTimer& compute_;
+  std::map<std::pair<int64_t, int64_t>, Held> held_;  // by (micro-batch, chunk)
+  Transfers io_;
+  StepStats st_;
+  int64_t live_ = 0;
+};
+
+void StepRun::act(const Action& a, bool final) {
+  const int64_t stage = a.chunk * p_ + r_;
+  const int64_t prev = (stage - 1 + p_) % p_, next = (stage + 1) % p_;
+  Held& h = held_[{a.microbatch, a.chunk}];
+  switch (a.op) {
+    case Op::kRecvAct:
+      h.input = torch::empty(shape_, options_);
+      io_.recv(h.input, prev, tag(false, stage - 1, a.microbatch), {a.microbatch, a.chunk, false});
+      break;
+    case Op::kSendAct:
+      io_.send(h.output, next, tag(false, stage, a.microbatch));
+      h.output = torch::Tensor();
+      break;
+    case Op::kRecvGrad:
+      h.grad = torch::empty(shape_, options_);
+      io_.recv(h.grad, next, tag(true, stage + 1, a.microbatch), {a.microbatch, a.chunk, true});
+      break;
+    case Op::kSendGrad:
+      TORCH_CHECK(h.input.grad().defined(), "pipeline stage ", stage, ": micro-batch ",
+                  a.microbatch, " has no input gradient to send");
+      io_.send(h.input.grad(), prev, tag(true, stage, a.microbatch));
+      held_.erase({a.microbatch, a.chunk});
+      break;
+    case Op::kForward:
+      forward(a, stage, h);
+      break;
+    case Op::kBackward:
+      backward(a, stage, h, final);
+      break;
+  }
+}
+
+void StepRun::forward(const Action& a, int64_t stage, Held& h) {
+  io_.flush();
+  io_.await({a.microbatch, a.chunk, false});
+  if (training_ && h.input.defined()) h.input.requires_grad_(true);
+  compute_.start();
+  auto out = fns_.forward(a.microbatch, a.chunk, h.input);
+  compute_.stop();
+  const bool last = stage == stages_ - 1;
+  if (training_) {
+    h.edge = torch::autograd::impl::gradient_edge(out);
+    if (last) h.grad = torch::ones_like(out);
+    st_.peak_activations = std::max(st_.peak_activations, ++live_);
+  } else {
+    h.input = torch::Tensor();
+  }
+  if (!last) h.output = out;
+  if (!training_ && last) held_.erase({a.microbatch, a.chunk});
+}
+
+void StepRun::backward(const Action& a, int64_t stage, Held& h, bool final) {
+  io_.flush();
+  io_.await({a.microbatch, a.chunk, true});
+  TORCH_CHECK(h.edge.function, "pipeline stage ", stage, ": backward of micro-batch ", a.microbatch,
+              " before its forward");
+  if (fns_.before_backward) fns_.before_backward(a.chunk, final);
+  compute_.start();
+  torch::autograd::Engine::get_default_engine().execute({h.edge}, {h.grad}, /*keep_graph=*/false,
+                                                        /*create_graph=*/false,
+                                                        /*accumulate_grad=*/true, /*outputs=*/{});
+  compute_.stop();
+  if (fns_.after_backward) fns_.after_backward(a.chunk, final);
+  --live_;
+  h.edge = torch::autograd::Edge();
+  h.grad = torch::Tensor();
+  if (stage == 0) held_.erase({a.microbatch, a.chunk});
+}
+
 }  // namespace
 
 Executor::Executor(Group& pp, Schedule schedule, std::vector<int64_t> activation_shape,
@@ -44,153 +258,11 @@ Executor::Executor(Group& pp, Schedule schedule, std::vector<int64_t> activation
 
 StepStats Executor::run(const StageFns& fns) {
   step_.start();
-  const int64_t p = schedule_.stages, stages = p * schedule_.virtual_stages, r = pp_.rank();
-  const int64_t m = schedule_.microbatches;
-  const bool training = torch::GradMode::is_enabled();
-  // A message's tag: (activation or gradient, sending stage, micro-batch), unique in the step.
-  auto tag = [&](bool grad, int64_t from_stage, int64_t mb) {
-    return static_cast<int>(((grad ? stages : 0) + from_stage) * m + mb);
-  };
-  std::map<std::pair<int64_t, int64_t>, Held> held;  // by (micro-batch, chunk)
-  // Gloo's send/recv move host memory only: CUDA tensors travel through host copies.
-  const bool staged = options_.device().is_cuda() && pp_.backend_name() == "gloo";
-  auto to_send = [&](const torch::Tensor& t) {
-    return staged ? t.detach().to(torch::kCPU) : t.detach().contiguous();
-  };
-  // A posted receive, by (micro-batch, chunk, gradient?): waited for by the pass that needs it.
-  struct Pending {
-    Work work;
-    torch::Tensor host, dst;  // staged: lands in `host`, then copied into `dst`
-  };
-  using RecvKey = std::tuple<int64_t, int64_t, bool>;
-  std::map<RecvKey, Pending> pending;
-  std::vector<P2POp> batch;
-  std::vector<std::pair<RecvKey, Pending>> posted;  // this batch's receives, in batch order
-  auto post_recv = [&](const torch::Tensor& dst, int64_t peer, int tag_, RecvKey key) {
-    Pending r{{},
-              staged ? torch::empty(shape_, options_.device(torch::kCPU).pinned_memory(true))
-                     : torch::Tensor(),
-              dst};
-    batch.push_back({P2POp::kRecv, staged ? r.host : dst, peer, tag_});
-    posted.emplace_back(key, std::move(r));
-  };
-  std::vector<Work> sends;
-  StepStats st;
-  int64_t live = 0;
-  auto land = [&](Pending& r) {
-    wait_.start();
-    r.work.wait();
-    wait_.stop();
-    if (r.host.defined()) r.dst.copy_(r.host, /*non_blocking=*/true);
-  };
-  // Posts the pending sends and receives together. Over Gloo every operation has its own work:
-  // sends finish in the background and each receive is waited for by the pass that needs it.
-  // NCCL returns one work for the batch, which orders the compute stream after all of it.
-  auto flush = [&] {
-    if (batch.empty()) return;
-    auto works = pp_.send_recv(batch);
-    if (works.size() != batch.size()) {
-      wait_.start();
-      for (auto& w : works) w.wait();
-      wait_.stop();
-      for (auto& [key, r] : posted) land(r);
-    } else {
-      size_t next_recv = 0;
-      for (size_t i = 0; i < works.size(); ++i) {
-        if (batch[i].kind == P2POp::kSend) {
-          sends.push_back(std::move(works[i]));
-        } else {
-          auto& [key, r] = posted[next_recv++];
-          r.work = std::move(works[i]);
-          pending.emplace(key, std::move(r));
-        }
-      }
-    }
-    batch.clear();
-    posted.clear();
-    sends.erase(
-        std::remove_if(sends.begin(), sends.end(), [](const Work& w) { return w.completed(); }),
-        sends.end());
-  };
-  auto await = [&](int64_t mb, int64_t chunk, bool grad) {
-    auto it = pending.find({mb, chunk, grad});
-    if (it == pending.end()) return;
-    land(it->second);
-    pending.erase(it);
-  };
+  const int64_t r = pp_.rank();
+  StepRun step(schedule_, r, fns, pp_, shape_, options_, compute_, wait_);
   const auto& list = schedule_.ranks[static_cast<size_t>(r)];
-  for (size_t i = 0; i < list.size(); ++i) {
-    const Action& a = list[i];
-    const int64_t stage = a.chunk * p + r;
-    const int64_t prev = (stage - 1 + p) % p, next = (stage + 1) % p;
-    Held& h = held[{a.microbatch, a.chunk}];
-    switch (a.op) {
-      case Op::kRecvAct:
-        h.input = torch::empty(shape_, options_);
-        post_recv(h.input, prev, tag(false, stage - 1, a.microbatch),
-                  {a.microbatch, a.chunk, false});
-        break;
-      case Op::kSendAct:
-        batch.push_back({P2POp::kSend, to_send(h.output), next, tag(false, stage, a.microbatch)});
-        h.output = torch::Tensor();
-        break;
-      case Op::kRecvGrad:
-        h.grad = torch::empty(shape_, options_);
-        post_recv(h.grad, next, tag(true, stage + 1, a.microbatch), {a.microbatch, a.chunk, true});
-        break;
-      case Op::kSendGrad:
-        TORCH_CHECK(h.input.grad().defined(), "pipeline stage ", stage, ": micro-batch ",
-                    a.microbatch, " has no input gradient to send");
-        batch.push_back(
-            {P2POp::kSend, to_send(h.input.grad()), prev, tag(true, stage, a.microbatch)});
-        held.erase({a.microbatch, a.chunk});
-        break;
-      case Op::kForward: {
-        flush();
-        await(a.microbatch, a.chunk, false);
-        if (training && h.input.defined()) h.input.requires_grad_(true);
-        compute_.start();
-        auto out = fns.forward(a.microbatch, a.chunk, h.input);
-        compute_.stop();
-        const bool last = stage == stages - 1;
-        if (training) {
-          h.edge = torch::autograd::impl::gradient_edge(out);
-          if (last) h.grad = torch::ones_like(out);
-          st.peak_activations = std::max(st.peak_activations, ++live);
-        } else {
-          h.input = torch::Tensor();
-        }
-        if (!last) h.output = out;
-        if (!training && last) held.erase({a.microbatch, a.chunk});
-        break;
-      }
-      case Op::kBackward: {
-        flush();
-        await(a.microbatch, a.chunk, true);
-        TORCH_CHECK(h.edge.function, "pipeline stage ", stage, ": backward of micro-batch ",
-                    a.microbatch, " before its forward");
-        const bool final = last_backward_[i];
-        if (fns.before_backward) fns.before_backward(a.chunk, final);
-        compute_.start();
-        torch::autograd::Engine::get_default_engine().execute(
-            {h.edge}, {h.grad}, /*keep_graph=*/false, /*create_graph=*/false,
-            /*accumulate_grad=*/true, /*outputs=*/{});
-        compute_.stop();
-        if (fns.after_backward) fns.after_backward(a.chunk, final);
-        --live;
-        h.edge = torch::autograd::Edge();
-        h.grad = torch::Tensor();
-        if (stage == 0) held.erase({a.microbatch, a.chunk});
-        break;
-      }
-    }
-  }
-  flush();
-  TORCH_CHECK(pending.empty(), "pipeline rank ", r, ": ", pending.size(),
-              " received tensors were never used");
-  wait_.start();
-  for (auto& w : sends) w.wait();
-  wait_.stop();
+  for (size_t i = 0; i < list.size(); ++i) step.act(list[i], last_backward_[i]);
+  const StepStats st = step.finish();
   step_.stop();
   return st;
 }

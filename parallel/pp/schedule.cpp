@@ -225,6 +225,125 @@ Schedule make_schedule(const std::string& name, int64_t p, int64_t m, int64_t v)
                   "' (gpipe, 1f1b, interleaved)");
 }
 
+namespace {
+
+using Key = std::pair<int64_t, int64_t>;  // (stage, micro-batch)
+
+// The simulator's clocks: when each pass finished, each message was sent and each receive was
+// posted; and per rank, its next action, its time and the chunks it holds activations of.
+struct SimState {
+  explicit SimState(int64_t p)
+      : next(static_cast<size_t>(p), 0),
+        clock(static_cast<size_t>(p), 0.0),
+        live(static_cast<size_t>(p), 0) {}
+  std::map<Key, double> fwd_done, bwd_done, act_sent, grad_sent, act_recv, grad_recv;
+  std::vector<size_t> next;
+  std::vector<double> clock;
+  std::vector<int64_t> live;
+};
+
+const double* time_of(const std::map<Key, double>& m, const Key& k) {
+  auto it = m.find(k);
+  return it == m.end() ? nullptr : &it->second;
+}
+
+// Whether action `a` of pipeline stage `stage` can run now; `dep` is set to when the message a
+// pass waits for was sent.
+bool ready(const SimState& st, const Action& a, int64_t stage, int64_t stages, const double*& dep) {
+  const Key k{stage, a.microbatch};
+  switch (a.op) {
+    case Op::kRecvAct:  // posted here; the forward waits for it
+    case Op::kRecvGrad:
+      return true;
+    case Op::kForward:
+      return stage == 0 ||
+             (time_of(st.act_recv, k) && (dep = time_of(st.act_sent, {stage - 1, a.microbatch})));
+    case Op::kSendAct:
+      return time_of(st.fwd_done, k) != nullptr;
+    case Op::kBackward:
+      return time_of(st.fwd_done, k) &&
+             (stage == stages - 1 || (time_of(st.grad_recv, k) &&
+                                      (dep = time_of(st.grad_sent, {stage + 1, a.microbatch}))));
+    case Op::kSendGrad:
+      return time_of(st.bwd_done, k) != nullptr;
+  }
+  return true;
+}
+
+// Runs rank r's ready action `a` at the rank's clock: a transfer is recorded at that time, a pass
+// takes 1/v of its stage time. False, with sim.problem set, when the pass already ran.
+bool run_action(Simulation& sim, SimState& st, const Action& a, int64_t r, const Key& k,
+                int64_t v) {
+  double& t = st.clock[r];
+  switch (a.op) {
+    case Op::kRecvAct:
+      st.act_recv[k] = t;
+      break;
+    case Op::kRecvGrad:
+      st.grad_recv[k] = t;
+      break;
+    case Op::kSendAct:
+      st.act_sent[k] = t;
+      break;
+    case Op::kSendGrad:
+      st.grad_sent[k] = t;
+      break;
+    case Op::kForward:
+    case Op::kBackward: {
+      const bool f = a.op == Op::kForward;
+      auto& done = f ? st.fwd_done : st.bwd_done;
+      if (done.count(k)) {
+        sim.problem = fmt::format("rank {} runs the {} of micro-batch {} chunk {} twice", r,
+                                  op_name(a.op), a.microbatch, a.chunk);
+        return false;
+      }
+      const double d = (f ? sim.forward_time : sim.backward_time) / static_cast<double>(v);
+      sim.timeline[r].push_back({t, t + d, a});
+      t += d;
+      done[k] = t;
+      st.live[r] += f ? 1 : -1;
+      sim.peak_activations[r] = std::max(sim.peak_activations[r], st.live[r]);
+      break;
+    }
+  }
+  return true;
+}
+
+// Where each rank that did not reach the end of its list waits; "" when all did.
+std::string waiting_ranks(const Schedule& s, const SimState& st) {
+  std::string problem;
+  for (int64_t r = 0; r < s.stages; ++r)
+    if (st.next[r] < s.ranks[r].size()) {
+      const auto& a = s.ranks[r][st.next[r]];
+      problem += fmt::format("{}rank {} waits at {} of micro-batch {} chunk {}",
+                             problem.empty() ? "" : "; ", r, op_name(a.op), a.microbatch, a.chunk);
+    }
+  return problem;
+}
+
+// The first stage that misses a pass of a micro-batch the schedule must run; "" when none.
+std::string missing_pass(const Schedule& s, const SimState& st) {
+  for (int64_t stage = 0; stage < s.stages * s.virtual_stages; ++stage)
+    for (int64_t mb = 0; mb < s.microbatches; ++mb)
+      if (!st.fwd_done.count({stage, mb}) || (s.backward && !st.bwd_done.count({stage, mb})))
+        return fmt::format("stage {} never runs both passes of micro-batch {}", stage, mb);
+  return "";
+}
+
+// Message order: what each rank sends to a peer, in list order, against what the peer
+// receives from it, in its list order.
+bool messages_in_order(const Schedule& s) {
+  const int64_t p = s.stages;
+  std::map<std::pair<int64_t, int64_t>, std::vector<Msg>> sent, received;  // (from, to)
+  for (int64_t r = 0; r < p; ++r)
+    for (const auto& a : s.ranks[r])
+      if (auto x = transfer_of(a, r, p))
+        (x->send ? sent[{r, x->peer}] : received[{x->peer, r}]).push_back(x->msg);
+  return sent == received;
+}
+
+}  // namespace
+
 Simulation simulate(const Schedule& s, double forward_time, double backward_time) {
   const int64_t p = s.stages, v = s.virtual_stages, stages = p * v;
   Simulation sim;
@@ -232,108 +351,30 @@ Simulation simulate(const Schedule& s, double forward_time, double backward_time
   sim.backward_time = backward_time;
   sim.timeline.resize(static_cast<size_t>(p));
   sim.peak_activations.assign(static_cast<size_t>(p), 0);
-  using Key = std::pair<int64_t, int64_t>;  // (stage, micro-batch)
-  std::map<Key, double> fwd_done, bwd_done, act_sent, grad_sent, act_recv, grad_recv;
-  std::vector<size_t> next(static_cast<size_t>(p), 0);
-  std::vector<double> clock(static_cast<size_t>(p), 0.0);
-  std::vector<int64_t> live(static_cast<size_t>(p), 0);
-  auto find = [](const std::map<Key, double>& m, const Key& k) -> const double* {
-    auto it = m.find(k);
-    return it == m.end() ? nullptr : &it->second;
-  };
+  SimState st(p);
   for (bool progress = true; progress;) {
     progress = false;
     for (int64_t r = 0; r < p; ++r) {
       const auto& list = s.ranks[r];
-      auto& t = clock[r];
-      while (next[r] < list.size()) {
-        const Action& a = list[next[r]];
+      while (st.next[r] < list.size()) {
+        const Action& a = list[st.next[r]];
         const int64_t stage = a.chunk * p + r;
-        const Key k{stage, a.microbatch};
         const double* dep = nullptr;
-        bool ready = true;
-        switch (a.op) {
-          case Op::kRecvAct:  // posted here; the forward waits for it
-          case Op::kRecvGrad:
-            break;
-          case Op::kForward:
-            ready = stage == 0 ||
-                    (find(act_recv, k) && (dep = find(act_sent, {stage - 1, a.microbatch})));
-            break;
-          case Op::kSendAct:
-            ready = find(fwd_done, k) != nullptr;
-            break;
-          case Op::kBackward:
-            ready = find(fwd_done, k) &&
-                    (stage == stages - 1 ||
-                     (find(grad_recv, k) && (dep = find(grad_sent, {stage + 1, a.microbatch}))));
-            break;
-          case Op::kSendGrad:
-            ready = find(bwd_done, k) != nullptr;
-            break;
-        }
-        if (!ready) break;
-        if (dep) t = std::max(t, *dep);
-        switch (a.op) {
-          case Op::kRecvAct:
-            act_recv[k] = t;
-            break;
-          case Op::kRecvGrad:
-            grad_recv[k] = t;
-            break;
-          case Op::kSendAct:
-            act_sent[k] = t;
-            break;
-          case Op::kSendGrad:
-            grad_sent[k] = t;
-            break;
-          case Op::kForward:
-          case Op::kBackward: {
-            const bool f = a.op == Op::kForward;
-            auto& done = f ? fwd_done : bwd_done;
-            if (done.count(k)) {
-              sim.problem = fmt::format("rank {} runs the {} of micro-batch {} chunk {} twice", r,
-                                        op_name(a.op), a.microbatch, a.chunk);
-              return sim;
-            }
-            const double d = (f ? forward_time : backward_time) / static_cast<double>(v);
-            sim.timeline[r].push_back({t, t + d, a});
-            t += d;
-            done[k] = t;
-            live[r] += f ? 1 : -1;
-            sim.peak_activations[r] = std::max(sim.peak_activations[r], live[r]);
-            break;
-          }
-        }
-        ++next[r];
+        if (!ready(st, a, stage, stages, dep)) break;
+        if (dep) st.clock[r] = std::max(st.clock[r], *dep);
+        if (!run_action(sim, st, a, r, {stage, a.microbatch}, v)) return sim;
+        ++st.next[r];
         progress = true;
       }
     }
   }
-  for (int64_t r = 0; r < p; ++r)
-    if (next[r] < s.ranks[r].size()) {
-      const auto& a = s.ranks[r][next[r]];
-      sim.deadlock = true;
-      sim.problem +=
-          fmt::format("{}rank {} waits at {} of micro-batch {} chunk {}",
-                      sim.problem.empty() ? "" : "; ", r, op_name(a.op), a.microbatch, a.chunk);
-    }
+  sim.problem = waiting_ranks(s, st);
+  sim.deadlock = !sim.problem.empty();
   if (sim.deadlock) return sim;
-  for (int64_t st = 0; st < stages; ++st)
-    for (int64_t mb = 0; mb < s.microbatches; ++mb)
-      if (!fwd_done.count({st, mb}) || (s.backward && !bwd_done.count({st, mb}))) {
-        sim.problem = fmt::format("stage {} never runs both passes of micro-batch {}", st, mb);
-        return sim;
-      }
-  // Message order: what each rank sends to a peer, in list order, against what the peer
-  // receives from it, in its list order.
-  std::map<std::pair<int64_t, int64_t>, std::vector<Msg>> sent, received;  // (from, to)
-  for (int64_t r = 0; r < p; ++r)
-    for (const auto& a : s.ranks[r])
-      if (auto x = transfer_of(a, r, p))
-        (x->send ? sent[{r, x->peer}] : received[{x->peer, r}]).push_back(x->msg);
-  sim.ordered_messages = sent == received;
-  for (double t : clock) sim.makespan = std::max(sim.makespan, t);
+  sim.problem = missing_pass(s, st);
+  if (!sim.problem.empty()) return sim;
+  sim.ordered_messages = messages_in_order(s);
+  for (double t : st.clock) sim.makespan = std::max(sim.makespan, t);
   const double ideal = static_cast<double>(s.microbatches) * (forward_time + backward_time);
   sim.bubble = (sim.makespan - ideal) / ideal;
   return sim;

@@ -89,7 +89,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits_in,
                                const torch::Tensor& targets, int64_t group, int64_t vocab_start,
                                int64_t vocab) {
-    Group& g = *reinterpret_cast<Group*>(static_cast<intptr_t>(group));
+    Group& g = unpack_group(group);
     // A copy even when the logits are fp32 already: they are the head's output, not ours to edit.
     auto w = logits_in.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);  // [N, Vl]
     const int64_t vl = w.size(1);
@@ -127,8 +127,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
 torch::Tensor vocab_parallel_cross_entropy(Group& tp, const torch::Tensor& logits,
                                            const torch::Tensor& targets, int64_t vocab_start,
                                            int64_t vocab) {
-  return VocabParallelCrossEntropy::apply(
-      logits, targets, static_cast<int64_t>(reinterpret_cast<intptr_t>(&tp)), vocab_start, vocab);
+  return VocabParallelCrossEntropy::apply(logits, targets, pack_group(tp), vocab_start, vocab);
 }
 
 }  // namespace tessel::parallel::tp

@@ -7,7 +7,7 @@ import unittest
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
-from common import TmpDirTest, base_plan, launch_plan, read_metrics, rel, run, write_tokens  # noqa: E402
+from plans import TmpDirTest, base_plan, launch_plan, read_metrics, rel, run, write_tokens  # noqa: E402
 
 STEPS, VOCAB, LAYERS, BATCH, SEQ = 20, 301, 4, 8, 32
 

@@ -14,7 +14,7 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
 from plans import BIN, base_plan, launch_plan, read_metrics, rel, run, write_tokens  # noqa: E402
-from layouts import BASES, BY_ID  # noqa: E402
+from layouts import BASES, BY_ID, Row  # noqa: E402
 
 TOL = 1e-5
 CACHE = os.environ.get("TESSEL_PARITY_CACHE", os.path.join(BIN, "..", "parity-cache"))
@@ -93,6 +93,13 @@ def result(out):
             "weights": load_file(os.path.join(out, "hf", "model.safetensors")), "peak": peak, "out": out}
 
 
+def reference(base, arch):
+    """The table's single-process run of `base` for `arch` (cached like every row's), for tests
+    beyond the table that continue or load it: {loss, val, weights, peak, out}."""
+    runs = Runs()
+    return result(runs.get(runs.plan(Row("reference", base, arch, 1), {}, recompute=False), 1))
+
+
 class Parity(unittest.TestCase):
     row = None
 
@@ -128,7 +135,8 @@ class Parity(unittest.TestCase):
         """The executor held exactly the activations its schedule says (1F1B: at most pp)."""
         with open(os.path.join(out, "pipeline.json")) as f:
             pipeline = json.load(f)
-        pp, schedule = row.parallel["pp"], row.parallel["pipeline"]["schedule"]
+        pp = row.parallel["pp"]
+        schedule = row.parallel.get("pipeline", {}).get("schedule", "1f1b")  # the plan's default
         for r in pipeline["ranks"]:
             held, bound = r["peak_activations"], r["schedule_peak_activations"]
             self.assertEqual(held, bound, f"rank {r['rank']}: executor held {held}, schedule says {bound}")

@@ -1,15 +1,14 @@
 """Pipeline parallelism beyond the parity table (tests/dist/layouts.py holds every schedule's
 same-run check, with the activations each schedule holds): Hugging Face weights loaded stage by
 stage, and a pipeline checkpoint resharded into other layouts."""
-import json
 import os
 import sys
 import unittest
 
-from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
-from common import (BIN, TmpDirTest, base_plan, read_metrics, rel, run, write_plan, write_tokens, free_port)  # noqa: E402
+from plans import (BIN, TmpDirTest, base_plan, read_metrics, rel, run, write_plan, write_tokens, free_port)  # noqa: E402
+from parity import reference  # noqa: E402
 
 STEPS, VOCAB, LAYERS, BATCH = 20, 301, 8, 8
 
@@ -37,25 +36,12 @@ class PipelineParity(TmpDirTest):
             run("tessel-launch", "--nproc-per-node", world, "--master-port", free_port(), "--",
                 os.path.join(BIN, "tessel-train"), path)
 
-    def train(self, arch, pp=1, schedule="1f1b", v=1, tp=1, dp=1, sp=False):
-        name = f"{arch}_pp{pp}_{schedule}_v{v}_tp{tp}_dp{dp}_sp{int(sp)}"
-        self.launch(self.plan(arch, name, pp, schedule, v, tp, dp, sp), pp * tp * dp)
-        run("tessel-train", "export", self.path(name, "checkpoints"), "--out", self.path(name, "hf"))
-        metrics = read_metrics(self.path(name, "metrics.jsonl"))
-        losses = [m["loss"] for m in metrics if "loss" in m]
-        val = [m["val_loss"] for m in metrics if "val_loss" in m]
-        pipeline = None
-        if pp > 1:
-            with open(self.path(name, "pipeline.json")) as f:
-                pipeline = json.load(f)
-        return losses, val, load_file(self.path(name, "hf", "model.safetensors")), pipeline
-
     def test_init_from_hugging_face_weights(self):
         # model.init_from with Hugging Face names: each stage takes its layers (and the last stage
         # its copy of the tied table) from the file; pp=2 interleaved matches one process.
         self.data = write_tokens(self.path("d.u16"), 6000, vocab=VOCAB, period=41)
-        self.train("gpt2")
-        weights = self.path("gpt2_pp1_1f1b_v1_tp1_dp1_sp0", "hf", "model.safetensors")
+        # The parity table's single-process gpt2 run (trained once), exported with HF names.
+        weights = os.path.join(reference("pp", "gpt2")["out"], "hf", "model.safetensors")
         losses = []
         for name, pp, schedule, v in (("init1", 1, "1f1b", 1), ("init2", 2, "interleaved", 2)):
             plan = self.plan("gpt2", name, pp, schedule, v, model={"init_from": weights})
@@ -73,7 +59,7 @@ class PipelineParity(TmpDirTest):
         # A pp=2 interleaved run's step-10 checkpoint, continued with pp=4 1F1B and with one
         # process: steps 11-20 match the uninterrupted single-process run.
         self.data = write_tokens(self.path("d.u16"), 6000, vocab=VOCAB, period=41)
-        ref_losses, _, _, _ = self.train("gpt2")
+        ref_losses = reference("pp", "gpt2")["loss"]
         first = self.plan("gpt2", "pp2", 2, "interleaved", 2, checkpoint={"every": 10})
         self.launch(first, 2)
         for name, pp in (("cont_pp4", 4), ("cont_pp1", 1)):

@@ -5,33 +5,14 @@ import os
 import sys
 import unittest
 
-from safetensors.torch import load_file
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
-from common import (BIN, TmpDirTest, base_plan, read_metrics, rel, run, write_plan, write_tokens, free_port)  # noqa: E402
+from plans import (BIN, TmpDirTest, base_plan, read_metrics, rel, run, write_plan, write_tokens, free_port)  # noqa: E402
+from parity import reference  # noqa: E402
 
 STEPS, VOCAB = 20, 301
 
 
 class TensorParallelParity(TmpDirTest):
-    def train(self, arch, tp, dp, sp):
-        out = f"{arch}_tp{tp}_dp{dp}_sp{int(sp)}"
-        plan = base_plan(self.tmp, arch, self.data, steps=STEPS, global_batch=8, micro_batch=2, threads=1,
-                         optimizer={"lr": 3e-3}, schedule={"warmup_steps": 3}, grad_clip=0.5)
-        plan["model"]["vocab_size"] = VOCAB
-        plan["run"]["output_dir"] = self.path(out)
-        plan["data"]["shuffle"] = True
-        plan["parallel"] = {"tp": tp, "sequence_parallel": sp, "timeout_s": 120}
-        path = write_plan(self.path(out + ".yaml"), plan)
-        if tp * dp == 1:
-            run("tessel-train", path)
-        else:
-            run("tessel-launch", "--nproc-per-node", tp * dp, "--master-port", free_port(), "--",
-                os.path.join(BIN, "tessel-train"), path)
-        run("tessel-train", "export", self.path(out, "checkpoints"), "--out", self.path(out, "hf"))
-        losses = [m["loss"] for m in read_metrics(self.path(out, "metrics.jsonl")) if "loss" in m]
-        return losses, load_file(self.path(out, "hf", "model.safetensors"))
-
     def test_out_of_range_token_same_error_at_every_tp(self):
         import numpy as np
         toks = np.full(4000, 7, dtype="<u2")
@@ -60,7 +41,7 @@ class TensorParallelParity(TmpDirTest):
         # A tp=2 run's step-10 checkpoint, continued by one process: steps 11-20 match the
         # uninterrupted single-process run (the checkpoint reshards to any layout).
         self.data = write_tokens(self.path("d.u16"), 6000, vocab=VOCAB, period=41)
-        ref_losses, _ = self.train("llama", 1, 1, False)
+        ref_losses = reference("tp", "llama")["loss"]  # the parity table's, trained once
         plan = base_plan(self.tmp, "llama", self.data, steps=STEPS, global_batch=8, micro_batch=2, threads=1,
                          optimizer={"lr": 3e-3}, schedule={"warmup_steps": 3}, grad_clip=0.5)
         plan["model"]["vocab_size"] = VOCAB
