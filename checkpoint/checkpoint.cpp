@@ -20,8 +20,8 @@
 #include <sstream>
 
 #include "io/safetensors.h"
-#include "optim/state_names.h"
 #include "io/tokenizer.h"
+#include "optim/state_names.h"
 
 namespace fs = std::filesystem;
 

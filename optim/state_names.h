@@ -20,8 +20,6 @@ inline const std::string kLossScaleName = "optim.loss_scale";
 inline const std::string kGrowthTrackerName = "optim.loss_scale_growth_tracker";
 inline const std::string kSkippedStepsName = "optim.skipped_steps";
 
-inline bool is_optimizer_state(const std::string& name) {
-  return name.rfind(kStatePrefix, 0) == 0;
-}
+inline bool is_optimizer_state(const std::string& name) { return name.rfind(kStatePrefix, 0) == 0; }
 
 }  // namespace tessel::optim

@@ -471,7 +471,8 @@ void Trainer::report_memory() {
   for (int64_t r = 0; r < all.size(0); ++r) {
     nlohmann::json row = {{"rank", r}};
     int64_t k = 0;
-    for (const auto& [key, _] : figures) row[key] = static_cast<int64_t>(all[r][k++].item<double>());
+    for (const auto& [key, _] : figures)
+      row[key] = static_cast<int64_t>(all[r][k++].item<double>());
     for (const auto& [name, _] : comm)
       row["comm_bytes_per_step"][name] = static_cast<int64_t>(all[r][k++].item<double>());
     out["ranks"].push_back(row);
