@@ -1,6 +1,6 @@
-"""The layer order of LAYERS holds for every #include of the tree, and the check that says so can
-fail: on a made-up tree with an include that runs upward it names the file, the line and both
-layers."""
+"""The code's structure, held for the whole tree: the layer order of LAYERS for every #include
+(check_layers.py), and no function over 60 lines in the engine's folders (check_functions.py).
+Each check is also shown to fail, naming what is wrong, on a made-up tree."""
 import os
 import subprocess
 import sys
@@ -9,17 +9,16 @@ import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.environ.get("TESSEL_ROOT", os.path.join(HERE, "..", ".."))
-CHECK = os.path.join(HERE, "check_layers.py")
 
 
-def check(root):
-    r = subprocess.run([sys.executable, CHECK, root], capture_output=True, text=True)
+def check(script, root):
+    r = subprocess.run([sys.executable, os.path.join(HERE, script), root], capture_output=True, text=True)
     return r.returncode, r.stdout
 
 
 class Layers(unittest.TestCase):
     def test_tree_keeps_the_order(self):
-        rc, out = check(ROOT)
+        rc, out = check("check_layers.py", ROOT)
         self.assertEqual(rc, 0, out)
         self.assertIn("0 include(s) against the layer order", out)
 
@@ -33,16 +32,39 @@ class Layers(unittest.TestCase):
             write("plan/config.h", "#pragma once\n")
             write("models/layers.h", '#pragma once\n#include "plan/config.h"\n')
             write("run/train.cpp", '#include "models/layers.h"\n#include "plan/config.h"\n')
-            rc, out = check(d)
+            rc, out = check("check_layers.py", d)
             self.assertEqual(rc, 0, out)
             write("models/registry.cpp", '#include <map>\n\n#include "run/train.h"\n')
             write("stray/x.cpp", "int x;\n")
-            rc, out = check(d)
+            rc, out = check("check_layers.py", d)
             self.assertEqual(rc, 1, out)
             self.assertIn("models/registry.cpp:3: includes run/train.h: models/ (mid) may not "
                           "include run/ (top), a layer above it", out)
             self.assertIn("stray/x.cpp: folder stray/ is in no layer of LAYERS", out)
             self.assertIn("2 include(s) against the layer order (top > mid > low)", out)
+
+
+
+class Functions(unittest.TestCase):
+    def test_no_function_over_60_lines(self):
+        rc, out = check("check_functions.py", ROOT)
+        self.assertEqual(rc, 0, out)
+        self.assertIn("0 function(s) over 60 lines", out)
+
+    def test_long_function_is_named(self):
+        body = "".join(f"  x += {i};  // {{ a brace in a comment\n" for i in range(61))
+        with tempfile.TemporaryDirectory() as d:
+            os.makedirs(os.path.join(d, "run"))
+            with open(os.path.join(d, "run", "a.cpp"), "w") as f:
+                f.write('namespace t {\nconst char* s = "}";\n'
+                        "int short_one(int x) {\n  if (x) {\n    return 1;\n  }\n  return 0;\n}\n"
+                        "int long_one(int x) {\n" + body + "  return x;\n}\n}  // namespace t\n")
+            rc, out = check("check_functions.py", d)
+            self.assertEqual(rc, 1, out)
+            self.assertIn("run/a.cpp:9: 64 lines: int long_one(int x)", out)
+            self.assertNotIn("short_one", out)
+            self.assertIn("1 function(s) over 60 lines", out)
+
 
 
 if __name__ == "__main__":
