@@ -6,7 +6,7 @@ keys, no recompute): loss within 1e-5 relative at every step, validation loss to
 evaluates, and every exported weight within 1e-5. Runs are cached by plan and binary, so rows
 that share a reference train it once. Adding a layout is one line.
 
-Row(id, base, arch, world, parallel keys, training keys, peak_below=(row id, factor)):
+Row(id, base, arch, world, parallel keys, training keys, peak_below=(row id, factor), tol):
   base        one of BASES: the model, data and training of the experiment
   parallel    the plan's parallel section (dp, tp, cp, pp, zero, sequence_parallel,
               pipeline {schedule, virtual_stages, layers_per_stage}, context {method})
@@ -14,10 +14,14 @@ Row(id, base, arch, world, parallel keys, training keys, peak_below=(row id, fac
   peak_below  the step's peak memory must stay under factor x that row's ("reference": the
               single-process run's), for recompute; ZeRO-3's step peak is its gathered weights
               and gradient buckets at these sizes, hence 1.01 there
+  tol         (loss relative, exported weights absolute; None: not compared): 1e-5 both at fp32;
+              bf16/fp16 runs match one process in the same dtype up to low-precision summation
+              order, so their losses within 2e-3 (weights drift apart in their low bits)
 """
 from collections import namedtuple
 
-Row = namedtuple("Row", "id base arch world parallel training peak_below", defaults=({}, {}, None))
+Row = namedtuple("Row", "id base arch world parallel training peak_below tol",
+                 defaults=({}, {}, None, (1e-5, 1e-5)))
 
 # Each base: the plan's sections over tests/reference/plans.py's base_plan, and its token data.
 BASES = {
@@ -36,6 +40,10 @@ BASES = {
              "training": {"steps": 20, "global_batch": 8, "micro_batch": 1, "optimizer": {"lr": 3e-3},
                           "schedule": {"warmup_steps": 3}, "grad_clip": 0.5},
              "parallel": {"ddp": {"bucket_mb": 0.02}}},
+    "lowp": {"data": {"n": 20000, "vocab": 300, "period": 41},
+             "training": {"steps": 20, "global_batch": 4, "micro_batch": 2, "optimizer": {"lr": 3e-3},
+                          "schedule": {"warmup_steps": 2}, "grad_clip": 1.0,
+                          "loss_scale": {"initial": 1024.0, "growth_interval": 4}}},
     "recompute": {"data": {"n": 6000, "vocab": 300, "period": 41}, "model": {"layers": 4, "max_seq_len": 64},
                   "training": {"steps": 8, "global_batch": 8, "micro_batch": 2, "seq_len": 64, "optimizer": {"lr": 3e-3},
                                "schedule": {"warmup_steps": 2}, "grad_clip": 0.5}},
@@ -81,6 +89,9 @@ LAYOUTS = [
     *[Row(f"zero1_dp2_tp2_pp2_interleaved_sp_{arch}", "zero", arch, 8,
           pipe(2, "interleaved", 2, tp=2, dp=2, zero=1, **SP)) for arch in ("gpt2", "llama")],
     Row("zero3_dp2_tp2_llama", "zero", "llama", 4, {"dp": 2, "tp": 2, "zero": 3}),
+    # bf16/fp16 weights with fp32 masters sharded (ZeRO-1) or everything sharded (ZeRO-3)
+    *[Row(f"zero{z}_dp2_{dtype}_gpt2", "lowp", "gpt2", 2, {"dp": 2, "zero": z}, {"dtype": dtype}, None, (2e-3, None))
+      for dtype in ("bf16", "fp16") for z in (1, 3)],
     # activation recomputation: the same run, and less memory than the same layout without it
     *[Row(f"recompute_{name}_{mode}_{arch}", "recompute", arch, world, par, {"recompute": mode},
           (f"recompute_{name}_none_{arch}" if name != "single" else "reference",

@@ -16,7 +16,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
 from plans import BIN, base_plan, launch_plan, read_metrics, rel, run, write_tokens  # noqa: E402
 from layouts import BASES, BY_ID, Row  # noqa: E402
 
-TOL = 1e-5
 CACHE = os.environ.get("TESSEL_PARITY_CACHE", os.path.join(BIN, "..", "parity-cache"))
 
 
@@ -112,14 +111,16 @@ class Parity(unittest.TestCase):
         self.assertEqual(len(got["loss"]), steps, what)
         if steps >= 20:
             self.assertLess(ref["loss"][-1], ref["loss"][0] - 0.3, "the reference's loss must fall")
+        loss_tol, weight_tol = row.tol
         worst = max(rel(a, b) for a, b in zip(got["loss"], ref["loss"], strict=True))
-        self.assertLess(worst, TOL, f"{what}: losses {got['loss']} vs {ref['loss']}")
+        self.assertLess(worst, loss_tol, f"{what}: losses {got['loss']} vs {ref['loss']}")
         self.assertEqual(len(got["val"]), len(ref["val"]), what)
         worst_val = max((rel(a, b) for a, b in zip(got["val"], ref["val"], strict=True)), default=0.0)
-        self.assertLess(worst_val, TOL, f"{what}: validation {got['val']} vs {ref['val']}")
+        self.assertLess(worst_val, loss_tol, f"{what}: validation {got['val']} vs {ref['val']}")
         self.assertEqual(set(got["weights"]), set(ref["weights"]), what)
         wdiff = max(float(abs(got["weights"][k] - ref["weights"][k]).max()) for k in ref["weights"])
-        self.assertLess(wdiff, TOL, f"{what}: exported weights differ by {wdiff}")
+        if weight_tol is not None:
+            self.assertLess(wdiff, weight_tol, f"{what}: exported weights differ by {wdiff}")
         line = f"{what}: worst loss rel diff {worst:.2e}, val {worst_val:.2e}, exported weights {wdiff:.2e}"
         if row.parallel.get("pp", 1) > 1:
             line += self.check_pipeline(got["out"], row)
