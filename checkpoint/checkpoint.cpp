@@ -20,7 +20,6 @@
 #include <sstream>
 
 #include "io/safetensors.h"
-#include "io/tokenizer.h"
 #include "optim/state_names.h"
 
 namespace fs = std::filesystem;
@@ -577,117 +576,6 @@ CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& mo
   opt.finish_load(scalars.at(optim::kStepName), source);
   if (scaler) scaler->load_state(scalars);
   return {index.at("step").get<int64_t>(), index.at("consumed_samples").get<int64_t>()};
-}
-
-namespace {
-
-// Copies the tokenizer files into `out` and returns its special tokens.
-SpecialTokens export_tokenizer(const std::string& tokenizer, const fs::path& out,
-                               const ModelConfig& m) {
-  fs::path src = tokenizer;
-  if (fs::is_directory(src)) src /= "tokenizer.json";
-  if (!fs::is_regular_file(src))
-    throw UserError("--tokenizer: " + src.string() + " does not exist");
-  auto s = special_tokens(src.string());
-  if (s.vocab_size > m.vocab_size)
-    throw UserError("--tokenizer " + src.string() + " has " + std::to_string(s.vocab_size) +
-                    " ids but the model's vocabulary (model.vocab_size) is " +
-                    std::to_string(m.vocab_size));
-  fs::copy_file(src, out / "tokenizer.json", fs::copy_options::overwrite_existing);
-  for (const char* extra : {"tokenizer_config.json", "special_tokens_map.json"})
-    if (fs::exists(src.parent_path() / extra))
-      fs::copy_file(src.parent_path() / extra, out / extra, fs::copy_options::overwrite_existing);
-  nlohmann::json specials = nlohmann::json::object();
-  if (s.bos) specials["bos_token"] = s.bos_text;
-  if (s.eos) specials["eos_token"] = s.eos_text;
-  if (!fs::exists(out / "tokenizer_config.json")) {
-    auto cfg = specials;
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast";
-    cfg["model_max_length"] = m.max_seq_len;
-    write_file_atomic((out / "tokenizer_config.json").string(), cfg.dump(2) + "\n");
-  }
-  if (!fs::exists(out / "special_tokens_map.json"))
-    write_file_atomic((out / "special_tokens_map.json").string(), specials.dump(2) + "\n");
-  return s;
-}
-
-}  // namespace
-
-models::Weights checkpoint_model_weights(const std::string& step_dir) {
-  // The fp32 master copy is exact for bf16 runs too (their model weights are its rounding).
-  auto all = read_checkpoint_tensors(step_dir);
-  models::Weights w;
-  for (auto& [name, t] : all)
-    if (!optim::is_optimizer_state(name)) {
-      auto master = all.find(optim::kSlotPrefixes[0] + name);
-      w[name] = (master != all.end() ? master->second : t).to(torch::kFloat32);
-    }
-  return w;
-}
-
-namespace {
-
-// The files an export writes: a folder holding only these is a previous export.
-const std::set<std::string> kExportFiles = {"model.safetensors",      "config.json",
-                                            "generation_config.json", "tokenizer.json",
-                                            "tokenizer_config.json",  "special_tokens_map.json"};
-
-// An export never writes into a checkpoint, and never leaves a previous export's files (a stale
-// tokenizer beside new weights): a folder holding only export files is emptied first (said in
-// the log); a folder holding anything else is refused.
-void prepare_export_folder(const std::string& out_dir, const std::string& step_dir) {
-  std::error_code ec;
-  const auto out = fs::weakly_canonical(out_dir, ec);
-  const auto step = fs::weakly_canonical(step_dir, ec);
-  for (const auto& guarded : {step, step.parent_path()})
-    for (auto p = out; !p.empty(); p = p.parent_path()) {
-      if (p == guarded)
-        throw UserError(fmt::format(
-            "export --out {}: inside the checkpoint folder {}; export into a folder of its own",
-            out_dir, guarded.string()));
-      if (p == p.parent_path()) break;
-    }
-  if (!fs::is_directory(out_dir, ec)) return;
-  std::vector<std::string> previous, other;
-  for (const auto& e : fs::directory_iterator(out_dir, ec))
-    (kExportFiles.count(e.path().filename().string()) && e.is_regular_file() ? previous : other)
-        .push_back(e.path().filename().string());
-  std::sort(other.begin(), other.end());
-  if (!other.empty())
-    throw UserError(fmt::format(
-        "export --out {}: the folder holds files an export does not write ({}); export into a "
-        "new or empty folder, or a previous export's",
-        out_dir, fmt::join(other, ", ")));
-  if (previous.empty()) return;
-  std::sort(previous.begin(), previous.end());
-  for (const auto& f : previous) fs::remove(fs::path(out_dir) / f);
-  spdlog::info("export: replacing the previous export in {} (removed {})", out_dir,
-               fmt::join(previous, ", "));
-}
-
-}  // namespace
-
-void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
-               const std::string& tokenizer) {
-  const std::string dir = resolve_checkpoint(checkpoint_dir);
-  Config c = load_config((fs::path(dir) / "config.yaml").string());
-  const auto w = checkpoint_model_weights(dir);
-  const auto& arch = models::arch(c.model.arch);
-  prepare_export_folder(out_dir, dir);  // once the checkpoint has been read
-  fs::create_directories(out_dir);
-  write_safetensors((fs::path(out_dir) / "model.safetensors").string(),
-                    arch.to_hf(w, model_shape(c.model)), {{"format", "pt"}});
-  auto config = arch.hf_config(model_shape(c.model));
-  if (!tokenizer.empty()) {
-    auto s = export_tokenizer(tokenizer, out_dir, c.model);
-    nlohmann::json gen = {{"_from_model_config", true}};
-    for (auto [key, id] : {std::pair{"bos_token_id", s.bos}, std::pair{"eos_token_id", s.eos}})
-      if (id) config[key] = gen[key] = *id;
-    write_file_atomic((fs::path(out_dir) / "generation_config.json").string(), gen.dump(2) + "\n");
-  }
-  write_file_atomic((fs::path(out_dir) / "config.json").string(), config.dump(2) + "\n");
-  spdlog::info("exported {} ({} tensors{}) to {}", dir, w.size(),
-               tokenizer.empty() ? "" : ", with the tokenizer", out_dir);
 }
 
 }  // namespace tessel
