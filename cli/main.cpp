@@ -70,7 +70,7 @@ struct TrainArgs {
   std::vector<std::string> sets;
   bool dry_run = false, help_config = false;
   int64_t world_size = 0;
-  std::string profile = "h100", plan_json;
+  std::string profile = "h100", plan_json, profile_steps;
   std::vector<std::string> profile_sets;
 };
 
@@ -96,6 +96,10 @@ void add_train_options(CLI::App& app, TrainArgs& a) {
   app.add_option("--plan-json", a.plan_json,
                  "With --dry-run: also write the planner's figures (per-rank bytes, "
                  "communication, FLOPs, predicted step time) to this JSON file");
+  app.add_option("--profile", a.profile_steps,
+                 "Profile training steps (logging.profile): N (N steps after 3 warm-up steps) or "
+                 "A-B; writes a trace per rank to <run.output_dir>/profile and prints the "
+                 "operators by self time");
   app.add_flag("--help-config", a.help_config,
                "Print the reference of every plan key (Markdown) and exit");
   app.footer(
@@ -204,6 +208,7 @@ int run_train(int argc, char** argv) {
   TrainArgs a;
   add_train_options(app, a);
   TESSEL_CLI_PARSE(app, argc, argv);
+  if (!a.profile_steps.empty()) a.sets.push_back("logging.profile=" + a.profile_steps);
   if (a.help_config) {
     std::fputs(tessel::config_reference().c_str(), stdout);
     return 0;

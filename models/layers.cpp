@@ -1,4 +1,5 @@
 #include "models/layers.h"
+#include "models/activations.h"
 #include "models/recompute.h"
 
 #include <torch/torch.h>
@@ -6,6 +7,7 @@
 #include "parallel/attention_kernels.h"
 #include "parallel/autograd_comm.h"
 #include "parallel/cp/attention.h"
+#include "parallel/tp/head_loss.h"
 
 namespace tessel::models {
 namespace tp = parallel::tp;
@@ -138,7 +140,8 @@ MlpImpl::MlpImpl(const DecoderOptions& o) : tp_(o.tp), sp_(o.sequence_parallel) 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
   auto xf = tp::enter(*tp_, x, sp_);
   if (gate) return down(torch::silu(gate->forward_entered(xf)) * up->forward_entered(xf));
-  return down(torch::gelu(up->forward_entered(xf), "tanh"));
+  auto u = up->forward_entered(xf);
+  return down(tessel_kernels ? gelu_tanh(u) : torch::gelu(u, "tanh"));
 }
 
 BlockImpl::BlockImpl(const DecoderOptions& o) {
@@ -154,6 +157,16 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& co
   if (recompute_mlp)
     return h + recompute([this](const torch::Tensor& t) { return mlp(mlp_norm(t)); }, h);
   return h + mlp(mlp_norm(h));
+}
+
+void DecoderImpl::set_kernels(const std::string& kernels) {
+  TORCH_CHECK(kernels == "tessel" || kernels == "torch", "kernels ", kernels);
+  for (auto& chunk : blocks_)
+    for (auto& b : chunk) b->mlp->tessel_kernels = kernels == "tessel";
+}
+
+void DecoderImpl::set_lean_logits(bool on, int64_t chunk_tokens) {
+  lean_chunk_ = on ? chunk_tokens : -1;
 }
 
 void DecoderImpl::set_recompute(const std::string& mode) {
@@ -345,7 +358,18 @@ torch::Tensor DecoderImpl::stage_forward(int64_t chunk, const torch::Tensor& inp
       pos);
   if (!is_last_stage(chunk)) return x;
   auto targets = parallel::cp::local_chunks(rows.narrow(1, 1, t), 1, cp, cp_rank);
-  return token_loss_sum(logits(x), targets.reshape({-1}));
+  return head_loss_sum(x, targets.reshape({-1}));
+}
+
+torch::Tensor DecoderImpl::head_loss_sum(const torch::Tensor& x, const torch::Tensor& targets) {
+  if (lean_chunk_ < 0) return token_loss_sum(logits(x), targets);
+  auto y = tp::enter(*o_.tp, norm(x), o_.sequence_parallel);  // [b, T, h], every tp rank
+  const auto& w = head ? head->weight : embed->weight;        // [Vp/t, h]
+  const int64_t v = o_.model.vocab_size;
+  return tp::fused_head_cross_entropy_sum(
+      *o_.tp, y.reshape({-1, y.size(-1)}), w, targets,
+      tp::vocab_slice_start(v, o_.tp->size(), o_.tp->rank()), v,
+      lean_chunk_ > 0 ? lean_chunk_ : tp::head_chunk_rows(w.size(0), int64_t{64} << 20));
 }
 
 torch::Tensor DecoderImpl::forward(const torch::Tensor& tokens) {

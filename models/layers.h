@@ -115,6 +115,7 @@ class MlpImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
   parallel::tp::ColumnParallelLinear up{nullptr}, gate{nullptr};
   parallel::tp::RowParallelLinear down{nullptr};
+  bool tessel_kernels = true;  // models/activations.h's GELU (else torch::gelu)
 
  private:
   parallel::Group* tp_;
@@ -169,6 +170,11 @@ class DecoderImpl : public torch::nn::Module {
   /// training.recompute: none | selective (each block's MLP half) | full (each block kept as its
   /// input only and rerun in backward).
   void set_recompute(const std::string& mode);
+  /// training.kernels: tessel (models/activations.h where it applies) | torch (LibTorch's only).
+  void set_kernels(const std::string& kernels);
+  /// training.lean_logits: the loss through parallel/tp/head_loss.h in chunks of `chunk_tokens`
+  /// (0: 64 MiB of fp32 logits per chunk); `on` false: whole logits, then the loss.
+  void set_lean_logits(bool on, int64_t chunk_tokens);
   /// Hooks around every block (not owned; null: none).
   void set_hooks(parallel::BlockHooks* hooks) { hooks_ = hooks; }
 
@@ -192,6 +198,8 @@ class DecoderImpl : public torch::nn::Module {
   torch::Tensor run_blocks(int64_t chunk, torch::Tensor x, const torch::Tensor& positions);
   torch::Tensor logits(const torch::Tensor& x);
   torch::Tensor token_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets);
+  /// The last stage's loss sum from its final activation x [b, T, h] (SP: [b, T/t, h]).
+  torch::Tensor head_loss_sum(const torch::Tensor& x, const torch::Tensor& targets);
   void build_specs();
   std::vector<std::vector<Block>> blocks_;  // per chunk
   DecoderOptions o_;
@@ -201,6 +209,7 @@ class DecoderImpl : public torch::nn::Module {
   std::map<std::string, ParamSpec> specs_;
   parallel::BlockHooks* hooks_ = nullptr;
   bool recompute_blocks_ = false;
+  int64_t lean_chunk_ = -1;  // tokens per chunk of the fused head and loss; -1: not fused
   std::vector<AttentionImpl::KvCache> caches_;  // decode(): one per block
 };
 TORCH_MODULE(Decoder);

@@ -338,6 +338,11 @@ class Validator {
             q("text data has 257 token ids (bytes and end-of-document): model.vocab_size",
               m.vocab_size, "must be >=", "257", 257));
     require(!c_.data.path.empty(), "data.path", "data.path is empty: name the training data");
+    try {
+      profile_steps(c_);
+    } catch (const UserError& e) {
+      require(false, "logging.profile", e.what());
+    }
     for (const auto& key : c_.checkpoint.accept_changes)
       require(key != "checkpoint.accept_changes" && !nearest_key(key).empty() &&
                   nearest_key(key) == key,
@@ -517,6 +522,42 @@ std::string config_reference() {
         << " |\n";
   }
   return out.str();
+}
+
+std::pair<int64_t, int64_t> profile_steps(const Config& c, int64_t first_step) {
+  const auto& spec = c.logging.profile;
+  const int64_t steps = c.training.steps;
+  if (spec.empty()) return {0, -1};
+  auto bad = [&](const std::string& why) {
+    return UserError("logging.profile ('" + spec + "') " + why);
+  };
+  int64_t a = 0, b = 0;
+  size_t used = 0;
+  try {
+    if (const auto dash = spec.find('-'); dash != std::string::npos && dash > 0) {
+      a = std::stoll(spec.substr(0, dash), &used);
+      if (used != dash) throw std::invalid_argument("");
+      b = std::stoll(spec.substr(dash + 1), &used);
+      if (used != spec.size() - dash - 1) throw std::invalid_argument("");
+    } else {
+      const int64_t n = std::stoll(spec, &used);
+      if (used != spec.size() || n < 1) throw std::invalid_argument("");
+      const int64_t left = steps - first_step + 1;  // this run's steps
+      if (n > left)
+        throw bad("asks for " + std::to_string(n) + " steps; this run has " + std::to_string(left) +
+                  " (steps " + std::to_string(first_step) + " to " + std::to_string(steps) +
+                  ", training.steps)");
+      a = first_step + std::clamp<int64_t>(left - n, 0, 3);
+      b = a + n - 1;
+    }
+  } catch (const std::logic_error&) {
+    throw bad("must be a step count N (>= 1) or a range A-B of steps, e.g. 5 or 10-14");
+  }
+  if (a < 1 || b < a || b > steps)
+    throw bad("names steps " + std::to_string(a) + " to " + std::to_string(b) +
+              ": they must lie in 1.." + std::to_string(steps) +
+              " (training.steps), first <= last");
+  return {a, b};
 }
 
 }  // namespace tessel

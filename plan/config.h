@@ -8,6 +8,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -74,6 +75,9 @@ struct TrainingConfig {
   std::string dtype;      // fp32 | bf16 | fp16 (auto resolved at load: bf16 on CUDA, else fp32)
   bool tf32;              // CUDA: fp32 matmuls and convolutions on TF32 tensor cores
   std::string recompute;  // none | selective | full (activation checkpointing)
+  std::string kernels;    // tessel | torch: Tessel's own fused kernels where they apply, or not
+  bool lean_logits;       // head fused with the loss, in chunks of tokens (parallel/tp/head_loss.h)
+  int64_t lean_logits_chunk;  // tokens per chunk; 0: chunks of at most 64 MiB of fp32 logits
   std::string activation_checkpointing;  // alias of recompute, resolved into it at load
   int64_t steps, global_batch, micro_batch, seq_len;
   double grad_clip;
@@ -104,6 +108,7 @@ struct LoggingConfig {
   std::string metrics_file;  // relative to run.output_dir
   double peak_tflops;        // 0 = from the device table (CPU: measured matmul peak)
   bool tensorboard;          // events under <output_dir>/tensorboard
+  std::string profile;       // "" none; "N": N steps after 3 warm-up steps; "A-B": steps A to B
 };
 
 struct Config {
@@ -171,5 +176,11 @@ std::string dump_config(const Config& c);
 std::string config_reference();
 /// The closest known key to `key`, for "did you mean" messages.
 std::string nearest_key(const std::string& key);
+
+/// The steps logging.profile names, inclusive, for a run whose first step is `first_step` (> 1
+/// when resumed): "N" is the N steps after 3 warm-up steps (fewer warm-up steps when the run is
+/// short), "A-B" steps A to B. {0, -1} (empty) when unset. Throws UserError naming the key and
+/// its value when it is not one of these forms or leaves 1..training.steps.
+std::pair<int64_t, int64_t> profile_steps(const Config& c, int64_t first_step = 1);
 
 }  // namespace tessel

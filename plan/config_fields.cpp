@@ -136,6 +136,21 @@ void add_training_fields(FieldAdder& add, Config& c) {
       "largest per token) in backward. full: keep only each block's input and rerun the whole "
       "block in backward (about one more forward of compute).")
       .one_of({"none", "selective", "full"});
+  add("training.kernels", &c.training.kernels, S("torch"),
+      "torch: LibTorch's operators. tessel: Tessel's own kernels where they apply (on fp32 CPU "
+      "tensors a vectorised tanh-GELU, the same function within 2e-6; its forward is faster "
+      "than LibTorch's, its backward measured slower inside a training step on a 2-core AMD EPYC "
+      "(docs/performance.md), hence not the default).")
+      .one_of({"tessel", "torch"});
+  add("training.lean_logits", &c.training.lean_logits, true,
+      "Fuse the output head with the cross-entropy and run them a chunk of tokens at a time, "
+      "making the gradients as each chunk's logits are made: a micro-batch's [tokens, vocab/tp] "
+      "logits are never held at once (the same matmuls; the loss equal within float rounding). "
+      "false: the whole logits, then the loss.");
+  add("training.lean_logits_chunk", &c.training.lean_logits_chunk, int64_t{0},
+      "With training.lean_logits: tokens per chunk. 0 = as many as keep one chunk's fp32 logits "
+      "within 64 MiB.")
+      .range(0);
   add("training.activation_checkpointing", &c.training.activation_checkpointing, S("none"),
       "The same setting as training.recompute, under its earlier name: either "
       "name sets both (--set of one overrides the plan's other; a plan giving both must agree).")
@@ -267,6 +282,11 @@ void add_logging_fields(FieldAdder& add, Config& c) {
       "Peak TFLOP/s per device for MFU. 0 = the device table (GPUs) or a matmul measured at start "
       "(CPU).")
       .range(0);
+  add("logging.profile", &c.logging.profile, S(""),
+      "Profile these training steps with LibTorch's profiler: \"N\" (N steps after 3 warm-up "
+      "steps) or \"A-B\" (steps A to B). Each rank writes <run.output_dir>/profile/"
+      "rank<R>.pt.trace.json (Perfetto, TensorBoard) and rank<R>.top.md, the operators by self "
+      "time; rank 0 prints its table. Same as tessel-train --profile STEPS.");
 }
 
 void mark_free_on_resume(std::vector<Field>& f) {
@@ -283,6 +303,8 @@ void mark_free_on_resume(std::vector<Field>& f) {
       {"training.dtype", "arithmetic precision: master weights and moments stay fp32"},
       {"training.tf32", "arithmetic precision of fp32 matmuls on CUDA"},
       {"training.recompute", "memory against time: the same losses"},
+      {"training.kernels", "speed: the same functions, float rounding aside"},
+      {"training.lean_logits", "memory: the same loss, float rounding aside"},
       {"training.activation_checkpointing", "memory against time: the same losses"},
       {"training.threads", "speed"},
       {"training.eval_", "evaluation only"},

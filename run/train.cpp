@@ -1,5 +1,6 @@
 #include "run/train.h"
 
+#include <ATen/record_function.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
@@ -10,6 +11,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "io/safetensors.h"
+#include "observe/profiler.h"
 #include "parallel/dp/grad_reducer.h"
 #include "parallel/dp/zero3.h"
 #include "parallel/pp/executor.h"
@@ -49,6 +51,8 @@ models::Decoder make_model(const Config& c, const torch::Device& device, torch::
                           stages, cp, c.parallel.context_method);
   if (!c.model.init_from.empty()) load_weights_file(model, c.model.init_from);
   model->set_recompute(c.training.recompute);
+  model->set_kernels(c.training.kernels);
+  model->set_lean_logits(c.training.lean_logits, c.training.lean_logits_chunk);
   model->to(device, dtype);
   return model;
 }
@@ -91,6 +95,10 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   log_state();
   stop_ = std::make_unique<StopOnSignal>(c_.checkpoint.on_signal, device_);
   counters_ = std::make_unique<StepCounters>(*mesh_, device_);
+  if (const auto [a, b] = profile_steps(c_, first_step_); b >= a)
+    profiler_ = std::make_unique<StepProfiler>(
+        a, b, (std::filesystem::path(c_.run.output_dir) / "profile").string(), mesh_->rank(),
+        device_.is_cuda());
   setup_rss_ = peak_rss_bytes();  // before any step: what the steps add is activations
 }
 
@@ -229,7 +237,12 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
       },
       [&](int64_t chunk, bool final) { reducer_->begin_backward(chunk, final); },
       [&](int64_t chunk, bool final) { reducer_->end_backward(chunk, final); }};
-  const auto stats = executor_->run(fns);
+  parallel::pp::StepStats stats;
+  {
+    RECORD_USER_SCOPE("tessel::forward_backward");
+    stats = executor_->run(fns);
+  }
+  RECORD_USER_SCOPE("tessel::grad_sync_and_optimizer");
   reducer_->finish();
   pp_peak_activations_ = std::max(pp_peak_activations_, stats.peak_activations);
   sync_replicated_grads();
@@ -366,7 +379,10 @@ int Trainer::train() {
   for (int64_t step = first_step_; step <= t.steps; ++step) {
     if (peers_) peers_->set_step(step);
     counters_->begin_step();
+    if (profiler_) profiler_->before_step(step);
     StepOut out = train_step(step);
+    if (profiler_)
+      if (auto table = profiler_->after_step(step); !table.empty()) spdlog::info("{}", table);
     counters_->end_step();
     if (step == first_step_) executor_->take_times();  // the warm-up step is not timed
     const bool last = step == t.steps, stop = stop_->stop_after(out.stop_votes);  // every rank's

@@ -34,6 +34,7 @@ struct Schedule;
 
 namespace tessel {
 class StepCounters;
+class StepProfiler;
 
 /// training.device resolved: auto -> cuda when available; the CUDA index by
 /// parallel::choose_cuda_device (`why`, when given, receives its reason). Throws UserError for
@@ -100,7 +101,9 @@ class Trainer {
   std::unique_ptr<parallel::dp::UnitGatherer> gatherer_;  // ZeRO-3
   std::unique_ptr<LossScaler> scaler_;
   std::unique_ptr<StopOnSignal> stop_;
-  std::unique_ptr<StepCounters> counters_;  // per-step comm bytes and memory (the planner's)
+  std::unique_ptr<StepCounters> counters_;
+  std::unique_ptr<StepProfiler> profiler_;  // logging.profile: null when unset  // per-step comm
+                                            // bytes and memory (the planner's)
   // Views of the reduced gradient this rank holds (its ZeRO pieces): parameters whose gradient
   // is summed over tp, and a tied token table on the first or last stage (summed over both).
   std::vector<torch::Tensor> tp_summed_grads_, embedding_grads_;

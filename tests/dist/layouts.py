@@ -2,7 +2,7 @@
 
 Each row is one ctest entry (parity.<id>, run by parity.py): the layout's run is compared with
 the single-process run of the same plan (same global batch, same training keys, no parallel
-keys, no recompute): loss within 1e-5 relative at every step, validation loss too when the base
+keys, training.recompute, lean_logits and kernels at their defaults): loss within 1e-5 relative at every step, validation loss too when the base
 evaluates, and every exported weight within 1e-5. Runs are cached by plan and binary, so rows
 that share a reference train it once. Adding a layout is one line.
 
@@ -102,6 +102,12 @@ LAYOUTS = [
                                      ("zero3", "llama", {"dp": 2, "zero": 3}, 2))
       for mode, most in (("none", None), ("selective", 0.9), ("full", 0.7))
       if not (name == "single" and mode == "none")],
+    # lean logits (the head fused with the loss, in chunks) and Tessel's GELU against LibTorch's
+    # ops: the reference runs the defaults (lean, one chunk at these sizes; LibTorch's GELU)
+    *[Row(f"unfused_logits_{arch}", "dp", arch, 1, {}, {"lean_logits": False}) for arch in ("gpt2", "llama")],
+    Row("tessel_kernels_gpt2", "dp", "gpt2", 1, {}, {"kernels": "tessel"}),
+    *[Row(f"lean_chunk24_tp2_sp_{arch}", "tp", arch, 2, {"tp": 2, **SP}, {"lean_logits_chunk": 24})
+      for arch in ("gpt2", "llama")],
 ]
 
 BY_ID = {r.id: r for r in LAYOUTS}

@@ -55,8 +55,9 @@ class Runs:
         return path
 
     def plan(self, row, parallel, recompute=True):
+        """`recompute` False: the reference's plan, which leaves SAME_RESULT_KEYS at their defaults."""
         base = BASES[row.base]
-        training = {k: v for k, v in row.training.items() if recompute or k != "recompute"}
+        training = {k: v for k, v in row.training.items() if recompute or k not in SAME_RESULT_KEYS}
         plan = base_plan(self.root, row.arch, self.data(row.base), threads=1,
                          **merge(copy.deepcopy(base["training"]), training))
         merge(plan["model"], base.get("model", {}))
@@ -97,6 +98,10 @@ def reference(base, arch):
     beyond the table that continue or load it: {loss, val, weights, peak, out}."""
     runs = Runs()
     return result(runs.get(runs.plan(Row("reference", base, arch, 1), {}, recompute=False), 1))
+
+
+# Training keys that must not change what is trained: a row may set them, its reference keeps the defaults.
+SAME_RESULT_KEYS = ("recompute", "lean_logits", "lean_logits_chunk", "kernels")
 
 
 class Parity(unittest.TestCase):

@@ -1,0 +1,17 @@
+// Activations of the decoders with one owner for the kernel choice: fp32 on the CPU runs Tessel's
+// vectorised loops (models/activation_kernels.h) over LibTorch's intra-op threads, everything else
+// (CUDA, bf16, fp16) LibTorch's fused kernels. Gradients flow through either.
+#pragma once
+
+#include <torch/types.h>
+
+namespace tessel::models {
+
+/// GELU, tanh approximation (GPT-2). On fp32 CPU tensors about 3x faster than torch::gelu(x,
+/// "tanh") forward and backward, equal to it within a few float ulps (bench/RESULTS.md).
+torch::Tensor gelu_tanh(const torch::Tensor& x);
+
+/// Whether gelu_tanh runs Tessel's CPU loops for `x` (else torch::gelu).
+bool gelu_tanh_uses_cpu_kernel(const torch::Tensor& x);
+
+}  // namespace tessel::models

@@ -1,0 +1,116 @@
+#include "parallel/tp/head_loss.h"
+
+#include <torch/autograd.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "parallel/autograd_comm.h"
+
+namespace tessel::parallel::tp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+/// One chunk: its loss sum, and (when `dlogits` is wanted) softmax - one-hot in its fp32 logits'
+/// buffer, returned. Statistics cross the group as vectors of the chunk's rows, as in
+/// vocab_parallel_cross_entropy.
+struct ChunkLoss {
+  torch::Tensor loss_sum, dlogits;
+};
+
+ChunkLoss chunk_loss(Group& g, const torch::Tensor& y, const torch::Tensor& weight,
+                     const torch::Tensor& targets, int64_t vocab_start, int64_t vocab,
+                     bool dlogits) {
+  auto w = torch::mm(y, weight.t()).to(torch::kFloat32);  // [n, Vl]: fp32 (a no-op when fp32)
+  const int64_t vl = w.size(1);
+  if (vocab_start + vl > vocab)  // padding columns (the last ones): never part of the softmax
+    w.narrow(1, vocab - vocab_start, vocab_start + vl - vocab)
+        .fill_(-std::numeric_limits<float>::infinity());
+  auto max = std::get<0>(w.max(1));  // [n]
+  g.all_reduce(max, c10d::ReduceOp::MAX).wait();
+  auto mine = (targets >= vocab_start) & (targets < vocab_start + vl);
+  auto local_t = (targets - vocab_start).masked_fill(~mine, 0).unsqueeze(1);
+  auto target_logit = (w.gather(1, local_t).squeeze(1) - max).masked_fill(~mine, 0);
+  g.all_reduce(target_logit).wait();
+  w.sub_(max.unsqueeze(1)).exp_();
+  auto sum = w.sum(1);
+  g.all_reduce(sum).wait();
+  ChunkLoss out{(sum.log() - target_logit).sum(), {}};
+  if (!dlogits) return out;
+  w.div_(sum.unsqueeze(1));  // softmax, then minus the one-hot target where this rank holds it
+  w.scatter_add_(1, local_t, -mine.to(torch::kFloat32).unsqueeze(1));
+  out.dlogits = std::move(w);
+  return out;
+}
+
+struct FusedHeadCrossEntropy : torch::autograd::Function<FusedHeadCrossEntropy> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& y,
+                               const torch::Tensor& weight, const torch::Tensor& targets,
+                               int64_t group, int64_t vocab_start, int64_t vocab, int64_t chunk) {
+    Group& g = unpack_group(group);
+    const int64_t n = y.size(0);
+    // The gradients as forward makes them: the input's in its dtype (each chunk writes its own
+    // rows), the weight's summed over chunks in fp32.
+    auto dy = torch::empty_like(y);
+    auto dw = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
+    auto loss = torch::zeros({}, y.options().dtype(torch::kFloat32));
+    for (int64_t b = 0; b < n; b += chunk) {
+      const int64_t rows = std::min(chunk, n - b);
+      auto yc = y.narrow(0, b, rows);
+      auto c = chunk_loss(g, yc, weight, targets.narrow(0, b, rows), vocab_start, vocab, true);
+      loss += c.loss_sum;
+      auto dl = c.dlogits.to(y.scalar_type());  // fp32: the same tensor
+      auto dy_rows = dy.narrow(0, b, rows);     // contiguous: whole rows of dy
+      torch::mm_out(dy_rows, dl, weight);       // [rows, h]
+      if (y.scalar_type() == torch::kFloat32)
+        dw.addmm_(dl.t(), yc);  // [Vl, h]
+      else  // the matmul in the model's dtype (tensor cores), summed over chunks in fp32
+        dw.add_(torch::mm(dl.t(), yc));
+    }
+    ctx->save_for_backward({dy, dw});
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    return loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    auto saved = ctx->get_saved_variables();
+    const auto scale = grad[0];  // a scalar: the loss sum's gradient
+    auto dtype = static_cast<torch::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    return {saved[0].mul_(scale.to(saved[0].scalar_type())),
+            saved[1].mul_(scale).to(dtype),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+int64_t head_chunk_rows(int64_t vocab_local, int64_t budget_bytes) {
+  return std::max<int64_t>(1, budget_bytes / (4 * std::max<int64_t>(1, vocab_local)));
+}
+
+torch::Tensor fused_head_cross_entropy_sum(Group& tp, const torch::Tensor& y,
+                                           const torch::Tensor& weight,
+                                           const torch::Tensor& targets, int64_t vocab_start,
+                                           int64_t vocab, int64_t chunk_rows) {
+  const int64_t n = y.size(0), chunk = chunk_rows > 0 ? std::min(chunk_rows, n) : n;
+  if (torch::GradMode::is_enabled() && (y.requires_grad() || weight.requires_grad()))
+    return FusedHeadCrossEntropy::apply(y, weight, targets, pack_group(tp), vocab_start, vocab,
+                                        chunk);
+  auto loss = torch::zeros({}, y.options().dtype(torch::kFloat32));
+  torch::NoGradGuard no_grad;
+  for (int64_t b = 0; b < n; b += chunk) {
+    const int64_t rows = std::min(chunk, n - b);
+    loss += chunk_loss(tp, y.narrow(0, b, rows), weight, targets.narrow(0, b, rows), vocab_start,
+                       vocab, false)
+                .loss_sum;
+  }
+  return loss;
+}
+
+}  // namespace tessel::parallel::tp

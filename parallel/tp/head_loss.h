@@ -1,0 +1,31 @@
+// Lean logits: the output head fused with the vocabulary-parallel cross-entropy, a chunk of tokens
+// at a time, so a micro-batch's [tokens, V/tp] logits are never held at once (the idea of Liger
+// Kernel's fused linear cross-entropy). Each chunk's logits are made, turned into the chunk's loss
+// and into its gradients (d loss / d logits = softmax - one-hot does not depend on what follows
+// the loss but for a scalar factor), multiplied into the gradients of the hidden states and the
+// head weight, and dropped. Backward only scales those two by the loss's incoming gradient.
+// Memory: one chunk's fp32 logits, plus the gradients of the input [tokens, h] and, in fp32, of
+// the weight [V/tp, h], instead of the fp32 logits (and their softmax) of every token kept from
+// forward to backward. FLOPs: the same three matmuls as the unfused head and loss.
+#pragma once
+
+#include <torch/types.h>
+
+#include "parallel/comm.h"
+
+namespace tessel::parallel::tp {
+
+/// Sum over rows of the next-token loss of hidden states `y` [N, h] (already entered: every tp
+/// rank holds all N rows) through this rank's head rows `weight` [V/tp, h], whose first row is
+/// global token `vocab_start`; rows at or beyond `vocab` are padding and never count. Chunks of
+/// `chunk_rows` rows (0: all in one). A scalar (fp32); differentiable in `y` and `weight` when
+/// grad mode is on, else only the loss is computed, chunk by chunk.
+torch::Tensor fused_head_cross_entropy_sum(Group& tp, const torch::Tensor& y,
+                                           const torch::Tensor& weight,
+                                           const torch::Tensor& targets, int64_t vocab_start,
+                                           int64_t vocab, int64_t chunk_rows);
+
+/// The rows per chunk that keep one chunk's fp32 logits within `budget_bytes` (at least 1).
+int64_t head_chunk_rows(int64_t vocab_local, int64_t budget_bytes);
+
+}  // namespace tessel::parallel::tp
