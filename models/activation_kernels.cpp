@@ -1,65 +1,42 @@
-// Compiled with -O3 -fopenmp-simd -fno-trapping-math, with an AVX2+FMA clone picked at load time
-// where the CPU has it (target_clones below, the Haswell instruction set): the
-// loops vectorise because exp is written out here (range reduction to 2^n·e^r, |r| <= ln2/2, and a
-// degree-7 polynomial: under 2 float ulps), with IEEE semantics kept (no -ffast-math): NaN
-// propagates, and clamping the exponent keeps every intermediate finite.
+// Compiled with -O3 -fopenmp-simd -fno-trapping-math (CMakeLists.txt): the loops vectorise because
+// exp is written out (models/activation_kernels_impl.h) and the clamps become vector selects; IEEE
+// arithmetic is kept (no -ffast-math), so NaN propagates. The loops are built twice, for AVX2+FMA
+// and for the baseline, and the CPU picks one at the first call.
 #include "models/activation_kernels.h"
 
 #include <cstdint>
 #include <cstring>
 
 namespace tessel::models::kernels {
-namespace {
-constexpr float kC = 0.7978845608028654f;  // sqrt(2/pi)
-constexpr float kA = 0.044715f;
 
-/// e^x for x in any range: clamped to [-87, 88] first (e^-87 is still a normal float), so
-/// 1 + e^x neither overflows nor loses its scale factor. NaN in, NaN out.
-inline float exp_clamped(float x) {
-  x = x < -87.0f ? -87.0f : x;  // comparisons with NaN are false: NaN passes through
-  x = x > 88.0f ? 88.0f : x;
-  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f,
-                  kLn2Lo = 1.428606765330187045e-06f, kRound = 12582912.0f;  // 1.5·2^23
-  const float n = (x * kLog2e + kRound) - kRound;  // round to nearest (no -ffast-math here)
-  const float r = (x - n * kLn2Hi) - n * kLn2Lo;   // |r| <= ln2/2, exactly reduced
-  // e^r by Taylor to r^7/7! (its truncation error under 1.3e-8 for |r| <= ln2/2)
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 127]
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+#include "models/activation_kernels_impl.h"
+}  // namespace avx2
+#pragma GCC pop_options
+
+namespace baseline {
+#include "models/activation_kernels_impl.h"
+}  // namespace baseline
+
+namespace {
+bool has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
 }
 }  // namespace
 
-__attribute__((target_clones("arch=haswell", "default"))) void gelu_tanh_forward(const float* x,
-                                                                                 float* y,
-                                                                                 int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
-    y[i] = v / (1.0f + exp_clamped(-2.0f * kC * (v + kA * v * v * v)));
-  }
+void gelu_tanh_forward(const float* x, float* y, int64_t n) {
+  if (has_avx2_fma()) return avx2::gelu_tanh_forward(x, y, n);
+  baseline::gelu_tanh_forward(x, y, n);
 }
 
-__attribute__((target_clones("arch=haswell", "default"))) void gelu_tanh_backward(const float* dy,
-                                                                                  const float* x,
-                                                                                  float* dx,
-                                                                                  int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
-    const float e = exp_clamped(-2.0f * kC * (v + kA * v * v * v));
-    const float s = 1.0f / (1.0f + e);  // (1 + tanh u) / 2
-    // d/dx (x·s) = s + x·s(1-s)·2c(1 + 3a·x²), with s(1-s) = e·s² (no cancellation as s -> 1)
-    dx[i] = dy[i] * (s + v * (e * s * s) * (2.0f * kC) * (1.0f + 3.0f * kA * v * v));
-  }
+void gelu_tanh_backward(const float* dy, const float* x, float* dx, int64_t n) {
+  if (has_avx2_fma()) return avx2::gelu_tanh_backward(dy, x, dx, n);
+  baseline::gelu_tanh_backward(dy, x, dx, n);
 }
+
+bool uses_avx2() { return has_avx2_fma(); }
 
 }  // namespace tessel::models::kernels

@@ -1,6 +1,6 @@
 // Elementwise CPU loops of the activations (models/activations.h runs them over threads). Plain
-// C++ on raw fp32 arrays, free of LibTorch, that GCC vectorises (exp written out in the .cpp), with
-// an AVX2+FMA clone chosen at load time where the CPU has it.
+// C++ on raw fp32 arrays, free of LibTorch, that GCC vectorises (exp written out), built for
+// AVX2+FMA and for the baseline instruction set; the CPU picks one.
 #pragma once
 
 #include <cstdint>
@@ -13,5 +13,7 @@ namespace tessel::models::kernels {
 void gelu_tanh_forward(const float* x, float* y, int64_t n);
 /// dx = dy · d/dx GELU(x), recomputed from x as the forward does.
 void gelu_tanh_backward(const float* dy, const float* x, float* dx, int64_t n);
+/// Whether this CPU runs the AVX2+FMA build of the loops (else the baseline one).
+bool uses_avx2();
 
 }  // namespace tessel::models::kernels

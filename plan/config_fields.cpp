@@ -138,9 +138,9 @@ void add_training_fields(FieldAdder& add, Config& c) {
       .one_of({"none", "selective", "full"});
   add("training.kernels", &c.training.kernels, S("torch"),
       "torch: LibTorch's operators. tessel: Tessel's own kernels where they apply (on fp32 CPU "
-      "tensors a vectorised tanh-GELU, the same function within 2e-6; its forward is faster "
-      "than LibTorch's, its backward measured slower inside a training step on a 2-core AMD EPYC "
-      "(docs/performance.md), hence not the default).")
+      "tensors a vectorised tanh-GELU, the same function within 2e-6; 2-3x LibTorch's speed on "
+      "its own, but no faster inside a training step on the 2-core AMD EPYC it was measured on, "
+      "hence not the default; docs/performance.md).")
       .one_of({"tessel", "torch"});
   add("training.lean_logits", &c.training.lean_logits, true,
       "Fuse the output head with the cross-entropy and run them a chunk of tokens at a time, "

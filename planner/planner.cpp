@@ -12,6 +12,7 @@
 #include "models/registry.h"
 #include "optim/optim.h"
 #include "parallel/pp/schedule.h"
+#include "parallel/tp/head_loss.h"
 #include "planner/figures.h"
 #include "planner/model_plan.h"
 
@@ -272,6 +273,20 @@ void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
 }
 
 // One stage's bytes: its parameters' state between steps and what a step adds at its peak.
+// The last stage's head and loss at their peak. Whole logits: the head's output and the loss's
+// fp32 softmax/gradient buffer for every token. Lean logits (parallel/tp/head_loss.h): one
+// chunk's output and fp32 copy, the fp32 weight gradient and the input's gradient.
+double head_bytes(const TrainingConfig& t, const PlanBasis& b) {
+  const double w = b.w, tok = b.tok, v = b.vocab_local;
+  if (!t.lean_logits) return tok * v * (w + 4);
+  const double chunk =
+      std::min(tok, static_cast<double>(t.lean_logits_chunk > 0
+                                            ? t.lean_logits_chunk
+                                            : parallel::tp::head_chunk_rows(static_cast<int64_t>(v),
+                                                                            int64_t{64} << 20)));
+  return chunk * v * (w == 4 ? 4 : w + 4) + v * b.h * 4 + tok * b.h * w;
+}
+
 RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const PlanBasis& b,
                           int64_t stage, const models::StagePart& part) {
   const auto& t = c.training;
@@ -300,8 +315,7 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
                               : none.ffn * m.ffn_hidden / tp;
     r.activations += a.rerun * w * tok * rerun_floats;
   }
-  if (part.last)  // the head's logits and the loss's fp32 softmax/gradient buffer
-    r.activations += tok * b.vocab_local * (w + 4) + (a.outside - 1) * tok * h * w;
+  if (part.last) r.activations += head_bytes(t, b) + (a.outside - 1) * tok * h * w;
   add_zero_buffers(r, c, b);
   return r;
 }

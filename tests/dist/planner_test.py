@@ -36,6 +36,9 @@ LAYOUTS = {
     "tp2_sp_full": ({"tp": 2, "sequence_parallel": True}, {"recompute": "full"}, 2, "llama"),
     "tp2_selective": ({"tp": 2}, {"recompute": "selective"}, 2, "gpt2"),
     "zero3_dp2_selective": ({"dp": 2, "zero": 3}, {"recompute": "selective"}, 2, "llama"),
+    # the head: whole logits, and lean logits in chunks of 16 tokens over a vocabulary split by tp
+    "unfused_logits": ({}, {"lean_logits": False}, 1, "gpt2"),
+    "lean_chunk16_tp2": ({"tp": 2}, {"lean_logits_chunk": 16}, 2, "gpt2"),
 }
 
 
