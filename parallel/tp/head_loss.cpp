@@ -3,9 +3,9 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
-#include <limits>
 
 #include "parallel/autograd_comm.h"
+#include "parallel/tp/layers.h"
 
 namespace tessel::parallel::tp {
 namespace {
@@ -14,8 +14,8 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 /// One chunk: its loss sum, and (when `dlogits` is wanted) softmax - one-hot in its fp32 logits'
-/// buffer, returned. Statistics cross the group as vectors of the chunk's rows, as in
-/// vocab_parallel_cross_entropy.
+/// buffer, returned. Statistics cross the group as vectors of the chunk's rows
+/// (vocab_parallel_softmax_stats).
 struct ChunkLoss {
   torch::Tensor loss_sum, dlogits;
 };
@@ -24,23 +24,11 @@ ChunkLoss chunk_loss(Group& g, const torch::Tensor& y, const torch::Tensor& weig
                      const torch::Tensor& targets, int64_t vocab_start, int64_t vocab,
                      bool dlogits) {
   auto w = torch::mm(y, weight.t()).to(torch::kFloat32);  // [n, Vl]: fp32 (a no-op when fp32)
-  const int64_t vl = w.size(1);
-  if (vocab_start + vl > vocab)  // padding columns (the last ones): never part of the softmax
-    w.narrow(1, vocab - vocab_start, vocab_start + vl - vocab)
-        .fill_(-std::numeric_limits<float>::infinity());
-  auto max = std::get<0>(w.max(1));  // [n]
-  g.all_reduce(max, c10d::ReduceOp::MAX).wait();
-  auto mine = (targets >= vocab_start) & (targets < vocab_start + vl);
-  auto local_t = (targets - vocab_start).masked_fill(~mine, 0).unsqueeze(1);
-  auto target_logit = (w.gather(1, local_t).squeeze(1) - max).masked_fill(~mine, 0);
-  g.all_reduce(target_logit).wait();
-  w.sub_(max.unsqueeze(1)).exp_();
-  auto sum = w.sum(1);
-  g.all_reduce(sum).wait();
-  ChunkLoss out{(sum.log() - target_logit).sum(), {}};
+  auto s = vocab_parallel_softmax_stats(g, w, targets, vocab_start, vocab);
+  ChunkLoss out{(s.sum.log() - s.target_logit).sum(), {}};
   if (!dlogits) return out;
-  w.div_(sum.unsqueeze(1));  // softmax, then minus the one-hot target where this rank holds it
-  w.scatter_add_(1, local_t, -mine.to(torch::kFloat32).unsqueeze(1));
+  w.div_(s.sum.unsqueeze(1));  // softmax, then minus the one-hot target where this rank holds it
+  w.scatter_add_(1, s.local_target, -s.mine.to(torch::kFloat32).unsqueeze(1));
   out.dlogits = std::move(w);
   return out;
 }

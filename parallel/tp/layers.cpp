@@ -92,30 +92,18 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     Group& g = unpack_group(group);
     // A copy even when the logits are fp32 already: they are the head's output, not ours to edit.
     auto w = logits_in.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);  // [N, Vl]
-    const int64_t vl = w.size(1);
-    if (vocab_start + vl > vocab)  // padding columns (the last ones): never part of the softmax
-      w.narrow(1, vocab - vocab_start, vocab_start + vl - vocab)
-          .fill_(-std::numeric_limits<float>::infinity());
-    auto max = std::get<0>(w.max(1));  // [N]
-    g.all_reduce(max, c10d::ReduceOp::MAX).wait();
-    auto mine = (targets >= vocab_start) & (targets < vocab_start + vl);
-    auto local_t = (targets - vocab_start).masked_fill(~mine, 0);
-    auto target_logit = (w.gather(1, local_t.unsqueeze(1)).squeeze(1) - max).masked_fill(~mine, 0);
-    g.all_reduce(target_logit).wait();
-    w.sub_(max.unsqueeze(1)).exp_();
-    auto sum = w.sum(1);
-    g.all_reduce(sum).wait();
-    w.div_(sum.unsqueeze(1));  // softmax
-    ctx->save_for_backward({w, local_t, mine});
+    auto s = vocab_parallel_softmax_stats(g, w, targets, vocab_start, vocab);
+    w.div_(s.sum.unsqueeze(1));  // softmax
+    ctx->save_for_backward({w, s.local_target, s.mine});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits_in.scalar_type());
-    return sum.log() - target_logit;  // [N]
+    return s.sum.log() - s.target_logit;  // [N]
   }
 
   // Runs once per forward (no retain_graph): the saved softmax becomes the gradient in place.
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
     auto saved = ctx->get_saved_variables();
     auto g = saved[0], local_t = saved[1], mine = saved[2];
-    g.scatter_add_(1, local_t.unsqueeze(1), -mine.to(g.scalar_type()).unsqueeze(1));
+    g.scatter_add_(1, local_t, -mine.to(g.scalar_type()).unsqueeze(1));  // local_t: [N, 1]
     g.mul_(grad[0].unsqueeze(1));
     auto dtype = static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt());
     return {g.to(dtype), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
@@ -123,6 +111,25 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
 };
 
 }  // namespace
+
+SoftmaxStats vocab_parallel_softmax_stats(Group& g, torch::Tensor& w, const torch::Tensor& targets,
+                                          int64_t vocab_start, int64_t vocab) {
+  const int64_t vl = w.size(1);
+  if (vocab_start + vl > vocab)  // padding columns (the last ones): never part of the softmax
+    w.narrow(1, vocab - vocab_start, vocab_start + vl - vocab)
+        .fill_(-std::numeric_limits<float>::infinity());
+  auto max = std::get<0>(w.max(1));  // [N]
+  g.all_reduce(max, c10d::ReduceOp::MAX).wait();
+  SoftmaxStats s;
+  s.mine = (targets >= vocab_start) & (targets < vocab_start + vl);
+  s.local_target = (targets - vocab_start).masked_fill(~s.mine, 0).unsqueeze(1);
+  s.target_logit = (w.gather(1, s.local_target).squeeze(1) - max).masked_fill(~s.mine, 0);
+  g.all_reduce(s.target_logit).wait();
+  w.sub_(max.unsqueeze(1)).exp_();
+  s.sum = w.sum(1);
+  g.all_reduce(s.sum).wait();
+  return s;
+}
 
 torch::Tensor vocab_parallel_cross_entropy(Group& tp, const torch::Tensor& logits,
                                            const torch::Tensor& targets, int64_t vocab_start,

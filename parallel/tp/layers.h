@@ -84,6 +84,17 @@ TORCH_MODULE(VocabParallelEmbedding);
 /// (columns [vocab_start, vocab_start + Vp/t) of the padded vocabulary) and targets [N] (global
 /// ids < vocab). Columns at or past `vocab` are padding and never count. The full vocabulary's
 /// logits are never gathered: only [N]-sized maxima and sums cross the group.
+/// The statistics both cross-entropies (above, and parallel/tp/head_loss.h) take from this rank's
+/// fp32 logits `w` [N, V/t], which become exp(logit - global max) in place (padding columns 0):
+/// per row the global sum of those, the target's logit less the max (summed over the group: one
+/// rank holds it) and where this rank holds the target ([N, 1] local column, [N] mask). Three
+/// [N]-sized all-reduces.
+struct SoftmaxStats {
+  torch::Tensor sum, target_logit, local_target, mine;
+};
+SoftmaxStats vocab_parallel_softmax_stats(Group& tp, torch::Tensor& w, const torch::Tensor& targets,
+                                          int64_t vocab_start, int64_t vocab);
+
 torch::Tensor vocab_parallel_cross_entropy(Group& tp, const torch::Tensor& logits,
                                            const torch::Tensor& targets, int64_t vocab_start,
                                            int64_t vocab);

@@ -36,6 +36,17 @@ TEST(HeadLoss, ChunkedFusedMatchesWholeLogitsInLossAndGradients) {
     EXPECT_NEAR(fused_head_cross_entropy_sum(solo, y0, w0, targets, 0, vocab, chunk).item<double>(),
                 ref.item<double>(), 1e-6 * ref.item<double>());
   }
+  // bf16 weights and inputs (the matmuls in bf16, the weight gradient summed over chunks in
+  // fp32): the loss within bf16 rounding of the fp32 one.
+  auto yb = y0.to(torch::kBFloat16).requires_grad_(), wb = w0.to(torch::kBFloat16).requires_grad_();
+  auto lb = fused_head_cross_entropy_sum(solo, yb, wb, targets, 0, vocab, 8);
+  lb.backward();
+  EXPECT_NEAR(lb.item<double>(), ref.item<double>(), 1e-2 * ref.item<double>());
+  EXPECT_EQ(wb.grad().scalar_type(), torch::kBFloat16);
+  EXPECT_LT(((wb.grad().to(torch::kFloat32) * 0.125 - ref_w.grad()).abs().max() /
+             ref_w.grad().abs().max())
+                .item<double>(),
+            2e-2);
   EXPECT_EQ(head_chunk_rows(50304, int64_t{64} << 20), 333);  // 64 MiB of fp32 rows of 50304
   EXPECT_EQ(head_chunk_rows(1 << 30, 1 << 20), 1);
 }
