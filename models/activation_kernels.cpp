@@ -37,6 +37,4 @@ void gelu_tanh_backward(const float* dy, const float* x, float* dx, int64_t n) {
   baseline::gelu_tanh_backward(dy, x, dx, n);
 }
 
-bool uses_avx2() { return has_avx2_fma(); }
-
 }  // namespace tessel::models::kernels

@@ -13,7 +13,5 @@ namespace tessel::models::kernels {
 void gelu_tanh_forward(const float* x, float* y, int64_t n);
 /// dx = dy · d/dx GELU(x), recomputed from x as the forward does.
 void gelu_tanh_backward(const float* dy, const float* x, float* dx, int64_t n);
-/// Whether this CPU runs the AVX2+FMA build of the loops (else the baseline one).
-bool uses_avx2();
 
 }  // namespace tessel::models::kernels
