@@ -21,6 +21,7 @@
 #include "parallel/mesh.h"
 #include "parallel/pp/schedule.h"
 #include "plan/config.h"
+#include "planner/cpu_profile.h"
 #include "planner/planner.h"
 #include "run/score.h"
 #include "run/startup.h"
@@ -70,7 +71,7 @@ struct TrainArgs {
   std::vector<std::string> sets;
   bool dry_run = false, help_config = false;
   int64_t world_size = 0;
-  std::string profile = "h100", plan_json, profile_steps;
+  std::string profile, plan_json, profile_steps;
   std::vector<std::string> profile_sets;
 };
 
@@ -87,8 +88,9 @@ void add_train_options(CLI::App& app, TrainArgs& a) {
       ->check(tessel::cli::whole_at_least(1));
   app.add_option("--device-profile", a.profile,
                  "With --dry-run: the device the step time is predicted for: h100, h200, a100, "
-                 "or a YAML file (base, peak_tflops, fp32_tflops, intra_node_gbps, "
-                 "inter_node_gbps, gpus_per_node, memory_gib, efficiency)");
+                 "cpu (this machine, measured now), or a YAML file (base, peak_tflops, "
+                 "fp32_tflops, intra_node_gbps, inter_node_gbps, gpus_per_node, memory_gib, "
+                 "efficiency, ...). Default: cpu for a CPU plan without --world-size, else h100");
   app.add_option("--profile-set", a.profile_sets,
                  "With --dry-run: override a device profile field: key=value (repeatable)")
       ->take_all()
@@ -171,6 +173,22 @@ void print_faster_layout(const std::string& config, int64_t n, const tessel::Lay
       human_bytes(most).c_str(), config.c_str(), static_cast<long long>(n), sets.c_str());
 }
 
+// --dry-run's device: --device-profile; else this CPU, measured now, when the plan would run on it
+// here (training.device cpu, or auto without CUDA, and no --world-size); else h100.
+tessel::DeviceProfile dry_run_device(const TrainArgs& a, const tessel::Config& c, int64_t n) {
+  std::string spec = a.profile;
+  if (spec.empty()) {
+    const auto& dev = c.training.device;
+    const bool cpu_here =
+        a.world_size == 0 && (dev == "cpu" || (dev == "auto" && !torch::cuda::is_available()));
+    spec = cpu_here ? "cpu" : "h100";
+  }
+  if (spec != "cpu") return tessel::device_profile(spec, a.profile_sets);
+  auto d = tessel::measure_cpu_profile(c, n);
+  tessel::apply_profile_overrides(d, a.profile_sets);
+  return d;
+}
+
 // --dry-run: the plan checked against the world, nothing started.
 int plan_dry_run(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
   tessel::Config c = tessel::load_config(a.config, a.sets);
@@ -186,7 +204,7 @@ int plan_dry_run(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
   print_state_bytes(c, layout);
   if (layout.pp > 1) print_pipeline(c, layout);
   if (layout.cp > 1) print_context_parallel(c, layout);
-  const auto device = tessel::device_profile(a.profile, a.profile_sets);
+  const auto device = dry_run_device(a, c, n);
   const auto estimate = tessel::estimate(c, layout, device);
   std::printf("%s", tessel::render(estimate, c, device).c_str());
   if (const auto better = tessel::faster_layout(c, n, device, estimate))

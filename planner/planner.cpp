@@ -56,6 +56,7 @@ const std::map<std::string, DeviceProfile>& builtin_profiles() {
 }  // namespace
 
 double matmul_peak_tflops(const DeviceProfile& d, const TrainingConfig& t) {
+  if (d.cpu) return d.peak_tflops;  // measured in the plan's dtype
   if (t.dtype != "fp32") return d.peak_tflops;
   return t.tf32 ? d.peak_tflops / 2 : d.fp32_tflops;
 }
@@ -112,10 +113,25 @@ void set_field(DeviceProfile& d, const std::string& key, const std::string& valu
       throw UserError(where +
                       ": efficiency is a fraction of the peak (0 < efficiency <= 1), not '" +
                       value + "'");
-  } else
+  } else if (key == "attention_tflops")
+    d.attention_tflops = num();
+  else if (key == "activation_ns")
+    d.activation_ns = num();
+  else if (key == "memory_gbps")
+    d.memory_gbps = num();
+  else if (key == "latency_us")
+    d.latency_us = num();
+  else if (key == "gather_gbps")
+    d.gather_gbps = num();
+  else if (key == "p2p_gbps")
+    d.p2p_gbps = num();
+  else if (key == "op_us")
+    d.op_us = num();
+  else
     throw UserError(where + ": unknown device profile key '" + key +
                     "' (keys: name, base, peak_tflops, fp32_tflops, intra_node_gbps, "
-                    "inter_node_gbps, gpus_per_node, memory_gib, efficiency)");
+                    "inter_node_gbps, gpus_per_node, memory_gib, efficiency, attention_tflops, "
+                    "activation_ns, memory_gbps, latency_us, gather_gbps, p2p_gbps, op_us)");
 }
 
 // The first group of kind k: do its ranks share a node?
@@ -127,10 +143,15 @@ bool within_node(parallel::GroupKind k, const parallel::Layout& l, int64_t gpus_
 
 struct Traffic {  // one group's bytes on one rank per step, by how a ring moves them
   double all_reduce = 0, gather_scatter = 0, p2p = 0;
+  double ops = 0;  // collectives and transfers issued (each pays the profile's latency)
   double bytes() const { return all_reduce + gather_scatter + p2p; }
-  double wire(int64_t n) const {  // bytes each rank puts on its link
+  // Seconds those bytes take: at the link's `gbps`, or the profile's own figure for all-gathers
+  // and reduce-scatters, and for send/receive, where it has one.
+  double wire(int64_t n, double gbps, const DeviceProfile& d) const {
     const double f = n > 1 ? static_cast<double>(n - 1) / static_cast<double>(n) : 0.0;
-    return 2 * f * all_reduce + f * gather_scatter + p2p;
+    auto at = [gbps](double rate) { return (rate > 0 ? rate : gbps) * 1e9; };
+    return 2 * f * all_reduce / at(0) + f * gather_scatter / at(d.gather_gbps) +
+           p2p / at(d.p2p_gbps);
   }
 };
 
@@ -144,7 +165,7 @@ DeviceProfile device_profile(const std::string& spec, const std::vector<std::str
   } else if (!spec.empty()) {
     if (!std::filesystem::is_regular_file(spec))
       throw UserError("--device-profile '" + spec +
-                      "': neither a built-in profile (h100, h200, a100) nor a YAML file");
+                      "': neither a built-in profile (h100, h200, a100, cpu) nor a YAML file");
     YAML::Node y;
     try {
       y = YAML::LoadFile(spec);
@@ -164,12 +185,16 @@ DeviceProfile device_profile(const std::string& spec, const std::vector<std::str
       if (key != "base") set_field(d, key, kv.second.as<std::string>(), spec);
     }
   }
+  apply_profile_overrides(d, overrides);
+  return d;
+}
+
+void apply_profile_overrides(DeviceProfile& d, const std::vector<std::string>& overrides) {
   for (const auto& o : overrides) {
     const auto eq = o.find('=');
     if (eq == std::string::npos) throw UserError("--profile-set '" + o + "': expected key=value");
     set_field(d, o.substr(0, eq), o.substr(eq + 1), "--profile-set");
   }
-  return d;
 }
 
 namespace {
@@ -272,6 +297,12 @@ void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
   }
 }
 
+// CPU step constants (cpu_compute_s): host operators per block and micro-batch, forward and
+// backward; element-wise passes over a block's [tokens, hidden], over the logits, and over the
+// optimizer's fp32 state.
+constexpr double kGpt2BlockOps = 100, kLlamaBlockOps = 200;
+constexpr double kBlockPasses = 20, kHeadPasses = 8, kOptimizerPasses = 12;
+
 // One stage's bytes: its parameters' state between steps and what a step adds at its peak.
 // The last stage's head and loss at their peak. Whole logits: the head's output and the loss's
 // fp32 softmax/gradient buffer for every token. Lean logits (parallel/tp/head_loss.h): one
@@ -335,11 +366,10 @@ void add_tp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
   // Recomputation reruns forward collectives: selective the MLP's (SP: its all-gather and
   // reduce-scatter; else its all-reduce), full the whole block's (twice that).
   const double rerun = t.recompute == "full" ? 2 : t.recompute == "selective" ? 1 : 0;
-  if (sp)
-    g.gather_scatter += mb * ((8 + 2 * rerun) * r.layers + 2 * ends) * row;
-  else
-    g.all_reduce += mb * ((4 + rerun) * r.layers + ends) * row;
-  if (part.last) g.all_reduce += mb * 3 * tok * 4;
+  const double per_mb = sp ? (8 + 2 * rerun) * r.layers + 2 * ends : (4 + rerun) * r.layers + ends;
+  (sp ? g.gather_scatter : g.all_reduce) += mb * per_mb * row;
+  g.ops += mb * per_mb;
+  if (part.last) g.all_reduce += mb * 3 * tok * 4, g.ops += mb * 3;
   // Replicated parameters whose gradient each tp rank holds part of: summed once per step.
   double replicated = 0;
   if (sp)
@@ -347,6 +377,7 @@ void add_tp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
                   (part.last ? (m.arch == "llama" ? 1 : 2) * h : 0);
   if (m.kv_heads < l.tp) replicated += 2 * h * kvd * r.layers;
   g.all_reduce += 4 * replicated;
+  if (replicated > 0) g.ops += 1;
 }
 
 // Adds context parallelism's bytes per step to `g`: the keys and values (and their gradients).
@@ -355,26 +386,31 @@ void add_cp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
   const auto& t = c.training;
   const double mb = static_cast<double>(b.mbs);
   const double kv_bytes = static_cast<double>(t.micro_batch * t.seq_len) * 2 * b.kvd / b.tp * b.w;
-  if (c.parallel.context_method == "allgather")  // keys/values gathered, their grads scattered
-    g.gather_scatter += mb * r.layers * 2 * kv_bytes * (t.recompute == "full" ? 1.5 : 1.0);
-  else  // ring: this rank's keys/values go round cp-1 times forward and again in backward
-        // (plus once more when full recompute reruns forward); dK/dV go round cp times
-    g.p2p += mb * r.layers * kv_bytes / static_cast<double>(l.cp) *
-             ((t.recompute == "full" ? 3.0 : 2.0) * static_cast<double>(l.cp - 1) +
-              static_cast<double>(l.cp));
+  const double full = t.recompute == "full" ? 1 : 0;
+  if (c.parallel.context_method == "allgather") {  // keys/values gathered, grads scattered
+    g.gather_scatter += mb * r.layers * 2 * kv_bytes * (1 + 0.5 * full);
+    g.ops += mb * r.layers * (2 + full);
+  } else {  // ring: this rank's keys/values go round cp-1 times forward and again in backward
+            // (plus once more when full recompute reruns forward); dK/dV go round cp times
+    const double turns = (2 + full) * static_cast<double>(l.cp - 1) + static_cast<double>(l.cp);
+    g.p2p += mb * r.layers * kv_bytes / static_cast<double>(l.cp) * turns;
+    g.ops += mb * r.layers * turns;
+  }
 }
 
 // Adds the data-parallel (dp×cp) group's bytes per step to `d`: gradients reduced, and under
 // ZeRO weights gathered.
-void add_data_traffic(Traffic& d, const PlanBasis& b, const RankEstimate& r) {
+void add_data_traffic(Traffic& d, const Config& c, const PlanBasis& b, const RankEstimate& r) {
   const double mb = static_cast<double>(b.mbs), w = b.w, block = b.block;
   const double n = static_cast<double>(r.params);
-  if (b.zero == 0) d.all_reduce += 4 * n;
-  if (b.zero == 1) d.gather_scatter += 4 * n + w * n;
-  if (b.zero == 2) d.gather_scatter += mb * 4 * n + w * n;
-  if (b.zero == 3) {
+  const double buckets = std::ceil(4 * n / std::max(1.0, c.parallel.ddp_bucket_mb * (1 << 20)));
+  if (b.zero == 0) d.all_reduce += 4 * n, d.ops += buckets;
+  if (b.zero == 1) d.gather_scatter += 4 * n + w * n, d.ops += 2 * buckets;
+  if (b.zero == 2) d.gather_scatter += mb * 4 * n + w * n, d.ops += (mb + 1) * buckets;
+  if (b.zero == 3) {  // per micro-batch each unit gathered for forward and backward, reduced once
     const double root = n - r.layers * block;
     d.gather_scatter += mb * (4 * n + w * (root + (2 * r.layers - 1) * block));
+    d.ops += mb * 3 * (static_cast<double>(r.layers) + 1);
   }
 }
 
@@ -392,10 +428,13 @@ std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::La
     const double sends_fwd = own_chunks - (part.last ? 1 : 0);
     const double sends_bwd = own_chunks - (part.first ? 1 : 0);
     g["pp"].p2p += mb * (sends_fwd + sends_bwd) * b.act_row;
+    g["pp"].ops += mb * (sends_fwd + sends_bwd);
   }
-  if (b.data_ranks > 1) add_data_traffic(g["dp_cp"], b, r);
-  if (l.pp > 1 && b.m.tied() && (part.first || part.last))
+  if (b.data_ranks > 1) add_data_traffic(g["dp_cp"], c, b, r);
+  if (l.pp > 1 && b.m.tied() && (part.first || part.last)) {
     g["embedding"].all_reduce += 4 * static_cast<double>(b.m.vocab_size) * b.h / b.tp;
+    g["embedding"].ops += 1;
+  }
   return g;
 }
 
@@ -419,8 +458,12 @@ double exposed_comm_s(const std::map<std::string, Traffic>& g, double compute,
     const int64_t n = static_cast<int64_t>(parallel::group_ranks(kind, l)[0].size());
     const double gbps =
         within_node(kind, l, dev.gpus_per_node) ? dev.intra_node_gbps : dev.inter_node_gbps;
-    const double s = traffic.wire(n) / (gbps * 1e9);
+    const double s = traffic.ops * dev.latency_us * 1e-6 + traffic.wire(n, gbps, dev);
     e.comm_s[name] = std::max(e.comm_s[name], s);
+    if (dev.cpu) {  // every core computes: Gloo's threads take their time from the step
+      exposed += s;
+      continue;
+    }
     // tp, cp and pipeline transfers sit on the critical path; data-parallel reductions overlap
     // backward (about 2/3 of compute), ZeRO-1/2's weight all-gather after the step does not.
     if (name == "dp_cp") {
@@ -433,6 +476,43 @@ double exposed_comm_s(const std::map<std::string, Traffic>& g, double compute,
     }
   }
   return exposed;
+}
+
+// A stage's compute per step on a CPU profile: its matmuls at the measured rate × efficiency,
+// attention at the measured SDPA rate, the MLP activation per element, the host's cost of the
+// operators a block issues, and the element-wise rest (norms, residual adds, biases, the loss over
+// the logits, the optimizer) as passes over their tensors at the measured bandwidth. Operators and
+// passes per block were counted on CPU fp32 runs of gpt2 and llama (2026-11-25, planner_test's
+// StepTime checks the result on five layouts).
+std::map<std::string, double> cpu_compute_s(const Config& c, const PlanBasis& b,
+                                            const RankEstimate& r, const models::StagePart& part,
+                                            const DeviceProfile& d) {
+  const auto& t = c.training;
+  const auto& m = b.m;
+  const bool llama = m.arch == "llama", full = t.recompute == "full";
+  const double micro = static_cast<double>(b.mbs), tokens = micro * b.tok;
+  const double layers = static_cast<double>(r.layers), h = b.h, tp = b.tp;
+  const double mlp = (llama ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden) / tp;
+  const double rerun = full ? b.block : t.recompute == "selective" ? mlp : 0.0;
+  const double head = part.last ? b.vocab_local * h : 0.0;
+  const double matmul = (6 * (layers * b.block + head) + 2 * layers * rerun) * tokens /
+                        (d.peak_tflops * 1e12 * d.efficiency);
+  const double attention = 12 * layers * static_cast<double>(m.heads) / tp *
+                           static_cast<double>(m.head_dim() * t.seq_len) * tokens *
+                           (full ? 4.0 / 3 : 1.0) / (d.attention_tflops * 1e12);
+  const double activation = layers * tokens * static_cast<double>(m.ffn_hidden) / tp *
+                            d.activation_ns * 1e-9 * (rerun > 0 ? 1.5 : 1.0);
+  const double ops = (llama ? kLlamaBlockOps : kGpt2BlockOps) * layers * micro * (full ? 1.4 : 1.0);
+  const double state =
+      static_cast<double>(r.params) / static_cast<double>(b.zero >= 1 ? b.data_ranks : 1);
+  const double bytes = kBlockPasses * layers * tokens * h * b.w / (b.sp ? tp : 1.0) +
+                       kHeadPasses * tokens * (part.last ? b.vocab_local : 0.0) * 4 +
+                       kOptimizerPasses * state * 4;
+  return {{"matmul", matmul},
+          {"attention", attention},
+          {"activation", activation},
+          {"operators", ops * d.op_us * 1e-6},
+          {"element-wise", bytes / (d.memory_gbps * 1e9)}};
 }
 
 // One layout faster_layout tries.
@@ -501,12 +581,24 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
     const auto traffic = stage_traffic(c, l, b, r, part);
     // Time on the device profile: this stage's compute, its communication on the group's link.
     const double peak = matmul_peak_tflops(dev, t) * 1e12 * dev.efficiency;
-    const double compute =
+    std::map<std::string, double> parts;
+    if (dev.cpu) parts = cpu_compute_s(c, b, r, part, dev);
+    double compute =
         (e.flops_per_step + e.recompute_flops_per_step) / static_cast<double>(e.world) / peak;
-    const double exposed = exposed_comm_s(traffic, compute, l, dev, b, r, e);
+    if (dev.cpu) {
+      compute = 0;
+      for (const auto& [what, s] : parts) compute += s;
+    }
+    // Plus, on every step, the world's all-reduce of the gradient norm and stop votes, and on
+    // logged steps the loss's over the pipeline and data groups (latency only: a few bytes).
+    const double small =
+        e.world > 1 ? 1.0 + 2.0 / static_cast<double>(std::max<int64_t>(1, c.logging.every)) : 0.0;
+    const double exposed =
+        exposed_comm_s(traffic, compute, l, dev, b, r, e) + small * dev.latency_us * 1e-6;
     if (stage == 0 || compute + exposed > e.compute_s + e.comm_exposed_s) {
       e.compute_s = compute;
       e.comm_exposed_s = exposed;
+      e.compute_parts = parts;
     }
     e.ranks.push_back(std::move(r));
   }

@@ -25,6 +25,17 @@ struct DeviceProfile {
   int64_t gpus_per_node = 8;
   double memory_gib = 0;
   double efficiency = 0.5;  // share of the peak the matmuls reach (MFU of the compute alone)
+  // A CPU profile (measure_cpu_profile, planner/cpu_profile.h) times the rest of the step too;
+  // the GPU profiles leave these 0 and time a step by its matmuls.
+  bool cpu = false;
+  int64_t threads = 0;          // per rank, what the rates were measured on
+  double attention_tflops = 0;  // SDPA forward + backward, counted as 12·H·Q·T per token
+  double activation_ns = 0;     // the MLP activation's forward + backward, per element
+  double memory_gbps = 0;       // an element-wise add: bytes read and written per second
+  double latency_us = 0;        // added to every collective and transfer
+  double op_us = 0;             // the host's cost of one small operator, forward and backward
+  double gather_gbps = 0;       // all-gather and reduce-scatter (0: the group's link)
+  double p2p_gbps = 0;          // send/receive (0: the group's link)
 };
 /// The one dense peak a plan's matmuls run at, for its step time and its MFU alike: bf16/fp16 on
 /// tensor cores; fp32 as TF32 (half the bf16 peak) when training.tf32, else plain fp32.
@@ -37,6 +48,8 @@ const DeviceProfile* profile_of_gpu(const std::string& cuda_name);
 /// `spec`: a built-in name, or a YAML file with the fields above (any subset, over `base`, a
 /// built-in name, default h100); then `overrides` (key=value).
 DeviceProfile device_profile(const std::string& spec, const std::vector<std::string>& overrides);
+/// `overrides` (key=value, the YAML file's keys) on `d`; a UserError names a bad one.
+void apply_profile_overrides(DeviceProfile& d, const std::vector<std::string>& overrides);
 
 struct RankEstimate {
   int64_t stage = 0;                             // pipeline rank
@@ -57,7 +70,8 @@ struct PlanEstimate {
   std::vector<RankEstimate> ranks;      // one per pipeline stage (tp/dp/cp peers are alike)
   // Step time on the device profile (seconds): compute, exposed communication, bubble.
   double compute_s = 0, comm_exposed_s = 0, bubble_s = 0, step_s = 0;
-  std::map<std::string, double> comm_s;  // per group, the time its bytes take on their links
+  std::map<std::string, double> comm_s;         // per group, the time its bytes take on their links
+  std::map<std::string, double> compute_parts;  // a CPU profile's compute, by kind (seconds)
   double tokens_per_s = 0, mfu = 0;
 };
 

@@ -7,6 +7,38 @@
 
 namespace tessel {
 
+namespace {
+
+// A CPU profile's measured rates, one line.
+std::string cpu_line(const DeviceProfile& d) {
+  return fmt::format(
+      "# this CPU, measured now on {} thread{} per rank: matmul {:.1f} GFLOP/s ({:.0f}% counted), "
+      "attention {:.1f} GFLOP/s, MLP activation {:.2f} ns per element, {:.1f} us per operator, "
+      "memory {:.1f} GB/s{}\n",
+      d.threads, d.threads == 1 ? "" : "s", 1e3 * d.peak_tflops, 100 * d.efficiency,
+      1e3 * d.attention_tflops, d.activation_ns, d.op_us, d.memory_gbps,
+      d.latency_us > 0
+          ? fmt::format("; Gloo over loopback {:.0f} us per collective, all-reduce {:.2f} GB/s, "
+                        "all-gather {:.2f} GB/s, send/receive {:.2f} GB/s",
+                        d.latency_us, d.intra_node_gbps, d.gather_gbps, d.p2p_gbps)
+          : "");
+}
+
+// The device in brief: a GPU's datasheet, or (cpu_line has the rest) this CPU's matmul rate.
+std::string device_brief(const DeviceProfile& d, const Config& c) {
+  if (d.cpu)
+    return fmt::format("cpu ({:.3g} TFLOP/s {} measured, {} rank{} here)",
+                       matmul_peak_tflops(d, c.training), c.training.dtype, d.gpus_per_node,
+                       d.gpus_per_node == 1 ? "" : "s");
+  return fmt::format(
+      "{} ({:.0f} TFLOP/s {} peak at {:.0f}% efficiency, {} GB/s in a node, {} GB/s between "
+      "nodes, {} per node)",
+      d.name, matmul_peak_tflops(d, c.training), matmul_peak_name(c.training), 100 * d.efficiency,
+      d.intra_node_gbps, d.inter_node_gbps, d.gpus_per_node);
+}
+
+}  // namespace
+
 std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& d) {
   auto gib = [](double b) { return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024)); };
   auto mib = [](double b) { return fmt::format("{:.1f} MiB", b / (1024.0 * 1024)); };
@@ -34,12 +66,12 @@ std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& 
   std::string links;
   for (const auto& [name, sec] : e.comm_s)
     links += fmt::format("{}{} {:.1f} ms", links.empty() ? "" : ", ", name, 1e3 * sec);
+  if (d.cpu) s += cpu_line(d);
+  const std::string device = device_brief(d, c);
   s += fmt::format(
-      "# predicted on {} ({:.0f} TFLOP/s {} peak at {:.0f}% efficiency, {} GB/s in a node, {} GB/s "
-      "between nodes, {} per node): step {:.1f} ms = compute {:.1f}{} + exposed communication "
+      "# predicted on {}: step {:.1f} ms = compute {:.1f}{} + exposed communication "
       "{:.1f} + bubble {:.1f}; {:.0f} tokens/s ({:.0f} per device), MFU {:.1f}%{}\n",
-      d.name, matmul_peak_tflops(d, c.training), matmul_peak_name(c.training), 100 * d.efficiency,
-      d.intra_node_gbps, d.inter_node_gbps, d.gpus_per_node, 1e3 * e.step_s, 1e3 * e.compute_s,
+      device, 1e3 * e.step_s, 1e3 * e.compute_s,
       e.recompute_flops_per_step > 0
           ? fmt::format(" (of which {} recomputation {:.1f})", c.training.recompute,
                         1e3 * e.compute_s * e.recompute_flops_per_step /
@@ -48,6 +80,12 @@ std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& 
       1e3 * e.comm_exposed_s, 1e3 * e.bubble_s, e.tokens_per_s,
       e.tokens_per_s / static_cast<double>(e.world), 100 * e.mfu,
       links.empty() ? "" : "; link time per group: " + links);
+  if (!e.compute_parts.empty()) {
+    std::string parts;
+    for (const auto& [what, sec] : e.compute_parts)
+      parts += fmt::format("{}{} {:.1f} ms", parts.empty() ? "" : ", ", what, 1e3 * sec);
+    s += "#   compute on the slowest stage: " + parts + "\n";
+  }
   return s;
 }
 
@@ -64,12 +102,22 @@ std::string to_json(const PlanEstimate& e, const DeviceProfile& d) {
                         {"inter_node_gbps", d.inter_node_gbps},
                         {"gpus_per_node", d.gpus_per_node},
                         {"memory_gib", d.memory_gib},
-                        {"efficiency", d.efficiency}}},
+                        {"efficiency", d.efficiency},
+                        {"cpu", d.cpu},
+                        {"threads", d.threads},
+                        {"attention_tflops", d.attention_tflops},
+                        {"activation_ns", d.activation_ns},
+                        {"memory_gbps", d.memory_gbps},
+                        {"latency_us", d.latency_us},
+                        {"gather_gbps", d.gather_gbps},
+                        {"p2p_gbps", d.p2p_gbps},
+                        {"op_us", d.op_us}}},
                       {"step_s", e.step_s},
                       {"compute_s", e.compute_s},
                       {"comm_exposed_s", e.comm_exposed_s},
                       {"bubble_s", e.bubble_s},
                       {"comm_s", e.comm_s},
+                      {"compute_parts_s", e.compute_parts},
                       {"tokens_per_s", e.tokens_per_s},
                       {"mfu", e.mfu},
                       {"ranks", nlohmann::json::array()}};
