@@ -163,6 +163,46 @@ void check_no_overlap(const std::string& path,
                                    std::get<2>(ranges[i]) + "' overlap");
 }
 
+std::pair<int, int> device_key(const c10::Device& d) {
+  return {static_cast<int>(d.type()), d.index()};
+}
+
+// Host copies of `tensors`, contiguous, in order. CPU tensors stay where they are (copied only
+// when not contiguous). Device tensors land in one pinned buffer, each copy queued without waiting
+// and only the last of each device's waiting: that one wait covers every earlier copy queued on
+// the device's stream, where one blocking copy per tensor would stall the device once per tensor.
+std::vector<torch::Tensor> host_copies(
+    const std::vector<std::pair<std::string, torch::Tensor>>& tensors) {
+  constexpr int64_t kAlign = 64;
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  std::map<std::pair<int, int>, size_t> last;  // per device (type, index), its last tensor
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i].second;
+    offsets.push_back(total);
+    if (!t.device().is_cpu()) {
+      total += (static_cast<int64_t>(t.nbytes()) + kAlign - 1) / kAlign * kAlign;
+      last[device_key(t.device())] = i;
+    }
+  }
+  torch::Tensor pinned;
+  if (total > 0) pinned = torch::empty({total}, torch::dtype(torch::kUInt8).pinned_memory(true));
+  std::vector<torch::Tensor> out;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto t = tensors[i].second.detach();
+    if (t.device().is_cpu()) {
+      out.push_back(t.contiguous());
+      continue;
+    }
+    auto host = pinned.narrow(0, offsets[i], static_cast<int64_t>(t.nbytes()))
+                    .view(t.scalar_type())
+                    .view(t.sizes());
+    host.copy_(t, /*non_blocking=*/last.at(device_key(t.device())) != i);
+    out.push_back(host);
+  }
+  return out;
+}
+
 }  // namespace
 
 MappedSafetensors::MappedSafetensors(const std::string& path) : path_(path) {
@@ -257,16 +297,16 @@ WrittenFile write_safetensors(const std::string& path,
                               const std::map<std::string, std::string>& metadata) {
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<torch::Tensor> cpu;
+  const std::vector<torch::Tensor> cpu = host_copies(tensors);
   uint64_t offset = 0;
-  for (const auto& [name, t] : tensors) {
-    auto c = t.detach().to(torch::kCPU).contiguous();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& name = tensors[i].first;
+    const auto& c = cpu[i];
     uint64_t bytes = c.numel() * c.element_size();
     header[name] = {{"dtype", dtype_name(c.scalar_type())},
                     {"shape", c.sizes().vec()},
                     {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
-    cpu.push_back(c);
   }
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');  // keep the data section 8-byte aligned

@@ -33,7 +33,8 @@ ScoreResult score_rows(const Config& c, const std::string& weights, const torch:
   const int64_t b = rows.size(0), t = rows.size(1) - 1;
   double total = 0;
   for (int64_t first = 0; first < b; first += c.training.micro_batch) {
-    auto part = rows.narrow(0, first, std::min(c.training.micro_batch, b - first)).to(device);
+    auto part =
+        to_device(rows.narrow(0, first, std::min(c.training.micro_batch, b - first)), device);
     total += model->loss_sum(part).to(torch::kFloat64).item<double>();
   }
   return {total / static_cast<double>(b * t), b * t, b};

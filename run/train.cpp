@@ -39,6 +39,10 @@ torch::Device resolve_device(const std::string& device, const parallel::WorldInf
   return {torch::kCUDA, static_cast<c10::DeviceIndex>(choice.index)};
 }
 
+torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device) {
+  return device.is_cuda() ? host.pin_memory().to(device, /*non_blocking=*/true) : host;
+}
+
 void load_weights_file(models::Decoder& model, const std::string& path) {
   models::load_weights(model, read_safetensors(path).tensors, path);
 }
@@ -219,7 +223,7 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   const int64_t rows = t.global_batch / mesh_->layout().dp;
   auto batch = data_->train_batch(consumed_ + mesh_->coord().dp * rows, rows);
   consumed_ += t.global_batch;
-  batch = device_.is_cuda() ? batch.pin_memory().to(device_, /*non_blocking=*/true) : batch;
+  batch = to_device(batch, device_);
   // The loss rule: sum of token losses over the global batch / its number of target tokens.
   const double scale = 1.0 / static_cast<double>(t.global_batch * t.seq_len);
   auto loss = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
@@ -289,7 +293,8 @@ double Trainer::evaluate() {
     const int64_t first = mb * t.micro_batch;
     torch::Tensor rows_mb;  // read only by the stages that embed tokens or score targets
     if (model_->needs_rows(chunk))
-      rows_mb = data_->val_batch(mesh_->coord().dp * mine + first, t.micro_batch).to(device_);
+      rows_mb =
+          to_device(data_->val_batch(mesh_->coord().dp * mine + first, t.micro_batch), device_);
     auto out = model_->stage_forward(chunk, input, rows_mb);
     if (model_->is_last_stage(chunk)) total += out.to(torch::kFloat64);
     if (chunk == 0 && std::chrono::steady_clock::now() - last > std::chrono::seconds(2)) {

@@ -42,6 +42,10 @@ class StepProfiler;
 torch::Device resolve_device(const std::string& device, const parallel::WorldInfo& w = {},
                              std::string* why = nullptr);
 
+/// Host rows (data, evaluation, scoring) onto the run's device: on CUDA through pinned memory and
+/// queued without waiting (the copy goes behind the work already queued); on CPU as they are.
+torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device);
+
 /// Builds the plan's model on `device` in `dtype`: seeded init, or model.init_from.
 /// `tp`: the tensor-parallel group (null: one process holds the whole model); `stages`: the
 /// pipeline stages this rank holds (default: all); `cp`: the context-parallel group.

@@ -8,8 +8,10 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 
+#include "io/safetensors.h"
 #include "parallel/mesh.h"
 #include "run/train.h"
 #include "tests/common/attention_cases.h"
@@ -51,6 +53,39 @@ TEST(CudaDenseAttention, NeverTheMathKernel) {
 }
 
 TEST(CudaRecompute, ReplaysTheForwardsRandomDraws) { check_recompute_replays_rng(g_device); }
+
+// A checkpoint's tensors leave the device through one pinned buffer, copied without waiting but
+// for the last: what is written is what was on the device (dtypes, a strided view, an empty one),
+// after work still queued on the stream that wrote them.
+TEST(CudaCheckpoint, HostCopiesAreWhatTheDeviceHeld) {
+  auto o = torch::TensorOptions().device(g_device);
+  auto big = torch::randn({2048, 2048}, o);
+  std::vector<std::pair<std::string, torch::Tensor>> t = {
+      {"f32", torch::randn({37, 5}, o)},
+      {"bf16", torch::randn({64}, o.dtype(torch::kBFloat16))},
+      {"i64", torch::arange(11, o.dtype(torch::kInt64))},
+      {"strided", torch::randn({8, 6}, o).t()},
+      {"empty", torch::empty({0, 3}, o)},
+      {"late", big.matmul(big)}};  // still computing when the copies are queued
+  const auto path = std::filesystem::temp_directory_path() / "tessel_gpu_host_copies.safetensors";
+  write_safetensors(path.string(), t, {});
+  const auto back = read_safetensors(path.string());
+  for (const auto& [name, x] : t) {
+    const auto& y = back.tensors.at(name);
+    EXPECT_EQ(y.scalar_type(), x.scalar_type()) << name;
+    EXPECT_TRUE(torch::equal(y, x.cpu())) << name;
+  }
+  std::filesystem::remove(path);
+}
+
+// Rows reach the device through pinned memory without waiting, and are the rows.
+TEST(CudaData, RowsOnTheDevice) {
+  auto rows = torch::randint(0, 50000, {8, 129}, torch::kInt64);
+  auto d = to_device(rows, g_device);
+  EXPECT_TRUE(d.is_cuda());
+  EXPECT_TRUE(torch::equal(d.cpu(), rows));
+  EXPECT_FALSE(to_device(rows, torch::kCPU).is_cuda());
+}
 
 // NCCL: every typed collective, on CUDA tensors, over all ranks (skipped at world size 1: two
 // ranks of one communicator cannot share a GPU).

@@ -45,7 +45,8 @@ TEST(Safetensors, RoundTripsEveryDtype) {
       {"b", torch::randn({7}).to(torch::kBFloat16)},
       {"c", torch::arange(10, torch::kInt64).view({2, 5})},
       {"d", torch::ones({2, 2}, torch::kInt32)},
-      {"e", torch::empty({0, 4})}};
+      {"e", torch::empty({0, 4})},
+      {"f.strided", torch::randn({4, 6}).t()}};  // written in its logical (row-major) order
   std::string path = tmp_path("rt.safetensors");
   const auto written = write_safetensors(path, ts, {{"format", "pt"}});
   auto back = read_safetensors(path);
