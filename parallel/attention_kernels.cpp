@@ -1,5 +1,7 @@
 #include "parallel/attention_kernels.h"
 
+#include <algorithm>
+
 #include <ATen/ops/_fused_sdp_choice.h>
 #include <ATen/ops/_scaled_dot_product_efficient_attention.h>
 #include <ATen/ops/_scaled_dot_product_efficient_attention_backward.h>
@@ -62,6 +64,16 @@ std::string dense_attention_kernel(const torch::Tensor& q, const torch::Tensor& 
     default:
       return "other";
   }
+}
+
+std::string planned_attention_kernel(int64_t heads, int64_t kv_heads, int64_t seq_len,
+                                     int64_t head_dim, torch::ScalarType dtype,
+                                     const torch::Device& device) {
+  const auto o = torch::TensorOptions().dtype(dtype).device(device);
+  const int64_t n = std::min<int64_t>(seq_len, 256);
+  return dense_attention_kernel(torch::zeros({1, heads, n, head_dim}, o),
+                                torch::zeros({1, kv_heads, n, head_dim}, o),
+                                torch::zeros({1, kv_heads, n, head_dim}, o), true);
 }
 
 torch::Tensor kernel_layout(const torch::Tensor& x) {

@@ -41,6 +41,13 @@ torch::Tensor dense_attention(const torch::Tensor& q, const torch::Tensor& k,
 std::string dense_attention_kernel(const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, bool causal);
 
+/// The kernel dense_attention gets for a plan's attention: `heads` query and `kv_heads` key/value
+/// heads (one tp rank's), head size `head_dim`, a causal sequence, in `dtype` on `device` (probed
+/// on a sequence of at most 256 tokens: the choice does not depend on its length).
+std::string planned_attention_kernel(int64_t heads, int64_t kv_heads, int64_t seq_len,
+                                     int64_t head_dim, torch::ScalarType dtype,
+                                     const torch::Device& device);
+
 /// One block of attention and its log-sum-exp: q [b, h, m, d] against k, v [b, h, n, d] (equal
 /// head counts; causal: m == n and the block is on the diagonal). Returns (out [b, h, m, d] in
 /// q's dtype, over [b, m, h, d] memory; lse [b, h, m] fp32).

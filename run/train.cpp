@@ -12,6 +12,7 @@
 #include "checkpoint/checkpoint.h"
 #include "io/safetensors.h"
 #include "observe/profiler.h"
+#include "parallel/attention_kernels.h"
 #include "parallel/dp/grad_reducer.h"
 #include "parallel/dp/zero3.h"
 #include "parallel/pp/executor.h"
@@ -69,6 +70,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
       dtype_(resolve_dtype(c_.training.dtype)) {
   // start_run() checked the plan against this node and agreed with every rank.
   configure_device();
+  check_attention();
   mesh_ = parallel::Mesh::create(c_, world, device_, std::move(start.store));
   weight_gather_wait_ = SpanTimer(time_on_device(device_, mesh_->dp_cp().backend_name()));
   const auto& l = mesh_->layout();
@@ -114,6 +116,29 @@ void Trainer::configure_device() {
     at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::CONV, p);
   }
   if (!device_.is_cuda()) CpuAllocationCounter::get();  // counts the state from its first byte
+}
+
+void Trainer::check_attention() {
+  const auto m = model_shape(c_.model);
+  const auto& par = c_.parallel;
+  if (par.cp > 1) {  // context parallelism runs its own block kernels
+    attention_ = fmt::format("context parallel ({}): {} block kernels", par.context_method,
+                             device_.is_cuda() ? "memory-efficient" : "flash (CPU)");
+    return;
+  }
+  const int64_t heads = m.heads / par.tp, kv = std::max<int64_t>(1, m.kv_heads / par.tp);
+  const auto kernel = parallel::planned_attention_kernel(heads, kv, c_.training.seq_len,
+                                                         m.head_dim(), dtype_, device_);
+  attention_ = fmt::format("SDPA {} kernel ({} heads, {} key/value heads of {} per rank, {})",
+                           kernel, heads, kv, m.head_dim(), c_.training.dtype);
+  if (device_.is_cuda() && kernel == "math")
+    throw UserError(fmt::format(
+        "{}: attention would run SDPA's math kernel on CUDA, which holds a [{}, {}] score matrix "
+        "per head: {} heads of size {} ({} key/value heads per rank) in {} have no fused kernel "
+        "here (flash: bf16/fp16, head size a multiple of 8 up to 256; memory-efficient: any float "
+        "dtype, head size a multiple of 8)",
+        c_.source, c_.training.seq_len, c_.training.seq_len, heads, m.head_dim(), kv,
+        c_.training.dtype));
 }
 
 std::unique_ptr<parallel::pp::Executor> Trainer::make_executor(parallel::pp::Schedule s) const {
@@ -213,6 +238,7 @@ void Trainer::log_state() const {
   spdlog::info("data {} | {} training samples ({} tokens), {} validation samples", c_.data.format,
                data_->train_samples(), data_->train_tokens(), data_->val_samples());
   spdlog::info("device {}: {}", device_.str(), device_why_);
+  spdlog::info("attention: {}", attention_);
   spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
                kFlopsConvention, peak_.tflops, peak_.source);
 }

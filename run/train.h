@@ -82,6 +82,7 @@ class Trainer {
   void check_finite() const;  // host sync: throws UserError naming the first non-finite step
   void log_step(int64_t step, StepOut& out);
   void configure_device();  // threads, TF32, the CPU allocation counter
+  void check_attention();   // the plan's attention kernel, named; never SDPA's math on CUDA
   std::unique_ptr<parallel::pp::Executor> make_executor(parallel::pp::Schedule s) const;
   void log_layout(const parallel::WorldInfo& world) const;  // the start lines about the layout
   void measure_flops();  // FLOPs per token (over every stage) and the device peak
@@ -97,6 +98,7 @@ class Trainer {
   RunLock lock_;                  // rank 0: the run folder is ours
   std::unique_ptr<parallel::Mesh> mesh_;
   std::string device_why_;  // why this device (the start-up log); before device_, which sets it
+  std::string attention_;   // the attention kernel, for the start-up log
   torch::Device device_;
   torch::ScalarType dtype_;
   models::Decoder model_{nullptr};

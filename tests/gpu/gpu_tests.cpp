@@ -52,6 +52,19 @@ TEST(CudaDenseAttention, NeverTheMathKernel) {
     }
 }
 
+// The kernel start-up names (and refuses when it is math) for the shipped plans' attention:
+// a fused one, flash (or cuDNN's, where SDPA prefers it) in bf16, memory-efficient in fp32,
+// grouped heads or not.
+TEST(CudaDenseAttention, PlannedKernels) {
+  for (int64_t kv : {32, 8}) {
+    const auto bf16 =
+        parallel::planned_attention_kernel(32, kv, 2048, 64, torch::kBFloat16, g_device);
+    EXPECT_TRUE(bf16 == "flash" || bf16 == "cudnn") << bf16;
+    EXPECT_EQ(parallel::planned_attention_kernel(32, kv, 2048, 64, torch::kFloat32, g_device),
+              "efficient");
+  }
+}
+
 TEST(CudaRecompute, ReplaysTheForwardsRandomDraws) { check_recompute_replays_rng(g_device); }
 
 // A checkpoint's tensors leave the device through one pinned buffer, copied without waiting but

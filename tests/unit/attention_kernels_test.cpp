@@ -24,6 +24,16 @@ TEST(DenseAttention, GroupedQueryHeadsMatchPlainAttention) {
   EXPECT_LT((y.to(torch::kFloat64) - ref).abs().max().item<double>(), 1e-5);
 }
 
+// The kernel a plan's attention gets on CPU: the fused flash kernel in fp32 and bf16, grouped
+// heads or not, at the head sizes of the shipped plans; the start-up log names it.
+TEST(PlannedAttention, CpuGetsTheFlashKernel) {
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16})
+    for (int64_t kv : {6, 2})
+      for (int64_t d : {32, 64, 128})
+        EXPECT_EQ(parallel::planned_attention_kernel(6, kv, 1024, d, dtype, torch::kCPU), "flash")
+            << "kv " << kv << " head size " << d;
+}
+
 TEST(KernelLayout, IsTheForwardsOutputLayout) {
   auto q = torch::randn({2, 3, 8, 16});
   auto [out, lse] = parallel::block_forward(q, q, q, true);
