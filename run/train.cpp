@@ -14,6 +14,7 @@
 #include "observe/profiler.h"
 #include "parallel/attention_kernels.h"
 #include "parallel/dp/grad_reducer.h"
+#include "parallel/dp/weight_gather.h"
 #include "parallel/dp/zero3.h"
 #include "parallel/pp/executor.h"
 #include "run/same_plan.h"
@@ -215,6 +216,10 @@ void Trainer::setup_state() {
     model_->set_hooks(gatherer_.get());
     reducer_->on_bucket_done = [g = gatherer_.get()](size_t b) { g->bucket_done(b); };
   }
+  if (zero == 1 || zero == 2) {
+    weights_ = std::make_unique<parallel::dp::WeightGather>(data_group, *opt_, weight_gather_wait_);
+    model_->set_hooks(weights_.get());
+  }
 }
 
 void Trainer::log_state() const {
@@ -291,9 +296,9 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
         votes = both[1];
       },
       scaler_->unscale());
+  if (weights_) weights_->wait_all();  // every unit's gather has landed (the forward's waits)
   opt_->step(lr_at(t, step), scaler_->update(norm, step));  // a non-finite step is skipped
-  if (c_.parallel.zero == 1 || c_.parallel.zero == 2)
-    parallel::dp::gather_weights(mesh_->dp_cp(), *opt_, weight_gather_wait_);
+  if (weights_) weights_->start_all();  // waited for unit by unit by the next forward
   if (gatherer_) gatherer_->release_all();
   return {loss, norm, votes};
 }
@@ -309,6 +314,7 @@ double Trainer::take_exposed_comm_ms() {
 
 double Trainer::evaluate() {
   torch::NoGradGuard no_grad;
+  if (weights_) weights_->wait_all();
   const auto& t = c_.training;
   const auto& l = mesh_->layout();
   auto total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
@@ -432,6 +438,7 @@ int Trainer::train() {
     if ((c_.checkpoint.every > 0 && step % c_.checkpoint.every == 0) || last || stop) {
       auto t0 = std::chrono::steady_clock::now();
       check_finite();  // a non-finite step is never saved
+      if (weights_) weights_->wait_all();
       auto dir = save_checkpoint(c_, *mesh_, model_, *opt_, *scaler_, {step, consumed_});
       spdlog::info("checkpoint {}", dir);
       last_log_time_ += std::chrono::steady_clock::now() - t0;

@@ -25,6 +25,7 @@
 namespace tessel::parallel::dp {
 class GradReducer;
 class UnitGatherer;
+class WeightGather;
 }  // namespace tessel::parallel::dp
 namespace tessel::parallel::pp {
 class Executor;
@@ -105,6 +106,7 @@ class Trainer {
   std::unique_ptr<FlatAdamW> opt_;
   std::unique_ptr<parallel::dp::GradReducer> reducer_;
   std::unique_ptr<parallel::dp::UnitGatherer> gatherer_;  // ZeRO-3
+  std::unique_ptr<parallel::dp::WeightGather> weights_;   // ZeRO-1/2
   std::unique_ptr<LossScaler> scaler_;
   std::unique_ptr<StopOnSignal> stop_;
   std::unique_ptr<StepCounters> counters_;

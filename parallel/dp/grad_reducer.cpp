@@ -8,8 +8,6 @@
 #include <chrono>
 #include <deque>
 
-#include "parallel/dp/bucket_gather.h"
-
 namespace tessel::parallel::dp {
 namespace {
 
@@ -171,19 +169,6 @@ void GradReducer::finish() {
       drain(i);
       state_[i].ready = 0;
     }
-}
-
-void gather_weights(Group& dp_cp, FlatAdamW& opt, SpanTimer& timer) {
-  if (dp_cp.size() == 1) return;
-  timer.start();
-  const auto& layout = opt.layout();
-  BucketGather gathers;
-  auto weights = opt.weights();
-  for (const auto& b : layout.buckets())
-    gathers.start(dp_cp, weights.narrow(0, b.begin, b.end - b.begin),
-                  weights.narrow(0, layout.piece_flat(b), layout.piece_numel(b)));
-  gathers.wait();
-  timer.stop();
 }
 
 }  // namespace tessel::parallel::dp

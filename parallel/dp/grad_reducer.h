@@ -81,9 +81,4 @@ class GradReducer {
   int64_t live_bucket_bytes_ = 0, peak_bucket_bytes_ = 0;
 };
 
-/// Stages 1-2, after the optimizer step: every rank updated only its piece of each bucket; one
-/// all-gather per bucket gives every rank the whole weights again. `timer` times the wait (all of
-/// it exposed: nothing runs beside it).
-void gather_weights(Group& dp_cp, FlatAdamW& opt, SpanTimer& timer);
-
 }  // namespace tessel::parallel::dp

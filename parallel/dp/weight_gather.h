@@ -1,0 +1,46 @@
+// ZeRO-1/2: after the optimizer step every rank holds only its piece of each bucket updated; the
+// whole weights come back by one all-gather per bucket. They are started together after the step
+// and waited for unit by unit as the next forward reaches each unit (the embeddings and head before
+// the stage, a block just before it runs), so the gathers of later blocks run while earlier blocks
+// compute. Everything else that reads the weights (evaluation, a checkpoint, the next optimizer
+// step, the end of the run) calls wait_all() first.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "observe/timing.h"
+#include "optim/optim.h"
+#include "parallel/block_hooks.h"
+#include "parallel/comm.h"
+#include "parallel/dp/bucket_gather.h"
+
+namespace tessel::parallel::dp {
+
+class WeightGather : public BlockHooks {
+ public:
+  /// `timer` times the waits (the gathers' time that compute did not hide).
+  WeightGather(Group& dp_cp, FlatAdamW& opt, SpanTimer& timer);
+  /// After the optimizer step: every bucket's all-gather started.
+  void start_all();
+  /// Every gather started has landed.
+  void wait_all();
+  void before_stage() override;
+  torch::Tensor before_block(int64_t layer, const torch::Tensor& x) override;
+  torch::Tensor after_block(int64_t, const torch::Tensor& y) override { return y; }
+
+ private:
+  void wait(const std::string& unit);
+
+  Group& dp_cp_;
+  FlatAdamW& opt_;
+  SpanTimer& timer_;
+  // A unit ("root", "layers.<i>") waits for every bucket holding any of its parameters (under
+  // ZeRO-1/2 a bucket may hold several units' parameters).
+  std::map<std::string, std::vector<size_t>> buckets_of_;
+  std::vector<BucketGather> pending_;  // per bucket
+  std::vector<bool> in_flight_;
+};
+
+}  // namespace tessel::parallel::dp
