@@ -126,6 +126,12 @@ Group::Group(std::string name, std::vector<int64_t> ranks, int64_t global_rank,
   TORCH_CHECK(size() == 1 || backend_, "group ", name_, " of ", size(), " ranks has no backend");
 }
 
+void Group::set_side(std::unique_ptr<Group> side) {
+  TORCH_CHECK(side && side->ranks_ == ranks_ && side->rank_ == rank_, "group ", name_,
+              ": a side channel must join the same ranks");
+  side_ = std::move(side);
+}
+
 std::string Group::what(const char* op) {
   std::string members;
   for (auto r : ranks_) members += (members.empty() ? "" : ",") + std::to_string(r);

@@ -6,6 +6,7 @@
 #include <torch/types.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -57,10 +58,19 @@ class Group {
   int64_t rank() const { return rank_; }  // index of this process in ranks()
   int64_t size() const { return static_cast<int64_t>(ranks_.size()); }
   /// Payload bytes this rank handed to collectives so far (nccl-tests' "size": the buffer of an
-  /// all-reduce, the whole output of an all-gather, the whole input of a reduce-scatter).
-  int64_t bytes() const { return bytes_; }
-  /// Bytes this rank sent point-to-point (send_recv) so far.
-  int64_t sent_bytes() const { return sent_bytes_; }
+  /// all-reduce, the whole output of an all-gather, the whole input of a reduce-scatter), its
+  /// side channel's included.
+  int64_t bytes() const { return bytes_ + (side_ ? side_->bytes_ : 0); }
+  /// Bytes this rank sent point-to-point (send_recv) so far, its side channel's included.
+  int64_t sent_bytes() const { return sent_bytes_ + (side_ ? side_->sent_bytes_ : 0); }
+  /// A second channel between the same ranks, with a communicator of its own (on NCCL its own
+  /// stream, on Gloo its own threads), for collectives that run beside this group's instead of
+  /// queueing behind them (ZeRO-3's weight gathers beside the gradient reduce-scatters); this
+  /// group itself when it has none. Its bytes count as this group's.
+  Group& side() { return side_ ? *side_ : *this; }
+  bool has_side() const { return static_cast<bool>(side_); }
+  /// `side`: the same ranks, in the same order.
+  void set_side(std::unique_ptr<Group> side);
   /// "gloo", "nccl", or "none" for a group of one.
   std::string backend_name() const { return backend_ ? backend_->getBackendName() : "none"; }
   /// NCCL: collectives run in place and their waits order the stream instead of blocking.
@@ -101,6 +111,7 @@ class Group {
   c10::intrusive_ptr<c10d::Backend> backend_;
   int64_t seq_ = 0;
   int64_t bytes_ = 0, sent_bytes_ = 0;
+  std::unique_ptr<Group> side_;
 };
 
 }  // namespace tessel::parallel

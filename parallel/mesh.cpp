@@ -414,8 +414,9 @@ void log_groups(const Mesh& mesh) {
   std::string created;
   for (const auto* g : mesh.groups()) {
     if (g->size() > 1)
-      created += fmt::format("{}{} [{}]", created.empty() ? "" : ", ", g->name(),
-                             fmt::join(g->ranks(), ","));
+      created +=
+          fmt::format("{}{}{} [{}]", created.empty() ? "" : ", ", g->name(),
+                      g->has_side() ? " (+ a side channel)" : "", fmt::join(g->ranks(), ","));
   }
   if (!created.empty())
     spdlog::info("process groups of this rank ({}, connected at start-up): {}", mesh.backend(),
@@ -446,6 +447,11 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const to
   mesh->world_ = make("world", all);
   mesh->store_ = store;
   mesh->groups_ = join_groups(make, mesh->layout_, w.rank);
+  // ZeRO-3 gathers weights while backward reduce-scatters gradients, both over the data group:
+  // on a side channel of their own they run beside each other instead of one behind the other.
+  auto& data = *mesh->groups_[static_cast<size_t>(GroupKind::kDpCp)];
+  if (c.parallel.zero == 3 && data.size() > 1)
+    data.set_side(make(data.name() + ".gather", data.ranks()));
   log_groups(*mesh);
   return mesh;
 }

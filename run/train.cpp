@@ -212,7 +212,7 @@ void Trainer::setup_state() {
   }
   reducer_ = std::make_unique<parallel::dp::GradReducer>(*mesh_, params, *opt_);
   if (zero == 3) {
-    gatherer_ = std::make_unique<parallel::dp::UnitGatherer>(data_group, *opt_);
+    gatherer_ = std::make_unique<parallel::dp::UnitGatherer>(data_group.side(), *opt_);
     model_->set_hooks(gatherer_.get());
     reducer_->on_bucket_done = [g = gatherer_.get()](size_t b) { g->bucket_done(b); };
   }

@@ -7,7 +7,9 @@
 //   backward: when the gradient of block i's output arrives, gather block i (prefetched), prefetch
 //             block i-1; once backward has produced all of its gradients (GradReducer), free it.
 // The root unit stays gathered from the first forward until its gradients are in. The last block
-// is kept after forward, since its backward comes next.
+// is kept after forward, since its backward comes next. The gathers go over the data group's side
+// channel (Group::side, a communicator of its own), so that in backward they run beside the
+// gradient reduce-scatters on the group itself instead of queueing behind them.
 #pragma once
 
 #include "observe/timing.h"
@@ -25,7 +27,8 @@ namespace tessel::parallel::dp {
 
 class UnitGatherer : public BlockHooks {
  public:
-  /// Frees every unit's storage (the shards hold the weights from now on).
+  /// Frees every unit's storage (the shards hold the weights from now on). `dp_cp`: the data
+  /// group's side channel (or the group, where it has none).
   UnitGatherer(Group& dp_cp, FlatAdamW& opt);
   void before_stage() override;
   torch::Tensor before_block(int64_t layer, const torch::Tensor& x) override;

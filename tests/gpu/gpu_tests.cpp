@@ -104,7 +104,7 @@ TEST(CudaData, RowsOnTheDevice) {
 // ranks of one communicator cannot share a GPU).
 TEST(Nccl, EveryCollective) {
   if (!g_mesh) GTEST_SKIP() << "world size 1: NCCL needs one GPU per rank";
-  auto& g = g_mesh->group(parallel::GroupKind::kTp);
+  auto& g = g_mesh->dp_cp();
   EXPECT_EQ(g.backend_name(), "nccl");
   const double r = static_cast<double>(g.rank()), n = static_cast<double>(g.size());
   auto o = torch::TensorOptions().device(g_mesh->device());
@@ -136,6 +136,30 @@ TEST(Nccl, EveryCollective) {
   g.barrier();
 }
 
+// ZeRO-3's side channel: a communicator of its own over the data group's ranks, so an all-gather
+// on it and a reduce-scatter on the group run beside each other (on two NCCL streams); both land
+// with the right values, and the side channel's bytes count as the group's.
+TEST(Nccl, SideChannelBesideTheGroup) {
+  if (!g_mesh) GTEST_SKIP() << "world size 1: NCCL needs one GPU per rank";
+  auto& g = g_mesh->dp_cp();
+  ASSERT_TRUE(g.has_side());
+  EXPECT_EQ(g.side().backend_name(), "nccl");
+  auto o = torch::TensorOptions().device(g_mesh->device());
+  const double r = static_cast<double>(g.rank());
+  const int64_t n = 1 << 22;
+  auto big = torch::ones({n * g.size()}, o), mine = torch::empty({n}, o);
+  auto piece = torch::full({n}, r, o), whole = torch::empty({n * g.size()}, o);
+  const int64_t before = g.bytes();
+  auto rs = g.reduce_scatter(mine, big);
+  auto ag = g.side().all_gather(whole, piece);
+  rs.wait();
+  ag.wait();
+  EXPECT_TRUE(torch::equal(mine.cpu(), torch::full({n}, static_cast<double>(g.size()))));
+  EXPECT_TRUE(
+      torch::equal(whole.cpu(), torch::arange(g.size()).to(torch::kFloat).repeat_interleave(n)));
+  EXPECT_EQ(g.bytes() - before, 2 * n * g.size() * 4);
+}
+
 }  // namespace
 }  // namespace tessel::testing
 
@@ -152,8 +176,10 @@ int main(int argc, char** argv) {
   const auto world = tessel::parallel::discover_world();
   if (world.world > 1) {
     auto c = tessel::load_config_text(
-        "data: {path: none}\nmodel: {heads: 4}\ntraining: {global_batch: 1, micro_batch: 1, "
-        "device: cuda}\nparallel: {timeout_s: 120, backend: nccl, tp: " +
+        "data: {path: none}\nmodel: {heads: 4}\ntraining: {global_batch: " +
+            std::to_string(world.world) +
+            ", micro_batch: 1, device: cuda}\nparallel: {timeout_s: 120, backend: nccl, zero: 3, "
+            "dp: " +
             std::to_string(world.world) + "}\n",
         "gpu_tests");
     const auto device = tessel::resolve_device("cuda", world);
