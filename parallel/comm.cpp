@@ -236,25 +236,62 @@ void Group::barrier() {
   Work(backend_->barrier(), what("barrier")).wait();
 }
 
+int64_t Group::sent_bytes() const {
+  int64_t n = sent_bytes_ + (side_ ? side_->sent_bytes_ : 0);
+  for (const auto& c : channels_) n += c.group->sent_bytes_;
+  return n;
+}
+
+void Group::add_channel(int64_t from, int64_t to, std::unique_ptr<Group> channel) {
+  TORCH_CHECK(channel && from != to && from >= 0 && to >= 0 && from < size() && to < size() &&
+                  channel->ranks_ == std::vector<int64_t>({ranks_[from], ranks_[to]}),
+              "group ", name_, ": a channel from ", from, " to ", to,
+              " must join those two ranks, sender first");
+  channels_.push_back({from, to, std::move(channel)});
+}
+
+Group& Group::channel_of(int64_t from, int64_t to) {
+  for (auto& c : channels_)
+    if (c.from == from && c.to == to) return *c.group;
+  TORCH_CHECK(false, "group ", name_, " has no channel from rank ", from, " to rank ", to);
+}
+
+Work Group::post(const P2POp& op) {
+  if (op.kind == P2POp::kSend) {
+    sent_bytes_ += op.tensor.numel() * op.tensor.element_size();
+    std::vector<at::Tensor> v{host(op.tensor.contiguous())};
+    return finish(backend_->send(v, static_cast<int>(op.peer), op.tag), {}, {}, "send");
+  }
+  auto h = staged(op.tensor) ? torch::empty_like(op.tensor, torch::kCPU) : op.tensor;
+  std::vector<at::Tensor> v{h};
+  return finish(backend_->recv(v, static_cast<int>(op.peer), op.tag), op.tensor, h, "recv");
+}
+
 std::vector<Work> Group::send_recv(const std::vector<P2POp>& ops) {
   std::vector<Work> works;
+  if (!channels_.empty()) {
+    // Each on its direction's channel, alone. On NCCL inside a group of one operation, so that
+    // it runs on the channel's eagerly connected communicator (a lone send would open a
+    // communicator of its own for the pair, blocking until the peer's first operation).
+    for (const auto& op : ops) {
+      const bool send = op.kind == P2POp::kSend;
+      Group& ch = send ? channel_of(rank_, op.peer) : channel_of(op.peer, rank_);
+      P2POp one{op.kind, op.tensor, send ? 1 : 0, 0};
+      if (ch.is_nccl()) {
+        ch.backend_->startCoalescing();
+        ch.post(one);
+        works.emplace_back(ch.backend_->endCoalescing(), ch.what(send ? "send" : "recv"));
+      } else {
+        works.push_back(ch.post(one));
+      }
+    }
+    return works;
+  }
   // Gloo's send/recv are asynchronous pairs, so posting all of them before waiting is enough;
   // NCCL batches them between startCoalescing/endCoalescing (one grouped launch).
   const bool coalesce = is_nccl();
   if (coalesce) backend_->startCoalescing();
-  for (const auto& op : ops) {
-    const int tag = op.tag;
-    if (op.kind == P2POp::kSend) {
-      sent_bytes_ += op.tensor.numel() * op.tensor.element_size();
-      std::vector<at::Tensor> v{host(op.tensor.contiguous())};
-      works.push_back(finish(backend_->send(v, static_cast<int>(op.peer), tag), {}, {}, "send"));
-    } else {
-      auto h = staged(op.tensor) ? torch::empty_like(op.tensor, torch::kCPU) : op.tensor;
-      std::vector<at::Tensor> v{h};
-      works.push_back(
-          finish(backend_->recv(v, static_cast<int>(op.peer), tag), op.tensor, h, "recv"));
-    }
-  }
+  for (const auto& op : ops) works.push_back(post(op));
   if (coalesce) {
     auto w = backend_->endCoalescing();
     works.clear();

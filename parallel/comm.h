@@ -41,7 +41,8 @@ struct P2POp {
   enum Kind { kSend, kRecv } kind;
   torch::Tensor tensor;
   int64_t peer;  // rank within the group
-  int tag = 0;   // tells apart messages between the same pair (Gloo; NCCL matches by order)
+  int tag = 0;   // tells apart messages between the same pair (Gloo; NCCL and channels match
+                 // by order)
 };
 
 /// Whether a backend name ("gloo", "nccl", "none") is NCCL's: the one spelling of that check, for
@@ -61,8 +62,9 @@ class Group {
   /// all-reduce, the whole output of an all-gather, the whole input of a reduce-scatter), its
   /// side channel's included.
   int64_t bytes() const { return bytes_ + (side_ ? side_->bytes_ : 0); }
-  /// Bytes this rank sent point-to-point (send_recv) so far, its side channel's included.
-  int64_t sent_bytes() const { return sent_bytes_ + (side_ ? side_->sent_bytes_ : 0); }
+  /// Bytes this rank sent point-to-point (send_recv) so far, its side channel's and its
+  /// point-to-point channels' included.
+  int64_t sent_bytes() const;
   /// A second channel between the same ranks, with a communicator of its own (on NCCL its own
   /// stream, on Gloo its own threads), for collectives that run beside this group's instead of
   /// queueing behind them (ZeRO-3's weight gathers beside the gradient reduce-scatters); this
@@ -71,6 +73,13 @@ class Group {
   bool has_side() const { return static_cast<bool>(side_); }
   /// `side`: the same ranks, in the same order.
   void set_side(std::unique_ptr<Group> side);
+  /// Point-to-point channels: a two-rank group with a communicator of its own for each ordered
+  /// pair (from, to) of this group's ranks that exchange messages. A channel carries messages one
+  /// way only, matched in order (its tag is always 0), so on NCCL each direction runs on its own
+  /// stream and a wait on a receive never waits on a send. `channel`: ranks {global rank of
+  /// from, global rank of to}.
+  void add_channel(int64_t from, int64_t to, std::unique_ptr<Group> channel);
+  int64_t channels() const { return static_cast<int64_t>(channels_.size()); }
   /// "gloo", "nccl", or "none" for a group of one.
   std::string backend_name() const { return backend_ ? backend_->getBackendName() : "none"; }
   /// NCCL: collectives run in place and their waits order the stream instead of blocking.
@@ -93,8 +102,10 @@ class Group {
   /// out and in: [size·n]; slice j of in goes to rank j, slice r of out comes from rank r.
   Work all_to_all(torch::Tensor& out, torch::Tensor& in);
   void barrier();
-  /// Posts every send and receive of `ops` together, so that neighbours that both send first
-  /// cannot deadlock; returns their works (wait on all of them).
+  /// Posts every send and receive of `ops`; returns their works (wait on all of them). With
+  /// channels, each goes on its own direction's channel and has a work of its own; without, they
+  /// are posted together (one grouped NCCL launch, one work), so that neighbours that both send
+  /// first cannot deadlock.
   std::vector<Work> send_recv(const std::vector<P2POp>& ops);
 
  private:
@@ -112,6 +123,13 @@ class Group {
   int64_t seq_ = 0;
   int64_t bytes_ = 0, sent_bytes_ = 0;
   std::unique_ptr<Group> side_;
+  struct Channel {
+    int64_t from, to;
+    std::unique_ptr<Group> group;
+  };
+  std::vector<Channel> channels_;
+  Group& channel_of(int64_t from, int64_t to);
+  Work post(const P2POp& op);  // one send or receive on this group
 };
 
 }  // namespace tessel::parallel

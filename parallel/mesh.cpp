@@ -409,14 +409,32 @@ std::vector<std::unique_ptr<Group>> join_groups(const GroupMaker& make, const La
   return joined;
 }
 
+// The pipeline group's point-to-point channels: one per direction between pipeline neighbours
+// (stage i to i+1 and back, the last stage's wrap-around to the first included, which
+// interleaved schedules use). Every rank of the group walks the same list in the same order.
+void add_pipeline_channels(const GroupMaker& make, Group& pp) {
+  const int64_t p = pp.size();
+  std::vector<std::pair<int64_t, int64_t>> pairs;
+  for (int64_t i = 0; i < p; ++i)
+    for (auto pair : {std::pair{i, (i + 1) % p}, std::pair{(i + 1) % p, i}})
+      if (std::find(pairs.begin(), pairs.end(), pair) == pairs.end()) pairs.push_back(pair);
+  for (auto [from, to] : pairs)
+    if (from == pp.rank() || to == pp.rank())
+      pp.add_channel(from, to,
+                     make(fmt::format("{}.p2p.{}to{}", pp.name(), from, to),
+                          {pp.ranks()[from], pp.ranks()[to]}));
+}
+
 // Every communicator exists now, created in this order on every rank.
 void log_groups(const Mesh& mesh) {
   std::string created;
   for (const auto* g : mesh.groups()) {
     if (g->size() > 1)
       created +=
-          fmt::format("{}{}{} [{}]", created.empty() ? "" : ", ", g->name(),
-                      g->has_side() ? " (+ a side channel)" : "", fmt::join(g->ranks(), ","));
+          fmt::format("{}{}{}{} [{}]", created.empty() ? "" : ", ", g->name(),
+                      g->has_side() ? " (+ a side channel)" : "",
+                      g->channels() ? fmt::format(" (+ {} p2p channels)", g->channels()) : "",
+                      fmt::join(g->ranks(), ","));
   }
   if (!created.empty())
     spdlog::info("process groups of this rank ({}, connected at start-up): {}", mesh.backend(),
@@ -452,6 +470,9 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const to
   auto& data = *mesh->groups_[static_cast<size_t>(GroupKind::kDpCp)];
   if (c.parallel.zero == 3 && data.size() > 1)
     data.set_side(make(data.name() + ".gather", data.ranks()));
+  // Pipeline transfers go one way per channel, so that a stage waits on its receives only.
+  auto& pp = *mesh->groups_[static_cast<size_t>(GroupKind::kPp)];
+  if (pp.size() > 1) add_pipeline_channels(make, pp);
   log_groups(*mesh);
   return mesh;
 }

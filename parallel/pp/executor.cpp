@@ -84,9 +84,10 @@ class Transfers {
   std::vector<Work> sends_;
 };
 
-// Posts the pending sends and receives together. Over Gloo every operation has its own work:
-// sends finish in the background and each receive is waited for by the pass that needs it.
-// NCCL returns one work for the batch, which orders the compute stream after all of it.
+// Posts the pending sends and receives. Over channels every operation has its own work: sends
+// finish in the background and each receive is waited for by the pass that needs it. A group
+// without channels on NCCL returns one work for the batch, which orders the compute stream after
+// all of it.
 void Transfers::flush() {
   if (batch_.empty()) return;
   auto works = pp_.send_recv(batch_);
@@ -248,6 +249,14 @@ Executor::Executor(Group& pp, Schedule schedule, std::vector<int64_t> activation
       wait_(time_on_device(options.device(), pp.backend_name())) {
   TORCH_CHECK(pp_.size() == schedule_.stages, "pipeline group of ", pp_.size(),
               " ranks for a schedule of ", schedule_.stages);
+  if (pp_.size() > 1) {  // channels match messages in order: the lists must agree on it
+    const auto sim = simulate(schedule_);
+    TORCH_CHECK(sim.problem.empty() && sim.ordered_messages, "pipeline schedule ", schedule_.name,
+                ": ",
+                sim.problem.empty() ? "a rank receives a peer's messages in another order than "
+                                      "the peer sends them"
+                                    : sim.problem);
+  }
   const auto& list = schedule_.ranks[static_cast<size_t>(pp_.rank())];
   last_backward_.assign(list.size(), false);
   std::vector<bool> seen(static_cast<size_t>(schedule_.virtual_stages), false);

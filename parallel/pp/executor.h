@@ -1,9 +1,11 @@
 // Pipeline parallelism's one entry point: the executor runs this rank's action list of any
-// schedule (schedule.h) for one step. Consecutive sends and receives are posted together
-// (Group::send_recv), so neighbours that both send first cannot deadlock; a compute action waits
-// only for the receives posted before it. Once an activation is sent this rank keeps only its
-// autograd edge (what backward needs), and backward starts from that edge with the received
-// gradient, as Megatron-Core's deallocated outputs do.
+// schedule (schedule.h) for one step. Sends and receives go over the pipeline group's
+// point-to-point channels (Group::add_channel: one communicator per direction between neighbours,
+// messages matched in order, on Gloo as on NCCL), each with a work of its own: a compute action
+// waits only for the receive it needs, never for a send, which is waited for at the step's end.
+// Once an activation is sent this rank keeps only its autograd edge (what backward needs), and
+// backward starts from that edge with the received gradient, as Megatron-Core's deallocated outputs
+// do.
 #pragma once
 
 #include <torch/types.h>

@@ -31,10 +31,9 @@ class PipelineParity(TmpDirTest):
     def launch(self, plan, world):
         path = write_plan(os.path.join(plan["run"]["output_dir"] + ".yaml"), plan)
         if world == 1:
-            run("tessel-train", path)
-        else:
-            run("tessel-launch", "--nproc-per-node", world, "--master-port", free_port(), "--",
-                os.path.join(BIN, "tessel-train"), path)
+            return run("tessel-train", path)
+        return run("tessel-launch", "--nproc-per-node", world, "--master-port", free_port(), "--",
+                   os.path.join(BIN, "tessel-train"), path)
 
     def test_init_from_hugging_face_weights(self):
         # model.init_from with Hugging Face names: each stage takes its layers (and the last stage
@@ -46,7 +45,9 @@ class PipelineParity(TmpDirTest):
         for name, pp, schedule, v in (("init1", 1, "1f1b", 1), ("init2", 2, "interleaved", 2)):
             plan = self.plan("gpt2", name, pp, schedule, v, model={"init_from": weights})
             plan["training"]["steps"] = 4
-            self.launch(plan, pp)
+            p = self.launch(plan, pp)
+            # Pipeline transfers go over one-way channels, one per direction between neighbours.
+            self.assertEqual("pp.0 (+ 2 p2p channels)" in p.stdout + p.stderr, pp == 2)
             losses.append([m["loss"] for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m])
         self.assertEqual(len(losses[1]), 4)
         self.assertLess(losses[0][0], 5.0, "starts from the trained weights")

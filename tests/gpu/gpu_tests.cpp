@@ -2,10 +2,12 @@
 // device. Alone (world size 1): the attention kernels on CUDA (block forward/backward against
 // plain attention, the SDPA backend the dense layer gets), recomputation's CUDA RNG replay.
 // Under tessel-launch with one process per GPU (tests/gpu/gpu_suite.py does it when there are
-// two GPUs or more): every collective of parallel/comm.h over NCCL on CUDA tensors.
+// two GPUs or more): every collective of parallel/comm.h over NCCL on CUDA tensors, ZeRO-3's
+// side channel, the pipeline's one-way channels.
 #include <c10/cuda/CUDAFunctions.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <cstdio>
 #include <filesystem>
@@ -158,6 +160,46 @@ TEST(Nccl, SideChannelBesideTheGroup) {
   EXPECT_TRUE(
       torch::equal(whole.cpu(), torch::arange(g.size()).to(torch::kFloat).repeat_interleave(n)));
   EXPECT_EQ(g.bytes() - before, 2 * n * g.size() * 4);
+}
+
+// The pipeline's channels: over a mesh of one pipeline through every rank, each rank sends two
+// large messages (past NCCL's eager size, so a send completes only when received) to the next
+// stage and receives two from the previous one, every rank sending first. Each receive is waited
+// for alone, before any send: they land whole and in order.
+TEST(Nccl, PipelineChannelsOneWayEach) {
+  if (!g_mesh) GTEST_SKIP() << "world size 1: NCCL needs one GPU per rank";
+  const int64_t world = g_mesh->world_group().size();
+  auto c = load_config_text(
+      "data: {path: none}\nmodel: {heads: 4, layers: " + std::to_string(2 * world) +
+          "}\ntraining: {global_batch: " + std::to_string(world) +
+          ", micro_batch: 1, device: cuda}\nparallel: {timeout_s: 120, backend: nccl, pp: " +
+          std::to_string(world) + "}\n",
+      "gpu_tests");
+  auto store = c10::make_intrusive<c10d::PrefixStore>(
+      "pipeline_mesh", c10::intrusive_ptr<c10d::Store>::reclaim_copy(g_mesh->store()));
+  auto mesh = parallel::Mesh::create(c, parallel::discover_world(), g_mesh->device(), store);
+  auto& pp = mesh->group(parallel::GroupKind::kPp);
+  ASSERT_EQ(pp.channels(), world == 2 ? 2 : 4);
+  const int64_t next = (pp.rank() + 1) % world, prev = (pp.rank() + world - 1) % world;
+  auto o = torch::TensorOptions().device(g_mesh->device());
+  const int64_t n = 1 << 22;
+  const double r = static_cast<double>(pp.rank());
+  std::vector<torch::Tensor> out{torch::full({n}, r, o), torch::full({n}, r + 100, o)};
+  std::vector<torch::Tensor> in{torch::empty({n}, o), torch::empty({n}, o)};
+  const int64_t before = pp.sent_bytes();
+  auto works = pp.send_recv({{parallel::P2POp::kSend, out[0], next},
+                             {parallel::P2POp::kSend, out[1], next},
+                             {parallel::P2POp::kRecv, in[0], prev},
+                             {parallel::P2POp::kRecv, in[1], prev}});
+  ASSERT_EQ(works.size(), 4u);
+  works[2].wait();
+  works[3].wait();
+  EXPECT_TRUE(torch::equal(in[0].cpu(), torch::full({n}, static_cast<double>(prev))));
+  EXPECT_TRUE(torch::equal(in[1].cpu(), torch::full({n}, static_cast<double>(prev) + 100)));
+  works[0].wait();
+  works[1].wait();
+  EXPECT_EQ(pp.sent_bytes() - before, 2 * n * 4);
+  mesh->world_group().barrier();
 }
 
 }  // namespace
