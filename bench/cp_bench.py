@@ -1,5 +1,5 @@
 """Context parallelism at a long sequence (CPU, Gloo over loopback): per-rank activation memory
-and step time against cp=1, for both methods, from tessel-train runs; then the attention alone
+and step time against cp=1, for every method, from tessel-train runs; then the attention alone
 (tessel-bench-cp: time and bytes moved per rank against theory). Activation memory = the process's
 peak resident set at the end minus its peak before the first step (memory.json), which on CPU is
 what the steps added. Usage: bench/cp_bench.py OUT_DIR [--seq 1024] [--cps 2,4] [--steps 6]
@@ -53,7 +53,7 @@ print("|---|---|---|---|---|")
 ms, act, loss, _ = train(1, "allgather")
 print(f"| cp=1 | {ms:.0f} | {act[0]:.1f} | {loss:.4f} | - |")
 for cp in map(int, args.cps.split(",")):
-    for method in ("allgather", "ring"):
+    for method in ("allgather", "ring", "alltoall"):
         ms, act, loss, (coll, sent) = train(cp, method)
         print(f"| cp={cp} {method} | {ms:.0f} | {' / '.join(f'{x:.1f}' for x in act)} | {loss:.4f} | {coll} / {sent} |")
 for cp in map(int, args.cps.split(",")):

@@ -152,6 +152,12 @@ void print_context_parallel(const tessel::Config& c, const tessel::parallel::Lay
       static_cast<long long>(layout.cp), c.parallel.context_method.c_str(),
       static_cast<long long>(c.training.seq_len / layout.cp),
       static_cast<long long>(2 * layout.cp - 1), static_cast<long long>(2 * layout.cp));
+  if (c.parallel.context_method == "hybrid")
+    std::printf(
+        "# hybrid: all-to-all inside groups of %lld consecutive cp ranks, ring across %lld "
+        "groups\n",
+        static_cast<long long>(c.parallel.context_alltoall_size),
+        static_cast<long long>(layout.cp / c.parallel.context_alltoall_size));
 }
 
 // A layout the planner finds faster than the plan's (`current`), and the command that plans it.

@@ -112,6 +112,21 @@ torch::Tensor reduce_scatter_dim(Group& g, const torch::Tensor& x, int64_t dim) 
   return out;
 }
 
+torch::Tensor all_to_all_dim(Group& g, const torch::Tensor& x, int64_t dim) {
+  if (g.size() == 1) return x;
+  TORCH_CHECK(x.size(dim) % g.size() == 0, "all_to_all: size ", x.size(dim), " of dim ", dim,
+              " is not divisible by group ", g.name(), " of ", g.size());
+  auto split = x.sizes().vec();  // [..., n, k, ...]
+  split[static_cast<size_t>(dim)] /= g.size();
+  split.insert(split.begin() + dim, g.size());
+  auto in = x.reshape(split).movedim(dim, 0).contiguous();  // [n, ..., k, ...]
+  auto out = torch::empty_like(in);
+  auto flat_out = out.view({-1});
+  auto flat_in = in.view({-1});
+  g.all_to_all(flat_out, flat_in).wait();
+  return out.movedim(0, dim).reshape(x.sizes());
+}
+
 torch::Tensor copy_to(Group& g, const torch::Tensor& x) {
   return g.size() == 1 ? x : CopyTo::apply(x, pack_group(g));
 }
@@ -131,6 +146,10 @@ torch::Tensor sequence_gather(Group& g, const torch::Tensor& x, int64_t dim) {
 torch::Tensor sequence_scatter(Group& g, const torch::Tensor& x, int64_t dim) {
   return g.size() == 1 ? x
                        : DimPair<reduce_scatter_dim, all_gather_dim>::apply(x, pack_group(g), dim);
+}
+
+torch::Tensor exchange(Group& g, const torch::Tensor& x, int64_t dim) {
+  return g.size() == 1 ? x : DimPair<all_to_all_dim, all_to_all_dim>::apply(x, pack_group(g), dim);
 }
 
 }  // namespace tessel::parallel

@@ -225,6 +225,7 @@ Work Group::all_to_all(torch::Tensor& out, torch::Tensor& in) {
     out.copy_(in);
     return {};
   }
+  bytes_ += in.numel() * in.element_size();
   std::vector<int64_t> even;  // empty split sizes: equal slices
   auto h_out = staged(out) ? torch::empty_like(out, torch::kCPU) : out;
   auto h_in = host(in);
@@ -236,10 +237,32 @@ void Group::barrier() {
   Work(backend_->barrier(), what("barrier")).wait();
 }
 
-int64_t Group::sent_bytes() const {
-  int64_t n = sent_bytes_ + (side_ ? side_->sent_bytes_ : 0);
-  for (const auto& c : channels_) n += c.group->sent_bytes_;
+std::vector<const Group*> Group::parts() const {
+  std::vector<const Group*> out;
+  for (const auto* g : {side_.get(), inner_.get(), outer_.get()})
+    if (g) out.push_back(g);
+  for (const auto& c : channels_) out.push_back(c.group.get());
+  return out;
+}
+
+int64_t Group::bytes() const {
+  int64_t n = bytes_;
+  for (const auto* g : parts()) n += g->bytes_;
   return n;
+}
+
+int64_t Group::sent_bytes() const {
+  int64_t n = sent_bytes_;
+  for (const auto* g : parts()) n += g->sent_bytes_;
+  return n;
+}
+
+void Group::set_split(std::unique_ptr<Group> inner, std::unique_ptr<Group> outer) {
+  TORCH_CHECK(inner && outer && inner->size() * outer->size() == size(), "group ", name_,
+              ": a split into ", inner ? inner->size() : 0, " x ", outer ? outer->size() : 0,
+              " ranks does not cover its ", size());
+  inner_ = std::move(inner);
+  outer_ = std::move(outer);
 }
 
 void Group::add_channel(int64_t from, int64_t to, std::unique_ptr<Group> channel) {

@@ -59,11 +59,12 @@ class Group {
   int64_t rank() const { return rank_; }  // index of this process in ranks()
   int64_t size() const { return static_cast<int64_t>(ranks_.size()); }
   /// Payload bytes this rank handed to collectives so far (nccl-tests' "size": the buffer of an
-  /// all-reduce, the whole output of an all-gather, the whole input of a reduce-scatter), its
+  /// all-reduce, the whole output of an all-gather, the whole input of a reduce-scatter or an
+  /// all-to-all), its
   /// side channel's included.
-  int64_t bytes() const { return bytes_ + (side_ ? side_->bytes_ : 0); }
-  /// Bytes this rank sent point-to-point (send_recv) so far, its side channel's and its
-  /// point-to-point channels' included.
+  int64_t bytes() const;
+  /// Bytes this rank sent point-to-point (send_recv) so far, its side channel's, its
+  /// point-to-point channels' and its split's included.
   int64_t sent_bytes() const;
   /// A second channel between the same ranks, with a communicator of its own (on NCCL its own
   /// stream, on Gloo its own threads), for collectives that run beside this group's instead of
@@ -80,6 +81,12 @@ class Group {
   /// from, global rank of to}.
   void add_channel(int64_t from, int64_t to, std::unique_ptr<Group> channel);
   int64_t channels() const { return static_cast<int64_t>(channels_.size()); }
+  /// A two-level split of this group (hybrid context parallelism): `inner`, the block of
+  /// consecutive ranks this rank belongs to, and `outer`, the ranks at this rank's place in every
+  /// block. Null until set. Their bytes count as this group's.
+  void set_split(std::unique_ptr<Group> inner, std::unique_ptr<Group> outer);
+  Group* inner() const { return inner_.get(); }
+  Group* outer() const { return outer_.get(); }
   /// "gloo", "nccl", or "none" for a group of one.
   std::string backend_name() const { return backend_ ? backend_->getBackendName() : "none"; }
   /// NCCL: collectives run in place and their waits order the stream instead of blocking.
@@ -122,14 +129,15 @@ class Group {
   c10::intrusive_ptr<c10d::Backend> backend_;
   int64_t seq_ = 0;
   int64_t bytes_ = 0, sent_bytes_ = 0;
-  std::unique_ptr<Group> side_;
+  std::unique_ptr<Group> side_, inner_, outer_;
   struct Channel {
     int64_t from, to;
     std::unique_ptr<Group> group;
   };
   std::vector<Channel> channels_;
   Group& channel_of(int64_t from, int64_t to);
-  Work post(const P2POp& op);  // one send or receive on this group
+  Work post(const P2POp& op);               // one send or receive on this group
+  std::vector<const Group*> parts() const;  // side channel, channels, split: bytes counted here
 };
 
 }  // namespace tessel::parallel

@@ -255,6 +255,33 @@ void check_schedule(const Config& c, const Layout& l, Problems& problems) {
                                p.zero, p.pp));
 }
 
+// alltoall and hybrid context parallelism split each tp rank's query heads over cp ranks (hybrid:
+// over its all-to-all groups, which divide cp).
+void check_context_heads(const Config& c, Problems& problems) {
+  const auto& p = c.parallel;
+  const int64_t heads = c.model.heads / std::max<int64_t>(1, p.tp);
+  const bool hybrid = p.context_method == "hybrid";
+  if (p.cp == 1 || (p.context_method != "alltoall" && !hybrid)) return;
+  const int64_t a = hybrid ? p.context_alltoall_size : p.cp;
+  if (hybrid && p.cp % a != 0) {
+    problems.add(
+        fmt::format("parallel.context.alltoall_size ({}) must divide parallel.cp ({})", a, p.cp));
+    return;
+  }
+  if (heads % a == 0) return;
+  std::vector<int64_t> fit;
+  for (int64_t k = 2; k <= heads; ++k)
+    if (heads % k == 0 && (hybrid ? p.cp % k == 0 : c.training.seq_len % (2 * k) == 0))
+      fit.push_back(k);
+  const std::string key = hybrid ? "parallel.context.alltoall_size" : "parallel.cp";
+  problems.add(fmt::format(
+      "parallel.context.method {} splits each tp rank's query heads over {}: model.heads ({}) / "
+      "parallel.tp ({}) = {} heads are not divisible by {} ({}); {}or use "
+      "parallel.context.method ring or allgather",
+      p.context_method, key, c.model.heads, p.tp, heads, key, a,
+      fit.empty() ? "" : fmt::format("{} {} would divide them, ", key, fmt::join(fit, ", "))));
+}
+
 // The sequence's split over cp, and the global batch's over dp and micro-batches.
 void check_batch(const Config& c, const Layout& l, Problems& problems) {
   const auto& p = c.parallel;
@@ -263,6 +290,7 @@ void check_batch(const Config& c, const Layout& l, Problems& problems) {
                    fmt::format("training.seq_len ({}) must be divisible by 2·parallel.cp "
                                "(2·{} = {}): each sequence is cut into 2·cp equal chunks",
                                t.seq_len, p.cp, 2 * p.cp));
+  check_context_heads(c, problems);
   problems.require(t.global_batch % (l.dp * t.micro_batch) == 0,
                    fmt::format("training.global_batch ({}) must be divisible by "
                                "parallel.dp·training.micro_batch ({}·{} = {})",
@@ -425,16 +453,42 @@ void add_pipeline_channels(const GroupMaker& make, Group& pp) {
                           {pp.ranks()[from], pp.ranks()[to]}));
 }
 
+// Hybrid context parallelism's split of the cp group: all-to-all groups of `a` consecutive cp
+// ranks, and rings of the ranks at the same place in every all-to-all group. Every rank of the
+// cp group walks the same list in the same order.
+void add_context_split(const GroupMaker& make, Group& cp, int64_t a) {
+  const int64_t n = cp.size(), me = cp.rank();
+  std::unique_ptr<Group> inner, outer;
+  for (int64_t j = 0; j < n / a; ++j) {
+    std::vector<int64_t> ranks(cp.ranks().begin() + j * a, cp.ranks().begin() + (j + 1) * a);
+    if (me / a == j) inner = make(fmt::format("{}.a2a.{}", cp.name(), j), ranks);
+  }
+  for (int64_t i = 0; i < a; ++i) {
+    std::vector<int64_t> ranks;
+    for (int64_t j = 0; j < n / a; ++j) ranks.push_back(cp.ranks()[j * a + i]);
+    if (me % a == i) outer = make(fmt::format("{}.ring.{}", cp.name(), i), ranks);
+  }
+  cp.set_split(std::move(inner), std::move(outer));
+}
+
+// What a group carries beside its own communicator, as the start-up log says it.
+std::string extras(const Group& g) {
+  std::string out;
+  if (g.has_side()) out += " (+ a side channel)";
+  if (g.channels()) out += fmt::format(" (+ {} p2p channels)", g.channels());
+  if (g.inner())
+    out += fmt::format(" (+ all-to-all over [{}], ring over [{}])",
+                       fmt::join(g.inner()->ranks(), ","), fmt::join(g.outer()->ranks(), ","));
+  return out;
+}
+
 // Every communicator exists now, created in this order on every rank.
 void log_groups(const Mesh& mesh) {
   std::string created;
   for (const auto* g : mesh.groups()) {
     if (g->size() > 1)
-      created +=
-          fmt::format("{}{}{}{} [{}]", created.empty() ? "" : ", ", g->name(),
-                      g->has_side() ? " (+ a side channel)" : "",
-                      g->channels() ? fmt::format(" (+ {} p2p channels)", g->channels()) : "",
-                      fmt::join(g->ranks(), ","));
+      created += fmt::format("{}{}{} [{}]", created.empty() ? "" : ", ", g->name(), extras(*g),
+                             fmt::join(g->ranks(), ","));
   }
   if (!created.empty())
     spdlog::info("process groups of this rank ({}, connected at start-up): {}", mesh.backend(),
@@ -473,6 +527,9 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const to
   // Pipeline transfers go one way per channel, so that a stage waits on its receives only.
   auto& pp = *mesh->groups_[static_cast<size_t>(GroupKind::kPp)];
   if (pp.size() > 1) add_pipeline_channels(make, pp);
+  auto& cp = *mesh->groups_[static_cast<size_t>(GroupKind::kCp)];
+  if (cp.size() > 1 && c.parallel.context_method == "hybrid")
+    add_context_split(make, cp, c.parallel.context_alltoall_size);
   log_groups(*mesh);
   return mesh;
 }

@@ -39,7 +39,8 @@ struct ModelConfig {
 struct ParallelConfig {
   int64_t dp;  // 0 = auto (world / (tp·cp·pp))
   int64_t tp, pp, cp;
-  std::string context_method;  // allgather | ring (parallel.context.method)
+  std::string context_method;     // allgather | ring | alltoall | hybrid (parallel.context.method)
+  int64_t context_alltoall_size;  // hybrid: ranks per all-to-all group (context.alltoall_size)
   bool sequence_parallel;
   std::string order;    // tp-cp-dp-pp
   std::string backend;  // auto | gloo | nccl

@@ -77,8 +77,17 @@ void add_parallel_fields(FieldAdder& add, Config& c) {
   add("parallel.context.method", &c.parallel.context_method, S("allgather"),
       "How attention sees the other cp ranks' keys and values: allgather = gather K/V over cp "
       "before attention (reduce-scatter their gradients); ring = pass K/V blocks around the cp "
-      "ring while attending to the current one, merged by log-sum-exp.")
-      .one_of({"allgather", "ring"});
+      "ring while attending to the current one, merged by log-sum-exp; alltoall = Ulysses: an "
+      "all-to-all trades this rank's tokens of every head for every token of 1/cp of the heads, "
+      "dense attention runs on those, and a second all-to-all brings the outputs back (query "
+      "heads per tp rank must divide by cp); hybrid = alltoall inside groups of "
+      "parallel.context.alltoall_size consecutive cp ranks and ring across the groups.")
+      .one_of({"allgather", "ring", "alltoall", "hybrid"});
+  add("parallel.context.alltoall_size", &c.parallel.context_alltoall_size, int64_t{2},
+      "hybrid: cp ranks per all-to-all group (consecutive cp ranks, within a node by the default "
+      "order); it divides parallel.cp, and each tp rank's query heads divide by it. The ring runs "
+      "over the cp / alltoall_size groups.")
+      .range(1);
   add("parallel.sequence_parallel", &c.parallel.sequence_parallel, false,
       "Split activations outside the tensor-parallel regions along the sequence (tp > 1): "
       "all-gather before column-parallel layers, reduce-scatter after row-parallel ones.");

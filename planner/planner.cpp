@@ -11,6 +11,7 @@
 
 #include "models/registry.h"
 #include "optim/optim.h"
+#include "parallel/cp/attention.h"
 #include "parallel/pp/schedule.h"
 #include "parallel/tp/head_loss.h"
 #include "planner/figures.h"
@@ -217,6 +218,22 @@ struct PlanBasis {
   double block;  // one layer's parameters on one tp rank
 };
 
+// Key/value heads of one tp rank that alltoall context parallelism repeats to split them over
+// cp (held for backward unless full recomputation reruns attention); 0 for the other methods.
+// Ranks of one all-to-all of context parallelism: cp (alltoall), the group size (hybrid), else 1.
+int64_t alltoall_ranks(const Config& c, const parallel::Layout& l) {
+  if (l.cp == 1) return 1;
+  if (c.parallel.context_method == "alltoall") return l.cp;
+  return c.parallel.context_method == "hybrid" ? c.parallel.context_alltoall_size : 1;
+}
+
+double alltoall_repeated_kv(const Config& c, const parallel::Layout& l) {
+  const int64_t a = alltoall_ranks(c, l);
+  if (a == 1 || c.training.recompute == "full") return 0;
+  const int64_t kv = std::max<int64_t>(1, c.model.kv_heads / l.tp);
+  return static_cast<double>(parallel::cp::alltoall_kv_heads(kv, a) - kv);
+}
+
 PlanBasis plan_basis(const Config& c, const parallel::Layout& l) {
   namespace pp = parallel::pp;
   const auto& t = c.training;
@@ -243,7 +260,8 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l) {
   b.per_layer = w * tok * block_tokens_floats +
                 (l.cp > 1 && c.parallel.context_method == "allgather" && t.recompute != "full"
                      ? w * static_cast<double>(t.micro_batch * t.seq_len) * 2 * kvd / tp
-                     : 0.0);
+                     : 0.0) +
+                alltoall_repeated_kv(c, l) * 2 * static_cast<double>(m.head_dim()) * w * tok;
   b.act_row = tok * h * w / (sp ? tp : 1.0);
   b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp;
   b.block = static_cast<double>(models::block_parameters(m, l.tp));
@@ -388,13 +406,32 @@ void add_cp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
   const double kv_bytes = static_cast<double>(t.micro_batch * t.seq_len) * 2 * b.kvd / b.tp * b.w;
   const double full = t.recompute == "full" ? 1 : 0;
   if (c.parallel.context_method == "allgather") {  // keys/values gathered, grads scattered
-    g.gather_scatter += mb * r.layers * 2 * kv_bytes * (1 + 0.5 * full);
+    // (the gradients in fp32: reduced before they are rounded)
+    g.gather_scatter += mb * r.layers * kv_bytes * (1 + full + 4 / b.w);
     g.ops += mb * r.layers * (2 + full);
-  } else {  // ring: this rank's keys/values go round cp-1 times forward and again in backward
-            // (plus once more when full recompute reruns forward); dK/dV go round cp times
-    const double turns = (2 + full) * static_cast<double>(l.cp - 1) + static_cast<double>(l.cp);
-    g.p2p += mb * r.layers * kv_bytes / static_cast<double>(l.cp) * turns;
-    g.ops += mb * r.layers * turns;
+  } else {
+    // alltoall (and hybrid inside its groups): each pass through attention sends q, k, v out
+    // (key/value heads repeated to a multiple of the group) and the output back; backward the
+    // same two all-to-alls reversed, and full recomputation reruns forward's. Each all-to-all's
+    // size is this rank's whole input.
+    const auto& m = b.m;
+    const int64_t a = alltoall_ranks(c, l), hq = m.heads / l.tp;
+    const double kv = static_cast<double>(
+        parallel::cp::alltoall_kv_heads(std::max<int64_t>(1, m.kv_heads / l.tp), a));
+    const double head = b.tok * static_cast<double>(m.head_dim()) * b.w;  // one head's tokens
+    if (a > 1) {
+      g.gather_scatter +=
+          mb * r.layers * head * (2 * static_cast<double>(hq) + 2 * kv) * (2 + full);
+      g.ops += mb * r.layers * 2 * (2 + full);
+    }
+    // ring (and hybrid across its groups): each ring member's keys/values (its group's tokens of
+    // its heads) go round ring-1 times forward and again in backward (plus once more when full
+    // recompute reruns forward); dK/dV go round ring times, in fp32.
+    const double ring = static_cast<double>(l.cp / a);
+    if (ring > 1) {
+      g.p2p += mb * r.layers * 2 * kv * head * ((2 + full) * (ring - 1) + ring * 4 / b.w);
+      g.ops += mb * r.layers * ((2 + full) * (ring - 1) + ring);
+    }
   }
 }
 

@@ -13,6 +13,7 @@
 #include "io/safetensors.h"
 #include "observe/profiler.h"
 #include "parallel/attention_kernels.h"
+#include "parallel/cp/attention.h"
 #include "parallel/dp/grad_reducer.h"
 #include "parallel/dp/weight_gather.h"
 #include "parallel/dp/zero3.h"
@@ -122,16 +123,27 @@ void Trainer::configure_device() {
 void Trainer::check_attention() {
   const auto m = model_shape(c_.model);
   const auto& par = c_.parallel;
-  if (par.cp > 1) {  // context parallelism runs its own block kernels
+  const bool alltoall = par.cp > 1 && par.context_method == "alltoall";
+  if (par.cp > 1 && !alltoall) {  // allgather and ring run their own block kernels
     attention_ = fmt::format("context parallel ({}): {} block kernels", par.context_method,
                              device_.is_cuda() ? "memory-efficient" : "flash (CPU)");
     return;
   }
-  const int64_t heads = m.heads / par.tp, kv = std::max<int64_t>(1, m.kv_heads / par.tp);
+  // alltoall: dense attention over the whole sequence for 1/cp of each tp rank's heads.
+  const int64_t per_tp = std::max<int64_t>(1, m.kv_heads / par.tp);
+  const int64_t carried = alltoall ? parallel::cp::alltoall_kv_heads(per_tp, par.cp) : per_tp;
+  const int64_t heads = m.heads / par.tp / (alltoall ? par.cp : 1);
+  const int64_t kv = carried / (alltoall ? par.cp : 1);
   const auto kernel = parallel::planned_attention_kernel(heads, kv, c_.training.seq_len,
                                                          m.head_dim(), dtype_, device_);
-  attention_ = fmt::format("SDPA {} kernel ({} heads, {} key/value heads of {} per rank, {})",
-                           kernel, heads, kv, m.head_dim(), c_.training.dtype);
+  attention_ = fmt::format(
+      "{}SDPA {} kernel ({} heads, {} key/value heads of {} per rank, {}){}",
+      alltoall ? "context parallel (alltoall): " : "", kernel, heads, kv, m.head_dim(),
+      c_.training.dtype,
+      carried > per_tp ? fmt::format("; {} key/value heads per tp rank repeated x{} to split "
+                                     "over cp {}",
+                                     per_tp, carried / per_tp, par.cp)
+                       : "");
   if (device_.is_cuda() && kernel == "math")
     throw UserError(fmt::format(
         "{}: attention would run SDPA's math kernel on CUDA, which holds a [{}, {}] score matrix "
@@ -250,6 +262,11 @@ void Trainer::log_state() const {
 
 Trainer::StepOut Trainer::train_step(int64_t step) {
   const auto& t = c_.training;
+  // ZeRO-1/2: the whole weights come back from the last update's pieces, waited for unit by unit
+  // by this step's forward. Started here rather than after the update, so that a step holds its
+  // own gathers (their time and the staging Gloo allocates for each) and nothing is in flight
+  // between steps.
+  if (weights_) weights_->start_all();
   // This data rank's rows of the global batch (the next B positions of the global order).
   const int64_t rows = t.global_batch / mesh_->layout().dp;
   auto batch = data_->train_batch(consumed_ + mesh_->coord().dp * rows, rows);
@@ -298,14 +315,14 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
       scaler_->unscale());
   if (weights_) weights_->wait_all();  // every unit's gather has landed (the forward's waits)
   opt_->step(lr_at(t, step), scaler_->update(norm, step));  // a non-finite step is skipped
-  if (weights_) weights_->start_all();  // waited for unit by unit by the next forward
+  if (weights_) weights_->updated();
   if (gatherer_) gatherer_->release_all();
   return {loss, norm, votes};
 }
 
 double Trainer::take_exposed_comm_ms() {
-  // Reductions backward did not hide, the weight all-gather after the step (stages 1-2), and
-  // waits for ZeRO-3 gathers their prefetch did not hide (CUDA: from events, read now).
+  // Reductions backward did not hide, the weight all-gathers the forward waited for (stages 1-2),
+  // and waits for ZeRO-3 gathers their prefetch did not hide (CUDA: from events, read now).
   const double carried = carried_exposed_ms_;
   carried_exposed_ms_ = 0;
   return carried + reducer_->take_wait_ms() + weight_gather_wait_.take_ms() +

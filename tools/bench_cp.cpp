@@ -99,11 +99,18 @@ void bench_dense(const Args& a, const Inputs& in) {
 // The bytes one rank moves per forward + backward. `kv_all`: one K or V of the whole sequence,
 // bytes; a local block is 1/n of it. allgather: all-gather K and V (payload = the whole gathered
 // tensor) and reduce-scatter dK, dV (payload = the whole input); ring: n-1 K/V blocks forward,
-// n-1 K/V blocks and n dK/dV blocks backward, each block 2·kv_all/n.
-double theory_bytes(cp::Method method, int64_t n, double kv_all) {
-  return method == cp::Method::kAllGather
-             ? 4 * kv_all
-             : (3.0 * static_cast<double>(n) - 2) * 2 * kv_all / static_cast<double>(n);
+// n-1 K/V blocks and n dK/dV blocks backward, each block 2·kv_all/n; alltoall: forward sends this
+// rank's q, k, v (key/value heads repeated to a multiple of n) and the output, backward their
+// gradients: 2·(2·q + 2·kv carried)/n, q_all being one Q of the whole sequence.
+double theory_bytes(cp::Method method, int64_t n, double q_all, double kv_all, double repeat) {
+  const double ranks = static_cast<double>(n);
+  if (method == cp::Method::kAllGather) return 4 * kv_all;
+  if (method == cp::Method::kRing) return (3.0 * ranks - 2) * 2 * kv_all / ranks;
+  return 2 * (2 * q_all + 2 * kv_all * repeat) / ranks;
+}
+
+const char* method_name(cp::Method m) {
+  return m == cp::Method::kRing ? "ring" : m == cp::Method::kAllGather ? "allgather" : "alltoall";
 }
 
 // One cp method over `g` (n ranks): time and bytes from the group's counters; rank 0 prints.
@@ -121,10 +128,13 @@ void bench_method(const Args& a, tessel::parallel::Group& g, cp::Method method, 
   const double coll = static_cast<double>(g.bytes() - bytes0) / runs,
                sent = static_cast<double>(g.sent_bytes() - sent0) / runs;
   const double kv_all = static_cast<double>(a.batch * a.kv_heads * a.seq * a.head_dim * 4);
+  const double q_all = kv_all * static_cast<double>(a.heads) / static_cast<double>(a.kv_heads);
+  const double repeat =
+      static_cast<double>(cp::alltoall_kv_heads(a.kv_heads, n)) / static_cast<double>(a.kv_heads);
   if (print)
-    std::printf("| %s | %lld | %.2f | %.0f | %.0f | %.0f |\n",
-                method == cp::Method::kRing ? "ring" : "allgather", static_cast<long long>(n),
-                s * 1e3, coll, sent, theory_bytes(method, n, kv_all));
+    std::printf("| %s | %lld | %.2f | %.0f | %.0f | %.0f |\n", method_name(method),
+                static_cast<long long>(n), s * 1e3, coll, sent,
+                theory_bytes(method, n, q_all, kv_all, repeat));
 }
 
 void bench(const Args& a) {
@@ -146,8 +156,10 @@ void bench(const Args& a) {
     print_header(a, n, mesh->backend());
     bench_dense(a, in);
   }
-  for (auto method : {cp::Method::kAllGather, cp::Method::kRing})
+  for (auto method : {cp::Method::kAllGather, cp::Method::kRing, cp::Method::kAllToAll}) {
+    if (method == cp::Method::kAllToAll && a.heads % n != 0) continue;  // heads must split
     bench_method(a, g, method, in, n, world.rank == 0);
+  }
   std::fflush(stdout);
 }
 

@@ -20,8 +20,9 @@ WeightGather::WeightGather(Group& dp_cp, FlatAdamW& opt, SpanTimer& timer)
 }
 
 void WeightGather::start_all() {
-  if (dp_cp_.size() == 1) return;
-  wait_all();  // never two gathers into one bucket
+  if (dp_cp_.size() == 1 || !due_) return;
+  due_ = false;
+  wait_in_flight();  // never two gathers into one bucket
   const auto& layout = opt_.layout();
   auto weights = opt_.weights();
   for (size_t i = 0; i < layout.buckets().size(); ++i) {
@@ -44,8 +45,13 @@ void WeightGather::wait(const std::string& unit) {
   }
 }
 
-void WeightGather::wait_all() {
+void WeightGather::wait_in_flight() {
   for (const auto& [unit, buckets] : buckets_of_) wait(unit);
+}
+
+void WeightGather::wait_all() {
+  start_all();  // an update not gathered yet (evaluation or a checkpoint between steps)
+  wait_in_flight();
 }
 
 void WeightGather::before_stage() { wait("root"); }

@@ -1,9 +1,9 @@
 // ZeRO-1/2: after the optimizer step every rank holds only its piece of each bucket updated; the
-// whole weights come back by one all-gather per bucket. They are started together after the step
-// and waited for unit by unit as the next forward reaches each unit (the embeddings and head before
-// the stage, a block just before it runs), so the gathers of later blocks run while earlier blocks
-// compute. Everything else that reads the weights (evaluation, a checkpoint, the next optimizer
-// step, the end of the run) calls wait_all() first.
+// whole weights come back by one all-gather per bucket. They are started together as the next step
+// begins and waited for unit by unit as its forward reaches each unit (the embeddings and head
+// before the stage, a block just before it runs), so the gathers of later blocks run while earlier
+// blocks compute. Everything else that reads the weights (evaluation, a checkpoint, the next
+// optimizer step, the end of the run) calls wait_all() first.
 #pragma once
 
 #include <map>
@@ -22,9 +22,12 @@ class WeightGather : public BlockHooks {
  public:
   /// `timer` times the waits (the gathers' time that compute did not hide).
   WeightGather(Group& dp_cp, FlatAdamW& opt, SpanTimer& timer);
-  /// After the optimizer step: every bucket's all-gather started.
+  /// After each optimizer step: the pieces changed, the whole weights are due a gather.
+  void updated() { due_ = true; }
+  /// At the start of a step: every bucket's all-gather started, when the weights are due one
+  /// (after an update, and once at the start, which keeps every step's traffic the same).
   void start_all();
-  /// Every gather started has landed.
+  /// The weights are whole: every gather due started and landed.
   void wait_all();
   void before_stage() override;
   torch::Tensor before_block(int64_t layer, const torch::Tensor& x) override;
@@ -32,6 +35,8 @@ class WeightGather : public BlockHooks {
 
  private:
   void wait(const std::string& unit);
+  void wait_in_flight();
+  bool due_ = true;
 
   Group& dp_cp_;
   FlatAdamW& opt_;

@@ -1,5 +1,5 @@
 // Context-parallel attention against dense causal attention over the whole sequence: forward and
-// the gradients of q, k and v within 1e-6, for both methods, with and without grouped-query
+// the gradients of q, k and v within 1e-6, for every method, with and without grouped-query
 // heads, on every cp rank's two load-balanced chunks. The dense reference is computed on every
 // rank from the same seeded tensors.
 #include <gtest/gtest.h>
@@ -24,8 +24,8 @@ bool close(const torch::Tensor& a, const torch::Tensor& b) {
 class CpAttention : public ::testing::TestWithParam<std::tuple<Method, int64_t>> {};
 
 TEST_P(CpAttention, MatchesDenseCausalAttention) {
-  auto& g = test_group();
   const auto [method, kv_heads] = GetParam();
+  auto& g = method == Method::kHybrid ? test_hybrid_group() : test_group();
   const int64_t n = g.size(), b = 2, heads = 4, c = 3, d = 8, seq = 2 * n * c;
   torch::manual_seed(77);
   auto q = torch::randn({b, heads, seq, d}), k = torch::randn({b, kv_heads, seq, d}),
@@ -55,8 +55,18 @@ TEST_P(CpAttention, MatchesDenseCausalAttention) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, CpAttention,
-                         ::testing::Combine(::testing::Values(Method::kAllGather, Method::kRing),
-                                            ::testing::Values(int64_t{4}, int64_t{2})));
+                         ::testing::Combine(::testing::Values(Method::kAllGather, Method::kRing,
+                                                              Method::kAllToAll, Method::kHybrid),
+                                            ::testing::Values(int64_t{4}, int64_t{2}, int64_t{1})));
+
+// alltoall repeats key/value heads to the least multiple of cp when cp does not divide them.
+TEST(CpAllToAll, KeyValueHeadsCarried) {
+  EXPECT_EQ(alltoall_kv_heads(4, 2), 4);
+  EXPECT_EQ(alltoall_kv_heads(2, 4), 4);
+  EXPECT_EQ(alltoall_kv_heads(1, 2), 2);
+  EXPECT_EQ(alltoall_kv_heads(6, 4), 12);
+  EXPECT_EQ(alltoall_kv_heads(3, 3), 3);
+}
 
 // bf16: both methods sum dK/dV over the cp ranks in fp32 and round once, so one error bound holds
 // for both. All-gather used to reduce-scatter bf16 gradients (every rank's part rounded, then

@@ -9,7 +9,7 @@ that share a reference train it once. Adding a layout is one line.
 Row(id, base, arch, world, parallel keys, training keys, peak_below=(row id, factor), tol):
   base        one of BASES: the model, data and training of the experiment
   parallel    the plan's parallel section (dp, tp, cp, pp, zero, sequence_parallel,
-              pipeline {schedule, virtual_stages, layers_per_stage}, context {method})
+              pipeline {schedule, virtual_stages, layers_per_stage}, context {method, alltoall_size})
   training    training keys of this row and of its reference (micro_batch, dtype, recompute...)
   peak_below  the step's peak memory must stay under factor x that row's ("reference": the
               single-process run's), for recompute; ZeRO-3's step peak is its gathered weights
@@ -78,11 +78,20 @@ LAYOUTS = [
         {"pp": 2, "pipeline": {"schedule": "interleaved", "virtual_stages": 2, "layers_per_stage": [3, 2, 2, 1]}}),
     # context parallel: both methods, and in 4D
     *[Row(f"cp{cp}_{m}_{arch}", "cp", arch, cp, {"cp": cp, "context": {"method": m}})
-      for arch in ("gpt2", "llama") for cp in (2, 4) for m in ("allgather", "ring")],
+      for arch in ("gpt2", "llama") for cp in (2, 4) for m in ("allgather", "ring", "alltoall")],
     *[Row(f"cp2_tp2_pp2_sp_{m}_llama", "cp", "llama", 8, {"cp": 2, "tp": 2, "pp": 2, "context": {"method": m}, **SP})
-      for m in ("allgather", "ring")],
+      for m in ("allgather", "ring", "alltoall")],
     *[Row(f"dp2_cp2_zero1_{m}_llama", "cp", "llama", 4, {"cp": 2, "dp": 2, "zero": 1, "context": {"method": m}})
-      for m in ("allgather", "ring")],
+      for m in ("allgather", "ring", "alltoall")],
+    # alltoall on grouped-query llama (kv_heads 2): tp2 x cp2 (one query and one key/value head
+    # per tp rank, the key/value head repeated to split over cp), and with full recomputation
+    Row("tp2_cp2_alltoall_llama", "cp", "llama", 4, {"cp": 2, "tp": 2, "context": {"method": "alltoall"}}),
+    Row("cp2_alltoall_recompute_full_llama", "cp", "llama", 2, {"cp": 2, "context": {"method": "alltoall"}},
+        {"recompute": "full"}),
+    # hybrid: all-to-all inside pairs of cp ranks, ring across the pairs; and cp inside 3D
+    *[Row(f"cp4_hybrid2_{arch}", "cp", arch, 4, {"cp": 4, "context": {"method": "hybrid", "alltoall_size": 2}})
+      for arch in ("gpt2", "llama")],
+    Row("dp2_pp2_cp2_alltoall_llama", "cp", "llama", 8, {"cp": 2, "dp": 2, "pp": 2, "context": {"method": "alltoall"}}),
     # ZeRO 1-3 over 2 and 4 data ranks, and inside 3D layouts
     *[Row(f"zero{z}_dp{dp}_{arch}", "zero", arch, dp, {"dp": dp, "zero": z})
       for arch in ("gpt2", "llama") for dp in (2, 4) for z in (1, 2, 3)],

@@ -18,6 +18,12 @@ CASES = [
     ({"parallel": {"cp": 3}}, 3, "training.seq_len (16) must be divisible by 2·parallel.cp (2·3 = 6)"),
     ({"parallel": {"cp": 2, "tp": 4, "sequence_parallel": True}, "training": {"seq_len": 12}}, 8,
      "training.seq_len (12) must be divisible by parallel.tp (4) x parallel.cp (2)"),
+    ({"parallel": {"cp": 4, "tp": 2, "context": {"method": "alltoall"}}}, 8,
+     "parallel.context.method alltoall splits each tp rank's query heads over parallel.cp: model.heads (4) / "
+     "parallel.tp (2) = 2 heads are not divisible by parallel.cp (4); parallel.cp 2 would divide them, or use "
+     "parallel.context.method ring or allgather"),
+    ({"parallel": {"cp": 4, "context": {"method": "hybrid", "alltoall_size": 3}}}, 4,
+     "parallel.context.alltoall_size (3) must divide parallel.cp (4)"),
 ]
 
 
