@@ -62,13 +62,17 @@ Inputs random_inputs(const Args& a, const torch::Device& dev) {
   return in;
 }
 
-// A plan whose only layout is context parallelism over every process.
+// Whether hybrid runs too: all-to-all over pairs, ring across at least two pairs.
+bool hybrid_ranks(const Args& a, int64_t n) { return n >= 4 && n % 2 == 0 && a.heads % 2 == 0; }
+
+// A plan whose only layout is context parallelism over every process (split for hybrid when it
+// runs).
 tessel::Config cp_config(const Args& a, bool cuda, int64_t n) {
   return tessel::load_config_text(
       fmt::format("data: {{path: none}}\nmodel: {{heads: 4, max_seq_len: {}}}\n"
                   "training: {{global_batch: 1, micro_batch: 1, device: {}, seq_len: {}}}\n"
-                  "parallel: {{cp: {}, dp: 1}}\n",
-                  a.seq, cuda ? "cuda" : "cpu", a.seq, n),
+                  "parallel: {{cp: {}, dp: 1, context: {{method: {}, alltoall_size: 2}}}}\n",
+                  a.seq, cuda ? "cuda" : "cpu", a.seq, n, hybrid_ranks(a, n) ? "hybrid" : "ring"),
       "tessel-bench-cp");
 }
 
@@ -102,15 +106,32 @@ void bench_dense(const Args& a, const Inputs& in) {
 // n-1 K/V blocks and n dK/dV blocks backward, each block 2·kv_all/n; alltoall: forward sends this
 // rank's q, k, v (key/value heads repeated to a multiple of n) and the output, backward their
 // gradients: 2·(2·q + 2·kv carried)/n, q_all being one Q of the whole sequence.
-double theory_bytes(cp::Method method, int64_t n, double q_all, double kv_all, double repeat) {
+double theory_bytes(cp::Method method, int64_t n, double q_all, double kv_all, const Args& a) {
   const double ranks = static_cast<double>(n);
   if (method == cp::Method::kAllGather) return 4 * kv_all;
   if (method == cp::Method::kRing) return (3.0 * ranks - 2) * 2 * kv_all / ranks;
-  return 2 * (2 * q_all + 2 * kv_all * repeat) / ranks;
+  const int64_t group = method == cp::Method::kHybrid ? 2 : n;  // ranks of one all-to-all
+  const double repeat = static_cast<double>(cp::alltoall_kv_heads(a.kv_heads, group)) /
+                        static_cast<double>(a.kv_heads);
+  const double exchanged = 2 * (2 * q_all + 2 * kv_all * repeat) / ranks;
+  if (method == cp::Method::kAllToAll) return exchanged;
+  // hybrid: plus ring's blocks (the pair's tokens of its heads) across the pairs
+  const double ring = ranks / static_cast<double>(group);
+  return exchanged + (3 * ring - 2) * 2 * kv_all * repeat / ranks;
 }
 
 const char* method_name(cp::Method m) {
-  return m == cp::Method::kRing ? "ring" : m == cp::Method::kAllGather ? "allgather" : "alltoall";
+  switch (m) {
+    case cp::Method::kAllGather:
+      return "allgather";
+    case cp::Method::kRing:
+      return "ring";
+    case cp::Method::kAllToAll:
+      return "alltoall";
+    case cp::Method::kHybrid:
+      return "hybrid (pairs)";
+  }
+  return "?";
 }
 
 // One cp method over `g` (n ranks): time and bytes from the group's counters; rank 0 prints.
@@ -129,12 +150,10 @@ void bench_method(const Args& a, tessel::parallel::Group& g, cp::Method method, 
                sent = static_cast<double>(g.sent_bytes() - sent0) / runs;
   const double kv_all = static_cast<double>(a.batch * a.kv_heads * a.seq * a.head_dim * 4);
   const double q_all = kv_all * static_cast<double>(a.heads) / static_cast<double>(a.kv_heads);
-  const double repeat =
-      static_cast<double>(cp::alltoall_kv_heads(a.kv_heads, n)) / static_cast<double>(a.kv_heads);
   if (print)
     std::printf("| %s | %lld | %.2f | %.0f | %.0f | %.0f |\n", method_name(method),
                 static_cast<long long>(n), s * 1e3, coll, sent,
-                theory_bytes(method, n, q_all, kv_all, repeat));
+                theory_bytes(method, n, q_all, kv_all, a));
 }
 
 void bench(const Args& a) {
@@ -156,8 +175,10 @@ void bench(const Args& a) {
     print_header(a, n, mesh->backend());
     bench_dense(a, in);
   }
-  for (auto method : {cp::Method::kAllGather, cp::Method::kRing, cp::Method::kAllToAll}) {
+  for (auto method :
+       {cp::Method::kAllGather, cp::Method::kRing, cp::Method::kAllToAll, cp::Method::kHybrid}) {
     if (method == cp::Method::kAllToAll && a.heads % n != 0) continue;  // heads must split
+    if (method == cp::Method::kHybrid && !hybrid_ranks(a, n)) continue;
     bench_method(a, g, method, in, n, world.rank == 0);
   }
   std::fflush(stdout);
