@@ -243,15 +243,13 @@ void check_schedule(const Config& c, const Layout& l, Problems& problems) {
       problems.add(e.what());
     }
   }
-  // ZeRO-2/3 reduce-scatter every micro-batch's gradients (and ZeRO-3 gathers every layer's
-  // parameters for each forward and backward); a pipeline runs many micro-batches per chunk
-  // interleaved across chunks, so the data-parallel traffic would grow with the micro-batch
-  // count. DeepSpeed refuses the same combination; ZeRO-1 composes with every schedule.
-  problems.require(p.zero <= 1 || p.pp == 1,
-                   fmt::format("parallel.zero {} with parallel.pp {}: ZeRO-2/3 reduce-scatter "
-                               "gradients on every micro-batch, which a pipeline schedule "
-                               "multiplies by its micro-batch count; use parallel.zero 1 with "
-                               "pipeline parallelism (it shards AdamW state and the fp32 master)",
+  // ZeRO-3 gathers every layer's parameters for each forward and backward; a pipeline runs many
+  // micro-batches per chunk interleaved across chunks, which its unit-by-unit gathering does not
+  // follow. ZeRO-1 and ZeRO-2 compose with every schedule.
+  problems.require(p.zero <= 2 || p.pp == 1,
+                   fmt::format("parallel.zero {} with parallel.pp {}: ZeRO-3 does not run inside a "
+                               "pipeline; use parallel.zero 2 (gradients and optimizer state "
+                               "sharded, reduce-scattered once per step) or 1",
                                p.zero, p.pp));
 }
 

@@ -214,7 +214,7 @@ struct PlanBasis {
   parallel::pp::Simulation sim;  // the plan's pipeline schedule (gpipe when pp = 1)
   double per_layer;              // one micro-batch's saved activations in one block, bytes
   double act_row;                // one activation between stages, bytes
-  int64_t zero, data_ranks;
+  int64_t zero, data_ranks, pp;
   double block;  // one layer's parameters on one tp rank
 };
 
@@ -263,7 +263,7 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l) {
                      : 0.0) +
                 alltoall_repeated_kv(c, l) * 2 * static_cast<double>(m.head_dim()) * w * tok;
   b.act_row = tok * h * w / (sp ? tp : 1.0);
-  b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp;
+  b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp, b.pp = l.pp;
   b.block = static_cast<double>(models::block_parameters(m, l.tp));
   return b;
 }
@@ -293,14 +293,27 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const TrainingConfig& t
   e.recompute_flops_per_step = rerun_per_token * static_cast<double>(t.global_batch * t.seq_len);
 }
 
+// ZeRO-2 inside a pipeline with fp32 weights: micro-batches accumulate in the parameters and each
+// chunk reduce-scatters once per step (parallel/dp/grad_reducer.h).
+bool zero2_once(const PlanBasis& b) {
+  return b.zero == 2 && b.pp > 1 && b.dtype == c10::ScalarType::Float;
+}
+
 // ZeRO-2's and ZeRO-3's buffers at a stage's peak, added to its activations.
 void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
   const auto& t = c.training;
   const double w = b.w, block = b.block;
+  const double one_microbatch =
+      r.inflight > 1 ? r.activations / static_cast<double>(r.inflight) : 0.0;
   if (b.zero == 2)  // gradient buckets being reduced (half the fp32 gradient at the peak, as
                     // measured; at most three buckets exist at once)
     r.activations += 0.5 * std::min(4.0 * static_cast<double>(r.params),
                                     3 * c.parallel.ddp_bucket_mb * (1 << 20));
+  // and the parameters' accumulated gradients, from the stage's first backward on: by then one
+  // held micro-batch's activations are being freed (measured at pp 2: stage 0, holding two,
+  // peaks before its first backward; the last stage, holding one, with the gradients).
+  if (zero2_once(b))
+    r.activations += std::max(0.0, 4.0 * static_cast<double>(r.params) - one_microbatch);
   if (b.zero == 3) {
     // At the peak, the root unit and blocks: without recomputation the peak is where backward
     // begins (the last block gathered); with it, the saved activations are smaller and the
@@ -443,7 +456,10 @@ void add_data_traffic(Traffic& d, const Config& c, const PlanBasis& b, const Ran
   const double buckets = std::ceil(4 * n / std::max(1.0, c.parallel.ddp_bucket_mb * (1 << 20)));
   if (b.zero == 0) d.all_reduce += 4 * n, d.ops += buckets;
   if (b.zero == 1) d.gather_scatter += 4 * n + w * n, d.ops += 2 * buckets;
-  if (b.zero == 2) d.gather_scatter += mb * 4 * n + w * n, d.ops += (mb + 1) * buckets;
+  if (zero2_once(b))  // inside a pipeline, fp32: once per step
+    d.gather_scatter += 4 * n + w * n, d.ops += 2 * buckets;
+  else if (b.zero == 2)
+    d.gather_scatter += mb * 4 * n + w * n, d.ops += (mb + 1) * buckets;
   if (b.zero == 3) {  // per micro-batch each unit gathered for forward and backward, reduced once
     const double root = n - r.layers * block;
     d.gather_scatter += mb * (4 * n + w * (root + (2 * r.layers - 1) * block));

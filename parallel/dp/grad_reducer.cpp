@@ -24,6 +24,8 @@ GradReducer::GradReducer(const Mesh& mesh, const std::vector<NamedParam>& params
       opt_(opt),
       reduce_(mesh.dp_cp().size() > 1 || opt.zero() >= 2),
       in_place_(mesh.dp_cp().is_nccl()),
+      once_(opt.zero() == 2 && mesh.layout().pp > 1 &&
+            opt.weights().scalar_type() == torch::kFloat32),
       wait_(time_on_device(mesh.device(), mesh.dp_cp().backend_name())) {
   const auto& layout = opt.layout();
   // Each chunk's slots are one contiguous range (the model registers them so).
@@ -73,6 +75,7 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
   auto& st = state_[index];
   auto& dp_cp = mesh_.dp_cp();
   if (opt_.zero() >= 2) {
+    if (once_ && !final_[static_cast<size_t>(b.chunk)]) return;  // accumulates in the parameter
     // Take the gradient out of the parameter (fp32) and drop it: only the bucket buffer holds it.
     torch::NoGradGuard no_grad;
     if (!st.buffer.defined()) {
@@ -140,6 +143,7 @@ void GradReducer::drain(size_t i) {
 
 void GradReducer::end_backward(int64_t chunk, bool final) {
   if (opt_.zero() >= 2) {
+    if (once_ && !final) return;
     for (size_t i = 0; i < state_.size(); ++i)
       if (opt_.layout().buckets()[i].chunk == chunk) check_complete(i);
     // Every bucket of this chunk still reducing (the others' buckets belong to other chunks'

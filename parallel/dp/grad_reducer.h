@@ -9,6 +9,9 @@
 //            its piece added into this rank's gradient shard and its buffer freed (the rest at
 //            the end of the micro-batch's backward), so at most three buffers are ever alive.
 // Under pipeline parallelism "final" is per model chunk (each chunk's last backward of the step).
+// ZeRO-2 inside a pipeline with fp32 weights reduce-scatters once per step: the micro-batches'
+// gradients accumulate in the parameters, and the chunk's last backward moves the sum into its
+// buckets (in bf16/fp16 every micro-batch is reduce-scattered, so that the sum is fp32).
 // The loss rule (sum over the global batch / global target tokens) makes the sum the exact
 // gradient, so no averaging happens here.
 #pragma once
@@ -77,6 +80,7 @@ class GradReducer {
   std::vector<bool> final_;                               // per chunk, during its last backward
   bool reduce_ = false;    // anything to do: dp×cp > 1, or gradients sharded
   bool in_place_ = false;  // NCCL reduce-scatters and all-gathers in place
+  bool once_ = false;      // ZeRO-2, pp > 1, fp32: reduce-scatter at each chunk's last backward
   SpanTimer wait_;
   int64_t live_bucket_bytes_ = 0, peak_bucket_bytes_ = 0;
 };

@@ -98,6 +98,9 @@ LAYOUTS = [
     *[Row(f"zero1_dp2_tp2_pp2_interleaved_sp_{arch}", "zero", arch, 8,
           pipe(2, "interleaved", 2, tp=2, dp=2, zero=1, **SP)) for arch in ("gpt2", "llama")],
     Row("zero3_dp2_tp2_llama", "zero", "llama", 4, {"dp": 2, "tp": 2, "zero": 3}),
+    # ZeRO-2 inside pipelines: reduce-scattered once per step at each chunk's last backward
+    *[Row(f"zero2_dp2_pp2_{s}_{arch}", "zero", arch, 4, pipe(2, s, v, dp=2, zero=2))
+      for arch in ("gpt2", "llama") for s, v in (("1f1b", 1), ("interleaved", 2))],
     # bf16/fp16 weights with fp32 masters sharded (ZeRO-1) or everything sharded (ZeRO-3)
     *[Row(f"zero{z}_dp2_{dtype}_gpt2", "lowp", "gpt2", 2, {"dp": 2, "zero": z}, {"dtype": dtype}, None, (2e-3, None))
       for dtype in ("bf16", "fp16") for z in (1, 3)],

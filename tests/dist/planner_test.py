@@ -27,6 +27,7 @@ LAYOUTS = {
     "zero1_dp2": ({"dp": 2, "zero": 1}, {}, 2, "gpt2"),
     "zero2_dp2": ({"dp": 2, "zero": 2}, {}, 2, "llama"),
     "zero3_dp2": ({"dp": 2, "zero": 3}, {}, 2, "llama"),
+    "zero2_dp2_pp2": ({"dp": 2, "pp": 2, "zero": 2, "pipeline": {"schedule": "1f1b"}}, {}, 4, "llama"),
     "pp2_interleaved": ({"pp": 2, "pipeline": {"schedule": "interleaved", "virtual_stages": 2}}, {}, 2, "llama"),
     "cp2_ring": ({"cp": 2, "context": {"method": "ring"}}, {}, 2, "llama"),
     "cp4_ring": ({"cp": 4, "context": {"method": "ring"}}, {}, 4, "llama"),
