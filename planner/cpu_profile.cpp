@@ -55,17 +55,26 @@ struct ThreadsFor {
   int was;
 };
 
-double matmul_tflops(torch::ScalarType dtype, bool warm) {
+// The rate of the plan's own matmuls: one linear layer's three (forward [T, h] x [h, f], the
+// input gradient [T, f] x [f, h], the weight gradient [f, T] x [T, h]) over a micro-batch's T
+// tokens on this rank, h the hidden size and f the MLP's width on this rank; skinny shapes run
+// below a square matmul's rate, and these are the shapes a step runs.
+double matmul_tflops(const Config& c, const models::ModelShape& m, torch::ScalarType dtype,
+                     bool warm) {
   const auto opts = torch::TensorOptions().dtype(dtype);
-  for (int64_t n : {1024, 512}) {  // 512 where the dtype has no fast kernels here
-    auto a = torch::randn({n, n}, opts), b = torch::randn({n, n}, opts);
-    const auto t0 = Clock::now();
-    torch::mm(a, b);
-    if (n > 512 && seconds_since(t0) > 0.1) continue;
-    return 2.0 * static_cast<double>(n * n * n) /
-           median_seconds([&] { torch::mm(a, b); }, 5, warm) / 1e12;
-  }
-  return 0;  // unreachable
+  const int64_t t = std::max<int64_t>(
+      1, c.training.micro_batch * c.training.seq_len / std::max<int64_t>(1, c.parallel.cp));
+  const int64_t h = m.hidden,
+                f = std::max<int64_t>(1, m.ffn_hidden / std::max<int64_t>(1, c.parallel.tp));
+  auto x = torch::randn({t, h}, opts), w = torch::randn({h, f}, opts),
+       g = torch::randn({t, f}, opts);
+  auto wt = w.t().contiguous(), gt = g.t().contiguous();
+  auto three = [&] {
+    torch::mm(x, w);
+    torch::mm(g, wt);
+    torch::mm(gt, x);
+  };
+  return 3 * 2.0 * static_cast<double>(t * h * f) / median_seconds(three, 5, warm) / 1e12;
 }
 
 // SDPA's CPU kernels forward and backward (no autograd: the operators' host cost is op_us's) at
@@ -215,7 +224,7 @@ void measure_rounds(const Config& c, const models::ModelShape& m, torch::ScalarT
                     std::vector<std::array<double, 5>>& rounds) {
   for (size_t i = 0; i < rounds.size(); ++i) {
     const bool warm = i == 0;
-    rounds[i] = {matmul_tflops(dtype, warm), attention_tflops(c, m, dtype, warm),
+    rounds[i] = {matmul_tflops(c, m, dtype, warm), attention_tflops(c, m, dtype, warm),
                  activation_ns(c, m, dtype, warm), add_gbps(warm), op_us(warm)};
   }
 }
@@ -238,7 +247,7 @@ DeviceProfile measure_cpu_profile(const Config& c, int64_t ranks_on_node) {
   d.name = "cpu";
   d.cpu = true;
   d.threads = threads;
-  d.efficiency = 0.9;  // of the measured rate, which a step's matmuls nearly reach
+  d.efficiency = 1.0;  // the rate is measured on the plan's own matmul shapes
   {
     // Each of the node's ranks computes at once (one thread each here, as under tessel-launch;
     // one rank computes on its threads): rank 0's rates, the median of three interleaved rounds,

@@ -1,5 +1,5 @@
-"""Context parallelism beyond the parity table (tests/dist/layouts.py holds both methods' same-run
-checks, alone and in 4D): checkpoints of a cp run resume in other layouts and back."""
+"""Context parallelism beyond the parity table (tests/dist/layouts.py holds every method's same-run
+checks, alone and in 4D): checkpoints of a cp run resume in other layouts and methods, and back."""
 import os
 import sys
 import unittest
@@ -37,6 +37,24 @@ class ContextParity(TmpDirTest):
         metrics = read_metrics(self.path(name, "metrics.jsonl"))
         return ([m["loss"] for m in metrics if "loss" in m], [m["val_loss"] for m in metrics if "val_loss" in m],
                 load_file(self.path(name, "hf", "model.safetensors")))
+
+    def test_alltoall_and_hybrid_checkpoints_cross_methods(self):
+        # A cp=2 alltoall run of llama (grouped-query heads) saves at step 10; it continues under
+        # hybrid at cp=4 (pairs) and under ring at cp=2 x pp=2: steps 11-20 match the
+        # uninterrupted one-process run.
+        ref = self.train("llama", "single_llama", 1)[0]
+        launch_plan(self.plan("llama", "a2a", cp=2, method="alltoall"), 2)
+        step_10 = self.path("a2a", "checkpoints", "step_10")
+        for name, world, layout in (("a2a_to_hybrid", 4, {"cp": 4, "method": "hybrid"}),
+                                    ("a2a_to_ring_pp2", 4, {"cp": 2, "method": "ring", "pp": 2})):
+            plan = self.plan("llama", name, checkpoint={"resume": step_10}, **layout)
+            plan["parallel"]["context"]["alltoall_size"] = 2
+            launch_plan(plan, world)
+            cont = [m for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m]
+            self.assertEqual([m["step"] for m in cont], list(range(11, STEPS + 1)))
+            worst = max(rel(m["loss"], ref[m["step"] - 1]) for m in cont)
+            self.assertLess(worst, 1e-5, name)
+            print(f"\n{name}: worst loss rel diff {worst:.2e} vs the uninterrupted run", file=sys.stderr)
 
     def test_checkpoints_cross_layouts(self):
         # A cp=2 ring run's step-10 checkpoint continues in one process, and the one-process

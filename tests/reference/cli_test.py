@@ -253,7 +253,10 @@ class Cli(TmpDirTest):
             p = run("tessel-train", "score", plan, "--weights", weights, "--tokens", self.path(tokens),
                     "--token-dtype", dtype)
             scores.append(json.loads(p.stdout)["loss"])
-        self.assertEqual(len(set(scores)), 1, scores)  # one model, one loss, whichever way named
+        # One model, one loss, whichever way named: the same weights through different loading
+        # paths (a tied table as its own tensor or a view) may round differently in the last bits
+        # (AVX-512 matmul kernels depend on a buffer's alignment), so within the parity bar.
+        self.assertLess(max(scores) - min(scores), 1e-5 * abs(scores[0]), scores)
         p = run("tessel-train", "score", plan, "--weights", self.path("hf"), "--tokens", self.path("rows.u16"),
                 check=False)
         self.assertEqual(p.returncode, 2)

@@ -101,7 +101,10 @@ TEST(Models, PipelineStagesChainToTheWholeModel) {
     x = b->stage_forward(0, x, rows);
     x = a->stage_forward(1, x, rows);
     auto loss = b->stage_forward(1, x, rows);
-    EXPECT_TRUE(torch::allclose(loss, whole->loss_sum(rows), 1e-6, 0)) << arch;
+    // Within the parity bar: the stages' and the whole model's buffers differ in alignment, which
+    // AVX-512 matmul kernels round by (about 1e-6 relative measured on such a CPU).
+    EXPECT_TRUE(torch::allclose(loss, whole->loss_sum(rows), 1e-5, 0))
+        << arch << ": " << loss.item<double>() << " vs " << whole->loss_sum(rows).item<double>();
     EXPECT_TRUE(a->is_first_stage(0) && !a->is_last_stage(1) && b->is_last_stage(1));
     std::set<std::string> held;
     for (auto* d : {&a, &b})
