@@ -95,14 +95,24 @@ torch::Tensor all_gather_dim(Group& g, const torch::Tensor& x, int64_t dim) {
   return out.movedim(0, dim).reshape(merged);  // a view when nothing precedes dim
 }
 
-torch::Tensor reduce_scatter_dim(Group& g, const torch::Tensor& x, int64_t dim) {
-  if (g.size() == 1) return x;
-  TORCH_CHECK(x.size(dim) % g.size() == 0, "reduce_scatter: size ", x.size(dim), " of dim ", dim,
+namespace {
+
+// x with `dim` cut into one slice per rank and the slice index moved first: [n, ..., k, ...],
+// contiguous (the layout a reduce-scatter's or an all-to-all's flat input needs).
+torch::Tensor slices_first(Group& g, const torch::Tensor& x, int64_t dim, const char* op) {
+  TORCH_CHECK(x.size(dim) % g.size() == 0, op, ": size ", x.size(dim), " of dim ", dim,
               " is not divisible by group ", g.name(), " of ", g.size());
   auto split = x.sizes().vec();  // [..., n, k, ...]
   split[static_cast<size_t>(dim)] /= g.size();
   split.insert(split.begin() + dim, g.size());
-  auto in = x.reshape(split).movedim(dim, 0).contiguous();  // [n, ..., k, ...]
+  return x.reshape(split).movedim(dim, 0).contiguous();
+}
+
+}  // namespace
+
+torch::Tensor reduce_scatter_dim(Group& g, const torch::Tensor& x, int64_t dim) {
+  if (g.size() == 1) return x;
+  auto in = slices_first(g, x, dim, "reduce_scatter");
   auto sizes = x.sizes().vec();
   sizes[static_cast<size_t>(dim)] /= g.size();
   auto out = torch::empty(sizes, x.options());
@@ -114,12 +124,7 @@ torch::Tensor reduce_scatter_dim(Group& g, const torch::Tensor& x, int64_t dim) 
 
 torch::Tensor all_to_all_dim(Group& g, const torch::Tensor& x, int64_t dim) {
   if (g.size() == 1) return x;
-  TORCH_CHECK(x.size(dim) % g.size() == 0, "all_to_all: size ", x.size(dim), " of dim ", dim,
-              " is not divisible by group ", g.name(), " of ", g.size());
-  auto split = x.sizes().vec();  // [..., n, k, ...]
-  split[static_cast<size_t>(dim)] /= g.size();
-  split.insert(split.begin() + dim, g.size());
-  auto in = x.reshape(split).movedim(dim, 0).contiguous();  // [n, ..., k, ...]
+  auto in = slices_first(g, x, dim, "all_to_all");
   auto out = torch::empty_like(in);
   auto flat_out = out.view({-1});
   auto flat_in = in.view({-1});

@@ -38,6 +38,16 @@ class ContextParity(TmpDirTest):
         return ([m["loss"] for m in metrics if "loss" in m], [m["val_loss"] for m in metrics if "val_loss" in m],
                 load_file(self.path(name, "hf", "model.safetensors")))
 
+    def check_continuation(self, plan, world, ref):
+        # Steps 11-20 of a run resumed from a step-10 checkpoint against the uninterrupted run.
+        name = os.path.basename(plan["run"]["output_dir"])
+        launch_plan(plan, world)
+        cont = [m for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m]
+        self.assertEqual([m["step"] for m in cont], list(range(11, STEPS + 1)))
+        worst = max(rel(m["loss"], ref[m["step"] - 1]) for m in cont)
+        self.assertLess(worst, 1e-5, name)
+        print(f"\n{name}: worst loss rel diff {worst:.2e} vs the uninterrupted run", file=sys.stderr)
+
     def test_alltoall_and_hybrid_checkpoints_cross_methods(self):
         # A cp=2 alltoall run of llama (grouped-query heads) saves at step 10; it continues under
         # hybrid at cp=4 (pairs) and under ring at cp=2 x pp=2: steps 11-20 match the
@@ -49,12 +59,7 @@ class ContextParity(TmpDirTest):
                                     ("a2a_to_ring_pp2", 4, {"cp": 2, "method": "ring", "pp": 2})):
             plan = self.plan("llama", name, checkpoint={"resume": step_10}, **layout)
             plan["parallel"]["context"]["alltoall_size"] = 2
-            launch_plan(plan, world)
-            cont = [m for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m]
-            self.assertEqual([m["step"] for m in cont], list(range(11, STEPS + 1)))
-            worst = max(rel(m["loss"], ref[m["step"] - 1]) for m in cont)
-            self.assertLess(worst, 1e-5, name)
-            print(f"\n{name}: worst loss rel diff {worst:.2e} vs the uninterrupted run", file=sys.stderr)
+            self.check_continuation(plan, world, ref)
 
     def test_checkpoints_cross_layouts(self):
         # A cp=2 ring run's step-10 checkpoint continues in one process, and the one-process
@@ -65,12 +70,7 @@ class ContextParity(TmpDirTest):
                                             ("one_to_cp4dp2", 8, "single", {"cp": 4, "dp": 2})):
             plan = self.plan("gpt2", name, checkpoint={"resume": self.path(source, "checkpoints", "step_10")},
                              **layout)
-            launch_plan(plan, world)
-            cont = [m for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m]
-            self.assertEqual([m["step"] for m in cont], list(range(11, STEPS + 1)))
-            worst = max(rel(m["loss"], ref[m["step"] - 1]) for m in cont)
-            self.assertLess(worst, 1e-5, name)
-            print(f"\n{name}: worst loss rel diff {worst:.2e} vs the uninterrupted run", file=sys.stderr)
+            self.check_continuation(plan, world, ref)
 
 
 if __name__ == "__main__":
