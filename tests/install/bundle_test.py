@@ -143,7 +143,12 @@ cd '{share}'
         self.assertEqual(code, 0, out[-6000:])
         if os.getuid() == 0:
             self.assertIn("uid 65534", out)
-        self.assertEqual(losses(run_dir), losses(ref_dir), "the bundle's losses differ from the build tree's")
+        # The same run within the parity bar: AVX-512 matmul kernels round by buffer alignment, which
+        # differs between two processes (measured 1.3e-6 relative on such a CPU).
+        got, want = losses(run_dir), losses(ref_dir)
+        self.assertEqual(len(got), len(want), "the bundle's run logged other steps than the build tree's")
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+        self.assertLess(worst, 1e-5, f"the bundle's losses differ from the build tree's: {got} vs {want}")
         with open(os.path.join(self.tmp, "check", "gpu-check.md")) as f:
             report = f.read()
         self.assertIn("skipped (no GPU)", report)
