@@ -71,8 +71,10 @@ class Fp16LossScaling(Runs):
         self.assertEqual(hit[-1]["skipped_steps"], 1)
         # Up to the overflow the runs are the same; the skipped step left the weights unchanged, so
         # step 7 sees the weights of step 5 (unlike the clean run) and the loss still falls after.
-        self.assertEqual([m["loss"] for m in hit[:6]], [m["loss"] for m in clean[:6]])
-        self.assertNotEqual(hit[6]["loss"], clean[6]["loss"])
+        # (Two processes: within the parity bar, as AVX-512 matmuls round by buffer alignment.)
+        same = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(hit[:6], clean[:6]))
+        self.assertLess(same, 1e-5, [(a["loss"], b["loss"]) for a, b in zip(hit[:6], clean[:6])])
+        self.assertGreater(abs(hit[6]["loss"] - clean[6]["loss"]) / abs(clean[6]["loss"]), 1e-5)
         self.assertLess(hit[-1]["loss"], hit[0]["loss"])
         self.assertEqual(clean[-1]["skipped_steps"], 0)
 
