@@ -29,23 +29,6 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// The median of `tries` runs of `f` after a warm-up of at least 0.1 s: a warm kernel's time as a
-// step's median meets it (a cold process's first runs fault in pages and start the thread pool;
-// on a shared machine the best run would be faster than a step's typical one).
-template <class F>
-double median_seconds(F&& f, int tries, bool warm) {
-  if (warm)
-    for (const auto t0 = Clock::now(); seconds_since(t0) < 0.1;) f();
-  std::vector<double> t;
-  for (int i = 0; i < tries; ++i) {
-    const auto t0 = Clock::now();
-    f();
-    t.push_back(seconds_since(t0));
-  }
-  std::nth_element(t.begin(), t.begin() + tries / 2, t.end());
-  return t[static_cast<size_t>(tries / 2)];
-}
-
 // Restores LibTorch's intra-op threads when the measurement is done.
 struct ThreadsFor {
   explicit ThreadsFor(int64_t n) : was(at::get_num_threads()) {
@@ -55,92 +38,107 @@ struct ThreadsFor {
   int was;
 };
 
-// The rate of the plan's own matmuls: one linear layer's three (forward [T, h] x [h, f], the
-// input gradient [T, f] x [f, h], the weight gradient [f, T] x [T, h]) over a micro-batch's T
-// tokens on this rank, h the hidden size and f the MLP's width on this rank; skinny shapes run
-// below a square matmul's rate, and these are the shapes a step runs.
-double matmul_tflops(const Config& c, const models::ModelShape& m, torch::ScalarType dtype,
-                     bool warm) {
-  const auto opts = torch::TensorOptions().dtype(dtype);
-  const int64_t t = std::max<int64_t>(
-      1, c.training.micro_batch * c.training.seq_len / std::max<int64_t>(1, c.parallel.cp));
-  const int64_t h = m.hidden,
-                f = std::max<int64_t>(1, m.ffn_hidden / std::max<int64_t>(1, c.parallel.tp));
-  auto x = torch::randn({t, h}, opts), w = torch::randn({h, f}, opts),
-       g = torch::randn({t, f}, opts);
-  auto wt = w.t().contiguous(), gt = g.t().contiguous();
-  auto three = [&] {
-    torch::mm(x, w);
-    torch::mm(g, wt);
-    torch::mm(gt, x);
-  };
-  return 3 * 2.0 * static_cast<double>(t * h * f) / median_seconds(three, 5, warm) / 1e12;
-}
+// The kernels a step runs, at the plan's shapes on one rank, each run as a step meets it: one
+// after another (not one kernel again and again, whose thread pool and caches stay warm for it)
+// and on the next of several operand sets (up to 64 MiB in all: a step's kernels read operands
+// that other kernels wrote long before). Measured on the 2-core Xeon: kernels in a step run
+// 10-50% slower than each one repeated on one set.
+class StepKernels {
+ public:
+  StepKernels(const Config& c, const models::ModelShape& m, torch::ScalarType dtype)
+      : llama_(m.arch == "llama") {
+    const auto opts = torch::TensorOptions().dtype(dtype);
+    const int64_t tp = std::max<int64_t>(1, c.parallel.tp),
+                  cp = std::max<int64_t>(1, c.parallel.cp);
+    // Matmuls: one linear layer's three as autograd runs them (forward x [T, h] times w [f, h]
+    // transposed, the input gradient g [T, f] times w, the weight gradient g transposed times x)
+    // over a micro-batch's T tokens, h the hidden size and f the MLP's width on this rank.
+    t_ = std::max<int64_t>(1, c.training.micro_batch * c.training.seq_len / cp);
+    h_ = m.hidden, f_ = std::max<int64_t>(1, m.ffn_hidden / tp);
+    // Attention: SDPA's CPU kernels at the heads on one tp rank, head size and sequence (at most
+    // 2,048 tokens).
+    seq_ = std::min<int64_t>(c.training.seq_len, 2048);
+    batch_ = std::max<int64_t>(1, std::min<int64_t>(c.training.micro_batch, 4096 / seq_));
+    heads_ = std::max<int64_t>(1, m.heads / tp), head_dim_ = m.head_dim();
+    // The MLP's activation over [rows, f] (at most 4 Mi elements).
+    rows_ = std::max<int64_t>(1, std::min<int64_t>(t_, (int64_t{4} << 20) / f_));
+    const int64_t set_elems =
+        t_ * h_ + f_ * h_ + t_ * f_ + 4 * batch_ * heads_ * seq_ * head_dim_ + 3 * rows_ * f_;
+    const double set_bytes = static_cast<double>(set_elems * torch::elementSize(dtype));
+    const auto sets = static_cast<size_t>(std::clamp((64 << 20) / set_bytes, 1.0, 8.0));
+    const std::vector<int64_t> bhsd{batch_, heads_, seq_, head_dim_};
+    for (size_t i = 0; i < sets; ++i) {
+      std::vector<torch::Tensor> v;
+      for (auto shape : {std::vector<int64_t>{t_, h_},
+                         {f_, h_},
+                         {t_, f_},
+                         bhsd,
+                         bhsd,
+                         bhsd,
+                         bhsd,
+                         {rows_, f_},
+                         {rows_, f_},
+                         {rows_, f_}})
+        v.push_back(torch::randn(shape, opts));
+      sets_.push_back(std::move(v));
+    }
+    add_a_ = torch::randn({int64_t{4} << 20}), add_b_ = torch::randn({int64_t{4} << 20});
+    add_out_ = torch::empty_like(add_a_);
+    small_ = torch::randn({8, 32}, torch::TensorOptions().requires_grad(true));
+  }
 
-// SDPA's CPU kernels forward and backward (no autograd: the operators' host cost is op_us's) at
-// the plan's heads on one tp rank, head size and sequence (at most 2,048 tokens), in the FLOPs the
-// planner counts for attention: 12·H·Q·T per token.
-double attention_tflops(const Config& c, const models::ModelShape& m, torch::ScalarType dtype,
-                        bool warm) {
-  const int64_t t = std::min<int64_t>(c.training.seq_len, 2048);
-  const int64_t b = std::max<int64_t>(1, std::min<int64_t>(c.training.micro_batch, 4096 / t));
-  const int64_t h = std::max<int64_t>(1, m.heads / c.parallel.tp), q = m.head_dim();
-  const auto opts = torch::TensorOptions().dtype(dtype);
-  auto qq = torch::randn({b, h, t, q}, opts), k = torch::randn({b, h, t, q}, opts),
-       v = torch::randn({b, h, t, q}, opts), g = torch::randn({b, h, t, q}, opts);
-  const double s = median_seconds(
-      [&] {
-        auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(qq, k, v, 0.0, true);
-        at::_scaled_dot_product_flash_attention_for_cpu_backward(g, qq, k, v, o, lse, 0.0, true);
-      },
-      5, warm);
-  return 12.0 * static_cast<double>(h * q * t) * static_cast<double>(b * t) / s / 1e12;
-}
+  // One run of each, in a step's order; seconds each.
+  std::array<double, 5> run() {
+    const auto& s = sets_[next_++ % sets_.size()];
+    std::array<double, 5> out{};
+    out[0] = seconds(
+        [&] { torch::mm(s[0], s[1].t()), torch::mm(s[2], s[1]), torch::mm(s[2].t(), s[0]); });
+    out[2] = seconds([&] {
+      if (!llama_) {  // tanh-GELU forward and backward
+        at::gelu(s[7], "tanh"), at::gelu_backward(s[9], s[7], "tanh");
+        return;
+      }  // SiLU of the gate times the up projection, forward and backward
+      auto act = at::silu(s[8]);
+      auto y = act * s[7], dx = s[9] * act;
+      at::silu_backward(s[9] * s[7], s[8]);
+    });
+    out[1] = seconds([&] {
+      auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(s[3], s[4], s[5], 0.0, true);
+      at::_scaled_dot_product_flash_attention_for_cpu_backward(s[6], s[3], s[4], s[5], o, lse, 0.0,
+                                                               true);
+    });
+    out[3] = seconds([&] { at::add_out(add_out_, add_a_, add_b_); });
+    out[4] = seconds([&] {  // small operators' forward and backward: the host's cost of each
+      auto y = small_;
+      for (int i = 0; i < 50; ++i) y = y * 1.01 + 0.1;
+      y.sum().backward();
+    });
+    return out;
+  }
 
-// The MLP's activation kernels forward and backward (tanh-GELU for gpt2; SiLU of the gate times
-// the up projection for llama), nanoseconds per element of one [tokens, ffn] input.
-double activation_ns(const Config& c, const models::ModelShape& m, torch::ScalarType dtype,
-                     bool warm) {
-  const int64_t ffn = std::max<int64_t>(1, m.ffn_hidden / c.parallel.tp);
-  const int64_t rows = std::max<int64_t>(
-      1, std::min<int64_t>(c.training.micro_batch * c.training.seq_len, (int64_t{4} << 20) / ffn));
-  const auto opts = torch::TensorOptions().dtype(dtype);
-  auto x = torch::randn({rows, ffn}, opts), gate = torch::randn({rows, ffn}, opts),
-       g = torch::randn({rows, ffn}, opts);
-  const bool llama = m.arch == "llama";
-  const double s = median_seconds(
-      [&] {
-        if (!llama) {
-          at::gelu_backward(g, x, "tanh"), at::gelu(x, "tanh");
-          return;
-        }
-        auto act = at::silu(gate);
-        auto y = act * x, dx = g * act;
-        at::silu_backward(g * x, gate);
-      },
-      5, warm);
-  return s / static_cast<double>(rows * ffn) * 1e9;
-}
+  // The rates from a run's seconds: matmul TFLOP/s, attention TFLOP/s (12·H·Q·T FLOPs per
+  // token, as the planner counts), activation ns per element, add GB/s, operator us.
+  std::array<double, 5> rates(const std::array<double, 5>& s) const {
+    return {6.0 * static_cast<double>(t_ * h_ * f_) / s[0] / 1e12,
+            12.0 * static_cast<double>(heads_ * head_dim_ * seq_) *
+                static_cast<double>(batch_ * seq_) / s[1] / 1e12,
+            s[2] / static_cast<double>(rows_ * f_) * 1e9,
+            3.0 * static_cast<double>(add_a_.nbytes()) / s[3] / 1e9, s[4] / 100 * 1e6};
+  }
 
-// One small operator's forward and backward: what the host spends per operator, whatever its size.
-double op_us(bool warm) {
-  auto x = torch::randn({8, 32}, torch::TensorOptions().requires_grad(true));
-  const double s = median_seconds(
-      [&] {
-        auto y = x;
-        for (int i = 0; i < 50; ++i) y = y * 1.01 + 0.1;
-        y.sum().backward();
-      },
-      5, warm);
-  return s / 100 * 1e6;
-}
-
-double add_gbps(bool warm) {
-  auto a = torch::randn({int64_t{4} << 20}), b = torch::randn({int64_t{4} << 20});
-  auto out = torch::empty_like(a);
-  const double s = median_seconds([&] { at::add_out(out, a, b); }, 5, warm);
-  return 3.0 * static_cast<double>(a.nbytes()) / s / 1e9;
-}
+ private:
+  template <class F>
+  static double seconds(F&& f) {
+    const auto t0 = Clock::now();
+    f();
+    return seconds_since(t0);
+  }
+  bool llama_;
+  int64_t t_, h_, f_, seq_, batch_, heads_, head_dim_, rows_;
+  std::vector<std::vector<torch::Tensor>> sets_;
+  size_t next_ = 0;
+  torch::Tensor add_a_, add_b_, add_out_, small_;
+};
 
 struct Loopback {
   double latency_s = 0;                        // one collective's cost inside a step
@@ -218,15 +216,24 @@ Loopback loopback_gloo() {
   return out;
 }
 
-// Rounds of every rate (matmul TFLOP/s, attention TFLOP/s, activation ns, add GB/s, operator us),
-// the first after warm-ups.
-void measure_rounds(const Config& c, const models::ModelShape& m, torch::ScalarType dtype,
-                    std::vector<std::array<double, 5>>& rounds) {
-  for (size_t i = 0; i < rounds.size(); ++i) {
-    const bool warm = i == 0;
-    rounds[i] = {matmul_tflops(c, m, dtype, warm), attention_tflops(c, m, dtype, warm),
-                 activation_ns(c, m, dtype, warm), add_gbps(warm), op_us(warm)};
+// The step's kernels' rates (StepKernels::rates): each one's median over fifteen runs of the
+// sequence after 0.2 s of warm-up runs (a cold process faults in pages and starts its thread pool;
+// on a shared machine the best run would be faster than a step's typical one).
+std::array<double, 5> measure_rates(const Config& c, const models::ModelShape& m,
+                                    torch::ScalarType dtype) {
+  StepKernels k(c, m, dtype);
+  for (const auto t0 = Clock::now(); seconds_since(t0) < 0.2;) k.run();
+  std::array<std::vector<double>, 5> runs;
+  for (int i = 0; i < 15; ++i) {
+    const auto s = k.run();
+    for (size_t j = 0; j < s.size(); ++j) runs[j].push_back(s[j]);
   }
+  std::array<double, 5> med{};
+  for (size_t j = 0; j < med.size(); ++j) {
+    std::nth_element(runs[j].begin(), runs[j].begin() + 7, runs[j].end());
+    med[j] = runs[j][7];
+  }
+  return k.rates(med);
 }
 
 }  // namespace
@@ -250,26 +257,13 @@ DeviceProfile measure_cpu_profile(const Config& c, int64_t ranks_on_node) {
   d.efficiency = 1.0;  // the rate is measured on the plan's own matmul shapes
   {
     // Each of the node's ranks computes at once (one thread each here, as under tessel-launch;
-    // one rank computes on its threads): rank 0's rates, the median of three interleaved rounds,
-    // so that a shared machine's drift over the second they take evens out.
+    // one rank computes on its threads): rank 0's rates.
     const int64_t ranks = threads == 1 ? std::min(std::max<int64_t>(1, ranks_on_node), cores) : 1;
     ThreadsFor scope(std::min(threads, cores));
-    std::vector<std::array<double, 5>> rounds(3);
     std::vector<std::thread> others;
-    for (int64_t r = 1; r < ranks; ++r)
-      others.emplace_back([&] {
-        std::vector<std::array<double, 5>> mine(3);
-        measure_rounds(c, m, dtype, mine);
-      });
-    measure_rounds(c, m, dtype, rounds);
+    for (int64_t r = 1; r < ranks; ++r) others.emplace_back([&] { measure_rates(c, m, dtype); });
+    const auto med = measure_rates(c, m, dtype);
     for (auto& t : others) t.join();
-    std::array<double, 5> med{};
-    for (size_t k = 0; k < med.size(); ++k) {
-      std::vector<double> v;
-      for (const auto& r : rounds) v.push_back(r[k]);
-      std::nth_element(v.begin(), v.begin() + 1, v.end());
-      med[k] = v[1];
-    }
     d.peak_tflops = d.fp32_tflops = med[0];
     d.attention_tflops = med[1], d.activation_ns = med[2], d.memory_gbps = med[3];
     d.op_us = med[4];
