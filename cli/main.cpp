@@ -132,14 +132,15 @@ void print_pipeline(const tessel::Config& c, const tessel::parallel::Layout& lay
   auto sim = pp::simulate(schedule);
   std::printf("%s", pp::render(schedule, sim).c_str());
   std::printf(
-      "# predicted bubble %.4f of ideal step time (theory (p-1)/(v*m) = %.4f); peak "
-      "activations per "
-      "rank:",
-      sim.bubble,
-      static_cast<double>(layout.pp - 1) / static_cast<double>(c.parallel.virtual_stages * m));
+      "# predicted bubble %.4f of ideal step time (the paper's figure for %s: %.4f); peak "
+      "activations per rank:",
+      sim.bubble, schedule.name.c_str(),
+      pp::theory_bubble(schedule.name, layout.pp, m, c.parallel.virtual_stages));
   for (auto a : sim.peak_activations) std::printf(" %lld", static_cast<long long>(a));
-  std::printf(" micro-batch chunks\n");
-  std::printf("# layers per stage (stage = chunk·pp + pipeline rank): %s\n",
+  std::printf(" micro-batch chunks (held from forward to weight gradient)\n");
+  std::printf("# layers per stage (stage = %s): %s\n",
+              schedule.v_shape ? "chunk 0: pipeline rank r, chunk 1: 2·pp − 1 − r"
+                               : "chunk·pp + pipeline rank",
               pp::stage_layer_counts(c.model.layers, layout.pp * c.parallel.virtual_stages,
                                      c.parallel.layers_per_stage)
                   .c_str());

@@ -7,6 +7,7 @@
 #include "parallel/attention_kernels.h"
 #include "parallel/autograd_comm.h"
 #include "parallel/cp/attention.h"
+#include "parallel/pp/weight_grad.h"
 #include "parallel/tp/head_loss.h"
 
 namespace tessel::models {
@@ -210,11 +211,12 @@ DecoderImpl::DecoderImpl(DecoderOptions o) : o_(std::move(o)) {
   }
   if (part.last) {
     norm = register_module("norm", Norm(m.hidden, m.norm_eps, o_.layer_norm));
-    if (!m.tied())
+    if (!m.tied()) {
       head = register_module(
           "head", tp::ColumnParallelLinear(
                       *o_.tp, m.hidden, tp::padded_vocab(m.vocab_size, o_.tp->size()), false, sp));
-    else if (!embed)
+      head->defer_weight_grad = false;  // W would hold the logits' gradient
+    } else if (!embed)
       embed = make_embed();
   }
   build_specs();
@@ -340,7 +342,8 @@ torch::Tensor DecoderImpl::run_blocks(int64_t chunk, torch::Tensor x,
 torch::Tensor DecoderImpl::logits(const torch::Tensor& x) {
   auto y = norm(x);
   if (head) return head(y);  // [b, s, Vp/t]
-  return torch::nn::functional::linear(tp::enter(*o_.tp, y, o_.sequence_parallel), embed->weight);
+  return parallel::pp::linear(tp::enter(*o_.tp, y, o_.sequence_parallel), embed->weight, {},
+                              /*deferrable=*/false);
 }
 
 torch::Tensor DecoderImpl::stage_forward(int64_t chunk, const torch::Tensor& input,

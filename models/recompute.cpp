@@ -8,6 +8,8 @@
 
 #include <optional>
 
+#include "parallel/pp/weight_grad.h"
+
 namespace tessel::models {
 namespace {
 
@@ -69,7 +71,12 @@ class RecomputeBackward : public torch::autograd::Node {
     }
     fn_ = nullptr;
     input_ = torch::Tensor();
-    if (grads[0].defined()) torch::autograd::backward({y}, {grads[0]});
+    if (!grads[0].defined()) return {torch::Tensor()};
+    // A zero-bubble B: the input's gradient now, the weights' left in the store for W.
+    if (parallel::pp::deferring())
+      return {
+          parallel::pp::backward_input(torch::autograd::impl::gradient_edge(y), grads[0], {x})[0]};
+    torch::autograd::backward({y}, {grads[0]});
     return {x.grad()};
   }
 

@@ -228,12 +228,14 @@ void check_stage_layers(const Config& c, Problems& problems) {
 void check_schedule(const Config& c, const Layout& l, Problems& problems) {
   const auto& p = c.parallel;
   const auto& t = c.training;
-  problems.require(p.virtual_stages == 1 || (p.pipeline_schedule == "interleaved" && p.pp > 1),
+  const bool chunked = p.pipeline_schedule == "interleaved" || p.pipeline_schedule == "zbv";
+  problems.require(p.virtual_stages == 1 || (chunked && p.pp > 1),
                    fmt::format("parallel.pipeline.virtual_stages ({}) > 1 needs schedule "
-                               "interleaved and parallel.pp > 1 (schedule {}, pp {})",
+                               "interleaved or zbv and parallel.pp > 1 (schedule {}, pp {})",
                                p.virtual_stages, p.pipeline_schedule, p.pp));
-  problems.require(p.pipeline_schedule != "interleaved" || p.pp > 1,
-                   "parallel.pipeline.schedule interleaved needs parallel.pp > 1 (pp is 1)");
+  problems.require(!chunked || p.pp > 1,
+                   fmt::format("parallel.pipeline.schedule {} needs parallel.pp > 1 (pp is 1)",
+                               p.pipeline_schedule));
   if (p.pp > 1) {  // the schedule's own needs (m >= p; interleaved: m % p == 0, v >= 2)
     try {
       pp::make_schedule(p.pipeline_schedule, p.pp,

@@ -106,10 +106,13 @@ void add_parallel_fields(FieldAdder& add, Config& c) {
 // parallel.*: pipeline schedule, gradient buckets and ZeRO
 void add_parallel_pipeline_fields(FieldAdder& add, Config& c) {
   add("parallel.pipeline.schedule", &c.parallel.pipeline_schedule, S("1f1b"),
-      "Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, or interleaved 1F1B.")
-      .one_of({"gpipe", "1f1b", "interleaved"});
+      "Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, interleaved 1F1B, "
+      "zb-h1 (zero-bubble: backward split into input and weight gradients, the weights' deferred "
+      "into the bubble; 1F1B's memory, about a third of its bubble) or zbv (zero-bubble in a V: "
+      "two chunks per rank, virtual_stages 2).")
+      .one_of({"gpipe", "1f1b", "interleaved", "zb-h1", "zbv"});
   add("parallel.pipeline.virtual_stages", &c.parallel.virtual_stages, int64_t{1},
-      "Model chunks per pipeline rank (interleaved schedule; 1 otherwise).")
+      "Model chunks per pipeline rank (interleaved: 2 or more; zbv: 2; 1 otherwise).")
       .range(1);
   add("parallel.pipeline.layers_per_stage", &c.parallel.layers_per_stage, Doubles{},
       "Layers of each pipeline stage (pp·virtual_stages integers summing to model.layers); empty = "

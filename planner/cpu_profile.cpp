@@ -149,11 +149,11 @@ struct Loopback {
 // send/receive of 4 MiB on idle ranks, rank 0's median of five, by the bytes each rank puts on its
 // link (planner.cpp's Traffic::wire), which for two ranks is the buffer for all three. Then as a
 // step meets them: all-reduces of 64 KiB and 1 MiB, each after a few milliseconds of
-// single-threaded compute on both ranks, the mean of 20 (compute plus all-reduce) less the mean
-// of 20 compute alone. On a machine whose cores all compute, the Gloo threads' wake-up and the
-// ranks' skew cost several times what idle ranks show, and vary widely, so the mean is what a
-// step's many collectives add up to.
-// `f`'s time over `n` runs after two: their median, or their mean.
+// single-threaded compute on both ranks, the mean of 30 (compute plus all-reduce) less the mean
+// of 30 compute alone, the three kinds of run taking turns. On a machine whose cores all compute,
+// the Gloo threads' wake-up and the ranks' skew cost several times what idle ranks show, and vary
+// widely, so the mean is what a step's many collectives add up to. `f`'s time over `n` runs after
+// two: their median, or their mean.
 double timed(const std::function<void()>& f, int n, bool median) {
   f(), f();
   std::vector<double> t;
@@ -191,11 +191,22 @@ Loopback loopback_gloo() {
           5, true);
       auto a = torch::randn({512, 512}), b = torch::randn({512, 512});
       auto small = torch::ones({int64_t{16} << 10}), large = torch::ones({int64_t{256} << 10});
-      const double compute = timed([&] { torch::mm(a, b); }, 20, false);
-      const double with_small =
-          timed([&] { torch::mm(a, b), g.all_reduce(small).wait(); }, 20, false) - compute;
-      const double with_large =
-          timed([&] { torch::mm(a, b), g.all_reduce(large).wait(); }, 20, false) - compute;
+      // Interleaved rounds of the three (compute alone, with the small and with the large
+      // all-reduce), so that a shared machine's drift weighs on each alike.
+      double compute = 0, with_small = 0, with_large = 0;
+      constexpr int kRounds = 30;
+      auto once = [](auto&& f) {
+        const auto t0 = Clock::now();
+        f();
+        return seconds_since(t0);
+      };
+      for (int i = -2; i < kRounds; ++i) {
+        const double c = once([&] { torch::mm(a, b); });
+        const double s = once([&] { torch::mm(a, b), g.all_reduce(small).wait(); });
+        const double l = once([&] { torch::mm(a, b), g.all_reduce(large).wait(); });
+        if (i >= 0) compute += c / kRounds, with_small += s / kRounds, with_large += l / kRounds;
+      }
+      with_small -= compute, with_large -= compute;
       if (rank != 0) return;
       // Loaded all-reduce: latency and bandwidth through the two sizes (the bandwidth at most the
       // idle one, the latency at least 0); all-gather and send/receive slowed alike.

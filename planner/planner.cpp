@@ -478,13 +478,16 @@ std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::La
   if (l.tp > 1) add_tp_traffic(g["tp"], c, l, b, r, part);
   if (l.cp > 1) add_cp_traffic(g["cp"], c, l, b, r);
   if (l.pp > 1) {  // activations forward, gradients backward, at every chunk boundary
-    const double sends_fwd = own_chunks - (part.last ? 1 : 0);
-    const double sends_bwd = own_chunks - (part.first ? 1 : 0);
+    // zbv: the V turns on pipeline rank pp − 1 (stages pp − 1 and pp), a hand-over, not a send.
+    const bool v = c.parallel.pipeline_schedule == "zbv";
+    const double turn = v && r.stage == l.pp - 1 ? 1 : 0;
+    const double sends_fwd = own_chunks - (part.last ? 1 : 0) - turn;
+    const double sends_bwd = own_chunks - (part.first ? 1 : 0) - turn;
     g["pp"].p2p += mb * (sends_fwd + sends_bwd) * b.act_row;
     g["pp"].ops += mb * (sends_fwd + sends_bwd);
   }
   if (b.data_ranks > 1) add_data_traffic(g["dp_cp"], c, b, r);
-  if (l.pp > 1 && b.m.tied() && (part.first || part.last)) {
+  if (l.pp > 1 && b.m.tied() && part.first != part.last) {  // zbv: one rank holds both
     g["embedding"].all_reduce += 4 * static_cast<double>(b.m.vocab_size) * b.h / b.tp;
     g["embedding"].ops += 1;
   }

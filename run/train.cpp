@@ -215,10 +215,12 @@ void Trainer::setup_state() {
     spdlog::info("resumed from {} (step {}, {} samples consumed)", dir, st.step,
                  st.consumed_samples);
   }
+  // zbv holds the first and the last stage on one rank: one token table, nothing to sum.
+  const bool table_copies = l.pp > 1 && c_.model.tied() && c_.parallel.pipeline_schedule != "zbv";
   for (const auto& s : opt_->layout().slots()) {
     auto views = opt_->grad_views(s);
     auto& into = s.name == "embed.weight" ? embedding_grads_ : tp_summed_grads_;
-    if ((s.name == "embed.weight" && l.pp > 1 && c_.model.tied()) ||
+    if ((s.name == "embed.weight" && table_copies) ||
         (l.tp > 1 && model_->specs().at(s.name).tp_grad_sum))
       into.insert(into.end(), views.begin(), views.end());
   }
@@ -352,8 +354,9 @@ double Trainer::evaluate() {
     }
     return out;
   }};
-  make_executor(
-      parallel::pp::forward_only(l.pp, mine / t.micro_batch, executor_->schedule().virtual_stages))
+  make_executor(parallel::pp::forward_only(l.pp, mine / t.micro_batch,
+                                           executor_->schedule().virtual_stages,
+                                           executor_->schedule().v_shape))
       ->run(fns);
   if (gatherer_) gatherer_->take_wait_ms();  // evaluation's gathers are not a step's
   mesh_->group(parallel::GroupKind::kPp).all_reduce(total).wait();  // the last stage's sum

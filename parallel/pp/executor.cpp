@@ -10,6 +10,8 @@
 #include <map>
 #include <tuple>
 
+#include "parallel/pp/weight_grad.h"
+
 namespace tessel::parallel::pp {
 namespace {
 
@@ -130,7 +132,8 @@ class StepRun {
   StepRun(const Schedule& s, int64_t rank, const StageFns& fns, Group& pp,
           const std::vector<int64_t>& shape, const torch::TensorOptions& options,
           SpanTimer& compute, SpanTimer& wait)
-      : p_(s.stages),
+      : s_(s),
+        p_(s.stages),
         stages_(s.stages * s.virtual_stages),
         m_(s.microbatches),
         r_(rank),
@@ -144,6 +147,8 @@ class StepRun {
   void act(const Action& a, bool final);
   StepStats finish() {
     io_.finish(r_);
+    TORCH_CHECK(local_.empty() && deferred_.empty(), "pipeline rank ", r_,
+                ": a stage-to-stage message on this rank or a weight-gradient backward was left");
     return st_;
   }
 
@@ -154,40 +159,71 @@ class StepRun {
   }
   void forward(const Action& a, int64_t stage, Held& h);
   void backward(const Action& a, int64_t stage, Held& h, bool final);
+  void backward_input(const Action& a, int64_t stage, Held& h);
+  void backward_weight(const Action& a, bool final);
+  // A message between two stages of this rank (a V's turn) is handed over here, not sent.
+  void put_local(const RecvKey& key, const torch::Tensor& t) { local_[key] = t.detach(); }
+  torch::Tensor take_local(const RecvKey& key) {
+    auto it = local_.find(key);
+    TORCH_CHECK(it != local_.end(), "pipeline rank ", r_, ": receives from itself before sending");
+    auto t = std::move(it->second);
+    local_.erase(it);
+    return t;
+  }
 
+  const Schedule& s_;
   const int64_t p_, stages_, m_, r_;
   const bool training_ = torch::GradMode::is_enabled();
   const StageFns& fns_;
   const std::vector<int64_t>& shape_;
   torch::TensorOptions options_;
   SpanTimer& compute_;
-  std::map<std::pair<int64_t, int64_t>, Held> held_;  // by (micro-batch, chunk)
+  std::map<std::pair<int64_t, int64_t>, Held> held_;             // by (micro-batch, chunk)
+  std::map<std::pair<int64_t, int64_t>, WeightGrads> deferred_;  // between a B and its W
+  std::map<RecvKey, torch::Tensor> local_;
   Transfers io_;
   StepStats st_;
   int64_t live_ = 0;
 };
 
 void StepRun::act(const Action& a, bool final) {
-  const int64_t stage = a.chunk * p_ + r_;
-  const int64_t prev = (stage - 1 + p_) % p_, next = (stage + 1) % p_;
+  const int64_t stage = s_.stage_of(r_, a.chunk);
+  const int64_t prev = s_.rank_of(stage - 1 + (stage == 0 ? stages_ : 0));
+  const int64_t next = s_.rank_of((stage + 1) % stages_);
+  if (a.op == Op::kBackwardWeight) return backward_weight(a, final);
   Held& h = held_[{a.microbatch, a.chunk}];
+  const RecvKey act{a.microbatch, a.chunk, false}, grad{a.microbatch, a.chunk, true};
   switch (a.op) {
     case Op::kRecvAct:
+      if (prev == r_) {
+        h.input = take_local(act);
+        break;
+      }
       h.input = torch::empty(shape_, options_);
-      io_.recv(h.input, prev, tag(false, stage - 1, a.microbatch), {a.microbatch, a.chunk, false});
+      io_.recv(h.input, prev, tag(false, stage - 1, a.microbatch), act);
       break;
     case Op::kSendAct:
-      io_.send(h.output, next, tag(false, stage, a.microbatch));
+      if (next == r_)
+        put_local({a.microbatch, s_.chunk_of(stage + 1), false}, h.output);
+      else
+        io_.send(h.output, next, tag(false, stage, a.microbatch));
       h.output = torch::Tensor();
       break;
     case Op::kRecvGrad:
+      if (next == r_) {
+        h.grad = take_local(grad);
+        break;
+      }
       h.grad = torch::empty(shape_, options_);
-      io_.recv(h.grad, next, tag(true, stage + 1, a.microbatch), {a.microbatch, a.chunk, true});
+      io_.recv(h.grad, next, tag(true, stage + 1, a.microbatch), grad);
       break;
     case Op::kSendGrad:
       TORCH_CHECK(h.input.grad().defined(), "pipeline stage ", stage, ": micro-batch ",
                   a.microbatch, " has no input gradient to send");
-      io_.send(h.input.grad(), prev, tag(true, stage, a.microbatch));
+      if (prev == r_)
+        put_local({a.microbatch, s_.chunk_of(stage - 1), true}, h.input.grad());
+      else
+        io_.send(h.input.grad(), prev, tag(true, stage, a.microbatch));
       held_.erase({a.microbatch, a.chunk});
       break;
     case Op::kForward:
@@ -195,6 +231,11 @@ void StepRun::act(const Action& a, bool final) {
       break;
     case Op::kBackward:
       backward(a, stage, h, final);
+      break;
+    case Op::kBackwardInput:
+      backward_input(a, stage, h);
+      break;
+    case Op::kBackwardWeight:
       break;
   }
 }
@@ -236,6 +277,39 @@ void StepRun::backward(const Action& a, int64_t stage, Held& h, bool final) {
   if (stage == 0) held_.erase({a.microbatch, a.chunk});
 }
 
+// B: the input's gradient (kept in the input for kSendGrad); the weights' left for W.
+void StepRun::backward_input(const Action& a, int64_t stage, Held& h) {
+  io_.flush();
+  io_.await({a.microbatch, a.chunk, true});
+  TORCH_CHECK(h.edge.function, "pipeline stage ", stage, ": backward of micro-batch ", a.microbatch,
+              " before its forward");
+  compute_.start();
+  {
+    Deferring scope(deferred_[{a.microbatch, a.chunk}]);
+    auto g = pp::backward_input(h.edge, h.grad, {h.input});
+    if (h.input.defined()) h.input.mutable_grad() = g[0];
+  }
+  compute_.stop();
+  h.edge = torch::autograd::Edge();
+  h.grad = torch::Tensor();
+  if (stage == 0) held_.erase({a.microbatch, a.chunk});
+}
+
+// W: the weights' gradients into the parameters, between the hooks a whole backward has.
+void StepRun::backward_weight(const Action& a, bool final) {
+  auto it = deferred_.find({a.microbatch, a.chunk});
+  TORCH_CHECK(it != deferred_.end(), "pipeline rank ", r_,
+              ": weight-gradient backward of micro-batch ", a.microbatch, " chunk ", a.chunk,
+              " before its input-gradient backward");
+  if (fns_.before_backward) fns_.before_backward(a.chunk, final);
+  compute_.start();
+  it->second.deliver();
+  compute_.stop();
+  if (fns_.after_backward) fns_.after_backward(a.chunk, final);
+  deferred_.erase(it);
+  --live_;
+}
+
 }  // namespace
 
 Executor::Executor(Group& pp, Schedule schedule, std::vector<int64_t> activation_shape,
@@ -261,7 +335,8 @@ Executor::Executor(Group& pp, Schedule schedule, std::vector<int64_t> activation
   last_backward_.assign(list.size(), false);
   std::vector<bool> seen(static_cast<size_t>(schedule_.virtual_stages), false);
   for (size_t i = list.size(); i-- > 0;)
-    if (list[i].op == Op::kBackward && !seen[static_cast<size_t>(list[i].chunk)])
+    if ((list[i].op == Op::kBackward || list[i].op == Op::kBackwardWeight) &&
+        !seen[static_cast<size_t>(list[i].chunk)])
       seen[static_cast<size_t>(list[i].chunk)] = last_backward_[i] = true;
 }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -29,7 +30,8 @@ void backward(std::vector<Action>& l, int64_t mb, int64_t chunk, int64_t stage, 
 }
 
 std::string label(const Action& a, int64_t v) {
-  std::string s = fmt::format("{}{}", a.op == Op::kForward ? 'F' : 'B', a.microbatch);
+  const char c = a.op == Op::kForward ? 'F' : a.op == Op::kBackwardWeight ? 'W' : 'B';
+  std::string s = fmt::format("{}{}", c, a.microbatch);
   return v > 1 ? s + "." + std::to_string(a.chunk) : s;
 }
 
@@ -47,6 +49,10 @@ const char* op_name(Op op) {
       return "backward";
     case Op::kSendGrad:
       return "send gradient";
+    case Op::kBackwardInput:
+      return "input-gradient backward";
+    case Op::kBackwardWeight:
+      return "weight-gradient backward";
   }
   return "?";
 }
@@ -59,8 +65,9 @@ struct Transfer {
   int64_t peer;
   Msg msg;
 };
-std::optional<Transfer> transfer_of(const Action& a, int64_t r, int64_t p) {
-  const int64_t stage = a.chunk * p + r, prev = (stage - 1 + p) % p, next = (stage + 1) % p;
+std::optional<Transfer> transfer_of(const Schedule& s, const Action& a, int64_t r) {
+  const int64_t stage = s.stage_of(r, a.chunk);
+  const int64_t prev = stage > 0 ? s.rank_of(stage - 1) : -1, next = s.rank_of(stage + 1);
   switch (a.op) {
     case Op::kSendAct:
       return Transfer{true, next, {false, stage, a.microbatch}};
@@ -126,9 +133,12 @@ Schedule interleaved(int64_t p, int64_t m, int64_t v) {
 
 Schedule lockstep(const Schedule& s) {
   // Ticks: each compute takes one tick and starts after its inputs' producers (the simulator with
-  // unit times, in units of one chunk's pass).
+  // unit times, in units of one chunk's pass; B and W one tick each).
   const int64_t p = s.stages, v = s.virtual_stages, stages = p * v;
-  const auto sim = simulate(s, 1.0, 1.0);
+  bool split = false;
+  for (const auto& l : s.ranks)
+    for (const auto& a : l) split = split || a.op == Op::kBackwardInput;
+  const auto sim = simulate(s, 1.0, split ? 2.0 : 1.0);
   TORCH_CHECK(sim.problem.empty(), "lockstep: ", sim.problem);
   std::vector<std::map<int64_t, Action>> at(static_cast<size_t>(p));  // rank -> tick -> compute
   int64_t ticks = 0;
@@ -138,6 +148,14 @@ Schedule lockstep(const Schedule& s) {
       at[r][t] = slot.action;
       ticks = std::max(ticks, t + 1);
     }
+  // What a pass sends: a forward its activation (not from the last stage), a backward or B its
+  // input's gradient (not from the first).
+  auto sends_act = [&](const Action& a, int64_t stage) {
+    return a.op == Op::kForward && stage < stages - 1;
+  };
+  auto sends_grad = [&](const Action& a, int64_t stage) {
+    return (a.op == Op::kBackward || a.op == Op::kBackwardInput) && stage > 0;
+  };
   Schedule out = s;
   for (auto& l : out.ranks) l.clear();
   for (int64_t t = 0; t < ticks; ++t)
@@ -145,30 +163,132 @@ Schedule lockstep(const Schedule& s) {
       auto& l = out.ranks[r];
       auto it = at[r].find(t);
       if (it != at[r].end()) l.push_back(it->second);
-      // Boundary t: what this rank's tick-t pass sends, and what its neighbours' tick-t passes
-      // send to it.
+      // Boundary t: what this rank's tick-t pass sends, and what the tick-t passes of its
+      // neighbours (and of itself, where a V turns) send to it.
       if (it != at[r].end()) {
         const Action& a = it->second;
-        const int64_t stage = a.chunk * p + r;
-        if (a.op == Op::kForward && stage < stages - 1)
-          l.push_back({Op::kSendAct, a.microbatch, a.chunk});
-        if (a.op == Op::kBackward && stage > 0) l.push_back({Op::kSendGrad, a.microbatch, a.chunk});
+        const int64_t stage = s.stage_of(r, a.chunk);
+        if (sends_act(a, stage)) l.push_back({Op::kSendAct, a.microbatch, a.chunk});
+        if (sends_grad(a, stage)) l.push_back({Op::kSendGrad, a.microbatch, a.chunk});
       }
       std::vector<int64_t> neighbours;
       if (p > 1) neighbours.push_back((r - 1 + p) % p);
       if (p > 2) neighbours.push_back((r + 1) % p);
+      if (s.v_shape) neighbours.push_back(r);
       for (int64_t q : neighbours) {
         auto jt = at[q].find(t);
         if (jt == at[q].end()) continue;
         const Action& a = jt->second;
-        const int64_t stage = a.chunk * p + q;  // the sender's stage; the receiver's is ±1
-        if (a.op == Op::kForward && stage < stages - 1 && (stage + 1) % p == r)
-          l.push_back({Op::kRecvAct, a.microbatch, (stage + 1) / p});
-        if (a.op == Op::kBackward && stage > 0 && (stage - 1) % p == r)
-          l.push_back({Op::kRecvGrad, a.microbatch, (stage - 1) / p});
+        const int64_t stage = s.stage_of(q, a.chunk);  // the sender's stage; the receiver's is ±1
+        if (sends_act(a, stage) && s.rank_of(stage + 1) == r)
+          l.push_back({Op::kRecvAct, a.microbatch, s.chunk_of(stage + 1)});
+        if (sends_grad(a, stage) && s.rank_of(stage - 1) == r)
+          l.push_back({Op::kRecvGrad, a.microbatch, s.chunk_of(stage - 1)});
       }
     }
   return out;
+}
+
+namespace {
+
+// The zero-bubble schedules' compute order, list-scheduled tick by tick with F, B and W one tick
+// each (one chunk's). Each rank runs, of what it may run now: a forward (the oldest micro-batch,
+// the later stage first) while it holds fewer than `warmup[r]` micro-batch chunks between F and B
+// and fewer than `most[r]` between F and W; else a B (the oldest micro-batch, the later stage
+// first); else the oldest W. Forwards first keep the last micro-batch's forward early, which the
+// step's tail waits on; W fills what is left. Transfers are added by lockstep().
+Schedule list_scheduled(Schedule s, const std::vector<int64_t>& warmup,
+                        const std::vector<int64_t>& most) {
+  const int64_t p = s.stages, v = s.virtual_stages, m = s.microbatches, stages = p * v;
+  // Tick at which each pass of (stage, micro-batch) ran; -1: not yet.
+  std::vector<std::vector<int64_t>> f(stages, std::vector<int64_t>(m, -1)), b = f;
+  std::vector<int64_t> held(p, 0), done(p, 0);
+  std::vector<std::vector<int64_t>> next_f(p, std::vector<int64_t>(v, 0));
+  std::vector<std::deque<Action>> w(p);
+  auto before = [](int64_t tick, int64_t now) { return tick >= 0 && tick < now; };
+  for (int64_t t = 0;
+       std::any_of(done.begin(), done.end(), [&](int64_t d) { return d < 3 * m * v; }); ++t) {
+    TORCH_CHECK(t < 4 * (3 * m * v + stages), "zero-bubble schedule ", s.name, " p=", p, " m=", m,
+                ": no progress");
+    for (int64_t r = 0; r < p; ++r) {
+      std::optional<Action> pick, back, fwd;
+      for (int64_t mb = 0; mb < m && !back; ++mb)
+        for (int64_t c = v - 1; c >= 0 && !back; --c) {
+          const int64_t st = s.stage_of(r, c);
+          if (b[st][mb] < 0 && before(f[st][mb], t) &&
+              (st == stages - 1 || before(b[st + 1][mb], t)))
+            back = Action{Op::kBackwardInput, mb, c};
+        }
+      if (held[r] < warmup[r] && held[r] + static_cast<int64_t>(w[r].size()) < most[r]) {
+        int64_t best = -1;
+        for (int64_t c = v - 1; c >= 0; --c) {
+          const int64_t mb = next_f[r][c], st = s.stage_of(r, c);
+          if (mb < m && (st == 0 || before(f[st - 1][mb], t)) && (best < 0 || mb < next_f[r][best]))
+            best = c;
+        }
+        if (best >= 0) fwd = Action{Op::kForward, next_f[r][best], best};
+      }
+      pick = fwd ? fwd : back;
+      if (pick && pick->op == Op::kForward) ++next_f[r][pick->chunk];
+      if (!pick && !w[r].empty()) {
+        pick = w[r].front();
+        w[r].pop_front();
+      }
+      if (!pick) continue;
+      const int64_t st = s.stage_of(r, pick->chunk);
+      if (pick->op == Op::kForward) f[st][pick->microbatch] = t, ++held[r];
+      if (pick->op == Op::kBackwardInput) {
+        b[st][pick->microbatch] = t, --held[r];
+        w[r].push_back({Op::kBackwardWeight, pick->microbatch, pick->chunk});
+      }
+      auto& l = s.ranks[r];
+      if (pick->op == Op::kForward) {
+        forward(l, pick->microbatch, pick->chunk, st, stages);
+      } else if (pick->op == Op::kBackwardInput) {  // as backward(), split
+        if (st < stages - 1) l.push_back({Op::kRecvGrad, pick->microbatch, pick->chunk});
+        l.push_back(*pick);
+        if (st > 0) l.push_back({Op::kSendGrad, pick->microbatch, pick->chunk});
+      } else {
+        l.push_back(*pick);
+      }
+      ++done[r];
+    }
+  }
+  return lockstep(s);
+}
+
+}  // namespace
+
+Schedule zero_bubble_h1(int64_t p, int64_t m) {
+  Schedule s{"zb-h1", p, m, 1, std::vector<std::vector<Action>>(static_cast<size_t>(p))};
+  // Rank r starts as many forwards as under 1F1B (p − r before its first B); every rank holds
+  // at most what 1F1B's first rank holds (p micro-batches, from F to W).
+  std::vector<int64_t> warmup;
+  for (int64_t r = 0; r < p; ++r) warmup.push_back(p - r);
+  return list_scheduled(std::move(s), warmup, std::vector<int64_t>(static_cast<size_t>(p), p));
+}
+
+Schedule zero_bubble_v(int64_t p, int64_t m) {
+  Schedule s{"zbv", p, m, 2, std::vector<std::vector<Action>>(static_cast<size_t>(p))};
+  s.v_shape = true;
+  // 1F1B's first rank holds p micro-batches of a whole stage: 2p of a half-stage chunk.
+  const std::vector<int64_t> most(static_cast<size_t>(p), 2 * p);
+  return list_scheduled(std::move(s), most, most);
+}
+
+double theory_bubble(const std::string& name, int64_t p, int64_t m, int64_t v) {
+  const double base = static_cast<double>(p - 1) / static_cast<double>(m);
+  if (name == "interleaved") return base / static_cast<double>(v);
+  if (name == "zb-h1") return base / 3;
+  if (name == "zbv") return base / 6;
+  return base;
+}
+
+int64_t stage_of(const std::string& schedule, int64_t p, int64_t rank, int64_t chunk) {
+  Schedule s;
+  s.stages = p;
+  s.v_shape = schedule == "zbv";
+  return s.stage_of(rank, chunk);
 }
 
 std::vector<std::pair<int64_t, int64_t>> stage_layers(int64_t layers, int64_t stages,
@@ -192,11 +312,12 @@ std::string stage_layer_counts(int64_t layers, int64_t stages,
   return out;
 }
 
-Schedule forward_only(int64_t p, int64_t m, int64_t v) {
+Schedule forward_only(int64_t p, int64_t m, int64_t v, bool v_shape) {
   Schedule s{"forward", p, m, v, std::vector<std::vector<Action>>(static_cast<size_t>(p)), false};
+  s.v_shape = v_shape;
   for (int64_t r = 0; r < p; ++r)
     for (int64_t c = 0; c < v; ++c)
-      for (int64_t mb = 0; mb < m; ++mb) forward(s.ranks[r], mb, c, c * p + r, p * v);
+      for (int64_t mb = 0; mb < m; ++mb) forward(s.ranks[r], mb, c, s.stage_of(r, c), p * v);
   return lockstep(s);
 }
 
@@ -221,8 +342,15 @@ Schedule make_schedule(const std::string& name, int64_t p, int64_t m, int64_t v)
           m, p));
     return interleaved(p, m, v);
   }
+  if (name == "zb-h1") return zero_bubble_h1(p, m);
+  if (name == "zbv") {
+    if (v != 2)
+      throw UserError(fmt::format(
+          "parallel.pipeline.schedule zbv needs parallel.pipeline.virtual_stages: 2, got {}", v));
+    return zero_bubble_v(p, m);
+  }
   throw UserError("parallel.pipeline.schedule: unknown schedule '" + name +
-                  "' (gpipe, 1f1b, interleaved)");
+                  "' (gpipe, 1f1b, interleaved, zb-h1, zbv)");
 }
 
 namespace {
@@ -235,11 +363,12 @@ struct SimState {
   explicit SimState(int64_t p)
       : next(static_cast<size_t>(p), 0),
         clock(static_cast<size_t>(p), 0.0),
-        live(static_cast<size_t>(p), 0) {}
-  std::map<Key, double> fwd_done, bwd_done, act_sent, grad_sent, act_recv, grad_recv;
+        live(static_cast<size_t>(p), 0),
+        deferred(static_cast<size_t>(p), 0) {}
+  std::map<Key, double> fwd_done, bwd_done, wgt_done, act_sent, grad_sent, act_recv, grad_recv;
   std::vector<size_t> next;
   std::vector<double> clock;
-  std::vector<int64_t> live;
+  std::vector<int64_t> live, deferred;
 };
 
 const double* time_of(const std::map<Key, double>& m, const Key& k) {
@@ -261,10 +390,13 @@ bool ready(const SimState& st, const Action& a, int64_t stage, int64_t stages, c
     case Op::kSendAct:
       return time_of(st.fwd_done, k) != nullptr;
     case Op::kBackward:
+    case Op::kBackwardInput:
       return time_of(st.fwd_done, k) &&
              (stage == stages - 1 || (time_of(st.grad_recv, k) &&
                                       (dep = time_of(st.grad_sent, {stage + 1, a.microbatch}))));
     case Op::kSendGrad:
+      return time_of(st.bwd_done, k) != nullptr;
+    case Op::kBackwardWeight:
       return time_of(st.bwd_done, k) != nullptr;
   }
   return true;
@@ -289,19 +421,26 @@ bool run_action(Simulation& sim, SimState& st, const Action& a, int64_t r, const
       st.grad_sent[k] = t;
       break;
     case Op::kForward:
-    case Op::kBackward: {
-      const bool f = a.op == Op::kForward;
-      auto& done = f ? st.fwd_done : st.bwd_done;
+    case Op::kBackward:
+    case Op::kBackwardInput:
+    case Op::kBackwardWeight: {
+      const bool f = a.op == Op::kForward, w = a.op == Op::kBackwardWeight;
+      auto& done = f ? st.fwd_done : w ? st.wgt_done : st.bwd_done;
       if (done.count(k)) {
         sim.problem = fmt::format("rank {} runs the {} of micro-batch {} chunk {} twice", r,
                                   op_name(a.op), a.microbatch, a.chunk);
         return false;
       }
-      const double d = (f ? sim.forward_time : sim.backward_time) / static_cast<double>(v);
+      const double d =
+          (f ? sim.forward_time : sim.backward_time * (a.op == Op::kBackward ? 1.0 : 0.5)) /
+          static_cast<double>(v);
       sim.timeline[r].push_back({t, t + d, a});
       t += d;
       done[k] = t;
-      st.live[r] += f ? 1 : -1;
+      // A micro-batch's activations are held from its forward to its (weight) backward.
+      if (a.op != Op::kBackwardInput) st.live[r] += f ? 1 : -1;
+      if (a.op == Op::kBackwardInput || a.op == Op::kBackwardWeight) st.deferred[r] += w ? -1 : 1;
+      sim.peak_deferred[r] = std::max(sim.peak_deferred[r], st.deferred[r]);
       sim.peak_activations[r] = std::max(sim.peak_activations[r], st.live[r]);
       break;
     }
@@ -327,6 +466,12 @@ std::string missing_pass(const Schedule& s, const SimState& st) {
     for (int64_t mb = 0; mb < s.microbatches; ++mb)
       if (!st.fwd_done.count({stage, mb}) || (s.backward && !st.bwd_done.count({stage, mb})))
         return fmt::format("stage {} never runs both passes of micro-batch {}", stage, mb);
+  // A split backward: every B has its W, on the same rank.
+  for (int64_t r = 0; r < s.stages; ++r)
+    for (const auto& a : s.ranks[r])
+      if (a.op == Op::kBackwardInput && !st.wgt_done.count({s.stage_of(r, a.chunk), a.microbatch}))
+        return fmt::format("stage {} never runs the weight-gradient backward of micro-batch {}",
+                           s.stage_of(r, a.chunk), a.microbatch);
   return "";
 }
 
@@ -337,7 +482,7 @@ bool messages_in_order(const Schedule& s) {
   std::map<std::pair<int64_t, int64_t>, std::vector<Msg>> sent, received;  // (from, to)
   for (int64_t r = 0; r < p; ++r)
     for (const auto& a : s.ranks[r])
-      if (auto x = transfer_of(a, r, p))
+      if (auto x = transfer_of(s, a, r))
         (x->send ? sent[{r, x->peer}] : received[{x->peer, r}]).push_back(x->msg);
   return sent == received;
 }
@@ -351,6 +496,7 @@ Simulation simulate(const Schedule& s, double forward_time, double backward_time
   sim.backward_time = backward_time;
   sim.timeline.resize(static_cast<size_t>(p));
   sim.peak_activations.assign(static_cast<size_t>(p), 0);
+  sim.peak_deferred.assign(static_cast<size_t>(p), 0);
   SimState st(p);
   for (bool progress = true; progress;) {
     progress = false;
@@ -358,7 +504,7 @@ Simulation simulate(const Schedule& s, double forward_time, double backward_time
       const auto& list = s.ranks[r];
       while (st.next[r] < list.size()) {
         const Action& a = list[st.next[r]];
-        const int64_t stage = a.chunk * p + r;
+        const int64_t stage = s.stage_of(r, a.chunk);
         const double* dep = nullptr;
         if (!ready(st, a, stage, stages, dep)) break;
         if (dep) st.clock[r] = std::max(st.clock[r], *dep);
@@ -387,7 +533,7 @@ std::string rendezvous_deadlock(const Schedule& s) {
   for (int64_t r = 0; r < p; ++r) {
     std::vector<Transfer> batch;
     for (const auto& a : s.ranks[r]) {
-      if (auto x = transfer_of(a, r, p)) {
+      if (auto x = transfer_of(s, a, r)) {
         batch.push_back(*x);
       } else if (!batch.empty()) {
         groups[r].push_back(std::move(batch));

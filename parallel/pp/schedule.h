@@ -14,7 +14,19 @@
 
 namespace tessel::parallel::pp {
 
-enum class Op { kRecvAct, kForward, kSendAct, kRecvGrad, kBackward, kSendGrad };
+/// kBackward: a whole backward. Zero-bubble schedules split it (weight_grad.h): kBackwardInput
+/// (B, the input's gradient, which the previous stage waits for) and kBackwardWeight (W, the
+/// weights' gradients, run where the pipeline would otherwise idle).
+enum class Op {
+  kRecvAct,
+  kForward,
+  kSendAct,
+  kRecvGrad,
+  kBackward,
+  kSendGrad,
+  kBackwardInput,
+  kBackwardWeight
+};
 
 struct Action {
   Op op;
@@ -26,11 +38,27 @@ struct Action {
 };
 
 struct Schedule {
-  std::string name;                                          // gpipe | 1f1b | interleaved | ...
+  std::string name;  // gpipe | 1f1b | interleaved | zb-h1 | zbv | ...
   int64_t stages = 1, microbatches = 1, virtual_stages = 1;  // p, m, v
   std::vector<std::vector<Action>> ranks;                    // [p] lists
   bool backward = true;                                      // false: forward passes only
+  /// V-shaped placement (zbv): chunk 0 of rank r is stage r, chunk 1 is stage 2p−1−r, so the
+  /// first and the last stage share rank 0 and stages p−1 and p share rank p−1. Otherwise chunk
+  /// c of rank r is stage c·p + r.
+  bool v_shape = false;
+
+  int64_t stage_of(int64_t rank, int64_t chunk) const {
+    return v_shape && chunk % 2 == 1 ? (chunk + 1) * stages - 1 - rank : chunk * stages + rank;
+  }
+  int64_t rank_of(int64_t stage) const {
+    const int64_t c = stage / stages, r = stage % stages;
+    return v_shape && c % 2 == 1 ? stages - 1 - r : r;
+  }
+  int64_t chunk_of(int64_t stage) const { return stage / stages; }
 };
+
+/// Chunk c of rank r's pipeline stage under the named schedule's placement (see Schedule).
+int64_t stage_of(const std::string& schedule, int64_t p, int64_t rank, int64_t chunk);
 
 /// Global layer range [begin, end) of each of the `stages` (p·v) pipeline stages: `per_stage`
 /// when given (already checked against the plan), else an even split in which the first
@@ -53,21 +81,37 @@ Schedule interleaved(int64_t p, int64_t m, int64_t v);
 /// produced. Neighbours' batches then pair up one to one, and no batch waits on a later one of
 /// a peer, even when sends block until received (NCCL).
 Schedule lockstep(const Schedule& s);
+/// ZB-H1 (Qi et al. 2023, arXiv:2401.10241): 1F1B's warm-up (p − r forwards on rank r before
+/// its first B), each backward split into B and W, W deferred into the bubbles, and no rank
+/// holding more micro-batches from F to W than 1F1B's first rank (p). With F, B and W alike:
+/// (p−1)/(3m) of the ideal step, a third of 1F1B's bubble (schedule_test checks the figure).
+Schedule zero_bubble_h1(int64_t p, int64_t m);
+/// ZBV: two chunks per rank in a V (Schedule::v_shape), B and W split, at most 1F1B's activation
+/// memory (2p half-stage chunks per rank, from F to W). With F, B and W alike: (p−1)/(6m), half
+/// of ZB-H1's bubble.
+Schedule zero_bubble_v(int64_t p, int64_t m);
+/// The papers' bubble of schedule `name` with backward = 2 forwards (B = W = 1), as a share of the
+/// ideal step m·(F + B + W): gpipe and 1f1b (p−1)/m, interleaved (p−1)/(v·m), zb-h1 (p−1)/(3m),
+/// zbv (p−1)/(6m).
+double theory_bubble(const std::string& name, int64_t p, int64_t m, int64_t v);
 /// Forward passes only (evaluation): each rank runs its chunks in order, every micro-batch
-/// through chunk 0, then through chunk 1, ...
-Schedule forward_only(int64_t p, int64_t m, int64_t v);
-/// By name (gpipe | 1f1b | interleaved), after checking the schedule's needs; throws UserError
-/// naming the values (1f1b and interleaved need m >= p; interleaved also m % p == 0 and v >= 2).
+/// through chunk 0, then through chunk 1, ..., placed as `like` places them.
+Schedule forward_only(int64_t p, int64_t m, int64_t v, bool v_shape = false);
+/// By name (gpipe | 1f1b | interleaved | zb-h1 | zbv), after checking the schedule's needs;
+/// throws UserError naming the values (all but gpipe need m >= p; interleaved also m % p == 0
+/// and v >= 2; zbv v == 2).
 Schedule make_schedule(const std::string& name, int64_t p, int64_t m, int64_t v);
 
 struct Simulation {
   bool deadlock = false;
   std::string problem;                         // what blocks, when deadlocked or inconsistent
   double forward_time = 1, backward_time = 2;  // per full stage; a chunk takes 1/v of it
+                                               // (B and W: half of backward_time each)
   double makespan = 0;                         // finish time of the last action
   double bubble = 0;                           // (makespan − ideal) / ideal, ideal = m·(F + B)
   std::vector<int64_t>
-      peak_activations;  // per rank: micro-batch chunks forwarded, not yet backwarded
+      peak_activations;  // per rank: micro-batch chunks forwarded, not yet backwarded (W)
+  std::vector<int64_t> peak_deferred;  // per rank: micro-batch chunks past B, not yet past W
   struct Slot {
     double start, end;
     Action action;

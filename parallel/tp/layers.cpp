@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "parallel/autograd_comm.h"
+#include "parallel/pp/weight_grad.h"
 
 namespace tessel::parallel::tp {
 namespace {
@@ -41,7 +42,7 @@ torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward_entered(const torch::Tensor& x_full) {
-  return torch::nn::functional::linear(x_full, weight, bias);
+  return pp::linear(x_full, weight, bias, defer_weight_grad);
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(Group& tp, int64_t in, int64_t out, bool with_bias,
@@ -53,7 +54,7 @@ RowParallelLinearImpl::RowParallelLinearImpl(Group& tp, int64_t in, int64_t out,
 }
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
-  auto y = leave_row(*tp_, torch::nn::functional::linear(x, weight), sp_);
+  auto y = leave_row(*tp_, pp::linear(x, weight), sp_);
   return bias.defined() ? y + bias : y;
 }
 

@@ -45,6 +45,8 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   torch::Tensor forward_entered(const torch::Tensor& x_full);
   torch::Tensor weight, bias;
   Shard weight_shard() const { return {0, tp_->size(), tp_->rank()}; }
+  /// Zero-bubble pipelines: its weight gradient may wait for W (parallel/pp/weight_grad.h).
+  bool defer_weight_grad = true;
 
  private:
   Group* tp_;

@@ -69,7 +69,13 @@ LAYOUTS = [
     # pipeline parallel: every schedule, interleaved chunks, 3D, uneven stages
     *[Row(f"pp{pp}_{s}_v{v}_{arch}", "pp", arch, pp, pipe(pp, s, v)) for arch in ("gpt2", "llama")
       for pp, s, v in ((2, "gpipe", 1), (2, "1f1b", 1), (4, "gpipe", 1), (4, "1f1b", 1),
-                       (2, "interleaved", 2), (4, "interleaved", 2))],
+                       (2, "interleaved", 2), (4, "interleaved", 2), (2, "zb-h1", 1), (4, "zb-h1", 1),
+                       (2, "zbv", 2), (4, "zbv", 2))],
+    # zero-bubble inside 3D and with recomputation (B reruns the block, W waits for it)
+    Row("pp2_zbv_tp2_dp2_sp_gpt2", "pp", "gpt2", 8, pipe(2, "zbv", 2, tp=2, dp=2, **SP)),
+    Row("pp2_zb-h1_tp2_dp2_sp_llama", "pp", "llama", 8, pipe(2, "zb-h1", tp=2, dp=2, **SP)),
+    *[Row(f"pp2_{s}_recompute_{mode}_llama", "pp", "llama", 2, pipe(2, s, v), {"recompute": mode})
+      for s, v in (("zb-h1", 1), ("zbv", 2)) for mode in ("selective", "full")],
     Row("pp2_1f1b_tp2_dp2_gpt2", "pp", "gpt2", 8, pipe(2, "1f1b", tp=2, dp=2)),
     Row("pp2_1f1b_tp2_dp2_llama", "pp", "llama", 8, pipe(2, "1f1b", tp=2, dp=2)),
     Row("pp2_interleaved_tp2_dp2_sp_gpt2", "pp", "gpt2", 8, pipe(2, "interleaved", 2, tp=2, dp=2, **SP)),
@@ -100,7 +106,9 @@ LAYOUTS = [
     Row("zero3_dp2_tp2_llama", "zero", "llama", 4, {"dp": 2, "tp": 2, "zero": 3}),
     # ZeRO-2 inside pipelines: reduce-scattered once per step at each chunk's last backward
     *[Row(f"zero2_dp2_pp2_{s}_{arch}", "zero", arch, 4, pipe(2, s, v, dp=2, zero=2))
-      for arch in ("gpt2", "llama") for s, v in (("1f1b", 1), ("interleaved", 2))],
+      for arch in ("gpt2", "llama") for s, v in (("1f1b", 1), ("interleaved", 2), ("zbv", 2))],
+    *[Row(f"zero1_dp2_pp2_{s}_{arch}", "zero", arch, 4, pipe(2, s, v, dp=2, zero=1))
+      for arch in ("gpt2", "llama") for s, v in (("zb-h1", 1), ("zbv", 2))],
     # bf16/fp16 weights with fp32 masters sharded (ZeRO-1) or everything sharded (ZeRO-3)
     *[Row(f"zero{z}_dp2_{dtype}_gpt2", "lowp", "gpt2", 2, {"dp": 2, "zero": z}, {"dtype": dtype}, None, (2e-3, None))
       for dtype in ("bf16", "fp16") for z in (1, 3)],

@@ -53,9 +53,23 @@ class PlanChecks(TmpDirTest):
                                                    "layers_per_stage": [3, 2, 2, 1]}}}
         p = run("tessel-train", self.plan(plan), "--dry-run", "--world-size", 4)
         self.assertIn("schedule interleaved: 2 stages, 4 micro-batches, 2 chunks per rank", p.stdout)
-        self.assertIn("# predicted bubble 0.1250 of ideal step time (theory (p-1)/(v*m) = 0.1250)", p.stdout)
+        self.assertIn("# predicted bubble 0.1250 of ideal step time (the paper's figure for interleaved: 0.1250)",
+                      p.stdout)
         self.assertIn("# layers per stage (stage = chunk·pp + pipeline rank): 3 2 2 1", p.stdout)
         self.assertNotIn("refused", p.stdout)
+
+    def test_dry_run_prints_zero_bubble_schedules(self):
+        # pp 4, 8 micro-batches: 1F1B's bubble 3/8, ZB-H1's a third of it, ZBV's a sixth.
+        for schedule, v, bubble in (("1f1b", 1, 0.375), ("zb-h1", 1, 0.125), ("zbv", 2, 0.0625)):
+            plan = {"training": {"global_batch": 8, "micro_batch": 1}, "model": {"layers": 8},
+                    "parallel": {"pp": 4, "pipeline": {"schedule": schedule, "virtual_stages": v}}}
+            p = run("tessel-train", self.plan(plan), "--dry-run", "--world-size", 4)
+            self.assertIn(f"# predicted bubble {bubble:.4f} of ideal step time (the paper's figure for "
+                          f"{schedule}: {bubble:.4f})", p.stdout)
+            if schedule == "zbv":  # the V: rank 0 holds the first and the last stage
+                self.assertIn("# layers per stage (stage = chunk 0: pipeline rank r, chunk 1: 2·pp − 1 − r)", p.stdout)
+                self.assertIn("rank  0 | F0.0 F1.0 ", p.stdout)
+                self.assertIn("W7.0", p.stdout)
 
     def test_dry_run_prints_the_context_split(self):
         plan = {"training": {"global_batch": 8, "micro_batch": 1},

@@ -101,6 +101,55 @@ TEST(Schedules, ForwardOnlyRunsEveryForwardOnce) {
       }
 }
 
+// Zero-bubble schedules against the paper's figures (Qi et al. 2023) with F, B and W alike
+// (forward 1, backward 2: B and W 1 each): ZB-H1's bubble (p−1)/(3m), a third of 1F1B's, within
+// 1F1B's first-rank memory (p micro-batches held from F to W); ZBV's (p−1)/(6m), within 2p chunk
+// micro-batches (the same memory in half-stage chunks). Every B has its W after it; messages in
+// order; no rendezvous deadlock.
+TEST(Schedules, ZeroBubbleMatchTheTheory) {
+  for (int64_t p : {int64_t{2}, int64_t{4}, int64_t{8}})
+    for (int64_t m : {p, 2 * p, 3 * p + 1})
+      for (const std::string name : {"zb-h1", "zbv"}) {
+        const int64_t v = name == "zbv" ? 2 : 1;
+        const auto s = make_schedule(name, p, m, v);
+        const auto sim = simulate(s, 1.0, 2.0);
+        const std::string what = fmt::format("{} p={} m={}", name, p, m);
+        ASSERT_TRUE(sim.problem.empty()) << what << ": " << sim.problem;
+        EXPECT_TRUE(sim.ordered_messages) << what;
+        EXPECT_EQ(rendezvous_deadlock(s), "") << what;
+        const double h1 = static_cast<double>(p - 1) / static_cast<double>(3 * m);
+        const double ofob = simulate(one_f_one_b(p, m), 1.0, 2.0).bubble;
+        EXPECT_NEAR(ofob, 3 * h1, 1e-9) << what;
+        EXPECT_NEAR(sim.bubble, v == 1 ? h1 : h1 / 2, 1e-9) << what;
+        for (int64_t r = 0; r < p; ++r) {
+          const auto peak = sim.peak_activations[static_cast<size_t>(r)];
+          EXPECT_LE(peak, v == 1 ? std::min(m, p) : 2 * p) << what << " rank " << r;
+          int64_t splits = 0;
+          for (const auto& a : s.ranks[static_cast<size_t>(r)]) {
+            EXPECT_NE(a.op, Op::kBackward) << what;
+            splits += a.op == Op::kBackwardInput ? 1 : a.op == Op::kBackwardWeight ? -1 : 0;
+            EXPECT_GE(splits, 0) << what << ": a W before its B on rank " << r;
+          }
+          EXPECT_EQ(splits, 0) << what;
+        }
+        std::printf("%s: bubble %.4f (1F1B %.4f, ZB-H1 theory %.4f), peak on rank 0 %lld\n",
+                    what.c_str(), sim.bubble, ofob, h1,
+                    static_cast<long long>(sim.peak_activations[0]));
+      }
+}
+
+// zbv's V: rank 0 holds the first and the last stage, rank p−1 the two middle ones.
+TEST(Schedules, ZbvPlacesChunksInAV) {
+  const auto s = zero_bubble_v(4, 8);
+  EXPECT_EQ(s.stage_of(0, 0), 0);
+  EXPECT_EQ(s.stage_of(0, 1), 7);
+  EXPECT_EQ(s.stage_of(3, 0), 3);
+  EXPECT_EQ(s.stage_of(3, 1), 4);
+  for (int64_t st = 0; st < 8; ++st) EXPECT_EQ(s.stage_of(s.rank_of(st), s.chunk_of(st)), st);
+  EXPECT_EQ(stage_of("zbv", 4, 1, 1), 6);
+  EXPECT_EQ(stage_of("interleaved", 4, 1, 1), 5);
+}
+
 TEST(Schedules, MessageOrderMismatchIsFound) {
   // Rank 0 sends micro-batches 0 and 1; rank 1 receives them the other way round.
   auto s = gpipe(2, 2);
@@ -152,6 +201,9 @@ TEST(Schedules, NeedsAreCheckedWithValues) {
   expect([] { make_schedule("interleaved", 4, 6, 2); },
          "micro-batches per step (6) divisible by parallel.pp (4)");
   expect([] { make_schedule("interleaved", 2, 4, 1); }, "virtual_stages >= 2, got 1");
+  expect([] { make_schedule("zbv", 2, 4, 1); },
+         "zbv needs parallel.pipeline.virtual_stages: 2, got 1");
+  expect([] { make_schedule("zb-h1", 4, 2, 1); }, "needs at least parallel.pp (4) micro-batches");
 }
 
 TEST(Schedules, GridShowsEveryPass) {

@@ -1,0 +1,159 @@
+#include "parallel/pp/weight_grad.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace tessel::parallel::pp {
+namespace {
+
+std::atomic<WeightGrads*> active{nullptr};
+std::mutex adding;  // backward's threads (one per device) hand gradients over one at a time
+
+// dx, dW (now, or left for W) and db of y = x·wᵀ + b from the output's gradient `g`.
+torch::autograd::variable_list linear_backward(torch::autograd::AutogradContext* ctx,
+                                               const torch::Tensor& g, bool bias) {
+  const auto saved = ctx->get_saved_variables();
+  const auto &x = saved[0], &w = saved[1];
+  torch::Tensor dx, dw, db;
+  if (ctx->needs_input_grad(0)) dx = g.matmul(w);
+  auto g2 = g.reshape({-1, g.size(-1)});
+  if (bias && ctx->needs_input_grad(2)) db = g2.sum(0);
+  if (ctx->needs_input_grad(1)) {
+    auto x2 = x.reshape({-1, x.size(-1)});
+    WeightGrads* store = ctx->saved_data["deferrable"].toBool() ? deferring() : nullptr;
+    if (store && w.is_leaf())  // W: the matmul, on the tensors B kept for it
+      store->defer(w, [g2, x2] { return g2.t().mm(x2); });
+    else
+      dw = g2.t().mm(x2);
+  }
+  if (bias) return {dx, dw, db, torch::Tensor()};
+  return {dx, dw, torch::Tensor()};
+}
+
+// (A C++ autograd function takes no undefined tensor: one with a bias, one without.)
+class LinearFn : public torch::autograd::Function<LinearFn> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& w, const torch::Tensor& b, bool deferrable) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["deferrable"] = deferrable;
+    return at::linear(x, w, b);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return linear_backward(ctx, grads[0], true);
+  }
+};
+
+class LinearNoBiasFn : public torch::autograd::Function<LinearNoBiasFn> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& w, bool deferrable) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["deferrable"] = deferrable;
+    return at::linear(x, w);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return linear_backward(ctx, grads[0], false);
+  }
+};
+
+}  // namespace
+
+void WeightGrads::add(const torch::Tensor& param, torch::Tensor grad) {
+  std::lock_guard<std::mutex> lock(adding);
+  items_.push_back({param, std::move(grad), nullptr});
+}
+
+void WeightGrads::defer(const torch::Tensor& param, std::function<torch::Tensor()> grad) {
+  std::lock_guard<std::mutex> lock(adding);
+  items_.push_back({param, torch::Tensor(), std::move(grad)});
+}
+
+void WeightGrads::deliver() {
+  std::vector<torch::Tensor> params, grads;
+  std::unordered_map<const void*, size_t> at;
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& item : items_) {
+      auto g = item.later ? item.later() : std::move(item.grad);
+      if (!g.defined()) continue;
+      auto [it, fresh] = at.emplace(item.param.unsafeGetTensorImpl(), params.size());
+      if (fresh) {
+        params.push_back(item.param);
+        grads.push_back(std::move(g));
+      } else {
+        grads[it->second] = grads[it->second] + g;
+      }
+    }
+  }
+  items_.clear();
+  if (params.empty()) return;
+  torch::autograd::edge_list roots;
+  for (const auto& p : params) roots.push_back(torch::autograd::impl::gradient_edge(p));
+  torch::autograd::Engine::get_default_engine().execute(roots, grads, /*keep_graph=*/false,
+                                                        /*create_graph=*/false,
+                                                        /*accumulate_grad=*/true, {});
+}
+
+Deferring::Deferring(WeightGrads& store) {
+  WeightGrads* none = nullptr;
+  TORCH_CHECK(active.compare_exchange_strong(none, &store),
+              "zero-bubble backward: a weight-gradient store is already active");
+}
+
+Deferring::~Deferring() { active = nullptr; }
+
+WeightGrads* deferring() { return active.load(); }
+
+std::vector<torch::Tensor> backward_input(const torch::autograd::Edge& root,
+                                          const torch::Tensor& grad,
+                                          const std::vector<torch::Tensor>& inputs) {
+  WeightGrads* store = deferring();
+  TORCH_CHECK(store, "zero-bubble backward: backward_input outside a Deferring scope");
+  // Every leaf below the root: its accumulator's edge.
+  torch::autograd::edge_list leaves;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> todo{root.function.get()};
+  while (!todo.empty()) {
+    auto* node = todo.back();
+    todo.pop_back();
+    for (const auto& e : node->next_edges()) {
+      if (!e.is_valid() || !seen.insert(e.function.get()).second) continue;
+      if (dynamic_cast<torch::autograd::AccumulateGrad*>(e.function.get()))
+        leaves.push_back(e);
+      else
+        todo.push_back(e.function.get());
+    }
+  }
+  auto grads = torch::autograd::Engine::get_default_engine().execute(
+      {root}, {grad}, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/false,
+      leaves);
+  std::vector<torch::Tensor> out(inputs.size());
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    const auto& var =
+        static_cast<torch::autograd::AccumulateGrad*>(leaves[i].function.get())->variable;
+    bool input = false;
+    for (size_t j = 0; j < inputs.size(); ++j)
+      if (inputs[j].defined() && inputs[j].unsafeGetTensorImpl() == var.unsafeGetTensorImpl())
+        out[j] = grads[i], input = true;
+    if (!input && grads[i].defined()) store->add(var, grads[i]);
+  }
+  return out;
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                     bool deferrable) {
+  return b.defined() ? LinearFn::apply(x, w, b, deferrable)
+                     : LinearNoBiasFn::apply(x, w, deferrable);
+}
+
+}  // namespace tessel::parallel::pp
