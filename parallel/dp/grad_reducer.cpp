@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 
@@ -78,6 +79,13 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
     if (once_ && !final_[static_cast<size_t>(b.chunk)]) return;  // accumulates in the parameter
     // Take the gradient out of the parameter (fp32) and drop it: only the bucket buffer holds it.
     torch::NoGradGuard no_grad;
+    if (st.ready == 0 && st.buffer.defined()) {
+      // Filled again while its last reduction is in flight: a tied token table whose head and
+      // embedding sit in two chunks of one rank (zbv) gets one gradient from each chunk's
+      // backward, each reduced as it comes (the table has a bucket of its own).
+      drain(index);
+      in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), index));
+    }
     if (!st.buffer.defined()) {
       st.buffer = torch::zeros({b.end - b.begin}, p.grad().options().dtype(torch::kFloat32));
       live_bucket_bytes_ += st.buffer.numel() * 4;
@@ -86,6 +94,7 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
     st.buffer.narrow(0, slot.offset - b.begin, slot.numel).copy_(p.grad().flatten());
     const_cast<torch::autograd::Variable&>(p).mutable_grad() = torch::Tensor();
     if (++st.ready < b.params) return;
+    st.ready = 0, st.reduced = true;
     st.piece = torch::empty({layout.piece_numel(b)}, st.buffer.options());
     st.work = dp_cp.reduce_scatter(st.piece, st.buffer);
     if (on_bucket_done) on_bucket_done(index);
@@ -115,11 +124,12 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
 
 void GradReducer::check_complete(size_t i) const {
   const auto& b = opt_.layout().buckets()[i];
-  if (state_[i].ready != b.params)
+  const auto& st = state_[i];
+  if (opt_.zero() >= 2 ? st.ready != 0 || !st.reduced : st.ready != b.params)
     throw std::runtime_error(
         fmt::format("data parallel: bucket {} got {} of its {} gradients in backward; a parameter "
                     "took no part in the loss",
-                    i, state_[i].ready, b.params));
+                    i, opt_.zero() >= 2 && st.ready == 0 ? 0 : st.ready, b.params));
 }
 
 void GradReducer::drain(size_t i) {
@@ -157,7 +167,7 @@ void GradReducer::end_backward(int64_t chunk, bool final) {
       it = in_flight_.erase(it);
     }
     for (size_t i = 0; i < state_.size(); ++i)
-      if (opt_.layout().buckets()[i].chunk == chunk) state_[i].ready = 0;
+      if (opt_.layout().buckets()[i].chunk == chunk) state_[i].reduced = false;
     return;
   }
   if (reduce_ && final) return;  // its buckets folded themselves before reducing

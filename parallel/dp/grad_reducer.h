@@ -31,7 +31,8 @@ using optim::FlatBucket;
 using optim::Slot;
 
 struct BucketState {
-  int64_t ready = 0;     // parameters counted in during this backward
+  int64_t ready = 0;     // parameters counted in during this backward (stages 2-3: this fill)
+  bool reduced = false;  // stages 2-3: reduced during this backward
   Work work;             // its all-reduce or reduce-scatter
   torch::Tensor buffer;  // stages 2-3: the bucket's gradients [end - begin], fp32, transient
   torch::Tensor piece;   // the reduce-scatter's output when not in place

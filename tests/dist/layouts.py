@@ -109,6 +109,10 @@ LAYOUTS = [
       for arch in ("gpt2", "llama") for s, v in (("1f1b", 1), ("interleaved", 2), ("zbv", 2))],
     *[Row(f"zero1_dp2_pp2_{s}_{arch}", "zero", arch, 4, pipe(2, s, v, dp=2, zero=1))
       for arch in ("gpt2", "llama") for s, v in (("zb-h1", 1), ("zbv", 2))],
+    # bf16 ZeRO-2 in a V: the tied table's two gradients (head and embedding, one rank) each
+    # reduce-scattered as they come, per micro-batch
+    Row("zero2_dp2_pp2_zbv_bf16_gpt2", "zero", "gpt2", 4, pipe(2, "zbv", 2, dp=2, zero=2), {"dtype": "bf16"},
+        None, (2e-3, None)),
     # bf16/fp16 weights with fp32 masters sharded (ZeRO-1) or everything sharded (ZeRO-3)
     *[Row(f"zero{z}_dp2_{dtype}_gpt2", "lowp", "gpt2", 2, {"dp": 2, "zero": z}, {"dtype": dtype}, None, (2e-3, None))
       for dtype in ("bf16", "fp16") for z in (1, 3)],

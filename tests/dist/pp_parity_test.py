@@ -73,6 +73,24 @@ class PipelineParity(TmpDirTest):
             print(f"\ngpt2 pp=2 interleaved -> pp={pp} resume at step 10: worst loss rel diff {worst:.2e}",
                   file=sys.stderr)
 
+    def test_resume_zero_bubble_checkpoint_in_other_schedules(self):
+        # A pp=2 zbv run (the V: rank 0 holds the first and last stage and the one tied token
+        # table) saves at step 10; zb-h1 with pp=4 and 1F1B with pp=2 continue it: steps 11-20
+        # match the uninterrupted single-process run.
+        self.data = write_tokens(self.path("d.u16"), 6000, vocab=VOCAB, period=41)
+        ref_losses = reference("pp", "gpt2")["loss"]
+        self.launch(self.plan("gpt2", "zbv", 2, "zbv", 2, checkpoint={"every": 10}), 2)
+        for name, pp, schedule in (("cont_zbh1_pp4", 4, "zb-h1"), ("cont_1f1b_pp2", 2, "1f1b")):
+            plan = self.plan("gpt2", name, pp, schedule,
+                             checkpoint={"resume": self.path("zbv", "checkpoints", "step_10")})
+            self.launch(plan, pp)
+            cont = [m for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m]
+            self.assertEqual([m["step"] for m in cont], list(range(11, STEPS + 1)))
+            worst = max(rel(m["loss"], ref_losses[m["step"] - 1]) for m in cont)
+            self.assertLess(worst, 1e-5)
+            print(f"\ngpt2 pp=2 zbv -> pp={pp} {schedule} resume at step 10: worst loss rel diff {worst:.2e}",
+                  file=sys.stderr)
+
 
 if __name__ == "__main__":
     unittest.main()
