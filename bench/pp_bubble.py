@@ -1,6 +1,6 @@
 """Pipeline bubble as the executor measures it (idle time / step time per stage, steps after the
-first) beside the schedule's theory, for GPipe, 1F1B and interleaved 1F1B on CPU (Gloo over
-loopback). Usage: bench/pp_bubble.py OUT_DIR [--pp 4] [--microbatches 8] [--hidden 128] [--layers-per-stage 5,3]
+first) beside the schedule's theory, for GPipe, 1F1B, interleaved 1F1B and the zero-bubble ZB-H1
+and ZBV on CPU (Gloo over loopback). Usage: bench/pp_bubble.py OUT_DIR [--pp 4] [--microbatches 8] [--hidden 128] [--layers-per-stage 5,3]
 Needs build/bin (make build). Prints a Markdown table; each run's pipeline.json stays in OUT_DIR."""
 import argparse
 import json
@@ -23,7 +23,7 @@ a.add_argument("--seq", type=int, default=64)
 a.add_argument("--steps", type=int, default=12)
 a.add_argument("--port", type=int, default=29630)
 a.add_argument("--layers-per-stage", default="", help="comma-separated, e.g. 5,3 (default: even)")
-a.add_argument("--schedules", default="gpipe,1f1b,interleaved")
+a.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb-h1,zbv")
 args = a.parse_args()
 os.makedirs(args.out, exist_ok=True)
 data = os.path.join(args.out, "tokens.u16")
@@ -32,7 +32,7 @@ np.random.default_rng(0).integers(0, 512, size=200_000, dtype=np.uint16).tofile(
 print(f"| schedule | p | m | v | theory | measured per stage (idle / step) | ms/step | activations held per stage |")
 print("|---|---|---|---|---|---|---|---|")
 for schedule in args.schedules.split(","):
-    v = 2 if schedule == "interleaved" else 1
+    v = 2 if schedule in ("interleaved", "zbv") else 1
     per_stage = [int(x) for x in args.layers_per_stage.split(",")] if args.layers_per_stage else []
     name = f"{schedule}_p{args.pp}_m{args.microbatches}_v{v}"
     plan = {"run": {"name": name, "output_dir": os.path.join(args.out, name)},
