@@ -245,14 +245,6 @@ void check_schedule(const Config& c, const Layout& l, Problems& problems) {
       problems.add(e.what());
     }
   }
-  // ZeRO-3 gathers every layer's parameters for each forward and backward; a pipeline runs many
-  // micro-batches per chunk interleaved across chunks, which its unit-by-unit gathering does not
-  // follow. ZeRO-1 and ZeRO-2 compose with every schedule.
-  problems.require(p.zero <= 2 || p.pp == 1,
-                   fmt::format("parallel.zero {} with parallel.pp {}: ZeRO-3 does not run inside a "
-                               "pipeline; use parallel.zero 2 (gradients and optimizer state "
-                               "sharded, reduce-scattered once per step) or 1",
-                               p.zero, p.pp));
 }
 
 // alltoall and hybrid context parallelism split each tp rank's query heads over cp ranks (hybrid:

@@ -128,6 +128,14 @@ void add_parallel_pipeline_fields(FieldAdder& add, Config& c) {
       "backward); 3 = parameters sharded too (each layer gathered before its forward and "
       "backward, freed after).")
       .range(0, 3);
+  add("parallel.zero3.keep_gathered", &c.parallel.zero3_keep_gathered, false,
+      "ZeRO-3 with several micro-batches per step (pipelines, gradient accumulation): true keeps "
+      "each unit (a block, or the embeddings, norm and head) gathered from its first use to the "
+      "end of the step, and with fp32 weights accumulates the micro-batches' gradients in the "
+      "parameters and reduce-scatters them once per step (faster: one gather and one "
+      "reduce-scatter per unit per step; the stage's whole weights and gradients live during the "
+      "step); false gathers a unit for every forward and backward and frees it after (leaner: "
+      "2 gathers and 1 reduce-scatter per unit per micro-batch).");
 }
 
 // training.*: device, precision, batch shape and evaluation

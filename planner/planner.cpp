@@ -215,7 +215,8 @@ struct PlanBasis {
   double per_layer;              // one micro-batch's saved activations in one block, bytes
   double act_row;                // one activation between stages, bytes
   int64_t zero, data_ranks, pp;
-  double block;  // one layer's parameters on one tp rank
+  bool keep_gathered;  // ZeRO-3: units gathered once per step (parallel.zero3.keep_gathered)
+  double block;        // one layer's parameters on one tp rank
 };
 
 // Key/value heads of one tp rank that alltoall context parallelism repeats to split them over
@@ -264,6 +265,7 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l) {
                 alltoall_repeated_kv(c, l) * 2 * static_cast<double>(m.head_dim()) * w * tok;
   b.act_row = tok * h * w / (sp ? tp : 1.0);
   b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp, b.pp = l.pp;
+  b.keep_gathered = c.parallel.zero3_keep_gathered;
   b.block = static_cast<double>(models::block_parameters(m, l.tp));
   return b;
 }
@@ -293,10 +295,11 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const TrainingConfig& t
   e.recompute_flops_per_step = rerun_per_token * static_cast<double>(t.global_batch * t.seq_len);
 }
 
-// ZeRO-2 inside a pipeline with fp32 weights: micro-batches accumulate in the parameters and each
-// chunk reduce-scatters once per step (parallel/dp/grad_reducer.h).
-bool zero2_once(const PlanBasis& b) {
-  return b.zero == 2 && b.pp > 1 && b.dtype == c10::ScalarType::Float;
+// ZeRO-2 inside a pipeline, or ZeRO-3 kept gathered, with fp32 weights: micro-batches accumulate
+// in the parameters and each chunk reduce-scatters once per step (parallel/dp/grad_reducer.h).
+bool reduce_once(const PlanBasis& b) {
+  return ((b.zero == 2 && b.pp > 1) || (b.zero == 3 && b.keep_gathered)) &&
+         b.dtype == c10::ScalarType::Float;
 }
 
 // ZeRO-2's and ZeRO-3's buffers at a stage's peak, added to its activations.
@@ -312,9 +315,14 @@ void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
   // and the parameters' accumulated gradients, from the stage's first backward on: by then one
   // held micro-batch's activations are being freed (measured at pp 2: stage 0, holding two,
   // peaks before its first backward; the last stage, holding one, with the gradients).
-  if (zero2_once(b))
+  if (reduce_once(b))
     r.activations += std::max(0.0, 4.0 * static_cast<double>(r.params) - one_microbatch);
-  if (b.zero == 3) {
+  if (b.zero == 3 && b.keep_gathered) {  // the stage's whole weights, for the whole step
+    r.gathered = w * static_cast<double>(r.params);
+    r.activations += r.gathered;
+    if (!reduce_once(b))  // bf16/fp16: buckets reduced per micro-batch, as below
+      r.activations += 4.0 * std::min(static_cast<double>(r.params), 3 * block);
+  } else if (b.zero == 3) {
     // At the peak, the root unit and blocks: without recomputation the peak is where backward
     // begins (the last block gathered); with it, the saved activations are smaller and the
     // peak moves into backward, where the block being differentiated, its prefetched
@@ -368,7 +376,19 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   r.inflight = l.pp > 1 ? b.sim.peak_activations[static_cast<size_t>(stage)] : 1;
   const double layers_per_chunk = static_cast<double>(r.layers) / static_cast<double>(chunks);
   r.activations = static_cast<double>(r.inflight) * layers_per_chunk * b.per_layer;
+  if (l.pp > 1 && b.sim.peak_deferred[static_cast<size_t>(stage)] > 0) {
+    // Zero-bubble schedules: past B a micro-batch holds, until its W, only each linear layer's
+    // input and output gradient (q/k/v share an input, as up/gate do): the peak over the
+    // simulated run of whole micro-batches and these.
+    const double f = static_cast<double>(m.ffn_hidden) / tp;
+    const double kept = 3 * h + f + (h + 2 * kvd) / tp + 2 * h + (m.arch == "llama" ? 2 : 1) * f;
+    r.activations = parallel::pp::peak_held(b.sim, stage, layers_per_chunk * b.per_layer,
+                                            layers_per_chunk * w * tok * kept);
+  }
   if (part.first) r.activations += static_cast<double>(r.inflight) * tok * h * w;
+  // A chunk that receives its input keeps it (the leaf its gradient goes back from) until B.
+  const double receiving = static_cast<double>(chunks - (part.first ? 1 : 0)) / chunks;
+  if (l.pp > 1) r.activations += static_cast<double>(r.inflight) * receiving * b.act_row;
   if (t.recompute != "none" && r.layers > 0) {  // one block (full) or MLP (selective) rerun
     const auto none = activation_model(m, "none");
     const double rerun_floats =
@@ -456,11 +476,12 @@ void add_data_traffic(Traffic& d, const Config& c, const PlanBasis& b, const Ran
   const double buckets = std::ceil(4 * n / std::max(1.0, c.parallel.ddp_bucket_mb * (1 << 20)));
   if (b.zero == 0) d.all_reduce += 4 * n, d.ops += buckets;
   if (b.zero == 1) d.gather_scatter += 4 * n + w * n, d.ops += 2 * buckets;
-  if (zero2_once(b))  // inside a pipeline, fp32: once per step
+  if (reduce_once(b))  // inside a pipeline or kept gathered, fp32: once per step
     d.gather_scatter += 4 * n + w * n, d.ops += 2 * buckets;
-  else if (b.zero == 2)
+  else if (b.zero == 2 || (b.zero == 3 && b.keep_gathered))
     d.gather_scatter += mb * 4 * n + w * n, d.ops += (mb + 1) * buckets;
-  if (b.zero == 3) {  // per micro-batch each unit gathered for forward and backward, reduced once
+  if (b.zero == 3 && !b.keep_gathered) {  // per micro-batch each unit gathered for forward and
+                                          // backward, reduced once
     const double root = n - r.layers * block;
     d.gather_scatter += mb * (4 * n + w * (root + (2 * r.layers - 1) * block));
     d.ops += mb * 3 * (static_cast<double>(r.layers) + 1);

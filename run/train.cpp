@@ -224,9 +224,10 @@ void Trainer::setup_state() {
         (l.tp > 1 && model_->specs().at(s.name).tp_grad_sum))
       into.insert(into.end(), views.begin(), views.end());
   }
-  reducer_ = std::make_unique<parallel::dp::GradReducer>(*mesh_, params, *opt_);
+  const bool keep = c_.parallel.zero3_keep_gathered;
+  reducer_ = std::make_unique<parallel::dp::GradReducer>(*mesh_, params, *opt_, keep);
   if (zero == 3) {
-    gatherer_ = std::make_unique<parallel::dp::UnitGatherer>(data_group.side(), *opt_);
+    gatherer_ = std::make_unique<parallel::dp::UnitGatherer>(data_group.side(), *opt_, keep);
     model_->set_hooks(gatherer_.get());
     reducer_->on_bucket_done = [g = gatherer_.get()](size_t b) { g->bucket_done(b); };
   }

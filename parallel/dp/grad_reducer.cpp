@@ -20,13 +20,14 @@ struct ReadyHook : torch::autograd::PostAccumulateGradHook {
 
 }  // namespace
 
-GradReducer::GradReducer(const Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt)
+GradReducer::GradReducer(const Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt,
+                         bool keep_gathered)
     : mesh_(mesh),
       opt_(opt),
       reduce_(mesh.dp_cp().size() > 1 || opt.zero() >= 2),
       in_place_(mesh.dp_cp().is_nccl()),
-      once_(opt.zero() == 2 && mesh.layout().pp > 1 &&
-            opt.weights().scalar_type() == torch::kFloat32),
+      once_(((opt.zero() == 2 && mesh.layout().pp > 1) || (opt.zero() == 3 && keep_gathered)) &&
+            !opt.low_precision()),
       wait_(time_on_device(mesh.device(), mesh.dp_cp().backend_name())) {
   const auto& layout = opt.layout();
   // Each chunk's slots are one contiguous range (the model registers them so).

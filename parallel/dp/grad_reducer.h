@@ -11,7 +11,8 @@
 // Under pipeline parallelism "final" is per model chunk (each chunk's last backward of the step).
 // ZeRO-2 inside a pipeline with fp32 weights reduce-scatters once per step: the micro-batches'
 // gradients accumulate in the parameters, and the chunk's last backward moves the sum into its
-// buckets (in bf16/fp16 every micro-batch is reduce-scattered, so that the sum is fp32).
+// buckets (in bf16/fp16 every micro-batch is reduce-scattered, so that the sum is fp32). So does
+// fp32 ZeRO-3 with its units kept gathered for the step.
 // The loss rule (sum over the global batch / global target tokens) makes the sum the exact
 // gradient, so no averaging happens here.
 #pragma once
@@ -41,8 +42,11 @@ struct BucketState {
 class GradReducer {
  public:
   /// Hooks `params` (those FlatAdamW took over) to reduce their gradients as backward produces
-  /// them.
-  GradReducer(const Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt);
+  /// them. `keep_gathered`: ZeRO-3's units stay gathered for the whole step
+  /// (parallel.zero3.keep_gathered), so with fp32 weights the gradients accumulate in the
+  /// parameters and are reduce-scattered once per step, as ZeRO-2 does inside a pipeline.
+  GradReducer(const Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt,
+              bool keep_gathered = false);
   ~GradReducer();
   GradReducer(const GradReducer&) = delete;
   GradReducer& operator=(const GradReducer&) = delete;
@@ -81,7 +85,8 @@ class GradReducer {
   std::vector<bool> final_;                               // per chunk, during its last backward
   bool reduce_ = false;    // anything to do: dp×cp > 1, or gradients sharded
   bool in_place_ = false;  // NCCL reduce-scatters and all-gathers in place
-  bool once_ = false;      // ZeRO-2, pp > 1, fp32: reduce-scatter at each chunk's last backward
+  bool once_ = false;  // fp32 ZeRO-2 with pp > 1 or ZeRO-3 kept gathered: reduce-scatter at each
+                       // chunk's last backward
   SpanTimer wait_;
   int64_t live_bucket_bytes_ = 0, peak_bucket_bytes_ = 0;
 };

@@ -26,8 +26,8 @@ void allocate_storage(const torch::Tensor& t) {
 
 }  // namespace
 
-UnitGatherer::UnitGatherer(Group& dp_cp, FlatAdamW& opt)
-    : dp_cp_(dp_cp), opt_(opt), wait_(dp_cp.is_nccl()) {  // NCCL: on CUDA
+UnitGatherer::UnitGatherer(Group& dp_cp, FlatAdamW& opt, bool keep)
+    : dp_cp_(dp_cp), opt_(opt), keep_(keep), wait_(dp_cp.is_nccl()) {  // NCCL: on CUDA
   const auto& buckets = opt.layout().buckets();
   for (size_t b = 0; b < buckets.size(); ++b) {
     auto& u = units_[buckets[b].unit];
@@ -107,7 +107,7 @@ torch::Tensor UnitGatherer::after_block(int64_t i, const torch::Tensor& y) {
     release(*u);
     return y;
   }
-  if (i != last_layer_) release(*u);  // the last block's backward comes next: keep it
+  if (i != last_layer_ && !keep_) release(*u);  // the last block's backward comes next: keep it
   // The gradient of this block's output arrives just before the block's own backward.
   y.register_hook([this, i](const torch::Tensor& g) {
     if (auto* me = layer(i)) ready(*me);
@@ -119,7 +119,7 @@ torch::Tensor UnitGatherer::after_block(int64_t i, const torch::Tensor& y) {
 
 void UnitGatherer::bucket_done(size_t b) {
   auto& u = units_.at(unit_of_bucket_[b]);
-  if (++u.done == u.buckets.size()) release(u);
+  if (++u.done == u.buckets.size() && !keep_) release(u);
 }
 
 }  // namespace tessel::parallel::dp

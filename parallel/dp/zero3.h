@@ -7,9 +7,11 @@
 //   backward: when the gradient of block i's output arrives, gather block i (prefetched), prefetch
 //             block i-1; once backward has produced all of its gradients (GradReducer), free it.
 // The root unit stays gathered from the first forward until its gradients are in. The last block
-// is kept after forward, since its backward comes next. The gathers go over the data group's side
-// channel (Group::side, a communicator of its own), so that in backward they run beside the
-// gradient reduce-scatters on the group itself instead of queueing behind them.
+// is kept after forward, since its backward comes next (under a pipeline it may not be: then the
+// block's output gradient gathers it again). With several micro-batches per step (pipelines,
+// accumulation) a unit may instead be kept from its first use to the step's end. The gathers go
+// over the data group's side channel (Group::side, a communicator of its own), so that in backward
+// they run beside the gradient reduce-scatters on the group itself instead of queueing behind them.
 #pragma once
 
 #include "observe/timing.h"
@@ -28,8 +30,10 @@ namespace tessel::parallel::dp {
 class UnitGatherer : public BlockHooks {
  public:
   /// Frees every unit's storage (the shards hold the weights from now on). `dp_cp`: the data
-  /// group's side channel (or the group, where it has none).
-  UnitGatherer(Group& dp_cp, FlatAdamW& opt);
+  /// group's side channel (or the group, where it has none). `keep`: a unit stays gathered from
+  /// its first use to release_all() (parallel.zero3.keep_gathered), else it is freed after each
+  /// forward and backward.
+  UnitGatherer(Group& dp_cp, FlatAdamW& opt, bool keep = false);
   void before_stage() override;
   torch::Tensor before_block(int64_t layer, const torch::Tensor& x) override;
   torch::Tensor after_block(int64_t layer, const torch::Tensor& y) override;
@@ -64,6 +68,7 @@ class UnitGatherer : public BlockHooks {
   std::map<std::string, Unit> units_;
   std::vector<std::string> unit_of_bucket_;
   int64_t last_layer_ = -1;
+  bool keep_;
   int64_t live_bytes_ = 0, peak_bytes_ = 0;
   SpanTimer wait_;
 };

@@ -526,6 +526,30 @@ Simulation simulate(const Schedule& s, double forward_time, double backward_time
   return sim;
 }
 
+double peak_held(const Simulation& sim, int64_t rank, double whole, double deferred) {
+  double now = 0, peak = 0;
+  for (const auto& slot : sim.timeline[static_cast<size_t>(rank)]) {
+    switch (slot.action.op) {
+      case Op::kForward:
+        now += whole;
+        break;
+      case Op::kBackward:
+        now -= whole;
+        break;
+      case Op::kBackwardInput:
+        now += deferred - whole;
+        break;
+      case Op::kBackwardWeight:
+        now -= deferred;
+        break;
+      default:
+        break;
+    }
+    peak = std::max(peak, now);
+  }
+  return peak;
+}
+
 std::string rendezvous_deadlock(const Schedule& s) {
   const int64_t p = s.stages;
   // The executor's batches: the transfers between two passes.

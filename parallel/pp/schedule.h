@@ -122,6 +122,10 @@ struct Simulation {
   bool ordered_messages = true;
 };
 
+/// The most rank `rank` holds at once in the simulated run, when a micro-batch chunk holds `whole`
+/// from its forward to its backward (or B) and `deferred` from its B to its W.
+double peak_held(const Simulation& sim, int64_t rank, double whole, double deferred);
+
 /// Runs the lists with the given unit times as the executor runs them over Gloo: sends never
 /// block, a receive is posted where it stands, and a pass waits for its inputs: a forward for its
 /// activation's send, a backward for its forward and its gradient's send.

@@ -109,6 +109,17 @@ LAYOUTS = [
       for arch in ("gpt2", "llama") for s, v in (("1f1b", 1), ("interleaved", 2), ("zbv", 2))],
     *[Row(f"zero1_dp2_pp2_{s}_{arch}", "zero", arch, 4, pipe(2, s, v, dp=2, zero=1))
       for arch in ("gpt2", "llama") for s, v in (("zb-h1", 1), ("zbv", 2))],
+    # ZeRO-3 inside pipelines: units gathered per use and freed (lean) or kept for the step (fast)
+    *[Row(f"zero3_dp2_pp2_{s}_{'keep' if keep else 'free'}_{arch}", "zero", arch, 4,
+          pipe(2, s, v, dp=2, zero=3, zero3={"keep_gathered": keep}))
+      for arch, s, v, keep in (("gpt2", "1f1b", 1, False), ("gpt2", "1f1b", 1, True),
+                               ("llama", "1f1b", 1, False), ("llama", "1f1b", 1, True),
+                               ("llama", "interleaved", 2, False), ("gpt2", "zb-h1", 1, True),
+                               ("gpt2", "zbv", 2, False), ("llama", "zbv", 2, True))],
+    Row("zero3_dp2_pp2_1f1b_free_bf16_llama", "zero", "llama", 4, pipe(2, "1f1b", dp=2, zero=3), {"dtype": "bf16"},
+        None, (2e-3, None)),
+    Row("zero3_dp2_pp2_1f1b_keep_bf16_gpt2", "zero", "gpt2", 4,
+        pipe(2, "1f1b", dp=2, zero=3, zero3={"keep_gathered": True}), {"dtype": "bf16"}, None, (2e-3, None)),
     # bf16 ZeRO-2 in a V: the tied table's two gradients (head and embedding, one rank) each
     # reduce-scattered as they come, per micro-batch
     Row("zero2_dp2_pp2_zbv_bf16_gpt2", "zero", "gpt2", 4, pipe(2, "zbv", 2, dp=2, zero=2), {"dtype": "bf16"},

@@ -29,6 +29,12 @@ LAYOUTS = {
     "zero3_dp2": ({"dp": 2, "zero": 3}, {}, 2, "llama"),
     "zero2_dp2_pp2": ({"dp": 2, "pp": 2, "zero": 2, "pipeline": {"schedule": "1f1b"}}, {}, 4, "llama"),
     "pp2_interleaved": ({"pp": 2, "pipeline": {"schedule": "interleaved", "virtual_stages": 2}}, {}, 2, "llama"),
+    "pp2_zb-h1": ({"pp": 2, "pipeline": {"schedule": "zb-h1"}}, {}, 2, "llama"),
+    "pp2_zbv": ({"pp": 2, "pipeline": {"schedule": "zbv", "virtual_stages": 2}}, {}, 2, "gpt2"),
+    # ZeRO-3 inside a pipeline, both ways (within 10%: ZERO3_PP_TOL)
+    "zero3_dp2_pp2_free": ({"dp": 2, "pp": 2, "zero": 3, "pipeline": {"schedule": "1f1b"}}, {}, 4, "llama"),
+    "zero3_dp2_pp2_keep": ({"dp": 2, "pp": 2, "zero": 3, "zero3": {"keep_gathered": True},
+                            "pipeline": {"schedule": "1f1b"}}, {}, 4, "llama"),
     "cp2_ring": ({"cp": 2, "context": {"method": "ring"}}, {}, 2, "llama"),
     "cp4_ring": ({"cp": 4, "context": {"method": "ring"}}, {}, 4, "llama"),
     "cp2_alltoall": ({"cp": 2, "context": {"method": "alltoall"}}, {}, 2, "llama"),
