@@ -56,40 +56,45 @@ class PipelineParity(TmpDirTest):
         print(f"\ngpt2 init_from HF weights, pp=2 interleaved vs one process: worst loss rel diff {worst:.2e}",
               file=sys.stderr)
 
-    def test_resume_pipeline_checkpoint_in_other_layouts(self):
-        # A pp=2 interleaved run's step-10 checkpoint, continued with pp=4 1F1B and with one
-        # process: steps 11-20 match the uninterrupted single-process run.
-        self.data = write_tokens(self.path("d.u16"), 6000, vocab=VOCAB, period=41)
+    def continue_runs(self, saved, first, runs):
+        """Trains `first` (saving at step 10), then each of `runs` ((name, pp, schedule)) from its
+        step-10 checkpoint: steps 11-20 match the uninterrupted single-process run."""
         ref_losses = reference("pp", "gpt2")["loss"]
-        first = self.plan("gpt2", "pp2", 2, "interleaved", 2, checkpoint={"every": 10})
-        self.launch(first, 2)
-        for name, pp in (("cont_pp4", 4), ("cont_pp1", 1)):
-            plan = self.plan("gpt2", name, pp, checkpoint={"resume": self.path("pp2", "checkpoints", "step_10")})
+        par = first["parallel"]
+        self.launch(first, par["pp"] * par["dp"])
+        for name, pp, schedule in runs:
+            v = 2 if schedule in ("interleaved", "zbv") else 1
+            plan = self.plan("gpt2", name, pp, schedule, v,
+                             checkpoint={"resume": self.path(saved, "checkpoints", "step_10")})
             self.launch(plan, pp)
             cont = [m for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m]
             self.assertEqual([m["step"] for m in cont], list(range(11, STEPS + 1)))
             worst = max(rel(m["loss"], ref_losses[m["step"] - 1]) for m in cont)
             self.assertLess(worst, 1e-5)
-            print(f"\ngpt2 pp=2 interleaved -> pp={pp} resume at step 10: worst loss rel diff {worst:.2e}",
+            was = f"pp={par['pp']} dp={par['dp']} zero {par.get('zero', 0)} {par['pipeline']['schedule']}"
+            print(f"\ngpt2 {was} -> pp={pp} {schedule} resume at step 10: worst loss rel diff {worst:.2e}",
                   file=sys.stderr)
+
+    def test_resume_pipeline_checkpoint_in_other_layouts(self):
+        # A pp=2 interleaved run's step-10 checkpoint, continued with pp=4 1F1B and with one process.
+        self.data = write_tokens(self.path("d.u16"), 6000, vocab=VOCAB, period=41)
+        self.continue_runs("pp2", self.plan("gpt2", "pp2", 2, "interleaved", 2, checkpoint={"every": 10}),
+                           (("cont_pp4", 4, "1f1b"), ("cont_pp1", 1, "1f1b")))
 
     def test_resume_zero_bubble_checkpoint_in_other_schedules(self):
         # A pp=2 zbv run (the V: rank 0 holds the first and last stage and the one tied token
-        # table) saves at step 10; zb-h1 with pp=4 and 1F1B with pp=2 continue it: steps 11-20
-        # match the uninterrupted single-process run.
+        # table), continued with zb-h1 at pp=4 and 1F1B at pp=2.
         self.data = write_tokens(self.path("d.u16"), 6000, vocab=VOCAB, period=41)
-        ref_losses = reference("pp", "gpt2")["loss"]
-        self.launch(self.plan("gpt2", "zbv", 2, "zbv", 2, checkpoint={"every": 10}), 2)
-        for name, pp, schedule in (("cont_zbh1_pp4", 4, "zb-h1"), ("cont_1f1b_pp2", 2, "1f1b")):
-            plan = self.plan("gpt2", name, pp, schedule,
-                             checkpoint={"resume": self.path("zbv", "checkpoints", "step_10")})
-            self.launch(plan, pp)
-            cont = [m for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m]
-            self.assertEqual([m["step"] for m in cont], list(range(11, STEPS + 1)))
-            worst = max(rel(m["loss"], ref_losses[m["step"] - 1]) for m in cont)
-            self.assertLess(worst, 1e-5)
-            print(f"\ngpt2 pp=2 zbv -> pp={pp} {schedule} resume at step 10: worst loss rel diff {worst:.2e}",
-                  file=sys.stderr)
+        self.continue_runs("zbv", self.plan("gpt2", "zbv", 2, "zbv", 2, checkpoint={"every": 10}),
+                           (("cont_zbh1_pp4", 4, "zb-h1"), ("cont_1f1b_pp2", 2, "1f1b")))
+
+    def test_resume_zero3_pipeline_checkpoint(self):
+        # ZeRO-3 inside a pipeline (dp2 x pp2 zb-h1, units kept gathered): each data rank saves its
+        # pieces of its stage; 1F1B at pp=2 in one data rank, and zbv, continue the run.
+        self.data = write_tokens(self.path("d.u16"), 6000, vocab=VOCAB, period=41)
+        first = self.plan("gpt2", "z3", 2, "zb-h1", dp=2, checkpoint={"every": 10})
+        first["parallel"].update(zero=3, zero3={"keep_gathered": True})
+        self.continue_runs("z3", first, (("cont_z3_1f1b", 2, "1f1b"), ("cont_z3_zbv", 2, "zbv")))
 
 
 if __name__ == "__main__":
