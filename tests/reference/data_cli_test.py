@@ -35,7 +35,11 @@ class DataCli(TmpDirTest):
         a = [m["loss"] for m in read_metrics(self.path("a", "metrics.jsonl"))]
         b = [m["loss"] for m in read_metrics(self.path("b", "metrics.jsonl"))]
         self.assertEqual(len(a), 3)
-        self.assertEqual(a, b)
+        # The same tokens in the same order: the same losses within the parity bar (the two
+        # loaders' buffers sit at different alignments, by which AVX-512 matmuls round, ~1e-6);
+        # other tokens would move the loss by far more.
+        for x, y in zip(a, b, strict=True):
+            self.assertLess(abs(x - y), 1e-5 * abs(x), (a, b))
 
     def test_corrupt_and_truncated_files(self):
         run("tessel-data", self.path("txt", "*.txt"), "--out", self.path("ds"))
