@@ -1,6 +1,7 @@
 // tessel-gpu-tests: what only CUDA shows. Exits 77 (ctest: skipped, never passed) without a CUDA
 // device. Alone (world size 1): the attention kernels on CUDA (block forward/backward against
-// plain attention, the SDPA backend the dense layer gets), recomputation's CUDA RNG replay.
+// plain attention, the SDPA backend the dense layer gets), recomputation's CUDA RNG replay, the
+// zero-bubble backward split.
 // Under tessel-launch with one process per GPU (tests/gpu/gpu_suite.py does it when there are
 // two GPUs or more): every collective of parallel/comm.h over NCCL on CUDA tensors, ZeRO-3's
 // side channel, the pipeline's one-way channels.
@@ -18,6 +19,7 @@
 #include "run/train.h"
 #include "tests/common/attention_cases.h"
 #include "tests/common/recompute_cases.h"
+#include "tests/common/weight_grad_cases.h"
 
 namespace tessel::testing {
 namespace {
@@ -68,6 +70,9 @@ TEST(CudaDenseAttention, PlannedKernels) {
 }
 
 TEST(CudaRecompute, ReplaysTheForwardsRandomDraws) { check_recompute_replays_rng(g_device); }
+
+// Zero-bubble B then W on CUDA, where backward runs on the engine's device thread.
+TEST(CudaWeightGrad, BThenWIsOneBackward) { check_split_backward(g_device); }
 
 // A checkpoint's tensors leave the device through one pinned buffer, copied without waiting but
 // for the last: what is written is what was on the device (dtypes, a strided view, an empty one),

@@ -55,9 +55,10 @@ TEST(Mesh, PlanChecksNameTheValues) {
                       "model.heads (4) must be divisible by parallel.tp (3)");
   expect_layout_error(plan("parallel: {pp: 8}\n"), 8,
                       "model.layers (4) must be >= parallel.pp (8) x pipeline.virtual_stages (1)");
-  expect_layout_error(plan("parallel: {pp: 2, pipeline: {virtual_stages: 2}}\n"), 2,
-                      "parallel.pipeline.virtual_stages (2) > 1 needs schedule interleaved or zbv and "
-                      "parallel.pp > 1 (schedule 1f1b, pp 2)");
+  expect_layout_error(
+      plan("parallel: {pp: 2, pipeline: {virtual_stages: 2}}\n"), 2,
+      "parallel.pipeline.virtual_stages (2) > 1 needs schedule interleaved or zbv and "
+      "parallel.pp > 1 (schedule 1f1b, pp 2)");
   expect_layout_error(plan("parallel: {pipeline: {schedule: interleaved, virtual_stages: 2}}\n"), 1,
                       "parallel.pipeline.schedule interleaved needs parallel.pp > 1 (pp is 1)");
   expect_layout_error(
