@@ -236,8 +236,10 @@ std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models:
   const auto& me = mesh.coord();
   std::vector<Written> mine;
   for (const auto& e : entries) {
-    if ((e.spec.shard.parts == 1 && me.tp != 0) || e.spec.pipeline_copy ||
-        ((me.dp != 0 || me.cp != 0) && !e.every_data_rank))
+    // Experts: split over ep (the first ep data ranks hold them all), replicated over tp.
+    const int64_t replica = e.spec.expert ? me.dp / mesh.layout().ep : me.dp;
+    if (((e.spec.shard.parts == 1 || e.spec.expert) && me.tp != 0) || e.spec.pipeline_copy ||
+        ((replica != 0 || me.cp != 0) && !e.every_data_rank))
       continue;
     std::pair<int64_t, int64_t> flat{-1, -1};
     if (auto t = real_part(e, &flat); t.defined()) mine.push_back({&e, t, flat});

@@ -108,6 +108,21 @@ void prepare_export_folder(const std::string& out_dir, const std::string& step_d
                fmt::join(previous, ", "));
 }
 
+// What the exported class (MixtralForCausalLM without per-head norms, else Qwen3MoeForCausalLM)
+// would not compute as Tessel does: each named, or empty.
+std::vector<std::string> moe_differences(const models::ModelShape& m) {
+  std::vector<std::string> d;
+  const auto& e = m.moe;
+  if (e.experts == 0) return d;
+  const bool mixtral = !m.qk_norm;
+  if (e.shared > 0)
+    d.push_back("shared experts (written as mlp.shared_experts.*, DeepSeek's names)");
+  if (e.score != "softmax") d.push_back("router.score " + e.score);
+  if (mixtral && e.every != 1) d.push_back("dense layers between MoE layers (moe.every)");
+  if (mixtral && !e.norm_topk) d.push_back("router.norm_topk false");
+  return d;
+}
+
 }  // namespace
 
 void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
@@ -129,6 +144,11 @@ void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
     write_file_atomic((fs::path(out_dir) / "generation_config.json").string(), gen.dump(2) + "\n");
   }
   write_file_atomic((fs::path(out_dir) / "config.json").string(), config.dump(2) + "\n");
+  if (const auto d = moe_differences(model_shape(c.model)); !d.empty())
+    spdlog::warn(
+        "export: {} has no {} in transformers: the weights are all written, but its "
+        "from_pretrained would not compute this model",
+        config["architectures"][0].get<std::string>(), fmt::join(d, ", "));
   spdlog::info("exported {} ({} tensors{}) to {}", dir, w.size(),
                tokenizer.empty() ? "" : ", with the tokenizer", out_dir);
 }

@@ -46,7 +46,8 @@ void print_state_bytes(const tessel::Config& c, const tessel::parallel::Layout& 
               data_ranks == 1 ? "" : "s", c.training.dtype.c_str());
   for (int64_t stage = 0; stage < l.pp; ++stage) {
     const auto part = tessel::stage_part(c, l.pp, stage);
-    const int64_t n = tessel::models::parameters_on_rank(tessel::model_shape(c.model), l.tp, part);
+    const int64_t n =
+        tessel::models::parameters_on_rank(tessel::model_shape(c.model), l.tp, part, l.ep);
     const auto b = tessel::planned_state_bytes(n, zero, data_ranks, dtype);
     std::string units;
     if (zero == 3) {  // the root unit stays gathered; a block, its prefetched neighbour, and
@@ -268,13 +269,17 @@ int run_score(int argc, char** argv) {
   app.add_option("--tokenizer", tokenizer, "--data text: tokenizer.json (default: byte tokens)");
   app.add_option("--max-rows", max_rows, "--data: score at most this many windows (0: all)")
       ->check(CLI::NonNegativeNumber);
+  std::string logits;
+  app.add_option("--logits", logits,
+                 "--tokens: also write every row's logits ({\"logits\": [rows, seq_len, vocab]} "
+                 "fp32) to this safetensors file");
   app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")->take_all();
   TESSEL_CLI_PARSE(app, argc, argv);
   if (tokens.empty() == data.empty())
     throw tessel::UserError("score: give --tokens FILE or --data PREFIX|FILES");
   const auto c = tessel::load_config(config, sets);
   auto r = tokens.empty() ? tessel::score_data(c, weights, data, tokenizer, max_rows)
-                          : tessel::score(c, weights, tokens, token_dtype);
+                          : tessel::score(c, weights, tokens, token_dtype, logits);
   nlohmann::json out = {
       {"loss", r.loss}, {"tokens", r.tokens}, {"rows", r.rows}, {"perplexity", std::exp(r.loss)}};
   std::printf("%s\n", out.dump().c_str());

@@ -44,7 +44,8 @@ void init_weights(Decoder& model, int64_t seed) {
     } else {
       // Output projections of residual branches get std/sqrt(2·layers) (GPT-2 paper, sec. 2.3).
       double std = m.init_std;
-      if (ends_with(name, "attn.o.weight") || ends_with(name, "mlp.down.weight"))
+      if (ends_with(name, "attn.o.weight") || ends_with(name, "mlp.down.weight") ||
+          ends_with(name, "mlp.shared.down.weight") || ends_with(name, "mlp.experts.down"))
         std /= std::sqrt(2.0 * static_cast<double>(m.layers));
       auto gen =
           at::make_generator<at::CPUGeneratorImpl>(splitmix64(fnv1a(name) ^ splitmix64(seed)));

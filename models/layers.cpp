@@ -1,5 +1,6 @@
 #include "models/layers.h"
 #include "models/activations.h"
+#include "models/moe.h"
 #include "models/recompute.h"
 
 #include <torch/torch.h>
@@ -84,6 +85,10 @@ AttentionImpl::AttentionImpl(const DecoderOptions& opt)
     v_all = register_module("v", torch::nn::Linear(lin));
   }
   o = register_module("o", tp::RowParallelLinear(*tp_, h, h, opt.linear_bias, sp_));
+  if (m.qk_norm) {
+    q_norm = register_module("q_norm", Norm(hd, m.norm_eps, false));
+    k_norm = register_module("k_norm", Norm(hd, m.norm_eps, false));
+  }
 }
 
 namespace {
@@ -110,6 +115,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     kh = k_all(xf).view({b, s, -1, head_dim_}).narrow(2, kv_index_, 1).transpose(1, 2);
     vh = v_all(xf).view({b, s, -1, head_dim_}).narrow(2, kv_index_, 1).transpose(1, 2);
   }
+  if (q_norm) qh = q_norm(qh), kh = k_norm(kh);
   if (cos.defined()) {
     qh = apply_rope(qh, cos, sin);
     kh = apply_rope(kh, cos, sin);
@@ -145,25 +151,31 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
   return down(tessel_kernels ? gelu_tanh(u) : torch::gelu(u, "tanh"));
 }
 
-BlockImpl::BlockImpl(const DecoderOptions& o) {
+BlockImpl::BlockImpl(const DecoderOptions& o, int64_t layer, MoeState* moe_state) {
   attn_norm = register_module("attn_norm", Norm(o.model.hidden, o.model.norm_eps, o.layer_norm));
   attn = register_module("attn", Attention(o));
   mlp_norm = register_module("mlp_norm", Norm(o.model.hidden, o.model.norm_eps, o.layer_norm));
-  mlp = register_module("mlp", Mlp(o));
+  if (o.model.moe.is_moe(layer))
+    moe = register_module("mlp", std::make_shared<MoeImpl>(o, layer, moe_state));
+  else
+    mlp = register_module("mlp", Mlp(o));
 }
+
+torch::Tensor BlockImpl::ffn(const torch::Tensor& x) { return moe ? moe->forward(x) : mlp(x); }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                  const torch::Tensor& sin) {
   auto h = x + attn(attn_norm(x), cos, sin);
   if (recompute_mlp)
-    return h + recompute([this](const torch::Tensor& t) { return mlp(mlp_norm(t)); }, h);
-  return h + mlp(mlp_norm(h));
+    return h + recompute([this](const torch::Tensor& t) { return ffn(mlp_norm(t)); }, h);
+  return h + ffn(mlp_norm(h));
 }
 
 void DecoderImpl::set_kernels(const std::string& kernels) {
   TORCH_CHECK(kernels == "tessel" || kernels == "torch", "kernels ", kernels);
   for (auto& chunk : blocks_)
-    for (auto& b : chunk) b->mlp->tessel_kernels = kernels == "tessel";
+    for (auto& b : chunk)
+      if (b->mlp) b->mlp->tessel_kernels = kernels == "tessel";
 }
 
 void DecoderImpl::set_lean_logits(bool on, int64_t chunk_tokens) {
@@ -183,7 +195,16 @@ DecoderImpl::DecoderImpl(DecoderOptions o) : o_(std::move(o)) {
     o_.tp = solo_.get();
     o_.sequence_parallel = false;
   }
+  if (!o_.ep) {
+    solo_ep_ = std::make_shared<parallel::Group>("solo", std::vector<int64_t>{0}, 0, nullptr);
+    o_.ep = solo_ep_.get();
+  }
   const auto& m = o_.model;
+  if (m.moe.experts > 0) {
+    moe_state_ = std::make_shared<MoeState>();
+    // Replicas of the same tokens (tp without SP) count them once.
+    moe_state_->count_here = o_.sequence_parallel || o_.tp->rank() == 0;
+  }
   auto& part = o_.stages;
   if (part.chunks.empty()) part = {{{0, m.layers}}, true, true};
   const bool sp = o_.sequence_parallel;
@@ -207,7 +228,8 @@ DecoderImpl::DecoderImpl(DecoderOptions o) : o_(std::move(o)) {
   for (const auto& [begin, end] : part.chunks) {
     blocks_.emplace_back();
     for (int64_t i = begin; i < end; ++i)
-      blocks_.back().push_back(layers->register_module(std::to_string(i), Block(o_)));
+      blocks_.back().push_back(
+          layers->register_module(std::to_string(i), Block(o_, i, moe_state_.get())));
   }
   if (part.last) {
     norm = register_module("norm", Norm(m.hidden, m.norm_eps, o_.layer_norm));
@@ -228,12 +250,69 @@ std::set<std::string> DecoderImpl::global_names() const {
   if (o_.learned_pos) names.insert("pos_embed.weight");
   if (o_.layer_norm) names.insert("norm.bias");
   if (!m.tied()) names.insert("head.weight");
-  // Every block has the same parameters: take the suffixes from one this rank holds.
-  const auto block = blocks_.front().front();
+  // Dense blocks and MoE blocks each have the same parameters: the suffixes of each kind.
+  auto opts = o_;
+  opts.stages = {};
+  opts.model.layers = 1;
+  std::set<std::string> dense, moe;
+  {
+    opts.model.moe.experts = 0;
+    Block b(opts, 0, nullptr);
+    for (const auto& p : b->named_parameters()) dense.insert(p.key());
+  }
+  if (m.moe.experts > 0) {
+    opts.model.moe = m.moe;
+    opts.model.moe.every = 1;
+    MoeState state;
+    Block b(opts, 0, &state);
+    for (const auto& p : b->named_parameters()) moe.insert(p.key());
+  }
   for (int64_t i = 0; i < m.layers; ++i)
-    for (const auto& p : block->named_parameters())
-      names.insert("layers." + std::to_string(i) + "." + p.key());
+    for (const auto& key : m.moe.is_moe(i) ? moe : dense)
+      names.insert("layers." + std::to_string(i) + "." + key);
   return names;
+}
+
+void DecoderImpl::reset_moe_stats() {
+  if (!moe_state_) return;
+  const auto& moe = o_.model.moe;
+  const int64_t n = moe.layers_in(o_.model.layers);
+  const auto device = parameters().front().device();
+  if (!moe_state_->counts.defined() || moe_state_->counts.device() != device) {
+    auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+    moe_state_->counts = torch::zeros({n, moe.experts}, f32);
+    moe_state_->aux = torch::zeros({n}, f32);
+    moe_state_->dropped = torch::zeros({n}, f32);
+    return;
+  }
+  moe_state_->counts.zero_();
+  moe_state_->aux.zero_();
+  moe_state_->dropped.zero_();
+}
+
+bool DecoderImpl::moe_spec(const std::string& n, ParamSpec& s) const {
+  const int64_t t = o_.tp->size(), r = o_.tp->rank();
+  if (n.find(".mlp.experts.") != std::string::npos) {
+    // Whole experts, E/ep of them on each ep rank; replicated over tp like the router.
+    s.expert = true;
+    s.shard = {0, o_.ep->size(), o_.ep->rank()};
+    s.global_shape[0] *= o_.ep->size();
+    s.tp_grad_sum = o_.sequence_parallel && t > 1;
+    s.replicas = t;
+  } else if (n.find(".mlp.shared.up.") != std::string::npos ||
+             n.find(".mlp.shared.gate.") != std::string::npos ||
+             ends_with(n, "mlp.shared.down.weight")) {
+    const int64_t dim = ends_with(n, "down.weight") ? 1 : 0;  // column- or row-parallel
+    s.shard = {dim, t, r};
+    s.global_shape[static_cast<size_t>(dim)] *= t;
+  } else if (n.find("attn.q_norm.") != std::string::npos ||
+             n.find("attn.k_norm.") != std::string::npos) {
+    s.tp_grad_sum = t > 1;  // each rank normalises only its own heads
+    s.replicas = t;
+  } else {
+    return false;
+  }
+  return true;
 }
 
 void DecoderImpl::build_specs() {
@@ -254,6 +333,7 @@ void DecoderImpl::build_specs() {
       split(0);
       s.padded_rows = vp;
       s.global_shape[0] = o_.model.vocab_size;
+    } else if (moe_spec(n, s)) {
     } else if (ends_with(n, "attn.q.weight") || ends_with(n, "attn.q.bias") ||
                n.find("mlp.up.") != std::string::npos || n.find("mlp.gate.") != std::string::npos) {
       split(0);

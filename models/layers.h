@@ -47,6 +47,7 @@ struct DecoderOptions {
   StagePart stages;
   parallel::Group* cp = nullptr;  // context parallelism (parallel/cp): null or size 1: none
   std::string cp_method = "allgather";
+  parallel::Group* ep = nullptr;  // expert parallelism (parallel/ep): null: the group of one
 };
 
 /// Where a parameter sits in the global model.
@@ -60,6 +61,8 @@ struct ParamSpec {
   bool pipeline_copy = false;  // the last stage's copy of a tied token table (the first stage's
                                // is the one saved; their gradients are summed over the embedding
                                // group, so they stay equal)
+  bool expert = false;  // an MoE layer's stacked experts: `shard` splits dim 0 over the ep group
+                        // (not tp), and gradients are summed over the expert data group
 
   /// This rank's slice of a global tensor (padded first when the spec says so).
   torch::Tensor local_of(const torch::Tensor& global) const;
@@ -91,6 +94,7 @@ class AttentionImpl : public torch::nn::Module {
   parallel::tp::ColumnParallelLinear q{nullptr}, k{nullptr}, v{nullptr};
   torch::nn::Linear k_all{nullptr}, v_all{nullptr};  // registered as k, v when replicated
   parallel::tp::RowParallelLinear o{nullptr};
+  Norm q_norm{nullptr}, k_norm{nullptr};  // model.qk_norm: RMSNorm of each head before RoPE
   bool kv_replicated() const { return !k; }
   /// Generation: keys and values of the positions seen so far, [b, kv_heads, n, d] (after RoPE).
   struct KvCache {
@@ -123,17 +127,25 @@ class MlpImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-/// Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
+class MoeImpl;
+struct MoeState;
+
+/// Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); an MoE layer (o.model.moe.is_moe)
+/// has models/moe.h's mixture of experts as its mlp.
 class BlockImpl : public torch::nn::Module {
  public:
-  explicit BlockImpl(const DecoderOptions& o);
+  BlockImpl(const DecoderOptions& o, int64_t layer, MoeState* moe_state);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
   /// training.recompute selective: the MLP half (its norm and its ffn-wide activations) is rerun
   /// in backward; attention keeps its activations.
   bool recompute_mlp = false;
   Norm attn_norm{nullptr}, mlp_norm{nullptr};
   Attention attn{nullptr};
-  Mlp mlp{nullptr};
+  Mlp mlp{nullptr};              // dense layers
+  std::shared_ptr<MoeImpl> moe;  // MoE layers (registered as "mlp")
+
+ private:
+  torch::Tensor ffn(const torch::Tensor& x);
 };
 TORCH_MODULE(Block);
 
@@ -177,6 +189,11 @@ class DecoderImpl : public torch::nn::Module {
   void set_lean_logits(bool on, int64_t chunk_tokens);
   /// Hooks around every block (not owned; null: none).
   void set_hooks(parallel::BlockHooks* hooks) { hooks_ = hooks; }
+  /// The MoE layers' shared state (null for a dense model): a training step sets the factor its
+  /// loss sum is multiplied by (the balance loss's gradient scale; undefined: not training) and
+  /// reads the step's statistics (reset_moe_stats() before it).
+  MoeState* moe_state() const { return moe_state_.get(); }
+  void reset_moe_stats();
 
   parallel::tp::VocabParallelEmbedding embed{nullptr};  // first stage; tied: last stage too
   torch::nn::Embedding pos_embed{nullptr};
@@ -201,10 +218,14 @@ class DecoderImpl : public torch::nn::Module {
   /// The last stage's loss sum from its final activation x [b, T, h] (SP: [b, T/t, h]).
   torch::Tensor head_loss_sum(const torch::Tensor& x, const torch::Tensor& targets);
   void build_specs();
+  /// The spec of an MoE layer's parameter, a shared expert's or a per-head norm's (false: none).
+  bool moe_spec(const std::string& name, ParamSpec& s) const;
   std::vector<std::vector<Block>> blocks_;  // per chunk
   DecoderOptions o_;
-  std::shared_ptr<parallel::Group> solo_;  // the group of one when no tp group is given
-  torch::Tensor inv_freq_;                 // [head_dim / 2], fp32, as Hugging Face computes it
+  std::shared_ptr<parallel::Group> solo_;     // the group of one when no tp group is given
+  std::shared_ptr<parallel::Group> solo_ep_;  // ... when no ep group is given
+  std::shared_ptr<MoeState> moe_state_;
+  torch::Tensor inv_freq_;  // [head_dim / 2], fp32, as Hugging Face computes it
   std::map<std::tuple<int64_t, std::string, int>, std::pair<torch::Tensor, torch::Tensor>> rope_;
   std::map<std::string, ParamSpec> specs_;
   parallel::BlockHooks* hooks_ = nullptr;

@@ -53,6 +53,20 @@ class RngState {
   std::optional<at::Generator> cuda_gen_;
 };
 
+thread_local bool t_recomputing = false;
+
+// Marks this thread as rerunning for its lifetime (restored after, even on a throw).
+class Rerun {
+ public:
+  Rerun() : was_(t_recomputing) { t_recomputing = true; }
+  ~Rerun() { t_recomputing = was_; }
+  Rerun(const Rerun&) = delete;
+  Rerun& operator=(const Rerun&) = delete;
+
+ private:
+  bool was_;
+};
+
 class RecomputeBackward : public torch::autograd::Node {
  public:
   RecomputeBackward(Piece fn, torch::Tensor input, RngState rng)
@@ -66,6 +80,7 @@ class RecomputeBackward : public torch::autograd::Node {
     torch::Tensor y;
     {
       RngState after = rng_.swap_in();  // the forward's draws again
+      Rerun rerun;
       y = fn_(x);
       after.swap_in();
     }
@@ -87,6 +102,8 @@ class RecomputeBackward : public torch::autograd::Node {
 };
 
 }  // namespace
+
+bool recomputing() { return t_recomputing; }
 
 torch::Tensor recompute(Piece fn, const torch::Tensor& x) {
   if (!torch::GradMode::is_enabled()) return fn(x);

@@ -18,4 +18,8 @@ using Piece = std::function<torch::Tensor(const torch::Tensor&)>;
 /// mode this is fn(x).
 torch::Tensor recompute(Piece fn, const torch::Tensor& x);
 
+/// Whether this thread is rerunning a piece in backward (the forward already ran once: what it
+/// counts, it has counted).
+bool recomputing();
+
 }  // namespace tessel::models

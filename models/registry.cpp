@@ -35,9 +35,11 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
 }
 
 Decoder build_model(const ModelShape& m, int64_t seed, parallel::Group* tp, bool sequence_parallel,
-                    const StagePart& stages, parallel::Group* cp, const std::string& cp_method) {
+                    const StagePart& stages, parallel::Group* cp, const std::string& cp_method,
+                    parallel::Group* ep) {
   auto o = arch(m.arch).options(m);
   o.tp = tp;
+  o.ep = ep;
   o.sequence_parallel = sequence_parallel && tp && tp->size() > 1;
   o.stages = stages;
   o.cp = cp;
@@ -47,7 +49,7 @@ Decoder build_model(const ModelShape& m, int64_t seed, parallel::Group* tp, bool
   return model;
 }
 
-int64_t block_parameters(const ModelShape& m, int64_t tp) {
+int64_t block_parameters(const ModelShape& m, int64_t tp, int64_t layer, int64_t ep) {
   const auto o = arch(m.arch).options(m);
   const int64_t h = m.hidden, f = m.ffn_hidden, kv = m.kv_heads * m.head_dim();
   const int64_t bias = o.linear_bias ? 1 : 0;
@@ -57,17 +59,26 @@ int64_t block_parameters(const ModelShape& m, int64_t tp) {
   const int64_t q = (h * h + bias * h) / tp;
   const int64_t kv_one = m.kv_heads % tp == 0 ? (h * kv + bias * kv) / tp : h * kv + bias * kv;
   const int64_t attn = q + 2 * kv_one + h * h / tp + bias * h;
-  const int64_t mlp = (o.swiglu ? 2 : 1) * (h * f + bias * f) / tp + f / tp * h + bias * h;
-  return 2 * norm + attn + mlp;
+  const int64_t qk_norm = m.qk_norm ? 2 * m.head_dim() : 0;
+  auto dense = [&](int64_t f) {
+    return (o.swiglu ? 2 : 1) * (h * f + bias * f) / tp + f / tp * h + bias * h;
+  };
+  const auto& moe = m.moe;
+  const int64_t mlp = !moe.is_moe(layer)
+                          ? dense(f)
+                          : moe.experts * h + moe.experts / ep * 3 * moe.ffn_hidden * h +
+                                (moe.shared > 0 ? dense(moe.shared * moe.ffn_hidden) : 0);
+  return 2 * norm + attn + qk_norm + mlp;
 }
 
-int64_t parameters_on_rank(const ModelShape& m, int64_t tp, const StagePart& stages) {
+int64_t parameters_on_rank(const ModelShape& m, int64_t tp, const StagePart& stages, int64_t ep) {
   const auto o = arch(m.arch).options(m);
-  int64_t layers = 0;
-  for (const auto& [b, e] : stages.chunks) layers += e - b;
-  if (stages.chunks.empty()) layers = m.layers;
   const int64_t table = parallel::tp::padded_vocab(m.vocab_size, tp) / tp * m.hidden;
-  int64_t n = layers * block_parameters(m, tp);
+  int64_t n = 0;
+  auto chunks = stages.chunks;
+  if (chunks.empty()) chunks = {{0, m.layers}};
+  for (const auto& [b, e] : chunks)
+    for (int64_t i = b; i < e; ++i) n += block_parameters(m, tp, i, ep);
   if (stages.first) n += table + (o.learned_pos ? m.max_seq_len * m.hidden : 0);
   if (stages.last) {
     n += o.layer_norm ? 2 * m.hidden : m.hidden;
@@ -112,7 +123,7 @@ std::vector<NamedParam> named_params(Decoder& model) {
   std::vector<NamedParam> out;
   for (const auto& p : model->named_parameters()) {
     const auto& spec = model->specs().at(p.key());
-    out.push_back({p.key(), p.value(), spec.chunk, spec.replicas});
+    out.push_back({p.key(), p.value(), spec.chunk, spec.replicas, spec.expert});
   }
   return out;
 }

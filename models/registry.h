@@ -42,14 +42,17 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
 /// context-parallel group, whose attention runs by `cp_method` (allgather | ring).
 Decoder build_model(const ModelShape& m, int64_t seed, parallel::Group* tp = nullptr,
                     bool sequence_parallel = false, const StagePart& stages = {},
-                    parallel::Group* cp = nullptr, const std::string& cp_method = "allgather");
+                    parallel::Group* cp = nullptr, const std::string& cp_method = "allgather",
+                    parallel::Group* ep = nullptr);
 
-/// Elements of one transformer block on a tensor-parallel rank, from the plan alone.
-int64_t block_parameters(const ModelShape& m, int64_t tp);
+/// Elements of transformer block `layer` on a tensor-parallel rank (an MoE layer: E/ep experts),
+/// from the plan alone.
+int64_t block_parameters(const ModelShape& m, int64_t tp, int64_t layer = 0, int64_t ep = 1);
 /// Elements a rank holds (its tensor-parallel shards of the stages in `stages`), from the plan
 /// alone, without building anything (`--dry-run` sizes plans larger than this machine with it).
 /// Equal to the built model's count (tests/unit/model_test.cpp checks).
-int64_t parameters_on_rank(const ModelShape& m, int64_t tp, const StagePart& stages);
+int64_t parameters_on_rank(const ModelShape& m, int64_t tp, const StagePart& stages,
+                           int64_t ep = 1);
 /// Fills every parameter from the keyed generator (see init.cpp for the rules).
 void init_weights(Decoder& model, int64_t seed);
 

@@ -7,6 +7,22 @@
 
 namespace tessel::models {
 
+/// Mixture of experts (models/moe.h): none when experts is 0.
+struct MoeShape {
+  int64_t experts = 0, top_k = 2;
+  int64_t shared = 0;          // shared experts: one MLP of shared·ffn_hidden every token passes
+  int64_t ffn_hidden = 0;      // each expert's inner width
+  int64_t every = 1;           // layer i is an MoE layer when (i + 1) % every == 0
+  double capacity_factor = 0;  // 0: dropless; else choices kept per sequence and expert
+  std::string score = "softmax";  // router: softmax | sigmoid
+  bool norm_topk = true;          // gate weights renormalised over the k chosen
+  double aux_loss_coef = 0;       // the sequence-wise balance loss's weight
+
+  bool is_moe(int64_t layer) const { return experts > 0 && (layer + 1) % every == 0; }
+  /// MoE layers among the first `layers`.
+  int64_t layers_in(int64_t layers) const { return experts > 0 ? layers / every : 0; }
+};
+
 struct ModelShape {
   std::string arch;  // gpt2 | llama (models/registry.h)
   int64_t layers = 0, hidden = 0, heads = 0;
@@ -15,6 +31,8 @@ struct ModelShape {
   int64_t vocab_size = 0, max_seq_len = 0;
   bool tie_embeddings = false;  // the head reuses the token table
   double norm_eps = 1e-5, rope_theta = 10000, init_std = 0.02;
+  bool qk_norm = false;  // RMSNorm of each query and key head before RoPE (Qwen3)
+  MoeShape moe;
 
   bool tied() const { return tie_embeddings; }
   int64_t head_dim() const { return hidden / heads; }

@@ -99,7 +99,17 @@ void MetricsLog::step(const StepLine& s) {
                       {"comm_exposed_ms", s.comm_exposed_ms},
                       {"loss_scale", s.loss_scale},
                       {"skipped_steps", s.skipped_steps}};
+  if (s.moe.on) {
+    j["moe_aux_loss"] = s.moe.aux_loss;
+    j["moe_load_max"] = s.moe.load_max;
+    j["moe_dropped"] = s.moe.dropped;
+    j["moe_tokens_per_expert"] = s.moe.tokens_per_expert;
+  }
   write_line(j.dump());
+  if (tb_ && s.moe.on)
+    tb_->scalars(s.step, {{"moe/aux_loss", s.moe.aux_loss},
+                          {"moe/load_max", s.moe.load_max},
+                          {"moe/dropped", s.moe.dropped}});
   if (tb_)
     tb_->scalars(s.step, {{"train/loss", s.loss},
                           {"train/lr", s.lr},
@@ -114,13 +124,17 @@ void MetricsLog::step(const StepLine& s) {
   spdlog::info(
       "step {:>{}}/{} | loss {:.4f} | lr {:.3e} | norm {:.3f} | {:.1f} ms | {:.0f} tok/s/device "
       "({:.0f} global) | {:.3f} "
-      "TFLOP/s | MFU {:.2f}% | mem {:.2f} GiB | comm {:.1f} ms{} | ETA {}",
+      "TFLOP/s | MFU {:.2f}% | mem {:.2f} GiB | comm {:.1f} ms{}{} | ETA {}",
       s.step, std::to_string(s.steps).size(), s.steps, s.loss, s.lr, s.grad_norm, s.ms_per_step,
       s.tokens_per_s, tokens_per_s_global, s.tflops_per_device, 100.0 * s.mfu,
       static_cast<double>(s.mem_bytes) / (1 << 30), s.comm_exposed_ms,
       s.loss_scale != 1.0 || s.skipped_steps > 0
           ? fmt::format(" | scale {:g} (skipped {})", s.loss_scale, s.skipped_steps)
           : "",
+      s.moe.on ? fmt::format(
+                     " | moe aux {:.4f} load {:.2f}{}", s.moe.aux_loss, s.moe.load_max,
+                     s.moe.dropped > 0 ? fmt::format(" dropped {:.1f}%", 100 * s.moe.dropped) : "")
+               : "",
       duration(s.eta_s));
 }
 

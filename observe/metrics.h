@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include <memory>
 
@@ -18,6 +19,15 @@ int64_t memory_bytes(const torch::Device& device);
 /// The process's peak resident set so far (VmHWM), bytes.
 int64_t peak_rss_bytes();
 
+/// A mixture of experts' figures of the logged step, over every MoE layer and rank.
+struct MoeFigures {
+  bool on = false;
+  double aux_loss = 0;  // the balance loss (before its coefficient), summed over MoE layers
+  double load_max = 0;  // the busiest expert's choices / the mean, worst MoE layer
+  double dropped = 0;   // fraction of (token, expert) choices dropped by the capacity factor
+  std::vector<double> tokens_per_expert;  // choices routed to each expert, summed over layers
+};
+
 struct StepLine {
   int64_t step, steps;
   double loss, lr, grad_norm, ms_per_step, tokens_per_s, tflops_per_device, mfu;
@@ -30,6 +40,7 @@ struct StepLine {
   int64_t samples;         // sequences consumed since the start of training (resumes included)
   int64_t tokens;          // target tokens consumed (samples × seq_len)
   double elapsed_s;        // since this process started training
+  MoeFigures moe;
 };
 
 /// Appends to <output_dir>/<metrics_file> (one JSON object per line) and prints the console line.

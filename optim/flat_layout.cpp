@@ -26,9 +26,9 @@ FlatLayout::FlatLayout(const std::vector<ParamEntry>& params, const LayoutOption
     const bool full = o_.zero < 3 && !buckets_.empty() &&
                       buckets_.back().end - buckets_.back().begin >= o_.bucket_elements;
     if (buckets_.empty() || full || alone || buckets_.back().chunk != p.chunk ||
-        (o_.zero == 3 && buckets_.back().unit != unit)) {
+        buckets_.back().expert != p.expert || (o_.zero == 3 && buckets_.back().unit != unit)) {
       if (!buckets_.empty()) close();
-      buckets_.push_back({numel_, numel_, p.chunk, 0, unit, 0});
+      buckets_.push_back({numel_, numel_, p.chunk, 0, unit, 0, p.expert});
     }
     auto& b = buckets_.back();
     slots_.push_back({p.name, b.end, p.numel, static_cast<int64_t>(buckets_.size()) - 1});

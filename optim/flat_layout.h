@@ -29,6 +29,7 @@ struct FlatBucket {
   int64_t params;        // parameters in it
   std::string unit;      // ZeRO-3 gather unit: "layers.<i>" or "root" (everything else)
   int64_t shard_offset;  // where this rank's piece starts in the shard buffer
+  bool expert = false;   // MoE experts only: reduced over the expert data group
 };
 
 /// One contiguous part of a parameter that this rank's shard holds.
@@ -44,6 +45,7 @@ struct Piece {
 struct ParamEntry {
   std::string name;
   int64_t numel, chunk;
+  bool expert = false;  // an MoE layer's experts: never in a bucket with other parameters
 };
 
 struct LayoutOptions {

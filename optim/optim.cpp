@@ -38,7 +38,7 @@ optim::FlatLayout layout_of(const std::vector<NamedParam>& params, const optim::
   // buckets (contiguous ranges) fill one after another.
   std::vector<optim::ParamEntry> entries;
   for (auto it = params.rbegin(); it != params.rend(); ++it)
-    entries.push_back({it->name, it->tensor.numel(), it->chunk});
+    entries.push_back({it->name, it->tensor.numel(), it->chunk, it->expert});
   return optim::FlatLayout(entries, o);
 }
 

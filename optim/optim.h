@@ -39,6 +39,7 @@ struct NamedParam {
   std::string name;
   torch::Tensor tensor;
   int64_t chunk = 0, replicas = 1;
+  bool expert = false;  // an MoE layer's experts (reduced over the expert data group)
 };
 
 /// The flat layout of `params` (reverse registration order).

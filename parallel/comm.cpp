@@ -220,16 +220,19 @@ Work Group::reduce_scatter(torch::Tensor& out, torch::Tensor& in, c10d::ReduceOp
   return {backend_->_reduce_scatter_base(out, in, o), what("reduce_scatter")};
 }
 
-Work Group::all_to_all(torch::Tensor& out, torch::Tensor& in) {
+Work Group::all_to_all(torch::Tensor& out, torch::Tensor& in, const std::vector<int64_t>& out_rows,
+                       const std::vector<int64_t>& in_rows) {
   if (size() == 1) {
     out.copy_(in);
     return {};
   }
   bytes_ += in.numel() * in.element_size();
-  std::vector<int64_t> even;  // empty split sizes: equal slices
+  // Empty split sizes: equal slices.
+  std::vector<int64_t> out_split = out_rows, in_split = in_rows;
   auto h_out = staged(out) ? torch::empty_like(out, torch::kCPU) : out;
   auto h_in = host(in);
-  return finish(backend_->alltoall_base(h_out, h_in, even, even), out, h_out, "all_to_all");
+  return finish(backend_->alltoall_base(h_out, h_in, out_split, in_split), out, h_out,
+                "all_to_all");
 }
 
 void Group::barrier() {

@@ -107,7 +107,10 @@ class Group {
   Work reduce_scatter(torch::Tensor& out, torch::Tensor& in,
                       c10d::ReduceOp op = c10d::ReduceOp::SUM);
   /// out and in: [size·n]; slice j of in goes to rank j, slice r of out comes from rank r.
-  Work all_to_all(torch::Tensor& out, torch::Tensor& in);
+  /// With split sizes (rows of dim 0, one per rank): in_rows[j] rows of `in` go to rank j, and
+  /// out_rows[r] rows of `out` come from rank r.
+  Work all_to_all(torch::Tensor& out, torch::Tensor& in, const std::vector<int64_t>& out_rows = {},
+                  const std::vector<int64_t>& in_rows = {});
   void barrier();
   /// Posts every send and receive of `ops`; returns their works (wait on all of them). With
   /// channels, each goes on its own direction's channel and has a work of its own; without, they

@@ -83,14 +83,18 @@ const char* group_name(GroupKind k) {
       return "mp";
     case GroupKind::kEmbedding:
       return "embedding";
+    case GroupKind::kEp:
+      return "ep";
+    case GroupKind::kEdpCp:
+      return "edp_cp";
   }
   return "?";
 }
 
 const std::vector<GroupKind>& all_group_kinds() {
-  static const std::vector<GroupKind> k = {GroupKind::kTp,       GroupKind::kCp,   GroupKind::kDp,
-                                           GroupKind::kPp,       GroupKind::kDpCp, GroupKind::kMp,
-                                           GroupKind::kEmbedding};
+  static const std::vector<GroupKind> k = {
+      GroupKind::kTp, GroupKind::kCp,        GroupKind::kDp, GroupKind::kPp,   GroupKind::kDpCp,
+      GroupKind::kMp, GroupKind::kEmbedding, GroupKind::kEp, GroupKind::kEdpCp};
   return k;
 }
 
@@ -121,9 +125,14 @@ std::vector<std::vector<int64_t>> group_ranks(GroupKind k, const Layout& l) {
         return {-1, c.cp, c.dp, -1};
       case GroupKind::kEmbedding:
         return {c.tp, c.cp, c.dp, -1};
+      case GroupKind::kEp:  // the block of ep consecutive dp ranks (the -1 - block tells it apart)
+        return {c.tp, c.cp, -1 - c.dp / l.ep, c.pp};
+      case GroupKind::kEdpCp:  // the same place in every block, any cp
+        return {c.tp, -1, c.dp % l.ep, c.pp};
     }
     return {};
   };
+  if ((k == GroupKind::kEp || k == GroupKind::kEdpCp) && l.ep == 1) return {};
   std::map<std::array<int64_t, 4>, std::vector<int64_t>> groups;
   for (int64_t r = 0; r < l.world(); ++r) {
     Coord c = coord_of(r, l);
@@ -162,7 +171,7 @@ class Problems {
 // The plan's layout with dp auto resolved, and the world size it must fill.
 Layout resolve_layout(const Config& c, int64_t world, Problems& problems) {
   const auto& p = c.parallel;
-  Layout l{p.tp, p.cp, p.dp, p.pp};
+  Layout l{p.tp, p.cp, p.dp, p.pp, p.ep};
   const int64_t model_parallel = p.tp * p.cp * p.pp;
   if (p.dp == 0) {
     problems.require(world % model_parallel == 0,
@@ -177,6 +186,24 @@ Layout resolve_layout(const Config& c, int64_t world, Problems& problems) {
                                  world, p.tp, p.cp, p.dp, p.pp, l.world()));
   }
   return l;
+}
+
+// Expert parallelism: ep ranks drawn from the data-parallel ones.
+void check_experts(const Config& c, const Layout& l, Problems& problems) {
+  const auto& p = c.parallel;
+  if (p.ep == 1) return;
+  problems.require(l.dp % p.ep == 0,
+                   fmt::format("parallel.ep ({}) must divide parallel.dp ({}): the expert-parallel "
+                               "ranks are drawn from the data-parallel ones (dp {} with ep {} runs "
+                               "on {} process{})",
+                               p.ep, l.dp, p.ep, p.ep, p.ep * p.tp * p.cp * p.pp,
+                               p.ep * p.tp * p.cp * p.pp == 1 ? "" : "es"));
+  problems.require(
+      p.zero == 0,
+      fmt::format("parallel.zero ({}) with parallel.ep ({}) > 1: the sharded "
+                  "optimizer does not yet split expert state over the expert data "
+                  "group; use parallel.zero 0 with expert parallelism, or parallel.ep 1",
+                  p.zero, p.ep));
 }
 
 // The model's dimensions that tensor parallelism (and sequence parallelism) split.
@@ -308,6 +335,7 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
   Problems problems(c.source);
   const Layout l = resolve_layout(c, world, problems);
   check_tensor_split(c, problems);
+  check_experts(c, l, problems);
   check_stage_layers(c, problems);
   check_schedule(c, l, problems);
   check_batch(c, l, problems);

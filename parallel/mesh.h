@@ -18,6 +18,7 @@ namespace tessel::parallel {
 
 struct Layout {
   int64_t tp = 1, cp = 1, dp = 1, pp = 1;
+  int64_t ep = 1;  // expert parallelism: blocks of ep consecutive dp ranks (not a world factor)
   int64_t world() const { return tp * cp * dp * pp; }
 };
 
@@ -26,7 +27,7 @@ struct Coord {
 };
 
 /// The kinds of groups, in the order every rank creates them.
-enum class GroupKind { kTp, kCp, kDp, kPp, kDpCp, kMp, kEmbedding };
+enum class GroupKind { kTp, kCp, kDp, kPp, kDpCp, kMp, kEmbedding, kEp, kEdpCp };
 const char* group_name(GroupKind k);
 const std::vector<GroupKind>& all_group_kinds();
 
@@ -35,7 +36,10 @@ int64_t rank_of(const Coord& c, const Layout& l);
 /// Every group of a kind (each a sorted list of global ranks), ordered by their first rank.
 ///   tp, cp, dp, pp: ranks that differ only in that coordinate
 ///   dp_cp: differ in dp and cp (gradient reduction); mp: differ in tp and pp (one model replica,
-///   for norms); embedding: first and last pipeline stage (tied weights; empty when pp == 1)
+///   for norms); embedding: first and last pipeline stage (tied weights; empty when pp == 1);
+///   ep: ep consecutive dp ranks (dp / ep of them: rank's dp // ep) that split an MoE layer's
+///   experts; edp_cp: the ranks holding the same experts, differing in dp // ep and cp (expert
+///   gradients are summed over it). Both empty when ep == 1 (dp_cp is then the expert data group).
 std::vector<std::vector<int64_t>> group_ranks(GroupKind k, const Layout& l);
 
 /// The plan's layout for `world` processes (dp auto resolved), with every check of the plan
@@ -73,6 +77,10 @@ class Mesh {
   Group& world_group() const { return *world_; }
   Group& group(GroupKind k) const { return *groups_[static_cast<size_t>(k)]; }
   Group& dp_cp() const { return group(GroupKind::kDpCp); }
+  /// The expert-parallel group (a group of one when parallel.ep is 1).
+  Group& ep() const { return group(GroupKind::kEp); }
+  /// The ranks that hold the same experts: their gradients are summed over it (dp_cp when ep is 1).
+  Group& expert_data() const { return layout_.ep > 1 ? group(GroupKind::kEdpCp) : dp_cp(); }
   /// This rank's groups in creation order (world first), the same order on every rank.
   std::vector<const Group*> groups() const;
   /// The rendezvous store (rank 0 serves it); null in a one-process run.

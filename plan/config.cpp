@@ -288,6 +288,7 @@ class Validator {
     if (m.tie_embeddings == "auto") m.tie_embeddings = m.arch == "gpt2" ? "true" : "false";
     if (m.ffn_hidden == 0)
       m.ffn_hidden = m.arch == "gpt2" ? 4 * m.hidden : (8 * m.hidden / 3 + 63) / 64 * 64;
+    if (m.moe.ffn_hidden == 0) m.moe.ffn_hidden = m.ffn_hidden;
     if (t.dtype == "auto")  // bf16 where it is fast and safe (CUDA), fp32 elsewhere
       t.dtype = t.device == "cuda" || (t.device == "auto" && torch::cuda::is_available()) ? "bf16"
                                                                                           : "fp32";
@@ -306,6 +307,45 @@ class Validator {
             fmt::format("RoPE needs an even head dimension: model.hidden ({}) / model.heads ({}) "
                         "= {} is odd",
                         m.hidden, m.heads, m.head_dim()));
+    require(m.arch == "llama" || !m.qk_norm, "model.qk_norm",
+            "model.qk_norm is a llama-family option (Qwen3); model.arch is " + m.arch);
+    check_moe();
+  }
+
+  void check_moe() {
+    const auto& m = c_.model;
+    const auto& e = m.moe;
+    const auto& p = c_.parallel;
+    if (e.experts == 0) {
+      require(p.ep == 1, "parallel.ep",
+              q("parallel.ep", p.ep, "needs a mixture of experts: set", "model.moe.experts",
+                e.experts));
+      return;
+    }
+    require(m.arch == "llama", "model.moe.experts",
+            "model.moe.experts (" + std::to_string(e.experts) +
+                ") builds llama-family MoE layers (Mixtral, Qwen3-MoE); model.arch is " + m.arch);
+    require(e.top_k <= e.experts, "model.moe.top_k",
+            q("model.moe.top_k", e.top_k, "must be <=", "model.moe.experts", e.experts));
+    require(e.every <= m.layers, "model.moe.every",
+            q("model.moe.every", e.every, "leaves no MoE layer: it must be <=", "model.layers",
+              m.layers));
+    require(e.experts % p.ep == 0, "parallel.ep",
+            q("model.moe.experts", e.experts, "must be divisible by", "parallel.ep", p.ep) +
+                ": each ep rank holds experts/ep whole experts");
+    const bool split_sequence = p.cp > 1 || (p.sequence_parallel && p.tp > 1);
+    require(e.capacity_factor == 0 || !split_sequence, "model.moe.capacity_factor",
+            fmt::format("model.moe.capacity_factor ({}) drops choices per whole sequence in token "
+                        "order, which needs each sequence on one rank: parallel.cp ({}) > 1 or "
+                        "parallel.sequence_parallel with parallel.tp ({}) > 1 splits it; use "
+                        "capacity_factor 0 (dropless) there",
+                        fmt_double(e.capacity_factor), p.cp, p.tp));
+    // Grouped matmuls over 16-bit weights need rows of 16-byte multiples.
+    const bool half = c_.training.dtype == "bf16" || c_.training.dtype == "fp16";
+    require(!half || (m.hidden % 8 == 0 && e.ffn_hidden % 8 == 0), "model.moe.ffn_hidden",
+            fmt::format("training.dtype {}: the experts' grouped matmuls need model.hidden ({}) "
+                        "and model.moe.ffn_hidden ({}) to be multiples of 8",
+                        c_.training.dtype, m.hidden, e.ffn_hidden));
   }
 
   void check_training() {

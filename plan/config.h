@@ -22,6 +22,16 @@ struct RunConfig {
   std::string output_dir;
 };
 
+struct MoeConfig {  // model.moe.*: mixture of experts (llama); experts 0: dense
+  int64_t experts, top_k, shared_experts;
+  int64_t ffn_hidden;        // 0 = auto (model.ffn_hidden)
+  int64_t every;             // layer i is MoE when (i + 1) % every == 0
+  double capacity_factor;    // 0: dropless
+  std::string router_score;  // softmax | sigmoid (model.moe.router.score)
+  bool norm_topk;            // model.moe.router.norm_topk
+  double aux_loss_coef;
+};
+
 struct ModelConfig {
   std::string arch;  // gpt2 | llama
   int64_t layers, hidden, heads;
@@ -31,6 +41,8 @@ struct ModelConfig {
   std::string tie_embeddings;  // auto | true | false; auto resolves by arch
   double norm_eps, rope_theta, init_std;
   std::string init_from;  // safetensors file (Hugging Face or Tessel names) or empty
+  bool qk_norm;           // RMSNorm of each query/key head before RoPE (Qwen3)
+  MoeConfig moe;
 
   bool tied() const { return tie_embeddings == "true"; }
   int64_t head_dim() const { return hidden / heads; }
@@ -39,7 +51,8 @@ struct ModelConfig {
 struct ParallelConfig {
   int64_t dp;  // 0 = auto (world / (tp·cp·pp))
   int64_t tp, pp, cp;
-  std::string context_method;     // allgather | ring | alltoall | hybrid (parallel.context.method)
+  int64_t ep;                  // expert parallelism: MoE experts split over ep ranks drawn from dp
+  std::string context_method;  // allgather | ring | alltoall | hybrid (parallel.context.method)
   int64_t context_alltoall_size;  // hybrid: ranks per all-to-all group (context.alltoall_size)
   bool sequence_parallel;
   std::string order;    // tp-cp-dp-pp

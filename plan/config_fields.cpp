@@ -60,6 +60,45 @@ void add_model_fields(FieldAdder& add, Config& c) {
   add("model.init_from", &c.model.init_from, S(""),
       "Start from these weights: a model.safetensors with Hugging Face names (save_pretrained of "
       "GPT2LMHeadModel / LlamaForCausalLM) or Tessel names. Empty = seeded init.");
+  add("model.qk_norm", &c.model.qk_norm, false,
+      "RMSNorm of every query and key head before RoPE, as Qwen3 (llama).");
+}
+
+// model.moe.*
+void add_moe_fields(FieldAdder& add, Config& c) {
+  add("model.moe.experts", &c.model.moe.experts, int64_t{0},
+      "Mixture of experts (llama): routed experts per MoE layer. 0 = a dense model.")
+      .range(0);
+  add("model.moe.top_k", &c.model.moe.top_k, int64_t{2}, "Experts each token is routed to.")
+      .range(1);
+  add("model.moe.shared_experts", &c.model.moe.shared_experts, int64_t{0},
+      "Shared experts every token also passes through (DeepSeek, Qwen2-MoE), run as one MLP of "
+      "shared_experts·moe.ffn_hidden.")
+      .range(0);
+  add("model.moe.ffn_hidden", &c.model.moe.ffn_hidden, int64_t{0},
+      "Each expert's inner width. auto = model.ffn_hidden.")
+      .range(0)
+      .allow_auto();
+  add("model.moe.every", &c.model.moe.every, int64_t{1},
+      "MoE placement: layer i (from 0) is an MoE layer when (i + 1) % every == 0; the others "
+      "keep the dense MLP.")
+      .range(1);
+  add("model.moe.capacity_factor", &c.model.moe.capacity_factor, 0.0,
+      "0 = dropless. Else each expert keeps at most ceil(factor·seq_len·top_k / experts) choices "
+      "per sequence, the first in token order; the rest pass by the residual only.")
+      .range(0);
+  add("model.moe.router.score", &c.model.moe.router_score, S("softmax"),
+      "Router scores: softmax over experts (Mixtral, Qwen3-MoE) or sigmoid per expert "
+      "(DeepSeek-V3).")
+      .one_of({"softmax", "sigmoid"});
+  add("model.moe.router.norm_topk", &c.model.moe.norm_topk, true,
+      "Renormalise the k chosen experts' gate weights to sum to 1 (Mixtral; Qwen3-MoE's "
+      "norm_topk_prob).");
+  add("model.moe.aux_loss_coef", &c.model.moe.aux_loss_coef, 0.01,
+      "Weight of the sequence-wise load-balancing loss (DeepSeek-V3), summed over MoE layers. "
+      "Its gradient trains the router; the reported loss stays the language-model loss and the "
+      "balance loss is reported beside it (moe_aux_loss).")
+      .range(0);
 }
 
 // parallel.*: degrees, rank order and collectives
@@ -70,6 +109,12 @@ void add_parallel_fields(FieldAdder& add, Config& c) {
       .allow_auto();
   add("parallel.tp", &c.parallel.tp, int64_t{1}, "Tensor-parallel degree.").range(1);
   add("parallel.pp", &c.parallel.pp, int64_t{1}, "Pipeline-parallel degree.").range(1);
+  add("parallel.ep", &c.parallel.ep, int64_t{1},
+      "Expert-parallel degree (MoE): each MoE layer's experts are split over ep ranks drawn from "
+      "the data-parallel ranks (ep divides dp; dp=2 with ep=2 runs on 2 processes), tokens "
+      "reaching them by all-to-all; expert gradients are summed over the dp/ep ranks that hold "
+      "the same experts.")
+      .range(1);
   add("parallel.cp", &c.parallel.cp, int64_t{1},
       "Context-parallel degree: each sequence is cut into 2·cp chunks and cp rank r holds chunks "
       "r and 2·cp−1−r (equal causal work per rank).")
@@ -344,6 +389,7 @@ std::vector<Field> bind_fields(Config& c) {
   FieldAdder add(f);
   add_run_fields(add, c);
   add_model_fields(add, c);
+  add_moe_fields(add, c);
   add_parallel_fields(add, c);
   add_parallel_pipeline_fields(add, c);
   add_training_fields(add, c);

@@ -19,6 +19,8 @@ double flops_parameters(models::Decoder& model) {
     if (input_embedding || spec.pipeline_copy) continue;
     double numel = 1;
     for (auto d : spec.global_shape) numel *= static_cast<double>(d);
+    // MoE experts: a token passes through top_k of them (active parameters).
+    if (spec.expert) numel *= static_cast<double>(m.moe.top_k) / static_cast<double>(m.moe.experts);
     n += numel;
   }
   return n;

@@ -13,7 +13,8 @@ namespace tessel {
 
 /// PaLM (appendix B) training FLOPs per token: 6·N + 12·L·H·Q·T, with N the parameters excluding
 /// the input embeddings (the token table counts when it is tied to the head), L layers, H heads,
-/// Q head dim, T sequence length. Full attention term, not halved for the causal mask.
+/// Q head dim, T sequence length. Full attention term, not halved for the causal mask. In a
+/// mixture of experts N counts the active parameters: top_k experts per MoE layer.
 /// `n`: the global N, summed over pipeline stages from flops_parameters().
 double flops_per_token(const models::ModelShape& m, double n, int64_t seq_len);
 /// This rank's stages' share of N at global shapes (tensor-parallel shards count whole, once;

@@ -18,6 +18,16 @@ models::ModelShape model_shape(const ModelConfig& m) {
   s.norm_eps = m.norm_eps;
   s.rope_theta = m.rope_theta;
   s.init_std = m.init_std;
+  s.qk_norm = m.qk_norm;
+  s.moe.experts = m.moe.experts;
+  s.moe.top_k = m.moe.top_k;
+  s.moe.shared = m.moe.shared_experts;
+  s.moe.ffn_hidden = m.moe.ffn_hidden > 0 ? m.moe.ffn_hidden : m.ffn_hidden;
+  s.moe.every = m.moe.every;
+  s.moe.capacity_factor = m.moe.capacity_factor;
+  s.moe.score = m.moe.router_score;
+  s.moe.norm_topk = m.moe.norm_topk;
+  s.moe.aux_loss_coef = m.moe.aux_loss_coef;
   return s;
 }
 

@@ -215,9 +215,22 @@ struct PlanBasis {
   double per_layer;              // one micro-batch's saved activations in one block, bytes
   double act_row;                // one activation between stages, bytes
   int64_t zero, data_ranks, pp;
-  bool keep_gathered;  // ZeRO-3: units gathered once per step (parallel.zero3.keep_gathered)
-  double block;        // one layer's parameters on one tp rank
+  bool keep_gathered;        // ZeRO-3: units gathered once per step (parallel.zero3.keep_gathered)
+  double block;              // one layer's parameters on one tp rank
+  double per_moe_layer = 0;  // per_layer for an MoE layer (its experts instead of the MLP)
 };
+
+// MoE layers among a stage's chunks, and the expert parameters a rank of it holds (E/ep each).
+int64_t moe_layers_in(const models::ModelShape& m, const models::StagePart& part) {
+  int64_t n = 0;
+  for (const auto& [first, end] : part.chunks)
+    for (int64_t i = first; i < end; ++i) n += m.moe.is_moe(i) ? 1 : 0;
+  return n;
+}
+double expert_params(const models::ModelShape& m, const models::StagePart& part, int64_t ep) {
+  return static_cast<double>(moe_layers_in(m, part) * m.moe.experts / ep * 3 * m.moe.ffn_hidden *
+                             m.hidden);
+}
 
 // Key/value heads of one tp rank that alltoall context parallelism repeats to split them over
 // cp (held for backward unless full recomputation reruns attention); 0 for the other methods.
@@ -267,6 +280,19 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l) {
   b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp, b.pp = l.pp;
   b.keep_gathered = c.parallel.zero3_keep_gathered;
   b.block = static_cast<double>(models::block_parameters(m, l.tp));
+  if (m.moe.experts > 0) {
+    // An MoE layer keeps, per token and choice, the row sent to its expert and the expert's
+    // output (2·h) and its SwiGLU's ffn-wide tensors (as the MLP's); the router's fp32 logits
+    // and scores (2·E); the shared experts as an MLP. Recomputation reruns it (like the MLP).
+    const auto& e = m.moe;
+    const double k = static_cast<double>(e.top_k), f = static_cast<double>(e.ffn_hidden);
+    const double routed = t.recompute == "none"
+                              ? k * (a.ffn * f + 2 * h) + 2 * static_cast<double>(e.experts) * 4 / w
+                              : 0.0;
+    const double shared = a.ffn * static_cast<double>(e.shared) * f / tp;
+    b.per_moe_layer = b.per_layer + w * tok / (sp ? tp : 1.0) * routed + w * tok * shared -
+                      w * tok * a.ffn * static_cast<double>(m.ffn_hidden) / tp;
+  }
   return b;
 }
 
@@ -276,6 +302,9 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const TrainingConfig& t
   const double h = b.h;
   e.params_total = models::parameters_on_rank(m, 1, {});
   double n_flops = static_cast<double>(e.params_total);
+  n_flops -= expert_params(m, {{{0, m.layers}}, true, true}, 1) *
+             static_cast<double>(m.moe.experts - m.moe.top_k) /
+             static_cast<double>(std::max<int64_t>(1, m.moe.experts));    // active experts only
   n_flops -= static_cast<double>(m.vocab_size) * h * (m.tied() ? 0 : 1);  // input embeddings
   if (m.arch == "gpt2") n_flops -= static_cast<double>(m.max_seq_len) * h;
   e.flops_per_step =
@@ -366,7 +395,7 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   const double w = b.w, tok = b.tok, h = b.h, tp = b.tp, kvd = b.kvd;
   RankEstimate r;
   r.stage = stage;
-  r.params = models::parameters_on_rank(m, l.tp, part);
+  r.params = models::parameters_on_rank(m, l.tp, part, l.ep);
   for (const auto& [first, end] : part.chunks) r.layers += end - first;
   const auto state = planned_state_bytes(r.params, b.zero, b.data_ranks, b.dtype);
   r.weights = static_cast<double>(state.params);
@@ -375,7 +404,11 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   const int64_t chunks = std::max<int64_t>(1, static_cast<int64_t>(part.chunks.size()));
   r.inflight = l.pp > 1 ? b.sim.peak_activations[static_cast<size_t>(stage)] : 1;
   const double layers_per_chunk = static_cast<double>(r.layers) / static_cast<double>(chunks);
-  r.activations = static_cast<double>(r.inflight) * layers_per_chunk * b.per_layer;
+  const double moe_layers = static_cast<double>(moe_layers_in(m, part));
+  r.activations =
+      static_cast<double>(r.inflight) *
+      ((static_cast<double>(r.layers) - moe_layers) * b.per_layer + moe_layers * b.per_moe_layer) /
+      static_cast<double>(chunks);
   if (l.pp > 1 && b.sim.peak_deferred[static_cast<size_t>(stage)] > 0) {
     // Zero-bubble schedules: past B a micro-batch holds, until its W, only each linear layer's
     // input and output gradient (q/k/v share an input, as up/gate do): the peak over the
@@ -470,9 +503,9 @@ void add_cp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
 
 // Adds the data-parallel (dp×cp) group's bytes per step to `d`: gradients reduced, and under
 // ZeRO weights gathered.
-void add_data_traffic(Traffic& d, const Config& c, const PlanBasis& b, const RankEstimate& r) {
+void add_data_traffic(Traffic& d, const Config& c, const PlanBasis& b, const RankEstimate& r,
+                      double n) {
   const double mb = static_cast<double>(b.mbs), w = b.w, block = b.block;
-  const double n = static_cast<double>(r.params);
   const double buckets = std::ceil(4 * n / std::max(1.0, c.parallel.ddp_bucket_mb * (1 << 20)));
   if (b.zero == 0) d.all_reduce += 4 * n, d.ops += buckets;
   if (b.zero == 1) d.gather_scatter += 4 * n + w * n, d.ops += 2 * buckets;
@@ -507,7 +540,23 @@ std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::La
     g["pp"].p2p += mb * (sends_fwd + sends_bwd) * b.act_row;
     g["pp"].ops += mb * (sends_fwd + sends_bwd);
   }
-  if (b.data_ranks > 1) add_data_traffic(g["dp_cp"], c, b, r);
+  // Under expert parallelism the experts' gradients go over their own data group (edp_cp).
+  const double experts = l.ep > 1 ? expert_params(b.m, part, l.ep) : 0.0;
+  if (b.data_ranks > 1)
+    add_data_traffic(g["dp_cp"], c, b, r, static_cast<double>(r.params) - experts);
+  if (experts > 0 && b.data_ranks / l.ep > 1) add_data_traffic(g["edp_cp"], c, b, r, experts);
+  if (l.ep > 1 && r.layers > 0) {
+    // Each MoE layer's dispatch and combine forward and backward: all-to-alls of this rank's
+    // token choices (every choice counted, its own included: dropless), recomputation rerunning
+    // the forward's pair; and the forward's exchange of counts (int64 per expert).
+    const double moe = static_cast<double>(moe_layers_in(b.m, part));
+    const double reruns = c.training.recompute == "none" ? 0 : 1;
+    const double rows = b.tok / (b.sp ? b.tp : 1.0) * static_cast<double>(b.m.moe.top_k);
+    g["ep"].gather_scatter += mb * moe *
+                              ((4 + 2 * reruns) * rows * b.h * b.w +
+                               (1 + reruns) * 8 * static_cast<double>(b.m.moe.experts));
+    g["ep"].ops += mb * moe * 3 * (2 + reruns);
+  }
   if (l.pp > 1 && b.m.tied() && part.first != part.last) {  // zbv: one rank holds both
     g["embedding"].all_reduce += 4 * static_cast<double>(b.m.vocab_size) * b.h / b.tp;
     g["embedding"].ops += 1;
@@ -516,11 +565,13 @@ std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::La
 }
 
 parallel::GroupKind group_kind(const std::string& name) {
-  return name == "tp"      ? parallel::GroupKind::kTp
-         : name == "cp"    ? parallel::GroupKind::kCp
-         : name == "pp"    ? parallel::GroupKind::kPp
-         : name == "dp_cp" ? parallel::GroupKind::kDpCp
-                           : parallel::GroupKind::kEmbedding;
+  return name == "tp"       ? parallel::GroupKind::kTp
+         : name == "cp"     ? parallel::GroupKind::kCp
+         : name == "pp"     ? parallel::GroupKind::kPp
+         : name == "dp_cp"  ? parallel::GroupKind::kDpCp
+         : name == "ep"     ? parallel::GroupKind::kEp
+         : name == "edp_cp" ? parallel::GroupKind::kEdpCp
+                            : parallel::GroupKind::kEmbedding;
 }
 
 // The part of a stage's communication time that its `compute` does not hide. Records each

@@ -8,8 +8,11 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include <fmt/format.h>
+
 #include "checkpoint/checkpoint.h"
 #include "data/data.h"
+#include "io/safetensors.h"
 #include "io/tokenizer.h"
 #include "run/train.h"
 
@@ -26,18 +29,57 @@ void check_ids(const torch::Tensor& tokens, int64_t vocab, const std::string& so
 }
 
 // Mean loss of rows [B, T+1] (int64) in micro-batches of training.micro_batch.
-ScoreResult score_rows(const Config& c, const std::string& weights, const torch::Tensor& rows) {
+ScoreResult score_rows(const Config& c, const std::string& weights, const torch::Tensor& rows,
+                       const std::string& logits_out = "") {
   auto model = load_for_inference(c, weights);
   torch::NoGradGuard no_grad;
   const auto device = model->parameters().front().device();
   const int64_t b = rows.size(0), t = rows.size(1) - 1;
   double total = 0;
+  std::vector<torch::Tensor> logits;
   for (int64_t first = 0; first < b; first += c.training.micro_batch) {
     auto part =
         to_device(rows.narrow(0, first, std::min(c.training.micro_batch, b - first)), device);
     total += model->loss_sum(part).to(torch::kFloat64).item<double>();
+    if (!logits_out.empty())
+      logits.push_back(model->forward(part.narrow(1, 0, t))
+                           .narrow(-1, 0, c.model.vocab_size)
+                           .to(torch::kFloat32)
+                           .cpu());
   }
+  if (!logits_out.empty())
+    write_safetensors(logits_out, {{"logits", torch::cat(logits).contiguous()}}, {});
   return {total / static_cast<double>(b * t), b * t, b};
+}
+
+// The model keys of a Mixtral or Qwen3-MoE config.json beyond llama's: ", moe: {...}" (and
+// Qwen3's per-head norms).
+std::string moe_keys(const nlohmann::json& j, const std::string& path, bool mixtral) {
+  auto key = [&](const char* name) -> const nlohmann::json& {
+    if (!j.contains(name))
+      throw UserError(path + ": no \"" + std::string(name) + "\" (model_type " +
+                      (mixtral ? "mixtral" : "qwen3_moe") + ")");
+    return j.at(name);
+  };
+  std::string moe =
+      "{experts: " + key(mixtral ? "num_local_experts" : "num_experts").dump() +
+      ", top_k: " + key("num_experts_per_tok").dump() +
+      ", ffn_hidden: " + key(mixtral ? "intermediate_size" : "moe_intermediate_size").dump() +
+      ", aux_loss_coef: " + j.value("router_aux_loss_coef", nlohmann::json(0.0)).dump();
+  if (mixtral) return ", moe: " + moe + "}";
+  const auto heads = key("num_attention_heads").get<int64_t>();
+  const auto hidden = key("hidden_size").get<int64_t>();
+  if (j.contains("head_dim") && j["head_dim"].get<int64_t>() * heads != hidden)
+    throw UserError(fmt::format(
+        "{}: head_dim {} x num_attention_heads {} != hidden_size {}: Tessel's heads split the "
+        "hidden size",
+        path, j["head_dim"].get<int64_t>(), heads, hidden));
+  if (!j.value("mlp_only_layers", nlohmann::json::array()).empty())
+    throw UserError(path + ": mlp_only_layers " + j["mlp_only_layers"].dump() +
+                    ": Tessel places MoE layers every decoder_sparse_step only");
+  moe += ", every: " + j.value("decoder_sparse_step", nlohmann::json(1)).dump() +
+         ", router: {norm_topk: " + j.value("norm_topk_prob", nlohmann::json(false)).dump() + "}";
+  return ", qk_norm: true, moe: " + moe + "}";
 }
 
 }  // namespace
@@ -52,16 +94,18 @@ Config plan_from_hf_config(const std::string& path, const std::vector<std::strin
     throw UserError(path + ": not valid JSON (" + e.what() + ")");
   }
   const std::string type = j.value("model_type", "");
-  if (type != "gpt2" && type != "llama")
+  const bool mixtral = type == "mixtral", qwen3_moe = type == "qwen3_moe";
+  if (type != "gpt2" && type != "llama" && !mixtral && !qwen3_moe)
     throw UserError(path + ": model_type '" + type +
-                    "' is not one Tessel builds (gpt2, llama); give a plan instead");
+                    "' is not one Tessel builds (gpt2, llama, mixtral, qwen3_moe); give a plan "
+                    "instead");
   auto key = [&](const char* name) -> const nlohmann::json& {
     if (!j.contains(name))
       throw UserError(path + ": no \"" + std::string(name) + "\" (model_type " + type + ")");
     return j.at(name);
   };
   // The model section as YAML, so that the plan's own checks validate it.
-  std::string m = "arch: " + type;
+  std::string m = std::string("arch: ") + (type == "gpt2" ? "gpt2" : "llama");
   auto put = [&](const char* plan_key, const nlohmann::json& v) {
     m += std::string(", ") + plan_key + ": " + v.dump();
   };
@@ -78,6 +122,7 @@ Config plan_from_hf_config(const std::string& path, const std::vector<std::strin
     put("ffn_hidden", key("intermediate_size"));
     if (j.contains("rope_theta")) put("rope_theta", j["rope_theta"]);
   }
+  if (mixtral || qwen3_moe) m += moe_keys(j, path, mixtral);
   put("tie_embeddings", nlohmann::json(j.value("tie_word_embeddings", gpt2)));
   // seq_len: the model's whole context (score's windows, generate's limit).
   const auto ctx = key(gpt2 ? "n_positions" : "max_position_embeddings").dump();
@@ -113,7 +158,7 @@ models::Decoder load_for_inference(const Config& c, const std::string& weights) 
 }
 
 ScoreResult score(const Config& c, const std::string& weights, const std::string& tokens_path,
-                  const std::string& token_dtype) {
+                  const std::string& token_dtype, const std::string& logits_out) {
   const int64_t row = c.training.seq_len + 1;
   const int64_t elem = token_dtype == "uint16" ? 2 : 4;
   std::ifstream f(tokens_path, std::ios::binary | std::ios::ate);
@@ -132,7 +177,7 @@ ScoreResult score(const Config& c, const std::string& weights, const std::string
   f.read(static_cast<char*>(tokens.data_ptr()), bytes);
   auto rows = tokens.to(torch::kInt64);
   check_ids(rows, c.model.vocab_size, tokens_path);
-  return score_rows(c, weights, rows);
+  return score_rows(c, weights, rows, logits_out);
 }
 
 ScoreResult score_data(const Config& c, const std::string& weights, const std::string& data,

@@ -11,6 +11,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "io/safetensors.h"
+#include "models/moe.h"
 #include "observe/profiler.h"
 #include "parallel/attention_kernels.h"
 #include "parallel/cp/attention.h"
@@ -52,10 +53,10 @@ void load_weights_file(models::Decoder& model, const std::string& path) {
 
 models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
                            parallel::Group* tp, const models::StagePart& stages,
-                           parallel::Group* cp) {
+                           parallel::Group* cp, parallel::Group* ep) {
   auto model =
       models::build_model(model_shape(c.model), c.run.seed, tp, c.parallel.sequence_parallel,
-                          stages, cp, c.parallel.context_method);
+                          stages, cp, c.parallel.context_method, ep);
   if (!c.model.init_from.empty()) load_weights_file(model, c.model.init_from);
   model->set_recompute(c.training.recompute);
   model->set_kernels(c.training.kernels);
@@ -86,9 +87,9 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
     spdlog::set_level(spdlog::level::warn);  // rank 0 reports for everyone
   }
   data_ = std::make_unique<data::Dataset>(c_);
-  model_ =
-      make_model(c_, device_, dtype_, &mesh_->group(parallel::GroupKind::kTp),
-                 stage_part(c_, l.pp, mesh_->coord().pp), &mesh_->group(parallel::GroupKind::kCp));
+  model_ = make_model(c_, device_, dtype_, &mesh_->group(parallel::GroupKind::kTp),
+                      stage_part(c_, l.pp, mesh_->coord().pp),
+                      &mesh_->group(parallel::GroupKind::kCp), &mesh_->ep());
   setup_state();
   const auto& t = c_.training;
   const bool sp = c_.parallel.sequence_parallel && l.tp > 1;
@@ -199,7 +200,11 @@ void Trainer::setup_state() {
   const auto& l = mesh_->layout();
   auto& data_group = mesh_->dp_cp();
   const int64_t zero = c_.parallel.zero;
-  const auto params = models::named_params(model_);
+  auto params = models::named_params(model_);
+  // Under expert parallelism data ranks hold different experts, so every rank adds its squares to
+  // the gradient norm: a tensor held by r data ranks counts 1/r on each.
+  if (l.ep > 1 && zero == 0)
+    for (auto& p : params) p.replicas *= (p.expert ? mesh_->expert_data() : data_group).size();
   opt_ = std::make_unique<FlatAdamW>(
       params, c_.training,
       layout_of(params, {std::max<int64_t>(
@@ -265,13 +270,12 @@ void Trainer::log_state() const {
 
 Trainer::StepOut Trainer::train_step(int64_t step) {
   const auto& t = c_.training;
+  const auto& l = mesh_->layout();
   // ZeRO-1/2: the whole weights come back from the last update's pieces, waited for unit by unit
-  // by this step's forward. Started here rather than after the update, so that a step holds its
-  // own gathers (their time and the staging Gloo allocates for each) and nothing is in flight
-  // between steps.
+  // by this step's forward; started here so that a step holds its own gathers.
   if (weights_) weights_->start_all();
   // This data rank's rows of the global batch (the next B positions of the global order).
-  const int64_t rows = t.global_batch / mesh_->layout().dp;
+  const int64_t rows = t.global_batch / l.dp;
   auto batch = data_->train_batch(consumed_ + mesh_->coord().dp * rows, rows);
   consumed_ += t.global_batch;
   batch = to_device(batch, device_);
@@ -279,6 +283,7 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   const double scale = 1.0 / static_cast<double>(t.global_batch * t.seq_len);
   auto loss = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
   const bool overflow = step == t.loss_scale.inject_overflow_step;  // testing hook
+  begin_moe_step(scale);
   // The schedule decides the order of forwards and backwards (one stage: F0 B0 F1 B1 ...).
   parallel::pp::StageFns fns{
       [&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
@@ -297,6 +302,7 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
     RECORD_USER_SCOPE("tessel::forward_backward");
     stats = executor_->run(fns);
   }
+  if (auto* moe = model_->moe_state()) moe->loss_factor.reset();  // not training now
   RECORD_USER_SCOPE("tessel::grad_sync_and_optimizer");
   reducer_->finish();
   pp_peak_activations_ = std::max(pp_peak_activations_, stats.peak_activations);
@@ -304,7 +310,7 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   // The norm sums over every rank: with ZeRO each data rank holds other pieces of the gradient;
   // without, data ranks hold equal gradients and only data rank 0 adds its squares. Every rank
   // joins this all-reduce on every step, so it also carries the stop-on-signal votes.
-  const bool adds_squares = c_.parallel.zero > 0 || mesh_->dp_cp().rank() == 0;
+  const bool adds_squares = c_.parallel.zero > 0 || l.ep > 1 || mesh_->dp_cp().rank() == 0;
   torch::Tensor votes;
   auto norm = opt_->clip_grad_norm(
       t.grad_clip,
@@ -382,6 +388,7 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   const double ms = std::chrono::duration<double, std::milli>(now - last_log_time_).count() / steps;
   last_log_time_ = now;
   last_log_step_ = step;
+  const auto moe = moe_figures();  // every rank: a world all-reduce
   if (!metrics_) return;
   // Per device, as the anchors print it (and as MFU needs it).
   const double tokens_per_s = static_cast<double>(c_.training.global_batch * c_.training.seq_len) /
@@ -402,7 +409,43 @@ void Trainer::log_step(int64_t step, StepOut& out) {
                   tflops, peak_.tflops > 0 ? tflops / peak_.tflops : 0.0,
                   device_.is_cuda() ? counters_->take_peak_since_log() : memory_bytes(device_), eta,
                   exposed_ms, scaler_->scale_value(), scaler_->skipped_steps(), mesh_->world(),
-                  consumed_, consumed_ * c_.training.seq_len, elapsed});
+                  consumed_, consumed_ * c_.training.seq_len, elapsed, moe});
+}
+
+void Trainer::begin_moe_step(double scale) {
+  auto* moe = model_->moe_state();
+  if (!moe) return;
+  // The balance loss's gradient scale (the loss sum's factor, fp16's scale included), and fresh
+  // figures for the step.
+  model_->reset_moe_stats();
+  moe->seq_len = c_.training.seq_len;
+  moe->loss_factor =
+      torch::full({}, scale, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
+  if (scaler_->dynamic()) moe->loss_factor = moe->loss_factor * scaler_->scale();
+}
+
+MoeFigures Trainer::moe_figures() {
+  MoeFigures f;
+  auto* st = model_->moe_state();
+  if (!st || !st->counts.defined()) return f;
+  // Each MoE layer lives on one pipeline stage; its choices are counted on every data (and cp,
+  // and SP tp) rank, its balance loss once per sequence: sums over the world.
+  auto all = torch::cat({st->counts.flatten(), st->aux, st->dropped});
+  mesh_->world_group().all_reduce(all).wait();
+  all = all.cpu().to(torch::kFloat64);
+  const int64_t layers = st->aux.numel(), experts = st->counts.size(1);
+  auto counts = all.narrow(0, 0, layers * experts).view({layers, experts});
+  const double choices = counts.sum().item<double>();
+  const double dropped_all = all.narrow(0, layers * experts + layers, layers).sum().item<double>();
+  f.on = true;
+  f.aux_loss = all.narrow(0, layers * experts, layers).sum().item<double>() /
+               static_cast<double>(c_.training.global_batch);
+  auto per_layer = counts.sum(1, true);
+  f.load_max = (counts.amax(1, true) * experts / per_layer.clamp_min(1)).max().item<double>();
+  f.dropped = dropped_all / std::max(1.0, choices + dropped_all);
+  auto total = counts.sum(0);
+  f.tokens_per_expert.assign(total.data_ptr<double>(), total.data_ptr<double>() + experts);
+  return f;
 }
 
 Trainer::~Trainer() = default;

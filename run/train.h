@@ -52,7 +52,7 @@ torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device);
 /// pipeline stages this rank holds (default: all); `cp`: the context-parallel group.
 models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
                            parallel::Group* tp = nullptr, const models::StagePart& stages = {},
-                           parallel::Group* cp = nullptr);
+                           parallel::Group* cp = nullptr, parallel::Group* ep = nullptr);
 
 /// Loads a safetensors file of Tessel or Hugging Face names into `model` (models/registry.h).
 void load_weights_file(models::Decoder& model, const std::string& path);
@@ -82,8 +82,10 @@ class Trainer {
   void sync_replicated_grads();
   void check_finite() const;  // host sync: throws UserError naming the first non-finite step
   void log_step(int64_t step, StepOut& out);
-  void configure_device();  // threads, TF32, the CPU allocation counter
-  void check_attention();   // the plan's attention kernel, named; never SDPA's math on CUDA
+  MoeFigures moe_figures();           // the logged step's, over every rank (a world all-reduce)
+  void begin_moe_step(double scale);  // MoE: the balance loss's scale, figures reset
+  void configure_device();            // threads, TF32, the CPU allocation counter
+  void check_attention();  // the plan's attention kernel, named; never SDPA's math on CUDA
   std::unique_ptr<parallel::pp::Executor> make_executor(parallel::pp::Schedule s) const;
   void log_layout(const parallel::WorldInfo& world) const;  // the start lines about the layout
   void measure_flops();  // FLOPs per token (over every stage) and the device peak

@@ -75,7 +75,7 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
   const auto& layout = opt_.layout();
   const auto& b = layout.buckets()[index];
   auto& st = state_[index];
-  auto& dp_cp = mesh_.dp_cp();
+  auto& dp_cp = b.expert ? mesh_.expert_data() : mesh_.dp_cp();
   if (opt_.zero() >= 2) {
     if (once_ && !final_[static_cast<size_t>(b.chunk)]) return;  // accumulates in the parameter
     // Take the gradient out of the parameter (fp32) and drop it: only the bucket buffer holds it.

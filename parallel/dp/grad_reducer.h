@@ -1,4 +1,5 @@
-// Gradient reduction over the data group (dp×cp) for every ZeRO stage, driven by
+// Gradient reduction over the data group (dp×cp; an MoE layer's experts over the expert data group,
+// the ranks that hold the same experts) for every ZeRO stage, driven by
 // post-accumulate-grad hooks while backward runs. The buckets are the flat layout's.
 //   stage 0: on the final micro-batch of a step, each bucket is all-reduced the moment backward
 //            completes it; earlier micro-batches only accumulate (DDP's no_sync).

@@ -47,6 +47,16 @@ BASES = {
     "recompute": {"data": {"n": 6000, "vocab": 300, "period": 41}, "model": {"layers": 4, "max_seq_len": 64},
                   "training": {"steps": 8, "global_batch": 8, "micro_batch": 2, "seq_len": 64, "optimizer": {"lr": 3e-3},
                                "schedule": {"warmup_steps": 2}, "grad_clip": 0.5}},
+    # mixture of experts (llama): 4 layers, the 2nd and 4th MoE (every 2) or all of them
+    **{name: {"data": {"n": 6000, "vocab": 301, "period": 41}, "model": {"vocab_size": 301, "layers": 4, "moe": moe},
+              "training": {"steps": 20, "global_batch": 8, "micro_batch": 1, "optimizer": {"lr": 3e-3},
+                           "schedule": {"warmup_steps": 3}, "grad_clip": 0.5}}
+       for name, moe in (("moe", {"experts": 4, "top_k": 2, "ffn_hidden": 32}),
+                         ("moe_shared", {"experts": 8, "top_k": 2, "ffn_hidden": 16, "shared_experts": 1,
+                                         "every": 2}),
+                         ("moe_capacity", {"experts": 4, "top_k": 2, "ffn_hidden": 32, "capacity_factor": 1.0}),
+                         ("moe_sigmoid", {"experts": 4, "top_k": 2, "ffn_hidden": 32,
+                                          "router": {"score": "sigmoid"}}))},
 }
 
 SP = {"sequence_parallel": True}
@@ -137,6 +147,23 @@ LAYOUTS = [
                                      ("zero3", "llama", {"dp": 2, "zero": 3}, 2))
       for mode, most in (("none", None), ("selective", 0.9), ("full", 0.7))
       if not (name == "single" and mode == "none")],
+    # mixture of experts with expert parallelism (ep ranks drawn from dp), dropless unless
+    # capacity_factor (then the same choices dropped as one process: per sequence, in token order)
+    Row("moe_dp2_llama", "moe", "llama", 2, {"dp": 2}),
+    Row("moe_ep2_llama", "moe", "llama", 2, {"dp": 2, "ep": 2}),
+    Row("moe_ep2_dp2_llama", "moe", "llama", 4, {"dp": 4, "ep": 2}),
+    Row("moe_ep4_top2_shared_llama", "moe_shared", "llama", 4, {"dp": 4, "ep": 4}),
+    Row("moe_ep2_tp2_llama", "moe", "llama", 4, {"dp": 2, "ep": 2, "tp": 2}),
+    Row("moe_ep2_tp2_sp_llama", "moe", "llama", 4, {"dp": 2, "ep": 2, "tp": 2, **SP}),
+    Row("moe_ep2_pp2_llama", "moe", "llama", 4, pipe(2, "1f1b", dp=2, ep=2)),
+    Row("moe_ep2_pp2_zbv_llama", "moe", "llama", 4, pipe(2, "zbv", 2, dp=2, ep=2)),
+    Row("moe_ep2_cp2_llama", "moe", "llama", 4, {"dp": 2, "ep": 2, "cp": 2}),
+    Row("moe_ep2_dp2_capacity_llama", "moe_capacity", "llama", 4, {"dp": 4, "ep": 2}),
+    Row("moe_ep2_sigmoid_llama", "moe_sigmoid", "llama", 2, {"dp": 2, "ep": 2}),
+    *[Row(f"moe_ep2_recompute_{mode}_llama", "moe", "llama", 2, {"dp": 2, "ep": 2}, {"recompute": mode})
+      for mode in ("selective", "full")],
+    Row("moe_zero1_dp2_llama", "moe", "llama", 2, {"dp": 2, "zero": 1}),
+    Row("moe_ep2_bf16_llama", "moe", "llama", 2, {"dp": 2, "ep": 2}, {"dtype": "bf16"}, None, (2e-3, None)),
     # lean logits (the head fused with the loss, in chunks) and Tessel's GELU against LibTorch's
     # ops: the reference runs the defaults (lean, one chunk at these sizes; LibTorch's GELU)
     *[Row(f"unfused_logits_{arch}", "dp", arch, 1, {}, {"lean_logits": False}) for arch in ("gpt2", "llama")],

@@ -1,0 +1,61 @@
+// Mixture of experts: the feed-forward of an MoE layer (llama family; model.moe.*). A router in
+// fp32 scores every token against E experts (softmax or sigmoid), each token goes to its top k
+// (selected on score + balance bias), the chosen experts' SwiGLU outputs are summed with the
+// gate weights (renormalised over the k when norm_topk), plus optional shared experts that every
+// token passes through. Expert weights are stacked per layer ([E, f, h], Hugging Face's
+// per-expert tensors one slice each) and run as grouped matmuls (at::_grouped_mm: one call over
+// all local experts). Under expert parallelism (parallel/ep) each rank holds E/ep experts and its
+// tokens travel to them and back by all-to-all.
+//
+// Balance: the sequence-wise auxiliary loss (DeepSeek-V3) coef · Σ_e f_e·P_e per sequence, with
+// f_e = E/(k·T)·(tokens choosing e) and P_e = mean normalised score, averaged over the global
+// batch's sequences and summed over MoE layers: whole sequences make it the same for every
+// layout. Its gradient enters backward at the layer (AuxLoss, as Megatron's MoEAuxLossAutoScaler),
+// so the loss the run reports stays the language-model loss.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "models/layers.h"
+
+namespace tessel::models {
+
+/// What a decoder's MoE layers share: the factor the trainer multiplies the loss sum by (the
+/// auxiliary loss's gradient scale; undefined outside training steps), the sequence length, and
+/// the statistics of the step (counted once per forward, not by recomputation).
+struct MoeState {
+  torch::Tensor loss_factor;  // device scalar; undefined: no auxiliary gradient, no statistics
+  int64_t seq_len = 0;        // tokens of a whole sequence
+  torch::Tensor counts;       // [layers, E] fp32: (token, expert) choices routed this step
+  torch::Tensor aux;          // [layers] fp32: Σ over this rank's sequences of the balance loss
+  torch::Tensor dropped;      // [layers] fp32: choices dropped by the capacity factor
+  bool count_here = true;     // this rank adds its statistics (false: a tp/cp replica's copy)
+};
+
+class MoeImpl : public torch::nn::Module {
+ public:
+  MoeImpl(const DecoderOptions& o, int64_t layer, MoeState* state);
+  /// x [b, s, h] (SP: [b, s/t, h]) -> same.
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor router;          // [E, h]
+  torch::Tensor gate, up, down;  // [E/ep, f, h], [E/ep, f, h], [E/ep, h, f]
+  Mlp shared{nullptr};           // shared experts (one MLP of shared·f), or none
+
+ private:
+  /// Rows sorted by their expert -> the SwiGLU of each row's expert, grouped over local experts.
+  torch::Tensor experts(const torch::Tensor& rows, const torch::Tensor& offsets) const;
+  /// The balance loss's gradient attached to `out`; statistics added to the state.
+  torch::Tensor balance(const torch::Tensor& out, const torch::Tensor& scores,
+                        const torch::Tensor& chosen, int64_t b, int64_t s);
+  MoeShape m_;
+  int64_t layer_, index_;  // global layer, and its place among the model's MoE layers
+  parallel::Group* tp_;
+  parallel::Group* cp_;
+  parallel::Group* ep_;
+  bool sp_;
+  MoeState* state_;
+};
+TORCH_MODULE(Moe);
+
+}  // namespace tessel::models
