@@ -1,0 +1,78 @@
+"""Mixture of experts beyond the parity table (tests/dist/layouts.py holds the same-run rows):
+a checkpoint saved with the experts split over 2 ranks continues with them split over 4, held
+whole by one process, and inside a pipeline, with the same losses as the uninterrupted run; and
+bad MoE plans are refused before start-up, naming the keys and their values."""
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
+from plans import BIN, TmpDirTest, read_metrics, rel, run, write_plan, free_port  # noqa: E402
+from parity import BASES, Row, Runs, reference  # noqa: E402
+
+
+class MoeResume(TmpDirTest):
+    def plan(self, name, parallel, **checkpoint):
+        plan = Runs().plan(Row(name, "moe", "llama", 1), parallel)
+        plan["run"]["output_dir"] = self.path(name)
+        plan["checkpoint"] = {"resume": "never", **checkpoint}
+        return plan
+
+    def launch(self, plan, world):
+        path = write_plan(plan["run"]["output_dir"] + ".yaml", plan)
+        if world == 1:
+            return run("tessel-train", path)
+        return run("tessel-launch", "--nproc-per-node", world, "--master-port", free_port(), "--",
+                   os.path.join(BIN, "tessel-train"), path)
+
+    def test_resume_across_expert_parallel_sizes(self):
+        ref = reference("moe", "llama")["loss"]
+        steps = BASES["moe"]["training"]["steps"]
+        self.launch(self.plan("ep2", {"dp": 2, "ep": 2}, every=10), 2)
+        step10 = self.path("ep2", "checkpoints", "step_10")
+        for name, parallel, world in (("ep4", {"dp": 4, "ep": 4}, 4), ("one", {}, 1),
+                                      ("ep2_pp2", {"dp": 2, "ep": 2, "pp": 2}, 4)):
+            self.launch(self.plan(name, parallel, resume=step10), world)
+            cont = [m for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m]
+            self.assertEqual([m["step"] for m in cont], list(range(11, steps + 1)), name)
+            worst = max(rel(m["loss"], ref[m["step"] - 1]) for m in cont)
+            self.assertLess(worst, 1e-5, name)
+            print(f"\nmoe ep=2 dp=2 -> {name} {parallel} resume at step 10: worst loss rel diff {worst:.2e}",
+                  file=sys.stderr)
+
+
+class MoePlanChecks(TmpDirTest):
+    """Each bad plan exits 2 before any process group exists, with a message naming the keys."""
+
+    def refused(self, sets, world, *needles):
+        plan = Runs().plan(Row("bad", "moe", "llama", 1), {})
+        plan["run"]["output_dir"] = self.path("bad")
+        path = write_plan(self.path("bad.yaml"), plan)
+        args = ["tessel-train", path, "--dry-run", "--world-size", world]
+        for s in sets:
+            args += ["--set", s]
+        p = run(*args, check=False)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        for n in needles:
+            self.assertIn(n, p.stderr)
+
+    def test_bad_plans_are_named(self):
+        self.refused(["parallel.dp=3", "parallel.ep=3"], 3, "model.moe.experts (4) must be divisible by "
+                     "parallel.ep (3)")
+        self.refused(["model.moe.experts=8", "parallel.dp=2", "parallel.ep=4"], 2,
+                     "parallel.ep (4) must divide parallel.dp (2)")
+        self.refused(["model.moe.top_k=5"], 1, "model.moe.top_k (5) must be <= model.moe.experts (4)")
+        self.refused(["model.moe.experts=0", "parallel.dp=2", "parallel.ep=2"], 2,
+                     "parallel.ep (2) needs a mixture of experts")
+        self.refused(["model.moe.capacity_factor=1.5", "parallel.cp=2"], 2, "model.moe.capacity_factor (1.5)",
+                     "parallel.cp (2)")
+        self.refused(["model.arch=gpt2", "model.kv_heads=4"], 1, "model.moe.experts (4) builds llama-family")
+        self.refused(["parallel.dp=2", "parallel.ep=2", "parallel.zero=1"], 2, "parallel.zero (1) with "
+                     "parallel.ep (2)")
+        self.refused(["model.moe.every=9"], 1, "model.moe.every (9) leaves no MoE layer")
+        self.refused(["training.dtype=bf16", "model.moe.ffn_hidden=30"], 1,
+                     "model.hidden (32) and model.moe.ffn_hidden (30) to be multiples of 8")
+
+
+if __name__ == "__main__":
+    unittest.main()
