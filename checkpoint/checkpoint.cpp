@@ -108,7 +108,10 @@ std::vector<Entry> checkpoint_entries(models::Decoder& model, const FlatAdamW& o
     const auto& p = params[piece.name];
     const auto& spec = model->specs().at(piece.name);
     const bool whole = piece.numel == p.numel();
-    const bool sharded = opt.layout().shards() > 1;  // the piece may sit on any data rank
+    // The piece may sit on any data rank (of its bucket's group).
+    const auto& layout = opt.layout();
+    const bool sharded =
+        layout.buckets()[static_cast<size_t>(layout.slot(piece.name).bucket)].shards > 1;
     auto entry = [&](const std::string& name, const torch::Tensor& t) {
       if (whole) return Entry{name, t.view(p.sizes()), spec, -1, -1, sharded};
       return Entry{name, t, spec, piece.param_offset, piece.param_offset + piece.numel, true};

@@ -46,9 +46,13 @@ void print_state_bytes(const tessel::Config& c, const tessel::parallel::Layout& 
               data_ranks == 1 ? "" : "s", c.training.dtype.c_str());
   for (int64_t stage = 0; stage < l.pp; ++stage) {
     const auto part = tessel::stage_part(c, l.pp, stage);
-    const int64_t n =
-        tessel::models::parameters_on_rank(tessel::model_shape(c.model), l.tp, part, l.ep);
-    const auto b = tessel::planned_state_bytes(n, zero, data_ranks, dtype);
+    const auto shape = tessel::model_shape(c.model);
+    const int64_t n = tessel::models::parameters_on_rank(shape, l.tp, part, l.ep);
+    // ZeRO splits MoE experts over the ranks holding the same experts (data ranks / ep).
+    const int64_t experts = tessel::models::expert_parameters_on_rank(shape, part, l.ep);
+    auto b = tessel::planned_state_bytes(n - experts, zero, data_ranks, dtype);
+    const auto e = tessel::planned_state_bytes(experts, zero, data_ranks / l.ep, dtype);
+    b.params += e.params, b.grads += e.grads, b.optimizer += e.optimizer;
     std::string units;
     if (zero == 3) {  // the root unit stays gathered; a block, its prefetched neighbour, and
                       // briefly a third while backward crosses from one block to the next

@@ -71,6 +71,16 @@ int64_t block_parameters(const ModelShape& m, int64_t tp, int64_t layer, int64_t
   return 2 * norm + attn + qk_norm + mlp;
 }
 
+int64_t expert_parameters_on_rank(const ModelShape& m, const StagePart& stages, int64_t ep) {
+  auto chunks = stages.chunks;
+  if (chunks.empty()) chunks = {{0, m.layers}};
+  int64_t n = 0;
+  for (const auto& [b, e] : chunks)
+    for (int64_t i = b; i < e; ++i)
+      if (m.moe.is_moe(i)) n += m.moe.experts / ep * 3 * m.moe.ffn_hidden * m.hidden;
+  return n;
+}
+
 int64_t parameters_on_rank(const ModelShape& m, int64_t tp, const StagePart& stages, int64_t ep) {
   const auto o = arch(m.arch).options(m);
   const int64_t table = parallel::tp::padded_vocab(m.vocab_size, tp) / tp * m.hidden;

@@ -53,6 +53,9 @@ int64_t block_parameters(const ModelShape& m, int64_t tp, int64_t layer = 0, int
 /// Equal to the built model's count (tests/unit/model_test.cpp checks).
 int64_t parameters_on_rank(const ModelShape& m, int64_t tp, const StagePart& stages,
                            int64_t ep = 1);
+/// Of those, the MoE experts' (E/ep per MoE layer of `stages`): what ZeRO splits over the ranks
+/// holding the same experts rather than over the data group.
+int64_t expert_parameters_on_rank(const ModelShape& m, const StagePart& stages, int64_t ep = 1);
 /// Fills every parameter from the keyed generator (see init.cpp for the rules).
 void init_weights(Decoder& model, int64_t seed);
 

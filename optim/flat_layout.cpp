@@ -13,7 +13,7 @@ std::string unit_of(const std::string& name) {
 FlatLayout::FlatLayout(const std::vector<ParamEntry>& params, const LayoutOptions& o) : o_(o) {
   auto close = [&] {  // pad the open bucket to a multiple of shards
     auto& b = buckets_.back();
-    b.end = b.begin + (b.end - b.begin + o_.shards - 1) / o_.shards * o_.shards;
+    b.end = b.begin + (b.end - b.begin + b.shards - 1) / b.shards * b.shards;
     b.shard_offset = shard_numel_;
     shard_numel_ += piece_numel(b);
     numel_ = b.end;
@@ -28,7 +28,9 @@ FlatLayout::FlatLayout(const std::vector<ParamEntry>& params, const LayoutOption
     if (buckets_.empty() || full || alone || buckets_.back().chunk != p.chunk ||
         buckets_.back().expert != p.expert || (o_.zero == 3 && buckets_.back().unit != unit)) {
       if (!buckets_.empty()) close();
-      buckets_.push_back({numel_, numel_, p.chunk, 0, unit, 0, p.expert});
+      buckets_.push_back({numel_, numel_, p.chunk, 0, unit, 0, p.expert,
+                          p.expert ? o_.expert_shards : o_.shards,
+                          p.expert ? o_.expert_shard_rank : o_.shard_rank});
     }
     auto& b = buckets_.back();
     slots_.push_back({p.name, b.end, p.numel, static_cast<int64_t>(buckets_.size()) - 1});

@@ -3,7 +3,8 @@
 // produces gradients in), cut into buckets: a bucket never straddles two pipeline chunks, and
 // under ZeRO-3 never two layer units (a unit is gathered as its buckets). With `shards` > 1
 // (ZeRO over the dp×cp group) each bucket is zero-padded to a multiple of `shards` and shard
-// rank r owns piece r of every bucket, as Megatron's distributed optimizer does: one
+// rank r owns piece r of every bucket (an MoE layer's experts' buckets: of `expert_shards`, over
+// the ranks holding the same experts), as Megatron's distributed optimizer does: one
 // reduce-scatter per bucket leaves each rank the summed gradient of exactly the elements whose
 // AdamW state it keeps. This rank's pieces, bucket after bucket, form its shard buffer.
 //
@@ -30,6 +31,8 @@ struct FlatBucket {
   std::string unit;      // ZeRO-3 gather unit: "layers.<i>" or "root" (everything else)
   int64_t shard_offset;  // where this rank's piece starts in the shard buffer
   bool expert = false;   // MoE experts only: reduced over the expert data group
+  int64_t shards = 1, shard_rank = 0;  // its ZeRO split: the data group's, or (experts) the
+                                       // expert data group's
 };
 
 /// One contiguous part of a parameter that this rank's shard holds.
@@ -51,6 +54,7 @@ struct ParamEntry {
 struct LayoutOptions {
   int64_t bucket_elements = 1;  // cap (ignored under ZeRO-3, where a bucket is a unit)
   int64_t shards = 1, shard_rank = 0;
+  int64_t expert_shards = 1, expert_shard_rank = 0;  // MoE experts' buckets (expert data group)
   int64_t zero = 0;
   bool isolate_embedding = false;  // "embed.weight" in a bucket of its own (tied table under pp)
 };
@@ -65,11 +69,13 @@ class FlatLayout {
   int64_t shard_numel() const { return shard_numel_; }
   int64_t shards() const { return o_.shards; }
   int64_t shard_rank() const { return o_.shard_rank; }
+  /// Whether any bucket is split over several ranks (ZeRO over more than one).
+  bool sharded() const { return o_.shards > 1 || o_.expert_shards > 1; }
   int64_t zero() const { return o_.zero; }
   /// Elements of one piece of bucket `b` (its length / shards).
-  int64_t piece_numel(const FlatBucket& b) const { return (b.end - b.begin) / o_.shards; }
+  int64_t piece_numel(const FlatBucket& b) const { return (b.end - b.begin) / b.shards; }
   /// The flat position of this rank's piece of `b`.
-  int64_t piece_flat(const FlatBucket& b) const { return b.begin + o_.shard_rank * piece_numel(b); }
+  int64_t piece_flat(const FlatBucket& b) const { return b.begin + b.shard_rank * piece_numel(b); }
   /// The part of `slot` in this rank's shard (none, or one range: a parameter lies in one bucket).
   std::vector<Piece> pieces(const Slot& slot) const;
   /// The slot of a parameter (throws std::out_of_range for a name this rank does not hold).

@@ -198,12 +198,6 @@ void check_experts(const Config& c, const Layout& l, Problems& problems) {
                                "on {} process{})",
                                p.ep, l.dp, p.ep, p.ep, p.ep * p.tp * p.cp * p.pp,
                                p.ep * p.tp * p.cp * p.pp == 1 ? "" : "es"));
-  problems.require(
-      p.zero == 0,
-      fmt::format("parallel.zero ({}) with parallel.ep ({}) > 1: the sharded "
-                  "optimizer does not yet split expert state over the expert data "
-                  "group; use parallel.zero 0 with expert parallelism, or parallel.ep 1",
-                  p.zero, p.ep));
 }
 
 // The model's dimensions that tensor parallelism (and sequence parallelism) split.
@@ -541,9 +535,11 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const to
   mesh->groups_ = join_groups(make, mesh->layout_, w.rank);
   // ZeRO-3 gathers weights while backward reduce-scatters gradients, both over the data group:
   // on a side channel of their own they run beside each other instead of one behind the other.
-  auto& data = *mesh->groups_[static_cast<size_t>(GroupKind::kDpCp)];
-  if (c.parallel.zero == 3 && data.size() > 1)
-    data.set_side(make(data.name() + ".gather", data.ranks()));
+  for (auto kind : {GroupKind::kDpCp, GroupKind::kEdpCp}) {  // (edp_cp: the MoE experts')
+    auto& data = *mesh->groups_[static_cast<size_t>(kind)];
+    if (c.parallel.zero == 3 && data.size() > 1)
+      data.set_side(make(data.name() + ".gather", data.ranks()));
+  }
   // Pipeline transfers go one way per channel, so that a stage waits on its receives only.
   auto& pp = *mesh->groups_[static_cast<size_t>(GroupKind::kPp)];
   if (pp.size() > 1) add_pipeline_channels(make, pp);

@@ -228,8 +228,7 @@ int64_t moe_layers_in(const models::ModelShape& m, const models::StagePart& part
   return n;
 }
 double expert_params(const models::ModelShape& m, const models::StagePart& part, int64_t ep) {
-  return static_cast<double>(moe_layers_in(m, part) * m.moe.experts / ep * 3 * m.moe.ffn_hidden *
-                             m.hidden);
+  return static_cast<double>(models::expert_parameters_on_rank(m, part, ep));
 }
 
 // Key/value heads of one tp rank that alltoall context parallelism repeats to split them over
@@ -398,10 +397,13 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   r.stage = stage;
   r.params = models::parameters_on_rank(m, l.tp, part, l.ep);
   for (const auto& [first, end] : part.chunks) r.layers += end - first;
-  const auto state = planned_state_bytes(r.params, b.zero, b.data_ranks, b.dtype);
-  r.weights = static_cast<double>(state.params);
-  r.grads = static_cast<double>(state.grads);
-  r.optimizer = static_cast<double>(state.optimizer);
+  // ZeRO splits the experts over the ranks holding the same experts (data ranks / ep).
+  const auto experts = static_cast<int64_t>(expert_params(m, part, l.ep));
+  const auto state = planned_state_bytes(r.params - experts, b.zero, b.data_ranks, b.dtype);
+  const auto expert_state = planned_state_bytes(experts, b.zero, b.data_ranks / l.ep, b.dtype);
+  r.weights = static_cast<double>(state.params + expert_state.params);
+  r.grads = static_cast<double>(state.grads + expert_state.grads);
+  r.optimizer = static_cast<double>(state.optimizer + expert_state.optimizer);
   const int64_t chunks = std::max<int64_t>(1, static_cast<int64_t>(part.chunks.size()));
   r.inflight = l.pp > 1 ? b.sim.peak_activations[static_cast<size_t>(stage)] : 1;
   const double layers_per_chunk = static_cast<double>(r.layers) / static_cast<double>(chunks);

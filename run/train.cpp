@@ -199,6 +199,7 @@ void Trainer::setup_state() {
   // the first and last stage hold the same piece of it and can sum its gradient.
   const auto& l = mesh_->layout();
   auto& data_group = mesh_->dp_cp();
+  auto& experts = mesh_->expert_data();  // MoE experts' data group (data_group when ep is 1)
   const int64_t zero = c_.parallel.zero;
   auto params = models::named_params(model_);
   // Under expert parallelism data ranks hold different experts, so every rank adds its squares to
@@ -209,7 +210,8 @@ void Trainer::setup_state() {
       params, c_.training,
       layout_of(params, {std::max<int64_t>(
                              1, static_cast<int64_t>(c_.parallel.ddp_bucket_mb * (1 << 20) / 4)),
-                         zero > 0 ? data_group.size() : 1, zero > 0 ? data_group.rank() : 0, zero,
+                         zero > 0 ? data_group.size() : 1, zero > 0 ? data_group.rank() : 0,
+                         zero > 0 ? experts.size() : 1, zero > 0 ? experts.rank() : 0, zero,
                          zero > 0 && l.pp > 1 && c_.model.tied()}));
   scaler_ = std::make_unique<LossScaler>(c_.training, device_);
   if (auto dir = checkpoint_to_resume(c_); !dir.empty()) {
@@ -232,12 +234,14 @@ void Trainer::setup_state() {
   const bool keep = c_.parallel.zero3_keep_gathered;
   reducer_ = std::make_unique<parallel::dp::GradReducer>(*mesh_, params, *opt_, keep);
   if (zero == 3) {
-    gatherer_ = std::make_unique<parallel::dp::UnitGatherer>(data_group.side(), *opt_, keep);
+    gatherer_ = std::make_unique<parallel::dp::UnitGatherer>(data_group.side(), experts.side(),
+                                                             *opt_, keep);
     model_->set_hooks(gatherer_.get());
     reducer_->on_bucket_done = [g = gatherer_.get()](size_t b) { g->bucket_done(b); };
   }
   if (zero == 1 || zero == 2) {
-    weights_ = std::make_unique<parallel::dp::WeightGather>(data_group, *opt_, weight_gather_wait_);
+    weights_ = std::make_unique<parallel::dp::WeightGather>(data_group, experts, *opt_,
+                                                            weight_gather_wait_);
     model_->set_hooks(weights_.get());
   }
 }

@@ -6,8 +6,9 @@
 
 namespace tessel::parallel::dp {
 
-WeightGather::WeightGather(Group& dp_cp, FlatAdamW& opt, SpanTimer& timer)
+WeightGather::WeightGather(Group& dp_cp, Group& experts, FlatAdamW& opt, SpanTimer& timer)
     : dp_cp_(dp_cp),
+      experts_(experts),
       opt_(opt),
       timer_(timer),
       pending_(opt.layout().buckets().size()),
@@ -20,14 +21,15 @@ WeightGather::WeightGather(Group& dp_cp, FlatAdamW& opt, SpanTimer& timer)
 }
 
 void WeightGather::start_all() {
-  if (dp_cp_.size() == 1 || !due_) return;
+  if ((dp_cp_.size() == 1 && experts_.size() == 1) || !due_) return;
   due_ = false;
   wait_in_flight();  // never two gathers into one bucket
   const auto& layout = opt_.layout();
   auto weights = opt_.weights();
   for (size_t i = 0; i < layout.buckets().size(); ++i) {
     const auto& b = layout.buckets()[i];
-    pending_[i].start(dp_cp_, weights.narrow(0, b.begin, b.end - b.begin),
+    if (b.shards == 1) continue;  // whole on every rank
+    pending_[i].start(b.expert ? experts_ : dp_cp_, weights.narrow(0, b.begin, b.end - b.begin),
                       weights.narrow(0, layout.piece_flat(b), layout.piece_numel(b)));
     in_flight_[i] = true;
   }

@@ -21,7 +21,8 @@ namespace tessel::parallel::dp {
 class WeightGather : public BlockHooks {
  public:
   /// `timer` times the waits (the gathers' time that compute did not hide).
-  WeightGather(Group& dp_cp, FlatAdamW& opt, SpanTimer& timer);
+  /// `experts`: the group the MoE experts' buckets are split over (the data group when ep is 1).
+  WeightGather(Group& dp_cp, Group& experts, FlatAdamW& opt, SpanTimer& timer);
   /// After each optimizer step: the pieces changed, the whole weights are due a gather.
   void updated() { due_ = true; }
   /// At the start of a step: every bucket's all-gather started, when the weights are due one
@@ -39,6 +40,7 @@ class WeightGather : public BlockHooks {
   bool due_ = true;
 
   Group& dp_cp_;
+  Group& experts_;
   FlatAdamW& opt_;
   SpanTimer& timer_;
   // A unit ("root", "layers.<i>") waits for every bucket holding any of its parameters (under

@@ -26,8 +26,12 @@ void allocate_storage(const torch::Tensor& t) {
 
 }  // namespace
 
-UnitGatherer::UnitGatherer(Group& dp_cp, FlatAdamW& opt, bool keep)
-    : dp_cp_(dp_cp), opt_(opt), keep_(keep), wait_(dp_cp.is_nccl()) {  // NCCL: on CUDA
+UnitGatherer::UnitGatherer(Group& dp_cp, Group& experts, FlatAdamW& opt, bool keep)
+    : dp_cp_(dp_cp),
+      experts_(experts),
+      opt_(opt),
+      keep_(keep),
+      wait_(dp_cp.is_nccl()) {  // NCCL: on CUDA
   const auto& buckets = opt.layout().buckets();
   for (size_t b = 0; b < buckets.size(); ++b) {
     auto& u = units_[buckets[b].unit];
@@ -66,7 +70,8 @@ void UnitGatherer::start(Unit& u) {
     const auto& bucket = layout.buckets()[b];
     auto full = opt_.unit_buffers()[b];
     allocate_storage(full);
-    u.pending.start(dp_cp_, full, shard.narrow(0, bucket.shard_offset, layout.piece_numel(bucket)));
+    u.pending.start(bucket.expert ? experts_ : dp_cp_, full,
+                    shard.narrow(0, bucket.shard_offset, layout.piece_numel(bucket)));
   }
 }
 

@@ -33,7 +33,8 @@ class UnitGatherer : public BlockHooks {
   /// group's side channel (or the group, where it has none). `keep`: a unit stays gathered from
   /// its first use to release_all() (parallel.zero3.keep_gathered), else it is freed after each
   /// forward and backward.
-  UnitGatherer(Group& dp_cp, FlatAdamW& opt, bool keep = false);
+  /// `experts`: the group the MoE experts' buckets are split over (the data group when ep is 1).
+  UnitGatherer(Group& dp_cp, Group& experts, FlatAdamW& opt, bool keep = false);
   void before_stage() override;
   torch::Tensor before_block(int64_t layer, const torch::Tensor& x) override;
   torch::Tensor after_block(int64_t layer, const torch::Tensor& y) override;
@@ -64,6 +65,7 @@ class UnitGatherer : public BlockHooks {
   void release(Unit& u);
 
   Group& dp_cp_;
+  Group& experts_;
   FlatAdamW& opt_;
   std::map<std::string, Unit> units_;
   std::vector<std::string> unit_of_bucket_;

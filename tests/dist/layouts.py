@@ -163,6 +163,11 @@ LAYOUTS = [
     *[Row(f"moe_ep2_recompute_{mode}_llama", "moe", "llama", 2, {"dp": 2, "ep": 2}, {"recompute": mode})
       for mode in ("selective", "full")],
     Row("moe_zero1_dp2_llama", "moe", "llama", 2, {"dp": 2, "zero": 1}),
+    # ZeRO with expert parallelism: the experts' state split over the ranks holding the same
+    # experts (dp/ep of them), the rest over the data group
+    *[Row(f"moe_zero{z}_ep2_dp2_llama", "moe", "llama", 4, {"dp": 4, "ep": 2, "zero": z}) for z in (1, 2, 3)],
+    Row("moe_zero3_ep2_llama", "moe", "llama", 2, {"dp": 2, "ep": 2, "zero": 3}),
+    Row("moe_zero2_ep2_pp2_llama", "moe", "llama", 4, pipe(2, "1f1b", dp=2, ep=2, zero=2)),
     Row("moe_ep2_bf16_llama", "moe", "llama", 2, {"dp": 2, "ep": 2}, {"dtype": "bf16"}, None, (2e-3, None)),
     # lean logits (the head fused with the loss, in chunks) and Tessel's GELU against LibTorch's
     # ops: the reference runs the defaults (lean, one chunk at these sizes; LibTorch's GELU)

@@ -51,10 +51,11 @@ LAYOUTS = {
     "unfused_logits": ({}, {"lean_logits": False}, 1, "gpt2"),
     "lean_chunk16_tp2": ({"tp": 2}, {"lean_logits_chunk": 16}, 2, "gpt2"),
     # mixture of experts (llama, 4 experts of width 64, top 2), with experts split over ep ranks
-    # (within 10%: MOE_TOL)
+    # (within 10%: MOE_TOL; with ZeRO-2 its bucket buffers within the 15% of the others)
     "moe_single": ({}, {}, 1, "moe"),
     "moe_ep2": ({"dp": 2, "ep": 2}, {}, 2, "moe"),
     "moe_ep2_dp2": ({"dp": 4, "ep": 2}, {}, 4, "moe"),
+    "zero2_ep2_dp2_moe": ({"dp": 4, "ep": 2, "zero": 2}, {}, 4, "moe"),
 }
 MOE_TOL = 0.10
 

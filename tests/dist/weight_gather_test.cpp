@@ -38,7 +38,7 @@ TEST(WeightGather, EachUnitIsWholeOnceItsHookHasWaited) {
           .copy_(want.narrow(0, layout.piece_flat(bucket), piece));
     }
     SpanTimer timer(false);
-    dp::WeightGather gather(g, opt, timer);
+    dp::WeightGather gather(g, g, opt, timer);
     gather.start_all();
     auto whole = [&](const std::string& unit) {
       for (const auto& s : layout.slots())
