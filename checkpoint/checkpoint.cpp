@@ -101,8 +101,8 @@ std::vector<Entry> checkpoint_entries(models::Decoder& model, const FlatAdamW& o
                                       const LossScaler& scaler) {
   std::vector<Entry> out;
   auto params = model->named_parameters();
-  if (opt.zero() < 3)
-    for (const auto& p : params)
+  for (const auto& p : params)  // ZeRO-3: only what the optimizer does not hold (not trained)
+    if (opt.zero() < 3 || !p.value().requires_grad())
       out.push_back({p.key(), p.value().detach(), model->specs().at(p.key())});
   for (const auto& piece : opt.pieces()) {
     const auto& p = params[piece.name];

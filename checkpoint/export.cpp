@@ -120,6 +120,8 @@ std::vector<std::string> moe_differences(const models::ModelShape& m) {
   if (e.score != "softmax") d.push_back("router.score " + e.score);
   if (mixtral && e.every != 1) d.push_back("dense layers between MoE layers (moe.every)");
   if (mixtral && !e.norm_topk) d.push_back("router.norm_topk false");
+  if (e.bias_update_rate > 0)
+    d.push_back("the balance bias of expert choice (model.moe.bias_update_rate; not written)");
   return d;
 }
 

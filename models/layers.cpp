@@ -273,6 +273,13 @@ std::set<std::string> DecoderImpl::global_names() const {
   return names;
 }
 
+void DecoderImpl::update_moe_bias(const torch::Tensor& counts) {
+  for (auto& chunk : blocks_)
+    for (auto& b : chunk)
+      if (b->moe && b->moe->balance_bias.defined())
+        b->moe->update_balance_bias(counts[b->moe->index()]);
+}
+
 void DecoderImpl::reset_moe_stats() {
   if (!moe_state_) return;
   const auto& moe = o_.model.moe;

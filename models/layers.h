@@ -194,6 +194,9 @@ class DecoderImpl : public torch::nn::Module {
   /// reads the step's statistics (reset_moe_stats() before it).
   MoeState* moe_state() const { return moe_state_.get(); }
   void reset_moe_stats();
+  /// Auxiliary-loss-free balancing: `counts` [MoE layers, E], every layer's choices over the
+  /// global batch, move this rank's layers' balance biases.
+  void update_moe_bias(const torch::Tensor& counts);
 
   parallel::tp::VocabParallelEmbedding embed{nullptr};  // first stage; tied: last stage too
   torch::nn::Embedding pos_embed{nullptr};

@@ -115,6 +115,11 @@ Weights llama_from_hf(const Weights& hf, const ModelShape& m, const std::string&
     for (const auto& h : names) experts.push_back(take(h));
     w[t] = torch::stack(experts);
   }
+  // Auxiliary-loss-free balancing starts from no bias (Mixtral and Qwen3-MoE have none).
+  if (m.moe.bias_update_rate > 0)
+    for (int64_t i = 0; i < m.layers; ++i)
+      if (m.moe.is_moe(i))
+        w["layers." + std::to_string(i) + ".mlp.router.bias"] = torch::zeros({m.moe.experts});
   check_all_used(hf, used, source);
   return w;
 }

@@ -55,6 +55,9 @@ MoeImpl::MoeImpl(const DecoderOptions& o, int64_t layer, MoeState* state)
   auto router_module = register_module("router", std::make_shared<torch::nn::Module>());
   auto experts_module = register_module("experts", std::make_shared<torch::nn::Module>());
   router = router_module->register_parameter("weight", torch::empty({m_.experts, h}));
+  if (m_.bias_update_rate > 0)  // state, not trained: saved with the weights, kept in fp32
+    balance_bias = router_module->register_parameter("bias", torch::zeros({m_.experts}),
+                                                     /*requires_grad=*/false);
   gate = experts_module->register_parameter("gate", torch::empty({local, f, h}));
   up = experts_module->register_parameter("up", torch::empty({local, f, h}));
   down = experts_module->register_parameter("down", torch::empty({local, h, f}));
@@ -79,6 +82,10 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
   auto logits = torch::mm(flat.to(torch::kFloat32), router.to(torch::kFloat32).t());
   auto scores = m_.score == "sigmoid" ? logits.sigmoid() : logits.softmax(-1);
   auto [weights, chosen] = scores.topk(k, -1);  // [N, k], best first
+  if (balance_bias.defined()) {                 // the bias chooses; the scores weigh
+    chosen = std::get<1>((scores + balance_bias.to(torch::kFloat32)).topk(k, -1));
+    weights = scores.gather(1, chosen);
+  }
   if (m_.norm_topk)
     weights = m_.score == "sigmoid" ? weights / (weights.sum(-1, true) + 1e-20)
                                     : weights / weights.sum(-1, true);
@@ -120,6 +127,12 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
   }
   out = balance(out, scores, chosen, b, s).view({b, s, h});
   return shared ? out + shared(x) : out;
+}
+
+void MoeImpl::update_balance_bias(const torch::Tensor& choices) {
+  torch::NoGradGuard no_grad;
+  auto c = choices.to(balance_bias.device(), torch::kFloat32);
+  balance_bias.add_((c.mean() - c).sign().to(balance_bias.scalar_type()), m_.bias_update_rate);
 }
 
 torch::Tensor MoeImpl::balance(const torch::Tensor& out, const torch::Tensor& scores,

@@ -38,7 +38,12 @@ class MoeImpl : public torch::nn::Module {
   MoeImpl(const DecoderOptions& o, int64_t layer, MoeState* state);
   /// x [b, s, h] (SP: [b, s/t, h]) -> same.
   torch::Tensor forward(const torch::Tensor& x);
-  torch::Tensor router;          // [E, h]
+  /// Auxiliary-loss-free balancing, after an optimizer step: `choices` [E] (this layer's, over
+  /// the global batch) move the bias by the rate toward the mean.
+  void update_balance_bias(const torch::Tensor& choices);
+  int64_t index() const { return index_; }  // its place among the model's MoE layers
+  torch::Tensor router;                     // [E, h]
+  torch::Tensor balance_bias;  // [E] fp32, not trained (model.moe.bias_update_rate; else undefined)
   torch::Tensor gate, up, down;  // [E/ep, f, h], [E/ep, f, h], [E/ep, h, f]
   Mlp shared{nullptr};           // shared experts (one MLP of shared·f), or none
 

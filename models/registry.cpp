@@ -132,6 +132,7 @@ void assign_weights(Decoder& model, const Weights& w, const std::string& source)
 std::vector<NamedParam> named_params(Decoder& model) {
   std::vector<NamedParam> out;
   for (const auto& p : model->named_parameters()) {
+    if (!p.value().requires_grad()) continue;  // state that is not trained (MoE balance bias)
     const auto& spec = model->specs().at(p.key());
     out.push_back({p.key(), p.value(), spec.chunk, spec.replicas, spec.expert});
   }

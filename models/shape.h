@@ -17,6 +17,7 @@ struct MoeShape {
   std::string score = "softmax";  // router: softmax | sigmoid
   bool norm_topk = true;          // gate weights renormalised over the k chosen
   double aux_loss_coef = 0;       // the sequence-wise balance loss's weight
+  double bias_update_rate = 0;    // auxiliary-loss-free balancing (DeepSeek-V3): 0 = off
 
   bool is_moe(int64_t layer) const { return experts > 0 && (layer + 1) % every == 0; }
   /// MoE layers among the first `layers`.

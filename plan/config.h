@@ -30,6 +30,7 @@ struct MoeConfig {  // model.moe.*: mixture of experts (llama); experts 0: dense
   std::string router_score;  // softmax | sigmoid (model.moe.router.score)
   bool norm_topk;            // model.moe.router.norm_topk
   double aux_loss_coef;
+  double bias_update_rate;  // auxiliary-loss-free balancing: the bias step per optimizer step
 };
 
 struct ModelConfig {

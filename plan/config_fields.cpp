@@ -99,6 +99,12 @@ void add_moe_fields(FieldAdder& add, Config& c) {
       "Its gradient trains the router; the reported loss stays the language-model loss and the "
       "balance loss is reported beside it (moe_aux_loss).")
       .range(0);
+  add("model.moe.bias_update_rate", &c.model.moe.bias_update_rate, 0.0,
+      "Auxiliary-loss-free balancing (DeepSeek-V3): each MoE layer keeps a per-expert bias added "
+      "to the scores for choosing experts only (not to the gate weights); after every step it "
+      "moves by this rate toward balance (up for experts with fewer choices than the mean over "
+      "the global batch, down for more). 0 = off. DeepSeek-V3 uses 0.001.")
+      .range(0);
 }
 
 // parallel.*: degrees, rank order and collectives

@@ -28,6 +28,7 @@ models::ModelShape model_shape(const ModelConfig& m) {
   s.moe.score = m.moe.router_score;
   s.moe.norm_topk = m.moe.norm_topk;
   s.moe.aux_loss_coef = m.moe.aux_loss_coef;
+  s.moe.bias_update_rate = m.moe.bias_update_rate;
   return s;
 }
 

@@ -62,6 +62,9 @@ models::Decoder make_model(const Config& c, const torch::Device& device, torch::
   model->set_kernels(c.training.kernels);
   model->set_lean_logits(c.training.lean_logits, c.training.lean_logits_chunk);
   model->to(device, dtype);
+  torch::NoGradGuard no_grad;
+  for (auto& p : model->named_parameters())  // state that is not trained stays fp32
+    if (!p.value().requires_grad()) p.value().set_data(p.value().to(torch::kFloat32));
   return model;
 }
 
@@ -330,6 +333,7 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   opt_->step(lr_at(t, step), scaler_->update(norm, step));  // a non-finite step is skipped
   if (weights_) weights_->updated();
   if (gatherer_) gatherer_->release_all();
+  update_balance_bias();
   return {loss, norm, votes};
 }
 
@@ -414,6 +418,16 @@ void Trainer::log_step(int64_t step, StepOut& out) {
                   device_.is_cuda() ? counters_->take_peak_since_log() : memory_bytes(device_), eta,
                   exposed_ms, scaler_->scale_value(), scaler_->skipped_steps(), mesh_->world(),
                   consumed_, consumed_ * c_.training.seq_len, elapsed, moe});
+}
+
+void Trainer::update_balance_bias() {
+  auto* st = model_->moe_state();
+  if (!st || c_.model.moe.bias_update_rate == 0) return;
+  // Every layer's choices over the global batch (a layer's on its own stage, zeros elsewhere):
+  // every rank holding a layer moves its bias alike.
+  auto counts = st->counts.clone();
+  mesh_->world_group().all_reduce(counts).wait();
+  model_->update_moe_bias(counts);
 }
 
 void Trainer::begin_moe_step(double scale) {

@@ -84,6 +84,7 @@ class Trainer {
   void log_step(int64_t step, StepOut& out);
   MoeFigures moe_figures();           // the logged step's, over every rank (a world all-reduce)
   void begin_moe_step(double scale);  // MoE: the balance loss's scale, figures reset
+  void update_balance_bias();         // MoE: model.moe.bias_update_rate, after the update
   void configure_device();            // threads, TF32, the CPU allocation counter
   void check_attention();  // the plan's attention kernel, named; never SDPA's math on CUDA
   std::unique_ptr<parallel::pp::Executor> make_executor(parallel::pp::Schedule s) const;

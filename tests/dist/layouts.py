@@ -56,7 +56,9 @@ BASES = {
                                          "every": 2}),
                          ("moe_capacity", {"experts": 4, "top_k": 2, "ffn_hidden": 32, "capacity_factor": 1.0}),
                          ("moe_sigmoid", {"experts": 4, "top_k": 2, "ffn_hidden": 32,
-                                          "router": {"score": "sigmoid"}}))},
+                                          "router": {"score": "sigmoid"}}),
+                         ("moe_bias", {"experts": 4, "top_k": 2, "ffn_hidden": 32, "router": {"score": "sigmoid"},
+                                       "aux_loss_coef": 0.0, "bias_update_rate": 0.01}))},
 }
 
 SP = {"sequence_parallel": True}
@@ -160,6 +162,9 @@ LAYOUTS = [
     Row("moe_ep2_cp2_llama", "moe", "llama", 4, {"dp": 2, "ep": 2, "cp": 2}),
     Row("moe_ep2_dp2_capacity_llama", "moe_capacity", "llama", 4, {"dp": 4, "ep": 2}),
     Row("moe_ep2_sigmoid_llama", "moe_sigmoid", "llama", 2, {"dp": 2, "ep": 2}),
+    # auxiliary-loss-free balancing (DeepSeek-V3's bias of expert choice, moved after each step)
+    Row("moe_bias_ep2_dp2_llama", "moe_bias", "llama", 4, {"dp": 4, "ep": 2}),
+    Row("moe_bias_zero3_ep2_pp2_llama", "moe_bias", "llama", 4, pipe(2, "1f1b", dp=2, ep=2, zero=3)),
     *[Row(f"moe_ep2_recompute_{mode}_llama", "moe", "llama", 2, {"dp": 2, "ep": 2}, {"recompute": mode})
       for mode in ("selective", "full")],
     Row("moe_zero1_dp2_llama", "moe", "llama", 2, {"dp": 2, "zero": 1}),

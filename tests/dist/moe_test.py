@@ -12,8 +12,8 @@ from parity import BASES, Row, Runs, reference  # noqa: E402
 
 
 class MoeResume(TmpDirTest):
-    def plan(self, name, parallel, **checkpoint):
-        plan = Runs().plan(Row(name, "moe", "llama", 1), parallel)
+    def plan(self, name, parallel, base="moe", **checkpoint):
+        plan = Runs().plan(Row(name, base, "llama", 1), parallel)
         plan["run"]["output_dir"] = self.path(name)
         plan["checkpoint"] = {"resume": "never", **checkpoint}
         return plan
@@ -25,26 +25,30 @@ class MoeResume(TmpDirTest):
         return run("tessel-launch", "--nproc-per-node", world, "--master-port", free_port(), "--",
                    os.path.join(BIN, "tessel-train"), path)
 
-    def continue_runs(self, saved, first, world, runs):
+    def continue_runs(self, saved, first, world, runs, base="moe"):
         """Trains `first` (saving at step 10), then each of `runs` ((name, parallel, world)) from its
         step-10 checkpoint: steps 11-20 match the uninterrupted single-process run."""
-        ref = reference("moe", "llama")["loss"]
-        steps = BASES["moe"]["training"]["steps"]
-        self.launch(self.plan(saved, first, every=10), world)
+        ref = reference(base, "llama")["loss"]
+        steps = BASES[base]["training"]["steps"]
+        self.launch(self.plan(saved, first, base, every=10), world)
         step10 = self.path(saved, "checkpoints", "step_10")
         for name, parallel, world in runs:
-            self.launch(self.plan(name, parallel, resume=step10), world)
+            self.launch(self.plan(name, parallel, base, resume=step10), world)
             cont = [m for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m]
             self.assertEqual([m["step"] for m in cont], list(range(11, steps + 1)), name)
             worst = max(rel(m["loss"], ref[m["step"] - 1]) for m in cont)
             self.assertLess(worst, 1e-5, name)
-            print(f"\nmoe {first} -> {parallel} resume at step 10: worst loss rel diff {worst:.2e}",
+            print(f"\n{base} {first} -> {parallel} resume at step 10: worst loss rel diff {worst:.2e}",
                   file=sys.stderr)
 
     def test_resume_across_expert_parallel_sizes(self):
         self.continue_runs("ep2", {"dp": 2, "ep": 2}, 2,
                            (("ep4", {"dp": 4, "ep": 4}, 4), ("one", {}, 1),
                             ("ep2_pp2", {"dp": 2, "ep": 2, "pp": 2}, 4)))
+
+    def test_resume_balance_bias(self):
+        # The balance biases are state the checkpoint carries (fp32, not trained).
+        self.continue_runs("bias_ep2", {"dp": 2, "ep": 2}, 2, (("bias_one", {}, 1),), base="moe_bias")
 
     def test_resume_zero_expert_state(self):
         # ZeRO-2 with the experts' state split over the 2 ranks holding each expert half: every

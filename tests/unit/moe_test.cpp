@@ -126,3 +126,42 @@ TEST(Moe, BalanceLossGradientIsItsDefinition) {
   EXPECT_LT(rel_diff(router_grad, want), 1e-6);
   EXPECT_GT(aux_grad.abs().max().item<double>(), 1e-4);  // the term is really there
 }
+
+TEST(Moe, BalanceBiasChoosesButDoesNotWeigh) {
+  models::MoeShape s;
+  s.experts = 4, s.top_k = 2, s.ffn_hidden = 8, s.bias_update_rate = 0.5;
+  Fixture f(s);
+  ASSERT_TRUE(f.moe->balance_bias.defined());
+  EXPECT_EQ(f.moe->balance_bias.scalar_type(), torch::kFloat32);
+  EXPECT_FALSE(f.moe->balance_bias.requires_grad());
+  {
+    torch::NoGradGuard no_grad;
+    f.moe->balance_bias.copy_(torch::tensor({0.0, 0.0, 0.0, 10.0}));  // every token takes expert 3
+  }
+  f.state.loss_factor = torch::ones({});
+  f.state.seq_len = 6;
+  auto x = torch::randn({2, 6, 16});
+  auto got = f.moe->forward(x);
+  EXPECT_EQ(f.state.counts[0][3].item<double>(), 12.0);
+  // By hand: expert 3 plus each token's best other expert, weighted by their renormalised scores.
+  auto flat = x.reshape({-1, 16});
+  auto scores = torch::mm(flat, f.moe->router.t()).softmax(-1);
+  auto masked = scores.clone();
+  masked.select(1, 3).fill_(-1);
+  auto other = masked.argmax(1);
+  std::vector<torch::Tensor> rows;
+  for (int64_t i = 0; i < 12; ++i) {
+    auto y = torch::zeros({16});
+    const int64_t o = other[i].item<int64_t>();
+    const auto w3 = scores[i][3], wo = scores[i][o];
+    for (auto [e, w] : {std::pair{int64_t{3}, w3 / (w3 + wo)}, std::pair{o, wo / (w3 + wo)}}) {
+      auto a = torch::silu(torch::mv(f.moe->gate[e], flat[i])) * torch::mv(f.moe->up[e], flat[i]);
+      y = y + w * torch::mv(f.moe->down[e], a);
+    }
+    rows.push_back(y);
+  }
+  EXPECT_LT(rel_diff(got.reshape({-1, 16}), torch::stack(rows)), 1e-6);
+  // After the step: below-mean experts move up by the rate, expert 3 (above) down.
+  f.moe->update_balance_bias(f.state.counts[0]);
+  EXPECT_NEAR(f.moe->balance_bias[3].item<double>(), 9.5, 1e-6);
+}
