@@ -54,9 +54,9 @@ struct ParamEntry {
 struct LayoutOptions {
   int64_t bucket_elements = 1;  // cap (ignored under ZeRO-3, where a bucket is a unit)
   int64_t shards = 1, shard_rank = 0;
-  int64_t expert_shards = 1, expert_shard_rank = 0;  // MoE experts' buckets (expert data group)
   int64_t zero = 0;
   bool isolate_embedding = false;  // "embed.weight" in a bucket of its own (tied table under pp)
+  int64_t expert_shards = 1, expert_shard_rank = 0;  // MoE experts' buckets (expert data group)
 };
 
 class FlatLayout {

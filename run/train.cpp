@@ -213,9 +213,9 @@ void Trainer::setup_state() {
       params, c_.training,
       layout_of(params, {std::max<int64_t>(
                              1, static_cast<int64_t>(c_.parallel.ddp_bucket_mb * (1 << 20) / 4)),
-                         zero > 0 ? data_group.size() : 1, zero > 0 ? data_group.rank() : 0,
-                         zero > 0 ? experts.size() : 1, zero > 0 ? experts.rank() : 0, zero,
-                         zero > 0 && l.pp > 1 && c_.model.tied()}));
+                         zero > 0 ? data_group.size() : 1, zero > 0 ? data_group.rank() : 0, zero,
+                         zero > 0 && l.pp > 1 && c_.model.tied(), zero > 0 ? experts.size() : 1,
+                         zero > 0 ? experts.rank() : 0}));
   scaler_ = std::make_unique<LossScaler>(c_.training, device_);
   if (auto dir = checkpoint_to_resume(c_); !dir.empty()) {
     auto st = load_checkpoint(dir, model_, *opt_, scaler_.get());
@@ -309,7 +309,6 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
     RECORD_USER_SCOPE("tessel::forward_backward");
     stats = executor_->run(fns);
   }
-  if (auto* moe = model_->moe_state()) moe->loss_factor.reset();  // not training now
   RECORD_USER_SCOPE("tessel::grad_sync_and_optimizer");
   reducer_->finish();
   pp_peak_activations_ = std::max(pp_peak_activations_, stats.peak_activations);
@@ -333,7 +332,7 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   opt_->step(lr_at(t, step), scaler_->update(norm, step));  // a non-finite step is skipped
   if (weights_) weights_->updated();
   if (gatherer_) gatherer_->release_all();
-  update_balance_bias();
+  update_balance_bias();  // MoE: after the update, from the step's choices
   return {loss, norm, votes};
 }
 
@@ -422,7 +421,9 @@ void Trainer::log_step(int64_t step, StepOut& out) {
 
 void Trainer::update_balance_bias() {
   auto* st = model_->moe_state();
-  if (!st || c_.model.moe.bias_update_rate == 0) return;
+  if (!st) return;
+  st->loss_factor.reset();  // the step's backward is done: nothing more is a training forward
+  if (c_.model.moe.bias_update_rate == 0) return;
   // Every layer's choices over the global batch (a layer's on its own stage, zeros elsewhere):
   // every rank holding a layer moves its bias alike.
   auto counts = st->counts.clone();
