@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 namespace tessel {
@@ -106,10 +107,14 @@ void MetricsLog::step(const StepLine& s) {
     j["moe_tokens_per_expert"] = s.moe.tokens_per_expert;
   }
   write_line(j.dump());
-  if (tb_ && s.moe.on)
-    tb_->scalars(s.step, {{"moe/aux_loss", s.moe.aux_loss},
-                          {"moe/load_max", s.moe.load_max},
-                          {"moe/dropped", s.moe.dropped}});
+  if (tb_ && s.moe.on) {
+    std::map<std::string, double> moe = {{"moe/aux_loss", s.moe.aux_loss},
+                                         {"moe/load_max", s.moe.load_max},
+                                         {"moe/dropped", s.moe.dropped}};
+    for (size_t e = 0; e < s.moe.tokens_per_expert.size(); ++e)
+      moe[fmt::format("moe/tokens_expert_{:03d}", e)] = s.moe.tokens_per_expert[e];
+    tb_->scalars(s.step, moe);
+  }
   if (tb_)
     tb_->scalars(s.step, {{"train/loss", s.loss},
                           {"train/lr", s.lr},

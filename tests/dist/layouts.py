@@ -174,6 +174,8 @@ LAYOUTS = [
     Row("moe_zero3_ep2_llama", "moe", "llama", 2, {"dp": 2, "ep": 2, "zero": 3}),
     Row("moe_zero2_ep2_pp2_llama", "moe", "llama", 4, pipe(2, "1f1b", dp=2, ep=2, zero=2)),
     Row("moe_ep2_bf16_llama", "moe", "llama", 2, {"dp": 2, "ep": 2}, {"dtype": "bf16"}, None, (2e-3, None)),
+    Row("moe_ep2_fp16_llama", "moe", "llama", 2, {"dp": 2, "ep": 2},
+        {"dtype": "fp16", "loss_scale": {"initial": 1024.0, "growth_interval": 4}}, None, (2e-3, None)),
     # lean logits (the head fused with the loss, in chunks) and Tessel's GELU against LibTorch's
     # ops: the reference runs the defaults (lean, one chunk at these sizes; LibTorch's GELU)
     *[Row(f"unfused_logits_{arch}", "dp", arch, 1, {}, {"lean_logits": False}) for arch in ("gpt2", "llama")],
