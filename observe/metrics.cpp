@@ -80,6 +80,24 @@ void MetricsLog::write_line(const std::string& line) {
     throw UserError(path_ + ": cannot write metrics: " + std::strerror(errno));
 }
 
+namespace {
+// A mixture of experts' figures: into the metrics line `j` and TensorBoard (when on).
+void add_moe_figures(const StepLine& s, nlohmann::json& j, TensorBoardWriter* tb) {
+  if (!s.moe.on) return;
+  j["moe_aux_loss"] = s.moe.aux_loss;
+  j["moe_load_max"] = s.moe.load_max;
+  j["moe_dropped"] = s.moe.dropped;
+  j["moe_tokens_per_expert"] = s.moe.tokens_per_expert;
+  if (!tb) return;
+  std::map<std::string, double> moe = {{"moe/aux_loss", s.moe.aux_loss},
+                                       {"moe/load_max", s.moe.load_max},
+                                       {"moe/dropped", s.moe.dropped}};
+  for (size_t e = 0; e < s.moe.tokens_per_expert.size(); ++e)
+    moe[fmt::format("moe/tokens_expert_{:03d}", e)] = s.moe.tokens_per_expert[e];
+  tb->scalars(s.step, moe);
+}
+}  // namespace
+
 void MetricsLog::step(const StepLine& s) {
   const double tokens_per_s_global = s.tokens_per_s * static_cast<double>(s.world);
   nlohmann::json j = {{"step", s.step},
@@ -100,21 +118,8 @@ void MetricsLog::step(const StepLine& s) {
                       {"comm_exposed_ms", s.comm_exposed_ms},
                       {"loss_scale", s.loss_scale},
                       {"skipped_steps", s.skipped_steps}};
-  if (s.moe.on) {
-    j["moe_aux_loss"] = s.moe.aux_loss;
-    j["moe_load_max"] = s.moe.load_max;
-    j["moe_dropped"] = s.moe.dropped;
-    j["moe_tokens_per_expert"] = s.moe.tokens_per_expert;
-  }
+  add_moe_figures(s, j, tb_.get());
   write_line(j.dump());
-  if (tb_ && s.moe.on) {
-    std::map<std::string, double> moe = {{"moe/aux_loss", s.moe.aux_loss},
-                                         {"moe/load_max", s.moe.load_max},
-                                         {"moe/dropped", s.moe.dropped}};
-    for (size_t e = 0; e < s.moe.tokens_per_expert.size(); ++e)
-      moe[fmt::format("moe/tokens_expert_{:03d}", e)] = s.moe.tokens_per_expert[e];
-    tb_->scalars(s.step, moe);
-  }
   if (tb_)
     tb_->scalars(s.step, {{"train/loss", s.loss},
                           {"train/lr", s.lr},
