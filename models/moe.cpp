@@ -81,11 +81,10 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
   // The router in fp32 (its scores decide which expert a token goes to).
   auto logits = torch::mm(flat.to(torch::kFloat32), router.to(torch::kFloat32).t());
   auto scores = m_.score == "sigmoid" ? logits.sigmoid() : logits.softmax(-1);
-  auto [weights, chosen] = scores.topk(k, -1);  // [N, k], best first
-  if (balance_bias.defined()) {                 // the bias chooses; the scores weigh
-    chosen = std::get<1>((scores + balance_bias.to(torch::kFloat32)).topk(k, -1));
-    weights = scores.gather(1, chosen);
-  }
+  // [N, k], best first; with a balance bias the bias chooses and the scores weigh.
+  const bool biased = balance_bias.defined();
+  auto [top, chosen] = (biased ? scores + balance_bias.to(torch::kFloat32) : scores).topk(k, -1);
+  auto weights = biased ? scores.gather(1, chosen) : top;
   if (m_.norm_topk)
     weights = m_.score == "sigmoid" ? weights / (weights.sum(-1, true) + 1e-20)
                                     : weights / weights.sum(-1, true);
