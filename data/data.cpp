@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <thread>
 #include <type_traits>
 
 #include "io/safetensors.h"
@@ -477,11 +478,14 @@ void check_token_ids(const Config& c, int64_t rank, int64_t world) {
   const int64_t parts =
       std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (end - begin) >> 20));
   std::vector<int64_t> bad(static_cast<size_t>(parts), -1);
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
+  // std::thread, not at::parallel_for: ATen's is serial in files built without OpenMP.
+  std::vector<std::thread> scanners;
+  for (int64_t p = 0; p < parts; ++p)
+    scanners.emplace_back([&, p] {
       bad[p] = s.first_outside(begin + (end - begin) * p / parts,
                                begin + (end - begin) * (p + 1) / parts, vocab);
-  });
+    });
+  for (auto& t : scanners) t.join();
   for (int64_t pos : bad)
     if (pos >= 0) {
       int64_t id = 0;

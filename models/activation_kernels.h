@@ -1,6 +1,7 @@
-// Elementwise CPU loops of the activations (models/activations.h runs them over threads). Plain
-// C++ on raw fp32 arrays, free of LibTorch, that GCC vectorises (exp written out), built for
-// AVX2+FMA and for the baseline instruction set; the CPU picks one.
+// Elementwise CPU loops of the activations (models/activations.h is their user). Plain C++ on raw
+// fp32 arrays, free of LibTorch, built for AVX2+FMA (intrinsics) and for the baseline instruction
+// set (loops GCC vectorises, exp written out); the CPU picks one. Each call splits its elements
+// over LibTorch's intra-op threads (the OpenMP team at::set_num_threads sizes).
 #pragma once
 
 #include <cstdint>
@@ -11,7 +12,8 @@ namespace tessel::models::kernels {
 /// u = sqrt(2/pi)·(x + 0.044715·x³): the same function, as 0.5·(1 + tanh u) = sigmoid(2u), with
 /// one exp per element instead of a tanh.
 void gelu_tanh_forward(const float* x, float* y, int64_t n);
-/// dx = dy · d/dx GELU(x), recomputed from x as the forward does.
-void gelu_tanh_backward(const float* dy, const float* x, float* dx, int64_t n);
+/// y as gelu_tanh_forward, and slope = d/dx GELU(x) from the same exp: the backward is then one
+/// product, dx = dy·slope.
+void gelu_tanh_forward_slope(const float* x, float* y, float* slope, int64_t n);
 
 }  // namespace tessel::models::kernels

@@ -36,17 +36,17 @@ inline void gelu_tanh_forward(const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float v = x[i];
-    y[i] = v / (1.0f + exp_clamped(-2.0f * kC * (v + kA * v * v * v)));
+    y[i] = v * (1.0f / (1.0f + exp_clamped(-2.0f * kC * (v + kA * v * v * v))));  // as below
   }
 }
 
-inline void gelu_tanh_backward(const float* dy, const float* x, float* dx, int64_t n) {
+inline void gelu_tanh_forward_slope(const float* x, float* y, float* slope, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float v = x[i];
     const float e = exp_clamped(-2.0f * kC * (v + kA * v * v * v));
     const float s = 1.0f / (1.0f + e);  // (1 + tanh u) / 2
-    // d/dx (x·s) = s + x·s(1-s)·2c(1 + 3a·x²), with s(1-s) = e·s² (no cancellation as s -> 1)
-    dx[i] = dy[i] * (s + v * (e * s * s) * (2.0f * kC) * (1.0f + 3.0f * kA * v * v));
+    y[i] = v * s;
+    slope[i] = s + v * (e * s * s) * (2.0f * kC) * (1.0f + 3.0f * kA * v * v);
   }
 }

@@ -7,8 +7,9 @@
 
 namespace tessel::models {
 
-/// GELU, tanh approximation (GPT-2). On fp32 CPU tensors about 3x faster than torch::gelu(x,
-/// "tanh") forward and backward, equal to it within a few float ulps (bench/RESULTS.md).
+/// GELU, tanh approximation (GPT-2). On fp32 CPU tensors Tessel's kernel: about 2x LibTorch's
+/// torch::gelu(x, "tanh") forward and backward inside a step, equal to it within a few float
+/// ulps (docs/performance.md).
 torch::Tensor gelu_tanh(const torch::Tensor& x);
 
 /// Whether gelu_tanh runs Tessel's CPU loops for `x` (else torch::gelu).

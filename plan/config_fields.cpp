@@ -207,11 +207,12 @@ void add_training_fields(FieldAdder& add, Config& c) {
       "largest per token) in backward. full: keep only each block's input and rerun the whole "
       "block in backward (about one more forward of compute).")
       .one_of({"none", "selective", "full"});
-  add("training.kernels", &c.training.kernels, S("torch"),
-      "torch: LibTorch's operators. tessel: Tessel's own kernels where they apply (on fp32 CPU "
-      "tensors a vectorised tanh-GELU, the same function within 2e-6; 2-3x LibTorch's speed on "
-      "its own, but no faster inside a training step on the 2-core AMD EPYC it was measured on, "
-      "hence not the default; docs/performance.md).")
+  add("training.kernels", &c.training.kernels, S("tessel"),
+      "tessel: Tessel's own kernels where they apply: on fp32 CPU tensors a vectorised tanh-GELU "
+      "over the intra-op threads, the same function within 2e-6 of fp64, whose forward also "
+      "keeps its slope so that backward is one product (GELU's forward and backward about 2x "
+      "faster inside a step than LibTorch's; docs/performance.md). torch: LibTorch's operators "
+      "everywhere. Elsewhere (CUDA, bf16, fp16) both run LibTorch's.")
       .one_of({"tessel", "torch"});
   add("training.lean_logits", &c.training.lean_logits, true,
       "Fuse the output head with the cross-entropy and run them a chunk of tokens at a time, "

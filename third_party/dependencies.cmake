@@ -20,6 +20,19 @@ get_filename_component(Torch_DIR "${Torch_DIR}" REALPATH)
 find_package(Torch REQUIRED)
 message(STATUS "LibTorch ${Torch_VERSION} from ${Torch_DIR}")
 
+# The OpenMP runtime LibTorch's CPU library loads (GNU libgomp in the PyPI wheels, Intel's libiomp5
+# in some builds; both take GCC's -fopenmp code). Tessel's own threaded loops link that very file,
+# so the process holds one OpenMP runtime and one thread team.
+find_library(TESSEL_OPENMP_RUNTIME NAMES gomp iomp5 libgomp.so.1 libiomp5.so
+             PATHS "${TORCH_INSTALL_PREFIX}/lib" NO_DEFAULT_PATH)
+if(NOT TESSEL_OPENMP_RUNTIME)
+  find_package(OpenMP REQUIRED COMPONENTS CXX)
+  set(TESSEL_OPENMP_RUNTIME OpenMP::OpenMP_CXX)
+  message(STATUS "OpenMP: no runtime beside LibTorch in ${TORCH_INSTALL_PREFIX}/lib; the compiler's")
+else()
+  message(STATUS "OpenMP runtime: ${TESSEL_OPENMP_RUNTIME} (LibTorch's own)")
+endif()
+
 # TORCH_LIBRARIES carries its own compile flags through the `torch` target. torch_cuda must stay
 # linked although no symbol of ours references it, else CUDA cannot initialise at run time.
 add_library(tessel_torch INTERFACE)

@@ -176,10 +176,10 @@ LAYOUTS = [
     Row("moe_ep2_bf16_llama", "moe", "llama", 2, {"dp": 2, "ep": 2}, {"dtype": "bf16"}, None, (2e-3, None)),
     Row("moe_ep2_fp16_llama", "moe", "llama", 2, {"dp": 2, "ep": 2},
         {"dtype": "fp16", "loss_scale": {"initial": 1024.0, "growth_interval": 4}}, None, (2e-3, None)),
-    # lean logits (the head fused with the loss, in chunks) and Tessel's GELU against LibTorch's
-    # ops: the reference runs the defaults (lean, one chunk at these sizes; LibTorch's GELU)
+    # lean logits (the head fused with the loss, in chunks) and LibTorch's GELU against the
+    # defaults the reference runs (lean, one chunk at these sizes; Tessel's GELU)
     *[Row(f"unfused_logits_{arch}", "dp", arch, 1, {}, {"lean_logits": False}) for arch in ("gpt2", "llama")],
-    Row("tessel_kernels_gpt2", "dp", "gpt2", 1, {}, {"kernels": "tessel"}),
+    Row("torch_kernels_gpt2", "dp", "gpt2", 1, {}, {"kernels": "torch"}),
     *[Row(f"lean_chunk24_tp2_sp_{arch}", "tp", arch, 2, {"tp": 2, **SP}, {"lean_logits_chunk": 24})
       for arch in ("gpt2", "llama")],
 ]

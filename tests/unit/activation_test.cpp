@@ -29,6 +29,11 @@ TEST(Activations, GeluTanhCpuMatchesTorchWithinFloatRounding) {
   // And closer to the truth than LibTorch's own fp32 kernel, summed over the range.
   auto torch_err = (torch::gelu(x.detach(), "tanh").to(torch::kFloat64) - ref.detach()).abs();
   EXPECT_LE(fwd_err.sum().item<double>(), torch_err.sum().item<double>());
+  // Without a backward to come (evaluation) the forward alone runs: the same values, bitwise.
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::equal(gelu_tanh(x.detach()), y.detach()));
+  }
   // NaN in, NaN out; far tails: 0 (x -> -inf, within 1e-30) and x (x -> +inf).
   auto special = gelu_tanh(torch::tensor({std::numeric_limits<float>::quiet_NaN(), -1e4f, 1e4f}));
   EXPECT_TRUE(std::isnan(special[0].item<float>()));
