@@ -67,15 +67,16 @@ def token_file(out, vocab, n):
     return path
 
 
-def run_tessel(out, name, model, batch, seq, steps, cpu):
+def run_tessel(out, name, model, batch, seq, steps, cpu, graph=False):
     """Trains with tessel-train under tessel-launch (world 1); returns (tokens/s, MFU, GFLOP/token,
-    peak TFLOP/s, the resolved model section)."""
-    run_dir = os.path.join(out, re.sub(r"\W+", "_", name))
+    peak TFLOP/s, the resolved model section). `graph`: with training.cuda_graph."""
+    run_dir = os.path.join(out, re.sub(r"\W+", "_", name) + ("_graph" if graph else ""))
     sets = [f"run.output_dir={run_dir}", f"training.steps={steps}", f"training.global_batch={batch}",
             f"training.micro_batch={batch}", f"training.seq_len={seq}", "training.eval_every=0",
             "logging.every=1", "checkpoint.every=0", "checkpoint.resume=never",
             f"training.device={'cpu' if cpu else 'cuda'}", f"training.dtype={'fp32' if cpu else 'bf16'}",
-            f"parallel.backend={'gloo' if cpu else 'nccl'}", "training.schedule.warmup_steps=2"]
+            f"parallel.backend={'gloo' if cpu else 'nccl'}", "training.schedule.warmup_steps=2",
+            f"training.cuda_graph={'true' if graph else 'false'}"]
     sets += [f"model.{k}={v}" for k, v in model.items()]
     vocab = dict(default_model(), **model)["vocab_size"]
     sets.append(f"data.path=[{token_file(out, vocab, batch * (seq + 1) * (steps + 2) + 10)}]")
@@ -169,6 +170,9 @@ def main():
         m = model_section(resolved)
         row = {"plan": name, "batch": batch, "seq": seq, "tessel_tok_s": tps, "tessel_mfu": mfu,
                "tessel_mem": mem}
+        if not cpu:  # the same plan with its step captured and replayed (training.cuda_graph)
+            row["graph_tok_s"], row["graph_mfu"] = run_tessel(a.out, name, model, batch, seq, steps, cpu,
+                                                              graph=True)[:2]
         for label, comp in (("eager", False), ("compile", True)):
             try:
                 t, pmem = run_pytorch(m, batch, seq, steps, cpu, comp)
@@ -181,9 +185,10 @@ def main():
     print(f"# bench/gpu.sh on {device}, torch {torch.__version__}, commit "
           f"{commit()}"
           f"{' (CPU dry path: not a figure to report)' if cpu else ''}")
-    print("| plan | batch x seq | Tessel tok/s | MFU | peak GiB | PyTorch eager tok/s | MFU | peak GiB | "
-          "torch.compile tok/s | MFU | peak GiB | Tessel / eager | Tessel / compile |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| plan | batch x seq | Tessel tok/s | MFU | peak GiB | Tessel + CUDA graph tok/s | MFU | "
+          "PyTorch eager tok/s | MFU | peak GiB | torch.compile tok/s | MFU | peak GiB | Tessel / eager | "
+          "Tessel / compile |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         def cell(k):
             return f"{r[k + '_tok_s']:.0f} | {100 * r[k + '_mfu']:.1f}% | {r[k + '_mem'] / 2**30:.2f}" \
@@ -191,7 +196,8 @@ def main():
         ratio = lambda k: f"{r['tessel_tok_s'] / r[k + '_tok_s']:.2f}" if k + "_tok_s" in r else "-"  # noqa: E731
         print(f"| {r['plan']} | {r['batch']}x{r['seq']} | {r['tessel_tok_s']:.0f} | {100 * r['tessel_mfu']:.1f}% | "
               f"{r['tessel_mem'] / 2**30:.2f} | "
-              f"{cell('eager')} | {cell('compile')} | {ratio('eager')} | {ratio('compile')} |")
+              + (f"{r['graph_tok_s']:.0f} | {100 * r['graph_mfu']:.1f}% | " if "graph_tok_s" in r else "- | - | ")
+              + f"{cell('eager')} | {cell('compile')} | {ratio('eager')} | {ratio('compile')} |")
     with open(os.path.join(a.out, "gpu_bench.json"), "w") as f:
         json.dump({"device": device, "cpu_dry_path": cpu, "results": results}, f, indent=1)
 

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -96,6 +97,9 @@ void add_moe_figures(const StepLine& s, nlohmann::json& j, TensorBoardWriter* tb
     moe[fmt::format("moe/tokens_expert_{:03d}", e)] = s.moe.tokens_per_expert[e];
   tb->scalars(s.step, moe);
 }
+// Exposed communication, or n/a where it was not measured (NaN: a replayed CUDA graph; the
+// metrics file then holds null).
+std::string comm_text(double ms) { return std::isnan(ms) ? "n/a" : fmt::format("{:.1f} ms", ms); }
 }  // namespace
 
 void MetricsLog::step(const StepLine& s) {
@@ -134,10 +138,10 @@ void MetricsLog::step(const StepLine& s) {
   spdlog::info(
       "step {:>{}}/{} | loss {:.4f} | lr {:.3e} | norm {:.3f} | {:.1f} ms | {:.0f} tok/s/device "
       "({:.0f} global) | {:.3f} "
-      "TFLOP/s | MFU {:.2f}% | mem {:.2f} GiB | comm {:.1f} ms{}{} | ETA {}",
+      "TFLOP/s | MFU {:.2f}% | mem {:.2f} GiB | comm {}{}{} | ETA {}",
       s.step, std::to_string(s.steps).size(), s.steps, s.loss, s.lr, s.grad_norm, s.ms_per_step,
       s.tokens_per_s, tokens_per_s_global, s.tflops_per_device, 100.0 * s.mfu,
-      static_cast<double>(s.mem_bytes) / (1 << 30), s.comm_exposed_ms,
+      static_cast<double>(s.mem_bytes) / (1 << 30), comm_text(s.comm_exposed_ms),
       s.loss_scale != 1.0 || s.skipped_steps > 0
           ? fmt::format(" | scale {:g} (skipped {})", s.loss_scale, s.skipped_steps)
           : "",

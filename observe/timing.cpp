@@ -1,6 +1,7 @@
 #include "observe/timing.h"
 
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 
 #include <vector>
 
@@ -16,6 +17,14 @@ struct SpanTimer::Events {
   }
 };
 
+namespace {
+// Inside a CUDA graph capture (training.cuda_graph) an event recorded on the stream is a node of
+// the graph, not a time the host can read after a replay: spans are not recorded there.
+bool capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+}  // namespace
+
 SpanTimer::SpanTimer(bool device_side) : device_side_(device_side) {
   if (device_side_) events_ = std::make_unique<Events>();
 }
@@ -24,18 +33,20 @@ SpanTimer::SpanTimer(SpanTimer&&) noexcept = default;
 SpanTimer& SpanTimer::operator=(SpanTimer&&) noexcept = default;
 
 void SpanTimer::start() {
-  if (device_side_)
-    events_->next().record();
-  else
+  if (device_side_) {
+    if (!capturing()) events_->next().record();
+  } else {
     t0_ = std::chrono::steady_clock::now();
+  }
 }
 
 void SpanTimer::stop() {
-  if (device_side_)
-    events_->next().record();
-  else
+  if (device_side_) {
+    if (!capturing()) events_->next().record();
+  } else {
     host_ms_ +=
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0_).count();
+  }
 }
 
 double SpanTimer::take_ms() {

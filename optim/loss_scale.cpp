@@ -17,6 +17,10 @@ LossScaler::LossScaler(const TrainingConfig& t, const torch::Device& device)
 }
 
 torch::Tensor LossScaler::update(const torch::Tensor& grad_norm, int64_t step) {
+  return update(grad_norm, torch::full({}, step, bad_step_.options()));
+}
+
+torch::Tensor LossScaler::update(const torch::Tensor& grad_norm, const torch::Tensor& step) {
   auto found = torch::isfinite(grad_norm).logical_not().to(torch::kFloat32);
   if (dynamic_) {
     const auto& s = t_.loss_scale;
@@ -25,8 +29,7 @@ torch::Tensor LossScaler::update(const torch::Tensor& grad_norm, int64_t step) {
     scale_.clamp_min_(s.min_scale);
     skipped_.add_(found.to(torch::kInt64));
   } else {
-    bad_step_.copy_(torch::where((found > 0).logical_and(bad_step_ == 0),
-                                 torch::full({}, step, bad_step_.options()), bad_step_));
+    bad_step_.copy_(torch::where((found > 0).logical_and(bad_step_ == 0), step, bad_step_));
   }
   return found;
 }

@@ -277,14 +277,27 @@ torch::Tensor FlatAdamW::clip_grad_norm(double max_norm,
 }
 
 void FlatAdamW::step(double lr, const torch::Tensor& found_inf) {
+  step(torch::full({}, lr, torch::dtype(torch::kFloat64)), found_inf);
+}
+
+void FlatAdamW::step(const torch::Tensor& lr, const torch::Tensor& found_inf) {
   step_count_.add_(1);
   const auto& o = t_.optimizer;
   std::optional<at::Tensor> skip;
   if (found_inf.defined()) skip = found_inf;
-  for (const auto& grp : groups_)
-    at::_fused_adamw_(grp.w, grp.g, grp.m, grp.v, {}, grp.steps, lr, o.betas[0], o.betas[1],
-                      grp.decay ? o.weight_decay : 0.0, o.eps, /*amsgrad=*/false,
-                      /*maximize=*/false, /*grad_scale=*/std::nullopt, skip);
+  const bool on_host = lr.device().is_cpu();
+  const double host_lr = on_host ? lr.item<double>() : 0.0;  // a CPU scalar: no device sync
+  for (const auto& grp : groups_) {
+    const double decay = grp.decay ? o.weight_decay : 0.0;
+    if (on_host)
+      at::_fused_adamw_(grp.w, grp.g, grp.m, grp.v, {}, grp.steps, host_lr, o.betas[0], o.betas[1],
+                        decay, o.eps, /*amsgrad=*/false, /*maximize=*/false,
+                        /*grad_scale=*/std::nullopt, skip);
+    else
+      at::_fused_adamw_(grp.w, grp.g, grp.m, grp.v, {}, grp.steps, lr, o.betas[0], o.betas[1],
+                        decay, o.eps, /*amsgrad=*/false, /*maximize=*/false,
+                        /*grad_scale=*/std::nullopt, skip);
+  }
   if (found_inf.defined()) step_count_.sub_(found_inf);  // a skipped step does not count
   refresh_weights();
   (grad_.defined() ? grad_ : grad_shard_).zero_();

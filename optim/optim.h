@@ -85,6 +85,10 @@ class FlatAdamW {
   /// One AdamW step at learning rate `lr`, then clears the gradients. `found_inf` (fp32 scalar
   /// on the device, 0 or 1): 1 skips the update and the step count, without a host sync.
   void step(double lr, const torch::Tensor& found_inf = {});
+  /// The same with the learning rate in a scalar tensor: read on the host when it is a CPU tensor
+  /// (the double path above, bitwise); on CUDA a float32 device scalar the fused kernel reads,
+  /// so that a captured step (training.cuda_graph) takes each step's rate from it.
+  void step(const torch::Tensor& lr, const torch::Tensor& found_inf = {});
 
   /// Resume, one tensor at a time: this rank's (tensor-parallel local) slice of parameter
   /// `name`'s master weights (kind 0), first moment (1) or second moment (2), any shape with the

@@ -272,6 +272,7 @@ class Validator {
     check_model();
     check_training();
     check_data_and_checkpoint();
+    check_cuda_graph();
     // The layout is checked against the world size by parallel::check_layout (it needs the world).
     if (!errors_.empty()) {
       std::string all;
@@ -389,6 +390,33 @@ class Validator {
               "checkpoint.accept_changes",
               "checkpoint.accept_changes: '" + key + "' is not a plan key; did you mean '" +
                   nearest_key(key) + "'?");
+  }
+
+  // A captured step replays its device work only: whatever the host decides inside a step must
+  // be the same every step, and every wait must be on the device.
+  void check_cuda_graph() {
+    const auto& t = c_.training;
+    const auto& p = c_.parallel;
+    if (!t.cuda_graph) return;
+    const std::string why = "training.cuda_graph captures one step and replays it";
+    require(t.device == "cuda", "training.cuda_graph",
+            "training.cuda_graph needs training.device cuda (it is " + t.device +
+                "): CUDA graphs are a CUDA feature");
+    require(p.backend != "gloo", "parallel.backend",
+            why +
+                ": its collectives must be NCCL's (queued on the device); parallel.backend "
+                "gloo waits on the host");
+    require(p.pp == 1, "parallel.pp",
+            why + ": with parallel.pp " + std::to_string(p.pp) +
+                " the pipeline's transfers and schedule are driven from the host; use pp 1");
+    require(p.zero == 0, "parallel.zero",
+            why + ": ZeRO " + std::to_string(p.zero) +
+                " gathers and releases weights by host bookkeeping across steps; use zero 0");
+    require(c_.model.moe.experts == 0, "model.moe.experts",
+            why +
+                ": a mixture of experts routes tokens in shapes known only at run time "
+                "(model.moe.experts " +
+                std::to_string(c_.model.moe.experts) + ")");
   }
 
   std::string betas_text() const {

@@ -94,6 +94,7 @@ struct TrainingConfig {
   std::string kernels;    // tessel | torch: Tessel's own fused kernels where they apply, or not
   bool lean_logits;       // head fused with the loss, in chunks of tokens (parallel/tp/head_loss.h)
   int64_t lean_logits_chunk;  // tokens per chunk; 0: chunks of at most 64 MiB of fp32 logits
+  bool cuda_graph;  // CUDA: the steady-state step captured once and replayed (run/step_graph.h)
   std::string activation_checkpointing;  // alias of recompute, resolved into it at load
   int64_t steps, global_batch, micro_batch, seq_len;
   double grad_clip;

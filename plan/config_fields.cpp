@@ -207,22 +207,6 @@ void add_training_fields(FieldAdder& add, Config& c) {
       "largest per token) in backward. full: keep only each block's input and rerun the whole "
       "block in backward (about one more forward of compute).")
       .one_of({"none", "selective", "full"});
-  add("training.kernels", &c.training.kernels, S("tessel"),
-      "tessel: Tessel's own kernels where they apply: on fp32 CPU tensors a vectorised tanh-GELU "
-      "over the intra-op threads, the same function within 2e-6 of fp64, whose forward also "
-      "keeps its slope so that backward is one product (GELU's forward and backward about 2x "
-      "faster inside a step than LibTorch's; docs/performance.md). torch: LibTorch's operators "
-      "everywhere. Elsewhere (CUDA, bf16, fp16) both run LibTorch's.")
-      .one_of({"tessel", "torch"});
-  add("training.lean_logits", &c.training.lean_logits, true,
-      "Fuse the output head with the cross-entropy and run them a chunk of tokens at a time, "
-      "making the gradients as each chunk's logits are made: a micro-batch's [tokens, vocab/tp] "
-      "logits are never held at once (the same matmuls; the loss equal within float rounding). "
-      "false: the whole logits, then the loss.");
-  add("training.lean_logits_chunk", &c.training.lean_logits_chunk, int64_t{0},
-      "With training.lean_logits: tokens per chunk. 0 = as many as keep one chunk's fp32 logits "
-      "within 64 MiB.")
-      .range(0);
   add("training.activation_checkpointing", &c.training.activation_checkpointing, S("none"),
       "The same setting as training.recompute, under its earlier name: either "
       "name sets both (--set of one overrides the plan's other; a plan giving both must agree).")
@@ -248,6 +232,35 @@ void add_training_fields(FieldAdder& add, Config& c) {
       "CPU threads for intra-op parallelism. auto = torch's default.")
       .range(0)
       .allow_auto();
+}
+
+// training.*: what makes a step fast, none of it changing what is trained (float rounding aside)
+void add_training_speed_fields(FieldAdder& add, Config& c) {
+  add("training.kernels", &c.training.kernels, S("tessel"),
+      "tessel: Tessel's own kernels where they apply: on fp32 CPU tensors a vectorised tanh-GELU "
+      "over the intra-op threads, the same function within 2e-6 of fp64, whose forward also "
+      "keeps its slope so that backward is one product (GELU's forward and backward about 2x "
+      "faster inside a step than LibTorch's; docs/performance.md). torch: LibTorch's operators "
+      "everywhere. Elsewhere (CUDA, bf16, fp16) both run LibTorch's.")
+      .one_of({"tessel", "torch"});
+  add("training.lean_logits", &c.training.lean_logits, true,
+      "Fuse the output head with the cross-entropy and run them a chunk of tokens at a time, "
+      "making the gradients as each chunk's logits are made: a micro-batch's [tokens, vocab/tp] "
+      "logits are never held at once (the same matmuls; the loss equal within float rounding). "
+      "false: the whole logits, then the loss.");
+  add("training.lean_logits_chunk", &c.training.lean_logits_chunk, int64_t{0},
+      "With training.lean_logits: tokens per chunk. 0 = as many as keep one chunk's fp32 logits "
+      "within 64 MiB.")
+      .range(0);
+  add("training.cuda_graph", &c.training.cuda_graph, false,
+      "CUDA: after 3 eager warm-up steps, capture one whole training step (forward, backward, "
+      "gradient all-reduces, clipping, the optimizer) as a CUDA graph and replay it for every "
+      "later step: one launch per step instead of thousands. The batch, learning rate and step "
+      "number reach it through fixed device buffers, so the replays compute what eager steps "
+      "would (the same kernels in the same order). Needs training.device cuda, the NCCL backend, "
+      "and a step whose shapes and host decisions never change: parallel.pp 1, parallel.zero 0, "
+      "no mixture of experts. If capture fails the run goes on eagerly, saying why in the log. "
+      "Exposed communication time is not measured inside a graph (logged as n/a).");
 }
 
 // training.optimizer.* and training.schedule.*
@@ -377,6 +390,7 @@ void mark_free_on_resume(std::vector<Field>& f) {
       {"training.recompute", "memory against time: the same losses"},
       {"training.kernels", "speed: the same functions, float rounding aside"},
       {"training.lean_logits", "memory: the same loss, float rounding aside"},
+      {"training.cuda_graph", "speed: the same kernels, replayed"},
       {"training.activation_checkpointing", "memory against time: the same losses"},
       {"training.threads", "speed"},
       {"training.eval_", "evaluation only"},
@@ -400,6 +414,7 @@ std::vector<Field> bind_fields(Config& c) {
   add_parallel_fields(add, c);
   add_parallel_pipeline_fields(add, c);
   add_training_fields(add, c);
+  add_training_speed_fields(add, c);
   add_training_optimizer_fields(add, c);
   add_training_loss_scale_fields(add, c);
   add_data_fields(add, c);

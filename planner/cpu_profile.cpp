@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "models/activation_kernels.h"
 #include "parallel/comm.h"
 #include "planner/model_plan.h"
 
@@ -46,7 +47,8 @@ struct ThreadsFor {
 class StepKernels {
  public:
   StepKernels(const Config& c, const models::ModelShape& m, torch::ScalarType dtype)
-      : llama_(m.arch == "llama") {
+      : llama_(m.arch == "llama"),
+        tessel_gelu_(!llama_ && c.training.kernels == "tessel" && dtype == torch::kFloat32) {
     const auto opts = torch::TensorOptions().dtype(dtype);
     const int64_t tp = std::max<int64_t>(1, c.parallel.tp),
                   cp = std::max<int64_t>(1, c.parallel.cp);
@@ -94,6 +96,14 @@ class StepKernels {
     out[0] = seconds(
         [&] { torch::mm(s[0], s[1].t()), torch::mm(s[2], s[1]), torch::mm(s[2].t(), s[0]); });
     out[2] = seconds([&] {
+      if (tessel_gelu_) {  // Tessel's: the forward writes y and the slope, backward multiplies
+        auto y = torch::empty_like(s[7]), slope = torch::empty_like(s[7]);
+        models::kernels::gelu_tanh_forward_slope(s[7].const_data_ptr<float>(),
+                                                 y.mutable_data_ptr<float>(),
+                                                 slope.mutable_data_ptr<float>(), s[7].numel());
+        auto dx = s[9] * slope;
+        return;
+      }
       if (!llama_) {  // tanh-GELU forward and backward
         at::gelu(s[7], "tanh"), at::gelu_backward(s[9], s[7], "tanh");
         return;
@@ -134,6 +144,7 @@ class StepKernels {
     return seconds_since(t0);
   }
   bool llama_;
+  bool tessel_gelu_;  // training.kernels tessel, fp32: Tessel's GELU (models/activations.h)
   int64_t t_, h_, f_, seq_, batch_, heads_, head_dim_, rows_;
   std::vector<std::vector<torch::Tensor>> sets_;
   size_t next_ = 0;

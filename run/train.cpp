@@ -275,21 +275,57 @@ void Trainer::log_state() const {
                kFlopsConvention, peak_.tflops, peak_.source);
 }
 
+void Trainer::stage_inputs(int64_t step) {
+  const auto& t = c_.training;
+  // This data rank's rows of the global batch (the next B positions of the global order).
+  const int64_t rows = t.global_batch / mesh_->layout().dp;
+  auto batch = to_device(data_->train_batch(consumed_ + mesh_->coord().dp * rows, rows), device_);
+  consumed_ += t.global_batch;
+  if (!in_.lr.defined()) {  // a CPU rate stays a double; CUDA's fused AdamW reads float32
+    in_.lr = torch::zeros(
+        {}, torch::dtype(device_.is_cuda() ? torch::kFloat32 : torch::kFloat64).device(device_));
+    in_.step = torch::zeros({}, torch::dtype(torch::kInt64).device(device_));
+    in_.vote = torch::zeros({}, torch::dtype(torch::kFloat32).device(device_));
+  }
+  // A captured step reads fixed buffers: copy into them. Eager steps take the batch as it is.
+  if (graph_ && in_.batch.defined())
+    in_.batch.copy_(batch);
+  else
+    in_.batch = graph_ ? batch.clone() : batch;
+  in_.lr.fill_(lr_at(t, step));
+  in_.step.fill_(step);
+  in_.vote.copy_(stop_->vote());
+}
+
 Trainer::StepOut Trainer::train_step(int64_t step) {
+  stage_inputs(step);
+  // The injected overflow (a test hook) changes what the step computes: never captured.
+  const bool overflow = step == c_.training.loss_scale.inject_overflow_step;
+  if (!graph_) return device_step(overflow);
+  StepOut out;
+  const auto ran = graph_->run(
+      overflow, [&] { out = device_step(overflow); }, [&] { reducer_->abandon_step(); });
+  if (ran == StepGraph::Ran::kCaptured) graph_out_ = out;
+  if (graph_->failed() && !graph_failure_logged_) {
+    graph_failure_logged_ = true;
+    spdlog::warn("training.cuda_graph: capturing step {} failed; every step runs eagerly: {}", step,
+                 graph_->failure());
+  } else if (ran == StepGraph::Ran::kCaptured) {
+    spdlog::info("training.cuda_graph: step {} captured; later steps replay it", step);
+  }
+  return ran == StepGraph::Ran::kEager ? out : graph_out_;
+}
+
+Trainer::StepOut Trainer::device_step(bool overflow) {
   const auto& t = c_.training;
   const auto& l = mesh_->layout();
   // ZeRO-1/2: the whole weights come back from the last update's pieces, waited for unit by unit
   // by this step's forward; started here so that a step holds its own gathers.
   if (weights_) weights_->start_all();
-  // This data rank's rows of the global batch (the next B positions of the global order).
-  const int64_t rows = t.global_batch / l.dp;
-  auto batch = data_->train_batch(consumed_ + mesh_->coord().dp * rows, rows);
-  consumed_ += t.global_batch;
-  batch = to_device(batch, device_);
+  const auto& batch = in_.batch;
   // The loss rule: sum of token losses over the global batch / its number of target tokens.
   const double scale = 1.0 / static_cast<double>(t.global_batch * t.seq_len);
   auto loss = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
-  const bool overflow = step == t.loss_scale.inject_overflow_step;  // testing hook
   begin_moe_step(scale);
   // The schedule decides the order of forwards and backwards (one stage: F0 B0 F1 B1 ...).
   parallel::pp::StageFns fns{
@@ -322,14 +358,14 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
       t.grad_clip,
       [&](torch::Tensor& sq) {
         auto both = torch::stack(
-            {adds_squares ? sq : torch::zeros_like(sq), stop_->vote().to(sq.scalar_type())});
+            {adds_squares ? sq : torch::zeros_like(sq), in_.vote.to(sq.scalar_type())});
         mesh_->world_group().all_reduce(both).wait();
         sq = both[0];
         votes = both[1];
       },
       scaler_->unscale());
   if (weights_) weights_->wait_all();  // every unit's gather has landed (the forward's waits)
-  opt_->step(lr_at(t, step), scaler_->update(norm, step));  // a non-finite step is skipped
+  opt_->step(in_.lr, scaler_->update(norm, in_.step));  // a non-finite step is skipped
   if (weights_) weights_->updated();
   if (gatherer_) gatherer_->release_all();
   update_balance_bias();  // MoE: after the update, from the step's choices
@@ -386,7 +422,9 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   // Device timers are read here, where the host waits for the loss anyway (every rank).
   const double loss = out.loss.item<double>(), norm = out.grad_norm.item<double>();  // host sync
   const double steps = static_cast<double>(step - last_log_step_);
-  const double exposed_ms = take_exposed_comm_ms() / steps;
+  // A replayed graph records no spans (observe/timing.h): exposed communication unmeasured.
+  const double exposed_ms = graph_ && graph_->captured() ? (take_exposed_comm_ms(), std::nan(""))
+                                                         : take_exposed_comm_ms() / steps;
   const auto pp = executor_->take_times();
   const int64_t timed = step - std::max(last_log_step_, first_step_);  // not the warm-up step
   pp_step_ms_ += pp.step_ms, pp_compute_ms_ += pp.compute_ms, pp_wait_ms_ += pp.wait_ms;
@@ -496,6 +534,8 @@ int Trainer::train() {
   last_log_step_ = first_step_ - 1;
   if (first_step_ > t.steps)
     spdlog::info("nothing to do: the checkpoint is at step {} of {}", first_step_ - 1, t.steps);
+  if (t.cuda_graph)  // after the warm-up steps, one captured step replayed (run/step_graph.h)
+    graph_ = std::make_unique<StepGraph>(make_cuda_graph_backend(), kGraphWarmupSteps);
   for (int64_t step = first_step_; step <= t.steps; ++step) {
     if (peers_) peers_->set_step(step);
     counters_->begin_step();
@@ -534,6 +574,7 @@ int Trainer::train() {
       return kExitStopped;
     }
   }
+  graph_.reset();  // back on the stream of before, the graph's memory freed
   report_end();
   return 0;
 }

@@ -20,6 +20,7 @@
 #include "planner/figures.h"
 #include "planner/model_plan.h"
 #include "run/startup.h"
+#include "run/step_graph.h"
 #include "run/stop.h"
 
 namespace tessel::parallel::dp {
@@ -78,6 +79,12 @@ class Trainer {
   void setup_state();
   void log_state() const;  // the start lines about parameters and state bytes
   StepOut train_step(int64_t step);
+  /// The step's inputs into in_ (host work: the batch, and the rate, step number and stop vote
+  /// as device scalars) before device_step runs or a captured step replays.
+  void stage_inputs(int64_t step);
+  /// Everything a step queues on the device, reading its inputs from in_ only and never waiting
+  /// on the host: what training.cuda_graph captures (run/step_graph.h).
+  StepOut device_step(bool overflow);
   double evaluate();
   void sync_replicated_grads();
   void check_finite() const;  // host sync: throws UserError naming the first non-finite step
@@ -124,6 +131,14 @@ class Trainer {
   // Pipeline figures summed over the steps after the first (which warms up): step, compute, wait.
   double pp_step_ms_ = 0, pp_compute_ms_ = 0, pp_wait_ms_ = 0;
   int64_t pp_steps_ = 0, pp_peak_activations_ = 0;
+  // A step's inputs: the rows of this data rank [rows, seq + 1], the learning rate, the step
+  // number and this rank's stop vote (scalars on the device; the rate float64 on the CPU).
+  struct StepInputs {
+    torch::Tensor batch, lr, step, vote;
+  } in_;
+  std::unique_ptr<StepGraph> graph_;  // training.cuda_graph; null otherwise
+  StepOut graph_out_;                 // the captured step's outputs, rewritten by each replay
+  bool graph_failure_logged_ = false;
   std::unique_ptr<data::Dataset> data_;
   std::unique_ptr<MetricsLog> metrics_;
   double flops_per_token_ = 0;

@@ -186,4 +186,11 @@ void GradReducer::finish() {
     }
 }
 
+void GradReducer::abandon_step() {
+  std::fill(final_.begin(), final_.end(), false);
+  for (auto& st : state_) st = BucketState{};
+  in_flight_.clear();
+  live_bucket_bytes_ = 0;
+}
+
 }  // namespace tessel::parallel::dp

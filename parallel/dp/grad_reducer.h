@@ -60,6 +60,10 @@ class GradReducer {
   void end_backward(int64_t chunk, bool final);
   /// After the step's last backward: waits for every bucket (orders the stream on NCCL).
   void finish();
+  /// Forgets a step left half-run by a failed CUDA graph capture (run/step_graph.h): its
+  /// collectives were recorded, never queued, so nothing is waited for; every bucket is empty
+  /// again and the next step starts as the first did.
+  void abandon_step();
   /// Milliseconds spent waiting on reductions since the last call (the communication backward
   /// did not hide); on CUDA read from events, so call it where the host waits anyway.
   double take_wait_ms() { return wait_.take_ms(); }
