@@ -259,7 +259,8 @@ void add_training_speed_fields(FieldAdder& add, Config& c) {
       "number reach it through fixed device buffers, so the replays compute what eager steps "
       "would (the same kernels in the same order). Needs training.device cuda, the NCCL backend, "
       "and a step whose shapes and host decisions never change: parallel.pp 1, parallel.zero 0, "
-      "no mixture of experts. If capture fails the run goes on eagerly, saying why in the log. "
+      "training.recompute none, no mixture of experts. If capture fails the run goes on eagerly, "
+      "saying why in the log. "
       "Exposed communication time is not measured inside a graph (logged as n/a).");
 }
 
