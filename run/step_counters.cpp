@@ -43,10 +43,13 @@ void StepCounters::begin_step() {
   base_ = allocated();
 }
 
-void StepCounters::end_step() {
-  for (auto k : parallel::all_group_kinds()) {
-    const auto& g = mesh_.group(k);
-    total_[k] += g.bytes() + g.sent_bytes() - at_begin_[k];
+void StepCounters::end_step(bool host_ran) {
+  if (host_ran) {
+    for (auto k : parallel::all_group_kinds()) {
+      const auto& g = mesh_.group(k);
+      total_[k] += g.bytes() + g.sent_bytes() - at_begin_[k];
+    }
+    ++host_steps_;
   }
   const int64_t peak = reset_peak();
   // The first step also allocates what lives on (lazy buffers, caches): steady state is the rest.
@@ -59,7 +62,7 @@ void StepCounters::end_step() {
 std::map<std::string, double> StepCounters::comm_bytes_per_step() const {
   std::map<std::string, double> out;
   for (const auto& [k, bytes] : total_)
-    out[parallel::group_name(k)] = steps_ ? static_cast<double>(bytes) / steps_ : 0.0;
+    out[parallel::group_name(k)] = host_steps_ ? static_cast<double>(bytes) / host_steps_ : 0.0;
   return out;
 }
 

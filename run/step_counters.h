@@ -19,8 +19,12 @@ class StepCounters {
  public:
   StepCounters(const parallel::Mesh& mesh, const torch::Device& device);
   void begin_step();
-  void end_step();
-  /// Mean payload bytes per step of each group (collectives + point-to-point sent), by name.
+  /// `host_ran`: false for a replayed CUDA graph (training.cuda_graph), whose collectives no
+  /// host code counted: the step then counts for memory, not for payload bytes.
+  void end_step(bool host_ran = true);
+  /// Steps whose payload bytes were counted.
+  int64_t host_steps() const { return host_steps_; }
+  /// Mean payload bytes per counted step of each group (collectives + point-to-point sent).
   std::map<std::string, double> comm_bytes_per_step() const;
   /// Largest memory a step allocated above what was allocated when it began (steps after the
   /// first, which also allocates lasting buffers; the first when it is the only one).
@@ -36,7 +40,7 @@ class StepCounters {
   const parallel::Mesh& mesh_;
   torch::Device device_;
   std::map<parallel::GroupKind, int64_t> at_begin_, total_;
-  int64_t steps_ = 0, base_ = 0, peak_extra_ = 0, peak_abs_ = 0;
+  int64_t steps_ = 0, host_steps_ = 0, base_ = 0, peak_extra_ = 0, peak_abs_ = 0;
 };
 
 }  // namespace tessel

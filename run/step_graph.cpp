@@ -14,6 +14,14 @@
 namespace tessel {
 namespace {
 
+template <class F>
+void quietly(F&& f) noexcept {
+  try {
+    f();
+  } catch (...) {  // cleanup after a failure: what is left is memory, not correctness
+  }
+}
+
 class CudaGraphBackend : public GraphBackend {
  public:
   void enter_stream() override {
@@ -33,36 +41,38 @@ class CudaGraphBackend : public GraphBackend {
     done.block(c10::cuda::getCurrentCUDAStream());
   }
   void begin() override {
+    // The warm-up steps' cached blocks back to the device first: a capture allocates a whole
+    // step again in its own pool, and nothing cached is released while it runs.
+    c10::cuda::device_synchronize();
+    c10::cuda::CUDACachingAllocator::emptyCache();
     graph_ = std::make_unique<at::cuda::CUDAGraph>();
     pool_ = at::cuda::graph_pool_handle();
+    capturing_ = true;  // before: capture_begin may fail after routing allocations to the pool
     // Thread-local: the checks apply to the capturing thread (and the autograd thread that
     // queues backward on its stream), not to NCCL's watchdog polling its events elsewhere.
     graph_->capture_begin(pool_, cudaStreamCaptureModeThreadLocal);
-    capturing_ = true;
   }
   void end() override {
-    capturing_ = false;
     graph_->capture_end();
+    capturing_ = false;  // after: a failing capture_end leaves the pool routing to undo
   }
   void abort() noexcept override {
     // End a capture the failure left open (CUDA invalidates it), hand its memory pool back to
-    // the allocator (capture_end would have), then drop what was made.
+    // the allocator (capture_end would have), then drop what was made. Each step on its own:
+    // one failing must not leave the others undone.
     const auto device = c10::cuda::current_device();
     cudaGraph_t partial = nullptr;
     if (cudaStreamEndCapture(c10::cuda::getCurrentCUDAStream(), &partial) == cudaSuccess && partial)
       cudaGraphDestroy(partial);
     (void)cudaGetLastError();  // the failed capture's error is reported by the caller
     if (capturing_) {
-      try {
-        c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool_);
-        at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool_);
-        c10::cuda::CUDACachingAllocator::releasePool(device, pool_);
-        at::getHostAllocator(at::kCUDA)->release_pool(pool_);
-      } catch (...) {  // the pool stays reserved: memory, not correctness
-      }
+      quietly([&] { c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool_); });
+      quietly([&] { at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool_); });
+      quietly([&] { c10::cuda::CUDACachingAllocator::releasePool(device, pool_); });
+      quietly([&] { at::getHostAllocator(at::kCUDA)->release_pool(pool_); });
     }
     capturing_ = false;
-    graph_.reset();
+    quietly([&] { graph_.reset(); });
   }
   void replay() override { graph_->replay(); }
 
@@ -70,7 +80,7 @@ class CudaGraphBackend : public GraphBackend {
   std::optional<c10::cuda::CUDAStreamGuard> guard_;
   std::unique_ptr<at::cuda::CUDAGraph> graph_;
   c10::MempoolId_t pool_{0, 0};
-  bool capturing_ = false;  // capture_begin done, capture_end not
+  bool capturing_ = false;  // from before capture_begin until capture_end returned
 };
 
 }  // namespace

@@ -9,6 +9,11 @@
 // is copied into a fixed device buffer before the step, and the step reads only those; nothing in
 // it waits on the host. The same code runs eagerly on every device, so the CPU tests exercise what
 // a GPU captures.
+//
+// After a failed capture LibTorch offers no way to take its default CUDA generator out of capture
+// mode: the eager steps that follow must draw no CUDA random numbers (Tessel's training steps draw
+// none: no dropout, and recomputation, which saves the generator's state, is refused with
+// training.cuda_graph).
 #pragma once
 
 #include <cstdint>

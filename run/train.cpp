@@ -281,9 +281,9 @@ void Trainer::stage_inputs(int64_t step) {
   const int64_t rows = t.global_batch / mesh_->layout().dp;
   auto batch = to_device(data_->train_batch(consumed_ + mesh_->coord().dp * rows, rows), device_);
   consumed_ += t.global_batch;
-  if (!in_.lr.defined()) {  // a CPU rate stays a double; CUDA's fused AdamW reads float32
-    in_.lr = torch::zeros(
-        {}, torch::dtype(device_.is_cuda() ? torch::kFloat32 : torch::kFloat64).device(device_));
+  if (!in_.lr.defined()) {  // a host double, but a float32 device scalar for a captured step
+    in_.lr = graph_ ? torch::zeros({}, torch::dtype(torch::kFloat32).device(device_))
+                    : torch::zeros({}, torch::dtype(torch::kFloat64));
     in_.step = torch::zeros({}, torch::dtype(torch::kInt64).device(device_));
     in_.vote = torch::zeros({}, torch::dtype(torch::kFloat32).device(device_));
   }
@@ -301,11 +301,16 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   stage_inputs(step);
   // The injected overflow (a test hook) changes what the step computes: never captured.
   const bool overflow = step == c_.training.loss_scale.inject_overflow_step;
-  if (!graph_) return device_step(overflow);
+  if (!graph_) {
+    auto out = device_step(overflow);
+    in_.batch = torch::Tensor();  // not held into the next step's figures
+    return out;
+  }
   StepOut out;
   const auto ran = graph_->run(
       overflow, [&] { out = device_step(overflow); }, [&] { reducer_->abandon_step(); });
   if (ran == StepGraph::Ran::kCaptured) graph_out_ = out;
+  replayed_ = ran == StepGraph::Ran::kReplayed;
   if (graph_->failed() && !graph_failure_logged_) {
     graph_failure_logged_ = true;
     spdlog::warn("training.cuda_graph: capturing step {} failed; every step runs eagerly: {}", step,
@@ -543,7 +548,7 @@ int Trainer::train() {
     StepOut out = train_step(step);
     if (profiler_)
       if (auto table = profiler_->after_step(step); !table.empty()) spdlog::info("{}", table);
-    counters_->end_step();
+    counters_->end_step(/*host_ran=*/!replayed_);      // a replay's collectives go uncounted
     if (step == first_step_) executor_->take_times();  // the warm-up step is not timed
     const bool last = step == t.steps, stop = stop_->stop_after(out.stop_votes);  // every rank's
     if (step % c_.logging.every == 0 || last || stop) log_step(step, out);
@@ -580,10 +585,9 @@ int Trainer::train() {
 }
 
 void Trainer::report_end() {
-  const auto& t = c_.training;
   if (mesh_->layout().pp > 1) report_pipeline();
   report_memory();
-  const int64_t steps = t.steps - first_step_ + 1;
+  const int64_t steps = counters_->host_steps();  // a replayed step's payloads go uncounted
   if (const auto& tp = mesh_->group(parallel::GroupKind::kTp); tp.size() > 1 && steps > 0)
     spdlog::info(
         "tensor-parallel traffic: {} bytes per step per rank (collective payloads, training and "

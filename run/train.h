@@ -139,6 +139,7 @@ class Trainer {
   std::unique_ptr<StepGraph> graph_;  // training.cuda_graph; null otherwise
   StepOut graph_out_;                 // the captured step's outputs, rewritten by each replay
   bool graph_failure_logged_ = false;
+  bool replayed_ = false;  // the last step was a replay: its host code did not run
   std::unique_ptr<data::Dataset> data_;
   std::unique_ptr<MetricsLog> metrics_;
   double flops_per_token_ = 0;
