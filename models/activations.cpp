@@ -15,11 +15,8 @@ class GeluTanhCpu : public torch::autograd::Function<GeluTanhCpu> {
     // Named in --profile's table: a custom function's forward is no dispatched operator, so
     // without this its time would count as its caller's.
     RECORD_FUNCTION("tessel::gelu_tanh", std::vector<c10::IValue>());
-    auto x = x_in.contiguous();
-    auto y = torch::empty_like(x), slope = torch::empty_like(x);
-    const float* px = x.const_data_ptr<float>();
-    float *py = y.mutable_data_ptr<float>(), *ps = slope.mutable_data_ptr<float>();
-    kernels::gelu_tanh_forward_slope(px, py, ps, x.numel());  // over the intra-op threads
+    torch::Tensor slope;
+    auto y = gelu_tanh_cpu(x_in, &slope);
     // The slope, not x, is kept: backward is one product (no exp), and x is needed by no one
     // else (the next linear keeps y), so the memory held is the same.
     ctx->save_for_backward({slope});
@@ -37,17 +34,24 @@ bool gelu_tanh_uses_cpu_kernel(const torch::Tensor& x) {
   return x.device().is_cpu() && x.scalar_type() == torch::kFloat32;
 }
 
-torch::Tensor gelu_tanh(const torch::Tensor& x) {
-  if (gelu_tanh_uses_cpu_kernel(x) && !(torch::GradMode::is_enabled() && x.requires_grad())) {
-    auto xc = x.contiguous();  // no backward to come (evaluation, generation): y alone
-    auto y = torch::empty_like(xc);
-    const float* px = xc.const_data_ptr<float>();
-    float* py = y.mutable_data_ptr<float>();
-    kernels::gelu_tanh_forward(px, py, xc.numel());
+torch::Tensor gelu_tanh_cpu(const torch::Tensor& x, torch::Tensor* slope) {
+  auto xc = x.contiguous();
+  auto y = torch::empty_like(xc);
+  const float* px = xc.const_data_ptr<float>();
+  float* py = y.mutable_data_ptr<float>();
+  if (!slope) {
+    kernels::gelu_tanh_forward(px, py, xc.numel());  // over the intra-op threads
     return y;
   }
-  if (gelu_tanh_uses_cpu_kernel(x)) return GeluTanhCpu::apply(x);
-  return torch::gelu(x, "tanh");
+  *slope = torch::empty_like(xc);
+  kernels::gelu_tanh_forward_slope(px, py, slope->mutable_data_ptr<float>(), xc.numel());
+  return y;
+}
+
+torch::Tensor gelu_tanh(const torch::Tensor& x) {
+  if (!gelu_tanh_uses_cpu_kernel(x)) return torch::gelu(x, "tanh");
+  if (torch::GradMode::is_enabled() && x.requires_grad()) return GeluTanhCpu::apply(x);
+  return gelu_tanh_cpu(x);  // no backward to come (evaluation, generation): y alone
 }
 
 }  // namespace tessel::models

@@ -12,6 +12,10 @@ namespace tessel::models {
 /// ulps (docs/performance.md).
 torch::Tensor gelu_tanh(const torch::Tensor& x);
 
+/// Tessel's CPU kernel itself, without autograd (`x` fp32 on the CPU): GELU(x), and GELU'(x) into
+/// `slope` when given (from the same exp; what the autograd function keeps for backward).
+torch::Tensor gelu_tanh_cpu(const torch::Tensor& x, torch::Tensor* slope = nullptr);
+
 /// Whether gelu_tanh runs Tessel's CPU loops for `x` (else torch::gelu).
 bool gelu_tanh_uses_cpu_kernel(const torch::Tensor& x);
 

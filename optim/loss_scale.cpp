@@ -16,10 +16,6 @@ LossScaler::LossScaler(const TrainingConfig& t, const torch::Device& device)
   bad_step_ = torch::zeros({}, f32.dtype(torch::kInt64));
 }
 
-torch::Tensor LossScaler::update(const torch::Tensor& grad_norm, int64_t step) {
-  return update(grad_norm, torch::full({}, step, bad_step_.options()));
-}
-
 torch::Tensor LossScaler::update(const torch::Tensor& grad_norm, const torch::Tensor& step) {
   auto found = torch::isfinite(grad_norm).logical_not().to(torch::kFloat32);
   if (dynamic_) {

@@ -25,11 +25,9 @@ class LossScaler {
   const torch::Tensor& scale() const { return scale_; }
   /// What the gradients are multiplied by before clipping (undefined without fp16).
   torch::Tensor unscale() const { return dynamic_ ? scale_.reciprocal() : torch::Tensor(); }
-  /// After the gradient norm of step `step`: returns found_inf (fp32 0/1 device scalar) and
-  /// updates the scale (fp16) or the first non-finite step (others).
-  torch::Tensor update(const torch::Tensor& grad_norm, int64_t step);
-  /// The same with the step number in an int64 scalar on the scale's device (a captured step
-  /// reads it from there: training.cuda_graph).
+  /// After the gradient norm of step `step` (an int64 scalar on the scale's device, so that a
+  /// captured step reads it there: training.cuda_graph): returns found_inf (fp32 0/1 device
+  /// scalar) and updates the scale (fp16) or the first non-finite step (others).
   torch::Tensor update(const torch::Tensor& grad_norm, const torch::Tensor& step);
 
   // Host reads (log and checkpoint steps only).

@@ -285,19 +285,18 @@ void FlatAdamW::step(const torch::Tensor& lr, const torch::Tensor& found_inf) {
   const auto& o = t_.optimizer;
   std::optional<at::Tensor> skip;
   if (found_inf.defined()) skip = found_inf;
-  const bool on_host = lr.device().is_cpu();
-  const double host_lr = on_host ? lr.item<double>() : 0.0;  // a CPU scalar: no device sync
-  for (const auto& grp : groups_) {
-    const double decay = grp.decay ? o.weight_decay : 0.0;
-    if (on_host)
-      at::_fused_adamw_(grp.w, grp.g, grp.m, grp.v, {}, grp.steps, host_lr, o.betas[0], o.betas[1],
-                        decay, o.eps, /*amsgrad=*/false, /*maximize=*/false,
-                        /*grad_scale=*/std::nullopt, skip);
-    else
-      at::_fused_adamw_(grp.w, grp.g, grp.m, grp.v, {}, grp.steps, lr, o.betas[0], o.betas[1],
-                        decay, o.eps, /*amsgrad=*/false, /*maximize=*/false,
-                        /*grad_scale=*/std::nullopt, skip);
-  }
+  // A CPU rate is read on the host (the double path, no device sync); a device rate is read by
+  // the kernel. The same call either way.
+  auto update = [&](const auto& rate) {
+    for (const auto& grp : groups_)
+      at::_fused_adamw_(grp.w, grp.g, grp.m, grp.v, {}, grp.steps, rate, o.betas[0], o.betas[1],
+                        grp.decay ? o.weight_decay : 0.0, o.eps, /*amsgrad=*/false,
+                        /*maximize=*/false, /*grad_scale=*/std::nullopt, skip);
+  };
+  if (lr.device().is_cpu())
+    update(lr.item<double>());
+  else
+    update(lr);
   if (found_inf.defined()) step_count_.sub_(found_inf);  // a skipped step does not count
   refresh_weights();
   (grad_.defined() ? grad_ : grad_shard_).zero_();

@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "models/activation_kernels.h"
+#include "models/activations.h"
 #include "parallel/comm.h"
 #include "planner/model_plan.h"
 
@@ -97,10 +97,8 @@ class StepKernels {
         [&] { torch::mm(s[0], s[1].t()), torch::mm(s[2], s[1]), torch::mm(s[2].t(), s[0]); });
     out[2] = seconds([&] {
       if (tessel_gelu_) {  // Tessel's: the forward writes y and the slope, backward multiplies
-        auto y = torch::empty_like(s[7]), slope = torch::empty_like(s[7]);
-        models::kernels::gelu_tanh_forward_slope(s[7].const_data_ptr<float>(),
-                                                 y.mutable_data_ptr<float>(),
-                                                 slope.mutable_data_ptr<float>(), s[7].numel());
+        torch::Tensor slope;
+        auto y = models::gelu_tanh_cpu(s[7], &slope);
         auto dx = s[9] * slope;
         return;
       }
