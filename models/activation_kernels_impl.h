@@ -50,3 +50,23 @@ inline void gelu_tanh_forward_slope(const float* x, float* y, float* slope, int6
     slope[i] = s + v * (e * s * s) * (2.0f * kC) * (1.0f + 3.0f * kA * v * v);
   }
 }
+
+// SwiGLU: y = silu(g)·u with silu(g) = g·sigmoid(g) = g / (1 + e^-g).
+inline void swiglu_forward(const float* g, const float* u, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = g[i];
+    y[i] = v / (1.0f + exp_clamped(-v)) * u[i];
+  }
+}
+
+// dg = dy·u·sigmoid(g)·(1 + g·(1 - sigmoid(g))), du = dy·silu(g).
+inline void swiglu_backward(const float* dy, const float* g, const float* u, float* dg, float* du,
+                            int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = g[i], s = 1.0f / (1.0f + exp_clamped(-v));
+    du[i] = dy[i] * (v * s);
+    dg[i] = dy[i] * u[i] * (s * (1.0f + v * (1.0f - s)));
+  }
+}

@@ -1,5 +1,6 @@
 #include "models/layers.h"
 #include "models/activations.h"
+#include "models/fused_ops.h"
 #include "models/moe.h"
 #include "models/recompute.h"
 
@@ -52,10 +53,7 @@ NormImpl::NormImpl(int64_t dim, double eps, bool layer_norm) : eps_(eps), layer_
 
 torch::Tensor NormImpl::forward(const torch::Tensor& x) {
   if (layer_norm_) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps_);
-  // RMSNorm as Hugging Face's LlamaRMSNorm: statistics in fp32, scale in the weight's dtype.
-  auto x32 = x.to(torch::kFloat32);
-  auto y = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps_);
-  return weight * y.to(x.scalar_type());
+  return rms_norm(x, weight, eps_, tessel_kernels);
 }
 
 AttentionImpl::AttentionImpl(const DecoderOptions& opt)
@@ -91,15 +89,7 @@ AttentionImpl::AttentionImpl(const DecoderOptions& opt)
   }
 }
 
-namespace {
-// Rotate-half RoPE (GPT-NeoX / Hugging Face Llama convention). x: [b, heads, s, d].
-torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos,
-                         const torch::Tensor& sin) {
-  auto halves = x.chunk(2, -1);
-  auto rotated = torch::cat({-halves[1], halves[0]}, -1);
-  return x * cos + rotated * sin;
-}
-}  // namespace
+namespace {}  // namespace
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                      const torch::Tensor& sin) {
@@ -117,8 +107,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   }
   if (q_norm) qh = q_norm(qh), kh = k_norm(kh);
   if (cos.defined()) {
-    qh = apply_rope(qh, cos, sin);
-    kh = apply_rope(kh, cos, sin);
+    qh = rope(qh, cos, sin, tessel_kernels);
+    kh = rope(kh, cos, sin, tessel_kernels);
   }
   if (cache) {  // generation: earlier positions' keys and values come first
     if (cache->k.defined()) {
@@ -132,7 +122,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
               "cached attention takes a whole prompt or one token at a time");
   auto y =
       cp_ ? parallel::cp::attention(*cp_, static_cast<parallel::cp::Method>(cp_method_), qh, kh, vh)
-          : parallel::dense_attention(qh, kh, vh, /*causal=*/qh.size(2) == kh.size(2));
+          : parallel::dense_attention(qh, kh, vh, /*causal=*/qh.size(2) == kh.size(2),
+                                      tessel_kernels);
   return o(y.transpose(1, 2).reshape({b, s, heads_ * head_dim_}));
 }
 
@@ -146,7 +137,7 @@ MlpImpl::MlpImpl(const DecoderOptions& o) : tp_(o.tp), sp_(o.sequence_parallel) 
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
   auto xf = tp::enter(*tp_, x, sp_);
-  if (gate) return down(torch::silu(gate->forward_entered(xf)) * up->forward_entered(xf));
+  if (gate) return down(swiglu(gate->forward_entered(xf), up->forward_entered(xf), tessel_kernels));
   auto u = up->forward_entered(xf);
   return down(tessel_kernels ? gelu_tanh(u) : torch::gelu(u, "tanh"));
 }
@@ -173,9 +164,12 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& co
 
 void DecoderImpl::set_kernels(const std::string& kernels) {
   TORCH_CHECK(kernels == "tessel" || kernels == "torch", "kernels ", kernels);
-  for (auto& chunk : blocks_)
-    for (auto& b : chunk)
-      if (b->mlp) b->mlp->tessel_kernels = kernels == "tessel";
+  const bool own = kernels == "tessel";
+  for (const auto& m : modules()) {
+    if (auto* n = m->as<NormImpl>()) n->tessel_kernels = own;
+    if (auto* a = m->as<AttentionImpl>()) a->tessel_kernels = own;
+    if (auto* p = m->as<MlpImpl>()) p->tessel_kernels = own;
+  }
 }
 
 void DecoderImpl::set_lean_logits(bool on, int64_t chunk_tokens) {

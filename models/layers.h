@@ -76,6 +76,7 @@ class NormImpl : public torch::nn::Module {
   NormImpl(int64_t dim, double eps, bool layer_norm);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight, bias;
+  bool tessel_kernels = true;  // RMSNorm: models/fused_ops.h's CPU loops where they apply
 
  private:
   double eps_;
@@ -103,6 +104,7 @@ class AttentionImpl : public torch::nn::Module {
   /// While set (DecoderImpl::decode), forward appends this call's keys/values to it and attends
   /// over all of them: the new tokens follow the cached positions.
   KvCache* cache = nullptr;
+  bool tessel_kernels = true;  // Tessel's attention and RoPE kernels where they apply
 
  private:
   parallel::Group* tp_;
@@ -119,7 +121,7 @@ class MlpImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
   parallel::tp::ColumnParallelLinear up{nullptr}, gate{nullptr};
   parallel::tp::RowParallelLinear down{nullptr};
-  bool tessel_kernels = true;  // models/activations.h's GELU (else torch::gelu)
+  bool tessel_kernels = true;  // Tessel's GELU and SwiGLU where they apply (else LibTorch's)
 
  private:
   parallel::Group* tp_;
@@ -182,7 +184,8 @@ class DecoderImpl : public torch::nn::Module {
   /// training.recompute: none | selective (each block's MLP half) | full (each block kept as its
   /// input only and rerun in backward).
   void set_recompute(const std::string& mode);
-  /// training.kernels: tessel (models/activations.h where it applies) | torch (LibTorch's only).
+  /// training.kernels: tessel (Tessel's own CPU kernels where they apply: GELU, SwiGLU, RMSNorm,
+  /// RoPE, short-sequence attention) | torch (LibTorch's only).
   void set_kernels(const std::string& kernels);
   /// training.lean_logits: the loss through parallel/tp/head_loss.h in chunks of `chunk_tokens`
   /// (0: 64 MiB of fp32 logits per chunk); `on` false: whole logits, then the loss.

@@ -10,6 +10,8 @@
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/torch.h>
 
+#include "parallel/attention_cpu.h"
+
 namespace tessel::parallel {
 namespace {
 
@@ -42,7 +44,9 @@ torch::Tensor sum_heads(const torch::Tensor& g, int64_t kv_heads) {
 }
 
 torch::Tensor dense_attention(const torch::Tensor& q, const torch::Tensor& k,
-                              const torch::Tensor& v, bool causal) {
+                              const torch::Tensor& v, bool causal, bool tessel_kernels) {
+  if (tessel_kernels && short_attention_applies(q, k, causal))
+    return short_attention(q, k, v, causal);
   const auto in = sdpa_inputs(q, k, v);
   return at::scaled_dot_product_attention(q, in.k, in.v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                           causal, /*scale=*/std::nullopt, in.gqa);
@@ -68,7 +72,8 @@ std::string dense_attention_kernel(const torch::Tensor& q, const torch::Tensor& 
 
 std::string planned_attention_kernel(int64_t heads, int64_t kv_heads, int64_t seq_len,
                                      int64_t head_dim, torch::ScalarType dtype,
-                                     const torch::Device& device) {
+                                     const torch::Device& device, bool tessel_kernels) {
+  if (tessel_kernels && short_attention_applies(device, dtype, seq_len)) return "tessel";
   const auto o = torch::TensorOptions().dtype(dtype).device(device);
   const int64_t n = std::min<int64_t>(seq_len, 256);
   return dense_attention_kernel(torch::zeros({1, heads, n, head_dim}, o),

@@ -2,7 +2,9 @@
 // its inputs and outputs live. Everything that attends (the dense layer in models/, both context-
 // parallel methods in parallel/cp) calls these, so a kernel's layout contract is kept in one file.
 //
-// Dense causal attention goes through at::scaled_dot_product_attention, whose dispatcher picks
+// Dense attention on CPU in fp32 over short sequences runs Tessel's own kernel (attention_cpu.h)
+// unless training.kernels says torch. Otherwise it goes through at::scaled_dot_product_attention,
+// whose dispatcher picks
 // flash (CUDA, bf16/fp16, grouped-query heads natively), memory-efficient (CUDA, any float dtype,
 // equal head counts only) or the math kernel (a full [s, s] score matrix). On CUDA, fp32 with
 // grouped-query heads would fall to math; K/V heads are expanded for it instead.
@@ -34,19 +36,22 @@ torch::Tensor sum_heads(const torch::Tensor& g, int64_t kv_heads);
 
 /// Dense attention: q [b, heads, m, d] against k, v [b, kv_heads, n, d] (heads a multiple of
 /// kv_heads); causal aligned top-left (use it with m == n, or causal false). Differentiable.
+/// tessel_kernels (training.kernels tessel): Tessel's own kernel where it applies
+/// (parallel/attention_cpu.h: CPU, fp32, short sequences), SDPA otherwise.
 torch::Tensor dense_attention(const torch::Tensor& q, const torch::Tensor& k,
-                              const torch::Tensor& v, bool causal);
+                              const torch::Tensor& v, bool causal, bool tessel_kernels);
 /// The SDPA backend dense_attention gets for these inputs: "flash", "efficient", "cudnn", "math"
 /// (from at::_fused_sdp_choice on exactly the tensors it passes; the GPU tests assert it).
 std::string dense_attention_kernel(const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, bool causal);
 
 /// The kernel dense_attention gets for a plan's attention: `heads` query and `kv_heads` key/value
-/// heads (one tp rank's), head size `head_dim`, a causal sequence, in `dtype` on `device` (probed
-/// on a sequence of at most 256 tokens: the choice does not depend on its length).
+/// heads (one tp rank's), head size `head_dim`, a causal sequence of `seq_len` tokens, in `dtype`
+/// on `device`: "tessel" (Tessel's short-sequence CPU kernel) or SDPA's choice (probed on a
+/// sequence of at most 256 tokens: SDPA's choice does not depend on its length).
 std::string planned_attention_kernel(int64_t heads, int64_t kv_heads, int64_t seq_len,
                                      int64_t head_dim, torch::ScalarType dtype,
-                                     const torch::Device& device);
+                                     const torch::Device& device, bool tessel_kernels);
 
 /// One block of attention and its log-sum-exp: q [b, h, m, d] against k, v [b, h, n, d] (equal
 /// head counts; causal: m == n and the block is on the diagonal). Returns (out [b, h, m, d] in

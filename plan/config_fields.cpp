@@ -237,11 +237,13 @@ void add_training_fields(FieldAdder& add, Config& c) {
 // training.*: what makes a step fast, none of it changing what is trained (float rounding aside)
 void add_training_speed_fields(FieldAdder& add, Config& c) {
   add("training.kernels", &c.training.kernels, S("tessel"),
-      "tessel: Tessel's own kernels where they apply: on fp32 CPU tensors a vectorised tanh-GELU "
-      "over the intra-op threads, the same function within 2e-6 of fp64, whose forward also "
-      "keeps its slope so that backward is one product (GELU's forward and backward about 2x "
-      "faster inside a step than LibTorch's; docs/performance.md). torch: LibTorch's operators "
-      "everywhere. Elsewhere (CUDA, bf16, fp16) both run LibTorch's.")
+      "tessel: Tessel's own kernels where they apply, on fp32 CPU tensors: vectorised tanh-GELU "
+      "and SwiGLU, RMSNorm and rotary embedding each as one pass forward and one backward, and "
+      "attention over at most 256 keys as two batched matmuls around one softmax pass (it keeps "
+      "each head's probabilities for backward: 4·heads·seq_len bytes per token and layer); the "
+      "same functions within float rounding (docs/performance.md). torch: LibTorch's operators "
+      "everywhere (SDPA's flash kernel for attention). Elsewhere (CUDA, bf16, fp16) both run "
+      "LibTorch's.")
       .one_of({"tessel", "torch"});
   add("training.lean_logits", &c.training.lean_logits, true,
       "Fuse the output head with the cross-entropy and run them a chunk of tokens at a time, "

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "models/activations.h"
+#include "parallel/attention_cpu.h"
 #include "parallel/comm.h"
 #include "planner/model_plan.h"
 
@@ -48,7 +49,10 @@ class StepKernels {
  public:
   StepKernels(const Config& c, const models::ModelShape& m, torch::ScalarType dtype)
       : llama_(m.arch == "llama"),
-        tessel_gelu_(!llama_ && c.training.kernels == "tessel" && dtype == torch::kFloat32) {
+        tessel_gelu_(!llama_ && c.training.kernels == "tessel" && dtype == torch::kFloat32),
+        short_attention_(
+            c.training.kernels == "tessel" && c.parallel.cp <= 1 &&
+            parallel::short_attention_applies(torch::kCPU, dtype, c.training.seq_len)) {
     const auto opts = torch::TensorOptions().dtype(dtype);
     const int64_t tp = std::max<int64_t>(1, c.parallel.tp),
                   cp = std::max<int64_t>(1, c.parallel.cp);
@@ -57,8 +61,8 @@ class StepKernels {
     // over a micro-batch's T tokens, h the hidden size and f the MLP's width on this rank.
     t_ = std::max<int64_t>(1, c.training.micro_batch * c.training.seq_len / cp);
     h_ = m.hidden, f_ = std::max<int64_t>(1, m.ffn_hidden / tp);
-    // Attention: SDPA's CPU kernels at the heads on one tp rank, head size and sequence (at most
-    // 2,048 tokens).
+    // Attention: the kernel a step runs (Tessel's short-sequence one or SDPA's flash) at the heads
+    // on one tp rank, head size and sequence (at most 2,048 tokens).
     seq_ = std::min<int64_t>(c.training.seq_len, 2048);
     batch_ = std::max<int64_t>(1, std::min<int64_t>(c.training.micro_batch, 4096 / seq_));
     heads_ = std::max<int64_t>(1, m.heads / tp), head_dim_ = m.head_dim();
@@ -111,6 +115,11 @@ class StepKernels {
       at::silu_backward(s[9] * s[7], s[8]);
     });
     out[1] = seconds([&] {
+      if (short_attention_) {
+        auto [o, saved] = parallel::short_attention_forward(s[3], s[4], s[5], true);
+        parallel::short_attention_backward(s[6], saved, true);
+        return;
+      }
       auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(s[3], s[4], s[5], 0.0, true);
       at::_scaled_dot_product_flash_attention_for_cpu_backward(s[6], s[3], s[4], s[5], o, lse, 0.0,
                                                                true);
@@ -142,7 +151,8 @@ class StepKernels {
     return seconds_since(t0);
   }
   bool llama_;
-  bool tessel_gelu_;  // training.kernels tessel, fp32: Tessel's GELU (models/activations.h)
+  bool tessel_gelu_;      // training.kernels tessel, fp32: Tessel's GELU (models/activations.h)
+  bool short_attention_;  // Tessel's short-sequence attention (parallel/attention_cpu.h)
   int64_t t_, h_, f_, seq_, batch_, heads_, head_dim_, rows_;
   std::vector<std::vector<torch::Tensor>> sets_;
   size_t next_ = 0;

@@ -11,6 +11,7 @@
 
 #include "models/registry.h"
 #include "optim/optim.h"
+#include "parallel/attention_cpu.h"
 #include "parallel/cp/attention.h"
 #include "parallel/pp/schedule.h"
 #include "parallel/tp/head_loss.h"
@@ -31,15 +32,21 @@ struct ActivationModel {
   double replicated, attn, kv, ffn, outside;
   double rerun = 0;  // recompute: share of one block's full activations live while it reruns
 };
-ActivationModel activation_model(const models::ModelShape& m, const std::string& recompute) {
-  const bool llama = m.arch == "llama";
-  ActivationModel a =
-      llama ? ActivationModel{6.5, 1.6, 2.0, 4.0, 3.3} : ActivationModel{4.76, 3.58, 0.0, 2.0, 2.3};
+// `own_kernels`: Tessel's fused CPU kernels run (training.kernels tessel, fp32 on the CPU); for
+// Llama its RMSNorm keeps x and one scale per row instead of also x·rsqrt (one h less per norm:
+// two per block, one outside) and its SwiGLU keeps gate and up, not also silu(gate) (one ffn less).
+ActivationModel activation_model(const models::ModelShape& m, const std::string& recompute,
+                                 bool own_kernels) {
+  const bool llama = m.arch == "llama", fused = llama && own_kernels;
+  ActivationModel a = !llama  ? ActivationModel{4.76, 3.58, 0.0, 2.0, 2.3}
+                      : fused ? ActivationModel{4.5, 1.6, 2.0, 3.0, 2.3}
+                              : ActivationModel{6.5, 1.6, 2.0, 4.0, 3.3};
   // Recomputation, measured the same way: full keeps each block's input (1·h per token) and
   // holds about half of one block's activations at the peak; selective keeps the MLP half's
   // input instead of its norm and ffn-wide tensors, and a quarter of one MLP's at the peak.
   if (recompute == "full") return {1.0, 0, 0, 0, a.outside, 0.5};
-  if (recompute == "selective") return {llama ? 4.5 : 3.76, a.attn, a.kv, 0.0, a.outside, 0.25};
+  if (recompute == "selective")
+    return {llama ? (fused ? 3.5 : 4.5) : 3.76, a.attn, a.kv, 0.0, a.outside, 0.25};
   return a;
 }
 
@@ -204,12 +211,14 @@ namespace {
 struct PlanBasis {
   models::ModelShape m;
   c10::ScalarType dtype;
-  double w;            // bytes per element of the compute dtype
-  bool sp;             // sequence parallelism in effect
-  int64_t mbs;         // micro-batches per step
-  double tok;          // tokens of one micro-batch on one rank (cp splits the sequence)
-  double h, tp, kvd;   // hidden size, tensor-parallel size, keys' (and values') width
-  double vocab_local;  // the head's rows on one tp rank
+  double w;                // bytes per element of the compute dtype
+  bool sp;                 // sequence parallelism in effect
+  int64_t mbs;             // micro-batches per step
+  double tok;              // tokens of one micro-batch on one rank (cp splits the sequence)
+  double h, tp, kvd;       // hidden size, tensor-parallel size, keys' (and values') width
+  double vocab_local;      // the head's rows on one tp rank
+  bool own_kernels;        // Tessel's fused CPU kernels run (activation_model)
+  double short_attention;  // bytes per token its short-sequence attention holds in a block
   ActivationModel a;
   parallel::pp::Simulation sim;  // the plan's pipeline schedule (gpipe when pp = 1)
   double per_layer;              // one micro-batch's saved activations in one block, bytes
@@ -247,7 +256,19 @@ double alltoall_repeated_kv(const Config& c, const parallel::Layout& l) {
   return static_cast<double>(parallel::cp::alltoall_kv_heads(kv, a) - kv);
 }
 
-PlanBasis plan_basis(const Config& c, const parallel::Layout& l) {
+// Bytes per token that Tessel's short-sequence CPU attention (parallel/attention_cpu.h) holds for
+// backward beyond what SDPA's kernels would: each head's fp32 probabilities over the sequence.
+double short_attention_bytes(const Config& c, const parallel::Layout& l,
+                             const models::ModelShape& m, torch::ScalarType dtype,
+                             bool own_kernels) {
+  const auto& t = c.training;
+  if (!own_kernels || l.cp > 1) return 0;
+  if (!parallel::short_attention_applies(torch::kCPU, dtype, t.seq_len)) return 0;
+  return 4.0 * static_cast<double>(m.heads / l.tp) * static_cast<double>(t.seq_len);
+}
+
+// `cpu`: the run computes on the CPU.
+PlanBasis plan_basis(const Config& c, const parallel::Layout& l, bool cpu) {
   namespace pp = parallel::pp;
   const auto& t = c.training;
   PlanBasis b;
@@ -262,7 +283,9 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l) {
   const double h = b.h = static_cast<double>(m.hidden), tp = b.tp = static_cast<double>(l.tp);
   const double kvd = b.kvd = static_cast<double>(m.kv_heads * m.head_dim());
   b.vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
-  const auto& a = b.a = activation_model(m, t.recompute);
+  b.own_kernels = cpu && t.kernels == "tessel" && b.dtype == torch::kFloat32;
+  const auto& a = b.a = activation_model(m, t.recompute, b.own_kernels);
+  b.short_attention = short_attention_bytes(c, l, m, b.dtype, b.own_kernels);
   b.sim = pp::simulate(pp::make_schedule(l.pp > 1 ? c.parallel.pipeline_schedule : "gpipe", l.pp,
                                          b.mbs, l.pp > 1 ? c.parallel.virtual_stages : 1));
 
@@ -274,7 +297,8 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l) {
                 (l.cp > 1 && c.parallel.context_method == "allgather" && t.recompute != "full"
                      ? w * static_cast<double>(t.micro_batch * t.seq_len) * 2 * kvd / tp
                      : 0.0) +
-                alltoall_repeated_kv(c, l) * 2 * static_cast<double>(m.head_dim()) * w * tok;
+                alltoall_repeated_kv(c, l) * 2 * static_cast<double>(m.head_dim()) * w * tok +
+                (t.recompute == "full" ? 0.0 : b.short_attention * tok);
   b.act_row = tok * h * w / (sp ? tp : 1.0);
   b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp, b.pp = l.pp;
   b.keep_gathered = c.parallel.zero3_keep_gathered;
@@ -426,12 +450,14 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   const double receiving = static_cast<double>(chunks - (part.first ? 1 : 0)) / chunks;
   if (l.pp > 1) r.activations += static_cast<double>(r.inflight) * receiving * b.act_row;
   if (t.recompute != "none" && r.layers > 0) {  // one block (full) or MLP (selective) rerun
-    const auto none = activation_model(m, "none");
+    const auto none = activation_model(m, "none", b.own_kernels);
     const double rerun_floats =
         t.recompute == "full" ? none.replicated * h / (sp ? tp : 1.0) +
                                     (none.attn * h + none.kv * kvd + none.ffn * m.ffn_hidden) / tp
                               : none.ffn * m.ffn_hidden / tp;
-    r.activations += a.rerun * w * tok * rerun_floats;
+    // The rerun block's attention probabilities are live whole until its backward.
+    r.activations +=
+        a.rerun * w * tok * rerun_floats + (t.recompute == "full" ? b.short_attention * tok : 0.0);
   }
   if (part.last) r.activations += head_bytes(t, b) + (a.outside - 1) * tok * h * w;
   add_zero_buffers(r, c, b);
@@ -702,7 +728,9 @@ int64_t micro_batch_for(const TrainingConfig& t, int64_t dp) {
 
 PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DeviceProfile& dev) {
   const auto& t = c.training;
-  const PlanBasis b = plan_basis(c, l);
+  // Where the run computes decides its kernels, whichever device the figures are predicted on.
+  const auto& device = c.training.device;
+  const PlanBasis b = plan_basis(c, l, device == "cpu" || (device == "auto" && dev.cpu));
   PlanEstimate e;
   e.world = l.world();
   add_step_flops(e, b, t);

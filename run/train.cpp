@@ -138,12 +138,14 @@ void Trainer::check_attention() {
   const int64_t carried = alltoall ? parallel::cp::alltoall_kv_heads(per_tp, par.cp) : per_tp;
   const int64_t heads = m.heads / par.tp / (alltoall ? par.cp : 1);
   const int64_t kv = carried / (alltoall ? par.cp : 1);
-  const auto kernel = parallel::planned_attention_kernel(heads, kv, c_.training.seq_len,
-                                                         m.head_dim(), dtype_, device_);
+  const auto kernel =
+      parallel::planned_attention_kernel(heads, kv, c_.training.seq_len, m.head_dim(), dtype_,
+                                         device_, !alltoall && c_.training.kernels == "tessel");
   attention_ = fmt::format(
-      "{}SDPA {} kernel ({} heads, {} key/value heads of {} per rank, {}){}",
-      alltoall ? "context parallel (alltoall): " : "", kernel, heads, kv, m.head_dim(),
-      c_.training.dtype,
+      "{}{} ({} heads, {} key/value heads of {} per rank, {}){}",
+      alltoall ? "context parallel (alltoall): " : "",
+      kernel == "tessel" ? "Tessel's short-sequence CPU kernel" : "SDPA " + kernel + " kernel",
+      heads, kv, m.head_dim(), c_.training.dtype,
       carried > per_tp ? fmt::format("; {} key/value heads per tp rank repeated x{} to split "
                                      "over cp {}",
                                      per_tp, carried / per_tp, par.cp)

@@ -248,14 +248,16 @@ torch::Tensor tokens_for_heads(Group& g, const torch::Tensor& y) {
   return back.transpose(1, 2).reshape({b, h * n, len, d});
 }
 
-// Ulysses: dense causal attention on every token (in global order) of 1/n of the heads.
+// Ulysses: dense causal attention on every token (in global order) of 1/n of the heads, through
+// SDPA's kernels (as the block methods: context parallelism is for sequences long past Tessel's
+// short-sequence kernel).
 torch::Tensor alltoall_attention(Group& g, const torch::Tensor& q, const torch::Tensor& k,
                                  const torch::Tensor& v) {
   const int64_t n = g.size(), c = q.size(2) / 2, hq = q.size(1) / n;
   const int64_t hk = alltoall_kv_heads(k.size(1), n) / n;
   auto seq = to_global_order(heads_for_tokens(g, q, k, v), 2, n, c);
   auto y = dense_attention(seq.narrow(1, 0, hq), seq.narrow(1, hq, hk), seq.narrow(1, hq + hk, hk),
-                           /*causal=*/true);
+                           /*causal=*/true, /*tessel_kernels=*/false);
   return tokens_for_heads(g, to_rank_order(y, 2, n, c));
 }
 

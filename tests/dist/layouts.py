@@ -176,10 +176,11 @@ LAYOUTS = [
     Row("moe_ep2_bf16_llama", "moe", "llama", 2, {"dp": 2, "ep": 2}, {"dtype": "bf16"}, None, (2e-3, None)),
     Row("moe_ep2_fp16_llama", "moe", "llama", 2, {"dp": 2, "ep": 2},
         {"dtype": "fp16", "loss_scale": {"initial": 1024.0, "growth_interval": 4}}, None, (2e-3, None)),
-    # lean logits (the head fused with the loss, in chunks) and LibTorch's GELU against the
-    # defaults the reference runs (lean, one chunk at these sizes; Tessel's GELU)
+    # lean logits (the head fused with the loss, in chunks) and LibTorch's kernels against the
+    # defaults the reference runs (lean, one chunk at these sizes; Tessel's GELU, SwiGLU, RMSNorm,
+    # RoPE and short-sequence attention)
     *[Row(f"unfused_logits_{arch}", "dp", arch, 1, {}, {"lean_logits": False}) for arch in ("gpt2", "llama")],
-    Row("torch_kernels_gpt2", "dp", "gpt2", 1, {}, {"kernels": "torch"}),
+    *[Row(f"torch_kernels_{arch}", "dp", arch, 1, {}, {"kernels": "torch"}) for arch in ("gpt2", "llama")],
     *[Row(f"lean_chunk24_tp2_sp_{arch}", "tp", arch, 2, {"tp": 2, **SP}, {"lean_logits_chunk": 24})
       for arch in ("gpt2", "llama")],
 ]

@@ -48,7 +48,7 @@ TEST(CudaDenseAttention, NeverTheMathKernel) {
       std::fprintf(stderr, "dense attention %s kv_heads %ld: %s kernel\n",
                    dtype == torch::kFloat32 ? "fp32" : "bf16", static_cast<long>(kv),
                    kernel.c_str());
-      auto y = parallel::dense_attention(q, k, v, true);
+      auto y = parallel::dense_attention(q, k, v, true, /*tessel_kernels=*/true);  // SDPA on CUDA
       auto ref = plain_attention(q.to(torch::kFloat64), k.to(torch::kFloat64),
                                  v.to(torch::kFloat64), true);
       const double tol = dtype == torch::kFloat32 ? 1e-4 : 3e-2;  // TF32 off: see main()
@@ -64,9 +64,9 @@ TEST(CudaDenseAttention, NeverTheMathKernel) {
 TEST(CudaDenseAttention, PlannedKernels) {
   for (int64_t kv : {32, 8}) {
     const auto bf16 =
-        parallel::planned_attention_kernel(32, kv, 2048, 64, torch::kBFloat16, g_device);
+        parallel::planned_attention_kernel(32, kv, 2048, 64, torch::kBFloat16, g_device, true);
     EXPECT_TRUE(bf16 == "flash" || bf16 == "cudnn") << bf16;
-    EXPECT_EQ(parallel::planned_attention_kernel(32, kv, 2048, 64, torch::kFloat32, g_device),
+    EXPECT_EQ(parallel::planned_attention_kernel(32, kv, 2048, 64, torch::kFloat32, g_device, true),
               "efficient");
   }
 }

@@ -18,20 +18,33 @@ TEST(DenseAttention, GroupedQueryHeadsMatchPlainAttention) {
   torch::manual_seed(3);
   auto q = torch::randn({2, 4, 24, 16}), k = torch::randn({2, 2, 24, 16}),
        v = torch::randn({2, 2, 24, 16});
-  auto y = parallel::dense_attention(q, k, v, true);
   auto ref =
       plain_attention(q.to(torch::kFloat64), k.to(torch::kFloat64), v.to(torch::kFloat64), true);
-  EXPECT_LT((y.to(torch::kFloat64) - ref).abs().max().item<double>(), 1e-5);
+  for (bool tessel : {true, false}) {  // Tessel's short-sequence kernel, SDPA's flash
+    auto y = parallel::dense_attention(q, k, v, true, tessel);
+    EXPECT_LT((y.to(torch::kFloat64) - ref).abs().max().item<double>(), 1e-5) << tessel;
+  }
 }
 
 // The kernel a plan's attention gets on CPU: the fused flash kernel in fp32 and bf16, grouped
-// heads or not, at the head sizes of the shipped plans; the start-up log names it.
-TEST(PlannedAttention, CpuGetsTheFlashKernel) {
+// heads or not, at the head sizes of the shipped plans; Tessel's own in fp32 up to 256 tokens
+// unless training.kernels is torch. The start-up log names it.
+TEST(PlannedAttention, CpuGetsTheFlashKernelOrTesselsForShortSequences) {
   for (auto dtype : {torch::kFloat32, torch::kBFloat16})
     for (int64_t kv : {6, 2})
-      for (int64_t d : {32, 64, 128})
-        EXPECT_EQ(parallel::planned_attention_kernel(6, kv, 1024, d, dtype, torch::kCPU), "flash")
-            << "kv " << kv << " head size " << d;
+      for (int64_t d : {32, 64, 128}) {
+        for (bool tessel : {true, false})
+          EXPECT_EQ(parallel::planned_attention_kernel(6, kv, 1024, d, dtype, torch::kCPU, tessel),
+                    "flash")
+              << "kv " << kv << " head size " << d;
+        const bool own = dtype == torch::kFloat32;
+        EXPECT_EQ(parallel::planned_attention_kernel(6, kv, 256, d, dtype, torch::kCPU, true),
+                  own ? "tessel" : "flash");
+        EXPECT_EQ(parallel::planned_attention_kernel(6, kv, 257, d, dtype, torch::kCPU, true),
+                  "flash");
+        EXPECT_EQ(parallel::planned_attention_kernel(6, kv, 128, d, dtype, torch::kCPU, false),
+                  "flash");
+      }
 }
 
 TEST(KernelLayout, IsTheForwardsOutputLayout) {

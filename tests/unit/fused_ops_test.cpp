@@ -1,0 +1,89 @@
+// Llama's fused CPU layers (models/fused_ops.h) against their LibTorch composites in fp64:
+// outputs and gradients of RMSNorm, SwiGLU and RoPE, in the layouts the model hands them.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "models/fused_ops.h"
+
+namespace tessel::testing {
+namespace {
+
+double rel_error(const torch::Tensor& got, const torch::Tensor& want) {
+  return (got.to(torch::kFloat64) - want).abs().max().item<double>() /
+         std::max(1e-30, want.abs().max().item<double>());
+}
+
+// f(fused inputs) in fp32 with fused on, f(the same values in fp64) with the composite; every
+// input's gradient compared too.
+template <class F>
+void check_against_composite(const std::vector<torch::Tensor>& inputs, const F& f, double tol) {
+  std::vector<torch::Tensor> a, b;
+  for (const auto& t : inputs) {
+    a.push_back(t.detach().clone().requires_grad_(true));
+    b.push_back(t.detach().to(torch::kFloat64).requires_grad_(true));
+  }
+  auto ya = f(a, true), yb = f(b, false);
+  ASSERT_EQ(ya.sizes(), yb.sizes());
+  EXPECT_LT(rel_error(ya, yb), tol);
+  auto dy = torch::randn(ya.sizes());
+  ya.backward(dy);
+  yb.backward(dy.to(torch::kFloat64));
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_LT(rel_error(a[i].grad(), b[i].grad()), tol) << i;
+}
+
+TEST(FusedOps, RmsNormMatchesTheComposite) {
+  torch::manual_seed(2);
+  for (int64_t h : {192, 37, 8}) {
+    auto x = torch::randn({3, 41, h}) * 3, w = torch::rand({h}) + 0.5;
+    check_against_composite(
+        {x, w},
+        [](const std::vector<torch::Tensor>& t, bool fused) {
+          return models::rms_norm(t[0], t[1], 1e-5, fused);
+        },
+        2e-6);
+  }
+}
+
+TEST(FusedOps, SwigluMatchesTheComposite) {
+  torch::manual_seed(3);
+  auto g = torch::randn({5, 67}) * 4, u = torch::randn({5, 67});
+  check_against_composite(
+      {g, u},
+      [](const std::vector<torch::Tensor>& t, bool fused) {
+        return models::swiglu(t[0], t[1], fused);
+      },
+      2e-6);
+}
+
+TEST(FusedOps, RopeMatchesTheCompositeInTheModelsLayout) {
+  torch::manual_seed(4);
+  const int64_t b = 2, s = 9, heads = 3, d = 20;
+  // x as the projections make it: [b, s, heads, d] memory viewed [b, heads, s, d].
+  auto x = torch::randn({b, s, heads, d}).transpose(1, 2);
+  auto angles = torch::rand({s, d / 2}) * 6;
+  auto emb = torch::cat({angles, angles}, -1);
+  auto cos = emb.cos(), sin = emb.sin();
+  check_against_composite(
+      {x},
+      [&](const std::vector<torch::Tensor>& t, bool fused) {
+        const auto dtype = t[0].scalar_type();
+        return models::rope(t[0], cos.to(dtype), sin.to(dtype), fused);
+      },
+      1e-6);
+  // The result keeps x's memory layout (no copy for the attention's reshape to make twice).
+  auto y = models::rope(x, cos, sin, true);
+  EXPECT_EQ(y.strides(), x.strides());
+}
+
+TEST(FusedOps, OffOrNotFp32CpuRunsTheComposite) {
+  auto x = torch::randn({4, 16}, torch::kFloat64), w = torch::ones({16}, torch::kFloat64);
+  EXPECT_FALSE(models::fused_cpu(x));
+  EXPECT_TRUE(models::fused_cpu(x.to(torch::kFloat32)));
+  auto y = models::rms_norm(x, w, 1e-6, true);  // fp64: the composite (fp32 statistics), exactly
+  auto x32 = x.to(torch::kFloat32);
+  auto want = (x32 * torch::rsqrt(x32.pow(2).mean(-1, true) + 1e-6)).to(torch::kFloat64);
+  EXPECT_TRUE(torch::allclose(y, want, 0, 0));
+}
+
+}  // namespace
+}  // namespace tessel::testing
