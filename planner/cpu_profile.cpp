@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "models/activation_kernels.h"
 #include "models/activations.h"
 #include "parallel/attention_cpu.h"
 #include "parallel/comm.h"
@@ -40,6 +41,8 @@ struct ThreadsFor {
   int was;
 };
 
+float* floats(const torch::Tensor& t) { return t.data_ptr<float>(); }
+
 // The kernels a step runs, at the plan's shapes on one rank, each run as a step meets it: one
 // after another (not one kernel again and again, whose thread pool and caches stay warm for it)
 // and on the next of several operand sets (up to 64 MiB in all: a step's kernels read operands
@@ -49,9 +52,10 @@ class StepKernels {
  public:
   StepKernels(const Config& c, const models::ModelShape& m, torch::ScalarType dtype)
       : llama_(m.arch == "llama"),
-        tessel_gelu_(!llama_ && c.training.kernels == "tessel" && dtype == torch::kFloat32),
+        own_kernels_(c.training.kernels == "tessel" && dtype == torch::kFloat32),
+        tessel_gelu_(!llama_ && own_kernels_),
         short_attention_(
-            c.training.kernels == "tessel" && c.parallel.cp <= 1 &&
+            own_kernels_ && c.parallel.cp <= 1 &&
             parallel::short_attention_applies(torch::kCPU, dtype, c.training.seq_len)) {
     const auto opts = torch::TensorOptions().dtype(dtype);
     const int64_t tp = std::max<int64_t>(1, c.parallel.tp),
@@ -106,6 +110,14 @@ class StepKernels {
         auto dx = s[9] * slope;
         return;
       }
+      if (llama_ && own_kernels_) {  // Tessel's SwiGLU: one pass forward, one backward
+        auto y = torch::empty_like(s[7]), dg = torch::empty_like(s[7]),
+             du = torch::empty_like(s[7]);
+        models::kernels::swiglu_forward(floats(s[8]), floats(s[7]), floats(y), y.numel());
+        models::kernels::swiglu_backward(floats(s[9]), floats(s[8]), floats(s[7]), floats(dg),
+                                         floats(du), y.numel());
+        return;
+      }
       if (!llama_) {  // tanh-GELU forward and backward
         at::gelu(s[7], "tanh"), at::gelu_backward(s[9], s[7], "tanh");
         return;
@@ -151,7 +163,8 @@ class StepKernels {
     return seconds_since(t0);
   }
   bool llama_;
-  bool tessel_gelu_;      // training.kernels tessel, fp32: Tessel's GELU (models/activations.h)
+  bool own_kernels_;      // training.kernels tessel, fp32: Tessel's CPU kernels run
+  bool tessel_gelu_;      // and GPT-2: Tessel's GELU (models/activations.h)
   bool short_attention_;  // Tessel's short-sequence attention (parallel/attention_cpu.h)
   int64_t t_, h_, f_, seq_, batch_, heads_, head_dim_, rows_;
   std::vector<std::vector<torch::Tensor>> sets_;

@@ -390,9 +390,13 @@ void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
 }
 
 // CPU step constants (cpu_compute_s): host operators per block and micro-batch, forward and
-// backward; element-wise passes over a block's [tokens, hidden], over the logits, and over the
-// optimizer's fp32 state.
-constexpr double kGpt2BlockOps = 100, kLlamaBlockOps = 200;
+// backward (with Tessel's own kernels: counted in --profile traces of the bench's models,
+// 2026-11-26, 115 and 107 operators per block and micro-batch, the head and optimizer included;
+// LibTorch's: GPT-2's flash attention is fewer operators, Llama's composite RMSNorm, RoPE and
+// SwiGLU many more); element-wise passes over a block's [tokens, hidden], over the logits, and over
+// the optimizer's fp32 state.
+constexpr double kGpt2BlockOps = 115, kLlamaBlockOps = 107;
+constexpr double kGpt2TorchBlockOps = 100, kLlamaTorchBlockOps = 200;
 constexpr double kBlockPasses = 20, kHeadPasses = 8, kOptimizerPasses = 12;
 
 // One stage's bytes: its parameters' state between steps and what a step adds at its peak.
@@ -659,7 +663,9 @@ std::map<std::string, double> cpu_compute_s(const Config& c, const PlanBasis& b,
                            (full ? 4.0 / 3 : 1.0) / (d.attention_tflops * 1e12);
   const double activation = layers * tokens * static_cast<double>(m.ffn_hidden) / tp *
                             d.activation_ns * 1e-9 * (rerun > 0 ? 1.5 : 1.0);
-  const double ops = (llama ? kLlamaBlockOps : kGpt2BlockOps) * layers * micro * (full ? 1.4 : 1.0);
+  const double block_ops = b.own_kernels ? (llama ? kLlamaBlockOps : kGpt2BlockOps)
+                                         : (llama ? kLlamaTorchBlockOps : kGpt2TorchBlockOps);
+  const double ops = block_ops * layers * micro * (full ? 1.4 : 1.0);
   const double state =
       static_cast<double>(r.params) / static_cast<double>(b.zero >= 1 ? b.data_ranks : 1);
   const double bytes = kBlockPasses * layers * tokens * h * b.w / (b.sp ? tp : 1.0) +
