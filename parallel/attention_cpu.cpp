@@ -27,6 +27,28 @@ Dims dims(const torch::Tensor& q, int64_t kv_batches, int64_t n) {
 
 float* floats(torch::Tensor& t) { return t.mutable_data_ptr<float>(); }
 
+// The fused head loops' views of [b, heads, s, d] tensors (last dimension contiguous).
+kernels::HeadsConst in_view(const torch::Tensor& t) {
+  return {t.const_data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)};
+}
+kernels::HeadsOut out_view(torch::Tensor& t) {
+  return {t.mutable_data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)};
+}
+torch::Tensor last_contiguous(const torch::Tensor& t) {
+  return t.stride(3) == 1 ? t : t.contiguous();
+}
+// [b, heads, s, d] over [b, s, heads, d] memory: what the projections' views have and what the
+// output projection reads without a copy (SDPA's kernels return this layout too).
+torch::Tensor heads_over_tokens(int64_t b, int64_t heads, int64_t s, int64_t d,
+                                const torch::TensorOptions& o) {
+  return torch::empty({b, s, heads, d}, o).transpose(1, 2);
+}
+
+kernels::AttentionDims loop_dims(const torch::Tensor& q, const torch::Tensor& k, bool causal) {
+  return {q.size(0), q.size(1), k.size(1), q.size(2),
+          k.size(2), q.size(3), causal,    1.0f / std::sqrt(static_cast<float>(q.size(3)))};
+}
+
 class ShortAttentionFn : public torch::autograd::Function<ShortAttentionFn> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
@@ -64,6 +86,16 @@ std::pair<torch::Tensor, ShortAttentionSaved> short_attention_forward(const torc
                                                                       const torch::Tensor& k,
                                                                       const torch::Tensor& v,
                                                                       bool causal) {
+  if (kernels::head_loops_apply(q.size(3))) {  // the fused loops: no copies in or out
+    const auto a = loop_dims(q, k, causal);
+    ShortAttentionSaved s{
+        last_contiguous(q), last_contiguous(k), last_contiguous(v),
+        torch::empty({a.b, a.heads, a.m, kernels::padded_keys(a.n)}, q.options())};
+    auto out = heads_over_tokens(a.b, a.heads, a.m, a.d, q.options());
+    kernels::attention_forward(a, in_view(s.q), in_view(s.k), in_view(s.v), out_view(out),
+                               floats(s.probs));
+    return {out, std::move(s)};
+  }
   const auto x = dims(q, q.size(0) * k.size(1), k.size(2));
   ShortAttentionSaved s;
   // One copy each out of the [b, s, heads, d] memory the projections wrote.
@@ -78,6 +110,17 @@ std::pair<torch::Tensor, ShortAttentionSaved> short_attention_forward(const torc
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> short_attention_backward(
     const torch::Tensor& dout, const ShortAttentionSaved& saved, bool causal) {
+  if (saved.probs.dim() == 4) {  // the forward ran the fused loops
+    const auto a = loop_dims(saved.q, saved.k, causal);
+    const auto o = saved.q.options();
+    auto dq = heads_over_tokens(a.b, a.heads, a.m, a.d, o);
+    auto dk = heads_over_tokens(a.b, a.kv_heads, a.n, a.d, o);
+    auto dv = heads_over_tokens(a.b, a.kv_heads, a.n, a.d, o);
+    kernels::attention_backward(
+        a, in_view(last_contiguous(dout)), in_view(saved.q), in_view(saved.k), in_view(saved.v),
+        saved.probs.const_data_ptr<float>(), out_view(dq), out_view(dk), out_view(dv));
+    return {dq, dk, dv};
+  }
   const auto x = dims(dout, saved.k.size(0), saved.k.size(1));
   const auto g = dout.reshape({x.batches(), x.g * x.m, x.d});
   auto dv = at::bmm(saved.probs.transpose(1, 2), g);

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "parallel/simd.h"
 
@@ -20,6 +21,14 @@ namespace {
 int64_t keys(const ScoreRows& rows, int64_t r) {
   return rows.causal ? std::min(rows.n, r % rows.m + 1) : rows.n;
 }
+
+// One head's problem: m queries, n keys (n_pad: rounded up to 8, the probabilities' row length),
+// head size d (a multiple of 8), m_pad the queries rounded up to 8.
+struct HeadShape {
+  int64_t m, n, d, n_pad, m_pad;
+  bool causal;
+  float scale;
+};
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -98,6 +107,255 @@ void softmax_backward_row(const float* p, float* dp, int64_t len, int64_t n, flo
   std::fill(dp + len, dp + n, 0.0f);
 }
 
+inline int64_t round8(int64_t x) { return (x + 7) / 8 * 8; }
+
+// s[r][j] = sum_k x[r][k]·yt[k][j] for rows r < R and j < jend (a multiple of 8): R query rows
+// (d contiguous floats each) against yt [d][ld] (keys transposed), 4×16 outputs per register tile.
+template <int R>
+void dots(const float* const* x, const float* yt, int64_t ld, int64_t d, int64_t jend, float* s,
+          int64_t lds) {
+  int64_t j = 0;
+  for (; j + 16 <= jend; j += 16) {
+    __m256 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < d; ++k) {
+      const __m256 y0 = _mm256_loadu_ps(yt + k * ld + j), y1 = _mm256_loadu_ps(yt + k * ld + j + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x[r] + k);
+        a[r][0] = _mm256_fmadd_ps(xv, y0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(xv, y1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(s + r * lds + j, a[r][0]);
+      _mm256_storeu_ps(s + r * lds + j + 8, a[r][1]);
+    }
+  }
+  if (j < jend) {  // 8 left
+    __m256 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < d; ++k) {
+      const __m256 y0 = _mm256_loadu_ps(yt + k * ld + j);
+      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(x[r] + k), y0, a[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(s + r * lds + j, a[r]);
+  }
+}
+
+void dots_rows(const float* const* x, int rows, const float* yt, int64_t ld, int64_t d,
+               int64_t jend, float* s, int64_t lds) {
+  switch (rows) {
+    case 4:
+      return dots<4>(x, yt, ld, d, jend, s, lds);
+    case 3:
+      return dots<3>(x, yt, ld, d, jend, s, lds);
+    case 2:
+      return dots<2>(x, yt, ld, d, jend, s, lds);
+    default:
+      return dots<1>(x, yt, ld, d, jend, s, lds);
+  }
+}
+
+// out[r][c..c+8·NV) (+)= sum_{j in [lo, hi)} p[r][j]·z[j][c..]: R rows of weights over rows of z
+// [.., d] (contiguous); weights outside a row's own range are exact zeros, so the union is summed.
+template <int R, int NV>
+void weighted_chunk(const float* const* p, int64_t lo, int64_t hi, const float* z, int64_t d,
+                    int64_t c, float* const* out, bool accumulate) {
+  __m256 a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      a[r][v] = accumulate ? _mm256_loadu_ps(out[r] + c + 8 * v) : _mm256_setzero_ps();
+  for (int64_t j = lo; j < hi; ++j) {
+    __m256 zv[NV];
+    for (int v = 0; v < NV; ++v) zv[v] = _mm256_loadu_ps(z + j * d + c + 8 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m256 pv = _mm256_broadcast_ss(p[r] + j);
+      for (int v = 0; v < NV; ++v) a[r][v] = _mm256_fmadd_ps(pv, zv[v], a[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out[r] + c + 8 * v, a[r][v]);
+}
+
+template <int R>
+void weighted(const float* const* p, int64_t lo, int64_t hi, const float* z, int64_t d,
+              float* const* out, bool accumulate) {
+  for (int64_t c = 0; c < d; c += 32) {
+    switch (std::min<int64_t>(4, (d - c) / 8)) {
+      case 4:
+        weighted_chunk<R, 4>(p, lo, hi, z, d, c, out, accumulate);
+        break;
+      case 3:
+        weighted_chunk<R, 3>(p, lo, hi, z, d, c, out, accumulate);
+        break;
+      case 2:
+        weighted_chunk<R, 2>(p, lo, hi, z, d, c, out, accumulate);
+        break;
+      default:
+        weighted_chunk<R, 1>(p, lo, hi, z, d, c, out, accumulate);
+        break;
+    }
+  }
+}
+
+// An 8×8 block: dst[c][r] = src[r][c].
+inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+
+// dst[c][r] = src[r][c] for r < rows, c < cols (cols a multiple of 8).
+void transpose(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst, int64_t ldd) {
+  const int64_t full = rows / 8 * 8;
+  for (int64_t r = 0; r < full; r += 8)
+    for (int64_t c = 0; c < cols; c += 8)
+      transpose8(src + r * lds + c, lds, dst + c * ldd + r, ldd);
+  for (int64_t r = full; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
+}
+
+// Rows of one head as pointers: row i of a [rows, d] head at base + i·stride.
+struct Rows {
+  const float* base;
+  int64_t stride;
+  const float* at(int64_t i) const { return base + i * stride; }
+};
+
+// A block of up to R rows [i0, i0 + R) of x times yt into s (row stride lds), then each row's
+// softmax (forward) or its backward against p.
+void scores_block(const Rows& x, int64_t i0, int rows, const float* yt, const HeadShape& h,
+                  float* s) {
+  const float* xs[4];
+  for (int r = 0; r < rows; ++r) xs[r] = x.at(i0 + r);
+  const int64_t jend = h.causal ? std::min(h.n_pad, round8(i0 + rows)) : h.n_pad;
+  dots_rows(xs, rows, yt, h.n_pad, h.d, jend, s + i0 * h.n_pad, h.n_pad);
+}
+
+int64_t head_keys(const HeadShape& h, int64_t i) { return h.causal ? i + 1 : h.n; }
+
+// out rows [0, m) = w rows (row stride n_pad, row i's keys [0, head_keys(i))) times z [n, d].
+void weigh_rows(const float* w, const HeadShape& h, const float* z, float* out,
+                int64_t out_stride) {
+  for (int64_t i0 = 0; i0 < h.m; i0 += 2) {
+    const int rows = static_cast<int>(std::min<int64_t>(2, h.m - i0));
+    const float* ws[2] = {w + i0 * h.n_pad, w + (i0 + rows - 1) * h.n_pad};
+    float* outs[2] = {out + i0 * out_stride, out + (i0 + rows - 1) * out_stride};
+    const int64_t hi = head_keys(h, i0 + rows - 1);
+    if (rows == 2)
+      weighted<2>(ws, 0, hi, z, h.d, outs, false);
+    else
+      weighted<1>(ws, 0, hi, z, h.d, outs, false);
+  }
+}
+
+// acc [n, d] += wᵀ z: w [m, n_pad] (zeros past each row's keys), z [m, d]; wt scratch [n_pad,
+// m_pad].
+void weigh_keys(const float* w, const HeadShape& h, const float* z, float* wt, float* acc) {
+  transpose(w, h.m, h.n_pad, h.n_pad, wt, h.m_pad);
+  for (int64_t j0 = 0; j0 < h.n; j0 += 2) {
+    const int rows = static_cast<int>(std::min<int64_t>(2, h.n - j0));
+    const float* ws[2] = {wt + j0 * h.m_pad, wt + (j0 + rows - 1) * h.m_pad};
+    float* outs[2] = {acc + j0 * h.d, acc + (j0 + rows - 1) * h.d};
+    const int64_t lo = h.causal ? j0 : 0;  // queries before key j0 do not see it
+    if (rows == 2)
+      weighted<2>(ws, lo, h.m, z, h.d, outs, true);
+    else
+      weighted<1>(ws, lo, h.m, z, h.d, outs, true);
+  }
+}
+
+// Per thread: what one key/value head's group needs, reused over its tasks.
+struct Scratch {
+  std::vector<float> kt, kc, vc, qc, dc, ds, wt, dk, dv;
+  explicit Scratch(const HeadShape& h) {
+    kt.resize(h.d * h.n_pad), kc.resize(h.n * h.d), vc.resize(h.n * h.d), qc.resize(h.m * h.d);
+    dc.resize(h.m * h.d), ds.resize(h.m * h.n_pad), wt.resize(h.n_pad * h.m_pad);
+    dk.resize(h.n * h.d), dv.resize(h.n * h.d);
+  }
+};
+
+const float* head_of(const HeadsConst& t, int64_t b, int64_t head) {
+  return t.data + b * t.sb + head * t.sh;
+}
+float* head_of(const HeadsOut& t, int64_t b, int64_t head) {
+  return t.data + b * t.sb + head * t.sh;
+}
+
+// [rows, d] rows of a head into contiguous memory, and back.
+void gather(const float* src, int64_t stride, int64_t rows, int64_t d, float* dst) {
+  for (int64_t i = 0; i < rows; ++i) std::copy(src + i * stride, src + i * stride + d, dst + i * d);
+}
+void scatter(const float* src, int64_t rows, int64_t d, float* dst, int64_t stride) {
+  for (int64_t i = 0; i < rows; ++i) std::copy(src + i * d, src + i * d + d, dst + i * stride);
+}
+
+// zᵀ of a head's [n, d] rows: [d][n_pad], the padding keys 0.
+void transposed(const float* z, int64_t stride, const HeadShape& h, float* zt) {
+  transpose(z, h.n, h.d, stride, zt, h.n_pad);
+  for (int64_t k = 0; k < h.d; ++k) std::fill(zt + k * h.n_pad + h.n, zt + (k + 1) * h.n_pad, 0.0f);
+}
+
+void forward_group(const AttentionDims& a, const HeadShape& h, int64_t b, int64_t kv,
+                   const HeadsConst& q, const HeadsConst& k, const HeadsConst& v,
+                   const HeadsOut& out, float* probs, Scratch& sc) {
+  transposed(head_of(k, b, kv), k.ss, h, sc.kt.data());
+  gather(head_of(v, b, kv), v.ss, h.n, h.d, sc.vc.data());
+  const int64_t groups = a.heads / a.kv_heads;
+  for (int64_t head = kv * groups; head < (kv + 1) * groups; ++head) {
+    float* p = probs + (b * a.heads + head) * h.m * h.n_pad;
+    const Rows rows{head_of(q, b, head), q.ss};
+    for (int64_t i0 = 0; i0 < h.m; i0 += 4) {
+      const int count = static_cast<int>(std::min<int64_t>(4, h.m - i0));
+      scores_block(rows, i0, count, sc.kt.data(), h, p);
+      for (int64_t i = i0; i < i0 + count; ++i)
+        softmax_row(p + i * h.n_pad, head_keys(h, i), h.n_pad, h.scale);
+    }
+    weigh_rows(p, h, sc.vc.data(), head_of(out, b, head), out.ss);
+  }
+}
+
+void backward_group(const AttentionDims& a, const HeadShape& h, int64_t b, int64_t kv,
+                    const HeadsConst& dout, const HeadsConst& q, const HeadsConst& k,
+                    const HeadsConst& v, const float* probs, const HeadsOut& dq, const HeadsOut& dk,
+                    const HeadsOut& dv, Scratch& sc) {
+  transposed(head_of(v, b, kv), v.ss, h, sc.kt.data());  // vᵀ, for dP = dO·vᵀ
+  gather(head_of(k, b, kv), k.ss, h.n, h.d, sc.kc.data());
+  std::fill(sc.dk.begin(), sc.dk.end(), 0.0f);
+  std::fill(sc.dv.begin(), sc.dv.end(), 0.0f);
+  const int64_t groups = a.heads / a.kv_heads;
+  for (int64_t head = kv * groups; head < (kv + 1) * groups; ++head) {
+    const float* p = probs + (b * a.heads + head) * h.m * h.n_pad;
+    gather(head_of(q, b, head), q.ss, h.m, h.d, sc.qc.data());
+    gather(head_of(dout, b, head), dout.ss, h.m, h.d, sc.dc.data());
+    weigh_keys(p, h, sc.dc.data(), sc.wt.data(), sc.dv.data());  // dV += Pᵀ·dO
+    float* ds = sc.ds.data();
+    const Rows rows{sc.dc.data(), h.d};
+    for (int64_t i0 = 0; i0 < h.m; i0 += 4) {  // dP = dO·Vᵀ, then dS
+      const int count = static_cast<int>(std::min<int64_t>(4, h.m - i0));
+      scores_block(rows, i0, count, sc.kt.data(), h, ds);
+      for (int64_t i = i0; i < i0 + count; ++i)
+        softmax_backward_row(p + i * h.n_pad, ds + i * h.n_pad, head_keys(h, i), h.n_pad, h.scale);
+    }
+    weigh_rows(ds, h, sc.kc.data(), head_of(dq, b, head), dq.ss);  // dQ = dS·K
+    weigh_keys(ds, h, sc.qc.data(), sc.wt.data(), sc.dk.data());   // dK += dSᵀ·Q
+  }
+  scatter(sc.dk.data(), h.n, h.d, head_of(dk, b, kv), dk.ss);
+  scatter(sc.dv.data(), h.n, h.d, head_of(dv, b, kv), dv.ss);
+}
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -125,7 +383,40 @@ void softmax_backward_row(const float* p, float* dp, int64_t len, int64_t n, flo
 // Rows per thread at least: a row is up to a few hundred elements, a fork costs microseconds.
 constexpr int64_t kGrainRows = 64;
 
+HeadShape head_shape(const AttentionDims& a) {
+  return {a.m, a.n, a.d, padded_keys(a.n), (a.m + 7) / 8 * 8, a.causal, a.scale};
+}
+
+// f(b, kv, scratch) for every key/value head of every batch row, split over the threads.
+template <class F>
+void over_groups(const AttentionDims& a, const F& f) {
+  const auto h = head_shape(a);
+  simd::over_threads(a.b * a.kv_heads, 1, 1, [&](int64_t first, int64_t end) {
+    avx2::Scratch sc(h);
+    for (int64_t t = first; t < end; ++t) f(h, t / a.kv_heads, t % a.kv_heads, sc);
+  });
+}
+
 }  // namespace
+
+int64_t padded_keys(int64_t n) { return (n + 7) / 8 * 8; }
+
+bool head_loops_apply(int64_t d) { return simd::has_avx2_fma() && d % 8 == 0; }
+
+void attention_forward(const AttentionDims& a, const HeadsConst& q, const HeadsConst& k,
+                       const HeadsConst& v, const HeadsOut& out, float* probs) {
+  over_groups(a, [&](const HeadShape& h, int64_t b, int64_t kv, avx2::Scratch& sc) {
+    avx2::forward_group(a, h, b, kv, q, k, v, out, probs, sc);
+  });
+}
+
+void attention_backward(const AttentionDims& a, const HeadsConst& dout, const HeadsConst& q,
+                        const HeadsConst& k, const HeadsConst& v, const float* probs,
+                        const HeadsOut& dq, const HeadsOut& dk, const HeadsOut& dv) {
+  over_groups(a, [&](const HeadShape& h, int64_t b, int64_t kv, avx2::Scratch& sc) {
+    avx2::backward_group(a, h, b, kv, dout, q, k, v, probs, dq, dk, dv, sc);
+  });
+}
 
 void softmax_rows(float* s, const ScoreRows& rows) {
   const bool vec = simd::has_avx2_fma();

@@ -25,4 +25,38 @@ void softmax_rows(float* s, const ScoreRows& rows);
 /// unscaled scores given p = softmax(scale·s) and dp the gradient of p.
 void softmax_backward_rows(const float* p, float* dp, const ScoreRows& rows);
 
+/// A [b, heads, s, d] tensor's memory: element strides of its batch, head and position (its last
+/// dimension contiguous).
+struct HeadsConst {
+  const float* data;
+  int64_t sb, sh, ss;
+};
+struct HeadsOut {
+  float* data;
+  int64_t sb, sh, ss;
+};
+/// Attention of q [b, heads, m, d] against k, v [b, kv_heads, n, d] (the query heads of one key
+/// head adjacent, SDPA's grouped-query order); causal: m == n, aligned top-left.
+struct AttentionDims {
+  int64_t b, heads, kv_heads, m, n, d;
+  bool causal;
+  float scale;
+};
+
+/// Whether the fused head loops below run for head size d here (AVX2+FMA, d a multiple of 8).
+bool head_loops_apply(int64_t d);
+/// The probabilities' row length for n keys (rounded up to 8; the padding is 0).
+int64_t padded_keys(int64_t n);
+
+/// Each head in one pass: its scores against the keys (transposed once per key head, causal
+/// rows computed only up to their diagonal block), each row's softmax, the weighted sum of the
+/// values; `out` written, `probs` [b, heads, m, padded_keys(n)] kept for backward.
+void attention_forward(const AttentionDims& a, const HeadsConst& q, const HeadsConst& k,
+                       const HeadsConst& v, const HeadsOut& out, float* probs);
+/// dq, dk, dv from dout and the forward's probabilities: per key head, dV += Pᵀ·dO,
+/// dS = softmax'(P, dO·Vᵀ), dQ = dS·K, dK += dSᵀ·Q over its query heads.
+void attention_backward(const AttentionDims& a, const HeadsConst& dout, const HeadsConst& q,
+                        const HeadsConst& k, const HeadsConst& v, const float* probs,
+                        const HeadsOut& dq, const HeadsOut& dk, const HeadsOut& dv);
+
 }  // namespace tessel::parallel::kernels

@@ -264,7 +264,8 @@ double short_attention_bytes(const Config& c, const parallel::Layout& l,
   const auto& t = c.training;
   if (!own_kernels || l.cp > 1) return 0;
   if (!parallel::short_attention_applies(torch::kCPU, dtype, t.seq_len)) return 0;
-  return 4.0 * static_cast<double>(m.heads / l.tp) * static_cast<double>(t.seq_len);
+  return 4.0 * static_cast<double>(m.heads / l.tp) *
+         static_cast<double>((t.seq_len + 7) / 8 * 8);  // rows padded to 8 keys
 }
 
 // `cpu`: the run computes on the CPU.

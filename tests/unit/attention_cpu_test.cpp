@@ -55,6 +55,11 @@ TEST_P(ShortAttention, MatchesPlainAttentionAndItsGradients) {
   EXPECT_LT(max_error(k.grad(), k64.grad()), 2e-6);
   EXPECT_LT(max_error(v.grad(), v64.grad()), 2e-6);
   EXPECT_EQ(y.sizes(), q.sizes());
+  // Which path ran: the fused head loops wherever they apply (AVX2, head size a multiple of 8).
+  auto [out, saved] =
+      parallel::short_attention_forward(q.detach(), k.detach(), v.detach(), c.causal);
+  EXPECT_EQ(saved.probs.dim(), parallel::kernels::head_loops_apply(c.d) ? 4 : 3);
+  EXPECT_TRUE(torch::equal(out, y.detach()));
   EXPECT_EQ(k.grad().sizes(), k.sizes());
 }
 
@@ -62,7 +67,9 @@ INSTANTIATE_TEST_SUITE_P(
     Cpu, ShortAttention,
     ::testing::Values(ShortCase{6, 6, 128, 128, 32, true}, ShortCase{4, 2, 37, 37, 16, true},
                       ShortCase{8, 1, 21, 21, 24, true}, ShortCase{3, 3, 5, 61, 8, false},
-                      ShortCase{4, 2, 1, 256, 64, false}, ShortCase{2, 2, 256, 256, 16, true}),
+                      ShortCase{4, 2, 1, 256, 64, false}, ShortCase{2, 2, 256, 256, 16, true},
+                      // head sizes not a multiple of 8: the batched-matmul path
+                      ShortCase{4, 2, 19, 19, 20, true}, ShortCase{3, 1, 6, 40, 12, false}),
     [](const auto& info) { return short_name(info.param); });
 
 TEST(ShortAttention, AppliesToShortFp32CpuAttentionOnly) {
