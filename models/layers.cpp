@@ -89,8 +89,6 @@ AttentionImpl::AttentionImpl(const DecoderOptions& opt)
   }
 }
 
-namespace {}  // namespace
-
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                      const torch::Tensor& sin) {
   auto xf = tp::enter(*tp_, x, sp_);  // [b, s, h]: one gather (SP) or copy shared by q, k, v
