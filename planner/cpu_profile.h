@@ -15,13 +15,14 @@ namespace tessel {
 /// sets OMP_NUM_THREADS=1 then); else LibTorch's default for one process.
 int64_t cpu_threads_per_rank(const Config& c, int64_t ranks_on_node);
 
-/// Measures (about half a second) the matmul rate in the plan's dtype, scaled dot-product
+/// Measures (about a second) the matmul rate in the plan's dtype, scaled dot-product
 /// attention forward and backward at the plan's head size and sequence, the MLP activation
 /// (tanh-GELU for gpt2, SiLU·gate for llama) forward and backward, the memory bandwidth of an
 /// element-wise add, and with more than one rank the latency and bandwidth of loopback Gloo
 /// all-reduce, all-gather and send/receive between two ranks of this process. Rates are per rank:
 /// on `cpu_threads_per_rank` threads, shared out when the node's ranks want more threads than it
-/// has cores.
+/// has cores. Sets glibc's malloc to keep freed memory for the rest of the process (the
+/// steady state of a training step; meant for --dry-run, which exits after planning).
 DeviceProfile measure_cpu_profile(const Config& c, int64_t ranks_on_node);
 
 }  // namespace tessel
