@@ -25,8 +25,6 @@ Dims dims(const torch::Tensor& q, int64_t kv_batches, int64_t n) {
   return {b, h, kvh, h / kvh, q.size(2), n, q.size(3)};
 }
 
-float* floats(torch::Tensor& t) { return t.mutable_data_ptr<float>(); }
-
 // The fused head loops' views of [b, heads, s, d] tensors (last dimension contiguous).
 kernels::HeadsConst in_view(const torch::Tensor& t) {
   return {t.const_data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)};
@@ -93,7 +91,7 @@ std::pair<torch::Tensor, ShortAttentionSaved> short_attention_forward(const torc
         torch::empty({a.b, a.heads, a.m, kernels::padded_keys(a.n)}, q.options())};
     auto out = heads_over_tokens(a.b, a.heads, a.m, a.d, q.options());
     kernels::attention_forward(a, in_view(s.q), in_view(s.k), in_view(s.v), out_view(out),
-                               floats(s.probs));
+                               s.probs.mutable_data_ptr<float>());
     return {out, std::move(s)};
   }
   const auto x = dims(q, q.size(0) * k.size(1), k.size(2));
@@ -103,7 +101,7 @@ std::pair<torch::Tensor, ShortAttentionSaved> short_attention_forward(const torc
   s.k = k.reshape({x.batches(), x.n, x.d});
   s.v = v.reshape({x.batches(), x.n, x.d});
   s.probs = at::bmm(s.q, s.k.transpose(1, 2));
-  kernels::softmax_rows(floats(s.probs), x.rows(causal));
+  kernels::softmax_rows(s.probs.mutable_data_ptr<float>(), x.rows(causal));
   auto out = at::bmm(s.probs, s.v).view({x.b, x.h, x.m, x.d});
   return {out, std::move(s)};
 }
@@ -125,7 +123,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> short_attention_backward
   const auto g = dout.reshape({x.batches(), x.g * x.m, x.d});
   auto dv = at::bmm(saved.probs.transpose(1, 2), g);
   auto ds = at::bmm(g, saved.v.transpose(1, 2));  // the probabilities' gradient, then the scores'
-  kernels::softmax_backward_rows(saved.probs.const_data_ptr<float>(), floats(ds), x.rows(causal));
+  kernels::softmax_backward_rows(saved.probs.const_data_ptr<float>(), ds.mutable_data_ptr<float>(),
+                                 x.rows(causal));
   auto dq = at::bmm(ds, saved.k).view({x.b, x.h, x.m, x.d});
   auto dk = at::bmm(ds.transpose(1, 2), saved.q).view({x.b, x.kvh, x.n, x.d});
   return {dq, dk, dv.view({x.b, x.kvh, x.n, x.d})};

@@ -44,8 +44,6 @@ struct ThreadsFor {
   int was;
 };
 
-float* floats(const torch::Tensor& t) { return t.data_ptr<float>(); }
-
 // The kernels a step runs, at the plan's shapes on one rank, each run as a step meets it: one
 // after another (not one kernel again and again, whose thread pool and caches stay warm for it)
 // and on the next of several operand sets (up to 64 MiB in all: a step's kernels read operands
@@ -116,9 +114,11 @@ class StepKernels {
       if (llama_ && own_kernels_) {  // Tessel's SwiGLU: one pass forward, one backward
         auto y = torch::empty_like(s[7]), dg = torch::empty_like(s[7]),
              du = torch::empty_like(s[7]);
-        models::kernels::swiglu_forward(floats(s[8]), floats(s[7]), floats(y), y.numel());
-        models::kernels::swiglu_backward(floats(s[9]), floats(s[8]), floats(s[7]), floats(dg),
-                                         floats(du), y.numel());
+        models::kernels::swiglu_forward(s[8].data_ptr<float>(), s[7].data_ptr<float>(),
+                                        y.data_ptr<float>(), y.numel());
+        models::kernels::swiglu_backward(s[9].data_ptr<float>(), s[8].data_ptr<float>(),
+                                         s[7].data_ptr<float>(), dg.data_ptr<float>(),
+                                         du.data_ptr<float>(), y.numel());
         return;
       }
       if (!llama_) {  // tanh-GELU forward and backward
