@@ -117,28 +117,29 @@ void dots(const float* const* x, const float* yt, int64_t ld, int64_t d, int64_t
   int64_t j = 0;
   for (; j + 16 <= jend; j += 16) {
     __m256 a[R][2];
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < d; ++k) {
       const __m256 y0 = _mm256_loadu_ps(yt + k * ld + j), y1 = _mm256_loadu_ps(yt + k * ld + j + 8);
-      for (int r = 0; r < R; ++r) {
+      _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
         const __m256 xv = _mm256_broadcast_ss(x[r] + k);
         a[r][0] = _mm256_fmadd_ps(xv, y0, a[r][0]);
         a[r][1] = _mm256_fmadd_ps(xv, y1, a[r][1]);
       }
     }
-    for (int r = 0; r < R; ++r) {
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
       _mm256_storeu_ps(s + r * lds + j, a[r][0]);
       _mm256_storeu_ps(s + r * lds + j + 8, a[r][1]);
     }
   }
   if (j < jend) {  // 8 left
     __m256 a[R];
-    for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < d; ++k) {
       const __m256 y0 = _mm256_loadu_ps(yt + k * ld + j);
-      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(x[r] + k), y0, a[r]);
+      _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) a[r] =
+          _mm256_fmadd_ps(_mm256_broadcast_ss(x[r] + k), y0, a[r]);
     }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(s + r * lds + j, a[r]);
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) _mm256_storeu_ps(s + r * lds + j, a[r]);
   }
 }
 
@@ -162,19 +163,22 @@ template <int R, int NV>
 void weighted_chunk(const float* const* p, int64_t lo, int64_t hi, const float* z, int64_t d,
                     int64_t c, float* const* out, bool accumulate) {
   __m256 a[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v)
-      a[r][v] = accumulate ? _mm256_loadu_ps(out[r] + c + 8 * v) : _mm256_setzero_ps();
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+      _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) a[r][v] =
+          accumulate ? _mm256_loadu_ps(out[r] + c + 8 * v) : _mm256_setzero_ps();
   for (int64_t j = lo; j < hi; ++j) {
     __m256 zv[NV];
-    for (int v = 0; v < NV; ++v) zv[v] = _mm256_loadu_ps(z + j * d + c + 8 * v);
-    for (int r = 0; r < R; ++r) {
+    _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) zv[v] =
+        _mm256_loadu_ps(z + j * d + c + 8 * v);
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
       const __m256 pv = _mm256_broadcast_ss(p[r] + j);
-      for (int v = 0; v < NV; ++v) a[r][v] = _mm256_fmadd_ps(pv, zv[v], a[r][v]);
+      _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v) a[r][v] =
+          _mm256_fmadd_ps(pv, zv[v], a[r][v]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out[r] + c + 8 * v, a[r][v]);
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+      _Pragma("GCC unroll 8") for (int v = 0; v < NV; ++v)
+          _mm256_storeu_ps(out[r] + c + 8 * v, a[r][v]);
 }
 
 template <int R>
