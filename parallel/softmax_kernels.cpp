@@ -109,6 +109,10 @@ void softmax_backward_row(const float* p, float* dp, int64_t len, int64_t n, flo
 
 inline int64_t round8(int64_t x) { return (x + 7) / 8 * 8; }
 
+// Rows per register tile of dots and weighted: 6 rows × 16 columns, 12 accumulators (two FMAs a
+// cycle, five cycles each, need ten in flight).
+constexpr int kTile = 6;
+
 // s[r][j] = sum_k x[r][k]·yt[k][j] for rows r < R and j < jend (a multiple of 8): R query rows
 // (d contiguous floats each) against yt [d][ld] (keys transposed), 4×16 outputs per register tile.
 template <int R>
@@ -146,6 +150,10 @@ void dots(const float* const* x, const float* yt, int64_t ld, int64_t d, int64_t
 void dots_rows(const float* const* x, int rows, const float* yt, int64_t ld, int64_t d,
                int64_t jend, float* s, int64_t lds) {
   switch (rows) {
+    case 6:
+      return dots<6>(x, yt, ld, d, jend, s, lds);
+    case 5:
+      return dots<5>(x, yt, ld, d, jend, s, lds);
     case 4:
       return dots<4>(x, yt, ld, d, jend, s, lds);
     case 3:
@@ -184,21 +192,26 @@ void weighted_chunk(const float* const* p, int64_t lo, int64_t hi, const float* 
 template <int R>
 void weighted(const float* const* p, int64_t lo, int64_t hi, const float* z, int64_t d,
               float* const* out, bool accumulate) {
-  for (int64_t c = 0; c < d; c += 32) {
-    switch (std::min<int64_t>(4, (d - c) / 8)) {
-      case 4:
-        weighted_chunk<R, 4>(p, lo, hi, z, d, c, out, accumulate);
-        break;
-      case 3:
-        weighted_chunk<R, 3>(p, lo, hi, z, d, c, out, accumulate);
-        break;
-      case 2:
-        weighted_chunk<R, 2>(p, lo, hi, z, d, c, out, accumulate);
-        break;
-      default:
-        weighted_chunk<R, 1>(p, lo, hi, z, d, c, out, accumulate);
-        break;
-    }
+  int64_t c = 0;
+  for (; c + 16 <= d; c += 16) weighted_chunk<R, 2>(p, lo, hi, z, d, c, out, accumulate);
+  if (c < d) weighted_chunk<R, 1>(p, lo, hi, z, d, c, out, accumulate);
+}
+
+void weighted_rows(int rows, const float* const* p, int64_t lo, int64_t hi, const float* z,
+                   int64_t d, float* const* out, bool accumulate) {
+  switch (rows) {
+    case 6:
+      return weighted<6>(p, lo, hi, z, d, out, accumulate);
+    case 5:
+      return weighted<5>(p, lo, hi, z, d, out, accumulate);
+    case 4:
+      return weighted<4>(p, lo, hi, z, d, out, accumulate);
+    case 3:
+      return weighted<3>(p, lo, hi, z, d, out, accumulate);
+    case 2:
+      return weighted<2>(p, lo, hi, z, d, out, accumulate);
+    default:
+      return weighted<1>(p, lo, hi, z, d, out, accumulate);
   }
 }
 
@@ -243,7 +256,7 @@ struct Rows {
 // softmax (forward) or its backward against p.
 void scores_block(const Rows& x, int64_t i0, int rows, const float* yt, const HeadShape& h,
                   float* s) {
-  const float* xs[4];
+  const float* xs[kTile];
   for (int r = 0; r < rows; ++r) xs[r] = x.at(i0 + r);
   const int64_t jend = h.causal ? std::min(h.n_pad, round8(i0 + rows)) : h.n_pad;
   dots_rows(xs, rows, yt, h.n_pad, h.d, jend, s + i0 * h.n_pad, h.n_pad);
@@ -254,15 +267,13 @@ int64_t head_keys(const HeadShape& h, int64_t i) { return h.causal ? i + 1 : h.n
 // out rows [0, m) = w rows (row stride n_pad, row i's keys [0, head_keys(i))) times z [n, d].
 void weigh_rows(const float* w, const HeadShape& h, const float* z, float* out,
                 int64_t out_stride) {
-  for (int64_t i0 = 0; i0 < h.m; i0 += 2) {
-    const int rows = static_cast<int>(std::min<int64_t>(2, h.m - i0));
-    const float* ws[2] = {w + i0 * h.n_pad, w + (i0 + rows - 1) * h.n_pad};
-    float* outs[2] = {out + i0 * out_stride, out + (i0 + rows - 1) * out_stride};
-    const int64_t hi = head_keys(h, i0 + rows - 1);
-    if (rows == 2)
-      weighted<2>(ws, 0, hi, z, h.d, outs, false);
-    else
-      weighted<1>(ws, 0, hi, z, h.d, outs, false);
+  for (int64_t i0 = 0; i0 < h.m; i0 += kTile) {
+    const int rows = static_cast<int>(std::min<int64_t>(kTile, h.m - i0));
+    const float* ws[kTile];
+    float* outs[kTile];
+    for (int r = 0; r < rows; ++r)
+      ws[r] = w + (i0 + r) * h.n_pad, outs[r] = out + (i0 + r) * out_stride;
+    weighted_rows(rows, ws, 0, head_keys(h, i0 + rows - 1), z, h.d, outs, false);
   }
 }
 
@@ -270,15 +281,13 @@ void weigh_rows(const float* w, const HeadShape& h, const float* z, float* out,
 // m_pad].
 void weigh_keys(const float* w, const HeadShape& h, const float* z, float* wt, float* acc) {
   transpose(w, h.m, h.n_pad, h.n_pad, wt, h.m_pad);
-  for (int64_t j0 = 0; j0 < h.n; j0 += 2) {
-    const int rows = static_cast<int>(std::min<int64_t>(2, h.n - j0));
-    const float* ws[2] = {wt + j0 * h.m_pad, wt + (j0 + rows - 1) * h.m_pad};
-    float* outs[2] = {acc + j0 * h.d, acc + (j0 + rows - 1) * h.d};
+  for (int64_t j0 = 0; j0 < h.n; j0 += kTile) {
+    const int rows = static_cast<int>(std::min<int64_t>(kTile, h.n - j0));
+    const float* ws[kTile];
+    float* outs[kTile];
+    for (int r = 0; r < rows; ++r) ws[r] = wt + (j0 + r) * h.m_pad, outs[r] = acc + (j0 + r) * h.d;
     const int64_t lo = h.causal ? j0 : 0;  // queries before key j0 do not see it
-    if (rows == 2)
-      weighted<2>(ws, lo, h.m, z, h.d, outs, true);
-    else
-      weighted<1>(ws, lo, h.m, z, h.d, outs, true);
+    weighted_rows(rows, ws, lo, h.m, z, h.d, outs, true);
   }
 }
 
@@ -322,8 +331,8 @@ void forward_group(const AttentionDims& a, const HeadShape& h, int64_t b, int64_
   for (int64_t head = kv * groups; head < (kv + 1) * groups; ++head) {
     float* p = probs + (b * a.heads + head) * h.m * h.n_pad;
     const Rows rows{head_of(q, b, head), q.ss};
-    for (int64_t i0 = 0; i0 < h.m; i0 += 4) {
-      const int count = static_cast<int>(std::min<int64_t>(4, h.m - i0));
+    for (int64_t i0 = 0; i0 < h.m; i0 += kTile) {
+      const int count = static_cast<int>(std::min<int64_t>(kTile, h.m - i0));
       scores_block(rows, i0, count, sc.kt.data(), h, p);
       for (int64_t i = i0; i < i0 + count; ++i)
         softmax_row(p + i * h.n_pad, head_keys(h, i), h.n_pad, h.scale);
@@ -348,8 +357,8 @@ void backward_group(const AttentionDims& a, const HeadShape& h, int64_t b, int64
     weigh_keys(p, h, sc.dc.data(), sc.wt.data(), sc.dv.data());  // dV += Pᵀ·dO
     float* ds = sc.ds.data();
     const Rows rows{sc.dc.data(), h.d};
-    for (int64_t i0 = 0; i0 < h.m; i0 += 4) {  // dP = dO·Vᵀ, then dS
-      const int count = static_cast<int>(std::min<int64_t>(4, h.m - i0));
+    for (int64_t i0 = 0; i0 < h.m; i0 += kTile) {  // dP = dO·Vᵀ, then dS
+      const int count = static_cast<int>(std::min<int64_t>(kTile, h.m - i0));
       scores_block(rows, i0, count, sc.kt.data(), h, ds);
       for (int64_t i = i0; i < i0 + count; ++i)
         softmax_backward_row(p + i * h.n_pad, ds + i * h.n_pad, head_keys(h, i), h.n_pad, h.scale);
