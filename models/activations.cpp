@@ -24,7 +24,17 @@ class GeluTanhCpu : public torch::autograd::Function<GeluTanhCpu> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    return {grads[0] * ctx->get_saved_variables()[0]};
+    // In place when nothing else holds the incoming gradient (the next linear's input gradient,
+    // just written): the product then goes where its operand already sits in cache instead of
+    // into a fresh [tokens, width] buffer. Held here by the engine's list and this node's copy of
+    // it (LibTorch's CppNode::apply); a third holder (a gradient shared with another branch)
+    // keeps it untouched (tests/unit/activation_test.cpp).
+    auto& g = grads[0];
+    const auto slope = ctx->get_saved_variables()[0];
+    if (g.use_count() <= 2 && g.storage().use_count() == 1 && g.is_contiguous() &&
+        g.sizes() == slope.sizes())
+      return {g.mul_(slope)};
+    return {g * slope};
   }
 };
 

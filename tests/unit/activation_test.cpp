@@ -43,5 +43,27 @@ TEST(Activations, GeluTanhCpuMatchesTorchWithinFloatRounding) {
   EXPECT_FALSE(gelu_tanh_uses_cpu_kernel(x.detach().to(torch::kBFloat16)));
 }
 
+// Backward multiplies the incoming gradient in place only when nothing else holds it: here the
+// same gradient tensor goes to a's accumulation and to the GELU (AddBackward passes it to both),
+// and a's gradient must come out untouched. Through a linear, the in-place product is taken.
+TEST(Activations, GeluBackwardLeavesASharedGradientAlone) {
+  auto x = torch::randn({64, 48}).requires_grad_(), a = torch::randn({64, 48}).requires_grad_();
+  auto w = torch::randn({64, 48});
+  ((a + gelu_tanh(x)) * w).sum().backward();
+  auto xr = x.detach().clone().requires_grad_();
+  (torch::gelu(xr.to(torch::kFloat64), "tanh") * w.to(torch::kFloat64)).sum().backward();
+  EXPECT_TRUE(torch::equal(a.grad(), w));
+  EXPECT_LT((x.grad().to(torch::kFloat64) - xr.grad()).abs().max().item<double>(), 1e-5);
+
+  // Through a matmul (the MLP's down projection): its input gradient is fresh, so the product
+  // is taken in place, and equals the product into a new buffer.
+  auto x2 = torch::randn({32, 48}).requires_grad_();
+  auto m = torch::randn({48, 40}), g = torch::randn({32, 40});
+  torch::matmul(gelu_tanh(x2), m).backward(g);
+  torch::Tensor slope;
+  gelu_tanh_cpu(x2.detach(), &slope);
+  EXPECT_TRUE(torch::equal(x2.grad(), torch::matmul(g, m.t()) * slope));
+}
+
 }  // namespace
 }  // namespace tessel::models
