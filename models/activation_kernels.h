@@ -19,6 +19,7 @@ void gelu_tanh_forward_slope(const float* x, float* y, float* slope, int64_t n);
 /// SwiGLU: y = silu(g)·u (Llama's MLP; silu(g) = g·sigmoid(g)).
 void swiglu_forward(const float* g, const float* u, float* y, int64_t n);
 /// Its gradients from dy and the forward's inputs (sigmoid recomputed: no tensor kept for it).
+/// du may be dy itself (each element's dy is read before its du is written).
 void swiglu_backward(const float* dy, const float* g, const float* u, float* dg, float* du,
                      int64_t n);
 

@@ -65,8 +65,8 @@ inline void swiglu_backward(const float* dy, const float* g, const float* u, flo
                             int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float v = g[i], s = 1.0f / (1.0f + exp_clamped(-v));
-    du[i] = dy[i] * (v * s);
-    dg[i] = dy[i] * u[i] * (s * (1.0f + v * (1.0f - s)));
+    const float d = dy[i], v = g[i], s = 1.0f / (1.0f + exp_clamped(-v));
+    du[i] = d * (v * s);  // du may be dy: d is read first
+    dg[i] = d * u[i] * (s * (1.0f + v * (1.0f - s)));
   }
 }

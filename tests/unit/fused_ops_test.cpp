@@ -55,6 +55,21 @@ TEST(FusedOps, SwigluMatchesTheComposite) {
       2e-6);
 }
 
+// Through a matmul (the down projection) the incoming gradient is fresh and SwiGLU's backward
+// writes the up projection's gradient into it: the same gradients as from a caller-held one (the
+// out-of-place path, which a caller's tensor takes: it must come out unchanged).
+TEST(FusedOps, SwigluBackwardInPlaceMatchesOutOfPlace) {
+  auto g1 = torch::randn({32, 40}).requires_grad_(), u1 = torch::randn({32, 40}).requires_grad_();
+  auto m = torch::randn({40, 24}), dz = torch::randn({32, 24});
+  torch::matmul(models::swiglu(g1, u1, true), m).backward(dz);
+  auto g2 = g1.detach().clone().requires_grad_(), u2 = u1.detach().clone().requires_grad_();
+  auto dy = torch::matmul(dz, m.t()), kept = dy.clone();
+  models::swiglu(g2, u2, true).backward(dy);
+  EXPECT_TRUE(torch::equal(dy, kept));
+  EXPECT_TRUE(torch::equal(g1.grad(), g2.grad()));
+  EXPECT_TRUE(torch::equal(u1.grad(), u2.grad()));
+}
+
 TEST(FusedOps, RopeMatchesTheCompositeInTheModelsLayout) {
   torch::manual_seed(4);
   const int64_t b = 2, s = 9, heads = 3, d = 20;
