@@ -51,17 +51,20 @@ inline __m256 gelu_slope(__m256 v, __m256 e, __m256 s) {
       s, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(v, es2), _mm256_set1_ps(2.0f * kC)), slope));
 }
 
-void gelu_tanh_forward_slope_vec(const float* x, float* y, float* slope, int64_t n) {
+template <bool kBias>
+void gelu_tanh_forward_slope_vec(const float* x, const float* bias, float* y, float* slope,
+                                 int64_t n) {
   const __m256 one = _mm256_set1_ps(1.0f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
+    __m256 v = _mm256_loadu_ps(x + i);
+    if constexpr (kBias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + i));
     const __m256 e = exp_minus_2u(v);
     const __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, e));
     _mm256_storeu_ps(y + i, _mm256_mul_ps(v, s));
     _mm256_storeu_ps(slope + i, gelu_slope(v, e, s));
   }
-  gelu_tanh_forward_slope(x + i, y + i, slope + i, n - i);
+  gelu_tanh_forward_slope(x + i, kBias ? bias + i : nullptr, y + i, slope + i, n - i);
 }
 
 void swiglu_forward_vec(const float* g, const float* u, float* y, int64_t n) {
@@ -105,9 +108,11 @@ void forward_serial(const float* x, float* y, int64_t n) {
   baseline::gelu_tanh_forward(x, y, n);
 }
 
-void forward_slope_serial(const float* x, float* y, float* slope, int64_t n) {
-  if (has_avx2_fma()) return avx2::gelu_tanh_forward_slope_vec(x, y, slope, n);
-  baseline::gelu_tanh_forward_slope(x, y, slope, n);
+void forward_slope_serial(const float* x, const float* bias, float* y, float* slope, int64_t n) {
+  if (has_avx2_fma())
+    return bias ? avx2::gelu_tanh_forward_slope_vec<true>(x, bias, y, slope, n)
+                : avx2::gelu_tanh_forward_slope_vec<false>(x, nullptr, y, slope, n);
+  baseline::gelu_tanh_forward_slope(x, bias, y, slope, n);
 }
 
 // Elements per thread at least: below this a fork costs more than the loop. Chunks of whole
@@ -142,8 +147,18 @@ void gelu_tanh_forward(const float* x, float* y, int64_t n) {
 }
 
 void gelu_tanh_forward_slope(const float* x, float* y, float* slope, int64_t n) {
-  over_threads(n,
-               [&](int64_t b, int64_t e) { forward_slope_serial(x + b, y + b, slope + b, e - b); });
+  over_threads(n, [&](int64_t b, int64_t e) {
+    forward_slope_serial(x + b, nullptr, y + b, slope + b, e - b);
+  });
+}
+
+void gelu_tanh_bias_forward_slope(const float* x, const float* bias, int64_t cols, float* y,
+                                  float* slope, int64_t n) {
+  // Whole rows per thread, each from its first column: every element takes the same arithmetic
+  // (vector or tail loop) whatever the thread count.
+  simd::over_threads(n, kGrain, cols, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; i += cols) forward_slope_serial(x + i, bias, y + i, slope + i, cols);
+  });
 }
 
 }  // namespace tessel::models::kernels

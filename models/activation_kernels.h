@@ -15,6 +15,10 @@ void gelu_tanh_forward(const float* x, float* y, int64_t n);
 /// y as gelu_tanh_forward, and slope = d/dx GELU(x) from the same exp: the backward is then one
 /// product, dx = dy·slope.
 void gelu_tanh_forward_slope(const float* x, float* y, float* slope, int64_t n);
+/// The same of x + bias: x [n / cols, cols] row-major, bias [cols] added to every row first (a
+/// linear layer's bias, so that the layer itself runs without one: no copy of it into the output).
+void gelu_tanh_bias_forward_slope(const float* x, const float* bias, int64_t cols, float* y,
+                                  float* slope, int64_t n);
 
 /// SwiGLU: y = silu(g)·u (Llama's MLP; silu(g) = g·sigmoid(g)).
 void swiglu_forward(const float* g, const float* u, float* y, int64_t n);

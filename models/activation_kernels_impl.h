@@ -40,10 +40,12 @@ inline void gelu_tanh_forward(const float* x, float* y, int64_t n) {
   }
 }
 
-inline void gelu_tanh_forward_slope(const float* x, float* y, float* slope, int64_t n) {
+// With `bias` (else null): GELU(x + bias) elementwise, bias as long as x.
+inline void gelu_tanh_forward_slope(const float* x, const float* bias, float* y, float* slope,
+                                    int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
+    const float v = bias ? x[i] + bias[i] : x[i];
     const float e = exp_clamped(-2.0f * kC * (v + kA * v * v * v));
     const float s = 1.0f / (1.0f + e);  // (1 + tanh u) / 2
     y[i] = v * s;

@@ -9,6 +9,18 @@
 namespace tessel::models {
 namespace {
 
+// dy·slope, in place when nothing else holds the incoming gradient (the next linear's input
+// gradient, just written): the product then goes where its operand already sits in cache instead
+// of into a fresh [tokens, width] buffer. Held by the engine's list and the node's copy of it
+// (LibTorch's CppNode::apply); a third holder (a caller's tensor, a gradient shared with another
+// branch) keeps it untouched (tests/unit/activation_test.cpp).
+torch::Tensor times_slope(torch::Tensor& g, const torch::Tensor& slope) {
+  if (g.use_count() <= 2 && g.storage().use_count() == 1 && g.is_contiguous() &&
+      g.sizes() == slope.sizes())
+    return g.mul_(slope);
+  return g * slope;
+}
+
 class GeluTanhCpu : public torch::autograd::Function<GeluTanhCpu> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x_in) {
@@ -24,17 +36,28 @@ class GeluTanhCpu : public torch::autograd::Function<GeluTanhCpu> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    // In place when nothing else holds the incoming gradient (the next linear's input gradient,
-    // just written): the product then goes where its operand already sits in cache instead of
-    // into a fresh [tokens, width] buffer. Held here by the engine's list and this node's copy of
-    // it (LibTorch's CppNode::apply); a third holder (a gradient shared with another branch)
-    // keeps it untouched (tests/unit/activation_test.cpp).
-    auto& g = grads[0];
-    const auto slope = ctx->get_saved_variables()[0];
-    if (g.use_count() <= 2 && g.storage().use_count() == 1 && g.is_contiguous() &&
-        g.sizes() == slope.sizes())
-      return {g.mul_(slope)};
-    return {g * slope};
+    return {times_slope(grads[0], ctx->get_saved_variables()[0])};
+  }
+};
+
+// GELU(x + bias), the bias a linear layer's (models/layers.cpp, GPT-2's MLP): its gradient is
+// the column sum of dx, as the linear layer's own backward takes it (parallel/pp/weight_grad.cpp).
+class BiasGeluTanhCpu : public torch::autograd::Function<BiasGeluTanhCpu> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& bias) {
+    RECORD_FUNCTION("tessel::bias_gelu_tanh", std::vector<c10::IValue>());
+    torch::Tensor slope;
+    auto y = bias_gelu_tanh_cpu(x, bias, &slope);
+    ctx->save_for_backward({slope});
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto dx = times_slope(grads[0], ctx->get_saved_variables()[0]);
+    torch::Tensor db;
+    if (ctx->needs_input_grad(1)) db = dx.reshape({-1, dx.size(-1)}).sum(0);
+    return {dx, db};
   }
 };
 
@@ -56,6 +79,26 @@ torch::Tensor gelu_tanh_cpu(const torch::Tensor& x, torch::Tensor* slope) {
   *slope = torch::empty_like(xc);
   kernels::gelu_tanh_forward_slope(px, py, slope->mutable_data_ptr<float>(), xc.numel());
   return y;
+}
+
+torch::Tensor bias_gelu_tanh_cpu(const torch::Tensor& x, const torch::Tensor& bias,
+                                 torch::Tensor* slope) {
+  auto xc = x.contiguous(), b = bias.contiguous();
+  TORCH_CHECK(b.dim() == 1 && b.size(0) == xc.size(-1), "bias ", b.sizes(), " for ", xc.sizes());
+  auto y = torch::empty_like(xc);
+  *slope = torch::empty_like(xc);
+  kernels::gelu_tanh_bias_forward_slope(xc.const_data_ptr<float>(), b.const_data_ptr<float>(),
+                                        b.size(0), y.mutable_data_ptr<float>(),
+                                        slope->mutable_data_ptr<float>(), xc.numel());
+  return y;
+}
+
+torch::Tensor bias_gelu_tanh(const torch::Tensor& x, const torch::Tensor& bias) {
+  if (!gelu_tanh_uses_cpu_kernel(x) || !gelu_tanh_uses_cpu_kernel(bias))
+    return torch::gelu(x + bias, "tanh");
+  if (torch::GradMode::is_enabled() && (x.requires_grad() || bias.requires_grad()))
+    return BiasGeluTanhCpu::apply(x, bias);
+  return gelu_tanh_cpu(x + bias);  // no backward to come: y alone, the same values
 }
 
 torch::Tensor gelu_tanh(const torch::Tensor& x) {

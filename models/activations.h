@@ -16,6 +16,14 @@ torch::Tensor gelu_tanh(const torch::Tensor& x);
 /// `slope` when given (from the same exp; what the autograd function keeps for backward).
 torch::Tensor gelu_tanh_cpu(const torch::Tensor& x, torch::Tensor* slope = nullptr);
 
+/// GELU(x + bias), `bias` [x.size(-1)]: a linear layer's bias fused into the activation (the layer
+/// runs without it). On fp32 CPU tensors one pass of Tessel's kernel, the bias's gradient the
+/// column sum of x's; elsewhere torch::gelu(x + bias).
+torch::Tensor bias_gelu_tanh(const torch::Tensor& x, const torch::Tensor& bias);
+/// Its CPU kernel without autograd: GELU(x + bias), and its slope into `slope`.
+torch::Tensor bias_gelu_tanh_cpu(const torch::Tensor& x, const torch::Tensor& bias,
+                                 torch::Tensor* slope);
+
 /// Whether gelu_tanh runs Tessel's CPU loops for `x` (else torch::gelu).
 bool gelu_tanh_uses_cpu_kernel(const torch::Tensor& x);
 

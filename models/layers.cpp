@@ -136,8 +136,10 @@ MlpImpl::MlpImpl(const DecoderOptions& o) : tp_(o.tp), sp_(o.sequence_parallel) 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
   auto xf = tp::enter(*tp_, x, sp_);
   if (gate) return down(swiglu(gate->forward_entered(xf), up->forward_entered(xf), tessel_kernels));
-  auto u = up->forward_entered(xf);
-  return down(tessel_kernels ? gelu_tanh(u) : torch::gelu(u, "tanh"));
+  if (!tessel_kernels) return down(torch::gelu(up->forward_entered(xf), "tanh"));
+  if (up->bias.defined() && gelu_tanh_uses_cpu_kernel(xf))  // the bias added in the GELU's pass
+    return down(bias_gelu_tanh(up->forward_entered(xf, false), up->bias));
+  return down(gelu_tanh(up->forward_entered(xf)));
 }
 
 BlockImpl::BlockImpl(const DecoderOptions& o, int64_t layer, MoeState* moe_state) {

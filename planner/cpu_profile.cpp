@@ -96,6 +96,7 @@ class StepKernels {
     add_a_ = torch::randn({int64_t{4} << 20}), add_b_ = torch::randn({int64_t{4} << 20});
     add_out_ = torch::empty_like(add_a_);
     small_ = torch::randn({8, 32}, torch::TensorOptions().requires_grad(true));
+    gelu_bias_ = torch::randn({f_}, opts);
   }
 
   // One run of each, in a step's order; seconds each.
@@ -105,9 +106,9 @@ class StepKernels {
     out[0] = seconds(
         [&] { torch::mm(s[0], s[1].t()), torch::mm(s[2], s[1]), torch::mm(s[2].t(), s[0]); });
     out[2] = seconds([&] {
-      if (tessel_gelu_) {  // Tessel's: the forward writes y and the slope, backward multiplies
-        torch::Tensor slope;
-        auto y = models::gelu_tanh_cpu(s[7], &slope);
+      if (tessel_gelu_) {     // Tessel's: the forward adds the up projection's bias and writes y
+        torch::Tensor slope;  // and the slope, backward multiplies
+        auto y = models::bias_gelu_tanh_cpu(s[7], gelu_bias_, &slope);
         auto dx = s[9] * slope;
         return;
       }
@@ -172,7 +173,7 @@ class StepKernels {
   int64_t t_, h_, f_, seq_, batch_, heads_, head_dim_, rows_;
   std::vector<std::vector<torch::Tensor>> sets_;
   size_t next_ = 0;
-  torch::Tensor add_a_, add_b_, add_out_, small_;
+  torch::Tensor add_a_, add_b_, add_out_, small_, gelu_bias_;
 };
 
 struct Loopback {

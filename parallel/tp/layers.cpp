@@ -41,8 +41,9 @@ torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
   return forward_entered(enter(*tp_, x, sp_));
 }
 
-torch::Tensor ColumnParallelLinearImpl::forward_entered(const torch::Tensor& x_full) {
-  return pp::linear(x_full, weight, bias, defer_weight_grad);
+torch::Tensor ColumnParallelLinearImpl::forward_entered(const torch::Tensor& x_full,
+                                                        bool add_bias) {
+  return pp::linear(x_full, weight, add_bias ? bias : torch::Tensor(), defer_weight_grad);
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(Group& tp, int64_t in, int64_t out, bool with_bias,

@@ -41,8 +41,9 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
  public:
   ColumnParallelLinearImpl(Group& tp, int64_t in, int64_t out, bool bias, bool sequence_parallel);
   torch::Tensor forward(const torch::Tensor& x);
-  /// The same on an input that already went through enter() (several layers share one gather).
-  torch::Tensor forward_entered(const torch::Tensor& x_full);
+  /// The same on an input that already went through enter() (several layers share one gather);
+  /// without its bias when `add_bias` is false (the caller adds it: a fused bias and activation).
+  torch::Tensor forward_entered(const torch::Tensor& x_full, bool add_bias = true);
   torch::Tensor weight, bias;
   Shard weight_shard() const { return {0, tp_->size(), tp_->rank()}; }
   /// Zero-bubble pipelines: its weight gradient may wait for W (parallel/pp/weight_grad.h).
