@@ -277,27 +277,53 @@ void weigh_rows(const float* w, const HeadShape& h, const float* z, float* out,
   }
 }
 
-// acc [n, d] += wᵀ z: w [m, n_pad] (zeros past each row's keys), z [m, d]; wt scratch [n_pad,
-// m_pad].
-void weigh_keys(const float* w, const HeadShape& h, const float* z, float* wt, float* acc) {
-  transpose(w, h.m, h.n_pad, h.n_pad, wt, h.m_pad);
-  for (int64_t j0 = 0; j0 < h.n; j0 += kTile) {
-    const int rows = static_cast<int>(std::min<int64_t>(kTile, h.n - j0));
-    const float* ws[kTile];
-    float* outs[kTile];
-    for (int r = 0; r < rows; ++r) ws[r] = wt + (j0 + r) * h.m_pad, outs[r] = acc + (j0 + r) * h.d;
-    const int64_t lo = h.causal ? j0 : 0;  // queries before key j0 do not see it
-    weighted_rows(rows, ws, lo, h.m, z, h.d, outs, true);
+// One register tile of weighted_chunk: `rows` rows (1-6) by nv vectors (1-2).
+void weighted_tile(int rows, int nv, const float* const* p, int64_t lo, int64_t hi, const float* z,
+                   int64_t ld, int64_t c, float* const* out, bool accumulate) {
+  switch (rows * 2 + nv - 2) {
+#define TESSEL_TILE(R)                                                 \
+  case R * 2:                                                          \
+    return weighted_chunk<R, 2>(p, lo, hi, z, ld, c, out, accumulate); \
+  case R * 2 - 1:                                                      \
+    return weighted_chunk<R, 1>(p, lo, hi, z, ld, c, out, accumulate);
+    TESSEL_TILE(6)
+    TESSEL_TILE(5)
+    TESSEL_TILE(4)
+    TESSEL_TILE(3)
+    TESSEL_TILE(2)
+    TESSEL_TILE(1)
+#undef TESSEL_TILE
+  }
+}
+
+// accᵀ [d][n_pad] += zᵀ w (the transpose of wᵀ z): z [m, d] rows `zs` apart, w [m, n_pad] (zeros
+// past each row's keys); zt scratch [d][m_pad]. Both operands are read along their rows: z is the
+// one transposed, [m, d] rather than w's [m, n_pad]. A block of keys [c, c + 16) sums the queries
+// from c on when causal (the earlier ones do not see it).
+void weigh_keys(const float* w, const HeadShape& h, const float* z, int64_t zs, float* zt,
+                float* acc_t) {
+  transpose(z, h.m, h.d, zs, zt, h.m_pad);
+  for (int64_t c = 0; c < h.n_pad; c += 16) {
+    const int64_t lo = h.causal ? c : 0;
+    const int nv = c + 16 <= h.n_pad ? 2 : 1;
+    for (int64_t r0 = 0; r0 < h.d; r0 += kTile) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTile, h.d - r0));
+      const float* zs_rows[kTile];
+      float* outs[kTile];
+      for (int r = 0; r < rows; ++r)
+        zs_rows[r] = zt + (r0 + r) * h.m_pad, outs[r] = acc_t + (r0 + r) * h.n_pad;
+      weighted_tile(rows, nv, zs_rows, lo, h.m, w, h.n_pad, c, outs, true);
+    }
   }
 }
 
 // Per thread: what one key/value head's group needs, reused over its tasks.
 struct Scratch {
-  std::vector<float> kt, kc, vc, qc, dc, ds, wt, dk, dv;
+  std::vector<float> kt, kc, vc, ds, zt, dkt, dvt, rows;
   explicit Scratch(const HeadShape& h) {
-    kt.resize(h.d * h.n_pad), kc.resize(h.n * h.d), vc.resize(h.n * h.d), qc.resize(h.m * h.d);
-    dc.resize(h.m * h.d), ds.resize(h.m * h.n_pad), wt.resize(h.n_pad * h.m_pad);
-    dk.resize(h.n * h.d), dv.resize(h.n * h.d);
+    kt.resize(h.d * h.n_pad), kc.resize(h.n * h.d), vc.resize(h.n * h.d);
+    ds.resize(h.m * h.n_pad), zt.resize(h.d * h.m_pad), dkt.resize(h.d * h.n_pad);
+    dvt.resize(h.d * h.n_pad), rows.resize(h.n_pad * h.d);
   }
 };
 
@@ -347,27 +373,28 @@ void backward_group(const AttentionDims& a, const HeadShape& h, int64_t b, int64
                     const HeadsOut& dv, Scratch& sc) {
   transposed(head_of(v, b, kv), v.ss, h, sc.kt.data());  // vᵀ, for dP = dO·vᵀ
   gather(head_of(k, b, kv), k.ss, h.n, h.d, sc.kc.data());
-  std::fill(sc.dk.begin(), sc.dk.end(), 0.0f);
-  std::fill(sc.dv.begin(), sc.dv.end(), 0.0f);
+  std::fill(sc.dkt.begin(), sc.dkt.end(), 0.0f);
+  std::fill(sc.dvt.begin(), sc.dvt.end(), 0.0f);
   const int64_t groups = a.heads / a.kv_heads;
   for (int64_t head = kv * groups; head < (kv + 1) * groups; ++head) {
     const float* p = probs + (b * a.heads + head) * h.m * h.n_pad;
-    gather(head_of(q, b, head), q.ss, h.m, h.d, sc.qc.data());
-    gather(head_of(dout, b, head), dout.ss, h.m, h.d, sc.dc.data());
-    weigh_keys(p, h, sc.dc.data(), sc.wt.data(), sc.dv.data());  // dV += Pᵀ·dO
+    const float* d_out = head_of(dout, b, head);
+    weigh_keys(p, h, d_out, dout.ss, sc.zt.data(), sc.dvt.data());  // dVᵀ += dOᵀ·P
     float* ds = sc.ds.data();
-    const Rows rows{sc.dc.data(), h.d};
+    const Rows rows{d_out, dout.ss};
     for (int64_t i0 = 0; i0 < h.m; i0 += kTile) {  // dP = dO·Vᵀ, then dS
       const int count = static_cast<int>(std::min<int64_t>(kTile, h.m - i0));
       scores_block(rows, i0, count, sc.kt.data(), h, ds);
       for (int64_t i = i0; i < i0 + count; ++i)
         softmax_backward_row(p + i * h.n_pad, ds + i * h.n_pad, head_keys(h, i), h.n_pad, h.scale);
     }
-    weigh_rows(ds, h, sc.kc.data(), head_of(dq, b, head), dq.ss);  // dQ = dS·K
-    weigh_keys(ds, h, sc.qc.data(), sc.wt.data(), sc.dk.data());   // dK += dSᵀ·Q
+    weigh_rows(ds, h, sc.kc.data(), head_of(dq, b, head), dq.ss);               // dQ = dS·K
+    weigh_keys(ds, h, head_of(q, b, head), q.ss, sc.zt.data(), sc.dkt.data());  // dKᵀ += Qᵀ·dS
   }
-  scatter(sc.dk.data(), h.n, h.d, head_of(dk, b, kv), dk.ss);
-  scatter(sc.dv.data(), h.n, h.d, head_of(dv, b, kv), dv.ss);
+  for (auto [acc_t, out] : {std::pair{sc.dkt.data(), &dk}, std::pair{sc.dvt.data(), &dv}}) {
+    transpose(acc_t, h.d, h.n_pad, h.n_pad, sc.rows.data(), h.d);
+    scatter(sc.rows.data(), h.n, h.d, head_of(*out, b, kv), out->ss);
+  }
 }
 }  // namespace avx2
 #pragma GCC pop_options
