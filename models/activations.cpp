@@ -9,16 +9,10 @@
 namespace tessel::models {
 namespace {
 
-// dy·slope, in place when nothing else holds the incoming gradient (the next linear's input
-// gradient, just written): the product then goes where its operand already sits in cache instead
-// of into a fresh [tokens, width] buffer. Held by the engine's list and the node's copy of it
-// (LibTorch's CppNode::apply); a third holder (a caller's tensor, a gradient shared with another
-// branch) keeps it untouched (tests/unit/activation_test.cpp).
+// dy·slope, in place when nothing else holds the incoming gradient (sole_gradient): the product
+// then goes where its operand already sits in cache instead of into a fresh [tokens, width] buffer.
 torch::Tensor times_slope(torch::Tensor& g, const torch::Tensor& slope) {
-  if (g.use_count() <= 2 && g.storage().use_count() == 1 && g.is_contiguous() &&
-      g.sizes() == slope.sizes())
-    return g.mul_(slope);
-  return g * slope;
+  return sole_gradient(g, slope.sizes()) ? g.mul_(slope) : g * slope;
 }
 
 class GeluTanhCpu : public torch::autograd::Function<GeluTanhCpu> {
@@ -62,6 +56,11 @@ class BiasGeluTanhCpu : public torch::autograd::Function<BiasGeluTanhCpu> {
 };
 
 }  // namespace
+
+bool sole_gradient(const torch::Tensor& g, at::IntArrayRef sizes) {
+  return g.use_count() <= 2 && g.storage().use_count() == 1 && g.is_contiguous() &&
+         g.sizes() == sizes;
+}
 
 bool gelu_tanh_uses_cpu_kernel(const torch::Tensor& x) {
   return x.device().is_cpu() && x.scalar_type() == torch::kFloat32;

@@ -24,6 +24,13 @@ torch::Tensor bias_gelu_tanh(const torch::Tensor& x, const torch::Tensor& bias);
 torch::Tensor bias_gelu_tanh_cpu(const torch::Tensor& x, const torch::Tensor& bias,
                                  torch::Tensor* slope);
 
+/// Whether a custom autograd function's backward may overwrite its incoming gradient `g`: nothing
+/// else holds it (its tensor held only by the engine's list and the node's copy of it, LibTorch's
+/// CppNode::apply; its storage by that tensor alone), and it is contiguous with `sizes`. The
+/// next linear's input gradient, just written, is; a caller's tensor or a gradient shared with
+/// another branch is not (tests/unit/activation_test.cpp).
+bool sole_gradient(const torch::Tensor& g, at::IntArrayRef sizes);
+
 /// Whether gelu_tanh runs Tessel's CPU loops for `x` (else torch::gelu).
 bool gelu_tanh_uses_cpu_kernel(const torch::Tensor& x);
 

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "models/activation_kernels.h"
+#include "models/activations.h"
 #include "models/norm_kernels.h"
 
 namespace tessel::models {
@@ -60,12 +61,10 @@ class SwigluFn : public torch::autograd::Function<SwigluFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     TESSEL_NAMED("tessel::swiglu_backward");
     const auto s = ctx->get_saved_variables();
-    // du into dy's buffer when nothing else holds it (as the GELU's backward,
-    // models/activations.cpp): the down projection's input gradient, just written.
-    const auto& g = grads[0];
-    const bool own_dy = g.use_count() <= 2 && g.storage().use_count() == 1 && g.is_contiguous() &&
-                        g.sizes() == s[1].sizes();
-    auto dy = g.contiguous();
+    // du into dy's buffer when nothing else holds it (models/activations.h, sole_gradient): the
+    // down projection's input gradient, just written.
+    const bool own_dy = sole_gradient(grads[0], s[1].sizes());
+    auto dy = grads[0].contiguous();
     auto dg = torch::empty_like(s[0]), du = own_dy ? dy : torch::empty_like(s[1]);
     kernels::swiglu_backward(floats(dy), floats(s[0]), floats(s[1]), floats(dg), floats(du),
                              dy.numel());

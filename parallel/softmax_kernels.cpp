@@ -189,30 +189,30 @@ void weighted_chunk(const float* const* p, int64_t lo, int64_t hi, const float* 
           _mm256_storeu_ps(out[r] + c + 8 * v, a[r][v]);
 }
 
-template <int R>
-void weighted(const float* const* p, int64_t lo, int64_t hi, const float* z, int64_t d,
-              float* const* out, bool accumulate) {
-  int64_t c = 0;
-  for (; c + 16 <= d; c += 16) weighted_chunk<R, 2>(p, lo, hi, z, d, c, out, accumulate);
-  if (c < d) weighted_chunk<R, 1>(p, lo, hi, z, d, c, out, accumulate);
+// One register tile of weighted_chunk: `rows` rows (1-6) by nv vectors (1-2).
+void weighted_tile(int rows, int nv, const float* const* p, int64_t lo, int64_t hi, const float* z,
+                   int64_t ld, int64_t c, float* const* out, bool accumulate) {
+  switch (rows * 2 + nv - 2) {
+#define TESSEL_TILE(R)                                                 \
+  case R * 2:                                                          \
+    return weighted_chunk<R, 2>(p, lo, hi, z, ld, c, out, accumulate); \
+  case R * 2 - 1:                                                      \
+    return weighted_chunk<R, 1>(p, lo, hi, z, ld, c, out, accumulate);
+    TESSEL_TILE(6)
+    TESSEL_TILE(5)
+    TESSEL_TILE(4)
+    TESSEL_TILE(3)
+    TESSEL_TILE(2)
+    TESSEL_TILE(1)
+#undef TESSEL_TILE
+  }
 }
 
+// out rows (+)= the weighted sums of z's rows [.., d] (d a multiple of 8), 16 columns a tile.
 void weighted_rows(int rows, const float* const* p, int64_t lo, int64_t hi, const float* z,
                    int64_t d, float* const* out, bool accumulate) {
-  switch (rows) {
-    case 6:
-      return weighted<6>(p, lo, hi, z, d, out, accumulate);
-    case 5:
-      return weighted<5>(p, lo, hi, z, d, out, accumulate);
-    case 4:
-      return weighted<4>(p, lo, hi, z, d, out, accumulate);
-    case 3:
-      return weighted<3>(p, lo, hi, z, d, out, accumulate);
-    case 2:
-      return weighted<2>(p, lo, hi, z, d, out, accumulate);
-    default:
-      return weighted<1>(p, lo, hi, z, d, out, accumulate);
-  }
+  for (int64_t c = 0; c < d; c += 16)
+    weighted_tile(rows, c + 16 <= d ? 2 : 1, p, lo, hi, z, d, c, out, accumulate);
 }
 
 // An 8×8 block: dst[c][r] = src[r][c].
@@ -274,25 +274,6 @@ void weigh_rows(const float* w, const HeadShape& h, const float* z, float* out,
     for (int r = 0; r < rows; ++r)
       ws[r] = w + (i0 + r) * h.n_pad, outs[r] = out + (i0 + r) * out_stride;
     weighted_rows(rows, ws, 0, head_keys(h, i0 + rows - 1), z, h.d, outs, false);
-  }
-}
-
-// One register tile of weighted_chunk: `rows` rows (1-6) by nv vectors (1-2).
-void weighted_tile(int rows, int nv, const float* const* p, int64_t lo, int64_t hi, const float* z,
-                   int64_t ld, int64_t c, float* const* out, bool accumulate) {
-  switch (rows * 2 + nv - 2) {
-#define TESSEL_TILE(R)                                                 \
-  case R * 2:                                                          \
-    return weighted_chunk<R, 2>(p, lo, hi, z, ld, c, out, accumulate); \
-  case R * 2 - 1:                                                      \
-    return weighted_chunk<R, 1>(p, lo, hi, z, ld, c, out, accumulate);
-    TESSEL_TILE(6)
-    TESSEL_TILE(5)
-    TESSEL_TILE(4)
-    TESSEL_TILE(3)
-    TESSEL_TILE(2)
-    TESSEL_TILE(1)
-#undef TESSEL_TILE
   }
 }
 
