@@ -114,7 +114,8 @@ inline int64_t round8(int64_t x) { return (x + 7) / 8 * 8; }
 constexpr int kTile = 6;
 
 // s[r][j] = sum_k x[r][k]·yt[k][j] for rows r < R and j < jend (a multiple of 8): R query rows
-// (d contiguous floats each) against yt [d][ld] (keys transposed), 4×16 outputs per register tile.
+// (d contiguous floats each) against yt [d][ld] (keys transposed), up to kTile×16 outputs per
+// register tile.
 template <int R>
 void dots(const float* const* x, const float* yt, int64_t ld, int64_t d, int64_t jend, float* s,
           int64_t lds) {
@@ -166,7 +167,7 @@ void dots_rows(const float* const* x, int rows, const float* yt, int64_t ld, int
 }
 
 // out[r][c..c+8·NV) (+)= sum_{j in [lo, hi)} p[r][j]·z[j][c..]: R rows of weights over rows of z
-// [.., d] (contiguous); weights outside a row's own range are exact zeros, so the union is summed.
+// (d floats apart); weights outside a row's own range are exact zeros, so the union is summed.
 template <int R, int NV>
 void weighted_chunk(const float* const* p, int64_t lo, int64_t hi, const float* z, int64_t d,
                     int64_t c, float* const* out, bool accumulate) {
