@@ -383,6 +383,7 @@ const std::pair<torch::Tensor, torch::Tensor>& DecoderImpl::rope(int64_t seq,
                                                                  const torch::Device& device,
                                                                  torch::ScalarType dtype) {
   auto key = std::make_tuple(seq, device.str(), static_cast<int>(dtype));
+  std::lock_guard<std::mutex> lock(*rope_mutex_);
   if (auto it = rope_.find(key); it != rope_.end()) return it->second;
   // Angles in fp32 on the device, then cast to the activation dtype (as Hugging Face does).
   torch::NoGradGuard no_grad;

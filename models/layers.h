@@ -12,6 +12,8 @@
 #include <torch/nn/pimpl.h>
 
 #include <map>
+#include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <tuple>
@@ -233,6 +235,8 @@ class DecoderImpl : public torch::nn::Module {
   std::shared_ptr<MoeState> moe_state_;
   torch::Tensor inv_freq_;  // [head_dim / 2], fp32, as Hugging Face computes it
   std::map<std::tuple<int64_t, std::string, int>, std::pair<torch::Tensor, torch::Tensor>> rope_;
+  // rope_ is filled on first use, possibly by two micro-batches' forwards at once (CPU pairs).
+  std::shared_ptr<std::mutex> rope_mutex_ = std::make_shared<std::mutex>();
   std::map<std::string, ParamSpec> specs_;
   parallel::BlockHooks* hooks_ = nullptr;
   bool recompute_blocks_ = false;

@@ -86,8 +86,18 @@ std::vector<OpTime> op_times(std::vector<ProfiledSpan> spans) {
   return out;
 }
 
-std::string top_ops_table(const std::vector<OpTime>& ops, double wall_ms, int64_t steps,
-                          size_t top) {
+int64_t busy_host_threads(const std::vector<ProfiledSpan>& spans) {
+  std::map<uint64_t, double> ns;  // per thread: its spans' time (nested ones counted again)
+  double busiest = 0;
+  for (const auto& s : spans)
+    if (!s.device) busiest = std::max(busiest, ns[s.thread] += double(s.end_ns - s.start_ns));
+  int64_t n = 0;
+  for (const auto& [_, t] : ns) n += t >= 0.1 * busiest ? 1 : 0;
+  return std::max<int64_t>(1, n);
+}
+
+std::string top_ops_table(const std::vector<OpTime>& ops, double wall_ms, int64_t steps, size_t top,
+                          int64_t host_threads) {
   std::string s;
   for (const bool device : {false, true}) {
     std::vector<const OpTime*> rows;
@@ -98,17 +108,23 @@ std::string top_ops_table(const std::vector<OpTime>& ops, double wall_ms, int64_
         if (rows.size() < top) rows.push_back(&o);
       }
     if (rows.empty()) continue;
+    const double of_ms = device ? wall_ms : wall_ms * static_cast<double>(host_threads);
     s += fmt::format("\n| {} | calls/step | {} ms/step | share of step |\n|---|---|---|---|\n",
                      device ? "device kernel" : "operator (host)", device ? "device" : "self");
     for (const auto* o : rows)
       s += fmt::format("| {} | {:.1f} | {:.3f} | {:.1f}% |\n", o->name,
                        static_cast<double>(o->calls) / static_cast<double>(steps),
-                       o->self_ms / static_cast<double>(steps), 100 * o->self_ms / wall_ms);
+                       o->self_ms / static_cast<double>(steps), 100 * o->self_ms / of_ms);
     s += fmt::format("| (all {}) | | {:.3f} | {:.1f}% |\n", device ? "device time" : "host ops",
-                     total / static_cast<double>(steps), 100 * total / wall_ms);
+                     total / static_cast<double>(steps), 100 * total / of_ms);
   }
-  return fmt::format("profile of {} step{}: {:.2f} ms/step wall\n", steps, steps == 1 ? "" : "s",
-                     wall_ms / static_cast<double>(steps)) +
+  return fmt::format("profile of {} step{}: {:.2f} ms/step wall{}\n", steps, steps == 1 ? "" : "s",
+                     wall_ms / static_cast<double>(steps),
+                     host_threads > 1
+                         ? fmt::format("; host operators on {} threads at once (shares "
+                                       "of {} × wall)",
+                                       host_threads, host_threads)
+                         : "") +
          s;
 }
 
@@ -138,7 +154,9 @@ std::string StepProfiler::after_step(int64_t step) {
   std::filesystem::create_directories(dir_);
   const auto base = std::filesystem::path(dir_) / fmt::format("rank{}", rank_);
   result->save(base.string() + ".pt.trace.json");
-  auto table = top_ops_table(op_times(spans_of(*result)), wall_ms, last_ - first_ + 1, 15);
+  auto spans = spans_of(*result);
+  const int64_t threads = busy_host_threads(spans);
+  auto table = top_ops_table(op_times(std::move(spans)), wall_ms, last_ - first_ + 1, 15, threads);
   std::ofstream(base.string() + ".top.md") << table;
   return fmt::format("{}trace: {}.pt.trace.json (Perfetto: ui.perfetto.dev; TensorBoard)", table,
                      base.string());

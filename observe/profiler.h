@@ -32,9 +32,14 @@ struct OpTime {
 std::vector<OpTime> op_times(std::vector<ProfiledSpan> spans);
 
 /// The table as Markdown: the `top` first host rows and `top` first device rows, each with its
-/// share of `wall_ms` (the profiled steps' wall time) and ms per step.
-std::string top_ops_table(const std::vector<OpTime>& ops, double wall_ms, int64_t steps,
-                          size_t top);
+/// share of `wall_ms` (the profiled steps' wall time) and ms per step. `host_threads`: threads
+/// whose operators the host rows add up (micro-batch pairs run on two): host shares are of
+/// `host_threads` × `wall_ms`.
+std::string top_ops_table(const std::vector<OpTime>& ops, double wall_ms, int64_t steps, size_t top,
+                          int64_t host_threads = 1);
+
+/// Host threads that ran operators for at least a tenth of the busiest one's time.
+int64_t busy_host_threads(const std::vector<ProfiledSpan>& spans);
 
 /// Profiles steps [first, last] of a run (run/train.cpp calls it around every step).
 class StepProfiler {

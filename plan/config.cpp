@@ -595,6 +595,15 @@ std::string config_reference() {
   return out.str();
 }
 
+bool pairs_microbatches(const Config& c, int64_t world, bool cuda, int64_t threads) {
+  const auto& t = c.training;
+  // Recomputation's rerun backpropagates into the weights' .grad itself (models/recompute.cpp),
+  // which the second lane must not touch; MoE's balance state and ZeRO's hooks are per step.
+  return t.microbatch_pairs && !cuda && world == 1 && c.parallel.zero == 0 &&
+         c.model.moe.experts == 0 && t.recompute == "none" && t.micro_batch > 0 &&
+         t.global_batch / t.micro_batch >= 2 && threads >= 2;
+}
+
 std::pair<int64_t, int64_t> profile_steps(const Config& c, int64_t first_step) {
   const auto& spec = c.logging.profile;
   const int64_t steps = c.training.steps;

@@ -95,6 +95,7 @@ struct TrainingConfig {
   bool lean_logits;       // head fused with the loss, in chunks of tokens (parallel/tp/head_loss.h)
   int64_t lean_logits_chunk;  // tokens per chunk; 0: chunks of at most 64 MiB of fp32 logits
   bool cuda_graph;  // CUDA: the steady-state step captured once and replayed (run/step_graph.h)
+  bool microbatch_pairs;  // CPU, one process: micro-batches two at a time (parallel/pp/pairs.cpp)
   std::string activation_checkpointing;  // alias of recompute, resolved into it at load
   int64_t steps, global_batch, micro_batch, seq_len;
   double grad_clip;
@@ -199,5 +200,10 @@ std::string nearest_key(const std::string& key);
 /// short), "A-B" steps A to B. {0, -1} (empty) when unset. Throws UserError naming the key and
 /// its value when it is not one of these forms or leaves 1..training.steps.
 std::pair<int64_t, int64_t> profile_steps(const Config& c, int64_t first_step = 1);
+
+/// Whether training steps run their micro-batches two at a time (training.microbatch_pairs): on
+/// CPU, in one process (`world`), without ZeRO, experts or recomputation, with two or more
+/// micro-batches and two or more intra-op `threads`.
+bool pairs_microbatches(const Config& c, int64_t world, bool cuda, int64_t threads);
 
 }  // namespace tessel

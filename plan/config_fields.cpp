@@ -254,6 +254,14 @@ void add_training_speed_fields(FieldAdder& add, Config& c) {
       "With training.lean_logits: tokens per chunk. 0 = as many as keep one chunk's fp32 logits "
       "within 64 MiB.")
       .range(0);
+  add("training.microbatch_pairs", &c.training.microbatch_pairs, true,
+      "CPU, one process, two or more micro-batches and intra-op threads, no ZeRO, experts or "
+      "recomputation: run "
+      "the micro-batches two at a time, each on half of the threads, instead of one at a time on "
+      "all of them (faster on small models: no fork and join per operator). Two micro-batches' "
+      "activations are held at once (the planner counts them). Gradients are summed in a fixed "
+      "order, so runs repeat bit for bit; against one at a time they agree within float rounding "
+      "(a matmul on one thread may round differently from one on two). false: one at a time.");
   add("training.cuda_graph", &c.training.cuda_graph, false,
       "CUDA: after 3 eager warm-up steps, capture one whole training step (forward, backward, "
       "gradient all-reduces, clipping, the optimizer) as a CUDA graph and replay it for every "
@@ -394,6 +402,7 @@ void mark_free_on_resume(std::vector<Field>& f) {
       {"training.kernels", "speed: the same functions, float rounding aside"},
       {"training.lean_logits", "memory: the same loss, float rounding aside"},
       {"training.cuda_graph", "speed: the same kernels, replayed"},
+      {"training.microbatch_pairs", "speed: the same sums, float rounding aside"},
       {"training.activation_checkpointing", "memory against time: the same losses"},
       {"training.threads", "speed"},
       {"training.eval_", "evaluation only"},

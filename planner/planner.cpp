@@ -1,5 +1,6 @@
 #include "planner/planner.h"
 
+#include <ATen/Parallel.h>
 #include <c10/core/ScalarType.h>
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
@@ -214,6 +215,7 @@ struct PlanBasis {
   double w;                // bytes per element of the compute dtype
   bool sp;                 // sequence parallelism in effect
   int64_t mbs;             // micro-batches per step
+  bool pairs;              // CPU, one process: micro-batches two at a time (pairs_microbatches)
   double tok;              // tokens of one micro-batch on one rank (cp splits the sequence)
   double h, tp, kvd;       // hidden size, tensor-parallel size, keys' (and values') width
   double vocab_local;      // the head's rows on one tp rank
@@ -285,6 +287,8 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l, bool cpu) {
   const double kvd = b.kvd = static_cast<double>(m.kv_heads * m.head_dim());
   b.vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
   b.own_kernels = cpu && t.kernels == "tessel" && b.dtype == torch::kFloat32;
+  b.pairs = pairs_microbatches(
+      c, l.world(), !cpu, t.threads > 0 ? t.threads : static_cast<int64_t>(at::get_num_threads()));
   const auto& a = b.a = activation_model(m, t.recompute, b.own_kernels);
   b.short_attention = short_attention_bytes(c, l, m, b.dtype, b.own_kernels);
   b.sim = pp::simulate(pp::make_schedule(l.pp > 1 ? c.parallel.pipeline_schedule : "gpipe", l.pp,
@@ -434,7 +438,7 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   r.grads = static_cast<double>(state.grads + expert_state.grads);
   r.optimizer = static_cast<double>(state.optimizer + expert_state.optimizer);
   const int64_t chunks = std::max<int64_t>(1, static_cast<int64_t>(part.chunks.size()));
-  r.inflight = l.pp > 1 ? b.sim.peak_activations[static_cast<size_t>(stage)] : 1;
+  r.inflight = l.pp > 1 ? b.sim.peak_activations[static_cast<size_t>(stage)] : (b.pairs ? 2 : 1);
   const double layers_per_chunk = static_cast<double>(r.layers) / static_cast<double>(chunks);
   const double moe_layers = static_cast<double>(moe_layers_in(m, part));
   r.activations =
@@ -464,7 +468,11 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
     r.activations +=
         a.rerun * w * tok * rerun_floats + (t.recompute == "full" ? b.short_attention * tok : 0.0);
   }
-  if (part.last) r.activations += head_bytes(t, b) + (a.outside - 1) * tok * h * w;
+  if (part.last)
+    r.activations +=
+        static_cast<double>(b.pairs ? 2 : 1) * (head_bytes(t, b) + (a.outside - 1) * tok * h * w);
+  // Pairs: the second lane's gradients, summed apart until the step's end.
+  if (b.pairs) r.activations += 4.0 * static_cast<double>(r.params);
   add_zero_buffers(r, c, b);
   return r;
 }

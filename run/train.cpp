@@ -101,6 +101,11 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   executor_ = make_executor(parallel::pp::make_schedule(c_.parallel.pipeline_schedule, l.pp,
                                                         t.global_batch / (l.dp * t.micro_batch),
                                                         c_.parallel.virtual_stages));
+  if (pairs_microbatches(c_, mesh_->world(), device_.is_cuda(), at::get_num_threads())) {
+    std::vector<torch::Tensor> weights;
+    for (const auto& p : models::named_params(model_)) weights.push_back(p.tensor);
+    executor_->pair_microbatches(std::move(weights));
+  }
   if (mesh_->rank() == 0) metrics_ = std::make_unique<MetricsLog>(c_, first_step_ - 1);
   log_layout(world);
   measure_flops();
@@ -177,6 +182,11 @@ void Trainer::log_layout(const parallel::WorldInfo& world) const {
                                       t.seq_len / l.cp)
                         : "",
                reducer_->buckets().size(), reducer_->buckets().size() == 1 ? "" : "s");
+  if (executor_->pairs())
+    spdlog::info(
+        "micro-batches two at a time, each on {} of {} threads "
+        "(training.microbatch_pairs; false: one at a time)",
+        at::get_num_threads() / 2, at::get_num_threads());
   if (l.pp > 1) {
     const auto& s = executor_->schedule();
     const auto layers = parallel::pp::stage_layer_counts(c_.model.layers, l.pp * s.virtual_stages,
@@ -332,7 +342,9 @@ Trainer::StepOut Trainer::device_step(bool overflow) {
   const auto& batch = in_.batch;
   // The loss rule: sum of token losses over the global batch / its number of target tokens.
   const double scale = 1.0 / static_cast<double>(t.global_batch * t.seq_len);
-  auto loss = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
+  // Each micro-batch's loss, added in micro-batch order after the step (paired micro-batches
+  // finish in either order).
+  std::vector<torch::Tensor> losses(static_cast<size_t>(executor_->schedule().microbatches));
   begin_moe_step(scale);
   // The schedule decides the order of forwards and backwards (one stage: F0 B0 F1 B1 ...).
   parallel::pp::StageFns fns{
@@ -341,7 +353,7 @@ Trainer::StepOut Trainer::device_step(bool overflow) {
             model_->stage_forward(chunk, input, batch.narrow(0, mb * t.micro_batch, t.micro_batch));
         if (!model_->is_last_stage(chunk)) return out;
         out = out * scale;
-        loss += out.detach();
+        losses[static_cast<size_t>(mb)] = out.detach();
         if (scaler_->dynamic()) out = out * scaler_->scale();  // fp16: scaled into range
         return overflow ? out * 1e30 : out;
       },
@@ -353,6 +365,9 @@ Trainer::StepOut Trainer::device_step(bool overflow) {
     stats = executor_->run(fns);
   }
   RECORD_USER_SCOPE("tessel::grad_sync_and_optimizer");
+  auto loss = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
+  for (const auto& l_mb : losses)
+    if (l_mb.defined()) loss += l_mb;
   reducer_->finish();
   pp_peak_activations_ = std::max(pp_peak_activations_, stats.peak_activations);
   sync_replicated_grads();

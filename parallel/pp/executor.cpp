@@ -1,5 +1,6 @@
 #include "parallel/pp/executor.h"
 
+#include <c10/core/thread_pool.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
@@ -341,6 +342,7 @@ Executor::Executor(Group& pp, Schedule schedule, std::vector<int64_t> activation
 }
 
 StepStats Executor::run(const StageFns& fns) {
+  if (lane_ && torch::GradMode::is_enabled()) return run_pairs(fns);
   step_.start();
   const int64_t r = pp_.rank();
   StepRun step(schedule_, r, fns, pp_, shape_, options_, compute_, wait_);

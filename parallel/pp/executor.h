@@ -11,11 +11,16 @@
 #include <torch/types.h>
 
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "observe/timing.h"
 #include "parallel/comm.h"
 #include "parallel/pp/schedule.h"
+
+namespace c10 {
+class ThreadPool;
+}
 
 namespace tessel::parallel::pp {
 
@@ -49,6 +54,19 @@ class Executor {
   Executor(Group& pp, Schedule schedule, std::vector<int64_t> activation_shape,
            torch::TensorOptions options);
 
+  ~Executor();
+
+  /// CPU, one stage, nothing hooked to gradient accumulation (one process): training steps run
+  /// the micro-batches two at a time, each pair's first on the calling thread and its second on
+  /// a lane thread, each lane on half of the intra-op threads. The first lane's gradients
+  /// accumulate into `weights` as usual; the second's are summed apart, micro-batch by
+  /// micro-batch, and added into `weights`' gradients at the step's end. The order is fixed, so
+  /// steps repeat bit for bit; with two micro-batches it is one at a time's (g0 + g1). The hooks
+  /// of StageFns run on the calling thread, before and after each pair; forward must be safe to
+  /// run on two threads at once.
+  void pair_microbatches(std::vector<torch::Tensor> weights);
+  bool pairs() const { return lane_ != nullptr; }
+
   /// Runs this rank's list once. With grad mode off (evaluation) forwards keep no graph.
   StepStats run(const StageFns& fns);
   /// The time of every step run since the last call (reads CUDA events: call it where the host
@@ -61,8 +79,12 @@ class Executor {
   Schedule schedule_;
   std::vector<int64_t> shape_;
   torch::TensorOptions options_;
+  StepStats run_pairs(const StageFns& fns);
+
   std::vector<bool> last_backward_;  // per action of this rank: the chunk's last backward
   SpanTimer step_, compute_, wait_;
+  std::vector<torch::Tensor> weights_;     // pair_microbatches: those that require grad
+  std::unique_ptr<c10::ThreadPool> lane_;  // pair_microbatches: the second lane's thread
 };
 
 }  // namespace tessel::parallel::pp

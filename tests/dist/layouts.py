@@ -183,6 +183,9 @@ LAYOUTS = [
     *[Row(f"torch_kernels_{arch}", "dp", arch, 1, {}, {"kernels": "torch"}) for arch in ("gpt2", "llama")],
     *[Row(f"lean_chunk24_tp2_sp_{arch}", "tp", arch, 2, {"tp": 2, **SP}, {"lean_logits_chunk": 24})
       for arch in ("gpt2", "llama")],
+    # one process on two threads: four micro-batches run two at a time (training.microbatch_pairs)
+    # against the reference's one at a time on one thread
+    *[Row(f"microbatch_pairs_{arch}", "dp", arch, 1, {}, {"threads": 2}) for arch in ("gpt2", "llama")],
 ]
 
 BY_ID = {r.id: r for r in LAYOUTS}

@@ -58,7 +58,8 @@ class Runs:
         """`recompute` False: the reference's plan, which leaves SAME_RESULT_KEYS at their defaults."""
         base = BASES[row.base]
         training = {k: v for k, v in row.training.items() if recompute or k not in SAME_RESULT_KEYS}
-        plan = base_plan(self.root, row.arch, self.data(row.base), threads=1,
+        threads = training.pop("threads", 1)
+        plan = base_plan(self.root, row.arch, self.data(row.base), threads=threads,
                          **merge(copy.deepcopy(base["training"]), training))
         merge(plan["model"], base.get("model", {}))
         plan["data"].update(shuffle=True, val_fraction=base["data"].get("val_fraction", 0.0))
@@ -101,7 +102,7 @@ def reference(base, arch):
 
 
 # Training keys that must not change what is trained: a row may set them, its reference keeps the defaults.
-SAME_RESULT_KEYS = ("recompute", "lean_logits", "lean_logits_chunk", "kernels")
+SAME_RESULT_KEYS = ("recompute", "lean_logits", "lean_logits_chunk", "kernels", "threads")
 
 
 class Parity(unittest.TestCase):

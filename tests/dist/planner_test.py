@@ -19,6 +19,8 @@ TOL = 0.15
 # name: (parallel overrides, training overrides, world, arch)
 LAYOUTS = {
     "single": ({}, {}, 1, "llama"),
+    # two threads: four micro-batches run two at a time (training.microbatch_pairs)
+    "single_pairs": ({}, {"threads": 2}, 1, "gpt2"),
     "dp2": ({"dp": 2}, {}, 2, "llama"),
     "tp2": ({"tp": 2}, {}, 2, "gpt2"),
     "tp2_sp": ({"tp": 2, "sequence_parallel": True}, {}, 2, "llama"),

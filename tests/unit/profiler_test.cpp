@@ -35,6 +35,23 @@ TEST(Profiler, SelfTimeSubtractsNestedSpansPerThread) {
   EXPECT_NE(table.find("| (all host ops) | | 75.000 | 75.0% |"), std::string::npos) << table;
   EXPECT_NE(table.find("| gemm_kernel | 0.5 | 10.000 | 10.0% |"), std::string::npos) << table;
   EXPECT_EQ(table.find("aten::copy_"), std::string::npos);  // beyond the top 2
+  // Two threads at once (micro-batch pairs): host shares of twice the wall time.
+  const auto both = top_ops_table(ops, 200.0, 2, 2, 2);
+  EXPECT_NE(both.find("| aten::addmm | 1.0 | 50.000 | 25.0% |"), std::string::npos) << both;
+  EXPECT_NE(both.find("| (all host ops) | | 75.000 | 37.5% |"), std::string::npos) << both;
+  EXPECT_NE(both.find("| gemm_kernel | 0.5 | 10.000 | 10.0% |"), std::string::npos) << both;
+  EXPECT_NE(both.find("host operators on 2 threads at once"), std::string::npos) << both;
+}
+
+TEST(Profiler, CountsTheThreadsBusyWithOperators) {
+  // Thread 1: 100 ms, thread 2: 60 ms, thread 3: 5 ms (a helper's stray span), a device stream.
+  const std::vector<ProfiledSpan> spans = {{"a", 1, 0, 100'000'000},
+                                           {"b", 2, 0, 60'000'000},
+                                           {"c", 3, 0, 5'000'000},
+                                           {"k", 7, 0, 500'000'000, true}};
+  EXPECT_EQ(busy_host_threads(spans), 2);
+  EXPECT_EQ(busy_host_threads({spans[0]}), 1);
+  EXPECT_EQ(busy_host_threads({}), 1);
 }
 
 TEST(Profiler, ProfilesItsWindowAndWritesTraceAndTable) {
