@@ -259,9 +259,10 @@ void add_training_speed_fields(FieldAdder& add, Config& c) {
       "recomputation: run "
       "the micro-batches two at a time, each on half of the threads, instead of one at a time on "
       "all of them (faster on small models: no fork and join per operator). Two micro-batches' "
-      "activations are held at once (the planner counts them). Gradients are summed in a fixed "
-      "order, so runs repeat bit for bit; against one at a time they agree within float rounding "
-      "(a matmul on one thread may round differently from one on two). false: one at a time.");
+      "activations are held at once (the planner counts them). Gradients are added in micro-batch "
+      "order, as one at a time adds them, so runs repeat bit for bit; against one at a time they "
+      "agree within float rounding (a matmul on one thread may round differently from one on "
+      "two). false: one at a time.");
   add("training.cuda_graph", &c.training.cuda_graph, false,
       "CUDA: after 3 eager warm-up steps, capture one whole training step (forward, backward, "
       "gradient all-reduces, clipping, the optimizer) as a CUDA graph and replay it for every "

@@ -471,8 +471,6 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   if (part.last)
     r.activations +=
         static_cast<double>(b.pairs ? 2 : 1) * (head_bytes(t, b) + (a.outside - 1) * tok * h * w);
-  // Pairs: the second lane's gradients, summed apart until the step's end.
-  if (b.pairs) r.activations += 4.0 * static_cast<double>(r.params);
   add_zero_buffers(r, c, b);
   return r;
 }

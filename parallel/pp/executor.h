@@ -59,11 +59,11 @@ class Executor {
   /// CPU, one stage, nothing hooked to gradient accumulation (one process): training steps run
   /// the micro-batches two at a time, each pair's first on the calling thread and its second on
   /// a lane thread, each lane on half of the intra-op threads. The first lane's gradients
-  /// accumulate into `weights` as usual; the second's are summed apart, micro-batch by
-  /// micro-batch, and added into `weights`' gradients at the step's end. The order is fixed, so
-  /// steps repeat bit for bit; with two micro-batches it is one at a time's (g0 + g1). The hooks
-  /// of StageFns run on the calling thread, before and after each pair; forward must be safe to
-  /// run on two threads at once.
+  /// accumulate into `weights` as usual; the second's are added into `weights`' gradients just
+  /// after the pair, so they are summed in one at a time's order and steps repeat bit for bit.
+  /// The hooks of StageFns run on the calling thread around each micro-batch's gradients reaching
+  /// the weights (the second of a pair's: around that addition); forward must be safe to run on
+  /// two threads at once.
   void pair_microbatches(std::vector<torch::Tensor> weights);
   bool pairs() const { return lane_ != nullptr; }
 

@@ -3,12 +3,13 @@
 // threads. On a small CPU model this beats one micro-batch on all threads: each operator's fork,
 // join and uneven split over threads is gone, and one thread's matmul is about as fast per core.
 //
-// Gradients stay deterministic. Lane 0 (the calling thread) accumulates into the weights' .grad
-// as a one-at-a-time backward does; lane 1's backward returns its gradients instead (the engine's
-// outputs, as torch.autograd.grad), summed in micro-batch order, and added into .grad after the
-// last pair. With micro-batches 0 and 1 that is g0 + g1, one at a time's order; each g may still
-// round differently than on all threads where an operator's result depends on its thread count
-// (MKL's sgemm does for some shapes).
+// The gradients are summed as one at a time sums them. Lane 0 (the calling thread) accumulates into
+// the weights' .grad as a one-at-a-time backward does; lane 1's backward returns its gradients
+// instead (the engine's outputs, as torch.autograd.grad), added into .grad after the pair, between
+// that micro-batch's own hooks (bf16/fp16 fold each micro-batch's gradients into fp32 there): the
+// same order for any number of micro-batches, so steps repeat bit for bit. Each micro-batch's
+// gradients may still round differently than on all threads where an operator's result depends
+// on its thread count (MKL's sgemm does for some shapes).
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/thread_pool.h>
@@ -18,6 +19,7 @@
 
 #include <condition_variable>
 #include <exception>
+#include <functional>
 #include <future>
 #include <mutex>
 
@@ -92,7 +94,7 @@ namespace {
 class PairedStep {
  public:
   PairedStep(const StageFns& fns, std::vector<torch::Tensor>& weights, c10::ThreadPool& lane)
-      : fns_(fns), weights_(weights), lane_(lane), sums_(weights.size()) {
+      : fns_(fns), weights_(weights), lane_(lane) {
     outputs_.reserve(weights.size());
     for (const auto& w : weights) outputs_.push_back(torch::autograd::impl::gradient_edge(w));
   }
@@ -129,20 +131,22 @@ class PairedStep {
     lane_done.get();
   }
 
-  // Lane 1's sums into the weights' gradients (after the last pair).
-  void add_lane_sums() {
-    for (size_t i = 0; i < weights_.size(); ++i) {
-      if (!sums_[i].defined()) continue;
+  // The last pair's second micro-batch's gradients into the weights', as its backward would
+  // have accumulated them.
+  void add_lane_grads() {
+    for (size_t i = 0; i < lane_grads_.size(); ++i) {
+      if (!lane_grads_[i].defined()) continue;
       auto& grad = weights_[i].mutable_grad();
       if (grad.defined())
-        grad.add_(sums_[i]);
+        grad.add_(lane_grads_[i]);
       else
-        grad = sums_[i];
+        grad = lane_grads_[i];
     }
+    lane_grads_.clear();
   }
 
  private:
-  // One micro-batch's forward and backward; lane 1's gradients into sums_.
+  // One micro-batch's forward and backward; lane 1's gradients kept in lane_grads_.
   void pass(int64_t mb, bool into_weights, Meeting* meeting) {
     torch::Tensor loss;
     try {
@@ -156,20 +160,14 @@ class PairedStep {
         {backward_root(loss)}, {torch::ones_like(loss)}, /*keep_graph=*/false,
         /*create_graph=*/false, /*accumulate_grad=*/into_weights,
         into_weights ? std::vector<torch::autograd::Edge>{} : outputs_);
-    for (size_t i = 0; i < grads.size(); ++i) {
-      if (!grads[i].defined()) continue;
-      if (sums_[i].defined())
-        sums_[i].add_(grads[i]);
-      else
-        sums_[i] = grads[i];
-    }
+    if (!into_weights) lane_grads_ = std::move(grads);
   }
 
   const StageFns& fns_;
   std::vector<torch::Tensor>& weights_;
   c10::ThreadPool& lane_;
   std::vector<torch::autograd::Edge> outputs_;
-  std::vector<torch::Tensor> sums_;  // lane 1's gradients, summed in micro-batch order
+  std::vector<torch::Tensor> lane_grads_;  // per weight: lane 1's, until add_lane_grads()
 };
 
 }  // namespace
@@ -179,22 +177,21 @@ StepStats Executor::run_pairs(const StageFns& fns) {
   compute_.start();
   const int64_t m = schedule_.microbatches;
   PairedStep step(fns, weights_, *lane_);
+  // Each micro-batch's gradients reach the weights between its own hooks, in micro-batch order
+  // (the first of a pair's in its backward, the second's just after the pair).
+  auto around = [&](int64_t mb, const std::function<void()>& into_weights) {
+    if (fns.before_backward) fns.before_backward(0, mb == m - 1);
+    into_weights();
+    if (fns.after_backward) fns.after_backward(0, mb == m - 1);
+  };
   for (int64_t mb = 0; mb < m; mb += 2) {
-    const bool pair = mb + 1 < m, last = mb + 2 >= m;
-    if (fns.before_backward) {
-      fns.before_backward(0, last && !pair);
-      if (pair) fns.before_backward(0, last);
+    if (mb + 1 == m) {
+      around(mb, [&] { step.alone(mb); });
+      continue;
     }
-    if (pair)
-      step.pair(mb);
-    else
-      step.alone(mb);
-    if (fns.after_backward) {
-      fns.after_backward(0, last && !pair);
-      if (pair) fns.after_backward(0, last);
-    }
+    around(mb, [&] { step.pair(mb); });
+    around(mb + 1, [&] { step.add_lane_grads(); });
   }
-  step.add_lane_sums();
   compute_.stop();
   step_.stop();
   return {m > 1 ? 2 : 1};

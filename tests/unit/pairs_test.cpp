@@ -1,9 +1,9 @@
 // Micro-batches two at a time (Executor::pair_microbatches, parallel/pp/pairs.cpp): the same
 // gradients and losses as one at a time, run to run the same, the caller's thread count kept, and
-// a failure on either lane raised on the calling thread. With two micro-batches the sums are those
-// of one at a time bit for bit when each operator rounds alike on one thread and on two (the
-// element-wise net here; MKL's sgemm of a [6, 16] × [16, 32] product does not: PyTorch's own
-// result differs in the last bit between 1 and 2 threads).
+// a failure on either lane raised on the calling thread. The sums are those of one at a time bit
+// for bit when each operator rounds alike on one thread and on two (the element-wise net here;
+// MKL's sgemm of a [6, 16] × [16, 32] product does not: PyTorch's own result differs in the last
+// bit between 1 and 2 threads).
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -31,6 +31,7 @@ Net make_net() {
 struct Result {
   std::vector<torch::Tensor> grads;
   std::vector<torch::Tensor> losses;
+  std::vector<torch::Tensor> at_hooks;  // w1's gradient at every after-backward hook
   int64_t peak = 0;
 };
 
@@ -57,7 +58,11 @@ Result step(int64_t m, bool pairs, bool matmul, int64_t fail_at = -1) {
                  r.losses[static_cast<size_t>(mb)] = loss.detach();
                  return loss;
                },
-               [&](int64_t, bool) { ++hooks; }, [&](int64_t, bool) { ++hooks; }};
+               [&](int64_t, bool) { ++hooks; },
+               [&](int64_t, bool) {
+                 ++hooks;
+                 r.at_hooks.push_back(net.w1.grad().clone());
+               }};
   r.peak = ex.run(fns).peak_activations;
   EXPECT_EQ(hooks, 2 * m);  // before and after every backward
   for (const auto& t : {net.w1, net.b1, net.w2}) r.grads.push_back(t.grad().clone());
@@ -75,18 +80,25 @@ class Pairs : public ::testing::Test {
   int before_ = 1;
 };
 
-TEST_F(Pairs, TwoMicroBatchesAreBitwiseOneAtATime) {
-  torch::manual_seed(7);
-  auto one = step(2, false, false);
-  torch::manual_seed(7);
-  auto two = step(2, true, false);
-  for (size_t i = 0; i < one.grads.size(); ++i)
-    EXPECT_TRUE(torch::equal(one.grads[i], two.grads[i]));
-  for (size_t i = 0; i < one.losses.size(); ++i)
-    EXPECT_TRUE(torch::equal(one.losses[i], two.losses[i]));
-  EXPECT_EQ(one.peak, 1);
-  EXPECT_EQ(two.peak, 2);
-  EXPECT_EQ(at::get_num_threads(), 2);  // each lane's share given back
+TEST_F(Pairs, SumsInOneAtATimesOrder) {
+  for (int64_t m : {2, 3, 4, 5}) {
+    torch::manual_seed(7);
+    auto one = step(m, false, false);
+    torch::manual_seed(7);
+    auto two = step(m, true, false);
+    for (size_t i = 0; i < one.grads.size(); ++i)
+      EXPECT_TRUE(torch::equal(one.grads[i], two.grads[i])) << "m " << m;
+    for (size_t i = 0; i < one.losses.size(); ++i)
+      EXPECT_TRUE(torch::equal(one.losses[i], two.losses[i])) << "m " << m;
+    // Each micro-batch's gradients reach the weights between its own hooks (bf16/fp16 fold
+    // them into fp32 in the after-hook).
+    ASSERT_EQ(two.at_hooks.size(), static_cast<size_t>(m));
+    for (size_t i = 0; i < one.at_hooks.size(); ++i)
+      EXPECT_TRUE(torch::equal(one.at_hooks[i], two.at_hooks[i])) << "m " << m << " hook " << i;
+    EXPECT_EQ(one.peak, 1);
+    EXPECT_EQ(two.peak, 2);
+    EXPECT_EQ(at::get_num_threads(), 2);  // each lane's share given back
+  }
 }
 
 TEST_F(Pairs, MatmulNetsAgreeAndRepeat) {
