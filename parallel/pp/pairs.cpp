@@ -131,8 +131,8 @@ class PairedStep {
     lane_done.get();
   }
 
-  // The last pair's second micro-batch's gradients into the weights', as its backward would
-  // have accumulated them.
+  // The pair's second micro-batch's gradients into the weights', as its backward would have
+  // accumulated them.
   void add_lane_grads() {
     for (size_t i = 0; i < lane_grads_.size(); ++i) {
       if (!lane_grads_[i].defined()) continue;
