@@ -215,7 +215,7 @@ struct PlanBasis {
   double w;                // bytes per element of the compute dtype
   bool sp;                 // sequence parallelism in effect
   int64_t mbs;             // micro-batches per step
-  bool pairs;              // CPU, one process: micro-batches two at a time (pairs_microbatches)
+  int64_t lanes;           // micro-batches at once without pipelining (2: pairs_microbatches)
   double tok;              // tokens of one micro-batch on one rank (cp splits the sequence)
   double h, tp, kvd;       // hidden size, tensor-parallel size, keys' (and values') width
   double vocab_local;      // the head's rows on one tp rank
@@ -287,8 +287,10 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l, bool cpu) {
   const double kvd = b.kvd = static_cast<double>(m.kv_heads * m.head_dim());
   b.vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
   b.own_kernels = cpu && t.kernels == "tessel" && b.dtype == torch::kFloat32;
-  b.pairs = pairs_microbatches(
-      c, l.world(), !cpu, t.threads > 0 ? t.threads : static_cast<int64_t>(at::get_num_threads()));
+  b.lanes = pairs_microbatches(c, l.world(), !cpu,
+                               t.threads > 0 ? t.threads : int64_t{at::get_num_threads()})
+                ? 2
+                : 1;
   const auto& a = b.a = activation_model(m, t.recompute, b.own_kernels);
   b.short_attention = short_attention_bytes(c, l, m, b.dtype, b.own_kernels);
   b.sim = pp::simulate(pp::make_schedule(l.pp > 1 ? c.parallel.pipeline_schedule : "gpipe", l.pp,
@@ -438,7 +440,7 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   r.grads = static_cast<double>(state.grads + expert_state.grads);
   r.optimizer = static_cast<double>(state.optimizer + expert_state.optimizer);
   const int64_t chunks = std::max<int64_t>(1, static_cast<int64_t>(part.chunks.size()));
-  r.inflight = l.pp > 1 ? b.sim.peak_activations[static_cast<size_t>(stage)] : (b.pairs ? 2 : 1);
+  r.inflight = l.pp > 1 ? b.sim.peak_activations[static_cast<size_t>(stage)] : b.lanes;
   const double layers_per_chunk = static_cast<double>(r.layers) / static_cast<double>(chunks);
   const double moe_layers = static_cast<double>(moe_layers_in(m, part));
   r.activations =
@@ -470,7 +472,7 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   }
   if (part.last)
     r.activations +=
-        static_cast<double>(b.pairs ? 2 : 1) * (head_bytes(t, b) + (a.outside - 1) * tok * h * w);
+        static_cast<double>(b.lanes) * (head_bytes(t, b) + (a.outside - 1) * tok * h * w);
   add_zero_buffers(r, c, b);
   return r;
 }

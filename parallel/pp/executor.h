@@ -75,12 +75,12 @@ class Executor {
   const Schedule& schedule() const { return schedule_; }
 
  private:
+  StepStats run_pairs(const StageFns& fns);  // pairs.cpp
+
   Group& pp_;
   Schedule schedule_;
   std::vector<int64_t> shape_;
   torch::TensorOptions options_;
-  StepStats run_pairs(const StageFns& fns);
-
   std::vector<bool> last_backward_;  // per action of this rank: the chunk's last backward
   SpanTimer step_, compute_, wait_;
   std::vector<torch::Tensor> weights_;     // pair_microbatches: those that require grad
