@@ -63,7 +63,14 @@ CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& mo
 /// `tokenizer` (a tokenizer.json or its folder; empty: none): copied beside the weights with
 /// tokenizer_config.json and special_tokens_map.json (written when the source has none), and its
 /// bos/eos ids go into config.json and generation_config.json.
+/// `what` names the setting in errors (export --out, checkpoint.export_hf).
 void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
-               const std::string& tokenizer = "");
+               const std::string& tokenizer = "", const std::string& what = "export --out");
+
+/// The checks export_hf makes of out_dir before writing, made at start-up for
+/// checkpoint.export_hf: a UserError when out_dir lies inside checkpoint_dir or holds files an
+/// export does not write.
+void check_export_folder(const std::string& out_dir, const std::string& checkpoint_dir,
+                         const std::string& what);
 
 }  // namespace tessel

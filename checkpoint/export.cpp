@@ -75,34 +75,45 @@ const std::set<std::string> kExportFiles = {"model.safetensors",      "config.js
                                             "generation_config.json", "tokenizer.json",
                                             "tokenizer_config.json",  "special_tokens_map.json"};
 
-// An export never writes into a checkpoint, and never leaves a previous export's files (a stale
-// tokenizer beside new weights): a folder holding only export files is emptied first (said in
-// the log); a folder holding anything else is refused.
-void prepare_export_folder(const std::string& out_dir, const std::string& step_dir) {
+// The files of out_dir an export would replace (a previous export's), in name order. An export
+// never writes into a checkpoint (`guarded`: a step folder or a checkpoint folder, and the folder
+// above it) and never mixes with other files: either is refused, naming the folder. `what` names
+// the setting in the message (export --out, checkpoint.export_hf).
+std::vector<std::string> export_folder_previous(const std::string& out_dir,
+                                                const std::string& guarded_dir,
+                                                const std::string& what) {
   std::error_code ec;
   const auto out = fs::weakly_canonical(out_dir, ec);
-  const auto step = fs::weakly_canonical(step_dir, ec);
+  const auto step = fs::weakly_canonical(guarded_dir, ec);
   for (const auto& guarded : {step, step.parent_path()})
     for (auto p = out; !p.empty(); p = p.parent_path()) {
       if (p == guarded)
         throw UserError(fmt::format(
-            "export --out {}: inside the checkpoint folder {}; export into a folder of its own",
+            "{} {}: inside the checkpoint folder {}; export into a folder of its own", what,
             out_dir, guarded.string()));
       if (p == p.parent_path()) break;
     }
-  if (!fs::is_directory(out_dir, ec)) return;
   std::vector<std::string> previous, other;
+  if (!fs::is_directory(out_dir, ec)) return previous;
   for (const auto& e : fs::directory_iterator(out_dir, ec))
     (kExportFiles.count(e.path().filename().string()) && e.is_regular_file() ? previous : other)
         .push_back(e.path().filename().string());
   std::sort(other.begin(), other.end());
   if (!other.empty())
     throw UserError(fmt::format(
-        "export --out {}: the folder holds files an export does not write ({}); export into a "
-        "new or empty folder, or a previous export's",
-        out_dir, fmt::join(other, ", ")));
-  if (previous.empty()) return;
+        "{} {}: the folder holds files an export does not write ({}); export into a new or "
+        "empty folder, or a previous export's",
+        what, out_dir, fmt::join(other, ", ")));
   std::sort(previous.begin(), previous.end());
+  return previous;
+}
+
+// A folder holding only export files is emptied first (said in the log), so that no stale
+// tokenizer stays beside new weights.
+void prepare_export_folder(const std::string& out_dir, const std::string& step_dir,
+                           const std::string& what) {
+  const auto previous = export_folder_previous(out_dir, step_dir, what);
+  if (previous.empty()) return;
   for (const auto& f : previous) fs::remove(fs::path(out_dir) / f);
   spdlog::info("export: replacing the previous export in {} (removed {})", out_dir,
                fmt::join(previous, ", "));
@@ -127,13 +138,19 @@ std::vector<std::string> moe_differences(const models::ModelShape& m) {
 
 }  // namespace
 
+void check_export_folder(const std::string& out_dir, const std::string& checkpoint_dir,
+                         const std::string& what) {
+  // A step folder's guard covers the checkpoint folder too (its parent).
+  export_folder_previous(out_dir, (fs::path(checkpoint_dir) / "step_0").string(), what);
+}
+
 void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
-               const std::string& tokenizer) {
+               const std::string& tokenizer, const std::string& what) {
   const std::string dir = resolve_checkpoint(checkpoint_dir);
   Config c = load_config((fs::path(dir) / "config.yaml").string());
   const auto w = checkpoint_model_weights(dir);
   const auto& arch = models::arch(c.model.arch);
-  prepare_export_folder(out_dir, dir);  // once the checkpoint has been read
+  prepare_export_folder(out_dir, dir, what);  // once the checkpoint has been read
   fs::create_directories(out_dir);
   write_safetensors((fs::path(out_dir) / "model.safetensors").string(),
                     arch.to_hf(w, model_shape(c.model)), {{"format", "pt"}});

@@ -119,6 +119,7 @@ struct CheckpointConfig {
   std::string resume;                       // auto | never | path of a checkpoint
   std::vector<std::string> on_signal;       // SIGTERM | SIGUSR1 | SIGUSR2 | SIGINT: save and stop
   std::vector<std::string> accept_changes;  // plan keys that may differ from the checkpoint's
+  std::string export_hf;                    // folder for the last checkpoint as HF safetensors
 };
 
 struct LoggingConfig {

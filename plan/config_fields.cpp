@@ -364,6 +364,10 @@ void add_checkpoint_fields(FieldAdder& add, Config& c) {
       "[training.steps]. A resume under any other such change is refused, naming it. The step "
       "count and the data position (samples consumed) carry over; the LR of each later step is "
       "the new plan's.");
+  add("checkpoint.export_hf", &c.checkpoint.export_hf, S(""),
+      "At the end of training (not on a stop), also write the last checkpoint in Hugging Face "
+      "form into this folder, as `tessel-train export CHECKPOINT --out DIR` would, without a "
+      "second process. Empty = none.");
 }
 
 // logging.*

@@ -70,6 +70,8 @@ RunLock check_start(const Config& c, const parallel::WorldInfo& w) {
   if (w.rank != 0) return RunLock();
   RunLock lock(c.run.output_dir, c.checkpoint_dir());
   check_room_for_checkpoint(c);
+  if (!c.checkpoint.export_hf.empty())
+    check_export_folder(c.checkpoint.export_hf, c.checkpoint_dir(), "checkpoint.export_hf");
   return lock;
 }
 

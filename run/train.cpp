@@ -598,6 +598,9 @@ int Trainer::train() {
   }
   graph_.reset();  // back on the stream of before, the graph's memory freed
   report_end();
+  // The last checkpoint is complete on every rank (its save ends with a world barrier).
+  if (!c_.checkpoint.export_hf.empty() && mesh_->rank() == 0)
+    export_hf(c_.checkpoint_dir(), c_.checkpoint.export_hf, "", "checkpoint.export_hf");
   return 0;
 }
 

@@ -89,7 +89,7 @@ class Cli(TmpDirTest):
     def test_metrics_checkpoints_and_export(self):
         plan = self.plan(steps=4, eval_every=2)
         plan["data"]["val_fraction"] = 0.1
-        plan["checkpoint"] = {"every": 1, "keep": 2}
+        plan["checkpoint"] = {"every": 1, "keep": 2, "export_hf": self.path("hf_end")}
         run("tessel-train", write_plan(self.path("p.yaml"), plan))
         lines = read_metrics(self.path("run", "metrics.jsonl"))
         steps = [m for m in lines if "loss" in m]
@@ -119,6 +119,24 @@ class Cli(TmpDirTest):
         self.assertEqual(index["consumed_samples"], 16)
         self.assertEqual(index["tensors"]["embed.weight"]["shape"], [300, 32])
         self.assertEqual(index["tensors"]["embed.weight"]["shards"][0]["file"], "rank_00000.safetensors")
+        # checkpoint.export_hf: the trainer's own export of its last step, byte for byte what
+        # `export` writes from that checkpoint.
+        run("tessel-train", "export", step4, "--out", self.path("hf4"))
+        for f in ("model.safetensors", "config.json"):
+            with open(self.path("hf_end", f), "rb") as a, open(self.path("hf4", f), "rb") as b:
+                self.assertEqual(a.read(), b.read(), f)
+        # A bad checkpoint.export_hf is refused at start-up, before any step, with export's rules.
+        os.makedirs(self.path("taken"))
+        with open(self.path("taken", "notes.txt"), "w") as f:
+            f.write("mine")
+        for name, folder, needle in (("in_ckpt", self.path("in_ckpt_run", "checkpoints", "hf"), "inside the checkpoint folder"),
+                                     ("taken", self.path("taken"), "the folder holds files an export does not write")):
+            bad = dict(plan, run=dict(plan["run"], output_dir=self.path(name + "_run")),
+                       checkpoint=dict(plan["checkpoint"], export_hf=folder))
+            p = run("tessel-train", write_plan(self.path(f"{name}.yaml"), bad), check=False)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn(f"checkpoint.export_hf {folder}: {needle}", p.stderr)
+            self.assertFalse(os.path.exists(self.path(name + "_run", "metrics.jsonl")), "refused before the first step")
         # An interrupted save (no COMPLETE marker) is never trusted.
         os.remove(os.path.join(step4, "COMPLETE"))
         p = run("tessel-train", "export", step4, "--out", self.path("x"), check=False)
