@@ -1,5 +1,6 @@
-# Tessel: `make run` trains configs/default.yaml; `make test` runs every test. Both install what is
-# missing first (third_party/setup.sh; seconds when everything is there).
+# Tessel: `make run` trains configs/default.yaml; `make check` runs the fast tier (after every
+# edit, under 3 minutes); `make test` runs every test. They install what is missing first
+# (third_party/setup.sh; seconds when everything is there). docs/building.md describes the tiers.
 SHELL := /bin/bash
 BUILD ?= build
 JOBS ?= $(shell nproc)
@@ -15,7 +16,7 @@ export CCACHE_MAXSIZE ?= 5G
 # cmake and ninja from PyPI (setup.sh puts them there only when the machine has none): last on PATH.
 export PATH := $(PATH):$(CURDIR)/.env/bin
 
-.PHONY: setup setup-test configure build run test docs bundle clean
+.PHONY: setup setup-test configure build run check test docs bundle clean
 setup:
 	@third_party/setup.sh build
 setup-test:
@@ -30,9 +31,18 @@ build: setup configure
 run: build
 	$(BUILD)/bin/tessel-train configs/default.yaml $(ARGS)
 
+# Two entries at a time where both fit (each entry's PROCESSORS: multi-rank entries run alone);
+# the time per label and the ten slowest entries at the end (tools/ctest_times.py).
+CTEST_JOBS ?= 2
+check: setup-test configure
+	@cmake --build $(BUILD) -j $(JOBS)
+	@cd $(BUILD) && ctest --output-on-failure -j $(CTEST_JOBS) -L '^check$$' --output-junit ctest-junit.xml $(CTEST_ARGS); \
+	  rc=$$?; $(CURDIR)/.env/bin/python $(CURDIR)/tools/ctest_times.py . 5 || true; exit $$rc
+
 test: setup-test configure
 	@cmake --build $(BUILD) -j $(JOBS)
-	@cd $(BUILD) && ctest --output-on-failure -j 1 $(CTEST_ARGS)
+	@cd $(BUILD) && ctest --output-on-failure -j $(CTEST_JOBS) --output-junit ctest-junit.xml $(CTEST_ARGS); \
+	  rc=$$?; $(CURDIR)/.env/bin/python $(CURDIR)/tools/ctest_times.py . 10 || true; exit $$rc
 
 # A relocatable install packed as one archive (docs/gpu.md): runs against any python's torch
 # 2.11, with no root, no apt, no network. build/tessel-<commit>-<arch>.tar.gz.
