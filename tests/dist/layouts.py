@@ -23,34 +23,46 @@ from collections import namedtuple
 Row = namedtuple("Row", "id base arch world parallel training peak_below tol",
                  defaults=({}, {}, None, (1e-5, 1e-5)))
 
+# Steps of every base: 8 exercise every part of a layout. Warm-up ends at step 3 (2 for lowp and
+# recompute), so steps 4-8 run the cosine decay (the LR schedule's change of slope) down to MIN_LR;
+# every step is clipped (grad_clip 0.5, or the default 1.0 in the dp base, against measured norms
+# of 1.1 to 4.0); fp16's loss scale grows at steps 4 and 8 (growth_interval 4); the pp and cp bases
+# evaluate at steps 4 and 8; every run saves its last step, whose weights the rows compare; the
+# resume tests continue a step-4 checkpoint. The DRIFT rows below train 20 steps (against 20-step
+# references) to catch a difference that grows slowly, one row per family.
+STEPS = 8
+DRIFT = {"steps": 20}
+# The cosine decay ends at MIN_LR, not 0: the last step's update reaches the exported weights.
+MIN_LR = 3e-4
+
 # Each base: the plan's sections over tests/reference/plans.py's base_plan, and its token data.
 BASES = {
     "dp": {"data": {"n": 6000, "vocab": 300, "period": 37},
-           "training": {"steps": 20, "global_batch": 8, "optimizer": {"lr": 3e-3}, "schedule": {"warmup_steps": 3}}},
+           "training": {"steps": STEPS, "global_batch": 8, "optimizer": {"lr": 3e-3}, "schedule": {"warmup_steps": 3, "min_lr": MIN_LR}}},
     "tp": {"data": {"n": 6000, "vocab": 301, "period": 41}, "model": {"vocab_size": 301},
-           "training": {"steps": 20, "global_batch": 8, "micro_batch": 2, "optimizer": {"lr": 3e-3},
-                        "schedule": {"warmup_steps": 3}, "grad_clip": 0.5}},
+           "training": {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "optimizer": {"lr": 3e-3},
+                        "schedule": {"warmup_steps": 3, "min_lr": MIN_LR}, "grad_clip": 0.5}},
     "pp": {"data": {"n": 6000, "vocab": 301, "period": 41, "val_fraction": 0.1}, "model": {"vocab_size": 301, "layers": 8},
-           "training": {"steps": 20, "global_batch": 8, "micro_batch": 1, "optimizer": {"lr": 3e-3},
-                        "schedule": {"warmup_steps": 3}, "grad_clip": 0.5, "eval_every": 10, "eval_batches": 1}},
+           "training": {"steps": STEPS, "global_batch": 8, "micro_batch": 1, "optimizer": {"lr": 3e-3},
+                        "schedule": {"warmup_steps": 3, "min_lr": MIN_LR}, "grad_clip": 0.5, "eval_every": 4, "eval_batches": 1}},
     "cp": {"data": {"n": 12000, "vocab": 301, "period": 41, "val_fraction": 0.1}, "model": {"vocab_size": 301, "layers": 4},
-           "training": {"steps": 20, "global_batch": 8, "micro_batch": 1, "seq_len": 32, "optimizer": {"lr": 3e-3},
-                        "schedule": {"warmup_steps": 3}, "grad_clip": 0.5, "eval_every": 10, "eval_batches": 1}},
+           "training": {"steps": STEPS, "global_batch": 8, "micro_batch": 1, "seq_len": 32, "optimizer": {"lr": 3e-3},
+                        "schedule": {"warmup_steps": 3, "min_lr": MIN_LR}, "grad_clip": 0.5, "eval_every": 4, "eval_batches": 1}},
     "zero": {"data": {"n": 6000, "vocab": 301, "period": 41}, "model": {"vocab_size": 301, "layers": 4},
-             "training": {"steps": 20, "global_batch": 8, "micro_batch": 1, "optimizer": {"lr": 3e-3},
-                          "schedule": {"warmup_steps": 3}, "grad_clip": 0.5},
+             "training": {"steps": STEPS, "global_batch": 8, "micro_batch": 1, "optimizer": {"lr": 3e-3},
+                          "schedule": {"warmup_steps": 3, "min_lr": MIN_LR}, "grad_clip": 0.5},
              "parallel": {"ddp": {"bucket_mb": 0.02}}},
     "lowp": {"data": {"n": 20000, "vocab": 300, "period": 41},
-             "training": {"steps": 20, "global_batch": 4, "micro_batch": 2, "optimizer": {"lr": 3e-3},
-                          "schedule": {"warmup_steps": 2}, "grad_clip": 1.0,
+             "training": {"steps": STEPS, "global_batch": 4, "micro_batch": 2, "optimizer": {"lr": 3e-3},
+                          "schedule": {"warmup_steps": 2, "min_lr": MIN_LR}, "grad_clip": 1.0,
                           "loss_scale": {"initial": 1024.0, "growth_interval": 4}}},
     "recompute": {"data": {"n": 6000, "vocab": 300, "period": 41}, "model": {"layers": 4, "max_seq_len": 64},
                   "training": {"steps": 8, "global_batch": 8, "micro_batch": 2, "seq_len": 64, "optimizer": {"lr": 3e-3},
-                               "schedule": {"warmup_steps": 2}, "grad_clip": 0.5}},
+                               "schedule": {"warmup_steps": 2, "min_lr": MIN_LR}, "grad_clip": 0.5}},
     # mixture of experts (llama): 4 layers, the 2nd and 4th MoE (every 2) or all of them
     **{name: {"data": {"n": 6000, "vocab": 301, "period": 41}, "model": {"vocab_size": 301, "layers": 4, "moe": moe},
-              "training": {"steps": 20, "global_batch": 8, "micro_batch": 1, "optimizer": {"lr": 3e-3},
-                           "schedule": {"warmup_steps": 3}, "grad_clip": 0.5}}
+              "training": {"steps": STEPS, "global_batch": 8, "micro_batch": 1, "optimizer": {"lr": 3e-3},
+                           "schedule": {"warmup_steps": 3, "min_lr": MIN_LR}, "grad_clip": 0.5}}
        for name, moe in (("moe", {"experts": 4, "top_k": 2, "ffn_hidden": 32}),
                          ("moe_shared", {"experts": 8, "top_k": 2, "ffn_hidden": 16, "shared_experts": 1,
                                          "every": 2}),
@@ -188,8 +200,26 @@ LAYOUTS = [
     *[Row(f"microbatch_pairs_{arch}", "dp", arch, 1, {}, {"threads": 2}) for arch in ("gpt2", "llama")],
 ]
 
+# The drift rows: one per family, at 20 steps against 20-step references (see STEPS).
+DRIFT_ROWS = ("dp4_accumulate_gpt2", "tp2_dp2_sp_llama", "pp4_interleaved_v2_llama", "cp4_hybrid2_llama",
+              "zero3_dp4_gpt2", "zero1_dp2_bf16_gpt2", "moe_ep2_dp2_llama")
+LAYOUTS = [r._replace(training={**r.training, **DRIFT}) if r.id in DRIFT_ROWS else r for r in LAYOUTS]
+
+# `make check`'s rows: one per parallelism (dp, tp+sp, pp 1F1B, cp ring, ZeRO-3, ep).
+CHECK_ROWS = ("dp2_gpt2", "tp2_dp1_sp_llama", "pp2_1f1b_v1_gpt2", "cp2_ring_llama", "zero3_dp2_llama",
+              "moe_ep2_llama")
+
 BY_ID = {r.id: r for r in LAYOUTS}
+assert all(r in BY_ID for r in DRIFT_ROWS + CHECK_ROWS), "drift and check rows must be rows of the table"
 assert len(BY_ID) == len(LAYOUTS), "row ids must be unique"
 
-if __name__ == "__main__":  # the ids, for CMake (one ctest entry per row)
-    print(";".join(BY_ID))
+
+
+def processors(row):
+    """Cores the row keeps busy (ctest's PROCESSORS, at most the 2 of the CI machine): its
+    processes times each one's threads (1 unless the row sets training.threads)."""
+    return min(2, row.world * row.training.get("threads", 1))
+
+
+if __name__ == "__main__":  # for CMake: one ctest entry per row, "id:processors:tier"
+    print(";".join(f"{r.id}:{processors(r)}:{'check' if r.id in CHECK_ROWS else 'full'}" for r in LAYOUTS))

@@ -1,5 +1,5 @@
 """Mixture of experts beyond the parity table (tests/dist/layouts.py holds the same-run rows):
-a checkpoint saved with the experts split over 2 ranks continues with them split over 4, held
+a checkpoint saved (half-way) with the experts split over 2 ranks continues with them split over 4, held
 whole by one process, and inside a pipeline, with the same losses as the uninterrupted run; and
 bad MoE plans are refused before start-up, naming the keys and their values."""
 import os
@@ -26,19 +26,20 @@ class MoeResume(TmpDirTest):
                    os.path.join(BIN, "tessel-train"), path)
 
     def continue_runs(self, saved, first, world, runs, base="moe"):
-        """Trains `first` (saving at step 10), then each of `runs` ((name, parallel, world)) from its
-        step-10 checkpoint: steps 11-20 match the uninterrupted single-process run."""
+        """Trains `first` (saving half-way, past the warm-up), then each of `runs` ((name, parallel,
+        world)) from that checkpoint: the later steps match the uninterrupted single-process run."""
         ref = reference(base, "llama")["loss"]
         steps = BASES[base]["training"]["steps"]
-        self.launch(self.plan(saved, first, base, every=10), world)
-        step10 = self.path(saved, "checkpoints", "step_10")
+        half = steps // 2
+        self.launch(self.plan(saved, first, base, every=half), world)
+        saved_step = self.path(saved, "checkpoints", f"step_{half}")
         for name, parallel, world in runs:
-            self.launch(self.plan(name, parallel, base, resume=step10), world)
+            self.launch(self.plan(name, parallel, base, resume=saved_step), world)
             cont = [m for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m]
-            self.assertEqual([m["step"] for m in cont], list(range(11, steps + 1)), name)
+            self.assertEqual([m["step"] for m in cont], list(range(half + 1, steps + 1)), name)
             worst = max(rel(m["loss"], ref[m["step"] - 1]) for m in cont)
             self.assertLess(worst, 1e-5, name)
-            print(f"\n{base} {first} -> {parallel} resume at step 10: worst loss rel diff {worst:.2e}",
+            print(f"\n{base} {first} -> {parallel} resume at step {half}: worst loss rel diff {worst:.2e}",
                   file=sys.stderr)
 
     def test_resume_across_expert_parallel_sizes(self):

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
 from plans import TmpDirTest, base_plan, launch_plan, read_metrics, rel, run, write_plan, write_tokens  # noqa: E402
 
-STEPS, VOCAB, LAYERS, BATCH = 20, 301, 4, 8
+STEPS, VOCAB, LAYERS, BATCH = 8, 301, 4, 8
+HALF = STEPS // 2  # the checkpoint resumed: past the warm-up (3 steps), in the LR decay
 
 
 def to_bytes(text):
@@ -114,25 +115,25 @@ class ZeroParity(TmpDirTest):
             print(f"\n{name}: --dry-run {[s[1] for s in stages]} parameters per stage, as built", file=sys.stderr)
 
     def test_zero3_checkpoint_resumes_in_other_layouts(self):
-        # A zero=3 dp=4 run's step-10 checkpoint, continued at zero=0 in one process and at zero=1
-        # dp2 x tp2: steps 11-20 match the uninterrupted single-process run; continued in its own
+        # A zero=3 dp=4 run's half-way checkpoint, continued at zero=0 in one process and at zero=1
+        # dp2 x tp2: the later steps match the uninterrupted single-process run; continued in its own
         # layout, they equal the uninterrupted zero=3 dp=4 run bitwise.
         ref = [m["loss"] for m in (self.launch(self.plan("gpt2", "single"), 1) and self.losses("single"))]
-        full = self.plan("gpt2", "z3", zero=3, dp=4, checkpoint={"every": 10})
+        full = self.plan("gpt2", "z3", zero=3, dp=4, checkpoint={"every": HALF})
         self.launch(full, 4)
         z3 = [m["loss"] for m in self.losses("z3")]
-        step10 = self.path("z3", "checkpoints", "step_10")
+        saved = self.path("z3", "checkpoints", f"step_{HALF}")
         for name, world, layout in (("cont_single", 1, {}), ("cont_z1_dp2_tp2", 4, {"zero": 1, "dp": 2, "tp": 2}),
                                     ("cont_z3_dp4", 4, {"zero": 3, "dp": 4})):
-            plan = self.plan("gpt2", name, checkpoint={"resume": step10}, **layout)
+            plan = self.plan("gpt2", name, checkpoint={"resume": saved}, **layout)
             self.launch(plan, world)
             cont = self.losses(name)
-            self.assertEqual([m["step"] for m in cont], list(range(11, STEPS + 1)))
+            self.assertEqual([m["step"] for m in cont], list(range(HALF + 1, STEPS + 1)))
             worst = max(rel(m["loss"], ref[m["step"] - 1]) for m in cont)
             self.assertLess(worst, 1e-5, name)
             if name == "cont_z3_dp4":
-                self.assertEqual([m["loss"] for m in cont], z3[10:], "same-layout resume must be bitwise")
-            print(f"\ngpt2 zero=3 dp=4 step-10 checkpoint -> {name}: worst loss rel diff {worst:.2e} vs one process",
+                self.assertEqual([m["loss"] for m in cont], z3[HALF:], "same-layout resume must be bitwise")
+            print(f"\ngpt2 zero=3 dp=4 step-{HALF} checkpoint -> {name}: worst loss rel diff {worst:.2e} vs one process",
                   file=sys.stderr)
 
 
