@@ -2,7 +2,7 @@
 present, and training on CUDA. Runs from the build tree (ctest) or an installed bundle
 (bin/tessel-gpu-check). Exits 77 without a CUDA device (ctest reports it as skipped).
 
-  - configs/default.yaml, 20 steps: CUDA fp32 (TF32 off) vs CPU fp32 within 1e-5 relative loss per
+  - configs/default.yaml on a fixed token stream, 20 steps: CUDA fp32 (TF32 off) vs CPU fp32 within 1e-5 relative loss per
     step; CUDA bf16 vs CPU fp32 within 3e-2 (bf16 keeps 8 bits; the bound is the one this suite
     states and asserts, not a measured figure).
   - TP (+SP), ZeRO-3, PP (1F1B) and CP (ring and all-gather) layouts against the one-GPU run of the
@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "reference"))
 import torch  # noqa: E402
 
 from common import BIN, ROOT, TmpDirTest, base_plan, free_port, launch_plan, read_metrics, rel, run  # noqa: E402
+from plans import write_fixed_tokens  # noqa: E402
 
 SKIPPED = 77
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -53,9 +54,14 @@ class Nccl(unittest.TestCase):
 class DefaultPlan(TmpDirTest):
     def train(self, name, device, dtype):
         out = self.path(name)
+        # A fixed token stream, not the plan's own data (this repository's sources: they change
+        # with every commit, and on some of them the run spikes, which magnifies rounding).
+        data = self.path("fixed.u16")
+        if not os.path.exists(data):
+            write_fixed_tokens(data)
         sets = [f"run.output_dir={out}", f"training.steps={STEPS}", f"training.device={device}",
                 f"training.dtype={dtype}", "training.tf32=false", "training.schedule.warmup_steps=5",
-                "training.eval_every=0", "logging.every=1",
+                "training.eval_every=0", "logging.every=1", "data.format=tokens", f"data.path=[{data}]",
                 "checkpoint.every=0", "checkpoint.resume=never"]
         cmd = [os.path.join(BIN, "tessel-train"), "configs/default.yaml"] + [a for s in sets for a in ("--set", s)]
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -71,8 +77,10 @@ class DefaultPlan(TmpDirTest):
         print(f"\ndefault.yaml {STEPS} steps: CUDA fp32 vs CPU worst rel {worst32:.2e}; CUDA bf16 vs CPU fp32 "
               f"worst rel {worst16:.2e}", file=sys.stderr)
         self.assertEqual(len(fp32), STEPS)
-        self.assertLess(worst32, 1e-5, f"{fp32} vs {cpu}")
-        self.assertLess(worst16, 3e-2, f"{bf16} vs {cpu}")
+        with self.subTest("fp32"):
+            self.assertLess(worst32, 1e-5, f"{fp32} vs {cpu}")
+        with self.subTest("bf16"):
+            self.assertLess(worst16, 3e-2, f"{bf16} vs {cpu}")
 
 
 class Layouts(TmpDirTest):

@@ -122,3 +122,20 @@ def write_tokens(path, n, vocab=300, seed=2, period=None):
         toks = g.integers(0, vocab, size=n)
     toks.astype("<u2").tofile(path)
     return path
+
+
+def write_fixed_tokens(path, n=60000, vocab=257):
+    """A learnable stream free of any library's random generator: a 97-token phrase from a
+    linear congruential sequence, repeated, one token in eight replaced by the sequence's next."""
+    from array import array
+    state, phrase, out = 12345, [], array("H")
+    def nxt():
+        nonlocal state
+        state = (1103515245 * state + 12345) % (1 << 31)
+        return (state >> 8) % vocab
+    phrase = [nxt() for _ in range(97)]
+    for i in range(n):
+        out.append(nxt() if i % 8 == 7 else phrase[i % 97])
+    with open(path, "wb") as f:
+        out.tofile(f)
+    return path
