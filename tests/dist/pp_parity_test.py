@@ -42,7 +42,8 @@ class PipelineParity(TmpDirTest):
         # its copy of the tied table) from the file; pp=2 interleaved matches one process.
         self.data = write_tokens(self.path("d.u16"), 6000, vocab=VOCAB, period=41)
         # The parity table's single-process gpt2 run (trained once), exported with HF names.
-        weights = os.path.join(reference("pp", "gpt2")["out"], "hf", "model.safetensors")
+        ref = reference("pp", "gpt2")
+        weights = os.path.join(ref["out"], "hf", "model.safetensors")
         losses = []
         for name, pp, schedule, v in (("init1", 1, "1f1b", 1), ("init2", 2, "interleaved", 2)):
             plan = self.plan("gpt2", name, pp, schedule, v, model={"init_from": weights})
@@ -52,7 +53,8 @@ class PipelineParity(TmpDirTest):
             self.assertEqual("pp.0 (+ 2 p2p channels)" in p.stdout + p.stderr, pp == 2)
             losses.append([m["loss"] for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m])
         self.assertEqual(len(losses[1]), 4)
-        self.assertLess(losses[0][0], 5.0, "starts from the trained weights")
+        # Starts from the trained weights: well below the untrained model's first loss (ln 301 = 5.71).
+        self.assertLess(losses[0][0], ref["loss"][0] - 0.3, f"starts from the trained weights ({ref['loss']})")
         worst = max(rel(a, b) for a, b in zip(*losses, strict=True))
         self.assertLess(worst, 1e-5)
         print(f"\ngpt2 init_from HF weights, pp=2 interleaved vs one process: worst loss rel diff {worst:.2e}",

@@ -2,7 +2,7 @@
 into a fresh folder; no file in it names this machine's build tree, checkout, caches or CUDA
 toolkit, and its binaries' RUNPATH is relative; run as an unprivileged user (nobody, when the
 test runs as root) with the build tree, the system CUDA toolkit and the system copies of
-yaml-cpp/spdlog/fmt hidden, it trains configs/default.yaml for 20 steps with the same losses as
+yaml-cpp/spdlog/fmt hidden, it trains configs/default.yaml for 8 steps with the same losses as
 the build tree's binary, and its GPU check (bench/gpu-check.sh) runs end to end, reporting the GPU
 parts as skipped."""
 import json
@@ -18,8 +18,8 @@ import unittest
 BUILD = os.environ["TESSEL_BUILD"]
 ROOT = os.environ["TESSEL_ROOT"]
 PYTHON = os.environ["TESSEL_PYTHON"]
-STEPS = 20
-SETS = [f"training.steps={STEPS}", "training.schedule.warmup_steps=5", "training.eval_every=0", "logging.every=1", "checkpoint.every=0",
+STEPS = 8  # the same run twice (build tree, bundle): its length proves nothing more
+SETS = [f"training.steps={STEPS}", "training.schedule.warmup_steps=3", "training.eval_every=0", "logging.every=1", "checkpoint.every=0",
         "checkpoint.resume=never"]
 
 
@@ -153,8 +153,8 @@ cd '{share}'
             report = f.read()
         self.assertIn("skipped (no GPU)", report)
         self.assertIn("| Tessel vs PyTorch eager vs torch.compile (bench/gpu_bench.py) | passed |", report)
-        print(f"\nbundle as uid {'65534' if os.getuid() == 0 else os.getuid()}: {STEPS} steps equal the build "
-              f"tree's bitwise; gpu-check.sh ran its CPU dry path", file=sys.stderr)
+        print(f"\nbundle as uid {'65534' if os.getuid() == 0 else os.getuid()}: {STEPS} steps within {worst:.1e} "
+              f"of the build tree's; gpu-check.sh ran its CPU dry path", file=sys.stderr)
 
 
 class SetupWithoutRoot(unittest.TestCase):

@@ -139,3 +139,37 @@ def write_fixed_tokens(path, n=60000, vocab=257):
     with open(path, "wb") as f:
         out.tofile(f)
     return path
+
+
+def spawn_ranks(plan, world, timeout=600):
+    """Trains `plan` with `world` rank processes started here, each with the environment
+    tessel-launch gives its workers (torchrun's names), without the launcher: for the parity rows,
+    where the launcher proves nothing (launcher_test.py, operations_test.py and the Slurm tests do)
+    and its own start, a LibTorch load, would come before every row's ranks. A rank that fails
+    stops the others itself (the trainer's fail-fast); any still running after `timeout` seconds,
+    or 60 s after a rank failed, are killed. Raises naming each failed rank with its output's tail."""
+    import time
+    path = write_plan(plan["run"]["output_dir"] + ".yaml", plan)
+    base = dict(os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), TESSEL_RESTART_COUNT="0")
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]
+    procs = [subprocess.Popen([os.path.join(BIN, "tessel-train"), path], stdout=logs[r], stderr=subprocess.STDOUT,
+                              env=dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + 60)
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        tails = []
+        for r in failed:
+            logs[r].seek(0)
+            tails.append(f"rank {r} exited {procs[r].returncode}:\n{logs[r].read()[-3000:]}")
+        raise AssertionError(f"{path} on {world} ranks:\n" + "\n".join(tails))
+    for log in logs:
+        log.close()
