@@ -88,9 +88,9 @@ std::vector<std::string> export_folder_previous(const std::string& out_dir,
   for (const auto& guarded : {step, step.parent_path()})
     for (auto p = out; !p.empty(); p = p.parent_path()) {
       if (p == guarded)
-        throw UserError(fmt::format(
-            "{} {}: inside the checkpoint folder {}; export into a folder of its own", what,
-            out_dir, guarded.string()));
+        throw UserError(
+            fmt::format("{} {}: inside the checkpoint folder {}; export into a folder of its own",
+                        what, out_dir, guarded.string()));
       if (p == p.parent_path()) break;
     }
   std::vector<std::string> previous, other;
