@@ -128,7 +128,8 @@ def write_fixed_tokens(path, n=60000, vocab=257):
     """A learnable stream free of any library's random generator: a 97-token phrase from a
     linear congruential sequence, repeated, one token in eight replaced by the sequence's next."""
     from array import array
-    state, phrase, out = 12345, [], array("H")
+    state, out = 12345, array("H")
+
     def nxt():
         nonlocal state
         state = (1103515245 * state + 12345) % (1 << 31)
@@ -153,23 +154,26 @@ def spawn_ranks(plan, world, timeout=600):
     base = dict(os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), TESSEL_RESTART_COUNT="0")
     logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]
-    procs = [subprocess.Popen([os.path.join(BIN, "tessel-train"), path], stdout=logs[r], stderr=subprocess.STDOUT,
-                              env=dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if any(p.returncode not in (None, 0) for p in procs):
-            deadline = min(deadline, time.monotonic() + 60)
-        time.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-    if failed:
+    try:
+        procs = [subprocess.Popen([os.path.join(BIN, "tessel-train"), path], stdout=logs[r],
+                                  stderr=subprocess.STDOUT, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
+                 for r in range(world)]
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.returncode not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + 60)
+            time.sleep(0.05)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         tails = []
-        for r in failed:
-            logs[r].seek(0)
-            tails.append(f"rank {r} exited {procs[r].returncode}:\n{logs[r].read()[-3000:]}")
-        raise AssertionError(f"{path} on {world} ranks:\n" + "\n".join(tails))
-    for log in logs:
-        log.close()
+        for r, p in enumerate(procs):
+            if p.returncode != 0:
+                logs[r].seek(0)
+                tails.append(f"rank {r} exited {p.returncode}:\n{logs[r].read()[-3000:]}")
+        if tails:
+            raise AssertionError(f"{path} on {world} ranks:\n" + "\n".join(tails))
+    finally:
+        for log in logs:
+            log.close()
