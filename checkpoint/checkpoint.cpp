@@ -19,12 +19,15 @@
 #include <set>
 #include <sstream>
 
+#include "checkpoint/index.h"
 #include "io/safetensors.h"
 #include "optim/state_names.h"
 
 namespace fs = std::filesystem;
 
 namespace tessel {
+using checkpoint::open_verified;
+using checkpoint::read_index;
 namespace {
 
 constexpr const char* kMarker = "COMPLETE";
@@ -309,6 +312,7 @@ std::string resolve_checkpoint(const std::string& dir) {
   if (!fs::exists(p / "index.json") && fs::exists(p / "latest")) {
     std::string name = read_text(p / "latest");
     name.erase(name.find_last_not_of(" \n\r\t") + 1);
+    checkpoint::check_plain_name(name, (p / "latest").string());
     p /= name;
   }
   if (!fs::exists(p / kMarker))
@@ -318,50 +322,6 @@ std::string resolve_checkpoint(const std::string& dir) {
 }
 
 namespace {
-
-// A rank file, mapped, checked against the size and checksum index.json recorded when it was
-// written. A file the index records no checksum for is refused: it cannot be verified, and
-// loading it silently would trust whatever bytes are there.
-std::unique_ptr<MappedSafetensors> open_verified(const fs::path& dir, const nlohmann::json& index,
-                                                 const std::string& file) {
-  const std::string path = (dir / file).string();
-  if (!index.contains("files") || !index["files"].contains(file) ||
-      !index["files"][file].contains("checksum") || !index["files"][file].contains("bytes"))
-    throw UserError(fmt::format(
-        "{}: index.json records no size and checksum for {}, so it cannot be verified (a "
-        "checkpoint written before checksums existed, or an edited index); refusing to load it. "
-        "Resume from a checkpoint written by this version (checkpoint.resume)",
-        (dir / "index.json").string(), file));
-  const auto& want = index["files"][file];
-  const auto bytes = want.at("bytes").get<uint64_t>();
-  const auto sum = want.at("checksum").get<std::string>();
-  auto corrupt = [&](const std::string& found) {
-    return UserError(fmt::format(
-        "{}: corrupt checkpoint file: {}, but {} bytes with checksum {} when it was written "
-        "(index.json); resume from another checkpoint (checkpoint.resume)",
-        path, found, bytes, sum));
-  };
-  std::error_code ec;
-  if (const auto size = fs::file_size(path, ec); !ec && size != bytes)
-    throw corrupt(fmt::format("{} bytes", size));
-  std::unique_ptr<MappedSafetensors> f;
-  try {
-    f = std::make_unique<MappedSafetensors>(path);
-  } catch (const UserError& e) {
-    throw corrupt(e.what());
-  }
-  if (const auto got = f->checksum(); got != sum)
-    throw corrupt(fmt::format("{} bytes with checksum {}", f->bytes(), got));
-  return f;
-}
-
-nlohmann::json read_index(const fs::path& dir) {
-  try {
-    return nlohmann::json::parse(read_text(dir / "index.json"));
-  } catch (const nlohmann::json::exception& e) {
-    throw UserError((dir / "index.json").string() + ": not valid JSON: " + e.what());
-  }
-}
 
 // Copies a part out of the mapping 16 MiB at a time, dropping each block's pages once copied:
 // resident memory holds the global tensor being assembled, not the files.
@@ -448,6 +408,7 @@ void for_each_tensor(const fs::path& dir, const nlohmann::json& index,
       if (!part.defined())
         throw UserError((dir / file).string() + ": missing tensor '" + name +
                         "' listed in index.json");
+      checkpoint::check_shard_tensor(dir / file, name, e, shard, part);
       if (!global.defined()) {
         global = torch::empty(shape, part.options());
         if (!whole) covered = torch::zeros(global.sizes(), torch::kBool);

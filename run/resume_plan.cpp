@@ -7,6 +7,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/index.h"
 #include "optim/optim.h"
 
 namespace tessel {
@@ -18,13 +19,7 @@ bool steps_shape_the_lr(const Config& a, const Config& b) {
 }
 
 int64_t saved_step(const std::string& step_dir) {
-  const auto path = std::filesystem::path(step_dir) / "index.json";
-  std::ifstream f(path);
-  try {
-    return nlohmann::json::parse(f).at("step").get<int64_t>();
-  } catch (const std::exception& e) {
-    throw UserError(path.string() + ": no step recorded (" + e.what() + ")");
-  }
+  return checkpoint::read_index(step_dir).at("step").get<int64_t>();
 }
 
 }  // namespace
@@ -47,14 +42,15 @@ std::vector<PlanChange> plan_changes(const Config& checkpoint_plan, const Config
 
 void check_resume_plan(const Config& plan, const std::string& step_dir, bool log) {
   const std::string saved = (std::filesystem::path(step_dir) / "config.yaml").string();
-  if (!std::filesystem::exists(saved)) {
-    if (log)
-      spdlog::warn(
-          "resume: {} has no config.yaml (an older checkpoint): the plan cannot be "
-          "compared with the one it was saved with",
-          step_dir);
-    return;
-  }
+  // Without the plan it was saved under, nothing says whether this plan trains the same run
+  // (seq_len, seed, data, model): resuming would silently continue another run.
+  if (!std::filesystem::exists(saved))
+    throw UserError(fmt::format(
+        "{}: resuming from {}: it has no config.yaml, the plan it was saved under (every "
+        "checkpoint Tessel writes has one: a damaged or hand-made copy), so this plan cannot be "
+        "checked against it. To start from its weights only: tessel-train export {} --out DIR, "
+        "then model.init_from: DIR/model.safetensors with checkpoint.resume: never",
+        plan.source, step_dir, step_dir));
   const Config then = load_config(saved);
   const auto changes = plan_changes(then, plan);
   if (changes.empty()) return;
