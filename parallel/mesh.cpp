@@ -235,14 +235,20 @@ void check_stage_layers(const Config& c, Problems& problems) {
                   m.layers, p.pp, p.virtual_stages));
   if (p.layers_per_stage.empty()) return;
   double sum = 0;
-  bool whole = true;
-  for (double x : p.layers_per_stage) sum += x, whole = whole && x >= 1 && x == std::floor(x);
+  std::string bad;  // the entries that are not positive integers, by position
+  for (size_t i = 0; i < p.layers_per_stage.size(); ++i) {
+    const double x = p.layers_per_stage[i];
+    sum += x;
+    if (!(x >= 1 && x == std::floor(x)))
+      bad += fmt::format("{}entry {} is {}", bad.empty() ? "" : ", ", i, x);
+  }
   problems.require(static_cast<int64_t>(p.layers_per_stage.size()) == p.pp * p.virtual_stages &&
-                       whole && sum == static_cast<double>(m.layers),
+                       bad.empty() && sum == static_cast<double>(m.layers),
                    fmt::format("parallel.pipeline.layers_per_stage must hold pp x virtual_stages "
                                "({}) positive integers summing to model.layers ({}); got {} "
-                               "entries summing to {}",
-                               p.pp * p.virtual_stages, m.layers, p.layers_per_stage.size(), sum));
+                               "entries summing to {}{}",
+                               p.pp * p.virtual_stages, m.layers, p.layers_per_stage.size(), sum,
+                               bad.empty() ? "" : " (" + bad + ": every stage needs a layer)"));
 }
 
 // The pipeline schedule against pp, the micro-batch count and ZeRO.
@@ -308,6 +314,16 @@ void check_batch(const Config& c, const Layout& l, Problems& problems) {
                    fmt::format("training.global_batch ({}) must be divisible by "
                                "parallel.dp·training.micro_batch ({}·{} = {})",
                                t.global_batch, l.dp, t.micro_batch, l.dp * t.micro_batch));
+  // The schedule holds a few actions per micro-batch for every stage (and --dry-run simulates
+  // every rank's): bounded so that a huge batch is refused, not built until memory runs out.
+  constexpr int64_t kMaxMicrobatches = 65536;
+  const int64_t microbatches = t.global_batch / std::max<int64_t>(1, l.dp * t.micro_batch);
+  problems.require(
+      microbatches <= kMaxMicrobatches,
+      fmt::format("training.global_batch ({}) / (parallel.dp·training.micro_batch = "
+                  "{}) = {} micro-batches per step: at most {} (the schedule holds "
+                  "actions for each); raise training.micro_batch",
+                  t.global_batch, l.dp * t.micro_batch, microbatches, kMaxMicrobatches));
 }
 
 // The `local_world` processes of this node against its CUDA devices, when it trains on CUDA.

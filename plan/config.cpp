@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <set>
@@ -27,6 +28,13 @@ std::string fmt_double(double v) {
   std::string t = buf;
   // Keep a visible decimal point so the dumped YAML re-reads as a float.
   if (t.find_first_of(".eEn") == std::string::npos) t += ".0";
+  return t;
+}
+
+// A bound as a user reads it: 16777216, not 1.67772e+07 (bounds are integers or plain decimals).
+std::string bound_text(double v) {
+  if (std::abs(v) < 9e15 && v == std::floor(v)) return std::to_string(static_cast<int64_t>(v));
+  std::string t = fmt_double(v);
   return t;
 }
 
@@ -119,12 +127,13 @@ std::string check_field(const Field& f) {
     std::ostringstream s;
     s << "must be ";
     if (std::isfinite(f.min) && std::isfinite(f.max))
-      s << "in [" << f.min << ", " << f.max << "]";
+      s << "in [" << bound_text(f.min) << ", " << bound_text(f.max) << "]";
     else if (std::isfinite(f.min))
-      s << ">= " << f.min;
+      s << ">= " << bound_text(f.min);
     else
-      s << "<= " << f.max;
+      s << "<= " << bound_text(f.max);
     s << ", got " << f.value_text();
+    if (v > f.max && !f.max_why.empty()) s << " (" << f.max_why << ")";
     return (v < f.min || v > f.max) ? s.str() : std::string();
   };
   if (auto* p = std::get_if<int64_t*>(&f.ref)) return out_of_range(static_cast<double>(**p));
@@ -310,6 +319,22 @@ class Validator {
                         m.hidden, m.heads, m.head_dim()));
     require(m.arch == "llama" || !m.qk_norm, "model.qk_norm",
             "model.qk_norm is a llama-family option (Qwen3); model.arch is " + m.arch);
+    // Each key is bounded; their product is too, in double (int64 byte counts of the weights,
+    // gradients and optimizer state stay exact below 2^44 parameters, 16 bytes each).
+    const double h = static_cast<double>(m.hidden),
+                 experts = static_cast<double>(std::max<int64_t>(1, m.moe.experts));
+    const double params =
+        static_cast<double>(m.layers) *
+            (4 * h * h + 3 * h * static_cast<double>(std::max(m.ffn_hidden, m.moe.ffn_hidden)) *
+                             (experts + static_cast<double>(m.moe.shared_experts))) +
+        2 * h * static_cast<double>(m.vocab_size + m.max_seq_len);
+    constexpr double kMaxParams = 17.5e12;  // 2^44
+    require(params <= kMaxParams, "model.hidden",
+            fmt::format("model: about {:.3g} parameters (model.layers {}, model.hidden {}, "
+                        "ffn_hidden {}, {} experts, vocab_size {}): at most {:.3g} (ten times "
+                        "the largest published models; byte counts would overflow)",
+                        params, m.layers, m.hidden, m.ffn_hidden, m.moe.experts, m.vocab_size,
+                        kMaxParams));
     check_moe();
   }
 
@@ -354,6 +379,15 @@ class Validator {
     const auto& t = c_.training;
     require(t.seq_len <= m.max_seq_len, "training.seq_len",
             q("training.seq_len", t.seq_len, "must be <=", "model.max_seq_len", m.max_seq_len));
+    constexpr double kMaxTokensPerStep = 4294967296.0;  // 2^32: x 2^30 steps stays in int64
+    require(
+        static_cast<double>(t.global_batch) * static_cast<double>(t.seq_len) <= kMaxTokensPerStep,
+        "training.global_batch",
+        fmt::format("training.global_batch ({}) x training.seq_len ({}) = {:.4g} tokens per "
+                    "step: at most 2^32 (the largest published runs use under 2^25; token "
+                    "counts must stay exact)",
+                    t.global_batch, t.seq_len,
+                    static_cast<double>(t.global_batch) * static_cast<double>(t.seq_len)));
     require(t.global_batch % t.micro_batch == 0, "training.global_batch",
             q("training.global_batch", t.global_batch, "must be divisible by",
               "training.micro_batch", t.micro_batch));
@@ -364,6 +398,12 @@ class Validator {
     require(t.schedule.min_lr <= t.optimizer.lr, "training.schedule.min_lr",
             q("training.schedule.min_lr", t.schedule.min_lr, "must be <=", "training.optimizer.lr",
               t.optimizer.lr));
+    require(!c_.parallel.zero3_keep_gathered || c_.parallel.zero == 3,
+            "parallel.zero3.keep_gathered",
+            fmt::format("parallel.zero3.keep_gathered is a ZeRO-3 setting (it keeps sharded "
+                        "parameters gathered); parallel.zero is {}, whose parameters are never "
+                        "sharded: set parallel.zero 3, or remove keep_gathered",
+                        c_.parallel.zero));
     require(t.schedule.warmup_steps <= t.steps, "training.schedule.warmup_steps",
             q("training.schedule.warmup_steps", t.schedule.warmup_steps,
               "must be <=", "training.steps", t.steps));
@@ -384,12 +424,21 @@ class Validator {
     } catch (const UserError& e) {
       require(false, "logging.profile", e.what());
     }
-    for (const auto& key : c_.checkpoint.accept_changes)
-      require(key != "checkpoint.accept_changes" && !nearest_key(key).empty() &&
-                  nearest_key(key) == key,
-              "checkpoint.accept_changes",
-              "checkpoint.accept_changes: '" + key + "' is not a plan key; did you mean '" +
-                  nearest_key(key) + "'?");
+    Config scratch;
+    const auto fields = bind_fields(scratch);
+    for (const auto& key : c_.checkpoint.accept_changes) {
+      const auto f =
+          std::find_if(fields.begin(), fields.end(), [&](const Field& x) { return x.key == key; });
+      if (f == fields.end())
+        require(false, "checkpoint.accept_changes",
+                "checkpoint.accept_changes: '" + key + "' is not a plan key; did you mean '" +
+                    nearest_key(key) + "'?");
+      else
+        require(f->free_on_resume.empty(), "checkpoint.accept_changes",
+                "checkpoint.accept_changes: '" + key +
+                    "' needs no acceptance: a resumed run may change it freely (" +
+                    f->free_on_resume + "); remove it from the list");
+    }
   }
 
   // A captured step replays its device work only: whatever the host decides inside a step must
@@ -519,15 +568,32 @@ std::string nearest_key(const std::string& key) {
   return best;
 }
 
+namespace {
+
+// The one document of a plan: a second (after `---`) would be silently ignored by YAML::Load.
+YAML::Node one_document(const std::string& source, std::vector<YAML::Node> docs) {
+  if (docs.size() > 1)
+    throw UserError(
+        fmt::format("{}: holds {} YAML documents (separated by ---); a plan is one "
+                    "document: merge them, or keep one",
+                    source, docs.size()));
+  return docs.empty() ? YAML::Node() : docs.front();
+}
+
+}  // namespace
+
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw UserError(path + ": a folder, not a plan file (name the .yaml file inside it)");
   return load(
-      path, [&] { return YAML::LoadFile(path); }, overrides);
+      path, [&] { return one_document(path, YAML::LoadAllFromFile(path)); }, overrides);
 }
 
 Config load_config_text(const std::string& yaml, const std::string& source,
                         const std::vector<std::string>& overrides) {
   return load(
-      source, [&] { return YAML::Load(yaml); }, overrides);
+      source, [&] { return one_document(source, YAML::LoadAll(yaml)); }, overrides);
 }
 
 std::string dump_config(const Config& c_in) {
@@ -576,15 +642,15 @@ std::string config_reference() {
       std::ostringstream r;
       r << " Range: " << (std::isfinite(f.min) ? "[" : "(");
       if (std::isfinite(f.min))
-        r << f.min;
+        r << bound_text(f.min);
       else
         r << "-inf";
       r << ", ";
       if (std::isfinite(f.max))
-        r << f.max << "]";
+        r << bound_text(f.max) << "]";
       else
         r << "inf)";
-      range = r.str() + ".";
+      range = r.str() + (f.max_why.empty() ? "" : " (" + f.max_why + ")") + ".";
     }
     std::string type = f.type_name();
     for (size_t i = type.find('|'); i != std::string::npos; i = type.find('|', i + 2))

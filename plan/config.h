@@ -162,9 +162,18 @@ struct Field {
   // empty: a change alters the run and needs checkpoint.accept_changes (run/resume_plan.h).
   std::string free_on_resume;
 
+  // Why the upper bound is where it is (a value above it would overflow a count or exhaust
+  // memory before anything useful runs): said in the error and in --help-config.
+  std::string max_why;
+
   Field& range(double lo, double hi = std::numeric_limits<double>::infinity()) {
     min = lo;
     max = hi;
+    return *this;
+  }
+  Field& at_most(double hi, std::string why) {
+    max = hi;
+    max_why = std::move(why);
     return *this;
   }
   Field& one_of(std::vector<std::string> c) {

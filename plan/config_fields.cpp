@@ -1,6 +1,8 @@
 // The one declaration of every plan field: key, default, help, and its range or choices.
 #include "plan/config.h"
 
+#include <tuple>
+
 namespace tessel {
 namespace {
 using S = std::string;
@@ -58,8 +60,10 @@ void add_model_fields(FieldAdder& add, Config& c) {
   add("model.rope_theta", &c.model.rope_theta, 10000.0, "RoPE base (llama).").range(1);
   add("model.init_std", &c.model.init_std, 0.02, "Std of the normal initial weights.").range(0);
   add("model.init_from", &c.model.init_from, S(""),
-      "Start from these weights: a model.safetensors with Hugging Face names (save_pretrained of "
-      "GPT2LMHeadModel / LlamaForCausalLM) or Tessel names. Empty = seeded init.");
+      "Start from these weights: one safetensors file holding the whole model, with Hugging Face "
+      "names (save_pretrained of GPT2LMHeadModel / LlamaForCausalLM) or Tessel names, or a folder "
+      "holding model.safetensors (a save_pretrained or `tessel-train export` folder). Sharded "
+      "files (model-0000K-of-0000N.safetensors) are not read. Empty = seeded init.");
   add("model.qk_norm", &c.model.qk_norm, false,
       "RMSNorm of every query and key head before RoPE, as Qwen3 (llama).");
 }
@@ -420,6 +424,47 @@ void mark_free_on_resume(std::vector<Field>& f) {
       if (field.key.rfind(prefix, 0) == 0) field.free_on_resume = why;
 }
 
+// Upper bounds of the integer keys whose size builds something: a value past them would overflow
+// a count (parameters, bytes, tokens, int64 inside LibTorch) or exhaust memory building modules
+// and schedules before a step runs. Each is far above any published model or run; the reason is
+// given with the bound in the error and in --help-config. Products are bounded by the plan's
+// cross-field checks (tokens per step, parameters).
+void mark_upper_bounds(std::vector<Field>& f) {
+  constexpr double k = 1024;
+  const std::string model = "far above published models (their largest use ";
+  const std::string ranks = "65,536 ranks or more are beyond any cluster Tessel's launcher starts";
+  const std::tuple<const char*, double, std::string> bounds[] = {
+      {"model.layers", k, model + "under 200)"},
+      {"model.hidden", 128 * k, model + "under 32,768)"},
+      {"model.heads", 4 * k, model + "under 256)"},
+      {"model.kv_heads", 4 * k, model + "under 256)"},
+      {"model.ffn_hidden", k * k, model + "under 100,000)"},
+      {"model.vocab_size", 16 * k * k, model + "under 300,000 token ids)"},
+      {"model.max_seq_len", 4 * k * k, "4M tokens: the position tables and masks grow with it"},
+      {"model.moe.experts", 4 * k, model + "under 512 experts)"},
+      {"model.moe.top_k", 4 * k, "at most the experts"},
+      {"model.moe.shared_experts", 64, model + "under 8 shared experts)"},
+      {"model.moe.ffn_hidden", k * k, model + "under 100,000)"},
+      {"model.moe.every", k, "at most model.layers"},
+      {"parallel.dp", 64 * k, ranks},
+      {"parallel.tp", 64 * k, ranks},
+      {"parallel.pp", 64 * k, ranks},
+      {"parallel.ep", 64 * k, ranks},
+      {"parallel.cp", 64 * k, ranks},
+      {"parallel.context.alltoall_size", 64 * k, ranks},
+      {"parallel.pipeline.virtual_stages", k, "at most model.layers"},
+      {"training.steps", k * k * k, "2^30 steps: the token count stays exact in int64"},
+      {"training.global_batch", 4 * k * k, "4M sequences per step: every sample's index is held"},
+      {"training.micro_batch", 4 * k * k, "at most training.global_batch"},
+      {"training.seq_len", 4 * k * k, "at most model.max_seq_len"},
+      {"training.eval_batches", k * k, "each evaluation reads them all"},
+      {"training.schedule.warmup_steps", k * k * k, "at most training.steps"},
+  };
+  for (auto& field : f)
+    for (const auto& [key, hi, why] : bounds)
+      if (field.key == key) field.at_most(hi, why);
+}
+
 }  // namespace
 
 std::vector<Field> bind_fields(Config& c) {
@@ -438,6 +483,7 @@ std::vector<Field> bind_fields(Config& c) {
   add_checkpoint_fields(add, c);
   add_logging_fields(add, c);
   mark_free_on_resume(f);
+  mark_upper_bounds(f);
   return f;
 }
 

@@ -111,7 +111,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadPlan{"out of range",
                 kData + "training:\n  steps: 0\n",
                 {},
-                "plan.yaml:3: training.steps: must be >= 1, got 0"},
+                "plan.yaml:3: training.steps: must be in [1, 1073741824], got 0"},
         BadPlan{"bad choice",
                 kData + "model: {arch: bert}\n",
                 {},
