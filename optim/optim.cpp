@@ -259,15 +259,36 @@ torch::Tensor FlatAdamW::clip_grad_norm(double max_norm,
                                         const torch::Tensor& unscale) {
   if (unscale.defined())
     for (auto& g : grad_pieces_) g.mul_(unscale);
-  // Multi-tensor norms (one kernel per list on CUDA), no N-sized temporaries.
-  auto sum_sq = [](const std::vector<torch::Tensor>& ts) {
-    return torch::stack(at::_foreach_norm(ts, 2)).square().sum();
+  // Multi-tensor norms (one kernel per list on CUDA), no N-sized temporaries. Accumulated in
+  // fp64 and summed over ranks in fp64, then rounded once to fp32: each layout cuts the gradient
+  // into other pieces (pipeline stages, tensor-parallel slices, ZeRO shards), and fp32 partial
+  // sums made the norm, hence the clipping factor and the weights, depend on the cut (2-6e-6
+  // apart at step 1). In fp64 the cuts differ by ~1e-16, below one fp32 rounding step.
+  // The pieces go in as views of at most a chunk each: the CPU's foreach norm converts every
+  // tensor it is given to fp64 first, so a whole piece would cost an fp64 copy of it (8 bytes
+  // per parameter at the step's end); a chunk costs 128 KiB. On CUDA the views only bound the
+  // same cost, in fewer, larger chunks (one multi-tensor kernel reads them all).
+  const auto grad_device = step_count_.device();
+  auto sum_sq = [&grad_device](const std::vector<torch::Tensor>& ts) {
+    std::vector<torch::Tensor> chunks;
+    for (const auto& t : ts) {
+      const int64_t chunk = t.is_cuda() ? int64_t{1} << 20 : int64_t{1} << 14;
+      if (t.numel() > 0)
+        for (auto& c : t.reshape(-1).split(chunk)) chunks.push_back(c);
+    }
+    if (chunks.empty())
+      return torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(grad_device));
+    return torch::stack(at::_foreach_norm(chunks, 2, torch::kFloat64)).square().sum();
   };
   torch::Tensor sq = sum_sq(grad_pieces_);
   for (const auto& [drop, spans] : replicated_spans_) sq = sq - drop * sum_sq(spans);
   if (!replicated_spans_.empty()) sq = sq.clamp_min(0);  // rounding never makes it negative
   if (sum_over_shards) sum_over_shards(sq);
-  auto norm = sq.sqrt();
+  // A squared norm beyond fp32's range stays non-finite, as it was when summed in fp32: the
+  // non-finite check (and fp16's overflow skip) keys on it.
+  sq = sq.masked_fill(sq > static_cast<double>(std::numeric_limits<float>::max()),
+                      std::numeric_limits<double>::infinity());
+  auto norm = sq.sqrt().to(torch::kFloat32);
   if (max_norm > 0) {
     // As torch.nn.utils.clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6)), on device.
     auto factor = (max_norm / (norm + 1e-6)).clamp_max(1.0);
