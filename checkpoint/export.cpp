@@ -47,6 +47,9 @@ SpecialTokens export_tokenizer(const std::string& tokenizer, const fs::path& out
     auto cfg = specials;
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast";
     cfg["model_max_length"] = m.max_seq_len;
+    // Decoder-only: no token_type_ids, which the fast tokenizer would otherwise return and
+    // transformers' generate(**tokenizer(text)) would pass on to a model that takes none.
+    cfg["model_input_names"] = {"input_ids", "attention_mask"};
     write_file_atomic((out / "tokenizer_config.json").string(), cfg.dump(2) + "\n");
   }
   if (!fs::exists(out / "special_tokens_map.json"))

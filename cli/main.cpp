@@ -25,6 +25,7 @@
 #include "planner/planner.h"
 #include "run/score.h"
 #include "run/startup.h"
+#include "run/stop.h"
 #include "run/train.h"
 
 namespace {
@@ -74,7 +75,7 @@ void print_state_bytes(const tessel::Config& c, const tessel::parallel::Layout& 
 struct TrainArgs {
   std::string config;
   std::vector<std::string> sets;
-  bool dry_run = false, help_config = false;
+  bool dry_run = false, help_config = false, details = false;
   int64_t world_size = 0;
   std::string profile, plan_json, profile_steps;
   std::vector<std::string> profile_sets;
@@ -85,9 +86,12 @@ void add_train_options(CLI::App& app, TrainArgs& a) {
   app.add_option("--set", a.sets, "Override a plan key: section.key=value (repeatable)")
       ->take_all()
       ->allow_extra_args(false);
-  app.add_flag(
-      "--dry-run", a.dry_run,
-      "Validate the plan against the world, print it resolved with the rank grid, start nothing");
+  app.add_flag("--dry-run", a.dry_run,
+               "Validate the plan against the world and print what it costs (memory per rank, "
+               "step time, tokens/s, MFU, a faster layout when there is one); start nothing");
+  app.add_flag("--details", a.details,
+               "With --dry-run: also print the resolved plan (every key, as YAML) and the rank "
+               "grid (each rank's coordinates and groups)");
   app.add_option("--world-size", a.world_size,
                  "With --dry-run: the number of processes to plan for")
       ->check(tessel::cli::whole_at_least(1));
@@ -118,6 +122,12 @@ void add_train_options(CLI::App& app, TrainArgs& a) {
 }
 
 int run_training(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
+  {  // checkpoint.on_signal's default, watched until the plan says which (run/stop.h)
+    tessel::Config defaults;
+    for (const auto& f : tessel::bind_fields(defaults))
+      if (f.key == "checkpoint.on_signal")
+        tessel::watch_stop_signals(std::get<std::vector<std::string>>(f.def));
+  }
   auto start = tessel::start_run(a.config, a.sets, world);
   auto peers = start.peers;  // a failure is posted for the other ranks, a hang diagnosed
   try {
@@ -211,18 +221,9 @@ int plan_dry_run(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
       tessel::parallel::check_layout(c, n, a.world_size > 0 ? 0 : world.local_world);
   c.parallel.dp = layout.dp;
   const auto& t = c.training;
-  std::printf("%s", tessel::dump_config(c).c_str());
-  std::printf("%s", tessel::parallel::describe_grid(layout).c_str());
-  print_state_bytes(c, layout);
-  if (layout.pp > 1) print_pipeline(c, layout);
-  if (layout.cp > 1) print_context_parallel(c, layout);
-  const auto device = dry_run_device(a, c, n);
-  const auto estimate = tessel::estimate(c, layout, device);
-  std::printf("%s", tessel::render(estimate, c, device).c_str());
-  if (const auto better = tessel::faster_layout(c, n, device, estimate))
-    print_faster_layout(a.config, n, *better, estimate);
-  if (!a.plan_json.empty())
-    tessel::write_file_atomic(a.plan_json, tessel::to_json(estimate, device));
+  // What matters first: valid or not, memory, step time, tokens/s, MFU and a faster layout; then
+  // the pipeline's and context parallelism's particulars; the resolved plan and the rank grid
+  // with --details.
   std::printf(
       "# plan %s is valid for %lld processes: %lld micro-batches of %lld sequences per data rank "
       "per step; "
@@ -230,6 +231,22 @@ int plan_dry_run(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
       a.config.c_str(), static_cast<long long>(n),
       static_cast<long long>(t.global_batch / (layout.dp * t.micro_batch)),
       static_cast<long long>(t.micro_batch), static_cast<long long>(t.global_batch * t.seq_len));
+  const auto device = dry_run_device(a, c, n);
+  const auto estimate = tessel::estimate(c, layout, device);
+  std::printf("%s", tessel::render(estimate, c, device).c_str());
+  if (const auto better = tessel::faster_layout(c, n, device, estimate))
+    print_faster_layout(a.config, n, *better, estimate);
+  if (!a.plan_json.empty())
+    tessel::write_file_atomic(a.plan_json, tessel::to_json(estimate, device));
+  print_state_bytes(c, layout);
+  if (layout.pp > 1) print_pipeline(c, layout);
+  if (layout.cp > 1) print_context_parallel(c, layout);
+  if (a.details) {
+    std::printf("%s", tessel::dump_config(c).c_str());
+    std::printf("%s", tessel::parallel::describe_grid(layout).c_str());
+  } else {
+    std::printf("# the resolved plan and the rank grid: --details\n");
+  }
   return 0;
 }
 

@@ -37,6 +37,10 @@ std::shared_ptr<Mapping> map_file(const std::string& path) {
   if (fd < 0) throw UserError(path + ": cannot open: " + std::strerror(errno));
   struct stat st {};
   fstat(fd, &st);
+  if (S_ISDIR(st.st_mode)) {
+    ::close(fd);
+    throw UserError(path + ": a folder, not a data file");
+  }
   auto m = std::make_shared<Mapping>();
   m->size = static_cast<size_t>(st.st_size);
   if (m->size) m->ptr = mmap(nullptr, m->size, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -456,14 +460,53 @@ void write_megatron(const std::string& prefix, const std::vector<std::vector<uin
   w.finish();
 }
 
+namespace {
+
+// A Megatron prefix that is not one: what the user most likely meant.
+std::string megatron_hint(const std::string& prefix) {
+  namespace fs = std::filesystem;
+  const auto ext = fs::path(prefix).extension().string();
+  if (ext == ".bin" || ext == ".idx")
+    return "; name the prefix without " + ext + " (" +
+           fs::path(prefix).replace_extension().string() + ")";
+  if (ext == ".jsonl" || ext == ".json" || ext == ".txt" ||
+      prefix.find_first_of("*?[") != std::string::npos)
+    return "; format megatron reads PREFIX.bin and PREFIX.idx: make them from text or JSONL with "
+           "`tessel-data " +
+           prefix + " --out PREFIX`, or use data.format text (raw text files)";
+  return "";
+}
+
+}  // namespace
+
 TokenStream open_stream(const DataConfig& d) {
   TokenStream s;
+  // Every error names the plan key (expand's "matches no file" already does).
+  auto keyed = [](const UserError& e) {
+    const std::string what = e.what();
+    return what.rfind("data.", 0) == 0 ? e : UserError("data.path: " + what);
+  };
   if (d.format == "text") {
-    add_text_files(s, d.path);
+    try {
+      add_text_files(s, d.path);
+    } catch (const UserError& e) {
+      throw keyed(e);
+    }
   } else if (d.format == "tokens") {
-    add_token_files(s, d.path, d.token_dtype == "uint16" ? 2 : 4);
+    try {
+      add_token_files(s, d.path, d.token_dtype == "uint16" ? 2 : 4);
+    } catch (const UserError& e) {
+      throw keyed(e);
+    }
   } else {
-    for (const auto& prefix : d.path) add_megatron(s, prefix);
+    for (const auto& prefix : d.path) {
+      try {
+        add_megatron(s, prefix);
+      } catch (const UserError& e) {  // the key, and the likely slip
+        throw UserError("data.path (format megatron): " + std::string(e.what()) +
+                        megatron_hint(prefix));
+      }
+    }
   }
   return s;
 }

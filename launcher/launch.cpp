@@ -1,10 +1,13 @@
 #include "launcher/launch.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -54,6 +57,13 @@ std::string describe(int status) {
            strsignal(WTERMSIG(status)) + ")";
   return "stopped (status " + std::to_string(status) + ")";
 }
+
+// Exit code 2 is Tessel's error in the plan or the input (a UserError): the same command fails the
+// same way again, so it ends the job at once whatever --max-restarts says. The failure the
+// launchers share says so in these words.
+constexpr int kExitUserError = 2;
+constexpr const char* kNoRestart = "an error in the plan or its inputs: restarting cannot help";
+bool user_error(int status) { return WIFEXITED(status) && WEXITSTATUS(status) == kExitUserError; }
 
 // A worker that saved a checkpoint on a signal and exited kExitStopped did not fail.
 bool stopped(int status) { return WIFEXITED(status) && WEXITSTATUS(status) == kExitStopped; }
@@ -191,9 +201,10 @@ void reap(std::vector<Worker>& ws, Coordinator& coord, int round, bool report) {
         w.status = status;
         drain(w, true);
         if (failed(status) && report)
-          coord.report_failure(round, "rank " + std::to_string(w.rank) + " (host " + host_name() +
-                                          ", local rank " + std::to_string(w.local_rank) + ") " +
-                                          describe(status));
+          coord.report_failure(
+              round, "rank " + std::to_string(w.rank) + " (host " + host_name() + ", local rank " +
+                         std::to_string(w.local_rank) + ") " + describe(status) +
+                         (user_error(status) ? std::string(" (") + kNoRestart + ")" : ""));
       }
 }
 
@@ -319,7 +330,8 @@ void requeue_under_slurm(const Options& o) {
 
 // After a round that did not succeed: the launcher's exit code, or nothing to restart.
 std::optional<int> after_round(const Options& o, RoundEnd end, int round,
-                               const std::string& failure, int signal_code) {
+                               const std::string& failure, int signal_code,
+                               const std::vector<Worker>& ws) {
   if (end == RoundEnd::kStopped) {
     std::fprintf(stderr,
                  "tessel-launch: the workers saved a checkpoint on a signal and stopped (exit "
@@ -333,6 +345,13 @@ std::optional<int> after_round(const Options& o, RoundEnd end, int round,
     return signal_code;
   }
   std::fprintf(stderr, "tessel-launch: failure: %s\n", failure.c_str());
+  bool no_restart = failure.find(kNoRestart) != std::string::npos;
+  for (const auto& w : ws) no_restart = no_restart || user_error(w.status);
+  if (no_restart) {
+    if (o.max_restarts > 0)
+      std::fprintf(stderr, "tessel-launch: not restarting (%s)\n", kNoRestart);
+    return kExitUserError;
+  }
   if (round >= o.max_restarts) {
     std::fprintf(stderr, "tessel-launch: giving up after %d restart%s (--max-restarts %d)\n", round,
                  round == 1 ? "" : "s", o.max_restarts);
@@ -359,11 +378,36 @@ int run_rounds(const Options& o, Coordinator& coord, std::vector<Worker>& ws) {
     int signal_code = 0;
     const auto end = run_round(o, coord, ws, round, failure, signal_code);
     if (end == RoundEnd::kSuccess) return 0;
-    if (auto code = after_round(o, end, round, failure, signal_code)) return *code;
+    if (auto code = after_round(o, end, round, failure, signal_code, ws)) return *code;
   }
 }
 
+// Binds `port` on loopback (0: any); returns the bound port, or 0 when taken.
+int bind_port(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return 0;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  socklen_t len = sizeof a;
+  int got = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+    got = ntohs(a.sin_port);
+  ::close(fd);
+  return got;
+}
+
 }  // namespace
+
+int free_port_pair() {
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    const int p = bind_port(0);
+    if (p > 0 && p < 65535 && bind_port(p + 1) == p + 1) return p;
+  }
+  throw std::runtime_error("no free pair of ports on this host; pass --master-port");
+}
 
 void apply_slurm(Options& o, bool nnodes_given, bool node_rank_given, bool master_given) {
   const char* job = std::getenv("SLURM_JOB_ID");

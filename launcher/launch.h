@@ -28,6 +28,11 @@ struct Options {
 /// they were not given (one launcher per node: srun --ntasks-per-node=1 tessel-launch ...).
 void apply_slurm(Options& o, bool nnodes_given, bool node_rank_given, bool master_given);
 
+/// A port P on this host with P and P + 1 both free now (the workers' rendezvous and the
+/// launchers' store), as torchrun --standalone picks one: two jobs on one node then never meet at
+/// the default 29500.
+int free_port_pair();
+
 /// Runs the job; returns the launcher's exit code (0 when every worker of the last round exited 0).
 int run(const Options& o);
 

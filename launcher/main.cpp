@@ -25,8 +25,11 @@ int main(int argc, char** argv) {
           ->check(tessel::cli::whole_at_least(0));
   auto* master = app.add_option("--master-addr", o.master_addr,
                                 "Host of rank 0 (Slurm: first node of the allocation)");
-  app.add_option("--master-port", o.master_port, "Rendezvous port; the launchers use the next one")
-      ->check(CLI::Range(1, 65534));
+  auto* port = app.add_option("--master-port", o.master_port,
+                              "Rendezvous port; the launchers use the next one. Default: on one "
+                              "node a free pair of ports, found at start (and said); on several "
+                              "nodes 29500")
+                   ->check(CLI::Range(1, 65534));
   app.add_option("--max-restarts", o.max_restarts,
                  "Restart the whole job this many times after a failure")
       ->check(CLI::NonNegativeNumber);
@@ -44,6 +47,10 @@ int main(int argc, char** argv) {
   if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = 3;
   tessel::launcher::apply_slurm(o, nnodes->count() > 0, node_rank->count() > 0,
                                 master->count() > 0);
+  if (port->count() == 0 && o.nnodes == 1) {
+    o.master_port = tessel::launcher::free_port_pair();  // the start-up line names it
+    o.source += ", free port chosen";
+  }
   if (o.node_rank >= o.nnodes) {
     std::fprintf(stderr, "tessel-launch: error: --node-rank %d must be < --nnodes %d\n",
                  o.node_rank, o.nnodes);

@@ -498,9 +498,12 @@ void add_tp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
   if (part.last) g.all_reduce += mb * 3 * tok * 4, g.ops += mb * 3;
   // Replicated parameters whose gradient each tp rank holds part of: summed once per step.
   double replicated = 0;
+  // Under SP each tp rank sees a slice of the sequence, so gpt2's position table (first stage)
+  // is one of them too.
   if (sp)
     replicated += (m.arch == "llama" ? 2.0 : 6.0) * h * r.layers +
-                  (part.last ? (m.arch == "llama" ? 1 : 2) * h : 0);
+                  (part.last ? (m.arch == "llama" ? 1 : 2) * h : 0) +
+                  (part.first && m.arch == "gpt2" ? static_cast<double>(m.max_seq_len) * h : 0);
   if (m.kv_heads < l.tp) replicated += 2 * h * kvd * r.layers;
   g.all_reduce += 4 * replicated;
   if (replicated > 0) g.ops += 1;
@@ -600,7 +603,12 @@ std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::La
     g["ep"].ops += mb * moe * 3 * (2 + reruns);
   }
   if (l.pp > 1 && b.m.tied() && part.first != part.last) {  // zbv: one rank holds both
-    g["embedding"].all_reduce += 4 * static_cast<double>(b.m.vocab_size) * b.h / b.tp;
+    // The token table's fp32 gradient (this tp rank's rows, the vocabulary padded to tp); under
+    // ZeRO the table is a bucket of its own, sharded over the data ranks, and only this rank's
+    // piece is summed.
+    const double table = b.vocab_local * b.h;
+    const double held = b.zero > 0 ? std::ceil(table / static_cast<double>(b.data_ranks)) : table;
+    g["embedding"].all_reduce += 4 * held;
     g["embedding"].ops += 1;
   }
   return g;

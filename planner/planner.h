@@ -4,6 +4,8 @@
 // compares them with the measured counters in memory.json (run/step_counters.h).
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <map>
 #include <optional>
 #include <string>
@@ -93,5 +95,12 @@ std::optional<LayoutChoice> faster_layout(const Config& c, int64_t world, const 
 /// Human-readable lines for --dry-run ("# ..."), and the same figures as JSON.
 std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& d);
 std::string to_json(const PlanEstimate& e, const DeviceProfile& d);
+
+/// The byte figures --dry-run predicts for this plan and layout, per pipeline stage (weights,
+/// gradients, optimizer state, step activation peak, bytes per group per step): what the trainer
+/// writes beside its measured counters in memory.json ("predicted"), so that every run checks
+/// the planner against itself: `--dry-run --world-size N`'s figures (the h100 profile; its rates
+/// do not enter bytes).
+nlohmann::json predicted_bytes(const Config& c, const parallel::Layout& l);
 
 }  // namespace tessel

@@ -136,4 +136,18 @@ std::string to_json(const PlanEstimate& e, const DeviceProfile& d) {
   return j.dump(1) + "\n";
 }
 
+nlohmann::json predicted_bytes(const Config& c, const parallel::Layout& l) {
+  // `--dry-run --world-size N`'s prediction (the h100 profile: its rates are not used here).
+  const auto e = estimate(c, l, device_profile("h100", {}));
+  nlohmann::json stages = nlohmann::json::array();
+  for (const auto& r : e.ranks)
+    stages.push_back({{"stage", r.stage},
+                      {"weights_bytes", r.weights},
+                      {"grads_bytes", r.grads},
+                      {"optimizer_bytes", r.optimizer},
+                      {"activation_bytes", r.activations},
+                      {"comm_bytes_per_step", r.comm}});
+  return stages;
+}
+
 }  // namespace tessel

@@ -251,7 +251,10 @@ std::vector<int64_t> generate(models::Decoder& model, const Config& c,
     if (o.temperature <= 0) {
       next = logits.argmax().item<int64_t>();
     } else {
-      auto l = (logits / o.temperature).cpu();
+      // In fp64 and shifted by the maximum first: (l - max) / T is <= 0 everywhere and 0 at the
+      // maximum, so a tiny T (1e-300) tends to greedy instead of overflowing to inf and NaN.
+      auto l = logits.cpu().to(torch::kFloat64);
+      l = (l - l.max()) / o.temperature;
       if (o.top_k > 0 && o.top_k < l.size(0)) {
         auto kth = std::get<0>(l.topk(o.top_k)).min();
         l = l.masked_fill(l < kth, -std::numeric_limits<float>::infinity());

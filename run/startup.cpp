@@ -25,9 +25,28 @@
 #include "parallel/comm.h"
 #include "parallel/mesh.h"
 #include "run/resume_plan.h"
+#include "run/stop.h"
 #include "run/train.h"
 
 namespace tessel {
+
+std::string init_weights_file(const std::string& init_from) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(init_from, ec)) {
+    const auto inside = fs::path(init_from) / "model.safetensors";
+    if (fs::is_regular_file(inside, ec)) return inside.string();
+    throw UserError(fmt::format(
+        "model.init_from: {} is a folder without model.safetensors; name the safetensors file "
+        "(a Hugging Face save_pretrained folder or a `tessel-train export` folder holds "
+        "model.safetensors)",
+        init_from));
+  }
+  if (!fs::is_regular_file(init_from, ec))
+    throw UserError(fmt::format("model.init_from: {}: no such file", init_from));
+  return init_from;
+}
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -62,6 +81,7 @@ RunLock check_start(const Config& c, const parallel::WorldInfo& w) {
   // communicators would otherwise land on device 0 from every rank).
   if (device.is_cuda()) c10::cuda::set_device(device.index());
   data::check_token_ids(c, w.rank, w.world);  // this rank's share of the data
+  if (!c.model.init_from.empty()) init_weights_file(c.model.init_from);
   if (const auto dir = checkpoint_to_resume(c); !dir.empty()) {
     Config resolved = c;  // as the checkpoint recorded it: dp resolved
     resolved.parallel.dp = layout.dp;
@@ -98,17 +118,12 @@ std::optional<T> within(double seconds, std::function<T()> fn) {
 
 RunLock::RunLock(const std::string& output_dir, const std::string& checkpoint_dir) {
   lock("run.output_dir", output_dir);
-  // The default checkpoint folder (<run.output_dir>/checkpoints), or any inside the run folder,
-  // is covered by that lock. Another one gets a lock on the folder itself: no file is added to
-  // it (its listing stays step_<N> and latest), and the folder is checked writable now.
+  // The checkpoint folder gets a lock of its own, on the folder itself, whatever way it is named
+  // (the default <run.output_dir>/checkpoints or checkpoint.dir): another run naming the same
+  // folder either way meets it. No file is added to it (its listing stays step_<N> and latest),
+  // and the folder is checked writable now.
   namespace fs = std::filesystem;
   std::error_code ec;
-  const auto run = fs::weakly_canonical(output_dir, ec);
-  auto ckpt = fs::weakly_canonical(checkpoint_dir, ec);
-  for (auto p = ckpt; !p.empty(); p = p.parent_path()) {
-    if (p == run) return;
-    if (p == p.parent_path()) break;
-  }
   fs::create_directories(checkpoint_dir, ec);
   const std::string probe = (fs::path(checkpoint_dir) / ".tessel-write-test-XXXXXX").string();
   std::vector<char> name(probe.begin(), probe.end());
@@ -125,9 +140,10 @@ RunLock::RunLock(const std::string& output_dir, const std::string& checkpoint_di
     if (fd >= 0) ::close(fd);
     if (err == EWOULDBLOCK)
       throw UserError(fmt::format(
-          "checkpoint.dir {} is in use by another run (a trainer whose checkpoint.dir is this "
-          "folder): two runs would overwrite each other's checkpoints, and a resume would load "
-          "the other run's weights; wait for it to end, or set checkpoint.dir to another folder",
+          "checkpoint.dir {} is in use by another run (a trainer whose checkpoints go there, "
+          "named as its checkpoint.dir or as its default <run.output_dir>/checkpoints): two "
+          "runs would overwrite each other's checkpoints, and a resume would load the other "
+          "run's weights; wait for it to end, or set checkpoint.dir to another folder",
           checkpoint_dir));
     spdlog::warn(
         "checkpoint.dir {}: this filesystem does not lock folders ({}); make sure no "
@@ -357,6 +373,7 @@ Start start_run(const std::string& plan, const std::vector<std::string>& sets,
   Start s;
   if (world.world == 1) {
     s.config = load_config(plan, sets);
+    watch_stop_signals(s.config.checkpoint.on_signal);
     s.lock = check_start(s.config, world);
     return s;
   }
@@ -365,6 +382,7 @@ Start start_run(const std::string& plan, const std::vector<std::string>& sets,
   bool loaded = false;
   try {
     s.config = load_config(plan, sets);
+    watch_stop_signals(s.config.checkpoint.on_signal);
     loaded = true;
   } catch (const UserError& e) {
     error = e.what();

@@ -30,10 +30,11 @@ namespace tessel {
 
 /// Exclusive locks held while the process lives, so that two trainers never write one run: on
 /// <run.output_dir>/.lock (flock; the file names its holder, host, pid and start time, for the
-/// error the second trainer prints), and, when checkpoint.dir lies outside the run folder, on
-/// that folder itself (two runs with their own run folders but one checkpoint.dir would overwrite
-/// each other's step folders, and a resume would load the other run's weights); that folder is
-/// also checked writable. The kernel drops the locks when the process dies, however it dies.
+/// error the second trainer prints), and on the checkpoint folder itself, whether it is the
+/// default <run.output_dir>/checkpoints or checkpoint.dir (two runs writing one checkpoint
+/// folder, whichever way each names it, would overwrite each other's step folders, and a resume
+/// would load the other run's weights); that folder is also checked writable. The kernel drops
+/// the locks when the process dies, however it dies.
 class RunLock {
  public:
   RunLock() = default;
@@ -48,6 +49,10 @@ class RunLock {
   void lock(const std::string& key, const std::string& folder);
   std::vector<int> fds_;
 };
+
+/// The safetensors file model.init_from names: the file itself, or model.safetensors inside a
+/// folder (a save_pretrained or `tessel-train export` folder). UserError naming the key otherwise.
+std::string init_weights_file(const std::string& init_from);
 
 class Peers {
  public:

@@ -3,6 +3,7 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <csignal>
 #include <map>
 #include <optional>
@@ -25,7 +26,31 @@ int signal_number(const std::string& name) {
   return it->second;
 }
 
+std::vector<int>& watched() {
+  static std::vector<int> w;
+  return w;
+}
+
 }  // namespace
+
+void watch_stop_signals(const std::vector<std::string>& signals) {
+  std::vector<int> now;
+  for (const auto& name : signals) now.push_back(signal_number(name));
+  for (int s : watched())
+    if (std::find(now.begin(), now.end(), s) == now.end()) {
+      std::signal(s, SIG_DFL);
+      if (g_signal == s) {  // seen, but this plan does not stop on it: its default action now
+        g_signal = 0;
+        std::raise(s);
+      }
+    }
+  for (int s : now) {
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigaction(s, &sa, nullptr);
+  }
+  watched() = now;
+}
 
 // One step's summed votes on their way to the host. On the CPU the sum is already there; on CUDA
 // a copy into pinned memory is queued behind the all-reduce, and an event marks its end.
@@ -51,16 +76,14 @@ struct StopOnSignal::Readback {
 
 StopOnSignal::StopOnSignal(const std::vector<std::string>& signals, const torch::Device& device)
     : device_(device) {
-  for (const auto& name : signals) {
-    signals_.push_back(signal_number(name));
-    struct sigaction sa {};
-    sa.sa_handler = on_signal;
-    sigaction(signals_.back(), &sa, nullptr);
-  }
+  for (const auto& name : signals) signals_.push_back(signal_number(name));
+  watch_stop_signals(signals);  // a signal seen during start-up stays seen
 }
 
 StopOnSignal::~StopOnSignal() {
-  for (int s : signals_) std::signal(s, SIG_DFL);
+  // The default actions back, without raising a signal already acted on (the run saved and stops).
+  for (int s : watched()) std::signal(s, SIG_DFL);
+  watched().clear();
 }
 
 int StopOnSignal::signal() const { return g_signal; }

@@ -25,6 +25,14 @@ namespace tessel {
 /// the same command again to resume).
 constexpr int kExitStopped = 75;
 
+/// Notes `signals` (names as in checkpoint.on_signal) from now on instead of acting on them, and
+/// gives back their default action to the ones watched before but not named now (a signal of
+/// those already seen is raised again). Called first thing with the default list and again once
+/// the plan is read: a signal that arrives during start-up (loading the plan, rendezvous,
+/// building the model) is then seen by the first step's vote, and the run stops after its first
+/// steps with a checkpoint and kExitStopped, as it does later, so that Slurm requeues it.
+void watch_stop_signals(const std::vector<std::string>& signals);
+
 class StopOnSignal {
  public:
   /// Installs handlers for `signals` (names as in checkpoint.on_signal); the votes live on

@@ -19,6 +19,7 @@
 #include "parallel/dp/weight_gather.h"
 #include "parallel/dp/zero3.h"
 #include "parallel/pp/executor.h"
+#include "planner/planner.h"
 #include "run/same_plan.h"
 #include "run/step_counters.h"
 #include "run/stop.h"
@@ -57,7 +58,7 @@ models::Decoder make_model(const Config& c, const torch::Device& device, torch::
   auto model =
       models::build_model(model_shape(c.model), c.run.seed, tp, c.parallel.sequence_parallel,
                           stages, cp, c.parallel.context_method, ep);
-  if (!c.model.init_from.empty()) load_weights_file(model, c.model.init_from);
+  if (!c.model.init_from.empty()) load_weights_file(model, init_weights_file(c.model.init_from));
   model->set_recompute(c.training.recompute);
   model->set_kernels(c.training.kernels);
   model->set_lean_logits(c.training.lean_logits, c.training.lean_logits_chunk);
@@ -669,6 +670,7 @@ void Trainer::report_memory() {
   nlohmann::json out = {{"zero", c_.parallel.zero},
                         {"dtype", c_.training.dtype},
                         {"data_ranks", mesh_->dp_cp().size()},
+                        {"predicted", predicted_bytes(c_, mesh_->layout())},  // --dry-run's
                         {"ranks", nlohmann::json::array()}};
   for (int64_t r = 0; r < all.size(0); ++r) {
     nlohmann::json row = {{"rank", r}};

@@ -19,6 +19,7 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <stdexcept>
 #include <thread>
 
@@ -242,10 +243,33 @@ std::string human(double v, const char* unit) {
   return *unit ? fmt::format("{:.1f} {}{}", v, p[i], unit) : fmt::format("{:.1f}{}", v, p[i]);
 }
 
+// The inputs, never this run's own output: a glob that matches PREFIX.bin / .idx (a previous run
+// with the same --out) skips them, saying so; an input named outright that --out would
+// overwrite is refused before anything is written.
 std::vector<std::string> input_files(const Options& o) {
+  std::error_code ec;
+  std::set<fs::path> outputs;
+  for (const char* ext : {".bin", ".idx", ".bin.tmp"})
+    outputs.insert(fs::weakly_canonical(o.out + ext, ec));
   std::vector<std::string> files;
-  for (const auto& in : o.inputs)
-    for (auto& f : tessel::data::expand(in)) files.push_back(std::move(f));
+  for (const auto& in : o.inputs) {
+    const bool glob = in.find_first_of("*?[") != std::string::npos;
+    for (auto& f : tessel::data::expand(in)) {
+      if (!outputs.count(fs::weakly_canonical(f, ec))) {
+        files.push_back(std::move(f));
+      } else if (glob) {
+        spdlog::info("{}: skipped: it is this run's output (--out {}), not an input", f, o.out);
+      } else {
+        throw tessel::UserError(fmt::format(
+            "{}: is an input and also what --out {} writes (PREFIX.bin and PREFIX.idx); "
+            "choose another --out, or the input would be overwritten",
+            f, o.out));
+      }
+    }
+  }
+  if (files.empty() && !o.inputs.empty())
+    throw tessel::UserError(fmt::format(
+        "no input left: every file the inputs match is this run's output (--out {})", o.out));
   return files;
 }
 

@@ -204,6 +204,34 @@ class FailFast(TmpDirTest):
         self.assertEqual(sorted(os.listdir(shared)), [], "the lock adds nothing to the checkpoint folder")
         self.assertFalse(os.path.exists(self.path("b", "metrics.jsonl")), "the refused run trained")
 
+    def test_a_default_checkpoint_folder_named_by_another_run_is_locked(self):
+        # Run A keeps its checkpoints in its default <output_dir>/checkpoints; run B names that
+        # folder as checkpoint.dir. The two locks used to be on different objects (A's run folder,
+        # B's checkpoint folder): both ran, and A's checkpoints ended up holding B's.
+        a, b = self.plan("a"), self.plan("b")
+        first = subprocess.Popen([TRAIN, a], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in iter(first.stdout.readline, ""):
+            if re.search(r"step +2/", line):
+                break
+        shared = self.path("a", "checkpoints")
+        p = run("tessel-train", b, "--set", f"checkpoint.dir={shared}", check=False, timeout=60)
+        first.kill()
+        first.communicate()
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn(f"checkpoint.dir {shared} is in use by another run", p.stderr)
+        self.assertFalse(os.path.exists(self.path("b", "metrics.jsonl")), "the refused run trained")
+        # And the other way round: B first, naming the folder A then takes by default.
+        first = subprocess.Popen([TRAIN, b, "--set", f"checkpoint.dir={shared}"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        for line in iter(first.stdout.readline, ""):
+            if re.search(r"step +2/", line):
+                break
+        p = run("tessel-train", a, check=False, timeout=60)
+        first.kill()
+        first.communicate()
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn(f"checkpoint.dir {shared} is in use by another run", p.stderr)
+
     def test_an_unwritable_checkpoint_folder_fails_before_training(self):
         # checkpoint.dir=/proc/ck used to train every step and fail at the first save.
         p = run("tessel-train", self.plan("u", steps=5), "--set", "checkpoint.dir=/proc/ck", check=False,

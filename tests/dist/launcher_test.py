@@ -105,6 +105,35 @@ class Launcher(unittest.TestCase):
         self.assertIn("exited with code 3", p.stderr)
         self.assertIn("giving up after 2 restarts", p.stderr)
 
+    def test_a_plan_error_is_not_restarted(self):
+        # Exit 2 is an error in the plan or its inputs: the same command fails again. It used to
+        # be restarted --max-restarts times.
+        worker = "import os, sys; print('attempt', os.environ['TESSEL_RESTART_COUNT']); sys.exit(2)"
+        p = launch("--nproc-per-node", 2, "--max-restarts", 2, worker=worker)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertNotIn("attempt 1", p.stdout)
+        self.assertIn("not restarting (an error in the plan or its inputs: restarting cannot help)", p.stderr)
+
+    def test_one_node_picks_a_free_port(self):
+        # No --master-port on one node: a free pair is chosen and said, so two jobs on one node
+        # do not meet at 29500 (both used to take it).
+        import socket
+        held = socket.socket()
+        try:
+            held.bind(("127.0.0.1", 29500))  # a job already there
+            held.listen()
+        except OSError:
+            pass  # taken already
+        try:
+            p = launch("--nproc-per-node", 2, worker=DUMP_ENV)
+        finally:
+            held.close()
+        self.assertEqual(p.returncode, 0, p.stderr)
+        port = int(envs(p.stdout)[0]["MASTER_PORT"])
+        self.assertNotEqual(port, 29500)
+        self.assertIn(f"master 127.0.0.1:{port}", p.stderr)
+        self.assertIn("free port chosen", p.stderr)
+
     def test_restart_budget_is_job_wide(self):
         # Rank 3 (on node 1) keeps failing: both launchers restart together, once, then give up.
         worker = ("import os, sys, time; print('attempt', os.environ['TESSEL_RESTART_COUNT'], flush=True)\n"

@@ -216,9 +216,12 @@ assert len(BY_ID) == len(LAYOUTS), "row ids must be unique"
 
 
 def processors(row):
-    """Cores the row keeps busy (ctest's PROCESSORS, at most the 2 of the CI machine): its
-    processes times each one's threads (1 unless the row sets training.threads)."""
-    return min(2, row.world * row.training.get("threads", 1))
+    """ctest's PROCESSORS for the row: 1, so that two rows run side by side on the CI machine's 2
+    cores. A row's ranks spend most of their time starting LibTorch, meeting at the rendezvous and
+    waiting for each other at these sizes: 16 rows of the table took 77.8 s one at a time and
+    57.6 s two at a time (2026-11-27, cold caches both). A single process computing on 2 threads
+    keeps both cores busy: 2."""
+    return 2 if row.world == 1 and row.training.get("threads", 1) > 1 else 1
 
 
 if __name__ == "__main__":  # for CMake: one ctest entry per row, "id:processors:tier"

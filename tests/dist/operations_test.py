@@ -87,6 +87,22 @@ class Operations(TmpDirTest):
         print(f"\nSIGTERM at step 8: checkpoint step_{saved}, exit {code}; resumed run equals the "
               f"uninterrupted one bitwise over {len(self.losses('full'))} steps", file=sys.stderr)
 
+    def test_a_signal_during_start_up_stops_after_the_first_steps(self):
+        # SIGTERM while the trainer starts (its first log line comes before the model and the
+        # step's handler exist) used to take the default action: killed, nothing saved, and an
+        # exit status Slurm does not requeue. Now it is seen by the first step's vote.
+        p = subprocess.Popen([os.path.join(BIN, "tessel-train"), self.plan("early")], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        out = [p.stdout.readline()]
+        p.send_signal(signal.SIGTERM)
+        out.append(p.communicate(timeout=120)[0])
+        out = "".join(out)
+        self.assertEqual(p.returncode, STOPPED, out)
+        saved = int(re.search(r"stopped after step (\d+) on a signal", out).group(1))
+        self.assertLessEqual(saved, 2, out)
+        with open(self.path("early", "checkpoints", "latest")) as f:
+            self.assertEqual(f.read().strip(), f"step_{saved}")
+
     def test_a_signal_to_one_rank_of_four_stops_every_rank_after_one_step(self):
         # dp2 x pp2; SIGUSR1 to rank 3 only (not the launcher, which would pass it to all). The ranks
         # agree through the votes in the gradient-norm all-reduce: every rank stops after the same
@@ -247,7 +263,8 @@ class Operations(TmpDirTest):
         p = run("tessel-train", resume, check=False)
         self.assertEqual(p.returncode, 2, p.stderr)
         self.assertRegex(p.stderr, r"corrupt checkpoint file: \d+ bytes, but \d+ bytes with checksum")
-        self.assertFalse(os.path.exists(self.path("c2", "checkpoints")), "nothing saved from a refused resume")
+        self.assertEqual([n for n in os.listdir(self.path("c2", "checkpoints")) if n.startswith("step_")]
+                         if os.path.isdir(self.path("c2", "checkpoints")) else [], [], "nothing saved from a refused resume")
         # An index without the checksum list (an old checkpoint, or an edited index) used to load
         # without any verification: now refused, naming the file, and export refuses it too.
         run("tessel-train", self.plan("u", steps=10))
@@ -263,7 +280,8 @@ class Operations(TmpDirTest):
             self.assertEqual(p.returncode, 2, p.stderr)
             self.assertIn("index.json records no size and checksum for rank_00000.safetensors, so it cannot be "
                           "verified", p.stderr)
-        self.assertFalse(os.path.exists(self.path("u2", "checkpoints")), "nothing saved from a refused resume")
+        self.assertEqual([n for n in os.listdir(self.path("u2", "checkpoints")) if n.startswith("step_")]
+                         if os.path.isdir(self.path("u2", "checkpoints")) else [], [], "nothing saved from a refused resume")
 
     def test_ranks_with_different_plans_stop(self):
         os.rename(self.plan("same", steps=5), self.path("a.yaml"))

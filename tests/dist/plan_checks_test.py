@@ -41,8 +41,15 @@ class PlanChecks(TmpDirTest):
             self.assertIn(message, p.stderr)
 
     def test_dry_run_prints_the_grid(self):
-        p = run("tessel-train", self.plan({"training": {"global_batch": 8, "micro_batch": 1}}), "--dry-run",
-                "--world-size", 4)
+        plan = self.plan({"training": {"global_batch": 8, "micro_batch": 1}})
+        brief = run("tessel-train", plan, "--dry-run", "--world-size", 4).stdout
+        # What matters first (valid, memory, step time, MFU); the grid and the plan on request.
+        self.assertTrue(brief.startswith("# plan "), brief[:200])
+        self.assertIn("MFU", "\n".join(brief.splitlines()[:6]))
+        self.assertNotIn("rank grid: world", brief)
+        self.assertLess(len(brief.splitlines()), 20, brief)
+        self.assertIn("# the resolved plan and the rank grid: --details", brief)
+        p = run("tessel-train", plan, "--dry-run", "--world-size", 4, "--details")
         self.assertIn("rank grid: world 4 = tp 1 x cp 1 x dp 4 x pp 1", p.stdout)
         self.assertIn("rank   3: tp 0 cp 0 dp 3 pp 0 | tp [3] cp [3] dp [0,1,2,3]", p.stdout)
         self.assertIn("2 micro-batches of 1 sequences per data rank", p.stdout)
@@ -74,7 +81,7 @@ class PlanChecks(TmpDirTest):
     def test_dry_run_prints_the_context_split(self):
         plan = {"training": {"global_batch": 8, "micro_batch": 1},
                 "parallel": {"cp": 2, "context": {"method": "ring"}}}
-        p = run("tessel-train", self.plan(plan), "--dry-run", "--world-size", 4)
+        p = run("tessel-train", self.plan(plan), "--dry-run", "--world-size", 4, "--details")
         self.assertIn("rank grid: world 4 = tp 1 x cp 2 x dp 2 x pp 1", p.stdout)
         self.assertIn("# context parallel: 2 ranks (ring), 8 tokens per rank per sequence (chunks r and 3-r of 4)",
                       p.stdout)

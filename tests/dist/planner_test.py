@@ -102,20 +102,25 @@ class Planner(unittest.TestCase):
         the_plan = plan(self.tmp, name, par, tr, arch)
         with open(path, "w") as f:
             json.dump(the_plan, f)
-        pj = os.path.join(self.tmp, name + ".plan.json")
-        p = subprocess.run([os.path.join(BIN, "tessel-train"), path, "--dry-run", "--world-size", str(world),
-                            "--plan-json", pj], capture_output=True, text=True)
-        self.assertEqual(p.returncode, 0, p.stderr)
-        self.assertIn("# predicted on h100", p.stdout)
         if world > 1:  # the ranks without tessel-launch (its own tests prove it): one LibTorch start less
             spawn_ranks(the_plan, world)
         else:
             r = subprocess.run([os.path.join(BIN, "tessel-train"), path], capture_output=True, text=True, timeout=600)
             self.assertEqual(r.returncode, 0, r.stdout[-3000:] + r.stderr[-3000:])
-        with open(pj) as f:
-            pred = json.load(f)
         with open(os.path.join(self.tmp, name, "memory.json")) as f:
             meas = json.load(f)
+        # The trainer writes --dry-run's figures for its own plan and layout beside what it
+        # measured (no dry-run process per layout); one layout checks that they are the dry-run's.
+        pred = {"ranks": meas["predicted"]}
+        if name == "zero2_dp2_pp2":
+            pj = os.path.join(self.tmp, name + ".plan.json")
+            p = subprocess.run([os.path.join(BIN, "tessel-train"), path, "--dry-run", "--world-size", str(world),
+                                "--plan-json", pj], capture_output=True, text=True)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            with open(pj) as f:
+                dry = json.load(f)["ranks"]
+            keys = ("weights_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "comm_bytes_per_step")
+            self.assertEqual([{k: r[k] for k in keys} for r in dry], [{k: r[k] for k in keys} for r in pred["ranks"]])
         pp = par.get("pp", 1)
         worst = 0
         lines = []
@@ -230,7 +235,7 @@ class ShippedConfigs(unittest.TestCase):
         # is a fixpoint (no further suggestion, the same predicted step); and the percentages the
         # shipped plans' comments quote are the ones the dry-run prints.
         root = os.environ.get("TESSEL_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
-        claims = [("llama3-8b.yaml", 64, 25), ("llama3-1b.yaml", 16, 10), ("llama3-1b.yaml", 64, 22)]
+        claims = [("llama3-8b.yaml", 64, 25), ("llama3-1b.yaml", 64, 20)]
         for name, world, percent in claims:
             path = os.path.join(root, "configs", name)
             with open(path) as f:
@@ -250,10 +255,13 @@ class ShippedConfigs(unittest.TestCase):
             self.assertAlmostEqual(step, float(m.group(2)), delta=0.1)
             print(f"\n{name} on {world}: {m.group(4)} ms as shipped; {step} ms with {' '.join(args[4:])}",
                   file=sys.stderr)
-        # A plan that is already the fastest gets no suggestion.
-        p = subprocess.run([os.path.join(BIN, "tessel-train"), os.path.join(root, "configs", "gpt2-124m.yaml"),
-                            "--dry-run", "--world-size", "8"], capture_output=True, text=True)
-        self.assertNotIn("a faster layout", p.stdout)
+        # A plan that is already the fastest gets no suggestion, nor one whose best alternative
+        # is under the 10% margin (llama3-1b on 16: 9.9%, as its comment says).
+        for name, world in (("gpt2-124m.yaml", 8), ("llama3-1b.yaml", 16)):
+            p = subprocess.run([os.path.join(BIN, "tessel-train"), os.path.join(root, "configs", name),
+                                "--dry-run", "--world-size", str(world)], capture_output=True, text=True)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertNotIn("a faster layout", p.stdout, name)
 
     def test_bad_profile_values_are_refused(self):
         root = os.environ.get("TESSEL_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
@@ -274,7 +282,7 @@ class ShippedConfigs(unittest.TestCase):
                 with self.subTest(f"{name} on {world}"):
                     pj = os.path.join(tmp, "plan.json")
                     cmd = [os.path.join(BIN, "tessel-train"), os.path.join(root, "configs", name), "--dry-run",
-                           "--world-size", str(world), "--plan-json", pj]
+                           "--world-size", str(world), "--plan-json", pj, "--details"]
                     for s in sets:
                         cmd += ["--set", s]
                     p = subprocess.run(cmd, capture_output=True, text=True)

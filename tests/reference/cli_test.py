@@ -20,7 +20,7 @@ class Cli(TmpDirTest):
     def test_bad_plans_fail_fast_with_file_and_line(self):
         cases = [
             ("model:\n  arch: gpt2\n  hiden: 64\ndata: {path: x}\n", "plan.yaml:3: unknown key 'model.hiden'; did you mean 'model.hidden'?"),
-            ("training:\n  steps: -1\ndata: {path: x}\n", "plan.yaml:2: training.steps: must be >= 1, got -1"),
+            ("training:\n  steps: -1\ndata: {path: x}\n", "plan.yaml:2: training.steps: must be in [1, 1073741824], got -1"),
             ("model: {hidden: 100, heads: 12}\ndata: {path: x}\n", "plan.yaml:1: model.hidden (100) must be divisible by model.heads (12)"),
         ]
         for text, message in cases:
@@ -62,6 +62,13 @@ class Cli(TmpDirTest):
             self.assertEqual(p.returncode, 2, f"{args}: {p.stderr}")
             self.assertIn(message, p.stderr + p.stdout, args)
             self.assertNotIn("internal error", p.stderr, args)
+        # A tiny temperature is greedy: logits / 1e-300 used to overflow fp32 to inf, and the
+        # softmax's NaN ended in an internal error.
+        greedy = run(*gen, "--max-new-tokens", "4", "--json").stdout.splitlines()[-1]
+        for t in ("1e-300", "4.9e-324"):
+            p = run(*gen, "--max-new-tokens", "4", "--json", "--temperature", t, check=False)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertEqual(json.loads(p.stdout.splitlines()[-1])["ids"], json.loads(greedy)["ids"])
 
     def test_missing_data_fails_before_training(self):
         plan = self.plan()
@@ -72,7 +79,7 @@ class Cli(TmpDirTest):
 
     def test_dry_run_starts_nothing(self):
         p = run("tessel-train", write_plan(self.path("p.yaml"), self.plan()), "--dry-run",
-                "--set", "training.micro_batch=1")
+                "--set", "training.micro_batch=1", "--details")
         self.assertIn("micro_batch: 1", p.stdout)
         self.assertIn("4 micro-batches of 1 sequences per data rank per step", p.stdout)
         self.assertFalse(os.path.exists(self.path("run")))

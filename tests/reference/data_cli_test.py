@@ -41,6 +41,21 @@ class DataCli(TmpDirTest):
         for x, y in zip(a, b, strict=True):
             self.assertLess(abs(x - y), 1e-5 * abs(x), (a, b))
 
+    def test_never_reads_or_overwrites_its_own_output(self):
+        # A glob over a folder holding a previous run's PREFIX.bin/.idx used to read them as text
+        # input; an input named PREFIX.bin used to be overwritten.
+        run("tessel-data", self.path("txt", "*"), "--out", self.path("txt", "ds"))
+        first = open(self.path("txt", "ds.bin"), "rb").read()
+        p = run("tessel-data", self.path("txt", "*"), "--out", self.path("txt", "ds"))
+        self.assertIn("ds.bin: skipped: it is this run's output", p.stderr + p.stdout)
+        self.assertEqual(open(self.path("txt", "ds.bin"), "rb").read(), first, "the second run read its own output")
+        shutil.copy(self.path("txt", "doc0.txt"), self.path("in.bin"))
+        p = run("tessel-data", self.path("in.bin"), "--out", self.path("in"), check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("in.bin: is an input and also what --out", p.stderr)
+        with open(self.path("txt", "doc0.txt"), "rb") as a, open(self.path("in.bin"), "rb") as b:
+            self.assertEqual(a.read(), b.read(), "the input was overwritten")
+
     def test_corrupt_and_truncated_files(self):
         run("tessel-data", self.path("txt", "*.txt"), "--out", self.path("ds"))
         plan = write_plan(self.path("p.yaml"), text_plan(self.tmp, "megatron", [self.path("ds")], "r"))

@@ -154,6 +154,12 @@ class Tokenize(TmpDirTest):
         model = AutoModelForCausalLM.from_pretrained(self.path("hf")).eval()
         hf_tok = AutoTokenizer.from_pretrained(self.path("hf"))
         self.assertEqual(hf_tok.eos_token_id, eos)
+        # The usual call works on the exported folder: no token_type_ids reach the model (the
+        # tokenizer config names its inputs; generate used to fail on the unexpected argument).
+        enc = hf_tok("the quick brown", return_tensors="pt")
+        self.assertNotIn("token_type_ids", enc)
+        with torch.no_grad():
+            model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=eos)
         for prompt in ("the quick brown", "tessel trains small", "data tensor"):
             ids = hf_tok(prompt, return_tensors="pt").input_ids
             with torch.no_grad():
