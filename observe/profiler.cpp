@@ -4,6 +4,8 @@
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
 
+#include <stdlib.h>
+
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
@@ -130,6 +132,10 @@ std::string top_ops_table(const std::vector<OpTime>& ops, double wall_ms, int64_
 
 StepProfiler::StepProfiler(int64_t first, int64_t last, std::string dir, int64_t rank, bool cuda)
     : first_(first), last_(last), rank_(rank), dir_(std::move(dir)), cuda_(cuda) {
+  // A CPU run's profile needs no GPU, but Kineto asks for one when it starts and logs the
+  // driver's refusal ("gpuGetDeviceCount failed with code 35") as an error. Its log level is
+  // read when it starts: only fatal ones then, unless the user chose a level.
+  if (!cuda_) ::setenv("KINETO_LOG_LEVEL", "5", /*overwrite=*/0);
   if (last_ >= first_) prof::prepareProfiler(config(), activities(cuda_));
 }
 

@@ -70,6 +70,14 @@ class Cli(TmpDirTest):
             self.assertEqual(p.returncode, 0, p.stderr)
             self.assertEqual(json.loads(p.stdout.splitlines()[-1])["ids"], json.loads(greedy)["ids"])
 
+    def test_a_cpu_profile_logs_no_gpu_error(self):
+        # Kineto asked for a GPU when the profiler started and logged the driver's refusal
+        # ("gpuGetDeviceCount failed with code 35") as an error on every CPU profile.
+        p = run("tessel-train", write_plan(self.path("p.yaml"), self.plan(steps=5)), "--profile", "1")
+        self.assertTrue(os.path.exists(self.path("run", "profile", "rank0.top.md")))
+        self.assertNotIn("gpuGetDeviceCount", p.stdout + p.stderr)
+        self.assertNotIn("ERROR", p.stdout + p.stderr)
+
     def test_missing_data_fails_before_training(self):
         plan = self.plan()
         plan["data"]["path"] = [self.path("nothing-*.u16")]
