@@ -28,17 +28,10 @@ namespace fs = std::filesystem;
 namespace tessel {
 using checkpoint::open_verified;
 using checkpoint::read_index;
+using checkpoint::read_text;
 namespace {
 
 constexpr const char* kMarker = "COMPLETE";
-
-std::string read_text(const fs::path& p) {
-  std::ifstream f(p);
-  if (!f) throw UserError(p.string() + ": cannot read");
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
 
 // Complete step_<N> folders of a checkpoint dir, by step.
 std::vector<std::pair<int64_t, fs::path>> complete_steps(const fs::path& root) {

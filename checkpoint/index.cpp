@@ -123,6 +123,8 @@ class IndexCheck {
   fs::path path_;
 };
 
+}  // namespace
+
 std::string read_text(const fs::path& p) {
   std::ifstream f(p);
   if (!f) throw UserError(p.string() + ": cannot read");
@@ -130,8 +132,6 @@ std::string read_text(const fs::path& p) {
   s << f.rdbuf();
   return s.str();
 }
-
-}  // namespace
 
 void check_plain_name(const std::string& name, const std::string& where) {
   const bool control = std::any_of(name.begin(), name.end(),

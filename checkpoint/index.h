@@ -16,6 +16,10 @@ namespace tessel::checkpoint {
 /// stops being exact in every reader.
 constexpr int64_t kMaxIndexInteger = int64_t{1} << 53;
 
+/// A small text file of a checkpoint folder (index.json, latest, an index fragment), whole;
+/// UserError naming it when it cannot be read.
+std::string read_text(const std::filesystem::path& p);
+
 /// `name` (of a rank file or a `latest` pointer) as a plain file name inside its folder: not
 /// empty, no '/', not "." or "..", no control character, at most 255 bytes. A name such as
 /// "../../x.safetensors" or "/etc/x" would make a crafted checkpoint read outside its folder.
