@@ -32,6 +32,14 @@ class FailFast(TmpDirTest):
         plan["parallel"] = parallel
         return write_plan(self.path(name + ".yaml"), plan)
 
+    def training(self, *args):
+        """Starts one trainer and returns it once it has logged step 2 (its locks are held)."""
+        p = subprocess.Popen([TRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in iter(p.stdout.readline, ""):
+            if re.search(r"step +2/", line):
+                break
+        return p
+
     def ranks(self, paths_and_args, port=None):
         """Starts tessel-train once per rank (no launcher), rank r with paths_and_args[r]."""
         port = port or free_port()
@@ -172,10 +180,7 @@ class FailFast(TmpDirTest):
 
     def test_two_trainers_cannot_share_a_run_folder(self):
         path = self.plan("shared")
-        first = subprocess.Popen([TRAIN, path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in iter(first.stdout.readline, ""):
-            if re.search(r"step +2/", line):
-                break
+        first = self.training(path)
         p = run("tessel-train", path, check=False, timeout=60)
         first.kill()
         first.communicate()
@@ -191,11 +196,7 @@ class FailFast(TmpDirTest):
         # folders (and a same-shape resume would load the other run's weights).
         shared = self.path("ckpt")
         a, b = self.plan("a"), self.plan("b")
-        first = subprocess.Popen([TRAIN, a, "--set", f"checkpoint.dir={shared}"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True)
-        for line in iter(first.stdout.readline, ""):
-            if re.search(r"step +2/", line):
-                break
+        first = self.training(a, "--set", f"checkpoint.dir={shared}")
         p = run("tessel-train", b, "--set", f"checkpoint.dir={shared}", check=False, timeout=60)
         first.kill()
         first.communicate()
@@ -209,10 +210,7 @@ class FailFast(TmpDirTest):
         # folder as checkpoint.dir. The two locks used to be on different objects (A's run folder,
         # B's checkpoint folder): both ran, and A's checkpoints ended up holding B's.
         a, b = self.plan("a"), self.plan("b")
-        first = subprocess.Popen([TRAIN, a], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in iter(first.stdout.readline, ""):
-            if re.search(r"step +2/", line):
-                break
+        first = self.training(a)
         shared = self.path("a", "checkpoints")
         p = run("tessel-train", b, "--set", f"checkpoint.dir={shared}", check=False, timeout=60)
         first.kill()
@@ -221,11 +219,7 @@ class FailFast(TmpDirTest):
         self.assertIn(f"checkpoint.dir {shared} is in use by another run", p.stderr)
         self.assertFalse(os.path.exists(self.path("b", "metrics.jsonl")), "the refused run trained")
         # And the other way round: B first, naming the folder A then takes by default.
-        first = subprocess.Popen([TRAIN, b, "--set", f"checkpoint.dir={shared}"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True)
-        for line in iter(first.stdout.readline, ""):
-            if re.search(r"step +2/", line):
-                break
+        first = self.training(b, "--set", f"checkpoint.dir={shared}")
         p = run("tessel-train", a, check=False, timeout=60)
         first.kill()
         first.communicate()
