@@ -224,5 +224,5 @@ def processors(row):
     return 2 if row.world == 1 and row.training.get("threads", 1) > 1 else 1
 
 
-if __name__ == "__main__":  # for CMake: one ctest entry per row, "id:processors:tier"
-    print(";".join(f"{r.id}:{processors(r)}:{'check' if r.id in CHECK_ROWS else 'full'}" for r in LAYOUTS))
+if __name__ == "__main__":  # for CMake: one ctest entry per row, "id:processors:tier:world"
+    print(";".join(f"{r.id}:{processors(r)}:{'check' if r.id in CHECK_ROWS else 'full'}:{r.world}" for r in LAYOUTS))
