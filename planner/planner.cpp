@@ -16,23 +16,23 @@
 #include "parallel/cp/attention.h"
 #include "parallel/pp/schedule.h"
 #include "parallel/tp/head_loss.h"
+#include "planner/basis.h"
 #include "planner/figures.h"
 #include "planner/model_plan.h"
 
 namespace tessel {
 namespace {
 
-// Activation bytes per token per transformer block, in elements of the compute dtype, as this
-// implementation's autograd keeps them: `replicated`·h (the residual stream, norms' inputs and
-// outputs: divided by tp only under sequence parallelism) + (`attn`·h + `kv`·kv_dim +
-// `ffn`·ffn_hidden) / tp. `outside`·h per token for the embedding output and the final norm.
-// Measured on CPU fp32 with the counting allocator (observe/counters.h), 2026-11-23, from single-
-// process and tp=2 runs that vary h, kv_heads, ffn_hidden, layers, seq_len and vocab_size; the
-// other layouts (sp, cp, pp, ZeRO) are predictions that tests/dist/planner_test.py checks.
-struct ActivationModel {
-  double replicated, attn, kv, ffn, outside;
-  double rerun = 0;  // recompute: share of one block's full activations live while it reruns
-};
+// The planner's internals shared with traffic.cpp (basis.h).
+using planning::ActivationModel;
+using planning::alltoall_ranks;
+using planning::expert_params;
+using planning::moe_layers_in;
+using planning::PlanBasis;
+using planning::reduce_once;
+using planning::stage_traffic;
+using planning::Traffic;
+
 // `own_kernels`: Tessel's fused CPU kernels run (training.kernels tessel, fp32 on the CPU); for
 // Llama its RMSNorm keeps x and one scale per row instead of also x·rsqrt (one h less per norm:
 // two per block, one outside) and its SwiGLU keeps gate and up, not also silu(gate) (one ffn less).
@@ -150,19 +150,6 @@ bool within_node(parallel::GroupKind k, const parallel::Layout& l, int64_t gpus_
   return groups[0].front() / gpus_per_node == groups[0].back() / gpus_per_node;
 }
 
-struct Traffic {  // one group's bytes on one rank per step, by how a ring moves them
-  double all_reduce = 0, gather_scatter = 0, p2p = 0;
-  double ops = 0;  // collectives and transfers issued (each pays the profile's latency)
-  double bytes() const { return all_reduce + gather_scatter + p2p; }
-  // Seconds those bytes take: at the link's `gbps`, or the profile's own figure for all-gathers
-  // and reduce-scatters, and for send/receive, where it has one.
-  double wire(int64_t n, double gbps, const DeviceProfile& d) const {
-    const double f = n > 1 ? static_cast<double>(n - 1) / static_cast<double>(n) : 0.0;
-    auto at = [gbps](double rate) { return (rate > 0 ? rate : gbps) * 1e9; };
-    return 2 * f * all_reduce / at(0) + f * gather_scatter / at(d.gather_gbps) +
-           p2p / at(d.p2p_gbps);
-  }
-};
 
 }  // namespace
 
@@ -208,49 +195,8 @@ void apply_profile_overrides(DeviceProfile& d, const std::vector<std::string>& o
 
 namespace {
 
-// What every stage's estimate uses, computed once per plan.
-struct PlanBasis {
-  models::ModelShape m;
-  c10::ScalarType dtype;
-  double w;                // bytes per element of the compute dtype
-  bool sp;                 // sequence parallelism in effect
-  int64_t mbs;             // micro-batches per step
-  int64_t lanes;           // micro-batches at once without pipelining (2: pairs_microbatches)
-  double tok;              // tokens of one micro-batch on one rank (cp splits the sequence)
-  double h, tp, kvd;       // hidden size, tensor-parallel size, keys' (and values') width
-  double vocab_local;      // the head's rows on one tp rank
-  bool own_kernels;        // Tessel's fused CPU kernels run (activation_model)
-  double short_attention;  // bytes per token its short-sequence attention holds in a block
-  ActivationModel a;
-  parallel::pp::Simulation sim;  // the plan's pipeline schedule (gpipe when pp = 1)
-  double per_layer;              // one micro-batch's saved activations in one block, bytes
-  double act_row;                // one activation between stages, bytes
-  int64_t zero, data_ranks, pp;
-  bool keep_gathered;        // ZeRO-3: units gathered once per step (parallel.zero3.keep_gathered)
-  double block;              // one layer's parameters on one tp rank
-  double per_moe_layer = 0;  // per_layer for an MoE layer (its experts instead of the MLP)
-};
-
-// MoE layers among a stage's chunks, and the expert parameters a rank of it holds (E/ep each).
-int64_t moe_layers_in(const models::ModelShape& m, const models::StagePart& part) {
-  int64_t n = 0;
-  for (const auto& [first, end] : part.chunks)
-    for (int64_t i = first; i < end; ++i) n += m.moe.is_moe(i) ? 1 : 0;
-  return n;
-}
-double expert_params(const models::ModelShape& m, const models::StagePart& part, int64_t ep) {
-  return static_cast<double>(models::expert_parameters_on_rank(m, part, ep));
-}
-
 // Key/value heads of one tp rank that alltoall context parallelism repeats to split them over
 // cp (held for backward unless full recomputation reruns attention); 0 for the other methods.
-// Ranks of one all-to-all of context parallelism: cp (alltoall), the group size (hybrid), else 1.
-int64_t alltoall_ranks(const Config& c, const parallel::Layout& l) {
-  if (l.cp == 1) return 1;
-  if (c.parallel.context_method == "alltoall") return l.cp;
-  return c.parallel.context_method == "hybrid" ? c.parallel.context_alltoall_size : 1;
-}
-
 double alltoall_repeated_kv(const Config& c, const parallel::Layout& l) {
   const int64_t a = alltoall_ranks(c, l);
   if (a == 1 || c.training.recompute == "full") return 0;
@@ -355,12 +301,6 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const TrainingConfig& t
   e.recompute_flops_per_step = rerun_per_token * static_cast<double>(t.global_batch * t.seq_len);
 }
 
-// ZeRO-2 inside a pipeline, or ZeRO-3 kept gathered, with fp32 weights: micro-batches accumulate
-// in the parameters and each chunk reduce-scatters once per step (parallel/dp/grad_reducer.h).
-bool reduce_once(const PlanBasis& b) {
-  return ((b.zero == 2 && b.pp > 1) || (b.zero == 3 && b.keep_gathered)) &&
-         b.dtype == c10::ScalarType::Float;
-}
 
 // ZeRO-2's and ZeRO-3's buffers at a stage's peak, added to its activations.
 void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
@@ -477,142 +417,6 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   return r;
 }
 
-// Adds tensor parallelism's bytes per step on one rank of the stage to `g`.
-void add_tp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, const PlanBasis& b,
-                    const RankEstimate& r, const models::StagePart& part) {
-  const auto& t = c.training;
-  const auto& m = b.m;
-  const bool sp = b.sp;
-  const double mb = static_cast<double>(b.mbs), tok = b.tok, h = b.h, w = b.w, kvd = b.kvd;
-  // Per block, forward and backward: 2 all-reduces each, or under SP 2 all-gathers and 2
-  // reduce-scatters each; plus the embedding (first stage) and the head's input (last), and
-  // the loss's three [tokens] fp32 all-reduces (max, sum, target logit).
-  const double ends = (part.first ? 1 : 0) + (part.last ? 1 : 0);
-  const double row = tok * h * w;
-  // Recomputation reruns forward collectives: selective the MLP's (SP: its all-gather and
-  // reduce-scatter; else its all-reduce), full the whole block's (twice that).
-  const double rerun = t.recompute == "full" ? 2 : t.recompute == "selective" ? 1 : 0;
-  const double per_mb = sp ? (8 + 2 * rerun) * r.layers + 2 * ends : (4 + rerun) * r.layers + ends;
-  (sp ? g.gather_scatter : g.all_reduce) += mb * per_mb * row;
-  g.ops += mb * per_mb;
-  if (part.last) g.all_reduce += mb * 3 * tok * 4, g.ops += mb * 3;
-  // Replicated parameters whose gradient each tp rank holds part of: summed once per step.
-  double replicated = 0;
-  // Under SP each tp rank sees a slice of the sequence, so gpt2's position table (first stage)
-  // is one of them too.
-  if (sp)
-    replicated += (m.arch == "llama" ? 2.0 : 6.0) * h * r.layers +
-                  (part.last ? (m.arch == "llama" ? 1 : 2) * h : 0) +
-                  (part.first && m.arch == "gpt2" ? static_cast<double>(m.max_seq_len) * h : 0);
-  if (m.kv_heads < l.tp) replicated += 2 * h * kvd * r.layers;
-  g.all_reduce += 4 * replicated;
-  if (replicated > 0) g.ops += 1;
-}
-
-// Adds context parallelism's bytes per step to `g`: the keys and values (and their gradients).
-void add_cp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, const PlanBasis& b,
-                    const RankEstimate& r) {
-  const auto& t = c.training;
-  const double mb = static_cast<double>(b.mbs);
-  const double kv_bytes = static_cast<double>(t.micro_batch * t.seq_len) * 2 * b.kvd / b.tp * b.w;
-  const double full = t.recompute == "full" ? 1 : 0;
-  if (c.parallel.context_method == "allgather") {  // keys/values gathered, grads scattered
-    // (the gradients in fp32: reduced before they are rounded)
-    g.gather_scatter += mb * r.layers * kv_bytes * (1 + full + 4 / b.w);
-    g.ops += mb * r.layers * (2 + full);
-  } else {
-    // alltoall (and hybrid inside its groups): each pass through attention sends q, k, v out
-    // (key/value heads repeated to a multiple of the group) and the output back; backward the
-    // same two all-to-alls reversed, and full recomputation reruns forward's. Each all-to-all's
-    // size is this rank's whole input.
-    const auto& m = b.m;
-    const int64_t a = alltoall_ranks(c, l), hq = m.heads / l.tp;
-    const double kv = static_cast<double>(
-        parallel::cp::alltoall_kv_heads(std::max<int64_t>(1, m.kv_heads / l.tp), a));
-    const double head = b.tok * static_cast<double>(m.head_dim()) * b.w;  // one head's tokens
-    if (a > 1) {
-      g.gather_scatter +=
-          mb * r.layers * head * (2 * static_cast<double>(hq) + 2 * kv) * (2 + full);
-      g.ops += mb * r.layers * 2 * (2 + full);
-    }
-    // ring (and hybrid across its groups): each ring member's keys/values (its group's tokens of
-    // its heads) go round ring-1 times forward and again in backward (plus once more when full
-    // recompute reruns forward); dK/dV go round ring times, in fp32.
-    const double ring = static_cast<double>(l.cp / a);
-    if (ring > 1) {
-      g.p2p += mb * r.layers * 2 * kv * head * ((2 + full) * (ring - 1) + ring * 4 / b.w);
-      g.ops += mb * r.layers * ((2 + full) * (ring - 1) + ring);
-    }
-  }
-}
-
-// Adds the data-parallel (dp×cp) group's bytes per step to `d`: gradients reduced, and under
-// ZeRO weights gathered.
-void add_data_traffic(Traffic& d, const Config& c, const PlanBasis& b, const RankEstimate& r,
-                      double n) {
-  const double mb = static_cast<double>(b.mbs), w = b.w, block = b.block;
-  const double buckets = std::ceil(4 * n / std::max(1.0, c.parallel.ddp_bucket_mb * (1 << 20)));
-  if (b.zero == 0) d.all_reduce += 4 * n, d.ops += buckets;
-  if (b.zero == 1) d.gather_scatter += 4 * n + w * n, d.ops += 2 * buckets;
-  if (reduce_once(b))  // inside a pipeline or kept gathered, fp32: once per step
-    d.gather_scatter += 4 * n + w * n, d.ops += 2 * buckets;
-  else if (b.zero == 2 || (b.zero == 3 && b.keep_gathered))
-    d.gather_scatter += mb * 4 * n + w * n, d.ops += (mb + 1) * buckets;
-  if (b.zero == 3 && !b.keep_gathered) {  // per micro-batch each unit gathered for forward and
-                                          // backward, reduced once
-    const double root = n - r.layers * block;
-    d.gather_scatter += mb * (4 * n + w * (root + (2 * r.layers - 1) * block));
-    d.ops += mb * 3 * (static_cast<double>(r.layers) + 1);
-  }
-}
-
-// Communication per step: the collectives this implementation issues (comm.h's byte count).
-std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::Layout& l,
-                                             const PlanBasis& b, const RankEstimate& r,
-                                             const models::StagePart& part) {
-  std::map<std::string, Traffic> g;
-  const double mb = static_cast<double>(b.mbs);
-  const double own_chunks =
-      static_cast<double>(std::max<int64_t>(1, static_cast<int64_t>(part.chunks.size())));
-  if (l.tp > 1) add_tp_traffic(g["tp"], c, l, b, r, part);
-  if (l.cp > 1) add_cp_traffic(g["cp"], c, l, b, r);
-  if (l.pp > 1) {  // activations forward, gradients backward, at every chunk boundary
-    // zbv: the V turns on pipeline rank pp − 1 (stages pp − 1 and pp), a hand-over, not a send.
-    const bool v = c.parallel.pipeline_schedule == "zbv";
-    const double turn = v && r.stage == l.pp - 1 ? 1 : 0;
-    const double sends_fwd = own_chunks - (part.last ? 1 : 0) - turn;
-    const double sends_bwd = own_chunks - (part.first ? 1 : 0) - turn;
-    g["pp"].p2p += mb * (sends_fwd + sends_bwd) * b.act_row;
-    g["pp"].ops += mb * (sends_fwd + sends_bwd);
-  }
-  // Under expert parallelism the experts' gradients go over their own data group (edp_cp).
-  const double experts = l.ep > 1 ? expert_params(b.m, part, l.ep) : 0.0;
-  if (b.data_ranks > 1)
-    add_data_traffic(g["dp_cp"], c, b, r, static_cast<double>(r.params) - experts);
-  if (experts > 0 && b.data_ranks / l.ep > 1) add_data_traffic(g["edp_cp"], c, b, r, experts);
-  if (l.ep > 1 && r.layers > 0) {
-    // Each MoE layer's dispatch and combine forward and backward: all-to-alls of this rank's
-    // token choices (every choice counted, its own included: dropless), recomputation rerunning
-    // the forward's pair; and the forward's exchange of counts (int64 per expert).
-    const double moe = static_cast<double>(moe_layers_in(b.m, part));
-    const double reruns = c.training.recompute == "none" ? 0 : 1;
-    const double rows = b.tok / (b.sp ? b.tp : 1.0) * static_cast<double>(b.m.moe.top_k);
-    g["ep"].gather_scatter += mb * moe *
-                              ((4 + 2 * reruns) * rows * b.h * b.w +
-                               (1 + reruns) * 8 * static_cast<double>(b.m.moe.experts));
-    g["ep"].ops += mb * moe * 3 * (2 + reruns);
-  }
-  if (l.pp > 1 && b.m.tied() && part.first != part.last) {  // zbv: one rank holds both
-    // The token table's fp32 gradient (this tp rank's rows, the vocabulary padded to tp); under
-    // ZeRO the table is a bucket of its own, sharded over the data ranks, and only this rank's
-    // piece is summed.
-    const double table = b.vocab_local * b.h;
-    const double held = b.zero > 0 ? std::ceil(table / static_cast<double>(b.data_ranks)) : table;
-    g["embedding"].all_reduce += 4 * held;
-    g["embedding"].ops += 1;
-  }
-  return g;
-}
 
 parallel::GroupKind group_kind(const std::string& name) {
   return name == "tp"       ? parallel::GroupKind::kTp
@@ -677,7 +481,10 @@ std::map<std::string, double> cpu_compute_s(const Config& c, const PlanBasis& b,
                         (d.peak_tflops * 1e12 * d.efficiency);
   const double attention = 12 * layers * static_cast<double>(m.heads) / tp *
                            static_cast<double>(m.head_dim() * t.seq_len) * tokens *
-                           (full ? 4.0 / 3 : 1.0) / (d.attention_tflops * 1e12);
+                           (full ? 4.0 / 3 : 1.0) /
+                           // never faster than the matmul peak MFU is measured against (a pinned
+                           // peak below the measured attention rate would put MFU over 100%)
+                           (std::min(d.attention_tflops, d.peak_tflops * d.efficiency) * 1e12);
   const double activation = layers * tokens * static_cast<double>(m.ffn_hidden) / tp *
                             d.activation_ns * 1e-9 * (rerun > 0 ? 1.5 : 1.0);
   const double block_ops = b.own_kernels ? (llama ? kLlamaBlockOps : kGpt2BlockOps)

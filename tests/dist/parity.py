@@ -107,22 +107,15 @@ def reference(base, arch):
 
 # The planner on every row: state exact; the bytes of these groups exact (their collectives'
 # sizes follow from the plan alone); the data groups' within PLANNER_BYTES_TOL (ZeRO's bucket
-# padding, expert routing that depends on the data).
+# padding, expert routing that depends on the data), and tp's under ZeRO too (each data rank sums
+# the replicated gradients of its own shard: the planner predicts the average share).
 PLANNER_EXACT_GROUPS = ("tp", "cp", "pp", "embedding")
 PLANNER_BYTES_TOL = 0.15
 # Where the planner is known to miss, by row and group: printed, not asserted, until it models
 # them (each is a planner defect to fix, not a tolerance). Measured 2026-11-27.
 PLANNER_KNOWN_MISSES = {
-    ("zero1_dp2_tp2_pp2_interleaved_sp_gpt2", "tp"): "interleaved under SP, cause not found yet: +4.9%",
-    ("zero1_dp2_tp2_pp2_interleaved_sp_llama", "tp"): "interleaved under SP, cause not found yet: +0.2%",
-    ("moe_ep2_tp2_llama", "tp"): "experts are replicated over tp, the planner counts MoE MLPs as tp-split: +79%",
-    ("moe_ep2_tp2_sp_llama", "tp"): "experts are replicated over tp, the planner counts MoE MLPs as tp-split: +11%",
-    ("moe_ep2_cp2_llama", "cp"): "512 B per step over cp not modelled (MoE under cp)",
-    ("zero2_dp2_pp2_zbv_bf16_gpt2", "dp_cp"): "ZeRO-2 under zbv in bf16, cause not found yet: -19%",
-    ("moe_bias_zero3_ep2_pp2_llama", "dp_cp"): "ZeRO-3 with experts, cause not found yet: +56%",
-    ("moe_zero3_ep2_dp2_llama", "dp_cp"): "ZeRO-3 with experts, cause not found yet: +49%",
-    ("moe_zero3_ep2_dp2_llama", "edp_cp"): "ZeRO-3 with experts, cause not found yet: +42%",
-    ("moe_zero3_ep2_llama", "dp_cp"): "ZeRO-3 with experts, cause not found yet: +49%",
+    ("moe_bias_zero3_ep2_pp2_llama", "dp_cp"): "ZeRO-3 with experts in a pipeline, first stage only (the last is "
+                                               "exact), cause not found yet: +15.7%",
 }
 
 # Training keys that must not change what is trained: a row may set them, its reference keeps the defaults.
@@ -188,7 +181,7 @@ class Parity(unittest.TestCase):
                 what = f"{where}: {group} bytes per step predicted {predicted:.0f}, measured {measured}"
                 if (row.id, group) in PLANNER_KNOWN_MISSES:
                     print(f"\n{what} (known planner miss: {PLANNER_KNOWN_MISSES[(row.id, group)]})", file=sys.stderr)
-                elif group in PLANNER_EXACT_GROUPS:
+                elif group in PLANNER_EXACT_GROUPS and not (group == "tp" and row.parallel.get("zero", 0) > 0):
                     self.assertEqual(predicted, measured, what)
                 else:
                     self.assertLess(abs(predicted - measured) / max(measured, 1), PLANNER_BYTES_TOL, what)
