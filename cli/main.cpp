@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.h"
+#include "device/cuda.h"
 #include "cli/cli_checks.h"
 #include "io/safetensors.h"
 #include "io/tokenizer.h"
@@ -202,7 +203,7 @@ tessel::DeviceProfile dry_run_device(const TrainArgs& a, const tessel::Config& c
   if (spec.empty()) {
     const auto& dev = c.training.device;
     const bool cpu_here =
-        a.world_size == 0 && (dev == "cpu" || (dev == "auto" && !torch::cuda::is_available()));
+        a.world_size == 0 && (dev == "cpu" || (dev == "auto" && !tessel::device::cuda_available()));
     spec = cpu_here ? "cpu" : "h100";
   }
   if (spec != "cpu") return tessel::device_profile(spec, a.profile_sets);

@@ -1,6 +1,6 @@
 #include "models/recompute.h"
 
-#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -26,7 +26,7 @@ class RngState {
       cpu_ = cpu.get_state();
     }
     if (device.is_cuda()) {
-      cuda_gen_ = at::cuda::detail::getDefaultCUDAGenerator(device.index());
+      cuda_gen_ = at::globalContext().defaultGenerator(device);
       std::lock_guard<std::mutex> lock(cuda_gen_->mutex());
       cuda_ = cuda_gen_->get_state();
     }

@@ -7,7 +7,6 @@
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <array>
@@ -16,6 +15,8 @@
 #include <map>
 #include <numeric>
 #include <sstream>
+
+#include "device/cuda.h"
 
 namespace tessel::parallel {
 namespace {
@@ -30,32 +31,6 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const WorldInfo& w) {
                         w.master_addr.rfind("127.", 0) == 0;
   return loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
                   : c10d::ProcessGroupGloo::createDefaultDevice();
-}
-
-// NCCL, configured rather than left to defaults and environment variables:
-//  - bound to this rank's device and connected now (eagerConnectSingleDevice): NCCL otherwise
-//    creates a communicator at its group's first collective, in the middle of a step, in
-//    whatever order the ranks reach it. Point-to-point transfers go through Group::send_recv's
-//    coalesced batch, which uses this same communicator (no lazy per-pair ones).
-//  - parallel.timeout_s as the collective timeout, and asynchronous error handling on: NCCL
-//    collectives return before they finish, so a failure surfaces in the watchdog, not in
-//    wait(); with TearDown it aborts the communicators and ends the process, printing the
-//    group's description (our group name), the operation, its sequence number and the rank.
-c10::intrusive_ptr<c10d::Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                            int size, const std::string& name,
-                                            const std::vector<int64_t>& ranks,
-                                            std::chrono::milliseconds timeout,
-                                            const torch::Device& device) {
-  auto opts = c10d::ProcessGroupNCCL::Options::create();
-  opts->timeout = timeout;
-  opts->group_name = name;
-  opts->group_desc = name;
-  opts->global_ranks_in_group.assign(ranks.begin(), ranks.end());
-  auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
-  pg->setGroupDesc(name);
-  pg->setBoundDeviceId(device);
-  pg->eagerConnectSingleDevice(device);
-  return pg;
 }
 
 // TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (TearDown) unless the user chose otherwise; read by every
@@ -329,10 +304,10 @@ void check_batch(const Config& c, const Layout& l, Problems& problems) {
 // The `local_world` processes of this node against its CUDA devices, when it trains on CUDA.
 void check_devices(const Config& c, int64_t local_world, Problems& problems) {
   const auto& t = c.training;
-  const bool cuda = t.device == "cuda" || (t.device == "auto" && torch::cuda::is_available());
+  const bool cuda = t.device == "cuda" || (t.device == "auto" && device::cuda_available());
   if (!cuda) return;
   try {  // the rule the device choice applies (one visible device each, or one per local rank)
-    choose_cuda_device(static_cast<int>(torch::cuda::device_count()), 0,
+    choose_cuda_device(static_cast<int>(device::cuda_device_count()), 0,
                        static_cast<int>(local_world), std::getenv("CUDA_VISIBLE_DEVICES"));
   } catch (const UserError& e) {
     problems.add(e.what());
@@ -441,7 +416,10 @@ struct GroupMaker {
         made = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, my, n, opts);
         made->setGroupDesc(name);
       } else {
-        made = make_nccl(prefixed, my, n, name, ranks, timeout, device);
+        const auto* cuda = device::cuda_module();
+        if (!cuda)
+          throw UserError("parallel.backend nccl needs CUDA: " + device::cuda_unavailable_reason());
+        made = cuda->make_nccl(prefixed, my, n, name, ranks, timeout, device);
       }
     }
     return std::make_unique<Group>(name, ranks, w.rank, made);

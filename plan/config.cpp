@@ -1,6 +1,5 @@
 #include "plan/config.h"
 
-#include <torch/cuda.h>
 
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
@@ -14,6 +13,8 @@
 #include <functional>
 #include <set>
 #include <sstream>
+
+#include "device/cuda.h"
 
 namespace tessel {
 namespace {
@@ -300,7 +301,7 @@ class Validator {
       m.ffn_hidden = m.arch == "gpt2" ? 4 * m.hidden : (8 * m.hidden / 3 + 63) / 64 * 64;
     if (m.moe.ffn_hidden == 0) m.moe.ffn_hidden = m.ffn_hidden;
     if (t.dtype == "auto")  // bf16 where it is fast and safe (CUDA), fp32 elsewhere
-      t.dtype = t.device == "cuda" || (t.device == "auto" && torch::cuda::is_available()) ? "bf16"
+      t.dtype = t.device == "cuda" || (t.device == "auto" && device::cuda_available()) ? "bf16"
                                                                                           : "fp32";
   }
 

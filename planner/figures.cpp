@@ -1,11 +1,12 @@
 #include "planner/figures.h"
 
-#include <ATen/cuda/CUDAContext.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <chrono>
 
+#include "device/cuda.h"
+#include "plan/user_error.h"
 #include "planner/planner.h"
 
 namespace tessel {
@@ -37,7 +38,9 @@ Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType
                                                         : "fp32";
   std::string name = "CPU";
   if (device.is_cuda()) {
-    name = at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index())->name;
+    const auto* cuda = device::cuda_module();
+    if (!cuda) throw UserError("CUDA device " + device.str() + ": " + device::cuda_unavailable_reason());
+    name = cuda->device_name(device.index() < 0 ? 0 : device.index());
     // The planner's profile of this GPU: the one peak for its step time and its MFU.
     if (const auto* p = profile_of_gpu(name))
       return {matmul_peak_tflops(*p, c.training),

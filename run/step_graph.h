@@ -21,27 +21,19 @@
 #include <memory>
 #include <string>
 
+#include "device/cuda.h"
+
 namespace tessel {
 
 /// Eager steps before the capture (training.cuda_graph's documented 3).
 constexpr int64_t kGraphWarmupSteps = 3;
 
-/// The device side of a captured step.
-class GraphBackend {
- public:
-  virtual ~GraphBackend() = default;
-  /// Steps (warm-up, capture, replays) run on a stream of their own from here on: a capture
-  /// cannot be taken on the default stream. The stream first waits for the work already queued.
-  virtual void enter_stream() = 0;
-  /// Back to the stream of before, which waits for the steps' work.
-  virtual void leave_stream() = 0;
-  virtual void begin() = 0;  // start capturing this thread's stream, into a private memory pool
-  virtual void end() = 0;    // end the capture and instantiate the graph; throws if it failed
-  virtual void abort() noexcept = 0;  // after a failure inside a capture: end it, drop the graph
-  virtual void replay() = 0;          // queue the captured work once more
-};
+/// The device side of a captured step (device/cuda.h: its CUDA implementation lives in
+/// libtessel_cuda.so; tests stand in for it on the CPU).
+using GraphBackend = device::GraphBackend;
 
-/// The CUDA graph backend (at::cuda::CUDAGraph on a pooled stream of the current device).
+/// The CUDA graph backend (at::cuda::CUDAGraph on a pooled stream of the current device), from
+/// libtessel_cuda.so.
 std::unique_ptr<GraphBackend> make_cuda_graph_backend();
 
 class StepGraph {

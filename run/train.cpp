@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "checkpoint/checkpoint.h"
+#include "device/cuda.h"
 #include "io/safetensors.h"
 #include "models/moe.h"
 #include "observe/profiler.h"
@@ -28,17 +29,20 @@ namespace tessel {
 
 torch::Device resolve_device(const std::string& device, const parallel::WorldInfo& w,
                              std::string* why) {
-  const bool cuda = torch::cuda::is_available();
+  if (device == "cpu") {  // LibTorch's CUDA half is never loaded
+    if (why) *why = "training.device cpu";
+    return torch::kCPU;
+  }
+  const bool cuda = device::cuda_available();
   if (device == "cuda" && !cuda)
-    throw UserError(
-        "training.device is cuda but no CUDA device is available (torch::cuda::is_available() is "
-        "false)");
-  if (device == "cpu" || !cuda) {
-    if (why) *why = device == "cpu" ? "training.device cpu" : "no CUDA device available";
+    throw UserError("training.device is cuda but no CUDA device can be used: " +
+                    device::cuda_unavailable_reason());
+  if (!cuda) {
+    if (why) *why = "training.device auto, no CUDA device: " + device::cuda_unavailable_reason();
     return torch::kCPU;
   }
   const auto choice =
-      parallel::choose_cuda_device(static_cast<int>(torch::cuda::device_count()), w.local_rank,
+      parallel::choose_cuda_device(static_cast<int>(device::cuda_device_count()), w.local_rank,
                                    w.local_world, std::getenv("CUDA_VISIBLE_DEVICES"));
   if (why) *why = choice.why;
   return {torch::kCUDA, static_cast<c10::DeviceIndex>(choice.index)};

@@ -33,14 +33,31 @@ else()
   message(STATUS "OpenMP runtime: ${TESSEL_OPENMP_RUNTIME} (LibTorch's own)")
 endif()
 
-# TORCH_LIBRARIES carries its own compile flags through the `torch` target. torch_cuda must stay
-# linked although no symbol of ours references it, else CUDA cannot initialise at run time.
+# tessel::torch: LibTorch's CPU half (libtorch_cpu: every operator, autograd, c10d with Gloo) and
+# c10's small CUDA runtime (streams, events, the caching allocator), with their compile flags.
+# LibTorch's CUDA half (libtorch_cuda, which brings cuBLAS, cuDNN, NCCL and the rest: about a third
+# of a second of one core and a gigabyte mapped at every start) is linked only into
+# libtessel_cuda.so (tessel::torch_cuda), which device/cuda.cpp loads when a process may compute
+# on a GPU: a CPU run, a dry run, tessel-data and tessel-launch never map it.
 add_library(tessel_torch INTERFACE)
 add_library(tessel::torch ALIAS tessel_torch)
-target_link_libraries(tessel_torch INTERFACE ${TORCH_LIBRARIES})
+target_link_libraries(tessel_torch INTERFACE torch_cpu_library)
+# What the `torch` target (libtorch.so, which names libtorch_cuda) would add: the C++ API's headers
+# and LibTorch's required flags.
+target_include_directories(tessel_torch SYSTEM INTERFACE ${TORCH_INCLUDE_DIRS})
+target_compile_options(tessel_torch INTERFACE ${TORCH_CXX_FLAGS})
+if(TARGET c10_cuda)
+  target_link_libraries(tessel_torch INTERFACE c10_cuda)
+endif()
 target_include_directories(tessel_torch SYSTEM INTERFACE ${TESSEL_GLOO_INCLUDE})
-if(TARGET torch_cuda)
-  target_link_libraries(tessel_torch INTERFACE "-Wl,--no-as-needed,$<TARGET_FILE:torch_cuda>,--as-needed")
+add_library(tessel_torch_cuda INTERFACE)
+add_library(tessel::torch_cuda ALIAS tessel_torch_cuda)
+target_link_libraries(tessel_torch_cuda INTERFACE tessel_torch)
+if(TARGET torch_cuda_library)
+  target_link_libraries(tessel_torch_cuda INTERFACE torch_cuda_library)
+else()
+  message(FATAL_ERROR "LibTorch at ${Torch_DIR} has no CUDA half (torch_cuda): Tessel needs the "
+          "CUDA build of torch (third_party/setup.sh installs the pinned wheel)")
 endif()
 
 # libtorch.so and libtorch_cpu.so export a statically linked, older std::filesystem. Symbols bind

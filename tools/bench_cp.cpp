@@ -13,6 +13,7 @@
 #include <cstdio>
 
 #include "parallel/cp/attention.h"
+#include "device/cuda.h"
 #include "parallel/mesh.h"
 #include "plan/config.h"
 
@@ -158,7 +159,7 @@ void bench_method(const Args& a, tessel::parallel::Group& g, cp::Method method, 
 
 void bench(const Args& a) {
   const auto world = tessel::parallel::discover_world();
-  const bool cuda = torch::cuda::is_available();
+  const bool cuda = tessel::device::cuda_available();
   const torch::Device dev =
       cuda ? torch::Device(torch::kCUDA, static_cast<int8_t>(world.local_rank)) : torch::kCPU;
   if (cuda) c10::cuda::set_device(dev.index());  // before any CUDA or NCCL work

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <memory>
 
+#include "device/cuda.h"
 #include "io/safetensors.h"
 #include "parallel/ep/dispatch.h"
 #include "parallel/mesh.h"
@@ -254,9 +255,9 @@ TEST(Nccl, PipelineChannelsOneWayEach) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  if (!torch::cuda::is_available()) {
-    std::printf(
-        "tessel-gpu-tests: no CUDA device (torch::cuda::is_available() is false): skipped\n");
+  if (!tessel::device::cuda_available()) {
+    std::printf("tessel-gpu-tests: no CUDA device (%s): skipped\n",
+                tessel::device::cuda_unavailable_reason().c_str());
     return 77;
   }
   // Exact fp32 matmuls, as the CPU: the fp32 bounds above are kernel rounding only.

@@ -73,10 +73,14 @@ class Cli(TmpDirTest):
     def test_a_cpu_profile_logs_no_gpu_error(self):
         # Kineto asked for a GPU when the profiler started and logged the driver's refusal
         # ("gpuGetDeviceCount failed with code 35") as an error on every CPU profile.
-        p = run("tessel-train", write_plan(self.path("p.yaml"), self.plan(steps=5)), "--profile", "1")
+        # training.device auto on this machine without a GPU: Tessel's question about CUDA came
+        # first (LibTorch answers it once per process), and the answer is no device.
+        p = run("tessel-train", write_plan(self.path("p.yaml"), self.plan(steps=5, device="auto")), "--profile", "1")
         self.assertTrue(os.path.exists(self.path("run", "profile", "rank0.top.md")))
         self.assertNotIn("gpuGetDeviceCount", p.stdout + p.stderr)
         self.assertNotIn("ERROR", p.stdout + p.stderr)
+        self.assertIn("device cpu: training.device auto, no CUDA device: LibTorch finds no usable CUDA device",
+                      p.stdout + p.stderr)
 
     def test_missing_data_fails_before_training(self):
         plan = self.plan()

@@ -16,6 +16,10 @@ set_target_properties(${TESSEL_TOOLS} PROPERTIES
   INSTALL_RPATH_USE_LINK_PATH OFF
   SKIP_BUILD_RPATH OFF)
 install(TARGETS ${TESSEL_TOOLS} RUNTIME DESTINATION libexec/tessel)
+# LibTorch's CUDA half's own module (device/cuda.h): beside the binaries that load it.
+set_target_properties(tessel_cuda PROPERTIES INSTALL_RPATH "$ORIGIN/../../lib/tessel"
+  INSTALL_RPATH_USE_LINK_PATH OFF)
+install(TARGETS tessel_cuda LIBRARY DESTINATION libexec/tessel)
 install(PROGRAMS tools/bundle/run.sh DESTINATION libexec/tessel)
 install(FILES ${CMAKE_BINARY_DIR}/TORCH_VERSION DESTINATION share/tessel)
 install(CODE "execute_process(COMMAND git -C \"${CMAKE_SOURCE_DIR}\" rev-parse --short HEAD
@@ -23,7 +27,7 @@ install(CODE "execute_process(COMMAND git -C \"${CMAKE_SOURCE_DIR}\" rev-parse -
 # What configs/default.yaml trains on (this project's own text), so that it runs from share/tessel.
 install(FILES README.md DESTINATION share/tessel)
 install(DIRECTORY docs DESTINATION share/tessel FILES_MATCHING PATTERN "*.md")
-foreach(dir cli run checkpoint planner optim io data observe plan models tools tests/unit)
+foreach(dir cli run checkpoint planner optim io data observe plan device models tools tests/unit)
   install(DIRECTORY ${dir}/ DESTINATION share/tessel/${dir} FILES_MATCHING PATTERN "*.cpp" PATTERN "*.h"
           PATTERN "bundle" EXCLUDE)
 endforeach()
@@ -51,6 +55,7 @@ endforeach()
 install(CODE "
   file(GET_RUNTIME_DEPENDENCIES
     EXECUTABLES ${_tessel_exes}
+    MODULES $<TARGET_FILE:tessel_cuda>
     RESOLVED_DEPENDENCIES_VAR deps
     UNRESOLVED_DEPENDENCIES_VAR missing
     PRE_EXCLUDE_REGEXES

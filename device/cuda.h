@@ -1,0 +1,70 @@
+// Where CUDA comes from. LibTorch's CUDA half (libtorch_cuda, with cuBLAS, cuDNN, NCCL and the
+// rest: about a third of a second of one core and a gigabyte mapped at every start) is loaded
+// only by a process that may compute on a GPU, together with Tessel's own code that needs it:
+// libtessel_cuda.so, installed beside the binaries (lib/). Every question "is there a GPU?"
+// goes through cuda_available() here, which loads it first: LibTorch decides once, at its first
+// such question, whether CUDA exists in the process, so nothing may ask it before the load (a
+// process where something did has no CUDA, and cuda_unavailable_reason() says so). A run on
+// training.device cpu never loads it.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace tessel::device {
+
+/// The device side of a captured training step (run/step_graph.h owns the policy).
+class GraphBackend {
+ public:
+  virtual ~GraphBackend() = default;
+  /// Steps (warm-up, capture, replays) run on a stream of their own from here on: a capture
+  /// cannot be taken on the default stream. The stream first waits for the work already queued.
+  virtual void enter_stream() = 0;
+  /// Back to the stream of before, which waits for the steps' work.
+  virtual void leave_stream() = 0;
+  virtual void begin() = 0;  // start capturing this thread's stream, into a private memory pool
+  virtual void end() = 0;    // end the capture and instantiate the graph; throws if it failed
+  virtual void abort() noexcept = 0;  // after a failure inside a capture: end it, drop the graph
+  virtual void replay() = 0;          // queue the captured work once more
+};
+
+/// What libtessel_cuda.so provides: Tessel's code that needs LibTorch's CUDA half.
+struct CudaModule {
+  int version = 0;  // kCudaModuleVersion of the build that made it
+  /// NCCL for one group, bound to `device` and connected now (parallel/mesh.cpp says why).
+  c10::intrusive_ptr<c10d::Backend> (*make_nccl)(const c10::intrusive_ptr<c10d::Store>& store,
+                                                 int rank, int size, const std::string& name,
+                                                 const std::vector<int64_t>& ranks,
+                                                 std::chrono::milliseconds timeout,
+                                                 const c10::Device& device) = nullptr;
+  /// The CUDA graph backend (at::cuda::CUDAGraph on a pooled stream of the current device).
+  std::unique_ptr<GraphBackend> (*make_graph)() = nullptr;
+  /// The name of CUDA device `index` ("NVIDIA H100 80GB HBM3").
+  std::string (*device_name)(int index) = nullptr;
+};
+/// Bumped whenever CudaModule changes: a module of another build is refused.
+constexpr int kCudaModuleVersion = 1;
+
+/// Whether a CUDA device can be used here. Loads libtessel_cuda.so first (once); where it cannot
+/// be loaded there is no usable CUDA, and cuda_unavailable_reason() says why.
+bool cuda_available();
+/// CUDA devices visible to this process (0 without CUDA).
+int64_t cuda_device_count();
+/// Why cuda_available() is false ("" when it is true).
+std::string cuda_unavailable_reason();
+/// The module, loaded; nullptr where it cannot be (cuda_unavailable_reason() says why).
+const CudaModule* cuda_module();
+/// Whether this process has loaded LibTorch's CUDA half (for tests and the start-up log).
+bool cuda_loaded();
+
+}  // namespace tessel::device
+
+/// The module's one entry point, looked up by name after loading it.
+extern "C" const tessel::device::CudaModule* tessel_cuda_module();
