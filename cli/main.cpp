@@ -13,8 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.h"
-#include "device/cuda.h"
 #include "cli/cli_checks.h"
+#include "device/cuda.h"
 #include "io/safetensors.h"
 #include "io/tokenizer.h"
 #include "models/registry.h"

@@ -108,7 +108,6 @@ std::shared_ptr<Mapping> map_file(const std::string& path) {
   return m;
 }
 
-
 std::vector<std::string> expand(const std::string& pattern) {
   glob_t g{};
   int rc = ::glob(pattern.c_str(), GLOB_NOSORT, nullptr, &g);

@@ -60,5 +60,4 @@ inline int64_t first_outside_typed(const T* p, int64_t n, int64_t vocab) {
   return -1;
 }
 
-
 }  // namespace tessel::data

@@ -1,13 +1,13 @@
 // Megatron-LM's indexed dataset (PREFIX.bin + PREFIX.idx): read as a token stream, and written.
 #include <fmt/format.h>
 
+#include <unistd.h>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <string>
 #include <system_error>
-#include <unistd.h>
 #include <vector>
 
 #include "data/data.h"

@@ -1,6 +1,5 @@
 #include "plan/config.h"
 
-
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
@@ -18,7 +17,6 @@
 
 namespace tessel {
 namespace {
-
 
 // A bound as a user reads it: 16777216, not 1.67772e+07 (bounds are integers or plain decimals).
 std::string bound_text(double v) {

@@ -56,8 +56,8 @@ class Validator {
       m.ffn_hidden = m.arch == "gpt2" ? 4 * m.hidden : (8 * m.hidden / 3 + 63) / 64 * 64;
     if (m.moe.ffn_hidden == 0) m.moe.ffn_hidden = m.ffn_hidden;
     if (t.dtype == "auto")  // bf16 where it is fast and safe (CUDA), fp32 elsewhere
-      t.dtype = t.device == "cuda" || (t.device == "auto" && device::cuda_available()) ? "bf16"
-                                                                                          : "fp32";
+      t.dtype =
+          t.device == "cuda" || (t.device == "auto" && device::cuda_available()) ? "bf16" : "fp32";
   }
 
   void check_model() {

@@ -39,7 +39,8 @@ Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType
   std::string name = "CPU";
   if (device.is_cuda()) {
     const auto* cuda = device::cuda_module();
-    if (!cuda) throw UserError("CUDA device " + device.str() + ": " + device::cuda_unavailable_reason());
+    if (!cuda)
+      throw UserError("CUDA device " + device.str() + ": " + device::cuda_unavailable_reason());
     name = cuda->device_name(device.index() < 0 ? 0 : device.index());
     // The planner's profile of this GPU: the one peak for its step time and its MFU.
     if (const auto* p = profile_of_gpu(name))

@@ -150,7 +150,6 @@ bool within_node(parallel::GroupKind k, const parallel::Layout& l, int64_t gpus_
   return groups[0].front() / gpus_per_node == groups[0].back() / gpus_per_node;
 }
 
-
 }  // namespace
 
 DeviceProfile device_profile(const std::string& spec, const std::vector<std::string>& overrides) {
@@ -301,7 +300,6 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const TrainingConfig& t
   e.recompute_flops_per_step = rerun_per_token * static_cast<double>(t.global_batch * t.seq_len);
 }
 
-
 // ZeRO-2's and ZeRO-3's buffers at a stage's peak, added to its activations.
 void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
   const auto& t = c.training;
@@ -416,7 +414,6 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   add_zero_buffers(r, c, b);
   return r;
 }
-
 
 parallel::GroupKind group_kind(const std::string& name) {
   return name == "tp"       ? parallel::GroupKind::kTp

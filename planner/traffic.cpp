@@ -138,9 +138,10 @@ Blocks stage_blocks(const PlanBasis& b, const parallel::Layout& l, const models:
   int64_t last = -1;
   for (const auto& [first, end] : part.chunks)
     for (int64_t i = first; i < end; ++i) {
-      const double e = l.ep > 1 && m.moe.is_moe(i) ? static_cast<double>(m.moe.experts / l.ep * 3 *
-                                                             m.moe.ffn_hidden * m.hidden)
-                                       : 0.0;
+      const double e =
+          l.ep > 1 && m.moe.is_moe(i)
+              ? static_cast<double>(m.moe.experts / l.ep * 3 * m.moe.ffn_hidden * m.hidden)
+              : 0.0;
       const double p =
           experts ? e : static_cast<double>(models::block_parameters(m, l.tp, i, l.ep)) - e;
       if (p == 0) continue;
@@ -203,8 +204,8 @@ std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::La
   // zbv: one rank holds the first and the last stage, whose tied token table gets a gradient from
   // each chunk's backward; ZeRO-2/3 reduce each as it comes (parallel/dp/grad_reducer.cpp): twice
   // per micro-batch where the gradients are reduced per micro-batch.
-  if (b.data_ranks > 1 && b.zero >= 2 && !reduce_once(b) && l.pp > 1 && b.m.tied() &&
-      part.first && part.last)
+  if (b.data_ranks > 1 && b.zero >= 2 && !reduce_once(b) && l.pp > 1 && b.m.tied() && part.first &&
+      part.last)
     g["dp_cp"].gather_scatter += mb * 4 * b.vocab_local * b.h, g["dp_cp"].ops += mb;
   if (l.ep > 1 && r.layers > 0) {
     // Each MoE layer's dispatch and combine forward and backward: all-to-alls of this rank's

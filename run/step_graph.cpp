@@ -9,7 +9,8 @@ namespace tessel {
 
 std::unique_ptr<GraphBackend> make_cuda_graph_backend() {
   const auto* cuda = device::cuda_module();
-  if (!cuda) throw UserError("training.cuda_graph needs CUDA: " + device::cuda_unavailable_reason());
+  if (!cuda)
+    throw UserError("training.cuda_graph needs CUDA: " + device::cuda_unavailable_reason());
   return cuda->make_graph();
 }
 

@@ -80,7 +80,8 @@ void bench_op(const Args& a, Group& g, const std::string& op, const torch::Devic
 
 void bench(const Args& a) {
   const auto world = tessel::parallel::discover_world();
-  const bool cuda = a.backend == "nccl" || (a.backend == "auto" && tessel::device::cuda_available());
+  const bool cuda =
+      a.backend == "nccl" || (a.backend == "auto" && tessel::device::cuda_available());
   const torch::Device dev =
       cuda ? torch::Device(torch::kCUDA, static_cast<int8_t>(world.local_rank)) : torch::kCPU;
   if (cuda) c10::cuda::set_device(dev.index());  // before any CUDA or NCCL work

@@ -12,8 +12,8 @@
 #include <chrono>
 #include <cstdio>
 
-#include "parallel/cp/attention.h"
 #include "device/cuda.h"
+#include "parallel/cp/attention.h"
 #include "parallel/mesh.h"
 #include "plan/config.h"
 
