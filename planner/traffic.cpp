@@ -66,18 +66,18 @@ void add_tp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
   if (sp) add_aux_loss_traffic(g, c, b, moe);
   // Replicated parameters whose gradient each tp rank holds part of: summed once per step.
   double replicated = 0;
+  const double experts = sp ? expert_params(m, part, l.ep) : 0.0;
   // Under SP each tp rank sees a slice of the sequence, so its norms, biases, MoE routers and
   // experts, and gpt2's position table (first stage) are among them.
   if (sp)
     replicated += (m.arch == "llama" ? 2.0 : 6.0) * h * layers +
                   (part.last ? (m.arch == "llama" ? 1 : 2) * h : 0) +
                   (part.first && m.arch == "gpt2" ? static_cast<double>(m.max_seq_len) * h : 0) +
-                  expert_params(m, part, l.ep) + moe * static_cast<double>(m.moe.experts) * h;
+                  experts + moe * static_cast<double>(m.moe.experts) * h;
   if (m.kv_heads < l.tp) replicated += 2 * h * kvd * r.layers;
   // Under ZeRO each data rank sums only the gradients it owns (its shard of the flat buffer, the
   // experts' over their own data group): where the replicated ones fall decides each rank's
   // bytes, 1/data ranks of them on average, which is what this predicts.
-  const double experts = sp ? expert_params(m, part, l.ep) : 0.0;
   if (b.zero > 0 && b.data_ranks > 1)
     replicated = (replicated - experts) / static_cast<double>(b.data_ranks) +
                  experts / static_cast<double>(std::max<int64_t>(1, b.data_ranks / l.ep));
