@@ -1,7 +1,7 @@
 // Where CUDA comes from. LibTorch's CUDA half (libtorch_cuda, with cuBLAS, cuDNN, NCCL and the
 // rest: about a third of a second of one core and a gigabyte mapped at every start) is loaded
 // only by a process that may compute on a GPU, together with Tessel's own code that needs it:
-// libtessel_cuda.so, installed beside the binaries (lib/). Every question "is there a GPU?"
+// libtessel_cuda.so, beside the binaries (build/bin, an install's libexec/tessel). Every question "is there a GPU?"
 // goes through cuda_available() here, which loads it first: LibTorch decides once, at its first
 // such question, whether CUDA exists in the process, so nothing may ask it before the load (a
 // process where something did has no CUDA, and cuda_unavailable_reason() says so). A run on
@@ -38,7 +38,7 @@ class GraphBackend {
 /// What libtessel_cuda.so provides: Tessel's code that needs LibTorch's CUDA half.
 struct CudaModule {
   int version = 0;  // kCudaModuleVersion of the build that made it
-  /// NCCL for one group, bound to `device` and connected now (parallel/mesh.cpp says why).
+  /// NCCL for one group, bound to `device` and connected now (cuda_module.cpp says why).
   c10::intrusive_ptr<c10d::Backend> (*make_nccl)(const c10::intrusive_ptr<c10d::Store>& store,
                                                  int rank, int size, const std::string& name,
                                                  const std::vector<int64_t>& ranks,
@@ -61,7 +61,7 @@ int64_t cuda_device_count();
 std::string cuda_unavailable_reason();
 /// The module, loaded; nullptr where it cannot be (cuda_unavailable_reason() says why).
 const CudaModule* cuda_module();
-/// Whether this process has loaded LibTorch's CUDA half (for tests and the start-up log).
+/// Whether this process has loaded LibTorch's CUDA half, usable (for tests).
 bool cuda_loaded();
 
 }  // namespace tessel::device
