@@ -5,7 +5,7 @@ same model and batch in plain PyTorch (bench/torch_reference.py) eager and under
 the ratios; writes OUT/gpu_bench.json. bench/gpu.sh (checkout) and bench/gpu-check.sh (checkout or
 installed bundle) run it. Needs only torch: no transformers, no numpy.
 
-Without a GPU (--cpu, or when CUDA is unavailable) it runs the same path on the CPU with a tiny
+Without a GPU (--cpu, or on a machine with no GPU) it runs the same path on the CPU with a tiny
 model and a few steps: a check that the script works, not a figure to report."""
 import argparse
 import json
@@ -17,7 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import BIN, ROOT  # noqa: E402
+from benchlib import BIN, ROOT, unusable_gpu_reason  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -66,6 +66,11 @@ def token_file(out, vocab, n):
     return path
 
 
+class GraphNotCaptured(Exception):
+    """A training.cuda_graph run whose step was never captured: its throughput is eager's, and is
+    not reported as the graph's."""
+
+
 def run_tessel(out, name, model, batch, seq, steps, cpu, graph=False):
     """Trains with tessel-train under tessel-launch (world 1); returns (tokens/s, MFU, GFLOP/token,
     peak TFLOP/s, the resolved model section). `graph`: with training.cuda_graph."""
@@ -88,6 +93,9 @@ def run_tessel(out, name, model, batch, seq, steps, cpu, graph=False):
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"tessel-train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    if graph and not re.search(r"training\.cuda_graph: step \d+ captured", p.stdout + p.stderr):
+        why = [ln for ln in (p.stdout + p.stderr).splitlines() if "cuda_graph" in ln]
+        raise GraphNotCaptured(why[-1].strip() if why else "the log names no captured step")
     gflop = float(re.search(r"MFU: ([0-9.e+-]+) GFLOP/token", p.stdout).group(1))
     peak = float(re.search(r"peak ([0-9.e+-]+) TFLOP/s", p.stdout).group(1))
     with open(os.path.join(run_dir, "config.yaml")) as f:
@@ -160,9 +168,18 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--cpu", action="store_true", help="the CPU dry path (automatic without CUDA)")
     a = ap.parse_args()
+    if not a.cpu and unusable_gpu_reason():  # no CPU figures passed off where a GPU should run
+        raise SystemExit(f"gpu_bench: {unusable_gpu_reason()}")
     cpu = a.cpu or not torch.cuda.is_available()
     os.makedirs(a.out, exist_ok=True)
     device = "cpu" if cpu else torch.cuda.get_device_name(0)
+    print(f"# bench/gpu.sh on {device}, torch {torch.__version__}, commit "
+          f"{commit()}"
+          f"{' (CPU dry path: not a figure to report)' if cpu else ''}", flush=True)
+    print("| plan | batch x seq | Tessel tok/s | MFU | peak GiB | Tessel + CUDA graph tok/s | MFU | "
+          "PyTorch eager tok/s | MFU | peak GiB | torch.compile tok/s | MFU | peak GiB | Tessel / eager | "
+          "Tessel / compile |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     results = []
     for name, model, batch, seq, steps in plans(cpu):
         tps, mfu, gflop, peak, resolved, mem = run_tessel(a.out, name, model, batch, seq, steps, cpu)
@@ -170,8 +187,11 @@ def main():
         row = {"plan": name, "batch": batch, "seq": seq, "tessel_tok_s": tps, "tessel_mfu": mfu,
                "tessel_mem": mem}
         if not cpu:  # the same plan with its step captured and replayed (training.cuda_graph)
-            row["graph_tok_s"], row["graph_mfu"] = run_tessel(a.out, name, model, batch, seq, steps, cpu,
-                                                              graph=True)[:2]
+            try:
+                row["graph_tok_s"], row["graph_mfu"] = run_tessel(a.out, name, model, batch, seq, steps, cpu,
+                                                                  graph=True)[:2]
+            except GraphNotCaptured as e:
+                row["graph_error"] = f"not captured: {e}"[:160]
         for label, comp in (("eager", False), ("compile", True)):
             try:
                 t, pmem = run_pytorch(m, batch, seq, steps, cpu, comp)
@@ -181,24 +201,26 @@ def main():
             except Exception as e:  # torch.compile needs a working toolchain; say why it is missing
                 row[f"{label}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         results.append(row)
-    print(f"# bench/gpu.sh on {device}, torch {torch.__version__}, commit "
-          f"{commit()}"
-          f"{' (CPU dry path: not a figure to report)' if cpu else ''}")
-    print("| plan | batch x seq | Tessel tok/s | MFU | peak GiB | Tessel + CUDA graph tok/s | MFU | "
-          "PyTorch eager tok/s | MFU | peak GiB | torch.compile tok/s | MFU | peak GiB | Tessel / eager | "
-          "Tessel / compile |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        def cell(k):
-            return f"{r[k + '_tok_s']:.0f} | {100 * r[k + '_mfu']:.1f}% | {r[k + '_mem'] / 2**30:.2f}" \
-                if k + "_tok_s" in r else f"({r.get(k + '_error', 'n/a')}) | - | -"
-        ratio = lambda k: f"{r['tessel_tok_s'] / r[k + '_tok_s']:.2f}" if k + "_tok_s" in r else "-"  # noqa: E731
-        print(f"| {r['plan']} | {r['batch']}x{r['seq']} | {r['tessel_tok_s']:.0f} | {100 * r['tessel_mfu']:.1f}% | "
-              f"{r['tessel_mem'] / 2**30:.2f} | "
-              + (f"{r['graph_tok_s']:.0f} | {100 * r['graph_mfu']:.1f}% | " if "graph_tok_s" in r else "- | - | ")
-              + f"{cell('eager')} | {cell('compile')} | {ratio('eager')} | {ratio('compile')} |")
-    with open(os.path.join(a.out, "gpu_bench.json"), "w") as f:
-        json.dump({"device": device, "cpu_dry_path": cpu, "results": results}, f, indent=1)
+        # Each row as it is measured, and the JSON rewritten: a run stopped by a time limit keeps
+        # the rows it finished.
+        print(table_row(row), flush=True)
+        with open(os.path.join(a.out, "gpu_bench.json"), "w") as f:
+            json.dump({"device": device, "cpu_dry_path": cpu, "results": results}, f, indent=1)
+
+
+def table_row(r):
+    """One Markdown row of the report."""
+    def cell(k):
+        return f"{r[k + '_tok_s']:.0f} | {100 * r[k + '_mfu']:.1f}% | {r[k + '_mem'] / 2**30:.2f}" \
+            if k + "_tok_s" in r else f"({r.get(k + '_error', 'n/a')}) | - | -"
+
+    def ratio(k):
+        return f"{r['tessel_tok_s'] / r[k + '_tok_s']:.2f}" if k + "_tok_s" in r else "-"
+    return (f"| {r['plan']} | {r['batch']}x{r['seq']} | {r['tessel_tok_s']:.0f} | {100 * r['tessel_mfu']:.1f}% | "
+            f"{r['tessel_mem'] / 2**30:.2f} | "
+            + (f"{r['graph_tok_s']:.0f} | {100 * r['graph_mfu']:.1f}% | " if "graph_tok_s" in r
+               else f"({r['graph_error']}) | - | " if "graph_error" in r else "- | - | ")
+            + f"{cell('eager')} | {cell('compile')} | {ratio('eager')} | {ratio('compile')} |")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,14 @@
 #include <fmt/format.h>
 #include <torch/cuda.h>
 
+#include <fmt/ranges.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 
 namespace tessel::device {
 namespace {
@@ -75,13 +80,71 @@ int64_t cuda_device_count() {
 
 std::string cuda_unavailable_reason() {
   const auto& l = load();
-  if (!l.module) return "LibTorch's CUDA libraries could not be loaded: " + l.why;
-  if (torch::cuda::is_available()) return "";
-  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-  return fmt::format(
-      "LibTorch finds no usable CUDA device (no GPU, a driver older than this LibTorch's CUDA "
-      "needs, or CUDA_VISIBLE_DEVICES={})",
-      visible ? fmt::format("'{}'", visible) : std::string("unset"));
+  if (l.module && torch::cuda::is_available()) return "";
+  std::string why;
+  if (!l.module) {
+    why = "LibTorch's CUDA libraries could not be loaded: " + l.why;
+  } else {
+    const std::string runtime = l.module->why_no_device();
+    why = "LibTorch finds no usable CUDA device";
+    if (!runtime.empty()) why += " (" + runtime + ")";
+  }
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"))
+    why += fmt::format("; CUDA_VISIBLE_DEVICES='{}'", visible);
+  const auto hw = gpu_hardware();
+  why += hw.gpus.empty() ? std::string("; the machine shows no NVIDIA GPU")
+                         : "; the machine has " + hw.describe();
+  return why;
+}
+
+std::string gpu_present_but_unusable() {
+  if (gpu_hardware().gpus.empty() || cuda_available()) return "";
+  return "this machine has NVIDIA GPUs, but CUDA cannot use them: " + cuda_unavailable_reason();
+}
+
+std::string GpuHardware::describe() const {
+  std::string s = fmt::format("{} NVIDIA GPU{} ({})", gpus.size(), gpus.size() == 1 ? "" : "s",
+                              fmt::join(gpus, ", "));
+  return s + (driver.empty() ? std::string(", driver version unknown") : ", driver " + driver);
+}
+
+GpuHardware gpu_hardware(const std::string& root) {
+  GpuHardware hw;
+  const fs::path proc = fs::path(root + "/proc/driver/nvidia");
+  std::error_code ec;
+  // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Thu ..." (or "... Open Kernel
+  // Module for x86_64  580.159.04  Release Build ..."): the first word shaped like a version.
+  std::ifstream version(proc / "version");
+  for (std::string word; hw.driver.empty() && version >> word;)
+    if (word.find('.') != std::string::npos && std::isdigit(static_cast<unsigned char>(word[0])) &&
+        word.find_first_not_of("0123456789.") == std::string::npos)
+      hw.driver = word;
+  std::vector<fs::path> dirs;
+  for (const auto& e : fs::directory_iterator(proc / "gpus", ec)) dirs.push_back(e.path());
+  std::sort(dirs.begin(), dirs.end());
+  for (const auto& d : dirs) {  // "Model: \t\t NVIDIA H100 80GB HBM3"
+    std::ifstream info(d / "information");
+    std::string line, model = d.filename().string();
+    while (std::getline(info, line))
+      if (line.rfind("Model:", 0) == 0) {
+        const auto from = line.find_first_not_of(" \t", 6);
+        if (from != std::string::npos) model = line.substr(from);
+        break;
+      }
+    hw.gpus.push_back(model);
+  }
+  if (hw.gpus.empty()) {  // no /proc entries (some containers): the device nodes
+    std::vector<std::string> nodes;
+    for (const auto& e : fs::directory_iterator(fs::path(root + "/dev"), ec)) {
+      const auto n = e.path().filename().string();
+      if (n.size() > 6 && n.rfind("nvidia", 0) == 0 &&
+          n.find_first_not_of("0123456789", 6) == std::string::npos)
+        nodes.push_back("/dev/" + n);
+    }
+    std::sort(nodes.begin(), nodes.end());
+    hw.gpus = nodes;
+  }
+  return hw;
 }
 
 const CudaModule* cuda_module() { return load().module; }

@@ -48,17 +48,44 @@ struct CudaModule {
   std::unique_ptr<GraphBackend> (*make_graph)() = nullptr;
   /// The name of CUDA device `index` ("NVIDIA H100 80GB HBM3").
   std::string (*device_name)(int index) = nullptr;
+  /// Why the CUDA runtime itself sees no device ("" when it sees one): its error, the CUDA
+  /// version the installed driver supports and the runtime's own.
+  std::string (*why_no_device)() = nullptr;
 };
 /// Bumped whenever CudaModule changes: a module of another build is refused.
-constexpr int kCudaModuleVersion = 1;
+constexpr int kCudaModuleVersion = 2;
+
+/// NVIDIA GPUs the operating system shows, whether or not CUDA can use them.
+struct GpuHardware {
+  std::vector<std::string> gpus;  // one entry per GPU: its model, else its /dev node
+  std::string driver;             // the kernel driver's version ("580.159.04"), or ""
+  std::string describe() const;   // "1 NVIDIA GPU (NVIDIA H100 80GB HBM3), driver 580.159.04"
+};
+/// Read from `root`/proc/driver/nvidia (the driver's version, each GPU's model), else from the
+/// `root`/dev/nvidia<N> nodes. `root`: "" for this machine; tests pass a folder.
+GpuHardware gpu_hardware(const std::string& root = "");
+/// The NVIDIA driver CUDA `version` (1000 * major + 10 * minor, as cudaRuntimeGetVersion) needs.
+/// Inline: libtessel_cuda.so uses it too, and links nothing of Tessel's.
+inline std::string driver_needed(int version) {
+  const int major = version / 1000;
+  if (major >= 13) return "an NVIDIA driver of release 580 or newer";
+  if (major == 12) return "an NVIDIA driver of release 525 or newer";
+  if (major == 11) return "an NVIDIA driver of release 450 or newer";
+  return "a newer NVIDIA driver";
+}
 
 /// Whether a CUDA device can be used here. Loads libtessel_cuda.so first (once); where it cannot
 /// be loaded there is no usable CUDA, and cuda_unavailable_reason() says why.
 bool cuda_available();
 /// CUDA devices visible to this process (0 without CUDA).
 int64_t cuda_device_count();
-/// Why cuda_available() is false ("" when it is true).
+/// Why cuda_available() is false ("" when it is true): the cause as far as it can be found (the
+/// libraries, the driver's CUDA version against the runtime's, CUDA_VISIBLE_DEVICES) and the
+/// GPUs the machine has all the same.
 std::string cuda_unavailable_reason();
+/// For checks that must not pass without a GPU: the machine has NVIDIA GPUs (gpu_hardware()) and
+/// CUDA cannot use them. The message names both; "" otherwise (CUDA works, or there is no GPU).
+std::string gpu_present_but_unusable();
 /// The module, loaded; nullptr where it cannot be (cuda_unavailable_reason() says why).
 const CudaModule* cuda_module();
 /// Whether this process has loaded LibTorch's CUDA half, usable (for tests).

@@ -10,6 +10,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
+#include <fmt/format.h>
+
 #include <optional>
 #include <utility>
 
@@ -117,7 +119,31 @@ std::unique_ptr<GraphBackend> make_graph() { return std::make_unique<CudaGraphBa
 
 std::string device_name(int index) { return at::cuda::getDeviceProperties(index)->name; }
 
-const CudaModule kModule{kCudaModuleVersion, &make_nccl, &make_graph, &device_name};
+std::string version_text(int v) { return fmt::format("{}.{}", v / 1000, (v % 1000) / 10); }
+
+// Asked of the CUDA runtime itself, not of LibTorch (whose answer is a bare false): the error,
+// the CUDA version the driver supports and the one this runtime is.
+std::string why_no_device() {
+  int count = 0, runtime = 0, driver = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  (void)cudaGetLastError();
+  if (e == cudaSuccess && count > 0) return "";
+  cudaRuntimeGetVersion(&runtime);
+  cudaDriverGetVersion(&driver);
+  std::string why = e == cudaSuccess ? std::string("the CUDA runtime counts 0 devices")
+                                     : fmt::format("cudaGetDeviceCount: {} ({})",
+                                                   cudaGetErrorString(e), cudaGetErrorName(e));
+  why += fmt::format("; LibTorch's CUDA runtime is {}, ", version_text(runtime));
+  why += driver > 0 ? fmt::format("the installed NVIDIA driver supports CUDA up to {}",
+                                  version_text(driver))
+                    : std::string("no NVIDIA driver answers (libcuda.so.1 not found)");
+  if (driver > 0 && driver < runtime)
+    why += fmt::format(": CUDA {} needs {}", version_text(runtime), driver_needed(runtime));
+  return why;
+}
+
+const CudaModule kModule{kCudaModuleVersion, &make_nccl, &make_graph, &device_name,
+                         &why_no_device};
 
 }  // namespace
 }  // namespace tessel::device

@@ -1,6 +1,7 @@
 """The GPU suite beyond the kernel checks of tessel-gpu-tests: NCCL collectives on every GPU
 present, and training on CUDA. Runs from the build tree (ctest) or an installed bundle
-(bin/tessel-gpu-check). Exits 77 without a CUDA device (ctest reports it as skipped).
+(bin/tessel-gpu-check). Exits 77 on a machine without a GPU (ctest reports it as skipped), and 1
+on one whose GPUs torch cannot use (an old driver, CUDA_VISIBLE_DEVICES empty).
 
   - configs/default.yaml on a fixed token stream, 20 steps: CUDA fp32 (TF32 off) vs CPU fp32 within 1e-5 relative loss per
     step; CUDA bf16 vs CPU fp32 within 3e-2 (bf16 keeps 8 bits; the bound is the one this suite
@@ -20,8 +21,10 @@ import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "reference"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
 import torch  # noqa: E402
 
+from benchlib import unusable_gpu_reason  # noqa: E402
 from common import BIN, ROOT, TmpDirTest, base_plan, free_port, launch_plan, read_metrics, rel, run  # noqa: E402
 from plans import write_fixed_tokens  # noqa: E402
 
@@ -184,6 +187,10 @@ class CudaGraph(TmpDirTest):
 
 if __name__ == "__main__":
     if GPUS == 0:
-        print("gpu_suite: no CUDA device (torch.cuda.is_available() is false): skipped")
+        why = unusable_gpu_reason()  # a GPU torch cannot use fails; only a machine without one skips
+        if why:
+            print(f"gpu_suite: FAILED: {why}")
+            sys.exit(1)
+        print("gpu_suite: no GPU on this machine: skipped")
         sys.exit(SKIPPED)
     unittest.main(verbosity=2)

@@ -256,7 +256,12 @@ TEST(Nccl, PipelineChannelsOneWayEach) {
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   if (!tessel::device::cuda_available()) {
-    std::printf("tessel-gpu-tests: no CUDA device (%s): skipped\n",
+    // Skipped only where the machine has no GPU at all: a GPU CUDA cannot use is a failure.
+    if (const auto why = tessel::device::gpu_present_but_unusable(); !why.empty()) {
+      std::printf("tessel-gpu-tests: FAILED: %s\n", why.c_str());
+      return 1;
+    }
+    std::printf("tessel-gpu-tests: no GPU on this machine (%s): skipped\n",
                 tessel::device::cuda_unavailable_reason().c_str());
     return 77;
   }

@@ -315,3 +315,38 @@ class Cli(TmpDirTest):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class GpuCheckVerdict(unittest.TestCase):
+    """bench/gpu-check.sh, gpu_suite.py and gpu_bench.py skip only on a machine without a GPU: where
+    the machine shows NVIDIA GPUs that torch cannot use, they fail naming the driver found and the
+    one torch's CUDA needs (bench/benchlib.py)."""
+
+    def setUp(self):
+        import sys
+        from unittest import mock
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+        import benchlib
+        import torch
+        self.benchlib, self.mock, self.torch = benchlib, mock, torch
+
+    def verdict(self, gpus, driver, cuda_ok, visible=None):
+        env = {"CUDA_VISIBLE_DEVICES": visible} if visible is not None else {}
+        with self.mock.patch.object(self.benchlib, "gpu_hardware", return_value=(gpus, driver)), \
+                self.mock.patch.object(self.torch.cuda, "is_available", return_value=cuda_ok), \
+                self.mock.patch.dict(os.environ, env):
+            return self.benchlib.unusable_gpu_reason()
+
+    def test_a_gpu_torch_cannot_use_fails_naming_both_drivers(self):
+        why = self.verdict(["NVIDIA H100 80GB HBM3"], "535.183.01", False)
+        self.assertIn("1 NVIDIA GPU (NVIDIA H100 80GB HBM3; driver 535.183.01)", why)
+        self.assertIn(f"its CUDA is {self.torch.version.cuda}", why)
+        self.assertIn("release 580 or newer", why)
+        self.assertIn("CUDA_VISIBLE_DEVICES=''", self.verdict(["/dev/nvidia0"], "", False, visible=""))
+
+    def test_skipped_only_without_a_gpu(self):
+        self.assertEqual(self.verdict([], "", False), "")  # no GPU: the parts may skip
+        self.assertEqual(self.verdict(["NVIDIA H100 80GB HBM3"], "580.159.04", True), "")  # usable
+        gpus, _ = self.benchlib.gpu_hardware()  # this machine, read for real
+        if not gpus:
+            self.assertEqual(self.benchlib.unusable_gpu_reason(), "")

@@ -4,9 +4,12 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
+#include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "device/cuda.h"
 #include "run/train.h"
@@ -52,6 +55,11 @@ TEST(CudaModule, LoadedOnlyWhenAskedForThenWhole) {
   EXPECT_NE(m->make_nccl, nullptr);
   EXPECT_NE(m->make_graph, nullptr);
   EXPECT_NE(m->device_name, nullptr);
+  ASSERT_NE(m->why_no_device, nullptr);
+  // The runtime's own answer agrees with LibTorch's, and without a device names both versions.
+  const std::string runtime = m->why_no_device();
+  EXPECT_EQ(runtime.empty(), available) << runtime;
+  if (!available) EXPECT_NE(runtime.find("LibTorch's CUDA runtime is 13."), std::string::npos) << runtime;
   // Without a device, auto resolves to the CPU and says why.
   if (!available) {
     EXPECT_TRUE(tessel::resolve_device("auto", tessel::parallel::WorldInfo{}, &why).is_cpu());
@@ -59,4 +67,42 @@ TEST(CudaModule, LoadedOnlyWhenAskedForThenWhole) {
     EXPECT_THROW(tessel::resolve_device("cuda", tessel::parallel::WorldInfo{}, &why),
                  tessel::UserError);
   }
+}
+
+// The GPUs a machine shows, from the kernel driver's files (a folder standing for `/`): what the GPU
+// check uses to refuse "skipped" on a machine that has GPUs CUDA cannot use.
+TEST(GpuHardware, FromTheDriversFilesElseTheDeviceNodes) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("tessel_hw_" + std::to_string(getpid()));
+  fs::remove_all(root);
+  EXPECT_TRUE(tessel::device::gpu_hardware(root.string()).gpus.empty());  // nothing at all
+
+  fs::create_directories(root / "dev");
+  for (const char* n : {"nvidia1", "nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-caps"})
+    std::ofstream(root / "dev" / n) << "";
+  auto hw = tessel::device::gpu_hardware(root.string());
+  EXPECT_EQ(hw.gpus, (std::vector<std::string>{"/dev/nvidia0", "/dev/nvidia1"}));
+  EXPECT_EQ(hw.driver, "");
+
+  const auto proc = root / "proc/driver/nvidia";
+  fs::create_directories(proc / "gpus/0000:c3:00.0");
+  fs::create_directories(proc / "gpus/0000:1a:00.0");
+  std::ofstream(proc / "version")
+      << "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  "
+         "(dvs-builder@U22-I3-AF03-09-1)  Thu Oct  9 19:42:13 UTC 2025\nGCC version:  gcc "
+         "version 12.3.0\n";
+  std::ofstream(proc / "gpus/0000:1a:00.0/information")
+      << "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 17\n";
+  std::ofstream(proc / "gpus/0000:c3:00.0/information") << "IRQ: 18\n";  // no model line
+  hw = tessel::device::gpu_hardware(root.string());
+  EXPECT_EQ(hw.driver, "580.159.04");
+  EXPECT_EQ(hw.gpus, (std::vector<std::string>{"NVIDIA H100 80GB HBM3", "0000:c3:00.0"}));
+  EXPECT_EQ(hw.describe(), "2 NVIDIA GPUs (NVIDIA H100 80GB HBM3, 0000:c3:00.0), driver 580.159.04");
+  fs::remove_all(root);
+
+  EXPECT_EQ(tessel::device::driver_needed(13000), "an NVIDIA driver of release 580 or newer");
+  EXPECT_EQ(tessel::device::driver_needed(12080), "an NVIDIA driver of release 525 or newer");
+  // This machine (CI has no GPU): nothing shown, so a GPU check may report skipped.
+  if (tessel::device::gpu_hardware().gpus.empty())
+    EXPECT_EQ(tessel::device::gpu_present_but_unusable(), "");
 }
