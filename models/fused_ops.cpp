@@ -112,6 +112,15 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
                        bool fused) {
   // (Without a gradient wanted, apply runs forward alone and keeps nothing.)
   if (fused && fused_cpu(x) && fused_cpu(weight)) return RmsNormFn::apply(x, weight, eps);
+  // LibTorch's fused kernel (CUDA's one pass each way; on the CPU the same operator): statistics
+  // in fp32 and the weight applied before the cast to x's dtype (the composite casts first; one
+  // rounding apart in bf16). It keeps x and one fp32 scale per row for backward. It wants the
+  // weight in x's dtype, which the model's weights are; fp64 (the tests' reference) stays on the
+  // composite, whose statistics are fp32 as Hugging Face computes them.
+  const auto dtype = x.scalar_type();
+  if (weight.scalar_type() == dtype &&
+      (dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf))
+    return std::get<0>(at::_fused_rms_norm(x, {x.size(-1)}, weight, eps));
   auto x32 = x.to(torch::kFloat32);
   auto y = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return weight * y.to(x.scalar_type());

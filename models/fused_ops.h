@@ -1,8 +1,10 @@
 // Llama's elementwise layers (RMSNorm, SwiGLU, rotary embedding), each with one owner for its
 // kernel choice: with `fused` (training.kernels tessel) and fp32 CPU tensors, Tessel's loops
 // (models/norm_kernels.h, models/activation_kernels.h) behind one autograd function each, which
-// keeps only what its backward reads; otherwise the composite of LibTorch operators, as Hugging
-// Face's Llama writes it. Both compute the same function; they differ in float rounding only.
+// keeps only what its backward reads; otherwise LibTorch's fused kernel where it has one
+// (RMSNorm: at::_fused_rms_norm, one pass each way on CUDA), else the composite of LibTorch
+// operators, as Hugging Face's Llama writes it. All compute the same function; they differ in
+// float rounding only.
 #pragma once
 
 #include <torch/types.h>

@@ -454,7 +454,7 @@ torch::Tensor DecoderImpl::head_loss_sum(const torch::Tensor& x, const torch::Te
   return tp::fused_head_cross_entropy_sum(
       *o_.tp, y.reshape({-1, y.size(-1)}), w, targets,
       tp::vocab_slice_start(v, o_.tp->size(), o_.tp->rank()), v,
-      lean_chunk_ > 0 ? lean_chunk_ : tp::head_chunk_rows(w.size(0), int64_t{64} << 20));
+      lean_chunk_ > 0 ? lean_chunk_ : tp::default_head_chunk_rows(w.size(0), w.is_cuda()));
 }
 
 torch::Tensor DecoderImpl::forward(const torch::Tensor& tokens) {

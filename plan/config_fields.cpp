@@ -256,7 +256,8 @@ void add_training_speed_fields(FieldAdder& add, Config& c) {
       "false: the whole logits, then the loss.");
   add("training.lean_logits_chunk", &c.training.lean_logits_chunk, int64_t{0},
       "With training.lean_logits: tokens per chunk. 0 = as many as keep one chunk's fp32 logits "
-      "within 64 MiB.")
+      "within 64 MiB on a CPU, 1 GiB on a GPU (each chunk reads and writes the head's fp32 weight "
+      "gradient once: on a GPU, small chunks spend more time there than in their matmuls).")
       .range(0);
   add("training.microbatch_pairs", &c.training.microbatch_pairs, true,
       "CPU, one process, two or more micro-batches and intra-op threads, no ZeRO, experts or "

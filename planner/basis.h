@@ -39,6 +39,7 @@ struct PlanBasis {
   double tok;              // tokens of one micro-batch on one rank (cp splits the sequence)
   double h, tp, kvd;       // hidden size, tensor-parallel size, keys' (and values') width
   double vocab_local;      // the head's rows on one tp rank
+  bool cpu;                // the plan runs on CPUs (else GPUs)
   bool own_kernels;        // Tessel's fused CPU kernels run (activation_model)
   double short_attention;  // bytes per token its short-sequence attention holds in a block
   ActivationModel a;

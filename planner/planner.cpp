@@ -33,21 +33,25 @@ using planning::reduce_once;
 using planning::stage_traffic;
 using planning::Traffic;
 
-// `own_kernels`: Tessel's fused CPU kernels run (training.kernels tessel, fp32 on the CPU); for
-// Llama its RMSNorm keeps x and one scale per row instead of also x·rsqrt (one h less per norm:
-// two per block, one outside) and its SwiGLU keeps gate and up, not also silu(gate) (one ffn less).
+// Llama's RMSNorm as Tessel's CPU kernel (training.kernels tessel, fp32 on the CPU) or LibTorch's
+// fused CUDA kernel (models/fused_ops.cpp) keeps x and one scale per row, not also x·rsqrt as the
+// composite does (LibTorch's CPU operator is the composite): one h less per norm, two per block
+// and one outside. `own_kernels`: Tessel's SwiGLU runs too, which keeps gate and up, not also
+// silu(gate) (one ffn less).
 ActivationModel activation_model(const models::ModelShape& m, const std::string& recompute,
-                                 bool own_kernels) {
+                                 bool own_kernels, bool cpu) {
   const bool llama = m.arch == "llama", fused = llama && own_kernels;
-  ActivationModel a = !llama  ? ActivationModel{4.76, 3.58, 0.0, 2.0, 2.3}
-                      : fused ? ActivationModel{4.5, 1.6, 2.0, 3.0, 2.3}
-                              : ActivationModel{6.5, 1.6, 2.0, 4.0, 3.3};
+  const bool fused_norm = fused || (llama && !cpu);
+  ActivationModel a = !llama       ? ActivationModel{4.76, 3.58, 0.0, 2.0, 2.3}
+                      : fused      ? ActivationModel{4.5, 1.6, 2.0, 3.0, 2.3}
+                      : fused_norm ? ActivationModel{4.5, 1.6, 2.0, 4.0, 2.3}
+                                   : ActivationModel{6.5, 1.6, 2.0, 4.0, 3.3};
   // Recomputation, measured the same way: full keeps each block's input (1·h per token) and
   // holds about half of one block's activations at the peak; selective keeps the MLP half's
   // input instead of its norm and ffn-wide tensors, and a quarter of one MLP's at the peak.
   if (recompute == "full") return {1.0, 0, 0, 0, a.outside, 0.5};
   if (recompute == "selective")
-    return {llama ? (fused ? 3.5 : 4.5) : 3.76, a.attn, a.kv, 0.0, a.outside, 0.25};
+    return {llama ? (fused_norm ? 3.5 : 4.5) : 3.76, a.attn, a.kv, 0.0, a.outside, 0.25};
   return a;
 }
 
@@ -231,12 +235,13 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l, bool cpu) {
   const double h = b.h = static_cast<double>(m.hidden), tp = b.tp = static_cast<double>(l.tp);
   const double kvd = b.kvd = static_cast<double>(m.kv_heads * m.head_dim());
   b.vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
+  b.cpu = cpu;
   b.own_kernels = cpu && t.kernels == "tessel" && b.dtype == torch::kFloat32;
   b.lanes = pairs_microbatches(c, l.world(), !cpu,
                                t.threads > 0 ? t.threads : int64_t{at::get_num_threads()})
                 ? 2
                 : 1;
-  const auto& a = b.a = activation_model(m, t.recompute, b.own_kernels);
+  const auto& a = b.a = activation_model(m, t.recompute, b.own_kernels, b.cpu);
   b.short_attention = short_attention_bytes(c, l, m, b.dtype, b.own_kernels);
   b.sim = pp::simulate(pp::make_schedule(l.pp > 1 ? c.parallel.pipeline_schedule : "gpipe", l.pp,
                                          b.mbs, l.pp > 1 ? c.parallel.virtual_stages : 1));
@@ -354,8 +359,8 @@ double head_bytes(const TrainingConfig& t, const PlanBasis& b) {
   const double chunk =
       std::min(tok, static_cast<double>(t.lean_logits_chunk > 0
                                             ? t.lean_logits_chunk
-                                            : parallel::tp::head_chunk_rows(static_cast<int64_t>(v),
-                                                                            int64_t{64} << 20)));
+                                            : parallel::tp::default_head_chunk_rows(
+                                                  static_cast<int64_t>(v), !b.cpu)));
   return chunk * v * (w == 4 ? 4 : w + 4) + v * b.h * 4 + tok * b.h * w;
 }
 
@@ -399,7 +404,7 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   const double receiving = static_cast<double>(chunks - (part.first ? 1 : 0)) / chunks;
   if (l.pp > 1) r.activations += static_cast<double>(r.inflight) * receiving * b.act_row;
   if (t.recompute != "none" && r.layers > 0) {  // one block (full) or MLP (selective) rerun
-    const auto none = activation_model(m, "none", b.own_kernels);
+    const auto none = activation_model(m, "none", b.own_kernels, b.cpu);
     const double rerun_floats =
         t.recompute == "full" ? none.replicated * h / (sp ? tp : 1.0) +
                                     (none.attn * h + none.kv * kvd + none.ffn * m.ffn_hidden) / tp

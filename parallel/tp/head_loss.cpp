@@ -82,6 +82,10 @@ int64_t head_chunk_rows(int64_t vocab_local, int64_t budget_bytes) {
   return std::max<int64_t>(1, budget_bytes / (4 * std::max<int64_t>(1, vocab_local)));
 }
 
+int64_t default_head_chunk_rows(int64_t vocab_local, bool gpu) {
+  return head_chunk_rows(vocab_local, gpu ? int64_t{1} << 30 : int64_t{64} << 20);
+}
+
 torch::Tensor fused_head_cross_entropy_sum(Group& tp, const torch::Tensor& y,
                                            const torch::Tensor& weight,
                                            const torch::Tensor& targets, int64_t vocab_start,

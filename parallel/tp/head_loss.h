@@ -28,4 +28,11 @@ torch::Tensor fused_head_cross_entropy_sum(Group& tp, const torch::Tensor& y,
 /// The rows per chunk that keep one chunk's fp32 logits within `budget_bytes` (at least 1).
 int64_t head_chunk_rows(int64_t vocab_local, int64_t budget_bytes);
 
+/// Rows per chunk where training.lean_logits_chunk is 0: one chunk's fp32 logits within 64 MiB on
+/// a CPU, 1 GiB on a GPU. Every chunk reads and writes the fp32 [V/tp, h] weight gradient once,
+/// whatever its rows, and a GPU moves a byte at about 1/300 of its matmul rate: with 64 MiB chunks
+/// Llama-3 1B's 8192-token micro-batch (vocabulary 128256) made 63 chunks of 130 tokens, which
+/// spent 74 ms of a 301 ms H100 step summing that gradient (bench/RESULTS.md); 1 GiB makes 4.
+int64_t default_head_chunk_rows(int64_t vocab_local, bool gpu);
+
 }  // namespace tessel::parallel::tp

@@ -44,6 +44,28 @@ TEST(FusedOps, RmsNormMatchesTheComposite) {
   }
 }
 
+// Where Tessel's loops do not run (training.kernels torch, bf16, CUDA), LibTorch's fused RMSNorm
+// operator does (on the CPU it decomposes into the composite; on CUDA it is one kernel each way,
+// which tests/gpu checks): fp32 within 2e-6 of the composite in fp64, bf16 within two roundings
+// (it applies the weight before the cast to bf16, the composite after).
+TEST(FusedOps, LibTorchsFusedRmsNormWhereTesselsLoopsDoNotRun) {
+  torch::manual_seed(5);
+  auto x = torch::randn({3, 41, 192}) * 3, w = torch::rand({192}) + 0.5;
+  check_against_composite(
+      {x, w},
+      [](const std::vector<torch::Tensor>& t, bool fused) {
+        return models::rms_norm(t[0], t[1], 1e-5, /*fused=*/false);  // fp32: LibTorch's operator
+      },
+      2e-6);
+  auto xb = x.to(torch::kBFloat16).requires_grad_(), wb = w.to(torch::kBFloat16).requires_grad_();
+  auto y = models::rms_norm(xb, wb, 1e-5, true);
+  EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+  auto x32 = xb.detach().to(torch::kFloat32);
+  auto want = (x32 * torch::rsqrt(x32.pow(2).mean(-1, true) + 1e-5)) * wb.detach().to(torch::kFloat32);
+  EXPECT_LT(((y.detach().to(torch::kFloat32) - want).abs() / (want.abs() + 1e-3)).max().item<double>(),
+            2 * std::ldexp(1.0, -8));
+}
+
 TEST(FusedOps, SwigluMatchesTheComposite) {
   torch::manual_seed(3);
   auto g = torch::randn({5, 67}) * 4, u = torch::randn({5, 67});

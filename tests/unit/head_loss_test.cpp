@@ -49,6 +49,9 @@ TEST(HeadLoss, ChunkedFusedMatchesWholeLogitsInLossAndGradients) {
             2e-2);
   EXPECT_EQ(head_chunk_rows(50304, int64_t{64} << 20), 333);  // 64 MiB of fp32 rows of 50304
   EXPECT_EQ(head_chunk_rows(1 << 30, 1 << 20), 1);
+  // The default: Llama-3's 128256 rows in 130-token chunks on a CPU, 2092-token ones on a GPU.
+  EXPECT_EQ(default_head_chunk_rows(128256, false), 130);
+  EXPECT_EQ(default_head_chunk_rows(128256, true), 2092);
 }
 
 }  // namespace
