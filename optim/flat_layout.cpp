@@ -10,10 +10,14 @@ std::string unit_of(const std::string& name) {
   return name.substr(0, name.find('.', 7));
 }
 
+namespace {
+int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+}  // namespace
+
 FlatLayout::FlatLayout(const std::vector<ParamEntry>& params, const LayoutOptions& o) : o_(o) {
-  auto close = [&] {  // pad the open bucket to a multiple of shards
+  auto close = [&] {  // pad the open bucket to kAlignElements pieces, one per shard rank
     auto& b = buckets_.back();
-    b.end = b.begin + (b.end - b.begin + b.shards - 1) / b.shards * b.shards;
+    b.end = b.begin + round_up(b.end - b.begin, kAlignElements * b.shards);
     b.shard_offset = shard_numel_;
     shard_numel_ += piece_numel(b);
     numel_ = b.end;
@@ -33,6 +37,7 @@ FlatLayout::FlatLayout(const std::vector<ParamEntry>& params, const LayoutOption
                           p.expert ? o_.expert_shard_rank : o_.shard_rank});
     }
     auto& b = buckets_.back();
+    b.end = b.begin + round_up(b.end - b.begin, kAlignElements);  // every slot starts aligned
     slots_.push_back({p.name, b.end, p.numel, static_cast<int64_t>(buckets_.size()) - 1});
     b.end += p.numel;
     ++b.params;

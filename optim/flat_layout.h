@@ -10,6 +10,12 @@
 //
 //   flat:   | bucket 0 (piece 0 | piece 1) | bucket 1 (piece 0 | piece 1) | ...   [numel]
 //   shard:  | bucket 0 piece r | bucket 1 piece r | ...                            [shard_numel]
+//
+// Every slot, bucket and piece starts on a multiple of kAlignElements (zero padding between
+// them): each parameter view, ZeRO shard boundary and communication bucket is then aligned for
+// any dtype's vector loads, and CUDA's grouped matmul (at::_grouped_mm, the MoE experts) refuses
+// operands that are not 16-byte aligned. Without it, an odd shard count (dp×cp = 3, 6, ...) left
+// later parameters at odd offsets.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +24,9 @@
 
 namespace tessel::optim {
 
+/// The alignment of every slot, bucket and piece, in elements (128 bytes of bf16, 256 of fp32).
+constexpr int64_t kAlignElements = 64;
+
 struct Slot {
   std::string name;       // global parameter name
   int64_t offset, numel;  // range of the flat buffer
@@ -25,7 +34,7 @@ struct Slot {
 };
 
 struct FlatBucket {
-  int64_t begin, end;    // range of the flat buffer, padded: (end - begin) % shards == 0
+  int64_t begin, end;    // range of the flat buffer, padded: a multiple of kAlignElements·shards
   int64_t chunk;         // the pipeline chunk whose backward fills it
   int64_t params;        // parameters in it
   std::string unit;      // ZeRO-3 gather unit: "layers.<i>" or "root" (everything else)

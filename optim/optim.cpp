@@ -54,6 +54,7 @@ FlatAdamW::FlatAdamW(const std::vector<NamedParam>& named, const TrainingConfig&
   for (const auto& p : named) params[p.name] = &p;
   const auto& front = named.front().tensor;
   low_precision_ = front.scalar_type() != torch::kFloat32;
+  dtype_ = front.scalar_type();
   allocate_buffers(front);
 
   // Re-seat every parameter (and, at stages 0-1, its .grad) as a view of the flat buffers, so
@@ -197,6 +198,27 @@ StateBytes FlatAdamW::bytes() const {
   out.optimizer =
       b(exp_avg_) + b(exp_avg_sq_) + ((zero() == 3 && !low_precision_) ? 0 : b(master_));
   return out;
+}
+
+StateBytes FlatAdamW::alignment_padding() const {
+  int64_t dense = 0, experts = 0, expert_shards = 1;
+  for (const auto& s : layout_.slots()) {
+    const auto& b = layout_.buckets()[static_cast<size_t>(s.bucket)];
+    (b.expert ? experts : dense) += s.numel;
+    if (b.expert) expert_shards = b.shards;
+  }
+  const auto d = planned_state_bytes(dense, zero(), layout_.shards(), dtype_);
+  const auto e = planned_state_bytes(experts, zero(), expert_shards, dtype_);
+  const auto have = bytes();
+  return {have.params - d.params - e.params, have.grads - d.grads - e.grads,
+          have.optimizer - d.optimizer - e.optimizer};
+}
+
+int64_t FlatAdamW::alignment_padding_bound() const {
+  int64_t pieces = 0;
+  for (const auto& b : layout_.buckets()) pieces += b.shards;
+  return 12 * optim::kAlignElements *
+         (static_cast<int64_t>(layout_.slots().size()) + pieces);
 }
 
 StateBytes planned_state_bytes(int64_t numel, int64_t zero, int64_t data_ranks,

@@ -60,7 +60,8 @@ struct StateBytes {
 };
 
 /// What FlatAdamW will keep for `numel` parameters (the table above), from the plan alone, for
-/// `--dry-run`: bucket padding (under `data_ranks` elements per bucket) is left out.
+/// `--dry-run`: the alignment padding (under optim::kAlignElements per parameter, and per piece of
+/// each bucket) is left out.
 StateBytes planned_state_bytes(int64_t numel, int64_t zero, int64_t data_ranks,
                                torch::ScalarType dtype);
 
@@ -109,6 +110,13 @@ class FlatAdamW {
   std::vector<torch::Tensor> grad_views(const optim::Slot& slot) const;
   torch::Tensor step_count() const { return step_count_; }
   StateBytes bytes() const;
+  /// Of bytes(), what the alignment padding (optim::kAlignElements) adds: bytes() less what
+  /// planned_state_bytes gives for this rank's parameters without it (the experts' over their own
+  /// data group), which --dry-run predicts from the plan alone.
+  StateBytes alignment_padding() const;
+  /// An upper bound on alignment_padding(), any part: every slot adds under kAlignElements to
+  /// each buffer, every bucket under kAlignElements per shard rank, at most 12 bytes an element.
+  int64_t alignment_padding_bound() const;
 
   // Buffers for parallel::dp (undefined where the stage does not keep them).
   torch::Tensor weights() const { return params_; }         // [N] model dtype, stages 0-2
@@ -136,6 +144,7 @@ class FlatAdamW {
   TrainingConfig t_;
   optim::FlatLayout layout_;
   bool low_precision_;
+  torch::ScalarType dtype_ = torch::kFloat32;  // the model's (the weights') dtype
   torch::Tensor params_, grads16_, grad_, grad_shard_, master_, shard16_;
   torch::Tensor exp_avg_, exp_avg_sq_, step_count_;
   std::vector<torch::Tensor> units_;

@@ -644,6 +644,7 @@ void Trainer::report_memory() {
   // peak resident set before the first step and at the end: on CPU their difference is what the
   // steps added, activations mostly).
   const auto b = opt_->bytes();
+  const auto pad = opt_->alignment_padding();
   // The state as the CPU allocator counted it, each part on its own (-1 on CUDA: not counted).
   auto allocated = [this](Held what) {
     return device_.is_cuda() ? -1 : CpuAllocationCounter::get().live(what);
@@ -663,7 +664,11 @@ void Trainer::report_memory() {
       {"step_peak_bytes", counters_->step_peak_bytes()},
       {"allocated_weights_bytes", allocated(Held::kWeights)},
       {"allocated_grads_bytes", allocated(Held::kGrads)},
-      {"allocated_optimizer_bytes", allocated(Held::kOptimizer)}};
+      {"allocated_optimizer_bytes", allocated(Held::kOptimizer)},
+      {"padding_weights_bytes", pad.params},  // what --dry-run leaves out (optim::kAlignElements)
+      {"padding_grads_bytes", pad.grads},
+      {"padding_optimizer_bytes", pad.optimizer},
+      {"padding_bound_bytes", opt_->alignment_padding_bound()}};
   std::vector<double> mine;
   for (const auto& [_, v] : figures) mine.push_back(static_cast<double>(v));
   // Then the bytes per training step of every group (the planner's comm figures).

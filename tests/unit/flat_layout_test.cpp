@@ -27,15 +27,23 @@ void expect_partition(const std::vector<ParamEntry>& params, LayoutOptions o) {
     o.shard_rank = r;
     FlatLayout layout(params, o);
     std::vector<int> shard(static_cast<size_t>(layout.shard_numel()), 0);
-    for (const auto& b : layout.buckets()) EXPECT_EQ((b.end - b.begin) % o.shards, 0);
-    for (const auto& s : layout.slots())
+    for (const auto& b : layout.buckets()) {
+      EXPECT_EQ((b.end - b.begin) % (o.shards * kAlignElements), 0);
+      EXPECT_EQ(b.begin % kAlignElements, 0);
+      EXPECT_EQ(b.shard_offset % kAlignElements, 0);
+    }
+    for (const auto& s : layout.slots()) {
+      EXPECT_EQ(s.offset % kAlignElements, 0) << s.name;
       for (const auto& piece : layout.pieces(s)) {
         EXPECT_EQ(piece.flat, s.offset + piece.param_offset);
+        EXPECT_EQ(piece.flat % kAlignElements, 0) << s.name;
+        EXPECT_EQ(piece.shard % kAlignElements, 0) << s.name;
         for (int64_t i = 0; i < piece.numel; ++i) {
           ++owners[s.name][static_cast<size_t>(piece.param_offset + i)];
           ++shard[static_cast<size_t>(piece.shard + i)];
         }
       }
+    }
     for (int c : shard) EXPECT_LE(c, 1);  // padding is the only thing held by no parameter
   }
   for (const auto& [name, counts] : owners)
@@ -43,19 +51,21 @@ void expect_partition(const std::vector<ParamEntry>& params, LayoutOptions o) {
 }
 
 TEST(FlatLayout, BucketsCappedPaddedAndPartitioned) {
+  // Each of the 7 parameters starts on a multiple of 64 elements; the bucket ends on one.
   FlatLayout one(toy(), {1000, 1, 0, 0, false});
   EXPECT_EQ(one.buckets().size(), 1u);
-  EXPECT_EQ(one.numel(), 46);
-  EXPECT_EQ(one.shard_numel(), 46);
-  EXPECT_EQ(one.slot("embed.weight").offset, 37);
+  EXPECT_EQ(one.numel(), 448);
+  EXPECT_EQ(one.shard_numel(), 448);
+  EXPECT_EQ(one.slot("embed.weight").offset, 384);
   FlatLayout capped(toy(), {12, 4, 1, 1, false});
   // A bucket closes once it holds >= 12 elements: [head norm] [l1.up l1.q] [l0.up l0.q] [embed]
   ASSERT_EQ(capped.buckets().size(), 4u);
-  EXPECT_EQ(capped.buckets()[0].end, 16);  // 13 padded to a multiple of 4
-  EXPECT_EQ(capped.slot("layers.1.mlp.up.weight").offset, 16);
+  EXPECT_EQ(capped.buckets()[0].end, 256);  // 64 + 3 padded to 4 pieces of 64
+  EXPECT_EQ(capped.slot("layers.1.mlp.up.weight").offset, 256);
   EXPECT_EQ(capped.shard_numel(), capped.numel() / 4);
   for (int64_t shards : {1, 2, 3, 4, 8})
     for (int64_t zero : {1, 3}) expect_partition(toy(), {12, shards, 0, zero, false});
+  for (int64_t shards : {3, 6}) expect_partition(toy(), {1000, shards, 0, 2, false});
 }
 
 TEST(FlatLayout, Zero3BucketsAreUnitsAndChunksNeverMix) {

@@ -82,7 +82,7 @@ TEST(FlatAdamW, MatchesReferenceAdamWAndClipping) {
 
 // The buffers FlatAdamW allocates for each ZeRO stage and dtype (one shard rank of two or three:
 // nothing communicates while they are laid out) are what --dry-run predicts from the plan, up to
-// the padding of each bucket to a multiple of the data ranks.
+// the alignment padding of each slot and bucket.
 TEST(FlatAdamW, StateBytesAsPlanned) {
   Config c = load_config_text(
       "data: {path: x}\nmodel: {arch: llama, layers: 2, hidden: 16, heads: 2, vocab_size: 301}\n",
@@ -98,12 +98,64 @@ TEST(FlatAdamW, StateBytesAsPlanned) {
                       layout_of(params, {2000, shards, shards - 1, zero, false}));
         const auto got = opt.bytes();
         const auto want = planned_state_bytes(opt.numel(), zero, shards, dtype);
-        const int64_t slack = 16 * static_cast<int64_t>(opt.layout().buckets().size()) * shards;
+        // Padding: up to kAlignElements before each slot and per piece of each bucket, at up to
+        // 12 bytes an element (the optimizer's fp32 master and moments).
+        const int64_t pad = (static_cast<int64_t>(opt.layout().slots().size()) +
+                             static_cast<int64_t>(opt.layout().buckets().size()) * shards) *
+                            optim::kAlignElements;
+        const int64_t slack = 12 * pad;
         const auto what = ::testing::Message()
                           << c10::toString(dtype) << " zero " << zero << " shards " << shards;
         EXPECT_NEAR(got.params, want.params, slack) << what;
         EXPECT_NEAR(got.grads, want.grads, slack) << what;
         EXPECT_NEAR(got.optimizer, want.optimizer, slack) << what;
+      }
+}
+
+// Every view FlatAdamW hands out starts on a kAlignElements boundary of its buffer (and so on 16
+// bytes, which CUDA's grouped matmul requires of the MoE experts' weights): the parameters, their
+// gradients, and this rank's pieces of the master weights and moments, for data groups of 1, 2,
+// 3 and 6 ranks (an odd factor used to shift later slots), without ZeRO and at stages 1-3, with
+// experts, in fp32 and bf16, on a model whose sizes are no multiple of 64 (hidden 40).
+TEST(FlatAdamW, EveryViewIsAligned) {
+  Config c = load_config_text(
+      "data: {path: x}\nmodel: {arch: llama, layers: 2, hidden: 40, heads: 2, vocab_size: 301, "
+      "moe: {experts: 3, top_k: 2, ffn_hidden: 28, every: 1, shared_experts: 1}}\n",
+      "t");
+  auto aligned = [](const torch::Tensor& t) {
+    return t.storage_offset() % optim::kAlignElements == 0 &&
+           reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16})
+    for (int64_t shards : {1, 2, 3, 6})
+      for (int64_t zero = 0; zero <= 3; ++zero) {
+        if (zero == 0 && shards > 1) continue;  // without ZeRO nothing is split
+        auto model = models::build_model(model_shape(c.model), 3);
+        model->to(dtype);
+        const auto params = models::named_params(model);
+        bool experts = false;
+        for (const auto& p : params) experts |= p.expert;
+        ASSERT_TRUE(experts);
+        optim::LayoutOptions o{2000, shards, shards - 1, zero, false};
+        o.expert_shards = shards;
+        o.expert_shard_rank = shards - 1;
+        FlatAdamW opt(params, c.training, layout_of(params, o));
+        const auto what = ::testing::Message()
+                          << c10::toString(dtype) << " zero " << zero << " shards " << shards;
+        for (const auto& p : params) {
+          EXPECT_TRUE(aligned(p.tensor)) << p.name << " " << what;
+          if (zero < 2) EXPECT_TRUE(aligned(p.tensor.grad())) << p.name << " grad " << what;
+        }
+        for (const auto& piece : opt.pieces()) {
+          EXPECT_TRUE(aligned(piece.weight)) << piece.name << " " << what;
+          EXPECT_TRUE(aligned(piece.master)) << piece.name << " " << what;
+          EXPECT_TRUE(aligned(piece.exp_avg)) << piece.name << " " << what;
+          EXPECT_TRUE(aligned(piece.exp_avg_sq)) << piece.name << " " << what;
+        }
+        for (const auto& b : opt.layout().buckets()) {
+          EXPECT_EQ(b.begin % optim::kAlignElements, 0) << what;
+          EXPECT_EQ(opt.layout().piece_numel(b) % optim::kAlignElements, 0) << what;
+        }
       }
 }
 
