@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <exception>
+#include <string>
+#include <vector>
 
 #include "plan/config.h"
 
@@ -65,6 +68,68 @@ std::string first_slurm_host(const std::string& nodelist) {
   return first.substr(0, open) + lo + first.substr(close + 1);
 }
 
+std::vector<int> slurm_tasks_per_node(const std::string& spec, const std::string& variable) {
+  // Comma-separated counts, each optionally "(xN)": N consecutive nodes with that count.
+  std::vector<int> out;
+  auto bad = [&](const std::string& why) {
+    return UserError(fmt::format("Slurm: {}='{}' {} (expected counts such as 8(x2) or 2(x3),1)",
+                                 variable, spec, why));
+  };
+  size_t i = 0;
+  while (i < spec.size()) {
+    size_t used = 0;
+    int count = 0, repeat = 1;
+    try {
+      count = std::stoi(spec.substr(i), &used);
+    } catch (const std::exception&) {
+      throw bad("has no task count at character " + std::to_string(i + 1));
+    }
+    i += used;
+    if (spec.compare(i, 2, "(x") == 0) {
+      const auto close = spec.find(')', i);
+      try {
+        repeat = close == std::string::npos ? -1 : std::stoi(spec.substr(i + 2, close - i - 2));
+      } catch (const std::exception&) {
+        repeat = -1;
+      }
+      if (repeat < 1) throw bad("has a malformed (xN) repeat");
+      i = close + 1;
+    }
+    if (count < 1) throw bad("counts " + std::to_string(count) + " tasks on a node");
+    out.insert(out.end(), static_cast<size_t>(repeat), count);
+    if (i < spec.size() && spec[i++] != ',') throw bad("has a stray character");
+  }
+  if (out.empty()) throw bad("is empty");
+  return out;
+}
+
+namespace {
+
+// The tasks on this node. srun sets SLURM_STEP_TASKS_PER_NODE for the step it runs (the job's
+// SLURM_TASKS_PER_NODE may count another distribution); SLURM_NTASKS_PER_NODE only exists with
+// --ntasks-per-node. Each lists the nodes in order; SLURM_NODEID is this node's index.
+int slurm_local_world() {
+  for (const char* variable :
+       {"SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+    if (!env(variable)) continue;
+    const auto counts = slurm_tasks_per_node(env(variable), variable);
+    if (std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; }))
+      return counts[0];  // the same on every node: no need to know which node this is
+    if (!env("SLURM_NODEID"))
+      throw UserError(fmt::format("Slurm: {}='{}' differs between nodes, and SLURM_NODEID (this "
+                                  "node's index) is not set",
+                                  variable, env(variable)));
+    const int node = env_int("SLURM_NODEID", "Slurm environment");
+    if (node < 0 || node >= static_cast<int>(counts.size()))
+      throw UserError(fmt::format("Slurm: SLURM_NODEID {} is outside {}='{}' ({} nodes)", node,
+                                  variable, env(variable), counts.size()));
+    return counts[static_cast<size_t>(node)];
+  }
+  return 1;
+}
+
+}  // namespace
+
 WorldInfo discover_world() {
   WorldInfo w;
   if (env("RANK") || env("WORLD_SIZE")) {
@@ -79,8 +144,7 @@ WorldInfo discover_world() {
     w.rank = env_int("SLURM_PROCID", from);
     w.world = env_int("SLURM_NTASKS", from);
     w.local_rank = env("SLURM_LOCALID") ? env_int("SLURM_LOCALID", from) : 0;
-    // SLURM_NTASKS_PER_NODE may read "2(x3)"; the leading count is this layout's tasks per node.
-    w.local_world = env("SLURM_NTASKS_PER_NODE") ? std::atoi(env("SLURM_NTASKS_PER_NODE")) : 1;
+    w.local_world = slurm_local_world();
     if (env("SLURM_JOB_NODELIST")) w.master_addr = first_slurm_host(env("SLURM_JOB_NODELIST"));
     if (!env("MASTER_PORT") && env("SLURM_JOB_ID"))
       w.master_port =

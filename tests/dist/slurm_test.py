@@ -72,6 +72,26 @@ class Slurm(TmpDirTest):
         self.assertEqual(len(self.losses("srun")), 12)
         self.assertEqual(self.losses("srun"), self.losses("launch"))
 
+    def test_srun_without_ntasks_per_node(self):
+        # `srun -N1 -n2` without --ntasks-per-node: Slurm sets no SLURM_NTASKS_PER_NODE, only
+        # SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ("2"); task 1 (SLURM_LOCALID 1) used to
+        # be refused as inconsistent with a local world of 1.
+        script = self.path("srun_n2.sbatch")
+        with open(script, "w") as f:
+            f.write('#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --ntasks=2\nset -u\n'
+                    'env | grep -E "^SLURM_(NTASKS_PER_NODE|STEP_TASKS_PER_NODE|TASKS_PER_NODE)=" | sort\n'
+                    'srun -N1 -n2 --kill-on-bad-exit=1 "$TESSEL_BIN/tessel-train" "$@"\n')
+        exports = dict(TESSEL_BIN=os.path.abspath(BIN), MASTER_PORT=str(free_port()), MASTER_ADDR="127.0.0.1",
+                       OMP_NUM_THREADS="1")
+        job = self.cluster.submit(script, ["--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items()),
+                                           "-D", self.tmp, "-o", self.path("job-%j.out")], [self.plan("n2", 6)])
+        state = self.cluster.wait(job)
+        out = self.output(job)
+        self.assertEqual(state["JobState"], "COMPLETED", f"{out}\n{state}\n{self.cluster.logs()}")
+        self.assertNotIn("SLURM_NTASKS_PER_NODE=", out)  # the case this test is for
+        self.assertIn("2 processes (Slurm", out)
+        self.assertEqual(len(self.losses("n2")), 6)
+
     def test_single_node_multi_node_and_preemption(self):
         # One node, two workers: trains to completion.
         job = self.submit("single_node.sbatch", self.plan("full"), WORKERS="2")

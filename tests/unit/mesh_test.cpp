@@ -87,7 +87,8 @@ void clear_world_env() {
   for (const char* k :
        {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
         "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST",
-        "SLURM_NTASKS_PER_NODE", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+        "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+        "SLURM_NODEID", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
         "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "TESSEL_RESTART_COUNT"})
     unsetenv(k);
 }
@@ -121,6 +122,59 @@ TEST(World, DiscoveryPrefersTorchrunThenSlurmThenOpenMpi) {
   EXPECT_EQ(w.master_port, 1234);
   setenv("RANK", "2", 1);
   EXPECT_THROW(discover_world(), UserError);  // rank 2 of 2
+  clear_world_env();
+}
+
+// The local world from every form Slurm gives it: `srun -N2 -n16 --gpus-per-task=1` sets no
+// SLURM_NTASKS_PER_NODE, only SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ("8(x2)"), and
+// nodes may hold different counts ("3,1": SLURM_NODEID picks this node's).
+TEST(World, SlurmTaskCountsInEveryForm) {
+  EXPECT_EQ(slurm_tasks_per_node("8(x2)", "V"), (std::vector<int>{8, 8}));
+  EXPECT_EQ(slurm_tasks_per_node("2(x3),1", "V"), (std::vector<int>{2, 2, 2, 1}));
+  EXPECT_EQ(slurm_tasks_per_node("4,3,4", "V"), (std::vector<int>{4, 3, 4}));
+  EXPECT_EQ(slurm_tasks_per_node("16", "V"), (std::vector<int>{16}));
+  for (const char* bad : {"", "x", "2(x", "2(x0)", "0", "2;3", "2(x2)3"})
+    EXPECT_THROW(slurm_tasks_per_node(bad, "SLURM_TASKS_PER_NODE"), UserError) << bad;
+  try {
+    slurm_tasks_per_node("2(x", "SLURM_TASKS_PER_NODE");
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("SLURM_TASKS_PER_NODE='2(x'"), std::string::npos)
+        << e.what();
+  }
+
+  clear_world_env();
+  setenv("SLURM_PROCID", "9", 1);
+  setenv("SLURM_NTASKS", "16", 1);
+  setenv("SLURM_LOCALID", "1", 1);
+  setenv("SLURM_NODEID", "1", 1);
+  setenv("SLURM_STEP_TASKS_PER_NODE", "8(x2)", 1);
+  setenv("SLURM_TASKS_PER_NODE", "8(x2)", 1);
+  auto w = discover_world();
+  EXPECT_EQ(w.local_world, 8);
+  EXPECT_EQ(w.local_rank, 1);
+  unsetenv("SLURM_STEP_TASKS_PER_NODE");  // the job's count alone
+  EXPECT_EQ(discover_world().local_world, 8);
+  // Heterogeneous nodes: 3 tasks on node 0, 1 on node 1.
+  setenv("SLURM_NTASKS", "4", 1);
+  setenv("SLURM_PROCID", "2", 1);
+  setenv("SLURM_LOCALID", "2", 1);
+  setenv("SLURM_NODEID", "0", 1);
+  setenv("SLURM_STEP_TASKS_PER_NODE", "3,1", 1);
+  EXPECT_EQ(discover_world().local_world, 3);
+  setenv("SLURM_PROCID", "3", 1);
+  setenv("SLURM_LOCALID", "0", 1);
+  setenv("SLURM_NODEID", "1", 1);
+  EXPECT_EQ(discover_world().local_world, 1);
+  setenv("SLURM_NODEID", "2", 1);
+  EXPECT_THROW(discover_world(), UserError);  // no third node
+  unsetenv("SLURM_NODEID");
+  EXPECT_THROW(discover_world(), UserError);  // which node's count? not knowable
+  // --ntasks-per-node given: the step's own count still wins.
+  setenv("SLURM_NODEID", "0", 1);
+  setenv("SLURM_NTASKS_PER_NODE", "2", 1);
+  setenv("SLURM_PROCID", "2", 1);
+  setenv("SLURM_LOCALID", "2", 1);
+  EXPECT_EQ(discover_world().local_world, 3);
   clear_world_env();
 }
 
