@@ -1,5 +1,6 @@
 #include "device/cuda.h"
 
+#include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <dlfcn.h>
 #include <fmt/format.h>
@@ -150,5 +151,17 @@ GpuHardware gpu_hardware(const std::string& root) {
 const CudaModule* cuda_module() { return load().module; }
 
 bool cuda_loaded() { return g_loaded; }
+
+void set_tf32(bool on) {
+  // LibTorch 2.11 keeps the legacy flags (allowTF32CuBLAS, allowTF32CuDNN) beside the precision
+  // settings, and a read of a legacy flag throws ("mix of the legacy and new APIs") when the two
+  // disagree: set through the legacy setters (which set the new settings too), then the new.
+  auto& ctx = at::globalContext();
+  ctx.setAllowTF32CuBLAS(on);
+  ctx.setAllowTF32CuDNN(on);
+  const auto p = on ? at::Float32Precision::TF32 : at::Float32Precision::IEEE;
+  ctx.setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL, p);
+  ctx.setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::CONV, p);
+}
 
 }  // namespace tessel::device

@@ -90,6 +90,9 @@ std::string gpu_present_but_unusable();
 const CudaModule* cuda_module();
 /// Whether this process has loaded LibTorch's CUDA half, usable (for tests).
 bool cuda_loaded();
+/// TF32 tensor cores for CUDA's fp32 matmuls and convolutions, on or off (training.tf32), set
+/// through both of LibTorch's APIs so that neither reads the other as a contradiction.
+void set_tf32(bool on);
 
 }  // namespace tessel::device
 

@@ -1,5 +1,6 @@
 // LibTorch's CUDA half (libtorch_cuda, cuBLAS, cuDNN, NCCL) is loaded only when a process asks
 // for CUDA, and then completely (device/cuda.h). One test: what it checks depends on the order.
+#include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
@@ -105,4 +106,19 @@ TEST(GpuHardware, FromTheDriversFilesElseTheDeviceNodes) {
   // This machine (CI has no GPU): nothing shown, so a GPU check may report skipped.
   if (tessel::device::gpu_hardware().gpus.empty())
     EXPECT_EQ(tessel::device::gpu_present_but_unusable(), "");
+}
+
+// training.tf32 through both of LibTorch's APIs: reading either afterwards agrees and does not
+// throw (setting only the new one left the legacy cuBLAS flag contradicting it, which LibTorch
+// 2.11 refuses to read: "mix of the legacy and new APIs"). Flags only: no device needed.
+TEST(Tf32, SetBothWays) {
+  auto& ctx = at::globalContext();
+  for (bool on : {true, false, true}) {
+    tessel::device::set_tf32(on);
+    EXPECT_EQ(ctx.allowTF32CuBLAS(), on);
+    EXPECT_EQ(ctx.allowTF32CuDNN(), on);
+    EXPECT_EQ(ctx.float32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL),
+              on ? at::Float32Precision::TF32 : at::Float32Precision::IEEE);
+  }
+  tessel::device::set_tf32(false);
 }
