@@ -47,11 +47,16 @@ std::string dense_attention_kernel(const torch::Tensor& q, const torch::Tensor& 
 
 /// The kernel dense_attention gets for a plan's attention: `heads` query and `kv_heads` key/value
 /// heads (one tp rank's), head size `head_dim`, a causal sequence of `seq_len` tokens, in `dtype`
-/// on `device`: "tessel" (Tessel's short-sequence CPU kernel) or SDPA's choice (probed on a
-/// sequence of at most 256 tokens: SDPA's choice does not depend on its length).
+/// on `device`: "tessel" (Tessel's short-sequence CPU kernel) or SDPA's choice (probed at
+/// `seq_len`, batch 1: the choice may depend on the length).
 std::string planned_attention_kernel(int64_t heads, int64_t kv_heads, int64_t seq_len,
                                      int64_t head_dim, torch::ScalarType dtype,
                                      const torch::Device& device, bool tessel_kernels);
+
+/// SDPA's backend order on CUDA for a run in `dtype`, set explicitly (the start-up calls it before
+/// planned_attention_kernel): bf16/fp16 cuDNN, flash, memory-efficient, math; fp32
+/// memory-efficient, math.
+void pin_sdpa_order(torch::ScalarType dtype);
 
 /// One block of attention and its log-sum-exp: q [b, h, m, d] against k, v [b, h, n, d] (equal
 /// head counts; causal: m == n and the block is on the diagonal). Returns (out [b, h, m, d] in

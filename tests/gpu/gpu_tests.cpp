@@ -65,6 +65,18 @@ TEST(CudaDenseAttention, NeverTheMathKernel) {
 // a fused one, flash (or cuDNN's, where SDPA prefers it) in bf16, memory-efficient in fp32,
 // grouped heads or not.
 TEST(CudaDenseAttention, PlannedKernels) {
+  // The order Tessel pins (parallel::pin_sdpa_order): cuDNN's kernel first in bf16 where the GPU
+  // has it (the H100 did), the memory-efficient one in fp32; named at the plan's length.
+  parallel::pin_sdpa_order(torch::kBFloat16);
+  for (int64_t seq : {2048, 8192}) {
+    const auto k = parallel::planned_attention_kernel(32, 8, seq, 64, torch::kBFloat16, g_device, true);
+    std::fprintf(stderr, "planned attention bf16 seq %ld: %s kernel\n", static_cast<long>(seq), k.c_str());
+    EXPECT_TRUE(k == "cudnn" || k == "flash") << k;
+  }
+  parallel::pin_sdpa_order(torch::kFloat32);
+  EXPECT_EQ(parallel::planned_attention_kernel(32, 8, 2048, 64, torch::kFloat32, g_device, true),
+            "efficient");
+  parallel::pin_sdpa_order(torch::kBFloat16);
   for (int64_t kv : {32, 8}) {
     const auto bf16 =
         parallel::planned_attention_kernel(32, kv, 2048, 64, torch::kBFloat16, g_device, true);

@@ -59,5 +59,17 @@ TEST(KernelLayout, IsTheForwardsOutputLayout) {
   EXPECT_EQ(lse.sizes(), (std::vector<int64_t>{2, 3, 8}));
 }
 
+// SDPA's CUDA backend order, pinned per dtype at start-up (flags only: no device needed).
+TEST(SdpaOrder, PinnedPerDtype) {
+  parallel::pin_sdpa_order(torch::kBFloat16);
+  auto order = at::globalContext().sDPPriorityOrder();
+  EXPECT_EQ(order[0], at::SDPBackend::cudnn_attention);
+  EXPECT_EQ(order[1], at::SDPBackend::flash_attention);
+  parallel::pin_sdpa_order(torch::kFloat32);
+  order = at::globalContext().sDPPriorityOrder();
+  EXPECT_EQ(order[0], at::SDPBackend::efficient_attention);
+  EXPECT_EQ(order[1], at::SDPBackend::math);
+}
+
 }  // namespace
 }  // namespace tessel::testing
