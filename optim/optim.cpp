@@ -190,6 +190,14 @@ std::vector<torch::Tensor> FlatAdamW::grad_views(const optim::Slot& slot) const 
   return out;
 }
 
+torch::Tensor FlatAdamW::grad_bucket_piece(const optim::Slot& slot) const {
+  const auto& b = layout_.buckets()[static_cast<size_t>(slot.bucket)];
+  TORCH_CHECK(b.params == 1, "grad_bucket_piece: ", slot.name, " shares its bucket");
+  const int64_t n = layout_.piece_numel(b);
+  return grad_.defined() ? grad_.narrow(0, layout_.piece_flat(b), n)
+                         : grad_shard_.narrow(0, b.shard_offset, n);
+}
+
 StateBytes FlatAdamW::bytes() const {
   auto b = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; };
   StateBytes out;

@@ -108,6 +108,10 @@ class FlatAdamW {
   /// The parts of `slot`'s reduced gradient this rank holds (for sums over tp or the embedding
   /// group, which must happen on the reduced gradient).
   std::vector<torch::Tensor> grad_views(const optim::Slot& slot) const;
+  /// This rank's whole piece of `slot`'s bucket of the reduced gradient, alignment padding (zeros)
+  /// included: for a slot alone in its bucket (the tied token table under ZeRO with pipelining),
+  /// the same element count on every rank of the data group.
+  torch::Tensor grad_bucket_piece(const optim::Slot& slot) const;
   torch::Tensor step_count() const { return step_count_; }
   StateBytes bytes() const;
   /// Of bytes(), what the alignment padding (optim::kAlignElements) adds: bytes() less what

@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "models/registry.h"
+#include "optim/flat_layout.h"
 #include "parallel/cp/attention.h"
 #include "planner/basis.h"
 
@@ -221,10 +222,12 @@ std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::La
   }
   if (l.pp > 1 && b.m.tied() && part.first != part.last) {  // zbv: one rank holds both
     // The token table's fp32 gradient (this tp rank's rows, the vocabulary padded to tp); under
-    // ZeRO the table is a bucket of its own, sharded over the data ranks, and only this rank's
-    // piece is summed.
+    // ZeRO the table is a bucket of its own, padded to kAlignElements per data rank and sharded
+    // over them, and each rank sums its whole piece.
     const double table = b.vocab_local * b.h;
-    const double held = b.zero > 0 ? std::ceil(table / static_cast<double>(b.data_ranks)) : table;
+    const double piece = static_cast<double>(optim::kAlignElements * b.data_ranks);
+    const double held =
+        b.zero > 0 ? std::ceil(table / piece) * piece / static_cast<double>(b.data_ranks) : table;
     g["embedding"].all_reduce += 4 * held;
     g["embedding"].ops += 1;
   }

@@ -126,11 +126,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
 
 void Trainer::configure_device() {
   if (c_.training.threads > 0) torch::set_num_threads(static_cast<int>(c_.training.threads));
-  if (device_.is_cuda()) {  // TF32 tensor cores for fp32 matmuls and convolutions, unless refused
-    const auto p = c_.training.tf32 ? at::Float32Precision::TF32 : at::Float32Precision::IEEE;
-    at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL, p);
-    at::globalContext().setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::CONV, p);
-  }
+  if (device_.is_cuda()) device::set_tf32(c_.training.tf32);
   if (!device_.is_cuda()) CpuAllocationCounter::get();  // counts the state from its first byte
 }
 
@@ -148,6 +144,7 @@ void Trainer::check_attention() {
   const int64_t carried = alltoall ? parallel::cp::alltoall_kv_heads(per_tp, par.cp) : per_tp;
   const int64_t heads = m.heads / par.tp / (alltoall ? par.cp : 1);
   const int64_t kv = carried / (alltoall ? par.cp : 1);
+  if (device_.is_cuda()) parallel::pin_sdpa_order(dtype_);
   const auto kernel =
       parallel::planned_attention_kernel(heads, kv, c_.training.seq_len, m.head_dim(), dtype_,
                                          device_, !alltoall && c_.training.kernels == "tessel");
@@ -245,7 +242,10 @@ void Trainer::setup_state() {
   // zbv holds the first and the last stage on one rank: one token table, nothing to sum.
   const bool table_copies = l.pp > 1 && c_.model.tied() && c_.parallel.pipeline_schedule != "zbv";
   for (const auto& s : opt_->layout().slots()) {
-    auto views = opt_->grad_views(s);
+    // Under ZeRO the table is a bucket of its own: each rank sums its whole (aligned) piece.
+    auto views = s.name == "embed.weight" && table_copies && zero > 0
+                     ? std::vector<torch::Tensor>{opt_->grad_bucket_piece(s)}
+                     : opt_->grad_views(s);
     auto& into = s.name == "embed.weight" ? embedding_grads_ : tp_summed_grads_;
     if ((s.name == "embed.weight" && table_copies) ||
         (l.tp > 1 && model_->specs().at(s.name).tp_grad_sum))
