@@ -97,7 +97,8 @@ void add_train_options(CLI::App& app, TrainArgs& a) {
                  "With --dry-run: the number of processes to plan for")
       ->check(tessel::cli::whole_at_least(1));
   app.add_option("--device-profile", a.profile,
-                 "With --dry-run: the device the step time is predicted for: h100, h200, a100, "
+                 "With --dry-run: the device the step time is predicted for: h100, h100-pcie, "
+                 "h100-nvl, h200, a100, "
                  "cpu (this machine, measured now), or a YAML file (base, peak_tflops, "
                  "fp32_tflops, intra_node_gbps, inter_node_gbps, gpus_per_node, memory_gib, "
                  "efficiency, ...). Default: cpu for a CPU plan without --world-size, else h100");

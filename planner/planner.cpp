@@ -58,8 +58,13 @@ ActivationModel activation_model(const models::ModelShape& m, const std::string&
 const std::map<std::string, DeviceProfile>& builtin_profiles() {
   // Dense peaks from NVIDIA's datasheets (SXM); NVLink per GPU one way (H100/H200: 900 GB/s
   // both ways; A100: 600); NICs: ConnectX-7 400 Gb/s, ConnectX-6 200 Gb/s, one per GPU.
+  // H100 PCIe and H100 NVL (datasheets, dense bf16: 756 and 835 TFLOP/s; fp32: 51 and 60;
+  // 80 and 94 GB): their NVLink bridges join pairs only, so the rest of a node talks over PCIe
+  // Gen5 x16 (64 GB/s one way).
   static const std::map<std::string, DeviceProfile> p = {
       {"h100", {"h100", 989.4, 66.9, 450, 50, 8, 80, 0.5}},
+      {"h100-pcie", {"h100-pcie", 756, 51, 64, 50, 8, 80, 0.5}},
+      {"h100-nvl", {"h100-nvl", 835, 60, 64, 50, 8, 94, 0.5}},
       {"h200", {"h200", 989.4, 66.9, 450, 50, 8, 141, 0.5}},
       {"a100", {"a100", 312, 19.5, 300, 25, 8, 80, 0.5}},
   };
@@ -80,13 +85,20 @@ std::string matmul_peak_name(const TrainingConfig& t) {
 }
 
 const DeviceProfile* profile_of_gpu(const std::string& cuda_name) {
-  for (const char* key : {"H200", "H100", "A100"})
-    if (cuda_name.find(key) != std::string::npos) {
-      std::string k = key;
-      k[0] = static_cast<char>(std::tolower(k[0]));
-      return &builtin_profiles().at(k);
-    }
+  // CUDA's names: "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H100 NVL", ...:
+  // the specific forms before the bare model.
+  static const std::pair<const char*, const char*> kByName[] = {
+      {"H200", "h200"}, {"H100 PCIe", "h100-pcie"}, {"H100 NVL", "h100-nvl"},
+      {"H100", "h100"}, {"A100", "a100"}};
+  for (const auto& [key, profile] : kByName)
+    if (cuda_name.find(key) != std::string::npos) return &builtin_profiles().at(profile);
   return nullptr;
+}
+
+std::string builtin_profile_names() {
+  std::string names;
+  for (const auto& [name, _] : builtin_profiles()) names += (names.empty() ? "" : ", ") + name;
+  return names;
 }
 
 namespace {
@@ -163,8 +175,8 @@ DeviceProfile device_profile(const std::string& spec, const std::vector<std::str
     d = builtin.at(spec);
   } else if (!spec.empty()) {
     if (!std::filesystem::is_regular_file(spec))
-      throw UserError("--device-profile '" + spec +
-                      "': neither a built-in profile (h100, h200, a100, cpu) nor a YAML file");
+      throw UserError("--device-profile '" + spec + "': neither a built-in profile (" +
+                      builtin_profile_names() + ", cpu) nor a YAML file");
     YAML::Node y;
     try {
       y = YAML::LoadFile(spec);
@@ -174,8 +186,8 @@ DeviceProfile device_profile(const std::string& spec, const std::vector<std::str
     if (y["base"]) {
       const auto base = y["base"].as<std::string>();
       if (!builtin.count(base))
-        throw UserError(spec + ": base '" + base +
-                        "' is not a built-in profile (h100, h200, a100)");
+        throw UserError(spec + ": base '" + base + "' is not a built-in profile (" +
+                        builtin_profile_names() + ")");
       d = builtin.at(base);
     }
     d.name = std::filesystem::path(spec).stem().string();

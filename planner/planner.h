@@ -17,7 +17,8 @@
 namespace tessel {
 
 /// A device for the step-time prediction. Built in: h100, h200, a100 (SXM, dense bf16 peaks;
-/// NVLink per-GPU one-way bandwidth; one 400 Gb/s (H100/H200) or 200 Gb/s (A100) NIC per GPU).
+/// NVLink per-GPU one-way bandwidth; one 400 Gb/s (H100/H200) or 200 Gb/s (A100) NIC per GPU),
+/// h100-pcie and h100-nvl (their own peaks; PCIe between GPUs of a node).
 struct DeviceProfile {
   std::string name;
   double peak_tflops = 0;      // dense, in the plan's dtype (bf16/fp16; fp32 uses fp32_tflops)

@@ -534,5 +534,29 @@ TEST(HostilePlan, FuzzedPlansLoadOrAreRefused) {
   std::printf("fuzzed plans: %d refused, %d planned\n", refused, planned);
 }
 
+// The device profile of each GPU CUDA names: an H100 PCIe or NVL is not an SXM H100 (its peak
+// about 24% or 16% lower, PCIe between its pairs), and an unknown name is refused by name.
+TEST(DeviceProfiles, TheGpusOwnProfile) {
+  auto of = [](const std::string& name) {
+    const auto* p = profile_of_gpu(name);
+    return p ? p->name : std::string("none");
+  };
+  EXPECT_EQ(of("NVIDIA H100 80GB HBM3"), "h100");
+  EXPECT_EQ(of("NVIDIA H100 PCIe"), "h100-pcie");
+  EXPECT_EQ(of("NVIDIA H100 NVL"), "h100-nvl");
+  EXPECT_EQ(of("NVIDIA H200"), "h200");
+  EXPECT_EQ(of("NVIDIA A100-SXM4-80GB"), "a100");
+  EXPECT_EQ(of("NVIDIA GeForce RTX 4090"), "none");
+  EXPECT_EQ(device_profile("h100-pcie", {}).peak_tflops, 756);
+  EXPECT_EQ(device_profile("h100-nvl", {}).memory_gib, 94);
+  try {
+    device_profile("h100-sxm5", {});
+    ADD_FAILURE() << "an unknown profile was accepted";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("h100-nvl, h100-pcie, h200, cpu"), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace tessel
