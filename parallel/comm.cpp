@@ -235,6 +235,19 @@ Work Group::all_to_all(torch::Tensor& out, torch::Tensor& in, const std::vector<
                 "all_to_all");
 }
 
+int64_t Group::shutdown() {
+  int64_t n = 0;
+  if (backend_ && !shut_down_) {
+    backend_->shutdown();
+    ++n;
+  }
+  shut_down_ = true;
+  for (auto* g : {side_.get(), inner_.get(), outer_.get()})
+    if (g) n += g->shutdown();
+  for (auto& c : channels_) n += c.group->shutdown();
+  return n;
+}
+
 void Group::barrier() {
   if (size() == 1) return;
   Work(backend_->barrier(), what("barrier")).wait();

@@ -112,6 +112,10 @@ class Group {
   Work all_to_all(torch::Tensor& out, torch::Tensor& in, const std::vector<int64_t>& out_rows = {},
                   const std::vector<int64_t>& in_rows = {});
   void barrier();
+  /// Shuts down this group's communicators (its own, its side channel, channels and split), each
+  /// once: NCCL frees them after their queued work; Gloo has nothing to free. Returns how many.
+  /// No collective may be issued on the group afterwards (Mesh::shutdown calls it).
+  int64_t shutdown();
   /// Posts every send and receive of `ops`; returns their works (wait on all of them). With
   /// channels, each goes on its own direction's channel and has a work of its own; without, they
   /// are posted together (one grouped NCCL launch, one work), so that neighbours that both send
@@ -132,6 +136,7 @@ class Group {
   c10::intrusive_ptr<c10d::Backend> backend_;
   int64_t seq_ = 0;
   int64_t bytes_ = 0, sent_bytes_ = 0;
+  bool shut_down_ = false;
   std::unique_ptr<Group> side_, inner_, outer_;
   struct Channel {
     int64_t from, to;

@@ -376,6 +376,15 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const WorldInfo& w, double timeout_s)
   }
 }
 
+int64_t Mesh::shutdown() {
+  if (shut_down_) return 0;
+  shut_down_ = true;
+  if (world_->size() > 1) world_->barrier();
+  int64_t n = 0;
+  for (auto it = groups_.rbegin(); it != groups_.rend(); ++it) n += (*it)->shutdown();
+  return n + world_->shutdown();
+}
+
 std::vector<const Group*> Mesh::groups() const {
   std::vector<const Group*> out{world_.get()};
   for (const auto& g : groups_) out.push_back(g.get());

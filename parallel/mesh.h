@@ -85,6 +85,12 @@ class Mesh {
   std::vector<const Group*> groups() const;
   /// The rendezvous store (rank 0 serves it); null in a one-process run.
   c10d::Store* store() const { return store_.get(); }
+  /// The end of a run that ends together (finished, or stopped on a signal): a world barrier
+  /// after the last collective, so that no rank leaves while another still waits on one, then
+  /// every communicator shut down (NCCL's would otherwise be aborted by their destructors).
+  /// Once; no collective after it. A failing rank does not call it (its peers are told through
+  /// the store, run/startup.h). Returns the communicators shut down.
+  int64_t shutdown();
 
  private:
   Layout layout_;
@@ -95,6 +101,7 @@ class Mesh {
   std::unique_ptr<Group> world_;
   std::vector<std::unique_ptr<Group>> groups_;
   c10::intrusive_ptr<c10d::Store> store_;
+  bool shut_down_ = false;
 };
 
 }  // namespace tessel::parallel

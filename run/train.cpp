@@ -598,15 +598,25 @@ int Trainer::train() {
           "stopped after step {} on a signal, its checkpoint saved; exit {}: run the same "
           "command again to resume",
           step, kExitStopped);
+      shut_down();
       return kExitStopped;
     }
   }
   graph_.reset();  // back on the stream of before, the graph's memory freed
   report_end();
   // The last checkpoint is complete on every rank (its save ends with a world barrier).
+  shut_down();  // before rank 0's export: the others need not wait for it
   if (!c_.checkpoint.export_hf.empty() && mesh_->rank() == 0)
     export_hf(c_.checkpoint_dir(), c_.checkpoint.export_hf, "", "checkpoint.export_hf");
   return 0;
+}
+
+void Trainer::shut_down() {
+  graph_.reset();
+  if (weights_) weights_->wait_all();
+  const int64_t n = mesh_->shutdown();
+  if (mesh_->world() > 1)
+    spdlog::info("every rank reached the end; {} communicators of this rank shut down", n);
 }
 
 void Trainer::report_end() {

@@ -102,6 +102,7 @@ class Trainer {
   void write_report(const std::string& file, const nlohmann::json& report) const;  // output_dir
   void report_pipeline();
   void report_memory();
+  void shut_down();   // the end every rank reaches together: parallel::Mesh::shutdown
   void report_end();  // the figures printed and written when the run is done
 
   Config c_;

@@ -71,12 +71,25 @@ class Operations(TmpDirTest):
         out.append(p.communicate(timeout=120)[0])
         return p.returncode, "".join(out)
 
+    def assert_clean_end(self, out):
+        """The ranks met at a world barrier after their last collective (rank 0, which reports for
+        everyone, says so after it), then each shut down its communicators: rank 0 as many as the
+        start-up log lists for it (parallel/mesh.h Mesh::shutdown)."""
+        listed = re.search(r"\[rank 0\] .*process groups of this rank \(gloo, connected at start-up\): (.*)", out)
+        ended = re.search(r"\[rank 0\] .*every rank reached the end; (\d+) communicators of this rank shut down",
+                          out)
+        self.assertIsNotNone(listed, out[-3000:])
+        self.assertIsNotNone(ended, f"the ranks did not end at a world barrier:\n{out[-3000:]}")
+        self.assertEqual(int(ended.group(1)), len(re.findall(r"\[[\d,]+\]", listed.group(1))), listed.group(0))
+
     def test_sigterm_to_the_launcher_saves_and_resumes_bitwise(self):
         full = self.plan("full", parallel={"dp": 2})
-        subprocess.run(self.launcher(full), check=True, capture_output=True, timeout=300)
+        p = subprocess.run(self.launcher(full), check=True, capture_output=True, text=True, timeout=300)
+        self.assert_clean_end(p.stdout + p.stderr)  # a finished run
         cut = self.plan("cut", parallel={"dp": 2})
         code, out = self.interrupt(self.launcher(cut), signal.SIGTERM)
         self.assertEqual(code, STOPPED, out)
+        self.assert_clean_end(out)  # a run stopped on a signal
         self.assertIn("saved a checkpoint on a signal and stopped", out)
         saved = int(re.search(r"stopped after step (\d+) on a signal", out).group(1))
         self.assertTrue(8 <= saved < 40, out)
