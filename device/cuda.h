@@ -1,11 +1,11 @@
 // Where CUDA comes from. LibTorch's CUDA half (libtorch_cuda, with cuBLAS, cuDNN, NCCL and the
 // rest: about a third of a second of one core and a gigabyte mapped at every start) is loaded
 // only by a process that may compute on a GPU, together with Tessel's own code that needs it:
-// libtessel_cuda.so, beside the binaries (build/bin, an install's libexec/tessel). Every question "is there a GPU?"
-// goes through cuda_available() here, which loads it first: LibTorch decides once, at its first
-// such question, whether CUDA exists in the process, so nothing may ask it before the load (a
-// process where something did has no CUDA, and cuda_unavailable_reason() says so). A run on
-// training.device cpu never loads it.
+// libtessel_cuda.so, beside the binaries (build/bin, an install's libexec/tessel). Every question
+// "is there a GPU?" goes through cuda_available() here, which loads it first: LibTorch decides
+// once, at its first such question, whether CUDA exists in the process, so nothing may ask it
+// before the load (a process where something did has no CUDA, and cuda_unavailable_reason() says
+// so). A run on training.device cpu never loads it.
 #pragma once
 
 #include <c10/core/Device.h>

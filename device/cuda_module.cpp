@@ -142,8 +142,7 @@ std::string why_no_device() {
   return why;
 }
 
-const CudaModule kModule{kCudaModuleVersion, &make_nccl, &make_graph, &device_name,
-                         &why_no_device};
+const CudaModule kModule{kCudaModuleVersion, &make_nccl, &make_graph, &device_name, &why_no_device};
 
 }  // namespace
 }  // namespace tessel::device

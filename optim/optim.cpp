@@ -225,8 +225,7 @@ StateBytes FlatAdamW::alignment_padding() const {
 int64_t FlatAdamW::alignment_padding_bound() const {
   int64_t pieces = 0;
   for (const auto& b : layout_.buckets()) pieces += b.shards;
-  return 12 * optim::kAlignElements *
-         (static_cast<int64_t>(layout_.slots().size()) + pieces);
+  return 12 * optim::kAlignElements * (static_cast<int64_t>(layout_.slots().size()) + pieces);
 }
 
 StateBytes planned_state_bytes(int64_t numel, int64_t zero, int64_t data_ranks,

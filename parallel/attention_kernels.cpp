@@ -95,8 +95,8 @@ void pin_sdpa_order(torch::ScalarType dtype) {
   const std::vector<B> order =
       half ? std::vector<B>{B::cudnn_attention, B::flash_attention, B::efficient_attention, B::math,
                             B::overrideable}
-           : std::vector<B>{B::efficient_attention, B::math, B::flash_attention,
-                            B::cudnn_attention, B::overrideable};
+           : std::vector<B>{B::efficient_attention, B::math, B::flash_attention, B::cudnn_attention,
+                            B::overrideable};
   std::vector<int64_t> ids;
   for (auto b : order) ids.push_back(static_cast<int64_t>(b));
   at::globalContext().setSDPPriorityOrder(ids);

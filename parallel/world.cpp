@@ -116,9 +116,10 @@ int slurm_local_world() {
     if (std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; }))
       return counts[0];  // the same on every node: no need to know which node this is
     if (!env("SLURM_NODEID"))
-      throw UserError(fmt::format("Slurm: {}='{}' differs between nodes, and SLURM_NODEID (this "
-                                  "node's index) is not set",
-                                  variable, env(variable)));
+      throw UserError(
+          fmt::format("Slurm: {}='{}' differs between nodes, and SLURM_NODEID (this "
+                      "node's index) is not set",
+                      variable, env(variable)));
     const int node = env_int("SLURM_NODEID", "Slurm environment");
     if (node < 0 || node >= static_cast<int>(counts.size()))
       throw UserError(fmt::format("Slurm: SLURM_NODEID {} is outside {}='{}' ({} nodes)", node,

@@ -93,7 +93,8 @@ struct TrainingConfig {
   std::string recompute;  // none | selective | full (activation checkpointing)
   std::string kernels;    // tessel | torch: Tessel's own fused kernels where they apply, or not
   bool lean_logits;       // head fused with the loss, in chunks of tokens (parallel/tp/head_loss.h)
-  int64_t lean_logits_chunk;  // tokens per chunk; 0: at most 64 MiB (CPU), 1 GiB (GPU) of fp32 logits
+  int64_t
+      lean_logits_chunk;  // tokens per chunk; 0: at most 64 MiB (CPU), 1 GiB (GPU) of fp32 logits
   bool cuda_graph;  // CUDA: the steady-state step captured once and replayed (run/step_graph.h)
   bool microbatch_pairs;  // CPU, one process: micro-batches two at a time (parallel/pp/pairs.cpp)
   std::string activation_checkpointing;  // alias of recompute, resolved into it at load

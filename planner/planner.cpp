@@ -87,9 +87,11 @@ std::string matmul_peak_name(const TrainingConfig& t) {
 const DeviceProfile* profile_of_gpu(const std::string& cuda_name) {
   // CUDA's names: "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H100 NVL", ...:
   // the specific forms before the bare model.
-  static const std::pair<const char*, const char*> kByName[] = {
-      {"H200", "h200"}, {"H100 PCIe", "h100-pcie"}, {"H100 NVL", "h100-nvl"},
-      {"H100", "h100"}, {"A100", "a100"}};
+  static const std::pair<const char*, const char*> kByName[] = {{"H200", "h200"},
+                                                                {"H100 PCIe", "h100-pcie"},
+                                                                {"H100 NVL", "h100-nvl"},
+                                                                {"H100", "h100"},
+                                                                {"A100", "a100"}};
   for (const auto& [key, profile] : kByName)
     if (cuda_name.find(key) != std::string::npos) return &builtin_profiles().at(profile);
   return nullptr;
@@ -368,11 +370,10 @@ constexpr double kBlockPasses = 20, kHeadPasses = 8, kOptimizerPasses = 12;
 double head_bytes(const TrainingConfig& t, const PlanBasis& b) {
   const double w = b.w, tok = b.tok, v = b.vocab_local;
   if (!t.lean_logits) return tok * v * (w + 4);
-  const double chunk =
-      std::min(tok, static_cast<double>(t.lean_logits_chunk > 0
-                                            ? t.lean_logits_chunk
-                                            : parallel::tp::default_head_chunk_rows(
-                                                  static_cast<int64_t>(v), !b.cpu)));
+  const double chunk = std::min(
+      tok, static_cast<double>(t.lean_logits_chunk > 0 ? t.lean_logits_chunk
+                                                       : parallel::tp::default_head_chunk_rows(
+                                                             static_cast<int64_t>(v), !b.cpu)));
   return chunk * v * (w == 4 ? 4 : w + 4) + v * b.h * 4 + tok * b.h * w;
 }
 

@@ -50,19 +50,24 @@ class Slurm(TmpDirTest):
         return [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(self.path(name, "metrics.jsonl"))
                 if "loss" in m]
 
-    def test_srun_starts_tessel_train_directly(self):
-        # One Slurm task per rank, no launcher (as examples/slurm/gpu_srun.sbatch does on GPUs):
-        # ranks from SLURM_PROCID/SLURM_NTASKS, two nodes; the same losses as tessel-launch.
-        script = self.path("srun.sbatch")
+    def run_script(self, name, text, plan):
+        """Submits the batch script `text` (saved as NAME) on `plan` with srun's environment for
+        tessel-train; returns (the job's final state, its output)."""
+        script = self.path(name)
         with open(script, "w") as f:
-            f.write('#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\nset -u\n'
-                    'srun --kill-on-bad-exit=1 "$TESSEL_BIN/tessel-train" "$@"\n')
+            f.write(text)
         exports = dict(TESSEL_BIN=os.path.abspath(BIN), MASTER_PORT=str(free_port()), MASTER_ADDR="127.0.0.1",
                        OMP_NUM_THREADS="1")
         job = self.cluster.submit(script, ["--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items()),
-                                           "-D", self.tmp, "-o", self.path("job-%j.out")], [self.plan("srun", 12)])
-        state = self.cluster.wait(job)
-        out = self.output(job)
+                                           "-D", self.tmp, "-o", self.path("job-%j.out")], [plan])
+        return self.cluster.wait(job), self.output(job)
+
+    def test_srun_starts_tessel_train_directly(self):
+        # One Slurm task per rank, no launcher (as examples/slurm/gpu_srun.sbatch does on GPUs):
+        # ranks from SLURM_PROCID/SLURM_NTASKS, two nodes; the same losses as tessel-launch.
+        state, out = self.run_script("srun.sbatch", '#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n'
+                                     'set -u\nsrun --kill-on-bad-exit=1 "$TESSEL_BIN/tessel-train" "$@"\n',
+                                     self.plan("srun", 12))
         self.assertEqual(state["JobState"], "COMPLETED", f"{out}\n{state}\n{self.cluster.logs()}")
         self.assertEqual(state["NodeList"], "n[1-2]")
         self.assertIn("2 processes (Slurm", out)
@@ -76,17 +81,10 @@ class Slurm(TmpDirTest):
         # `srun -N1 -n2` without --ntasks-per-node: Slurm sets no SLURM_NTASKS_PER_NODE, only
         # SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ("2"); task 1 (SLURM_LOCALID 1) used to
         # be refused as inconsistent with a local world of 1.
-        script = self.path("srun_n2.sbatch")
-        with open(script, "w") as f:
-            f.write('#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --ntasks=2\nset -u\n'
-                    'env | grep -E "^SLURM_(NTASKS_PER_NODE|STEP_TASKS_PER_NODE|TASKS_PER_NODE)=" | sort\n'
-                    'srun -N1 -n2 --kill-on-bad-exit=1 "$TESSEL_BIN/tessel-train" "$@"\n')
-        exports = dict(TESSEL_BIN=os.path.abspath(BIN), MASTER_PORT=str(free_port()), MASTER_ADDR="127.0.0.1",
-                       OMP_NUM_THREADS="1")
-        job = self.cluster.submit(script, ["--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items()),
-                                           "-D", self.tmp, "-o", self.path("job-%j.out")], [self.plan("n2", 6)])
-        state = self.cluster.wait(job)
-        out = self.output(job)
+        state, out = self.run_script(
+            "srun_n2.sbatch", '#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --ntasks=2\nset -u\n'
+            'env | grep -E "^SLURM_(NTASKS_PER_NODE|STEP_TASKS_PER_NODE|TASKS_PER_NODE)=" | sort\n'
+            'srun -N1 -n2 --kill-on-bad-exit=1 "$TESSEL_BIN/tessel-train" "$@"\n', self.plan("n2", 6))
         self.assertEqual(state["JobState"], "COMPLETED", f"{out}\n{state}\n{self.cluster.logs()}")
         self.assertNotIn("SLURM_NTASKS_PER_NODE=", out)  # the case this test is for
         self.assertIn("2 processes (Slurm", out)

@@ -69,8 +69,10 @@ TEST(CudaDenseAttention, PlannedKernels) {
   // has it (the H100 did), the memory-efficient one in fp32; named at the plan's length.
   parallel::pin_sdpa_order(torch::kBFloat16);
   for (int64_t seq : {2048, 8192}) {
-    const auto k = parallel::planned_attention_kernel(32, 8, seq, 64, torch::kBFloat16, g_device, true);
-    std::fprintf(stderr, "planned attention bf16 seq %ld: %s kernel\n", static_cast<long>(seq), k.c_str());
+    const auto k =
+        parallel::planned_attention_kernel(32, 8, seq, 64, torch::kBFloat16, g_device, true);
+    std::fprintf(stderr, "planned attention bf16 seq %ld: %s kernel\n", static_cast<long>(seq),
+                 k.c_str());
     EXPECT_TRUE(k == "cudnn" || k == "flash") << k;
   }
   parallel::pin_sdpa_order(torch::kFloat32);
@@ -133,11 +135,13 @@ TEST(CudaFusedOps, RmsNormMatchesTheCompositeAndIsFaster) {
       for (int i = 0; i < 20; ++i) f();
       torch::cuda::synchronize();
       return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
-                 .count() / 20;
+                 .count() /
+             20;
     };
     const double fused = time_us([&] { models::rms_norm(x, w, 1e-5, true).backward(dy); });
     const double comp = time_us([&] { composite(x, w).backward(dy); });
-    std::fprintf(stderr, "kernel rms_norm [%ld, %ld] %s fwd+bwd: fused %.1f us, composite %.1f us\n",
+    std::fprintf(stderr,
+                 "kernel rms_norm [%ld, %ld] %s fwd+bwd: fused %.1f us, composite %.1f us\n",
                  static_cast<long>(rows), static_cast<long>(h),
                  dtype == torch::kFloat32 ? "fp32" : "bf16", fused, comp);
     EXPECT_LT(fused, comp);

@@ -60,7 +60,8 @@ TEST(CudaModule, LoadedOnlyWhenAskedForThenWhole) {
   // The runtime's own answer agrees with LibTorch's, and without a device names both versions.
   const std::string runtime = m->why_no_device();
   EXPECT_EQ(runtime.empty(), available) << runtime;
-  if (!available) EXPECT_NE(runtime.find("LibTorch's CUDA runtime is 13."), std::string::npos) << runtime;
+  if (!available)
+    EXPECT_NE(runtime.find("LibTorch's CUDA runtime is 13."), std::string::npos) << runtime;
   // Without a device, auto resolves to the CPU and says why.
   if (!available) {
     EXPECT_TRUE(tessel::resolve_device("auto", tessel::parallel::WorldInfo{}, &why).is_cpu());
@@ -70,8 +71,8 @@ TEST(CudaModule, LoadedOnlyWhenAskedForThenWhole) {
   }
 }
 
-// The GPUs a machine shows, from the kernel driver's files (a folder standing for `/`): what the GPU
-// check uses to refuse "skipped" on a machine that has GPUs CUDA cannot use.
+// The GPUs a machine shows, from the kernel driver's files (a folder standing for `/`): what the
+// GPU check uses to refuse "skipped" on a machine that has GPUs CUDA cannot use.
 TEST(GpuHardware, FromTheDriversFilesElseTheDeviceNodes) {
   namespace fs = std::filesystem;
   const fs::path root = fs::temp_directory_path() / ("tessel_hw_" + std::to_string(getpid()));
@@ -98,7 +99,8 @@ TEST(GpuHardware, FromTheDriversFilesElseTheDeviceNodes) {
   hw = tessel::device::gpu_hardware(root.string());
   EXPECT_EQ(hw.driver, "580.159.04");
   EXPECT_EQ(hw.gpus, (std::vector<std::string>{"NVIDIA H100 80GB HBM3", "0000:c3:00.0"}));
-  EXPECT_EQ(hw.describe(), "2 NVIDIA GPUs (NVIDIA H100 80GB HBM3, 0000:c3:00.0), driver 580.159.04");
+  EXPECT_EQ(hw.describe(),
+            "2 NVIDIA GPUs (NVIDIA H100 80GB HBM3, 0000:c3:00.0), driver 580.159.04");
   fs::remove_all(root);
 
   EXPECT_EQ(tessel::device::driver_needed(13000), "an NVIDIA driver of release 580 or newer");

@@ -61,9 +61,11 @@ TEST(FusedOps, LibTorchsFusedRmsNormWhereTesselsLoopsDoNotRun) {
   auto y = models::rms_norm(xb, wb, 1e-5, true);
   EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
   auto x32 = xb.detach().to(torch::kFloat32);
-  auto want = (x32 * torch::rsqrt(x32.pow(2).mean(-1, true) + 1e-5)) * wb.detach().to(torch::kFloat32);
-  EXPECT_LT(((y.detach().to(torch::kFloat32) - want).abs() / (want.abs() + 1e-3)).max().item<double>(),
-            2 * std::ldexp(1.0, -8));
+  auto want =
+      (x32 * torch::rsqrt(x32.pow(2).mean(-1, true) + 1e-5)) * wb.detach().to(torch::kFloat32);
+  EXPECT_LT(
+      ((y.detach().to(torch::kFloat32) - want).abs() / (want.abs() + 1e-3)).max().item<double>(),
+      2 * std::ldexp(1.0, -8));
 }
 
 TEST(FusedOps, SwigluMatchesTheComposite) {

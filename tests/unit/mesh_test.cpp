@@ -84,12 +84,26 @@ TEST(World, SlurmHostList) {
 
 // Every variable discover_world() reads: cleared before and after the test.
 void clear_world_env() {
-  for (const char* k :
-       {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-        "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST",
-        "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
-        "SLURM_NODEID", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "TESSEL_RESTART_COUNT"})
+  for (const char* k : {"RANK",
+                        "WORLD_SIZE",
+                        "LOCAL_RANK",
+                        "LOCAL_WORLD_SIZE",
+                        "MASTER_ADDR",
+                        "MASTER_PORT",
+                        "SLURM_PROCID",
+                        "SLURM_NTASKS",
+                        "SLURM_LOCALID",
+                        "SLURM_JOB_NODELIST",
+                        "SLURM_NTASKS_PER_NODE",
+                        "SLURM_STEP_TASKS_PER_NODE",
+                        "SLURM_TASKS_PER_NODE",
+                        "SLURM_NODEID",
+                        "SLURM_JOB_ID",
+                        "OMPI_COMM_WORLD_RANK",
+                        "OMPI_COMM_WORLD_SIZE",
+                        "OMPI_COMM_WORLD_LOCAL_RANK",
+                        "OMPI_COMM_WORLD_LOCAL_SIZE",
+                        "TESSEL_RESTART_COUNT"})
     unsetenv(k);
 }
 
