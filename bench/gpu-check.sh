@@ -24,9 +24,18 @@ py=${TESSEL_PYTHON:-python3}
 export TESSEL_BIN=$bin TESSEL_ROOT=$root TESSEL_PYTHON=$py
 report=$out/gpu-check.md
 # What the machine has, asked before anything runs (bench/benchlib.py reads the driver's files).
-hw=$("$py" -c "import sys; sys.path.insert(0, '$here'); import benchlib as b; g, d = b.gpu_hardware(); \
-print(f'{len(g)} NVIDIA GPU(s): {\", \".join(g)}; driver {d or \"version unknown\"}' if g else '')") || exit 2
-unusable=$("$py" -c "import sys; sys.path.insert(0, '$here'); import benchlib; print(benchlib.unusable_gpu_reason())") || exit 2
+# Two lines: the GPUs and driver ("" without a GPU), then why torch cannot use them ("" if it can).
+verdict=$("$py" - "$here" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[1])
+import benchlib
+gpus, driver = benchlib.gpu_hardware()
+print(f"{len(gpus)} NVIDIA GPU(s): {', '.join(gpus)}; driver {driver or 'version unknown'}" if gpus else "")
+print(benchlib.unusable_gpu_reason())
+PY
+) || exit 2
+hw=$(sed -n 1p <<< "$verdict")
+unusable=$(sed -n 2p <<< "$verdict")
 if [ -n "$unusable" ]; then
   { echo "# Tessel GPU check, $(date -u +%Y-%m-%d): FAILED before it started"; echo; echo "$unusable"; } > "$report"
   cat "$report"

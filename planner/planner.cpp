@@ -97,13 +97,13 @@ const DeviceProfile* profile_of_gpu(const std::string& cuda_name) {
   return nullptr;
 }
 
+namespace {
+
 std::string builtin_profile_names() {
   std::string names;
   for (const auto& [name, _] : builtin_profiles()) names += (names.empty() ? "" : ", ") + name;
   return names;
 }
-
-namespace {
 
 void set_field(DeviceProfile& d, const std::string& key, const std::string& value,
                const std::string& where) {
