@@ -118,12 +118,21 @@ void Work::wait() {
 }
 
 Group::Group(std::string name, std::vector<int64_t> ranks, int64_t global_rank,
-             c10::intrusive_ptr<c10d::Backend> backend)
-    : name_(std::move(name)), ranks_(std::move(ranks)), backend_(std::move(backend)) {
+             c10::intrusive_ptr<c10d::Backend> backend, bool owner)
+    : name_(std::move(name)),
+      ranks_(std::move(ranks)),
+      backend_(std::move(backend)),
+      owner_(owner) {
   auto it = std::find(ranks_.begin(), ranks_.end(), global_rank);
   TORCH_CHECK(it != ranks_.end(), "rank ", global_rank, " is not in group ", name_);
   rank_ = it - ranks_.begin();
-  TORCH_CHECK(size() == 1 || backend_, "group ", name_, " of ", size(), " ranks has no backend");
+}
+
+c10d::Backend& Group::backend(const char* op) const {
+  TORCH_CHECK(backend_, op, " on group ", name_, " of ", size(),
+              " ranks, which is not connected: the plan's steps were not expected to use it "
+              "(parallel/mesh.h group_used)");
+  return *backend_;
 }
 
 void Group::set_side(std::unique_ptr<Group> side) {
@@ -144,7 +153,7 @@ Work Group::all_reduce(torch::Tensor& t, c10d::ReduceOp op) {
   bytes_ += t.numel() * t.element_size();
   auto h = host(t);
   std::vector<at::Tensor> v{h};
-  return finish(backend_->allreduce(v, c10d::AllreduceOptions{op}), t, h, "all_reduce");
+  return finish(backend("all_reduce").allreduce(v, c10d::AllreduceOptions{op}), t, h, "all_reduce");
 }
 
 void Group::all_reduce_coalesced(const std::vector<torch::Tensor>& tensors,
@@ -176,7 +185,7 @@ Work Group::broadcast(torch::Tensor& t, int64_t root) {
   std::vector<at::Tensor> v{h};
   c10d::BroadcastOptions o;
   o.rootRank = root;
-  return finish(backend_->broadcast(v, o), t, h, "broadcast");
+  return finish(backend("broadcast").broadcast(v, o), t, h, "broadcast");
 }
 
 Work Group::reduce(torch::Tensor& t, int64_t root, c10d::ReduceOp op) {
@@ -186,7 +195,7 @@ Work Group::reduce(torch::Tensor& t, int64_t root, c10d::ReduceOp op) {
   c10d::ReduceOptions o;
   o.reduceOp = op;
   o.rootRank = root;
-  return finish(backend_->reduce(v, o), t, h, "reduce");
+  return finish(backend("reduce").reduce(v, o), t, h, "reduce");
 }
 
 Work Group::all_gather(torch::Tensor& out, torch::Tensor& in) {
@@ -199,7 +208,7 @@ Work Group::all_gather(torch::Tensor& out, torch::Tensor& in) {
   bytes_ += out.numel() * out.element_size();
   auto h_out = staged(out) ? torch::empty_like(out, torch::kCPU) : out;
   auto h_in = host(in);
-  return finish(backend_->_allgather_base(h_out, h_in), out, h_out, "all_gather");
+  return finish(backend("all_gather")._allgather_base(h_out, h_in), out, h_out, "all_gather");
 }
 
 Work Group::reduce_scatter(torch::Tensor& out, torch::Tensor& in, c10d::ReduceOp op) {
@@ -210,7 +219,7 @@ Work Group::reduce_scatter(torch::Tensor& out, torch::Tensor& in, c10d::ReduceOp
     return {};
   }
   bytes_ += in.numel() * in.element_size();
-  if (backend_->getBackendName() == "gloo") {
+  if (backend("reduce_scatter").getBackendName() == "gloo") {
     auto h_out = staged(out) ? torch::empty_like(out, torch::kCPU) : out;
     return finish(c10::make_intrusive<GlooReduceScatter>(*backend_, h_out, host(in), op), out,
                   h_out, "reduce_scatter");
@@ -231,13 +240,13 @@ Work Group::all_to_all(torch::Tensor& out, torch::Tensor& in, const std::vector<
   std::vector<int64_t> out_split = out_rows, in_split = in_rows;
   auto h_out = staged(out) ? torch::empty_like(out, torch::kCPU) : out;
   auto h_in = host(in);
-  return finish(backend_->alltoall_base(h_out, h_in, out_split, in_split), out, h_out,
+  return finish(backend("all_to_all").alltoall_base(h_out, h_in, out_split, in_split), out, h_out,
                 "all_to_all");
 }
 
 int64_t Group::shutdown() {
   int64_t n = 0;
-  if (backend_ && !shut_down_) {
+  if (backend_ && owner_ && !shut_down_) {
     backend_->shutdown();
     ++n;
   }
@@ -250,7 +259,7 @@ int64_t Group::shutdown() {
 
 void Group::barrier() {
   if (size() == 1) return;
-  Work(backend_->barrier(), what("barrier")).wait();
+  Work(backend("barrier").barrier(), what("barrier")).wait();
 }
 
 std::vector<const Group*> Group::parts() const {
@@ -299,11 +308,11 @@ Work Group::post(const P2POp& op) {
   if (op.kind == P2POp::kSend) {
     sent_bytes_ += op.tensor.numel() * op.tensor.element_size();
     std::vector<at::Tensor> v{host(op.tensor.contiguous())};
-    return finish(backend_->send(v, static_cast<int>(op.peer), op.tag), {}, {}, "send");
+    return finish(backend("send").send(v, static_cast<int>(op.peer), op.tag), {}, {}, "send");
   }
   auto h = staged(op.tensor) ? torch::empty_like(op.tensor, torch::kCPU) : op.tensor;
   std::vector<at::Tensor> v{h};
-  return finish(backend_->recv(v, static_cast<int>(op.peer), op.tag), op.tensor, h, "recv");
+  return finish(backend("recv").recv(v, static_cast<int>(op.peer), op.tag), op.tensor, h, "recv");
 }
 
 std::vector<Work> Group::send_recv(const std::vector<P2POp>& ops) {
@@ -329,7 +338,7 @@ std::vector<Work> Group::send_recv(const std::vector<P2POp>& ops) {
   // Gloo's send/recv are asynchronous pairs, so posting all of them before waiting is enough;
   // NCCL batches them between startCoalescing/endCoalescing (one grouped launch).
   const bool coalesce = is_nccl();
-  if (coalesce) backend_->startCoalescing();
+  if (coalesce) backend("send_recv").startCoalescing();
   for (const auto& op : ops) works.push_back(post(op));
   if (coalesce) {
     auto w = backend_->endCoalescing();

@@ -51,8 +51,11 @@ bool is_nccl_backend(const std::string& backend);
 
 class Group {
  public:
+  /// `backend`: null for a group of one, or for a group that is described but not connected
+  /// (every operation on it throws). `owner`: false when the communicator is another group's of
+  /// the same members (Mesh::create), which shuts it down.
   Group(std::string name, std::vector<int64_t> ranks, int64_t global_rank,
-        c10::intrusive_ptr<c10d::Backend> backend);
+        c10::intrusive_ptr<c10d::Backend> backend, bool owner = true);
 
   const std::string& name() const { return name_; }
   const std::vector<int64_t>& ranks() const { return ranks_; }
@@ -87,7 +90,9 @@ class Group {
   void set_split(std::unique_ptr<Group> inner, std::unique_ptr<Group> outer);
   Group* inner() const { return inner_.get(); }
   Group* outer() const { return outer_.get(); }
-  /// "gloo", "nccl", or "none" for a group of one.
+  /// Whether operations reach the other ranks: a communicator, or a group of one.
+  bool connected() const { return size() == 1 || backend_; }
+  /// "gloo", "nccl", or "none" for a group of one (or not connected).
   std::string backend_name() const { return backend_ ? backend_->getBackendName() : "none"; }
   /// NCCL: collectives run in place and their waits order the stream instead of blocking.
   bool is_nccl() const { return backend_ && is_nccl_backend(backend_->getBackendName()); }
@@ -112,8 +117,9 @@ class Group {
   Work all_to_all(torch::Tensor& out, torch::Tensor& in, const std::vector<int64_t>& out_rows = {},
                   const std::vector<int64_t>& in_rows = {});
   void barrier();
-  /// Shuts down this group's communicators (its own, its side channel, channels and split), each
-  /// once: NCCL frees them after their queued work; Gloo has nothing to free. Returns how many.
+  /// Shuts down this group's communicators (its own unless another group owns it, its side
+  /// channel, channels and split), each once: NCCL frees them after their queued work; Gloo has
+  /// nothing to free. Returns how many.
   /// No collective may be issued on the group afterwards (Mesh::shutdown calls it).
   int64_t shutdown();
   /// Posts every send and receive of `ops`; returns their works (wait on all of them). With
@@ -124,6 +130,8 @@ class Group {
 
  private:
   std::string what(const char* op);
+  // The communicator, for operation `op` (throws naming the group when it is not connected).
+  c10d::Backend& backend(const char* op) const;
   // Gloo never sees a CUDA tensor: staged() says when a host copy stands in for `t`, host() makes
   // it, and finish() wraps the work so that wait() copies the host result back (comm.cpp).
   bool staged(const torch::Tensor& t) const;
@@ -134,6 +142,7 @@ class Group {
   std::vector<int64_t> ranks_;
   int64_t rank_;
   c10::intrusive_ptr<c10d::Backend> backend_;
+  bool owner_ = true;
   int64_t seq_ = 0;
   int64_t bytes_ = 0, sent_bytes_ = 0;
   bool shut_down_ = false;

@@ -1,5 +1,4 @@
 #include "parallel/mesh.h"
-#include "parallel/pp/schedule.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -120,233 +119,6 @@ std::vector<std::vector<int64_t>> group_ranks(GroupKind k, const Layout& l) {
   return out;
 }
 
-namespace {
-
-// Every broken rule of the plan against the world, each prefixed with the plan's source, so that
-// one error names them all.
-class Problems {
- public:
-  explicit Problems(const std::string& source) : source_(source) {}
-  void require(bool ok, const std::string& msg) {
-    if (!ok) add(msg);
-  }
-  void add(const std::string& msg) { errors_.push_back(source_ + ": " + msg); }
-  void throw_if_any() const {
-    if (errors_.empty()) return;
-    std::string all;
-    for (const auto& e : errors_) all += (all.empty() ? "" : "\n") + e;
-    throw UserError(all);
-  }
-
- private:
-  const std::string& source_;
-  std::vector<std::string> errors_;
-};
-
-// The plan's layout with dp auto resolved, and the world size it must fill.
-Layout resolve_layout(const Config& c, int64_t world, Problems& problems) {
-  const auto& p = c.parallel;
-  Layout l{p.tp, p.cp, p.dp, p.pp, p.ep};
-  const int64_t model_parallel = p.tp * p.cp * p.pp;
-  if (p.dp == 0) {
-    problems.require(world % model_parallel == 0,
-                     fmt::format("world size ({}) must be divisible by parallel.tp·cp·pp "
-                                 "({}·{}·{} = {}) for parallel.dp: auto",
-                                 world, p.tp, p.cp, p.pp, model_parallel));
-    l.dp = std::max<int64_t>(1, world / model_parallel);
-  } else {
-    problems.require(world == l.world(),
-                     fmt::format("world size ({}) must equal parallel.tp·cp·dp·pp "
-                                 "({}·{}·{}·{} = {})",
-                                 world, p.tp, p.cp, p.dp, p.pp, l.world()));
-  }
-  return l;
-}
-
-// Expert parallelism: ep ranks drawn from the data-parallel ones.
-void check_experts(const Config& c, const Layout& l, Problems& problems) {
-  const auto& p = c.parallel;
-  if (p.ep == 1) return;
-  problems.require(l.dp % p.ep == 0,
-                   fmt::format("parallel.ep ({}) must divide parallel.dp ({}): the expert-parallel "
-                               "ranks are drawn from the data-parallel ones (dp {} with ep {} runs "
-                               "on {} process{})",
-                               p.ep, l.dp, p.ep, p.ep, p.ep * p.tp * p.cp * p.pp,
-                               p.ep * p.tp * p.cp * p.pp == 1 ? "" : "es"));
-}
-
-// The model's dimensions that tensor parallelism (and sequence parallelism) split.
-void check_tensor_split(const Config& c, Problems& problems) {
-  const auto& p = c.parallel;
-  const auto& m = c.model;
-  const auto& t = c.training;
-  problems.require(
-      m.heads % p.tp == 0,
-      fmt::format("model.heads ({}) must be divisible by parallel.tp ({})", m.heads, p.tp));
-  problems.require(m.kv_heads % p.tp == 0 || p.tp % m.kv_heads == 0,
-                   fmt::format("model.kv_heads ({}) and parallel.tp ({}) must divide one another",
-                               m.kv_heads, p.tp));
-  problems.require(m.ffn_hidden % p.tp == 0,
-                   fmt::format("model.ffn_hidden ({}) must be divisible by parallel.tp ({})",
-                               m.ffn_hidden, p.tp));
-  problems.require(
-      !p.sequence_parallel || t.seq_len % (p.tp * p.cp) == 0,
-      fmt::format("parallel.sequence_parallel: training.seq_len ({}) must be divisible by "
-                  "parallel.tp ({}){}",
-                  t.seq_len, p.tp,
-                  p.cp > 1 ? fmt::format(" x parallel.cp ({}) (each cp rank's tokens are split "
-                                         "over tp)",
-                                         p.cp)
-                           : ""));
-}
-
-// Enough layers for every stage, and an explicit split that covers them.
-void check_stage_layers(const Config& c, Problems& problems) {
-  const auto& p = c.parallel;
-  const auto& m = c.model;
-  problems.require(
-      m.layers >= p.pp * p.virtual_stages,
-      fmt::format("model.layers ({}) must be >= parallel.pp ({}) x pipeline.virtual_stages ({})",
-                  m.layers, p.pp, p.virtual_stages));
-  if (p.layers_per_stage.empty()) return;
-  double sum = 0;
-  std::string bad;  // the entries that are not positive integers, by position
-  for (size_t i = 0; i < p.layers_per_stage.size(); ++i) {
-    const double x = p.layers_per_stage[i];
-    sum += x;
-    if (!(x >= 1 && x == std::floor(x)))
-      bad += fmt::format("{}entry {} is {}", bad.empty() ? "" : ", ", i, x);
-  }
-  problems.require(static_cast<int64_t>(p.layers_per_stage.size()) == p.pp * p.virtual_stages &&
-                       bad.empty() && sum == static_cast<double>(m.layers),
-                   fmt::format("parallel.pipeline.layers_per_stage must hold pp x virtual_stages "
-                               "({}) positive integers summing to model.layers ({}); got {} "
-                               "entries summing to {}{}",
-                               p.pp * p.virtual_stages, m.layers, p.layers_per_stage.size(), sum,
-                               bad.empty() ? "" : " (" + bad + ": every stage needs a layer)"));
-}
-
-// The pipeline schedule against pp, the micro-batch count and ZeRO.
-void check_schedule(const Config& c, const Layout& l, Problems& problems) {
-  const auto& p = c.parallel;
-  const auto& t = c.training;
-  const bool chunked = p.pipeline_schedule == "interleaved" || p.pipeline_schedule == "zbv";
-  problems.require(p.virtual_stages == 1 || (chunked && p.pp > 1),
-                   fmt::format("parallel.pipeline.virtual_stages ({}) > 1 needs schedule "
-                               "interleaved or zbv and parallel.pp > 1 (schedule {}, pp {})",
-                               p.virtual_stages, p.pipeline_schedule, p.pp));
-  problems.require(!chunked || p.pp > 1,
-                   fmt::format("parallel.pipeline.schedule {} needs parallel.pp > 1 (pp is 1)",
-                               p.pipeline_schedule));
-  if (p.pp > 1) {  // the schedule's own needs (m >= p; interleaved: m % p == 0, v >= 2)
-    try {
-      pp::make_schedule(p.pipeline_schedule, p.pp,
-                        t.global_batch / std::max<int64_t>(1, l.dp * t.micro_batch),
-                        p.virtual_stages);
-    } catch (const UserError& e) {
-      problems.add(e.what());
-    }
-  }
-}
-
-// alltoall and hybrid context parallelism split each tp rank's query heads over cp ranks (hybrid:
-// over its all-to-all groups, which divide cp).
-void check_context_heads(const Config& c, Problems& problems) {
-  const auto& p = c.parallel;
-  const int64_t heads = c.model.heads / std::max<int64_t>(1, p.tp);
-  const bool hybrid = p.context_method == "hybrid";
-  if (p.cp == 1 || (p.context_method != "alltoall" && !hybrid)) return;
-  const int64_t a = hybrid ? p.context_alltoall_size : p.cp;
-  if (hybrid && p.cp % a != 0) {
-    problems.add(
-        fmt::format("parallel.context.alltoall_size ({}) must divide parallel.cp ({})", a, p.cp));
-    return;
-  }
-  if (heads % a == 0) return;
-  std::vector<int64_t> fit;
-  for (int64_t k = 2; k <= heads; ++k)
-    if (heads % k == 0 && (hybrid ? p.cp % k == 0 : c.training.seq_len % (2 * k) == 0))
-      fit.push_back(k);
-  const std::string key = hybrid ? "parallel.context.alltoall_size" : "parallel.cp";
-  problems.add(fmt::format(
-      "parallel.context.method {} splits each tp rank's query heads over {}: model.heads ({}) / "
-      "parallel.tp ({}) = {} heads are not divisible by {} ({}); {}or use "
-      "parallel.context.method ring or allgather",
-      p.context_method, key, c.model.heads, p.tp, heads, key, a,
-      fit.empty() ? "" : fmt::format("{} {} would divide them, ", key, fmt::join(fit, ", "))));
-}
-
-// The sequence's split over cp, and the global batch's over dp and micro-batches.
-void check_batch(const Config& c, const Layout& l, Problems& problems) {
-  const auto& p = c.parallel;
-  const auto& t = c.training;
-  problems.require(p.cp == 1 || t.seq_len % (2 * p.cp) == 0,
-                   fmt::format("training.seq_len ({}) must be divisible by 2·parallel.cp "
-                               "(2·{} = {}): each sequence is cut into 2·cp equal chunks",
-                               t.seq_len, p.cp, 2 * p.cp));
-  check_context_heads(c, problems);
-  problems.require(t.global_batch % (l.dp * t.micro_batch) == 0,
-                   fmt::format("training.global_batch ({}) must be divisible by "
-                               "parallel.dp·training.micro_batch ({}·{} = {})",
-                               t.global_batch, l.dp, t.micro_batch, l.dp * t.micro_batch));
-  // The schedule holds a few actions per micro-batch for every stage (and --dry-run simulates
-  // every rank's): bounded so that a huge batch is refused, not built until memory runs out.
-  constexpr int64_t kMaxMicrobatches = 65536;
-  const int64_t microbatches = t.global_batch / std::max<int64_t>(1, l.dp * t.micro_batch);
-  problems.require(
-      microbatches <= kMaxMicrobatches,
-      fmt::format("training.global_batch ({}) / (parallel.dp·training.micro_batch = "
-                  "{}) = {} micro-batches per step: at most {} (the schedule holds "
-                  "actions for each); raise training.micro_batch",
-                  t.global_batch, l.dp * t.micro_batch, microbatches, kMaxMicrobatches));
-}
-
-// The `local_world` processes of this node against its CUDA devices, when it trains on CUDA.
-void check_devices(const Config& c, int64_t local_world, Problems& problems) {
-  const auto& t = c.training;
-  const bool cuda = t.device == "cuda" || (t.device == "auto" && device::cuda_available());
-  if (!cuda) return;
-  try {  // the rule the device choice applies (one visible device each, or one per local rank)
-    choose_cuda_device(static_cast<int>(device::cuda_device_count()), 0,
-                       static_cast<int>(local_world), std::getenv("CUDA_VISIBLE_DEVICES"));
-  } catch (const UserError& e) {
-    problems.add(e.what());
-  }
-}
-
-}  // namespace
-
-Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
-  Problems problems(c.source);
-  const Layout l = resolve_layout(c, world, problems);
-  check_tensor_split(c, problems);
-  check_experts(c, l, problems);
-  check_stage_layers(c, problems);
-  check_schedule(c, l, problems);
-  check_batch(c, l, problems);
-  if (local_world > 0) check_devices(c, local_world, problems);
-  problems.throw_if_any();
-  return l;
-}
-
-std::string describe_grid(const Layout& l) {
-  std::ostringstream s;
-  s << fmt::format("rank grid: world {} = tp {} x cp {} x dp {} x pp {} (order tp-cp-dp-pp)\n",
-                   l.world(), l.tp, l.cp, l.dp, l.pp);
-  std::map<GroupKind, std::vector<std::vector<int64_t>>> groups;
-  for (auto k : all_group_kinds()) groups[k] = group_ranks(k, l);
-  for (int64_t r = 0; r < l.world(); ++r) {
-    Coord c = coord_of(r, l);
-    s << fmt::format("  rank {:>3}: tp {} cp {} dp {} pp {} |", r, c.tp, c.cp, c.dp, c.pp);
-    for (auto k : all_group_kinds())
-      for (const auto& g : groups[k])
-        if (std::find(g.begin(), g.end(), r) != g.end())
-          s << fmt::format(" {} [{}]", group_name(k), fmt::join(g, ","));
-    s << "\n";
-  }
-  return s.str();
-}
-
 std::string agent_store_prefix() {
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   if (!agent || std::string(agent) != "True") return "";
@@ -402,53 +174,108 @@ std::string choose_backend(const Config& c, const torch::Device& device) {
   return backend;
 }
 
-// Makes this rank's Group of `ranks` named `name`: with a backend of its own, connected over
-// the store under the group's name, when it has several ranks.
-struct GroupMaker {
-  const WorldInfo& w;
-  const std::string& backend;
-  c10::intrusive_ptr<c10d::Store> store;
-  std::chrono::milliseconds timeout;
-  const torch::Device& device;
+// Which groups may share a communicator. On NCCL one communicator is one stream, so groups that
+// share one run one behind the other: the model's groups (tp, cp, ep: collectives inside forward
+// and backward) keep theirs apart from the data groups' (gradient reductions that overlap
+// backward, and the step's own sums), and the channels made for overlap (ZeRO-3's side channel,
+// the pipeline's one-way channels, hybrid context parallelism's split) share with nothing.
+enum class Lane { kAlone, kModel, kData };
 
-  std::unique_ptr<Group> operator()(const std::string& name,
-                                    const std::vector<int64_t>& ranks) const {
-    c10::intrusive_ptr<c10d::Backend> made;
-    if (ranks.size() > 1) {
-      auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
-      const int my =
-          static_cast<int>(std::find(ranks.begin(), ranks.end(), w.rank) - ranks.begin());
-      const int n = static_cast<int>(ranks.size());
-      if (backend == "gloo") {
-        auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-        opts->devices.push_back(gloo_device(w));
-        made = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, my, n, opts);
-        made->setGroupDesc(name);
-      } else {
-        const auto* cuda = device::cuda_module();
-        if (!cuda)
-          throw UserError("parallel.backend nccl needs CUDA: " + device::cuda_unavailable_reason());
-        made = cuda->make_nccl(prefixed, my, n, name, ranks, timeout, device);
-      }
+Lane lane_of(GroupKind k) {
+  return k == GroupKind::kTp || k == GroupKind::kCp || k == GroupKind::kEp ? Lane::kModel
+                                                                           : Lane::kData;
+}
+
+// Makes this rank's Group of `ranks` named `name`. With several ranks it needs a communicator:
+// the one an earlier group of the same members and lane made (every rank creates its groups in
+// the same order, so the same groups share on every rank), else one of its own, connected over
+// the store under the group's name. Without `connect` (Mesh::plan) nothing is connected: the
+// communicators are only listed.
+class GroupMaker {
+ public:
+  GroupMaker(const WorldInfo& w, std::string backend, c10::intrusive_ptr<c10d::Store> store,
+             std::chrono::milliseconds timeout, const torch::Device& device, bool connect)
+      : w_(w),
+        backend_(std::move(backend)),
+        store_(std::move(store)),
+        timeout_(timeout),
+        device_(device),
+        connect_(connect) {}
+
+  std::unique_ptr<Group> operator()(const std::string& name, const std::vector<int64_t>& ranks,
+                                    Lane lane = Lane::kAlone) {
+    if (ranks.size() <= 1) return std::make_unique<Group>(name, ranks, w_.rank, nullptr);
+    if (lane != Lane::kAlone) {
+      for (auto& made : made_)
+        if (made.lane == lane && made.ranks == ranks) {
+          listed_[made.index].shared_by.push_back(name);
+          return std::make_unique<Group>(name, ranks, w_.rank, made.backend, /*owner=*/false);
+        }
     }
-    return std::make_unique<Group>(name, ranks, w.rank, made);
+    auto backend = connect_ ? connect(name, ranks) : c10::intrusive_ptr<c10d::Backend>();
+    made_.push_back({lane, ranks, backend, listed_.size()});
+    listed_.push_back({name, ranks, {}});
+    return std::make_unique<Group>(name, ranks, w_.rank, backend);
   }
+
+  /// A group described but not connected (no step of the plan uses it).
+  std::unique_ptr<Group> unused(const std::string& name, const std::vector<int64_t>& ranks) const {
+    return std::make_unique<Group>(name, ranks, w_.rank, nullptr);
+  }
+
+  const std::vector<Communicator>& listed() const { return listed_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> connect(const std::string& name,
+                                            const std::vector<int64_t>& ranks) const {
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store_);
+    const int my = static_cast<int>(std::find(ranks.begin(), ranks.end(), w_.rank) - ranks.begin());
+    const int n = static_cast<int>(ranks.size());
+    if (backend_ == "gloo") {
+      auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
+      opts->devices.push_back(gloo_device(w_));
+      auto made = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, my, n, opts);
+      made->setGroupDesc(name);
+      return made;
+    }
+    const auto* cuda = device::cuda_module();
+    if (!cuda)
+      throw UserError("parallel.backend nccl needs CUDA: " + device::cuda_unavailable_reason());
+    return cuda->make_nccl(prefixed, my, n, name, ranks, timeout_, device_);
+  }
+
+  struct Made {
+    Lane lane;
+    std::vector<int64_t> ranks;
+    c10::intrusive_ptr<c10d::Backend> backend;
+    size_t index;  // in listed_
+  };
+  const WorldInfo& w_;
+  std::string backend_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::chrono::milliseconds timeout_;
+  const torch::Device& device_;
+  bool connect_;
+  std::vector<Made> made_;
+  std::vector<Communicator> listed_;
 };
 
 // Every rank walks every group of every kind in the same order and joins the ones that hold it
-// (a group of one, without a backend, when none of a kind does: embedding, off the first and
-// last pipeline stage or without pipelining).
-std::vector<std::unique_ptr<Group>> join_groups(const GroupMaker& make, const Layout& l,
+// (a group of one when none of a kind does: embedding, off the first and last pipeline stage or
+// without pipelining). The kinds no step of the plan uses are described, not connected.
+std::vector<std::unique_ptr<Group>> join_groups(GroupMaker& make, const Config& c, const Layout& l,
                                                 int64_t rank) {
   std::vector<std::unique_ptr<Group>> joined;
   for (auto k : all_group_kinds()) {
     std::unique_ptr<Group> mine;
     auto groups = group_ranks(k, l);
     for (size_t i = 0; i < groups.size(); ++i)
-      if (std::find(groups[i].begin(), groups[i].end(), rank) != groups[i].end())
-        mine = make(fmt::format("{}.{}", group_name(k), i), groups[i]);
-    if (!mine)
-      mine = std::make_unique<Group>(group_name(k), std::vector<int64_t>{rank}, rank, nullptr);
+      if (std::find(groups[i].begin(), groups[i].end(), rank) != groups[i].end()) {
+        const auto name = fmt::format("{}.{}", group_name(k), i);
+        mine =
+            group_used(k, c, l) ? make(name, groups[i], lane_of(k)) : make.unused(name, groups[i]);
+      }
+    if (!mine) mine = make(group_name(k), {rank});
     joined.push_back(std::move(mine));
   }
   return joined;
@@ -457,7 +284,7 @@ std::vector<std::unique_ptr<Group>> join_groups(const GroupMaker& make, const La
 // The pipeline group's point-to-point channels: one per direction between pipeline neighbours
 // (stage i to i+1 and back, the last stage's wrap-around to the first included, which
 // interleaved schedules use). Every rank of the group walks the same list in the same order.
-void add_pipeline_channels(const GroupMaker& make, Group& pp) {
+void add_pipeline_channels(GroupMaker& make, Group& pp) {
   const int64_t p = pp.size();
   std::vector<std::pair<int64_t, int64_t>> pairs;
   for (int64_t i = 0; i < p; ++i)
@@ -473,7 +300,7 @@ void add_pipeline_channels(const GroupMaker& make, Group& pp) {
 // Hybrid context parallelism's split of the cp group: all-to-all groups of `a` consecutive cp
 // ranks, and rings of the ranks at the same place in every all-to-all group. Every rank of the
 // cp group walks the same list in the same order.
-void add_context_split(const GroupMaker& make, Group& cp, int64_t a) {
+void add_context_split(GroupMaker& make, Group& cp, int64_t a) {
   const int64_t n = cp.size(), me = cp.rank();
   std::unique_ptr<Group> inner, outer;
   for (int64_t j = 0; j < n / a; ++j) {
@@ -488,44 +315,53 @@ void add_context_split(const GroupMaker& make, Group& cp, int64_t a) {
   cp.set_split(std::move(inner), std::move(outer));
 }
 
-// What a group carries beside its own communicator, as the start-up log says it.
-std::string extras(const Group& g) {
-  std::string out;
-  if (g.has_side()) out += " (+ a side channel)";
-  if (g.channels()) out += fmt::format(" (+ {} p2p channels)", g.channels());
-  if (g.inner())
-    out += fmt::format(" (+ all-to-all over [{}], ring over [{}])",
-                       fmt::join(g.inner()->ranks(), ","), fmt::join(g.outer()->ranks(), ","));
-  return out;
-}
-
-// Every communicator exists now, created in this order on every rank.
-void log_groups(const Mesh& mesh) {
-  std::string created;
-  for (const auto* g : mesh.groups()) {
-    if (g->size() > 1)
-      created += fmt::format("{}{}{} [{}]", created.empty() ? "" : ", ", g->name(), extras(*g),
-                             fmt::join(g->ranks(), ","));
-  }
-  if (!created.empty())
-    spdlog::info("process groups of this rank ({}, connected at start-up): {}", mesh.backend(),
-                 created);
+// Every communicator exists now, created in this order on every rank; the groups that use one
+// made by an earlier group are named beside it.
+void log_communicators(const Mesh& mesh) {
+  std::vector<std::string> listed, unused;
+  for (const auto& m : mesh.communicators())
+    listed.push_back(fmt::format(
+        "{} [{}]{}", m.name, fmt::join(m.ranks, ","),
+        m.shared_by.empty() ? "" : fmt::format(" (also {})", fmt::join(m.shared_by, ", "))));
+  for (const auto* g : mesh.groups())
+    if (g->size() > 1 && !g->connected()) unused.push_back(g->name());
+  if (!listed.empty())
+    spdlog::info("communicators of this rank ({}, connected at start-up): {}", mesh.backend(),
+                 fmt::join(listed, ", "));
+  if (!unused.empty())
+    spdlog::info("groups no step of this plan uses (not connected): {}", fmt::join(unused, ", "));
 }
 
 }  // namespace
 
-std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const torch::Device& device,
-                                   c10::intrusive_ptr<c10d::Store> store) {
+bool table_on_two_stages(const Config& c, const Layout& l) {
+  return l.pp > 1 && c.model.tied() && c.parallel.pipeline_schedule != "zbv";
+}
+
+bool group_used(GroupKind k, const Config& c, const Layout& l) {
+  switch (k) {
+    case GroupKind::kDp:  // gradients are reduced over dp_cp, which is dp when cp is 1
+    case GroupKind::kMp:  // norms are summed over the world
+      return false;
+    case GroupKind::kEmbedding:
+      return table_on_two_stages(c, l);
+    default:
+      return true;
+  }
+}
+
+std::unique_ptr<Mesh> Mesh::build(const Config& c, const WorldInfo& w, const torch::Device& device,
+                                  c10::intrusive_ptr<c10d::Store> store, bool connect) {
   auto mesh = std::unique_ptr<Mesh>(new Mesh());
   mesh->layout_ = check_layout(c, w.world, w.local_world);
   mesh->rank_ = w.rank;
   mesh->coord_ = coord_of(w.rank, mesh->layout_);
   mesh->device_ = device;
-  mesh->backend_ = choose_backend(c, device);
+  mesh->backend_ = connect ? choose_backend(c, device) : c.parallel.backend;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(c.parallel.timeout_s * 1000));
-  if (w.world > 1 && !store) store = rendezvous(w, c.parallel.timeout_s);
-  const GroupMaker make{w, mesh->backend_, store, timeout, device};
-  if (is_nccl_backend(mesh->backend_) && w.world > 1) {
+  if (connect && w.world > 1 && !store) store = rendezvous(w, c.parallel.timeout_s);
+  GroupMaker make{w, mesh->backend_, store, timeout, device, connect};
+  if (connect && is_nccl_backend(mesh->backend_) && w.world > 1) {
     const std::string handling = nccl_error_handling();  // before the first ProcessGroupNCCL
     spdlog::info(
         "NCCL on {}: timeout {} s (parallel.timeout_s), TORCH_NCCL_ASYNC_ERROR_HANDLING={}",
@@ -533,9 +369,9 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const to
   }
   std::vector<int64_t> all(static_cast<size_t>(w.world));
   std::iota(all.begin(), all.end(), 0);
-  mesh->world_ = make("world", all);
+  mesh->world_ = make("world", all, Lane::kData);
   mesh->store_ = store;
-  mesh->groups_ = join_groups(make, mesh->layout_, w.rank);
+  mesh->groups_ = join_groups(make, c, mesh->layout_, w.rank);
   // ZeRO-3 gathers weights while backward reduce-scatters gradients, both over the data group:
   // on a side channel of their own they run beside each other instead of one behind the other.
   for (auto kind : {GroupKind::kDpCp, GroupKind::kEdpCp}) {  // (edp_cp: the MoE experts')
@@ -549,8 +385,18 @@ std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const to
   auto& cp = *mesh->groups_[static_cast<size_t>(GroupKind::kCp)];
   if (cp.size() > 1 && c.parallel.context_method == "hybrid")
     add_context_split(make, cp, c.parallel.context_alltoall_size);
-  log_groups(*mesh);
+  mesh->communicators_ = make.listed();
+  if (connect) log_communicators(*mesh);
   return mesh;
+}
+
+std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const torch::Device& device,
+                                   c10::intrusive_ptr<c10d::Store> store) {
+  return build(c, w, device, std::move(store), /*connect=*/true);
+}
+
+std::unique_ptr<Mesh> Mesh::plan(const Config& c, const WorldInfo& w) {
+  return build(c, w, torch::Device(torch::kCPU), {}, /*connect=*/false);
 }
 
 }  // namespace tessel::parallel

@@ -47,6 +47,22 @@ std::vector<std::vector<int64_t>> group_ranks(GroupKind k, const Layout& l);
 /// `local_world`: processes on this node, checked against its CUDA devices (0: not checked).
 Layout check_layout(const Config& c, int64_t world, int64_t local_world);
 
+/// Whether a step of the plan uses groups of kind `k`: dp and mp are described (--dry-run's grid)
+/// but never connected; embedding only where a tied token table sits on two stages.
+bool group_used(GroupKind k, const Config& c, const Layout& l);
+/// A tied token table held by two pipeline stages, the first (embedding) and the last (head),
+/// whose gradients the embedding group sums: pp > 1, tied, and not zbv (which keeps both ends
+/// on one rank).
+bool table_on_two_stages(const Config& c, const Layout& l);
+
+/// One communicator of this rank: the group that made it, its members, and the groups of the
+/// same members that use it too (Mesh::create says which groups share).
+struct Communicator {
+  std::string name;
+  std::vector<int64_t> ranks;
+  std::vector<std::string> shared_by;
+};
+
 /// Text of the rank grid: every rank's coordinates and its group members (for --dry-run).
 std::string describe_grid(const Layout& l);
 
@@ -63,9 +79,17 @@ class Mesh {
   /// Every process group, created and connected at once, in the same order on every rank, over
   /// `store` (null: a rendezvous of its own, when there are several processes). Gloo on CPU;
   /// NCCL on CUDA (bound to `device`, parallel.timeout_s, asynchronous error handling).
+  /// One communicator per member set: a group whose members match an earlier group's uses its
+  /// communicator, except that the model's groups (tp, cp, ep) never share with the data groups
+  /// (world, pp, embedding, dp_cp, edp_cp), whose gradient reductions overlap them; ZeRO-3's side
+  /// channels, the pipeline's channels and hybrid CP's split have their own. Groups no step uses
+  /// (group_used) are not connected. The start-up log lists the communicators.
   static std::unique_ptr<Mesh> create(const Config& c, const WorldInfo& w,
                                       const torch::Device& device,
                                       c10::intrusive_ptr<c10d::Store> store = {});
+  /// The groups create() makes for rank w.rank, none connected; communicators() lists the ones
+  /// create() would connect (tests, and counting without processes).
+  static std::unique_ptr<Mesh> plan(const Config& c, const WorldInfo& w);
 
   const Layout& layout() const { return layout_; }
   const Coord& coord() const { return coord_; }
@@ -83,6 +107,8 @@ class Mesh {
   Group& expert_data() const { return layout_.ep > 1 ? group(GroupKind::kEdpCp) : dp_cp(); }
   /// This rank's groups in creation order (world first), the same order on every rank.
   std::vector<const Group*> groups() const;
+  /// This rank's communicators in creation order (those that shared ones name their users).
+  const std::vector<Communicator>& communicators() const { return communicators_; }
   /// The rendezvous store (rank 0 serves it); null in a one-process run.
   c10d::Store* store() const { return store_.get(); }
   /// The end of a run that ends together (finished, or stopped on a signal): a world barrier
@@ -93,6 +119,9 @@ class Mesh {
   int64_t shutdown();
 
  private:
+  static std::unique_ptr<Mesh> build(const Config& c, const WorldInfo& w,
+                                     const torch::Device& device,
+                                     c10::intrusive_ptr<c10d::Store> store, bool connect);
   Layout layout_;
   Coord coord_{};
   int64_t rank_ = 0;
@@ -101,6 +130,7 @@ class Mesh {
   std::unique_ptr<Group> world_;
   std::vector<std::unique_ptr<Group>> groups_;
   c10::intrusive_ptr<c10d::Store> store_;
+  std::vector<Communicator> communicators_;
   bool shut_down_ = false;
 };
 

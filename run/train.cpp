@@ -239,8 +239,7 @@ void Trainer::setup_state() {
     spdlog::info("resumed from {} (step {}, {} samples consumed)", dir, st.step,
                  st.consumed_samples);
   }
-  // zbv holds the first and the last stage on one rank: one token table, nothing to sum.
-  const bool table_copies = l.pp > 1 && c_.model.tied() && c_.parallel.pipeline_schedule != "zbv";
+  const bool table_copies = parallel::table_on_two_stages(c_, l);
   for (const auto& s : opt_->layout().slots()) {
     // Under ZeRO the table is a bucket of its own: each rank sums its whole (aligned) piece.
     auto views = s.name == "embed.weight" && table_copies && zero > 0

@@ -75,7 +75,7 @@ class Operations(TmpDirTest):
         """The ranks met at a world barrier after their last collective (rank 0, which reports for
         everyone, says so after it), then each shut down its communicators: rank 0 as many as the
         start-up log lists for it (parallel/mesh.h Mesh::shutdown)."""
-        listed = re.search(r"\[rank 0\] .*process groups of this rank \(gloo, connected at start-up\): (.*)", out)
+        listed = re.search(r"\[rank 0\] .*communicators of this rank \(gloo, connected at start-up\): (.*)", out)
         ended = re.search(r"\[rank 0\] .*every rank reached the end; (\d+) communicators of this rank shut down",
                           out)
         self.assertIsNotNone(listed, out[-3000:])

@@ -50,7 +50,8 @@ class PipelineParity(TmpDirTest):
             plan["training"]["steps"] = 4
             p = self.launch(plan, pp)
             # Pipeline transfers go over one-way channels, one per direction between neighbours.
-            self.assertEqual("pp.0 (+ 2 p2p channels)" in p.stdout + p.stderr, pp == 2)
+            out = p.stdout + p.stderr
+            self.assertEqual("pp.0.p2p.0to1 [0,1]" in out and "pp.0.p2p.1to0 [1,0]" in out, pp == 2)
             losses.append([m["loss"] for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m])
         self.assertEqual(len(losses[1]), 4)
         # Starts from the trained weights: well below the untrained model's first loss (ln 301 = 5.71).

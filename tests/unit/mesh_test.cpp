@@ -1,3 +1,5 @@
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -45,6 +47,64 @@ void expect_layout_error(const Config& c, int64_t world, const std::string& part
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
   }
+}
+
+// Rank 0's communicators for a plan on `world` processes, each as "name [ranks] (also ...)".
+// `model`: more keys of model (", arch: gpt2").
+std::vector<std::string> communicators(const std::string& model, const std::string& extra,
+                                       int world) {
+  WorldInfo w;
+  w.world = world;
+  w.local_world = world;
+  std::vector<std::string> out;
+  const bool batch = extra.find("training:") != std::string::npos;
+  auto mesh = Mesh::plan(
+      load_config_text("data: {path: x}\nmodel: {layers: 4, hidden: 64, heads: 4" + model + "}\n" +
+                           extra + (batch ? "" : "training: {global_batch: 8, micro_batch: 1}\n"),
+                       "p.yaml"),
+      w);
+  for (const auto& m : mesh->communicators()) {
+    std::string s = m.name + " [" + fmt::format("{}", fmt::join(m.ranks, ",")) + "]";
+    if (!m.shared_by.empty())
+      s += " (also " + fmt::format("{}", fmt::join(m.shared_by, ", ")) + ")";
+    out.push_back(s);
+  }
+  for (const auto* g : mesh->groups()) EXPECT_TRUE(g->size() == 1 || !g->connected()) << g->name();
+  return out;
+}
+
+using Names = std::vector<std::string>;
+
+// One communicator per member set (the model's groups apart from the data groups'), and none
+// for the groups no step uses (dp, mp, an untied or zbv token table). The code before this test
+// connected every group of several ranks: 3, 6, 9, 4 and 4 communicators for the first five
+// plans below (world, dp and dp_cp at dp 2; mp and embedding beside pp; ...).
+TEST(Mesh, OneCommunicatorPerMemberSet) {
+  EXPECT_EQ(communicators("", "parallel: {dp: 2}\n", 2), (Names{"world [0,1] (also dp_cp.0)"}));
+  EXPECT_EQ(communicators(", arch: gpt2", "parallel: {pp: 2}\n", 2),
+            (Names{"world [0,1] (also pp.0, embedding.0)", "pp.0.p2p.0to1 [0,1]",
+                   "pp.0.p2p.1to0 [1,0]"}));
+  EXPECT_EQ(communicators(", arch: gpt2", "parallel: {tp: 2, pp: 2, dp: 2}\n", 8),
+            (Names{"world [0,1,2,3,4,5,6,7]", "tp.0 [0,1]", "pp.0 [0,4] (also embedding.0)",
+                   "dp_cp.0 [0,2]", "pp.0.p2p.0to1 [0,4]", "pp.0.p2p.1to0 [4,0]"}));
+  const std::string moe = ", arch: llama, moe: {experts: 4}";
+  EXPECT_EQ(communicators(moe, "parallel: {dp: 2, ep: 2}\n", 2),
+            (Names{"world [0,1] (also dp_cp.0)", "ep.0 [0,1]"}));
+  EXPECT_EQ(communicators(moe, "parallel: {dp: 4, ep: 2, zero: 3}\n", 4),
+            (Names{"world [0,1,2,3] (also dp_cp.0)", "ep.0 [0,1]", "edp_cp.0 [0,2]",
+                   "dp_cp.0.gather [0,1,2,3]", "edp_cp.0.gather [0,2]"}));
+  // The model's groups keep their own: cp's ring beside the gradient reduction over dp_cp.
+  EXPECT_EQ(
+      communicators(
+          "", "parallel: {cp: 2}\ntraining: {seq_len: 64, global_batch: 8, micro_batch: 1}\n", 2),
+      (Names{"world [0,1] (also dp_cp.0)", "cp.0 [0,1]"}));
+  // An untied table across stages, and zbv's both ends on one rank: no embedding group.
+  EXPECT_EQ(communicators(", arch: llama", "parallel: {pp: 2}\n", 2).front(),
+            "world [0,1] (also pp.0)");
+  EXPECT_EQ(communicators(", arch: gpt2",
+                          "parallel: {pp: 2, pipeline: {schedule: zbv, virtual_stages: 2}}\n", 2)
+                .front(),
+            "world [0,1] (also pp.0)");
 }
 
 TEST(Mesh, PlanChecksNameTheValues) {
