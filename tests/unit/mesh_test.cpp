@@ -77,7 +77,7 @@ using Names = std::vector<std::string>;
 
 // One communicator per member set (the model's groups apart from the data groups'), and none
 // for the groups no step uses (dp, mp, an untied or zbv token table). The code before this test
-// connected every group of several ranks: 3, 6, 9, 4 and 4 communicators for the first five
+// connected every group of several ranks: 3, 6, 9, 4 and 7 communicators for the first five
 // plans below (world, dp and dp_cp at dp 2; mp and embedding beside pp; ...).
 TEST(Mesh, OneCommunicatorPerMemberSet) {
   EXPECT_EQ(communicators("", "parallel: {dp: 2}\n", 2), (Names{"world [0,1] (also dp_cp.0)"}));
