@@ -51,9 +51,11 @@ struct CudaModule {
   /// Why the CUDA runtime itself sees no device ("" when it sees one): its error, the CUDA
   /// version the installed driver supports and the runtime's own.
   std::string (*why_no_device)() = nullptr;
+  /// CUDA device `index`'s compute capability, 10·major + minor (90 on an H100).
+  int (*compute_capability)(int index) = nullptr;
 };
 /// Bumped whenever CudaModule changes: a module of another build is refused.
-constexpr int kCudaModuleVersion = 2;
+constexpr int kCudaModuleVersion = 3;
 
 /// NVIDIA GPUs the operating system shows, whether or not CUDA can use them.
 struct GpuHardware {
@@ -93,6 +95,11 @@ bool cuda_loaded();
 /// TF32 tensor cores for CUDA's fp32 matmuls and convolutions, on or off (training.tf32), set
 /// through both of LibTorch's APIs so that neither reads the other as a contradiction.
 void set_tf32(bool on);
+/// training.deterministic: PyTorch's deterministic algorithms on (strict: an operator without a
+/// deterministic kernel throws, naming itself), cuDNN deterministic and not benchmarking, and
+/// CUBLAS_WORKSPACE_CONFIG=:4096:8 unless the environment sets it (before the first cuBLAS
+/// handle). Off: PyTorch's defaults.
+void set_deterministic(bool on);
 
 }  // namespace tessel::device
 

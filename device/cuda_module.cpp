@@ -119,6 +119,11 @@ std::unique_ptr<GraphBackend> make_graph() { return std::make_unique<CudaGraphBa
 
 std::string device_name(int index) { return at::cuda::getDeviceProperties(index)->name; }
 
+int compute_capability(int index) {
+  const auto* p = at::cuda::getDeviceProperties(index);
+  return 10 * p->major + p->minor;
+}
+
 std::string version_text(int v) { return fmt::format("{}.{}", v / 1000, (v % 1000) / 10); }
 
 // Asked of the CUDA runtime itself, not of LibTorch (whose answer is a bare false): the error,
@@ -142,7 +147,8 @@ std::string why_no_device() {
   return why;
 }
 
-const CudaModule kModule{kCudaModuleVersion, &make_nccl, &make_graph, &device_name, &why_no_device};
+const CudaModule kModule{kCudaModuleVersion, &make_nccl,     &make_graph,
+                         &device_name,       &why_no_device, &compute_capability};
 
 }  // namespace
 }  // namespace tessel::device

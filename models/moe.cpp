@@ -68,11 +68,22 @@ MoeImpl::MoeImpl(const DecoderOptions& o, int64_t layer, MoeState* state)
   }
 }
 
-torch::Tensor MoeImpl::experts(const torch::Tensor& rows, const torch::Tensor& offsets) const {
-  auto mm = [&](const torch::Tensor& a, const torch::Tensor& w) {
-    return DenseGrad::apply(at::_grouped_mm(a, w.transpose(1, 2), offsets));
-  };
-  return mm(torch::silu(mm(rows, gate)) * mm(rows, up), down);
+torch::Tensor MoeImpl::experts(const parallel::ep::Dispatched& d) const {
+  if (d.local_rows.empty() || parallel::ep::grouped_mm_on_device(d.rows)) {
+    auto mm = [&](const torch::Tensor& a, const torch::Tensor& w) {
+      return DenseGrad::apply(at::_grouped_mm(a, w.transpose(1, 2), d.offsets));
+    };
+    return mm(torch::silu(mm(d.rows, gate)) * mm(d.rows, up), down);
+  }
+  auto parts = d.rows.split_with_sizes(d.local_rows);
+  std::vector<torch::Tensor> outs;
+  for (size_t e = 0; e < parts.size(); ++e) {
+    const auto i = static_cast<int64_t>(e);
+    auto a = parts[e];
+    outs.push_back(
+        torch::mm(torch::silu(torch::mm(a, gate[i].t())) * torch::mm(a, up[i].t()), down[i].t()));
+  }
+  return torch::cat(outs);
 }
 
 torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
@@ -88,8 +99,10 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
   if (m_.norm_topk)
     weights = m_.score == "sigmoid" ? weights / (weights.sum(-1, true) + 1e-20)
                                     : weights / weights.sum(-1, true);
-  // Each (token, choice) row by expert; choices over a sequence's capacity go to bin e (none).
+  // Each (token, choice) row by expert; choices over a sequence's capacity go to bin e (none),
+  // with gate weight 0: sorted last, they pass by the residual only.
   auto bins = chosen.reshape(-1);
+  auto gates = weights.reshape(-1);
   const int64_t slots = bins.size(0);
   if (m_.capacity_factor > 0) {
     // Per sequence and expert, the first `capacity` choices in token order are kept.
@@ -105,23 +118,24 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
         torch::arange(slots, bins.options()) - first.index_select(0, key.index_select(0, by_key));
     auto over = torch::zeros_like(bins, torch::kBool).scatter_(0, by_key, rank >= cap);
     bins = bins.masked_fill(over, e);
+    gates = gates.masked_fill(over, 0.0);
   }
   auto order = std::get<1>(bins.sort(std::optional<bool>(true), 0));
   auto counts = torch::zeros({e + 1}, bins.options()).scatter_add_(0, bins, torch::ones_like(bins));
-  const int64_t kept =
-      m_.capacity_factor > 0 ? counts.narrow(0, 0, e).sum().item<int64_t>() : slots;
-  order = order.narrow(0, 0, kept);
-  counts = counts.narrow(0, 0, e);
   auto token = order.div(k, "floor");
-  auto d = parallel::ep::dispatch(*ep_, flat.index_select(0, token), counts);
-  auto y = parallel::ep::combine(*ep_, experts(d.rows, d.offsets), d.route);
-  auto g = weights.reshape(-1).index_select(0, order).to(x.scalar_type()).unsqueeze(1);
+  // No host read here: dispatch() reads the split sizes once when ep > 1, or the rows per expert
+  // when the grouped matmul would read its offsets itself (ep/dispatch.h).
+  auto routed = flat.index_select(0, token);
+  auto d = parallel::ep::dispatch(*ep_, routed, counts.narrow(0, 0, e),
+                                  !parallel::ep::grouped_mm_on_device(routed));
+  auto y = parallel::ep::combine(*ep_, experts(d), d.route);
+  auto g = gates.index_select(0, order).to(x.scalar_type()).unsqueeze(1);
   auto out = torch::zeros_like(flat).index_add(0, token, y * g);
   if (state_ && state_->loss_factor.defined() && !recomputing()) {
     torch::NoGradGuard no_grad;
     if (state_->count_here) {
-      state_->counts[index_] += counts.to(torch::kFloat32);
-      state_->dropped[index_] += static_cast<double>(slots - kept);
+      state_->counts[index_] += counts.narrow(0, 0, e).to(torch::kFloat32);
+      state_->dropped[index_] += counts[e].to(torch::kFloat32);
     }
   }
   out = balance(out, scores, chosen, b, s).view({b, s, h});

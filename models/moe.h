@@ -18,6 +18,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "models/layers.h"
+#include "parallel/ep/dispatch.h"
 
 namespace tessel::models {
 
@@ -48,8 +49,11 @@ class MoeImpl : public torch::nn::Module {
   Mlp shared{nullptr};           // shared experts (one MLP of shared·f), or none
 
  private:
-  /// Rows sorted by their expert -> the SwiGLU of each row's expert, grouped over local experts.
-  torch::Tensor experts(const torch::Tensor& rows, const torch::Tensor& offsets) const;
+  /// Dispatched rows, sorted by their expert -> the SwiGLU of each row's expert: grouped matmuls
+  /// over the local experts, or, where those would read their offsets on the host
+  /// (parallel/ep/dispatch.h grouped_mm_on_device), one matmul per expert on the rows per expert
+  /// dispatch() read.
+  torch::Tensor experts(const parallel::ep::Dispatched& d) const;
   /// The balance loss's gradient attached to `out`; statistics added to the state.
   torch::Tensor balance(const torch::Tensor& out, const torch::Tensor& scores,
                         const torch::Tensor& chosen, int64_t b, int64_t s);

@@ -335,18 +335,20 @@ void FlatAdamW::step(const torch::Tensor& lr, const torch::Tensor& found_inf) {
   const auto& o = t_.optimizer;
   std::optional<at::Tensor> skip;
   if (found_inf.defined()) skip = found_inf;
-  // A CPU rate is read on the host (the double path, no device sync); a device rate is read by
-  // the kernel. The same call either way.
+  // A host rate (a float64 CPU scalar) is read from host memory (the double path, no device
+  // sync, no operator); a device rate is read by the kernel. The same call either way.
   auto update = [&](const auto& rate) {
     for (const auto& grp : groups_)
       at::_fused_adamw_(grp.w, grp.g, grp.m, grp.v, {}, grp.steps, rate, o.betas[0], o.betas[1],
                         grp.decay ? o.weight_decay : 0.0, o.eps, /*amsgrad=*/false,
                         /*maximize=*/false, /*grad_scale=*/std::nullopt, skip);
   };
-  if (lr.device().is_cpu())
-    update(lr.item<double>());
-  else
+  if (lr.device().is_cpu()) {
+    TORCH_CHECK(lr.scalar_type() == torch::kFloat64, "FlatAdamW::step: a host rate is float64");
+    update(*lr.data_ptr<double>());
+  } else {
     update(lr);
+  }
   if (found_inf.defined()) step_count_.sub_(found_inf);  // a skipped step does not count
   refresh_weights();
   (grad_.defined() ? grad_ : grad_shard_).zero_();

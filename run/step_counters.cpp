@@ -3,6 +3,10 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "observe/host_reads.h"
 
 namespace tessel {
 namespace {
@@ -14,6 +18,9 @@ int cuda_index(const torch::Device& d) { return d.index() < 0 ? 0 : d.index(); }
 StepCounters::StepCounters(const parallel::Mesh& mesh, const torch::Device& device)
     : mesh_(mesh), device_(device) {
   if (!device.is_cuda()) CpuAllocationCounter::get();
+  if (const char* v = std::getenv("TESSEL_COUNT_HOST_READS"))
+    if (std::strcmp(v, "1") == 0 || std::strcmp(v, "trace") == 0)
+      count_host_reads(std::strcmp(v, "trace") == 0);
 }
 
 int64_t StepCounters::allocated() const {
@@ -41,6 +48,7 @@ void StepCounters::begin_step() {
   }
   reset_peak();
   base_ = allocated();
+  reads_at_begin_ = host_reads();
 }
 
 void StepCounters::end_step(bool host_ran) {
@@ -53,8 +61,9 @@ void StepCounters::end_step(bool host_ran) {
   }
   const int64_t peak = reset_peak();
   // The first step also allocates what lives on (lazy buffers, caches): steady state is the rest.
-  if (steps_ == 1 || steps_ == 0) peak_extra_ = 0;
+  if (steps_ == 1 || steps_ == 0) peak_extra_ = reads_ = 0;
   peak_extra_ = std::max(peak_extra_, peak - base_);
+  reads_ = std::max(reads_, host_reads() - reads_at_begin_);
   peak_abs_ = std::max(peak_abs_, peak);
   ++steps_;
 }

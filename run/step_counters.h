@@ -31,6 +31,10 @@ class StepCounters {
   int64_t step_peak_bytes() const { return peak_extra_; }
   /// Memory allocated when the last step began (weights, gradients, optimizer state, buffers).
   int64_t step_base_bytes() const { return base_; }
+  /// The most host reads (observe/host_reads.h) one step made: steps after the first, which
+  /// also reads once what lives on; the first when it is the only one. Counted in full only with
+  /// TESSEL_COUNT_HOST_READS=1 (else Tessel's own reads alone).
+  int64_t host_reads_per_step() const { return reads_; }
   /// CUDA: the highest allocated bytes since the last call (metrics' mem_bytes).
   int64_t take_peak_since_log() { return std::exchange(peak_abs_, 0); }
 
@@ -41,6 +45,7 @@ class StepCounters {
   torch::Device device_;
   std::map<parallel::GroupKind, int64_t> at_begin_, total_;
   int64_t steps_ = 0, host_steps_ = 0, base_ = 0, peak_extra_ = 0, peak_abs_ = 0;
+  int64_t reads_at_begin_ = 0, reads_ = 0;
 };
 
 }  // namespace tessel

@@ -2,6 +2,7 @@
 a checkpoint saved (half-way) with the experts split over 2 ranks continues with them split over 4, held
 whole by one process, and inside a pipeline, with the same losses as the uninterrupted run; and
 bad MoE plans are refused before start-up, naming the keys and their values."""
+import json
 import os
 import sys
 import unittest
@@ -41,6 +42,35 @@ class MoeResume(TmpDirTest):
             self.assertLess(worst, 1e-5, name)
             print(f"\n{base} {first} -> {parallel} resume at step {half}: worst loss rel diff {worst:.2e}",
                   file=sys.stderr)
+
+    def host_reads(self, name, base, parallel, world):
+        """The most host reads one training step made on any rank (memory.json, counted with
+        TESSEL_COUNT_HOST_READS=1: LibTorch's item/nonzero/... and Tessel's own copies)."""
+        plan = self.plan(name, parallel, base)
+        plan["training"]["steps"] = 3
+        os.environ["TESSEL_COUNT_HOST_READS"] = "1"
+        try:
+            self.launch(plan, world)
+        finally:
+            del os.environ["TESSEL_COUNT_HOST_READS"]
+        with open(self.path(name, "memory.json")) as f:
+            return max(r["host_reads_per_step"] for r in json.load(f)["ranks"])
+
+    def test_host_reads_per_step(self):
+        # A dense step reads nothing on the host; nor does an MoE step whose experts stay on one
+        # rank, dropless or with a capacity (the dropped rows no longer need a count on the host).
+        # With experts split over ranks the exchange's split sizes are read once per MoE layer and
+        # micro-batch: 4 MoE layers x 4 micro-batches per rank. The code before this test also
+        # read on the host once per MoE layer and micro-batch with a capacity (its item()), and
+        # in fp32 on a GPU nine times more (the grouped matmul's fallback); the first two plans
+        # also made one read per step (the learning rate's item()), which a GPU run did not wait on.
+        counts = {"dense": self.host_reads("dense", "tp", {"dp": 2}, 2),
+                  "moe": self.host_reads("moe", "moe", {}, 1),
+                  "capacity": self.host_reads("cap", "moe_capacity", {}, 1),
+                  "ep2": self.host_reads("ep2r", "moe", {"dp": 2, "ep": 2}, 2),
+                  "ep2_capacity": self.host_reads("ep2c", "moe_capacity", {"dp": 2, "ep": 2}, 2)}
+        print(f"\nhost reads per step: {counts}", file=sys.stderr)
+        self.assertEqual(counts, {"dense": 0, "moe": 0, "capacity": 0, "ep2": 16, "ep2_capacity": 16})
 
     def test_resume_across_expert_parallel_sizes(self):
         self.continue_runs("ep2", {"dp": 2, "ep": 2}, 2,

@@ -149,6 +149,7 @@ class Parity(unittest.TestCase):
         if row.parallel.get("pp", 1) > 1:
             line += self.check_pipeline(got["out"], row)
         line += self.check_planner(got["out"], row)
+        line += self.check_host_reads(got["out"], row)
         if row.peak_below:
             other, factor = row.peak_below
             base = ref if other == "reference" else result(runs.get(runs.plan(BY_ID[other], BY_ID[other].parallel),
@@ -193,6 +194,30 @@ class Parity(unittest.TestCase):
             act = (p["activation_bytes"] - m["step_peak_bytes"]) / max(m["step_peak_bytes"], 1)
             worst = act if abs(act) > abs(worst) else worst
         return f"; planner: state exact, bytes within bounds, activation peak {100 * worst:+.1f}%"
+
+    def check_host_reads(self, out, row):
+        """No host read inside a step (each would be a host sync on a GPU), but for the one an
+        expert-parallel exchange makes per MoE layer and micro-batch for its split sizes (counted
+        by the trainer, observe/host_reads.h: memory.json host_reads_per_step)."""
+        with open(os.path.join(out, "memory.json")) as f:
+            reads = [m["host_reads_per_step"] for m in json.load(f)["ranks"]]
+        base = BASES[row.base]
+        ep = row.parallel.get("ep", 1)
+        if "moe" not in base.get("model", {}) or ep == 1:
+            self.assertEqual(reads, [0] * row.world, f"{row.id}: host reads per step on each rank")
+            return "; no host reads"
+        moe = base["model"]["moe"]
+        layers = base["model"]["layers"] // moe.get("every", 1)
+        training = {**base["training"], **row.training}
+        dp = row.world // (row.parallel.get("tp", 1) * row.parallel.get("cp", 1) * row.parallel.get("pp", 1))
+        micro = training["global_batch"] // (dp * training.get("micro_batch", 1))
+        if row.parallel.get("pp", 1) == 1 and training.get("recompute", "none") == "none":
+            self.assertEqual(reads, [layers * micro] * row.world, f"{row.id}: one host read per MoE layer "
+                             f"({layers}) per micro-batch ({micro})")
+        else:  # a stage holds some of the layers; recompute runs a forward again
+            self.assertTrue(all(0 < r <= 2 * layers * micro and r % micro == 0 for r in reads),
+                            f"{row.id}: host reads per step {reads}, {layers} MoE layers x {micro} micro-batches")
+        return f"; host reads per step {max(reads)} (ep exchange split sizes)"
 
     def check_pipeline(self, out, row):
         """The executor held exactly the activations its schedule says (1F1B: at most pp)."""

@@ -14,6 +14,7 @@ on one whose GPUs torch cannot use (an old driver, CUDA_VISIBLE_DEVICES empty).
   - training.cuda_graph: the captured, replayed step against eager steps, one GPU and dp=2.
   - A mixture of experts on CUDA: bf16, fp32, and three data ranks under ZeRO-1 and ZeRO-2.
 """
+import json
 import os
 import re
 import subprocess
@@ -178,6 +179,34 @@ class MoeOnCuda(TmpDirTest):
             worst = max(rel(a, b) for a, b in zip(got, ref, strict=True))
             print(f"\nMoE on CUDA, {name}: worst rel {worst:.2e} vs one GPU fp32", file=sys.stderr)
             self.assertLess(worst, 3e-2 if dtype == "bf16" else 1e-5, f"{name}: {got} vs {ref}")
+
+    def test_host_reads_and_communicators(self):
+        """Host reads per step on CUDA (memory.json, TESSEL_COUNT_HOST_READS=1): LibTorch's grouped
+        matmul reads nothing on the host in bf16 on compute capability 9.x/10.x; elsewhere Tessel
+        reads the rows per expert once per MoE layer and micro-batch (4 layers x 6 micro-batches)
+        instead of the fallback's nine reads; with ep 2 the exchange's read serves both (4 x 3).
+        The two ranks list their communicators and shut down as many."""
+        fast = torch.cuda.get_device_capability()[0] in (9, 10)
+        os.environ["TESSEL_COUNT_HOST_READS"] = "1"
+        try:
+            reads = {}
+            for name, world, dtype, layout in (("reads_fp32", 1, "fp32", {"backend": "nccl"}),
+                                               ("reads_bf16", 1, "bf16", {"backend": "nccl"}),
+                                               ("reads_ep2", 2, "fp32", {"dp": 2, "ep": 2})):
+                p = launch_plan(self.plan(name, dtype, **layout), world)
+                with open(self.path(name, "memory.json")) as f:
+                    reads[name] = max(r["host_reads_per_step"] for r in json.load(f)["ranks"])
+                if world == 2:
+                    out = p.stdout + p.stderr
+                    listed = re.search(r"\[rank 0\] .*communicators of this rank \(\w+, connected at start-up\): (.*)", out)
+                    ended = re.search(r"every rank reached the end; (\d+) communicators", out)
+                    self.assertIsNotNone(listed, out[-2000:])
+                    self.assertEqual(listed.group(1).count("["), 2, listed.group(0))  # world (+ dp_cp), ep
+                    self.assertEqual(int(ended.group(1)), 2, out[-2000:])
+        finally:
+            del os.environ["TESSEL_COUNT_HOST_READS"]
+        print(f"\nhost reads per step on CUDA (fast grouped matmul: {fast}): {reads}", file=sys.stderr)
+        self.assertEqual(reads, {"reads_fp32": 24, "reads_bf16": 0 if fast else 24, "reads_ep2": 12})
 
 
 class CudaGraph(TmpDirTest):

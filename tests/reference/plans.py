@@ -151,8 +151,10 @@ def spawn_ranks(plan, world, timeout=600):
     or 60 s after a rank failed, are killed. Raises naming each failed rank with its output's tail."""
     import time
     path = write_plan(plan["run"]["output_dir"] + ".yaml", plan)
+    # TESSEL_COUNT_HOST_READS: memory.json counts each step's host reads (parity.py checks them)
     base = dict(os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), TESSEL_RESTART_COUNT="0")
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), TESSEL_RESTART_COUNT="0",
+                TESSEL_COUNT_HOST_READS="1")
     logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]
     try:
         procs = [subprocess.Popen([os.path.join(BIN, "tessel-train"), path], stdout=logs[r],

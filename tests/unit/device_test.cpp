@@ -56,6 +56,7 @@ TEST(CudaModule, LoadedOnlyWhenAskedForThenWhole) {
   EXPECT_NE(m->make_nccl, nullptr);
   EXPECT_NE(m->make_graph, nullptr);
   EXPECT_NE(m->device_name, nullptr);
+  EXPECT_NE(m->compute_capability, nullptr);
   ASSERT_NE(m->why_no_device, nullptr);
   // The runtime's own answer agrees with LibTorch's, and without a device names both versions.
   const std::string runtime = m->why_no_device();
@@ -123,4 +124,26 @@ TEST(Tf32, SetBothWays) {
               on ? at::Float32Precision::TF32 : at::Float32Precision::IEEE);
   }
   tessel::device::set_tf32(false);
+}
+
+// training.deterministic: strict deterministic algorithms, cuDNN deterministic and not
+// benchmarking, cuBLAS's workspace fixed unless the environment chose one; off restores
+// PyTorch's defaults. Flags only: no device needed.
+TEST(Deterministic, SetAndCleared) {
+  auto& ctx = at::globalContext();
+  unsetenv("CUBLAS_WORKSPACE_CONFIG");
+  tessel::device::set_deterministic(true);
+  EXPECT_TRUE(ctx.deterministicAlgorithms());
+  EXPECT_FALSE(ctx.deterministicAlgorithmsWarnOnly());
+  EXPECT_TRUE(ctx.deterministicCuDNN());
+  EXPECT_FALSE(ctx.benchmarkCuDNN());
+  ASSERT_NE(std::getenv("CUBLAS_WORKSPACE_CONFIG"), nullptr);
+  EXPECT_STREQ(std::getenv("CUBLAS_WORKSPACE_CONFIG"), ":4096:8");
+  setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8", 1);  // the user's choice stays
+  tessel::device::set_deterministic(true);
+  EXPECT_STREQ(std::getenv("CUBLAS_WORKSPACE_CONFIG"), ":16:8");
+  tessel::device::set_deterministic(false);
+  EXPECT_FALSE(ctx.deterministicAlgorithms());
+  EXPECT_FALSE(ctx.deterministicCuDNN());
+  unsetenv("CUBLAS_WORKSPACE_CONFIG");
 }
