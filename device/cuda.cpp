@@ -164,4 +164,13 @@ void set_tf32(bool on) {
   ctx.setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::CONV, p);
 }
 
+void set_deterministic(bool on) {
+  // Read by cuBLAS when it makes a handle (at the first matmul on a device): set before that.
+  if (on) setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  auto& ctx = at::globalContext();
+  ctx.setDeterministicAlgorithms(on, /*warn_only=*/false);
+  ctx.setDeterministicCuDNN(on);
+  if (on) ctx.setBenchmarkCuDNN(false);
+}
+
 }  // namespace tessel::device

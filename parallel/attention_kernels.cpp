@@ -85,7 +85,7 @@ std::string planned_attention_kernel(int64_t heads, int64_t kv_heads, int64_t se
                                 torch::empty({1, kv_heads, seq_len, head_dim}, o), true);
 }
 
-void pin_sdpa_order(torch::ScalarType dtype) {
+void pin_sdpa_order(torch::ScalarType dtype, bool deterministic) {
   // bf16/fp16: cuDNN's attention first (on an H100, forward and backward of Llama-3 1B's causal
   // grouped-query shape took 846 us against flash's 1298 us), then flash, memory-efficient,
   // math. fp32 (neither cuDNN's nor flash's kernels take it): memory-efficient, then math. Set
@@ -98,7 +98,10 @@ void pin_sdpa_order(torch::ScalarType dtype) {
            : std::vector<B>{B::efficient_attention, B::math, B::flash_attention, B::cudnn_attention,
                             B::overrideable};
   std::vector<int64_t> ids;
-  for (auto b : order) ids.push_back(static_cast<int64_t>(b));
+  for (auto b : order)
+    if (!(deterministic && b == B::cudnn_attention)) ids.push_back(static_cast<int64_t>(b));
+  if (deterministic)
+    ids.insert(ids.end() - 1, static_cast<int64_t>(B::cudnn_attention));  // before overrideable
   at::globalContext().setSDPPriorityOrder(ids);
 }
 

@@ -55,8 +55,10 @@ std::string planned_attention_kernel(int64_t heads, int64_t kv_heads, int64_t se
 
 /// SDPA's backend order on CUDA for a run in `dtype`, set explicitly (the start-up calls it before
 /// planned_attention_kernel): bf16/fp16 cuDNN, flash, memory-efficient, math; fp32
-/// memory-efficient, math.
-void pin_sdpa_order(torch::ScalarType dtype);
+/// memory-efficient, math. `deterministic` (training.deterministic): cuDNN's attention last,
+/// after math (its backward does not repeat bitwise; PyTorch's strict deterministic mode leaves
+/// it out as well).
+void pin_sdpa_order(torch::ScalarType dtype, bool deterministic = false);
 
 /// One block of attention and its log-sum-exp: q [b, h, m, d] against k, v [b, h, n, d] (equal
 /// head counts; causal: m == n and the block is on the diagonal). Returns (out [b, h, m, d] in

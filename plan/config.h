@@ -90,6 +90,7 @@ struct TrainingConfig {
   std::string device;     // auto | cpu | cuda
   std::string dtype;      // fp32 | bf16 | fp16 (auto resolved at load: bf16 on CUDA, else fp32)
   bool tf32;              // CUDA: fp32 matmuls and convolutions on TF32 tensor cores
+  bool deterministic;     // deterministic kernels (PyTorch's deterministic algorithms)
   std::string recompute;  // none | selective | full (activation checkpointing)
   std::string kernels;    // tessel | torch: Tessel's own fused kernels where they apply, or not
   bool lean_logits;       // head fused with the loss, in chunks of tokens (parallel/tp/head_loss.h)

@@ -205,6 +205,13 @@ void add_training_fields(FieldAdder& add, Config& c) {
   add("training.tf32", &c.training.tf32, true,
       "On CUDA, fp32 matrix multiplications and convolutions use TF32 tensor cores (as "
       "Megatron-LM and torchtitan do); false keeps them exact fp32 (parity checks).");
+  add("training.deterministic", &c.training.deterministic, false,
+      "Deterministic kernels, so that a run repeats bitwise on the same GPUs, layout and plan: "
+      "PyTorch's deterministic algorithms (flash and memory-efficient attention backward without "
+      "atomics, cuDNN's attention left out), cuBLAS with a fixed workspace "
+      "(CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set), cuDNN deterministic and not benchmarking. "
+      "It costs speed (attention backward and scatter-adds serialise) and an operator without a "
+      "deterministic CUDA kernel stops the run naming it. CPU runs repeat bitwise either way.");
   add("training.recompute", &c.training.recompute, S("none"),
       "Activation checkpointing. none: keep every block's activations for backward. selective: "
       "keep attention's and rerun each block's MLP half (its norm and the ffn-wide tensors, the "
@@ -408,6 +415,7 @@ void mark_free_on_resume(std::vector<Field>& f) {
       {"training.device", "where the run computes"},
       {"training.dtype", "arithmetic precision: master weights and moments stay fp32"},
       {"training.tf32", "arithmetic precision of fp32 matmuls on CUDA"},
+      {"training.deterministic", "speed: deterministic variants of the same kernels"},
       {"training.recompute", "memory against time: the same losses"},
       {"training.kernels", "speed: the same functions, float rounding aside"},
       {"training.lean_logits", "memory: the same loss, float rounding aside"},

@@ -88,6 +88,30 @@ TEST(CudaDenseAttention, PlannedKernels) {
   }
 }
 
+// training.deterministic on the GPU: attention forward and backward in bf16 at Llama-3 1B's
+// grouped-query shape, run twice, give bitwise-equal gradients (without it neither cuDNN's nor
+// flash's backward repeated on an H100: bench/RESULTS.md, third GPU run).
+TEST(CudaDeterministic, AttentionBackwardRepeatsBitwise) {
+  device::set_deterministic(true);
+  parallel::pin_sdpa_order(torch::kBFloat16, /*deterministic=*/true);
+  const auto o = torch::TensorOptions().dtype(torch::kBFloat16).device(g_device);
+  torch::manual_seed(0);
+  auto q = torch::randn({2, 32, 2048, 64}, o), k = torch::randn({2, 8, 2048, 64}, o),
+       v = torch::randn({2, 8, 2048, 64}, o), dy = torch::randn({2, 32, 2048, 64}, o);
+  auto grads = [&] {
+    auto qq = q.clone().requires_grad_(), kk = k.clone().requires_grad_(),
+         vv = v.clone().requires_grad_();
+    at::scaled_dot_product_attention(qq, kk, vv, {}, 0.0, /*is_causal=*/true, std::nullopt,
+                                     /*enable_gqa=*/true)
+        .backward(dy);
+    return torch::cat({qq.grad().flatten(), kk.grad().flatten(), vv.grad().flatten()});
+  };
+  const auto first = grads();
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(torch::equal(first, grads())) << "repeat " << i;
+  device::set_deterministic(false);
+  parallel::pin_sdpa_order(torch::kBFloat16);
+}
+
 TEST(CudaRecompute, ReplaysTheForwardsRandomDraws) { check_recompute_replays_rng(g_device); }
 
 // An MoE layer's router, grouped expert matmuls (at::_grouped_mm's CUDA kernel) and combine on

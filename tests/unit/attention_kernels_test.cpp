@@ -69,6 +69,13 @@ TEST(SdpaOrder, PinnedPerDtype) {
   order = at::globalContext().sDPPriorityOrder();
   EXPECT_EQ(order[0], at::SDPBackend::efficient_attention);
   EXPECT_EQ(order[1], at::SDPBackend::math);
+  // training.deterministic: cuDNN's attention (whose backward does not repeat) after math.
+  parallel::pin_sdpa_order(torch::kBFloat16, /*deterministic=*/true);
+  order = at::globalContext().sDPPriorityOrder();
+  EXPECT_EQ(order[0], at::SDPBackend::flash_attention);
+  EXPECT_EQ(order[1], at::SDPBackend::efficient_attention);
+  EXPECT_EQ(order[2], at::SDPBackend::math);
+  EXPECT_EQ(order[3], at::SDPBackend::cudnn_attention);
 }
 
 }  // namespace
