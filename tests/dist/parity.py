@@ -78,8 +78,12 @@ class Runs:
                 # The trainer writes the exported weights itself at the end (no export process).
                 plan = dict(plan, run=dict(plan["run"], output_dir=out),
                             checkpoint=dict(plan["checkpoint"], export_hf=os.path.join(out, "hf")))
-                if world == 1:
-                    launch_plan(plan, 1)
+                if world == 1:  # counting host reads as spawn_ranks' ranks do
+                    os.environ["TESSEL_COUNT_HOST_READS"] = "1"
+                    try:
+                        launch_plan(plan, 1)
+                    finally:
+                        del os.environ["TESSEL_COUNT_HOST_READS"]
                 else:  # the ranks without tessel-launch, whose own tests prove it (spawn_ranks)
                     spawn_ranks(plan, world)
                 open(os.path.join(out, "done"), "w").close()
