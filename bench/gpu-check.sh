@@ -75,7 +75,7 @@ PY
   echo
   cat "$out/bench.md"
   echo
-  grep -hE "kernel|worst rel|bf16 error" "$out/gpu-tests.log" "$out/gpu-suite.log" | sed 's/^/    /'
+  grep -hE "kernel|worst rel|bf16 error|host reads" "$out/gpu-tests.log" "$out/gpu-suite.log" | sed 's/^/    /'
 } > "$report"
 cat "$report"
 for rc in $kernels $suite $bench; do
