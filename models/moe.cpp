@@ -126,6 +126,10 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
   // No host read here: dispatch() reads the split sizes once when ep > 1, or the rows per expert
   // when the grouped matmul would read its offsets itself (ep/dispatch.h).
   auto routed = flat.index_select(0, token);
+  // Dropped rows enter their expert as zeros: it returns exact zeros (no overflow to meet a
+  // gate of 0 as inf·0 in fp16), and they add nothing to its weights' gradients.
+  if (m_.capacity_factor > 0)
+    routed = routed.masked_fill((bins.index_select(0, order) == e).unsqueeze(1), 0.0);
   auto d = parallel::ep::dispatch(*ep_, routed, counts.narrow(0, 0, e),
                                   !parallel::ep::grouped_mm_on_device(routed));
   auto y = parallel::ep::combine(*ep_, experts(d), d.route);

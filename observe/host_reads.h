@@ -5,6 +5,10 @@
 //   through a callback on every operator, installed only once counting is switched on;
 // - Tessel's own copies to the host, which go through read_on_host().
 // run/step_counters.h reports the count per step (memory.json host_reads_per_step).
+// A lower bound: an operator that reads on the host inside another (boolean-mask indexing's
+// nonzero, repeat_interleave without output_size, CUDA's grouped-matmul fallback) and a host copy
+// outside read_on_host (Gloo's staging of CUDA tensors) are not counted, so Tessel's step code
+// avoids those by construction and 0 means no read this counter can see.
 #pragma once
 
 #include <torch/types.h>

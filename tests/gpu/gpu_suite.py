@@ -183,8 +183,8 @@ class MoeOnCuda(TmpDirTest):
     def test_host_reads_and_communicators(self):
         """Host reads per step on CUDA (memory.json, TESSEL_COUNT_HOST_READS=1): LibTorch's grouped
         matmul reads nothing on the host in bf16 on compute capability 9.x/10.x; elsewhere Tessel
-        reads the rows per expert once per MoE layer and micro-batch (4 layers x 6 micro-batches)
-        instead of the fallback's nine reads; with ep 2 the exchange's read serves both (4 x 3).
+        reads the rows per expert once per MoE layer and micro-batch (2 layers x 6 micro-batches)
+        instead of the fallback's nine reads; with ep 2 the exchange's read serves both (2 x 3).
         The two ranks list their communicators and shut down as many."""
         fast = torch.cuda.get_device_capability()[0] in (9, 10)
         os.environ["TESSEL_COUNT_HOST_READS"] = "1"
@@ -206,7 +206,7 @@ class MoeOnCuda(TmpDirTest):
         finally:
             del os.environ["TESSEL_COUNT_HOST_READS"]
         print(f"\nhost reads per step on CUDA (fast grouped matmul: {fast}): {reads}", file=sys.stderr)
-        self.assertEqual(reads, {"reads_fp32": 24, "reads_bf16": 0 if fast else 24, "reads_ep2": 12})
+        self.assertEqual(reads, {"reads_fp32": 12, "reads_bf16": 0 if fast else 12, "reads_ep2": 6})
 
 
 class CudaGraph(TmpDirTest):
