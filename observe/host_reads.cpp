@@ -13,9 +13,8 @@ namespace {
 
 std::atomic<int64_t> g_reads{0};
 std::atomic<bool> g_counting{false};
-bool g_trace = false;
-thread_local int t_depth = 0;  // operators of this thread under way  // count_host_reads(true):
-                               // each read logged with its stack
+bool g_trace = false;          // count_host_reads(true): each read logged with its stack
+thread_local int t_depth = 0;  // operators of this thread under way
 
 // Operators whose result depends on tensor values read on the host (on CUDA each waits for the
 // device). item() is aten::item over aten::_local_scalar_dense: counted once, as the outer one.

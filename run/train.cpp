@@ -13,7 +13,6 @@
 #include "device/cuda.h"
 #include "io/safetensors.h"
 #include "models/moe.h"
-#include "observe/host_reads.h"
 #include "observe/profiler.h"
 #include "parallel/attention_kernels.h"
 #include "parallel/cp/attention.h"
