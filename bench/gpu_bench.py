@@ -167,6 +167,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("out")
     ap.add_argument("--cpu", action="store_true", help="the CPU dry path (automatic without CUDA)")
+    ap.add_argument("--compile-by", type=float, default=None, metavar="S",
+                    help="start a torch.compile run only while the bench has run under S seconds "
+                         "(compiling Llama-3 1B takes about 75 s on an H200); later rows say so")
     a = ap.parse_args()
     if not a.cpu and unusable_gpu_reason():  # no CPU figures passed off where a GPU should run
         raise SystemExit(f"gpu_bench: {unusable_gpu_reason()}")
@@ -181,6 +184,7 @@ def main():
           "Tessel / compile |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     results = []
+    started = time.perf_counter()
     for name, model, batch, seq, steps in plans(cpu):
         tps, mfu, gflop, peak, resolved, mem = run_tessel(a.out, name, model, batch, seq, steps, cpu)
         m = model_section(resolved)
@@ -193,6 +197,10 @@ def main():
             except GraphNotCaptured as e:
                 row["graph_error"] = f"not captured: {e}"[:160]
         for label, comp in (("eager", False), ("compile", True)):
+            elapsed = time.perf_counter() - started
+            if comp and a.compile_by is not None and elapsed > a.compile_by:
+                row[f"{label}_error"] = f"not run: {elapsed:.0f} s past --compile-by {a.compile_by:.0f}"
+                continue
             try:
                 t, pmem = run_pytorch(m, batch, seq, steps, cpu, comp)
                 row[f"{label}_tok_s"] = t
