@@ -52,7 +52,8 @@ void add_tp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
   // the MLP's, full the whole block's. An MoE layer's experts and router are replicated over tp
   // (they see every token of the rank, or under SP its slice of the sequence): only its shared
   // experts, an MLP split over tp, communicate there. Plus the embedding (first stage) and the
-  // head's input (last), and the loss's three [tokens] fp32 all-reduces (max, sum, target logit).
+  // head's input (last), and the loss's three [tokens] fp32 all-reduces (the slices' largest
+  // log-sum-exp, the sum of their exponentials, the target's loss).
   const double ends = (part.first ? 1 : 0) + (part.last ? 1 : 0);
   const double row = tok * h * w;
   const double u = sp ? 2 : 1;

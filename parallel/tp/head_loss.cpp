@@ -13,9 +13,9 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-/// One chunk: its loss sum, and (when `dlogits` is wanted) softmax - one-hot in its fp32 logits'
-/// buffer, returned. Statistics cross the group as vectors of the chunk's rows
-/// (vocab_parallel_softmax_stats).
+/// One chunk: its loss sum, and (when `dlogits` is wanted) softmax - one-hot in y's dtype, made in
+/// its fp32 log-softmax's buffer. Statistics cross the group as vectors of the chunk's rows
+/// (vocab_parallel_log_softmax).
 struct ChunkLoss {
   torch::Tensor loss_sum, dlogits;
 };
@@ -23,13 +23,10 @@ struct ChunkLoss {
 ChunkLoss chunk_loss(Group& g, const torch::Tensor& y, const torch::Tensor& weight,
                      const torch::Tensor& targets, int64_t vocab_start, int64_t vocab,
                      bool dlogits) {
-  auto w = torch::mm(y, weight.t()).to(torch::kFloat32);  // [n, Vl]: fp32 (a no-op when fp32)
-  auto s = vocab_parallel_softmax_stats(g, w, targets, vocab_start, vocab);
-  ChunkLoss out{(s.sum.log() - s.target_logit).sum(), {}};
-  if (!dlogits) return out;
-  w.div_(s.sum.unsqueeze(1));  // softmax, then minus the one-hot target where this rank holds it
-  w.scatter_add_(1, s.local_target, -s.mine.to(torch::kFloat32).unsqueeze(1));
-  out.dlogits = std::move(w);
+  // The logits [n, Vl] in the model's dtype live only for the log-softmax's one pass.
+  auto s = vocab_parallel_log_softmax(g, torch::mm(y, weight.t()), targets, vocab_start, vocab);
+  ChunkLoss out{s.loss.sum(), {}};
+  if (dlogits) out.dlogits = softmax_minus_target(s, {}, weight.size(0), y.scalar_type());
   return out;
 }
 
@@ -49,9 +46,9 @@ struct FusedHeadCrossEntropy : torch::autograd::Function<FusedHeadCrossEntropy> 
       auto yc = y.narrow(0, b, rows);
       auto c = chunk_loss(g, yc, weight, targets.narrow(0, b, rows), vocab_start, vocab, true);
       loss += c.loss_sum;
-      auto dl = c.dlogits.to(y.scalar_type());  // fp32: the same tensor
-      auto dy_rows = dy.narrow(0, b, rows);     // contiguous: whole rows of dy
-      torch::mm_out(dy_rows, dl, weight);       // [rows, h]
+      const auto& dl = c.dlogits;            // in y's dtype
+      auto dy_rows = dy.narrow(0, b, rows);  // contiguous: whole rows of dy
+      torch::mm_out(dy_rows, dl, weight);    // [rows, h]
       if (y.scalar_type() == torch::kFloat32)
         dw.addmm_(dl.t(), yc);  // [Vl, h]
       else  // the matmul in the model's dtype (tensor cores), summed over chunks in fp32

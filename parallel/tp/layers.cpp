@@ -2,6 +2,9 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <limits>
+
 #include "parallel/autograd_comm.h"
 #include "parallel/pp/weight_grad.h"
 
@@ -83,54 +86,96 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Softmax statistics cross the group as [N] vectors: the max, the sum of exponentials and the
-// target's logit. Backward is local: softmax minus the one-hot target (if this rank holds it).
-// Memory: one fp32 [N, V/tp] buffer (the logits' fp32 copy, turned into the softmax in place and
-// kept for backward, which turns it into the gradient in place) besides the input.
+// The statistics cross the group as [N] vectors (vocab_parallel_log_softmax). Backward is local:
+// softmax minus the one-hot target (if this rank holds it), made in the log-softmax's buffer.
+// Memory: one fp32 [N, V/tp] buffer besides the input, kept from forward to backward.
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits_in,
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits,
                                const torch::Tensor& targets, int64_t group, int64_t vocab_start,
                                int64_t vocab) {
-    Group& g = unpack_group(group);
-    // A copy even when the logits are fp32 already: they are the head's output, not ours to edit.
-    auto w = logits_in.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);  // [N, Vl]
-    auto s = vocab_parallel_softmax_stats(g, w, targets, vocab_start, vocab);
-    w.div_(s.sum.unsqueeze(1));  // softmax
-    ctx->save_for_backward({w, s.local_target, s.mine});
-    ctx->saved_data["dtype"] = static_cast<int64_t>(logits_in.scalar_type());
-    return s.sum.log() - s.target_logit;  // [N]
+    auto s = vocab_parallel_log_softmax(unpack_group(group), logits, targets, vocab_start, vocab);
+    ctx->save_for_backward({s.logp, s.shift, s.local_target, s.mine});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    ctx->saved_data["width"] = logits.size(1);
+    return s.loss;  // [N]
   }
 
-  // Runs once per forward (no retain_graph): the saved softmax becomes the gradient in place.
+  // Runs once per forward (no retain_graph): the saved log-softmax becomes the gradient in place.
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
     auto saved = ctx->get_saved_variables();
-    auto g = saved[0], local_t = saved[1], mine = saved[2];
-    g.scatter_add_(1, local_t, -mine.to(g.scalar_type()).unsqueeze(1));  // local_t: [N, 1]
-    g.mul_(grad[0].unsqueeze(1));
+    LogSoftmax s{saved[0], saved[1], {}, saved[2], saved[3]};
     auto dtype = static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {g.to(dtype), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {softmax_minus_target(s, grad[0], ctx->saved_data["width"].toInt(), dtype),
+            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
 }  // namespace
 
-SoftmaxStats vocab_parallel_softmax_stats(Group& g, torch::Tensor& w, const torch::Tensor& targets,
-                                          int64_t vocab_start, int64_t vocab) {
-  const int64_t vl = w.size(1);
-  if (vocab_start + vl > vocab)  // padding columns (the last ones): never part of the softmax
-    w.narrow(1, vocab - vocab_start, vocab_start + vl - vocab)
-        .fill_(-std::numeric_limits<float>::infinity());
-  auto max = std::get<0>(w.max(1));  // [N]
-  g.all_reduce(max, c10d::ReduceOp::MAX).wait();
-  SoftmaxStats s;
-  s.mine = (targets >= vocab_start) & (targets < vocab_start + vl);
+LogSoftmax vocab_parallel_log_softmax(Group& g, const torch::Tensor& logits,
+                                      const torch::Tensor& targets, int64_t vocab_start,
+                                      int64_t vocab) {
+  const int64_t vl = logits.size(1);
+  // Padding columns (the last ones of the last slice) are never part of the softmax.
+  const int64_t real = std::clamp<int64_t>(vocab - vocab_start, 0, vl);
+  auto x = real == vl ? logits : logits.narrow(1, 0, real);
+  LogSoftmax s;
+  // The fp32 log-softmax of this rank's columns: an fp32 copy (the input is the head's output, not
+  // ours to edit), made the log-softmax in place by LibTorch's fused kernel. CUDA's kernel converts
+  // on the fly from fp16 only, not bf16, so the copy comes first on every device and dtype. (The
+  // kernels read each element before writing it, in place too: equal bitwise to out of place on
+  // CPU and on an H200, bench/RESULTS.md.)
+  s.logp = x.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
+  at::_log_softmax_out(s.logp, s.logp, 1, /*half_to_float=*/false);
+  const auto f32 = s.logp.options();
+  s.mine = (targets >= vocab_start) & (targets < vocab_start + real);
   s.local_target = (targets - vocab_start).masked_fill(~s.mine, 0).unsqueeze(1);
-  s.target_logit = (w.gather(1, s.local_target).squeeze(1) - max).masked_fill(~s.mine, 0);
-  g.all_reduce(s.target_logit).wait();
-  w.sub_(max.unsqueeze(1)).exp_();
-  s.sum = w.sum(1);
-  g.all_reduce(s.sum).wait();
+  auto target_logp =
+      real > 0 ? s.logp.gather(1, s.local_target).squeeze(1) : torch::zeros({logits.size(0)}, f32);
+  if (g.size() == 1) {  // the whole vocabulary is here: log p = logp
+    s.shift = torch::zeros({0}, f32);
+    s.loss = target_logp.neg();
+    return s;
+  }
+  // This slice's log-sum-exp: its max less the log-softmax's largest value (-log of its sum).
+  auto lse = real > 0 ? std::get<0>(x.max(1)).to(torch::kFloat32) - std::get<0>(s.logp.max(1))
+                      : torch::full({logits.size(0)}, -std::numeric_limits<float>::infinity(), f32);
+  auto global =
+      lse.clone();  // the whole vocabulary's: max over slices, then log of the summed exps
+  g.all_reduce(global, c10d::ReduceOp::MAX).wait();
+  auto sum = (lse - global).exp_();
+  g.all_reduce(sum).wait();
+  global.add_(sum.log_());
+  s.shift = lse.sub_(global);  // log p = logp + shift on this rank's columns
+  // -log p(target) = -(target's logp + shift), from the rank holding it.
+  s.loss = (target_logp + s.shift).neg_().masked_fill_(~s.mine, 0);
+  g.all_reduce(s.loss).wait();
   return s;
+}
+
+torch::Tensor softmax_minus_target(LogSoftmax& s, const torch::Tensor& scale, int64_t width,
+                                   torch::ScalarType dtype) {
+  auto p = s.logp;
+  const int64_t real = p.size(1);
+  if (s.shift.numel() > 0) p.add_(s.shift.unsqueeze(1));
+  p.exp_();
+  if (real > 0) p.scatter_add_(1, s.local_target, -s.mine.to(p.scalar_type()).unsqueeze(1));
+  const bool whole = real == width;
+  if (whole && dtype == p.scalar_type() && !scale.defined()) return p;
+  // Padding columns' gradient is 0.
+  auto out =
+      whole ? (dtype == p.scalar_type() ? p : torch::empty(p.sizes(), p.options().dtype(dtype)))
+            : torch::zeros({p.size(0), width}, p.options().dtype(dtype));
+  auto dst = whole ? out : out.narrow(1, 0, real);
+  if (!scale.defined()) {
+    dst.copy_(p);  // cast in the copy (a no-op when dst is p)
+  } else if (p.is_cuda() || dst.scalar_type() == p.scalar_type()) {
+    torch::mul_out(dst, p, scale.to(p.scalar_type()).unsqueeze(1));  // scaled and cast in one pass
+  } else {  // LibTorch's CPU kernels cast to another dtype through an fp32 temporary of p's size
+    p.mul_(scale.to(p.scalar_type()).unsqueeze(1));
+    dst.copy_(p);
+  }
+  return out;
 }
 
 torch::Tensor vocab_parallel_cross_entropy(Group& tp, const torch::Tensor& logits,

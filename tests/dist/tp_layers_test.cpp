@@ -102,8 +102,10 @@ TEST_P(TpLayers, VocabParallelEmbedding) {
   EXPECT_TRUE(close(layer->weight.grad(), layer->weight_shard().of(dpadded)));
 }
 
-TEST_P(TpLayers, VocabParallelCrossEntropyNeverCountsPadding) {
-  const int64_t n = 7, vocab = 3 * t() + 2, vp = padded_vocab(vocab, t());
+// The cross-entropy of a vocabulary of `vocab` over this group against torch's dense one.
+void check_cross_entropy(int64_t vocab) {
+  auto& g = test_group();
+  const int64_t n = 7, vp = padded_vocab(vocab, g.size());
   auto logits = torch::randn({n, vocab}) * 3, w = torch::rand({n});
   auto targets = torch::randint(0, vocab, {n}, torch::kInt64);
   targets[0] = vocab - 1;
@@ -113,14 +115,25 @@ TEST_P(TpLayers, VocabParallelCrossEntropyNeverCountsPadding) {
   (dense * w).sum().backward();
   // Padding columns carry large logits: they must not change the loss.
   auto padded = torch::cat({logits, torch::full({n, vp - vocab}, 50.0)}, 1);
-  Shard shard{1, t(), test_group().rank()};
+  Shard shard{1, g.size(), g.rank()};
   auto local = shard.of(padded).requires_grad_();
-  auto loss = vocab_parallel_cross_entropy(test_group(), local, targets,
-                                           test_group().rank() * (vp / t()), vocab);
-  EXPECT_TRUE(close(loss, dense));
+  auto loss = vocab_parallel_cross_entropy(g, local, targets,
+                                           vocab_slice_start(vocab, g.size(), g.rank()), vocab);
+  EXPECT_TRUE(close(loss, dense)) << "vocab " << vocab;
   (loss * w).sum().backward();
   auto dpadded = torch::cat({ld.grad(), torch::zeros({n, vp - vocab})}, 1);
-  EXPECT_TRUE(close(local.grad(), shard.of(dpadded)));
+  EXPECT_TRUE(close(local.grad(), shard.of(dpadded))) << "vocab " << vocab;
+}
+
+TEST_P(TpLayers, VocabParallelCrossEntropyNeverCountsPadding) { check_cross_entropy(3 * t() + 2); }
+
+// A vocabulary of (t-1)^2 puts only padding on the last rank (its slice starts at the vocabulary's
+// size): that rank adds nothing to the softmax, and its gradient is zeros.
+TEST_P(TpLayers, VocabParallelCrossEntropyWithASliceOfPaddingOnly) {
+  if (t() < 2) GTEST_SKIP() << "one rank holds the whole vocabulary";
+  const int64_t vocab = (t() - 1) * (t() - 1);
+  ASSERT_EQ(vocab_slice_start(vocab, t(), t() - 1), vocab);
+  check_cross_entropy(vocab);
 }
 
 INSTANTIATE_TEST_SUITE_P(SequenceParallel, TpLayers, ::testing::Values(false, true),

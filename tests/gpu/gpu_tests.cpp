@@ -255,6 +255,11 @@ TEST(CudaFusedOps, CrossEntropyMatchesLibTorchsAndIsTimed) {
       stderr,
       "kernel cross_entropy [%ld, %ld] bf16 fwd+bwd: Tessel's %.1f us, LibTorch's %.1f us\n",
       static_cast<long>(n), static_cast<long>(vocab), t_ours, t_theirs);
+  // Tessel's: an fp32 copy made the log-softmax in place (LibTorch's fused kernel), backward the
+  // exponential, the target subtracted and one scaled cast: five passes over [n, vocab] where
+  // LibTorch's makes seven and holds a second fp32 buffer. (The six-pass version before it took
+  // 17.3 ms against LibTorch's 13.5 ms on an H200.)
+  EXPECT_LT(t_ours, t_theirs);
 }
 
 // Zero-bubble B then W on CUDA, where backward runs on the engine's device thread.
