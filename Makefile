@@ -16,7 +16,7 @@ export CCACHE_MAXSIZE ?= 5G
 # cmake and ninja from PyPI (setup.sh puts them there only when the machine has none): last on PATH.
 export PATH := $(PATH):$(CURDIR)/.env/bin
 
-.PHONY: setup setup-test configure build run check test docs bundle clean
+.PHONY: setup setup-test configure build run check test test-no-toolkit docs bundle clean
 setup:
 	@third_party/setup.sh build
 setup-test:
@@ -43,6 +43,11 @@ test: setup-test configure
 	@cmake --build $(BUILD) -j $(JOBS)
 	@cd $(BUILD) && ctest --output-on-failure -j $(CTEST_JOBS) --output-junit ctest-junit.xml $(CTEST_ARGS); \
 	  rc=$$?; $(CURDIR)/.env/bin/python $(CURDIR)/tools/ctest_times.py . 10 || true; exit $$rc
+
+# The build on a machine without a CUDA toolkit (hidden in a mount namespace): configure, build
+# tessel-train, train 5 steps (docs/building.md gives its time).
+test-no-toolkit: setup
+	@tests/install/no_toolkit.sh $(CURDIR) --build
 
 # A relocatable install packed as one archive (docs/gpu.md): runs against any python's torch
 # 2.11, with no root, no apt, no network. build/tessel-<commit>-<arch>.tar.gz.

@@ -17,8 +17,39 @@ endif()
 # The real path (the per-user cache, not the checkout's .env link): include paths are then the same
 # for every checkout, which ccache needs to share its entries between them.
 get_filename_component(Torch_DIR "${Torch_DIR}" REALPATH)
+# The CUDA compiler that config looks for (Tessel compiles no CUDA code). Torch's CUDA version is in
+# its version.py; NVIDIA's compiler wheels of that version beside torch's runtime wheels (setup.sh
+# installs them) are used unless CMAKE_CUDA_COMPILER or CUDACXX names another: the headers and the
+# runtime Tessel compiles and links against are then torch's own, on a machine with no toolkit or
+# with another version. Without the wheels (a Torch_DIR of the user's own), CMake's usual search.
+get_filename_component(_tessel_torch_pkg "${Torch_DIR}/../../.." ABSOLUTE)
+set(TESSEL_TORCH_CUDA "")
+if(EXISTS "${_tessel_torch_pkg}/version.py")
+  file(STRINGS "${_tessel_torch_pkg}/version.py" _tessel_cuda_line REGEX "^cuda")
+  string(REGEX MATCH "[0-9]+\\.[0-9]+" TESSEL_TORCH_CUDA "${_tessel_cuda_line}")
+endif()
+if(TESSEL_TORCH_CUDA AND NOT CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX})
+  string(REGEX MATCH "^[0-9]+" _tessel_cuda_major "${TESSEL_TORCH_CUDA}")
+  get_filename_component(_tessel_kit "${_tessel_torch_pkg}/../nvidia/cu${_tessel_cuda_major}" ABSOLUTE)
+  if(EXISTS "${_tessel_kit}/bin/nvcc")
+    set(CMAKE_CUDA_COMPILER "${_tessel_kit}/bin/nvcc" CACHE FILEPATH "CUDA compiler")
+    set(CUDA_TOOLKIT_ROOT_DIR "${_tessel_kit}" CACHE PATH "CUDA toolkit")
+    set(CUDAToolkit_ROOT "${_tessel_kit}")
+  endif()
+endif()
 find_package(Torch REQUIRED)
 message(STATUS "LibTorch ${Torch_VERSION} from ${Torch_DIR}")
+if(TESSEL_TORCH_CUDA AND CMAKE_CUDA_COMPILER_VERSION)
+  string(REGEX MATCH "^[0-9]+" _tessel_nvcc_major "${CMAKE_CUDA_COMPILER_VERSION}")
+  string(REGEX MATCH "^[0-9]+" _tessel_cuda_major "${TESSEL_TORCH_CUDA}")
+  if(NOT _tessel_nvcc_major STREQUAL _tessel_cuda_major)
+    message(FATAL_ERROR "The CUDA compiler ${CMAKE_CUDA_COMPILER} is CUDA ${CMAKE_CUDA_COMPILER_VERSION}; "
+            "this torch was built with CUDA ${TESSEL_TORCH_CUDA}, whose runtime Tessel links. Unset "
+            "CUDACXX / CMAKE_CUDA_COMPILER to use NVIDIA's CUDA ${TESSEL_TORCH_CUDA} wheels (third_party/"
+            "setup.sh installs them), or name a CUDA ${_tessel_cuda_major} compiler")
+  endif()
+  message(STATUS "CUDA compiler: ${CMAKE_CUDA_COMPILER} (CUDA ${CMAKE_CUDA_COMPILER_VERSION}; torch's: ${TESSEL_TORCH_CUDA})")
+endif()
 
 # The OpenMP runtime LibTorch's CPU library loads (GNU libgomp in the PyPI wheels, Intel's libiomp5
 # in some builds; both take GCC's -fopenmp code). Tessel's own threaded loops link that very file,

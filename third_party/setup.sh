@@ -11,6 +11,7 @@
 #   - The pinned PyPI torch wheel (its LibTorch) plus the Python test dependencies, into a per-user
 #     cache shared by every checkout: ${TESSEL_CACHE:-~/.cache/tessel}/py-torch<ver>. A fresh clone
 #     therefore neither downloads 2.7 GB again nor recompiles (ccache lives under the same cache).
+#   - NVIDIA's CUDA compiler wheels of torch's CUDA version into the same environment (step 4).
 #   - .env in the checkout: a symlink to that environment (git-ignored), which the build uses.
 # An existing LibTorch is used instead when Torch_DIR is set, or TESSEL_PYTHON names a python whose
 # torch is already installed.
@@ -134,5 +135,28 @@ fi
 if [ "$mode" = test ] && ! "$env_dir/bin/python" -c "import importlib.metadata as m; [m.version(p) for p in ('transformers', 'safetensors', 'matplotlib', 'tensorboard')]" 2>/dev/null; then
   echo "setup: installing Python test dependencies: ${PY_TEST_DEPS[*]}"
   "$env_dir/bin/pip" install --no-input -q "${PY_TEST_DEPS[@]}"
+fi
+# 4. A CUDA compiler of torch's CUDA version. Tessel compiles no CUDA code, but the CUDA build of
+# LibTorch's CMake config enables the CUDA language and looks for the toolkit; a machine without
+# one (a laptop, a CPU-only box, a login node whose CUDA module is 12.x) could not configure. NVIDIA's
+# compiler wheels (nvcc, nvvm, crt, cccl) go into this environment beside the runtime wheels torch
+# brought, and the build uses them (third_party/dependencies.cmake): no root, and the headers and
+# runtime Tessel compiles against are torch's own, whatever toolkit the machine has.
+torch_pkg=$("$env_dir/bin/python" -c "import importlib.util as u, os; print(os.path.dirname(u.find_spec('torch').origin))")
+cuda=$(sed -n "s/^cuda[^=]*= *'\([0-9]*\.[0-9]*\)'.*/\1/p" "$torch_pkg/version.py")
+if [ -n "$cuda" ]; then
+  kit=$(dirname "$torch_pkg")/nvidia/cu${cuda%%.*}
+  if [ ! -x "$kit/bin/nvcc" ] || [ ! -d "$kit/nvvm" ] || [ ! -d "$kit/include/crt" ] || [ ! -d "$kit/include/cccl" ]; then
+    echo "setup: installing NVIDIA's CUDA $cuda compiler wheels into $env_dir (about 100 MB, once per machine: LibTorch's CMake config needs a CUDA compiler; running needs none)"
+    "$env_dir/bin/pip" install --no-input -q --no-deps "nvidia-cuda-nvcc==$cuda.*" "nvidia-nvvm==$cuda.*" \
+      "nvidia-cuda-crt==$cuda.*" "nvidia-cuda-cccl==$cuda.*"
+  fi
+  # What a toolkit's folder has and the wheels lack: lib64, and unversioned library names (CMake's
+  # FindCUDA looks for libcudart.so).
+  [ -e "$kit/lib64" ] || ln -s lib "$kit/lib64"
+  for f in "$kit"/lib/lib*.so.[0-9]*; do
+    b=${f%%.so.*}.so
+    [ -e "$b" ] || ln -s "$(basename "$f")" "$b"
+  done
 fi
 ln -sfn "$env_dir" .env
