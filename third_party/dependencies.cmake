@@ -86,6 +86,12 @@ add_library(tessel::torch_cuda ALIAS tessel_torch_cuda)
 target_link_libraries(tessel_torch_cuda INTERFACE tessel_torch)
 if(TARGET torch_cuda_library)
   target_link_libraries(tessel_torch_cuda INTERFACE torch_cuda_library)
+  # c10d's NCCL headers include nccl.h, which no CUDA toolkit need have: the NCCL wheel's beside
+  # torch (the NCCL torch runs with), when there is one.
+  get_filename_component(_tessel_nccl "${_tessel_torch_pkg}/../nvidia/nccl/include" ABSOLUTE)
+  if(EXISTS "${_tessel_nccl}/nccl.h")
+    target_include_directories(tessel_torch_cuda SYSTEM INTERFACE "${_tessel_nccl}")
+  endif()
 else()
   message(FATAL_ERROR "LibTorch at ${Torch_DIR} has no CUDA half (torch_cuda): Tessel needs the "
           "CUDA build of torch (third_party/setup.sh installs the pinned wheel)")
