@@ -23,8 +23,10 @@ struct ChunkLoss {
 ChunkLoss chunk_loss(Group& g, const torch::Tensor& y, const torch::Tensor& weight,
                      const torch::Tensor& targets, int64_t vocab_start, int64_t vocab,
                      bool dlogits) {
-  // The logits [n, Vl] in the model's dtype live only for the log-softmax's one pass.
-  auto s = vocab_parallel_log_softmax(g, torch::mm(y, weight.t()), targets, vocab_start, vocab);
+  // The logits [n, Vl] in the model's dtype are ours: fp32 ones become the log-softmax in place,
+  // others live only for the copy.
+  auto s = vocab_parallel_log_softmax(g, torch::mm(y, weight.t()), targets, vocab_start, vocab,
+                                      /*overwrite=*/true);
   ChunkLoss out{s.loss.sum(), {}};
   if (dlogits) out.dlogits = softmax_minus_target(s, {}, weight.size(0), y.scalar_type());
   return out;

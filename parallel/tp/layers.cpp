@@ -114,18 +114,19 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
 
 LogSoftmax vocab_parallel_log_softmax(Group& g, const torch::Tensor& logits,
                                       const torch::Tensor& targets, int64_t vocab_start,
-                                      int64_t vocab) {
+                                      int64_t vocab, bool overwrite) {
   const int64_t vl = logits.size(1);
   // Padding columns (the last ones of the last slice) are never part of the softmax.
   const int64_t real = std::clamp<int64_t>(vocab - vocab_start, 0, vl);
   auto x = real == vl ? logits : logits.narrow(1, 0, real);
   LogSoftmax s;
-  // The fp32 log-softmax of this rank's columns: an fp32 copy (the input is the head's output, not
-  // ours to edit), made the log-softmax in place by LibTorch's fused kernel. CUDA's kernel converts
-  // on the fly from fp16 only, not bf16, so the copy comes first on every device and dtype. (The
-  // kernels read each element before writing it, in place too: equal bitwise to out of place on
-  // CPU and on an H200, bench/RESULTS.md.)
-  s.logp = x.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
+  // The fp32 log-softmax of this rank's columns: an fp32 copy (unless the caller hands over fp32
+  // logits to overwrite), made the log-softmax in place by LibTorch's fused kernel. CUDA's kernel
+  // converts on the fly from fp16 only, not bf16, so the copy comes first on every device and
+  // dtype. (The kernels read each element before writing it, in place too: equal bitwise to out of
+  // place on CPU and on an H200, bench/RESULTS.md.)
+  const bool in_place = overwrite && x.is_contiguous() && x.scalar_type() == torch::kFloat32;
+  s.logp = in_place ? x : x.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
   at::_log_softmax_out(s.logp, s.logp, 1, /*half_to_float=*/false);
   const auto f32 = s.logp.options();
   s.mine = (targets >= vocab_start) & (targets < vocab_start + real);

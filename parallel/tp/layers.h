@@ -96,9 +96,11 @@ TORCH_MODULE(VocabParallelEmbedding);
 struct LogSoftmax {
   torch::Tensor logp, shift, loss, local_target, mine;
 };
+/// `overwrite`: the logits are the caller's to overwrite (fp32 ones then become the log-softmax
+/// with no copy).
 LogSoftmax vocab_parallel_log_softmax(Group& tp, const torch::Tensor& logits,
                                       const torch::Tensor& targets, int64_t vocab_start,
-                                      int64_t vocab);
+                                      int64_t vocab, bool overwrite = false);
 /// softmax - one-hot target, times `scale` per row ([N]; undefined: 1), as [N, width] in `dtype`
 /// (padding columns 0). Consumes `s.logp`: the gradient is made in its buffer, which is returned
 /// when the dtype is fp32, no scale is given and there is no padding.
