@@ -125,10 +125,13 @@ LogSoftmax vocab_parallel_log_softmax(Group& g, const torch::Tensor& logits,
   // converts on the fly from fp16 only, not bf16, so the copy comes first on every device and
   // dtype. (The kernels read each element before writing it, in place too: equal bitwise to out of
   // place on CPU and on an H200, bench/RESULTS.md.)
+  // With several ranks, this slice's largest logit, taken before the logits may be overwritten.
+  const auto f32 = logits.options().dtype(torch::kFloat32);
+  torch::Tensor x_max;
+  if (g.size() > 1 && real > 0) x_max = std::get<0>(x.max(1)).to(torch::kFloat32);
   const bool in_place = overwrite && x.is_contiguous() && x.scalar_type() == torch::kFloat32;
   s.logp = in_place ? x : x.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
   at::_log_softmax_out(s.logp, s.logp, 1, /*half_to_float=*/false);
-  const auto f32 = s.logp.options();
   s.mine = (targets >= vocab_start) & (targets < vocab_start + real);
   s.local_target = (targets - vocab_start).masked_fill(~s.mine, 0).unsqueeze(1);
   auto target_logp =
@@ -139,7 +142,7 @@ LogSoftmax vocab_parallel_log_softmax(Group& g, const torch::Tensor& logits,
     return s;
   }
   // This slice's log-sum-exp: its max less the log-softmax's largest value (-log of its sum).
-  auto lse = real > 0 ? std::get<0>(x.max(1)).to(torch::kFloat32) - std::get<0>(s.logp.max(1))
+  auto lse = real > 0 ? x_max - std::get<0>(s.logp.max(1))
                       : torch::full({logits.size(0)}, -std::numeric_limits<float>::infinity(), f32);
   auto global =
       lse.clone();  // the whole vocabulary's: max over slices, then log of the summed exps

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "parallel/tp/head_loss.h"
 #include "parallel/tp/layers.h"
 #include "tests/dist/dist_env.h"
 
@@ -134,6 +135,33 @@ TEST_P(TpLayers, VocabParallelCrossEntropyWithASliceOfPaddingOnly) {
   const int64_t vocab = (t() - 1) * (t() - 1);
   ASSERT_EQ(vocab_slice_start(vocab, t(), t() - 1), vocab);
   check_cross_entropy(vocab);
+}
+
+// The lean-logits head and loss over the group (fp32: each chunk's logits become the log-softmax in
+// place) against the dense head and torch's loss: loss and both gradients, in chunks of 3 rows.
+TEST_P(TpLayers, FusedHeadCrossEntropyOverTheGroup) {
+  auto& g = test_group();
+  const int64_t n = 7, h = 5, vocab = 3 * t() + 2, vp = padded_vocab(vocab, t());
+  auto y = torch::randn({n, h}), w = torch::randn({vocab, h});
+  auto targets = torch::randint(0, vocab, {n}, torch::kInt64);
+  auto yd = y.clone().requires_grad_(), wd = w.clone().requires_grad_();
+  auto dense = torch::nn::functional::cross_entropy(
+      torch::mm(yd, wd.t()), targets,
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  dense.backward();
+  Shard shard{0, t(), g.rank()};
+  auto wl = shard.of(torch::cat({w, torch::zeros({vp - vocab, h})})).requires_grad_();
+  auto yl = y.clone().requires_grad_();
+  auto loss = fused_head_cross_entropy_sum(g, yl, wl, targets,
+                                           vocab_slice_start(vocab, t(), g.rank()), vocab, 3);
+  EXPECT_NEAR(loss.item<double>(), dense.item<double>(), 1e-5 * std::abs(dense.item<double>()));
+  loss.backward();
+  // y's gradient sums over the group (each rank's is its slice's part), as the head's entry does.
+  auto dy = yl.grad().clone();
+  g.all_reduce(dy).wait();
+  EXPECT_TRUE(close(dy, yd.grad()));
+  auto dw = torch::cat({wd.grad(), torch::zeros({vp - vocab, h})});
+  EXPECT_TRUE(close(wl.grad(), shard.of(dw)));
 }
 
 INSTANTIATE_TEST_SUITE_P(SequenceParallel, TpLayers, ::testing::Values(false, true),
