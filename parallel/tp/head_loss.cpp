@@ -28,7 +28,7 @@ ChunkLoss chunk_loss(Group& g, const torch::Tensor& y, const torch::Tensor& weig
   auto s = vocab_parallel_log_softmax(g, torch::mm(y, weight.t()), targets, vocab_start, vocab,
                                       /*overwrite=*/true);
   ChunkLoss out{s.loss.sum(), {}};
-  if (dlogits) out.dlogits = softmax_minus_target(s, {}, weight.size(0), y.scalar_type());
+  if (dlogits) out.dlogits = softmax_minus_target(s, {}, y.scalar_type());
   return out;
 }
 

@@ -96,7 +96,6 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     auto s = vocab_parallel_log_softmax(unpack_group(group), logits, targets, vocab_start, vocab);
     ctx->save_for_backward({s.logp, s.shift, s.local_target, s.mine});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
-    ctx->saved_data["width"] = logits.size(1);
     return s.loss;  // [N]
   }
 
@@ -105,8 +104,8 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     auto saved = ctx->get_saved_variables();
     LogSoftmax s{saved[0], saved[1], {}, saved[2], saved[3]};
     auto dtype = static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {softmax_minus_target(s, grad[0], ctx->saved_data["width"].toInt(), dtype),
-            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {softmax_minus_target(s, grad[0], dtype), torch::Tensor(), torch::Tensor(),
+            torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -115,37 +114,39 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
 LogSoftmax vocab_parallel_log_softmax(Group& g, const torch::Tensor& logits,
                                       const torch::Tensor& targets, int64_t vocab_start,
                                       int64_t vocab, bool overwrite) {
-  const int64_t vl = logits.size(1);
-  // Padding columns (the last ones of the last slice) are never part of the softmax.
+  const int64_t n = logits.size(0), vl = logits.size(1);
+  // Padding columns (the last ones of the last slice) are never part of the softmax: they are
+  // -inf in the buffer, so its log-softmax and gradient need no narrowing (gradient exactly 0).
   const int64_t real = std::clamp<int64_t>(vocab - vocab_start, 0, vl);
-  auto x = real == vl ? logits : logits.narrow(1, 0, real);
+  const auto f32 = logits.options().dtype(torch::kFloat32);
+  const float inf = std::numeric_limits<float>::infinity();
   LogSoftmax s;
   // The fp32 log-softmax of this rank's columns: an fp32 copy (unless the caller hands over fp32
   // logits to overwrite), made the log-softmax in place by LibTorch's fused kernel. CUDA's kernel
   // converts on the fly from fp16 only, not bf16, so the copy comes first on every device and
   // dtype. (The kernels read each element before writing it, in place too: equal bitwise to out of
   // place on CPU and on an H200, bench/RESULTS.md.)
-  // With several ranks, this slice's largest logit, taken before the logits may be overwritten.
-  const auto f32 = logits.options().dtype(torch::kFloat32);
+  const bool in_place =
+      overwrite && logits.is_contiguous() && logits.scalar_type() == torch::kFloat32;
+  s.logp = in_place ? logits : logits.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
+  if (real < vl) s.logp.narrow(1, real, vl - real).fill_(-inf);
+  // With several ranks, this slice's largest logit, before the buffer becomes the log-softmax.
   torch::Tensor x_max;
-  if (g.size() > 1 && real > 0) x_max = std::get<0>(x.max(1)).to(torch::kFloat32);
-  const bool in_place = overwrite && x.is_contiguous() && x.scalar_type() == torch::kFloat32;
-  s.logp = in_place ? x : x.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
-  at::_log_softmax_out(s.logp, s.logp, 1, /*half_to_float=*/false);
+  if (g.size() > 1 && real > 0) x_max = std::get<0>(s.logp.max(1));
+  if (real > 0) at::_log_softmax_out(s.logp, s.logp, 1, /*half_to_float=*/false);
   s.mine = (targets >= vocab_start) & (targets < vocab_start + real);
   s.local_target = (targets - vocab_start).masked_fill(~s.mine, 0).unsqueeze(1);
   auto target_logp =
-      real > 0 ? s.logp.gather(1, s.local_target).squeeze(1) : torch::zeros({logits.size(0)}, f32);
+      real > 0 ? s.logp.gather(1, s.local_target).squeeze(1) : torch::zeros({n}, f32);
   if (g.size() == 1) {  // the whole vocabulary is here: log p = logp
     s.shift = torch::zeros({0}, f32);
     s.loss = target_logp.neg();
     return s;
   }
   // This slice's log-sum-exp: its max less the log-softmax's largest value (-log of its sum).
-  auto lse = real > 0 ? x_max - std::get<0>(s.logp.max(1))
-                      : torch::full({logits.size(0)}, -std::numeric_limits<float>::infinity(), f32);
-  auto global =
-      lse.clone();  // the whole vocabulary's: max over slices, then log of the summed exps
+  auto lse = real > 0 ? x_max - std::get<0>(s.logp.max(1)) : torch::full({n}, -inf, f32);
+  // The whole vocabulary's: the slices' largest, plus the log of their exponentials' sum.
+  auto global = lse.clone();
   g.all_reduce(global, c10d::ReduceOp::MAX).wait();
   auto sum = (lse - global).exp_();
   g.all_reduce(sum).wait();
@@ -157,27 +158,21 @@ LogSoftmax vocab_parallel_log_softmax(Group& g, const torch::Tensor& logits,
   return s;
 }
 
-torch::Tensor softmax_minus_target(LogSoftmax& s, const torch::Tensor& scale, int64_t width,
+torch::Tensor softmax_minus_target(LogSoftmax& s, const torch::Tensor& scale,
                                    torch::ScalarType dtype) {
   auto p = s.logp;
-  const int64_t real = p.size(1);
   if (s.shift.numel() > 0) p.add_(s.shift.unsqueeze(1));
-  p.exp_();
-  if (real > 0) p.scatter_add_(1, s.local_target, -s.mine.to(p.scalar_type()).unsqueeze(1));
-  const bool whole = real == width;
-  if (whole && dtype == p.scalar_type() && !scale.defined()) return p;
-  // Padding columns' gradient is 0.
-  auto out =
-      whole ? (dtype == p.scalar_type() ? p : torch::empty(p.sizes(), p.options().dtype(dtype)))
-            : torch::zeros({p.size(0), width}, p.options().dtype(dtype));
-  auto dst = whole ? out : out.narrow(1, 0, real);
+  p.exp_();  // padding columns: exp(-inf) = 0
+  p.scatter_add_(1, s.local_target, -s.mine.to(p.scalar_type()).unsqueeze(1));
+  if (dtype == p.scalar_type() && !scale.defined()) return p;
+  auto out = dtype == p.scalar_type() ? p : torch::empty(p.sizes(), p.options().dtype(dtype));
   if (!scale.defined()) {
-    dst.copy_(p);  // cast in the copy (a no-op when dst is p)
-  } else if (p.is_cuda() || dst.scalar_type() == p.scalar_type()) {
-    torch::mul_out(dst, p, scale.to(p.scalar_type()).unsqueeze(1));  // scaled and cast in one pass
+    out.copy_(p);  // cast in the copy
+  } else if (p.is_cuda() || out.scalar_type() == p.scalar_type()) {
+    torch::mul_out(out, p, scale.to(p.scalar_type()).unsqueeze(1));  // scaled and cast in one pass
   } else {  // LibTorch's CPU kernels cast to another dtype through an fp32 temporary of p's size
     p.mul_(scale.to(p.scalar_type()).unsqueeze(1));
-    dst.copy_(p);
+    out.copy_(p);
   }
   return out;
 }

@@ -88,23 +88,22 @@ TORCH_MODULE(VocabParallelEmbedding);
 /// ids < vocab). Columns at or past `vocab` are padding and never count. The full vocabulary's
 /// logits are never gathered: only [N]-sized maxima and sums cross the group.
 /// What both cross-entropies (above, and parallel/tp/head_loss.h) take from this rank's logits
-/// [N, V/t] (any float dtype): `logp`, the fp32 log-softmax over this rank's columns less their
-/// padding [N, Vr], made in one fused pass; `shift` [N], this slice's log-sum-exp less the whole
-/// vocabulary's (log p = logp + shift; empty with one rank); `loss` [N], -log p(target), the same
-/// on every rank; where this rank holds the target ([N, 1] local column, [N] mask). Three [N]-sized
-/// all-reduces with several ranks, none with one.
+/// [N, V/t] (any float dtype): `logp` [N, V/t], the fp32 log-softmax over this rank's columns
+/// (padding columns -inf), made in one fused pass; `shift` [N], this slice's log-sum-exp less the
+/// whole vocabulary's (log p = logp + shift; empty with one rank); `loss` [N], -log p(target), the
+/// same on every rank; where this rank holds the target ([N, 1] local column, [N] mask). Three
+/// [N]-sized all-reduces with several ranks, none with one. `overwrite`: the logits are the
+/// caller's to overwrite (fp32 ones then become the log-softmax with no copy).
 struct LogSoftmax {
   torch::Tensor logp, shift, loss, local_target, mine;
 };
-/// `overwrite`: the logits are the caller's to overwrite (fp32 ones then become the log-softmax
-/// with no copy).
 LogSoftmax vocab_parallel_log_softmax(Group& tp, const torch::Tensor& logits,
                                       const torch::Tensor& targets, int64_t vocab_start,
                                       int64_t vocab, bool overwrite = false);
-/// softmax - one-hot target, times `scale` per row ([N]; undefined: 1), as [N, width] in `dtype`
-/// (padding columns 0). Consumes `s.logp`: the gradient is made in its buffer, which is returned
-/// when the dtype is fp32, no scale is given and there is no padding.
-torch::Tensor softmax_minus_target(LogSoftmax& s, const torch::Tensor& scale, int64_t width,
+/// softmax - one-hot target, times `scale` per row ([N]; undefined: 1), in `dtype` (padding
+/// columns 0). Consumes `s.logp`: the gradient is made in its buffer, which is returned when the
+/// dtype is fp32.
+torch::Tensor softmax_minus_target(LogSoftmax& s, const torch::Tensor& scale,
                                    torch::ScalarType dtype);
 
 torch::Tensor vocab_parallel_cross_entropy(Group& tp, const torch::Tensor& logits,
