@@ -14,6 +14,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "cli/cli_checks.h"
+#include "device/cpu.h"
 #include "device/cuda.h"
 #include "io/safetensors.h"
 #include "io/tokenizer.h"
@@ -444,6 +445,7 @@ int run_export(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  tessel::device::reproducible_cpu_blas();  // before any tensor: oneMKL reads it at its first call
   spdlog::set_pattern("[%H:%M:%S] %v");
   // c10d warns about every rendezvous retry (a rank waiting for rank 0 to come up) with a C++
   // backtrace; errors stay. TORCH_CPP_LOG_LEVEL=INFO or WARNING brings the warnings back.

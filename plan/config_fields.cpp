@@ -211,7 +211,10 @@ void add_training_fields(FieldAdder& add, Config& c) {
       "atomics, cuDNN's attention left out), cuBLAS with a fixed workspace "
       "(CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set), cuDNN deterministic and not benchmarking. "
       "It costs speed (attention backward and scatter-adds serialise) and an operator without a "
-      "deterministic CUDA kernel stops the run naming it. CPU runs repeat bitwise either way.");
+      "deterministic CUDA kernel stops the run naming it. CPU runs repeat bitwise either way (for "
+      "the same thread count: tessel-train sets oneMKL's MKL_CBWR=AUTO,STRICT and MKL_DYNAMIC=FALSE "
+      "unless exported, since on Intel CPUs with AVX-512 oneMKL's matrix products otherwise vary "
+      "from run to run under load).");
   add("training.recompute", &c.training.recompute, S("none"),
       "Activation checkpointing. none: keep every block's activations for backward. selective: "
       "keep attention's and rerun each block's MLP half (its norm and the ffn-wide tensors, the "

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "device/cpu.h"
 #include "parallel/mesh.h"
 #include "tests/dist/dist_env.h"
 
@@ -17,6 +18,7 @@ Group& test_hybrid_group() { return g_cp_mesh->group(GroupKind::kCp); }
 }  // namespace tessel::parallel
 
 int main(int argc, char** argv) {
+  tessel::device::reproducible_cpu_blas();
   ::testing::InitGoogleTest(&argc, argv);
   auto world = tessel::parallel::discover_world();
   auto c = tessel::load_config_text(

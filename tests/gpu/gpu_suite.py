@@ -9,6 +9,8 @@ on one whose GPUs torch cannot use (an old driver, CUDA_VISIBLE_DEVICES empty).
   - TP (+SP), ZeRO-3, PP (1F1B) and CP (ring and all-gather) layouts against the one-GPU run of the
     same global batch, within 1e-5 relative per step: world size 1 for ZeRO-3, and two ranks for
     the rest, over NCCL with two GPUs or more, else over Gloo on CUDA tensors sharing one GPU.
+  - The CPU run of the same plan repeats bitwise on the GPU host's CPU with every core busy
+    (oneMKL's strict reproducible mode).
   - fp16 loss scaling on CUDA: an injected overflow skips its step and halves the scale.
   - A run resumed from its step-10 checkpoint matches the uninterrupted run bitwise.
   - training.cuda_graph: the captured, replayed step against eager steps, one GPU and dp=2.
@@ -57,14 +59,14 @@ class Nccl(unittest.TestCase):
 
 
 class DefaultPlan(TmpDirTest):
-    def train(self, name, device, dtype):
+    def train(self, name, device, dtype, steps=STEPS):
         out = self.path(name)
         # A fixed token stream, not the plan's own data (this repository's sources: they change
         # with every commit, and on some of them the run spikes, which magnifies rounding).
         data = self.path("fixed.u16")
         if not os.path.exists(data):
             write_fixed_tokens(data)
-        sets = [f"run.output_dir={out}", f"training.steps={STEPS}", f"training.device={device}",
+        sets = [f"run.output_dir={out}", f"training.steps={steps}", f"training.device={device}",
                 f"training.dtype={dtype}", "training.tf32=false", "training.schedule.warmup_steps=5",
                 "training.eval_every=0", "logging.every=1", "data.format=tokens", f"data.path=[{data}]",
                 "checkpoint.every=0", "checkpoint.resume=never"]
@@ -86,6 +88,24 @@ class DefaultPlan(TmpDirTest):
             self.assertLess(worst32, 1e-5, f"{fp32} vs {cpu}")
         with self.subTest("bf16"):
             self.assertLess(worst16, 3e-2, f"{bf16} vs {cpu}")
+
+    def test_cpu_run_repeats_bitwise_under_load(self):
+        """The CPU side of the GPU host (an Intel Xeon where oneMKL takes its AVX-512 branch, which
+        this project's CI machine has not): three runs of 6 steps while every core is kept busy
+        give the same losses bitwise. tessel-train pins oneMKL's strict reproducible mode; without
+        it, on an H100 host (2026-11-27), one of four loaded runs and the CPU run of two whole suite
+        runs ended step 2 with 5.0367279 where the others had 5.0367289."""
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+        try:
+            runs = [self.train(f"loaded{i}", "cpu", "fp32", steps=6) for i in range(3)]
+        finally:
+            for b in busy:
+                b.kill()
+                b.wait()
+        print(f"\nCPU under load, 6 steps: {len(set(map(tuple, runs)))} distinct loss sequence(s) in 3 runs",
+              file=sys.stderr)
+        for r in runs[1:]:
+            self.assertEqual(r, runs[0])
 
 
 class Layouts(TmpDirTest):
