@@ -39,7 +39,7 @@ def train(out, name, world, port, data, model, parallel, training):
 
 def gpu_hardware():
     """The NVIDIA GPUs this machine shows, whether or not torch can use them, read as
-    device/cuda.h's gpu_hardware() reads them: (models from /proc/driver/nvidia/gpus, else the
+    core/device/cuda.h's gpu_hardware() reads them: (models from /proc/driver/nvidia/gpus, else the
     /dev/nvidia<N> nodes; the kernel driver's version or "")."""
     gpus = []
     for d in sorted(glob.glob("/proc/driver/nvidia/gpus/*")):

@@ -20,9 +20,9 @@
 #include <optional>
 #include <thread>
 
+#include "engine/run/stop.h"
 #include "launcher/coordinator.h"
 #include "parallel/world.h"
-#include "run/stop.h"
 
 extern char** environ;
 

@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "cli/cli_checks.h"
+#include "engine/cli/cli_checks.h"
 #include "launcher/launch.h"
 
 int main(int argc, char** argv) {

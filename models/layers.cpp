@@ -1,12 +1,12 @@
 #include "models/layers.h"
-#include "models/activations.h"
-#include "models/fused_ops.h"
+#include "core/kernels/activations.h"
+#include "core/kernels/fused_ops.h"
 #include "models/moe.h"
 #include "models/recompute.h"
 
 #include <torch/torch.h>
 
-#include "parallel/attention_kernels.h"
+#include "core/kernels/attention_kernels.h"
 #include "parallel/autograd_comm.h"
 #include "parallel/cp/attention.h"
 #include "parallel/pp/weight_grad.h"
@@ -53,7 +53,7 @@ NormImpl::NormImpl(int64_t dim, double eps, bool layer_norm) : eps_(eps), layer_
 
 torch::Tensor NormImpl::forward(const torch::Tensor& x) {
   if (layer_norm_) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps_);
-  return rms_norm(x, weight, eps_, tessel_kernels);
+  return kernels::rms_norm(x, weight, eps_, tessel_kernels);
 }
 
 AttentionImpl::AttentionImpl(const DecoderOptions& opt)
@@ -105,8 +105,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   }
   if (q_norm) qh = q_norm(qh), kh = k_norm(kh);
   if (cos.defined()) {
-    qh = rope(qh, cos, sin, tessel_kernels);
-    kh = rope(kh, cos, sin, tessel_kernels);
+    qh = kernels::rope(qh, cos, sin, tessel_kernels);
+    kh = kernels::rope(kh, cos, sin, tessel_kernels);
   }
   if (cache) {  // generation: earlier positions' keys and values come first
     if (cache->k.defined()) {
@@ -120,8 +120,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
               "cached attention takes a whole prompt or one token at a time");
   auto y =
       cp_ ? parallel::cp::attention(*cp_, static_cast<parallel::cp::Method>(cp_method_), qh, kh, vh)
-          : parallel::dense_attention(qh, kh, vh, /*causal=*/qh.size(2) == kh.size(2),
-                                      tessel_kernels);
+          : kernels::dense_attention(qh, kh, vh, /*causal=*/qh.size(2) == kh.size(2),
+                                     tessel_kernels);
   return o(y.transpose(1, 2).reshape({b, s, heads_ * head_dim_}));
 }
 
@@ -135,11 +135,13 @@ MlpImpl::MlpImpl(const DecoderOptions& o) : tp_(o.tp), sp_(o.sequence_parallel) 
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
   auto xf = tp::enter(*tp_, x, sp_);
-  if (gate) return down(swiglu(gate->forward_entered(xf), up->forward_entered(xf), tessel_kernels));
+  if (gate)
+    return down(
+        kernels::swiglu(gate->forward_entered(xf), up->forward_entered(xf), tessel_kernels));
   if (!tessel_kernels) return down(torch::gelu(up->forward_entered(xf), "tanh"));
-  if (up->bias.defined() && gelu_tanh_uses_cpu_kernel(xf))  // the bias added in the GELU's pass
-    return down(bias_gelu_tanh(up->forward_entered(xf, false), up->bias));
-  return down(gelu_tanh(up->forward_entered(xf)));
+  if (up->bias.defined() && kernels::gelu_tanh_uses_cpu_kernel(xf))  // the bias added in the GELU's pass
+    return down(kernels::bias_gelu_tanh(up->forward_entered(xf, false), up->bias));
+  return down(kernels::gelu_tanh(up->forward_entered(xf)));
 }
 
 BlockImpl::BlockImpl(const DecoderOptions& o, int64_t layer, MoeState* moe_state) {

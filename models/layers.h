@@ -20,11 +20,11 @@
 #include <utility>
 #include <vector>
 
+#include "core/plan/user_error.h"
 #include "models/shape.h"
 #include "parallel/block_hooks.h"
 #include "parallel/comm.h"
 #include "parallel/tp/layers.h"
-#include "plan/user_error.h"
 
 namespace tessel::models {
 
@@ -78,7 +78,7 @@ class NormImpl : public torch::nn::Module {
   NormImpl(int64_t dim, double eps, bool layer_norm);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight, bias;
-  bool tessel_kernels = true;  // RMSNorm: models/fused_ops.h's CPU loops where they apply
+  bool tessel_kernels = true;  // RMSNorm: core/kernels/fused_ops.h's CPU loops where they apply
 
  private:
   double eps_;
@@ -86,7 +86,7 @@ class NormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Norm);
 
-/// Causal self-attention through parallel::dense_attention (the kernel choice), grouped-query when
+/// Causal self-attention through kernels::dense_attention (the kernel choice), grouped-query when
 /// kv_heads < heads. Heads are split over tp; key/value heads too when kv_heads % tp == 0, else
 /// (tp > kv_heads) every rank holds all key/value projections and uses the head its query heads
 /// share. x: [b, s, h] (SP: [b, s/t, h]) -> same.

@@ -1,6 +1,6 @@
 #include "models/registry.h"
 
-#include "optim/state_names.h"
+#include "core/optim/state_names.h"
 
 #include <torch/torch.h>
 

@@ -10,8 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/optim/optim.h"
 #include "models/layers.h"
-#include "optim/optim.h"
 
 namespace tessel::models {
 

@@ -8,7 +8,7 @@
 #include <chrono>
 #include <thread>
 
-#include "plan/config.h"
+#include "core/plan/config.h"
 
 namespace tessel::parallel {
 namespace {

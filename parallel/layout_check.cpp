@@ -7,7 +7,7 @@
 #include <map>
 #include <sstream>
 
-#include "device/cuda.h"
+#include "core/device/cuda.h"
 #include "parallel/mesh.h"
 #include "parallel/pp/schedule.h"
 

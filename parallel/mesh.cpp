@@ -15,7 +15,7 @@
 #include <numeric>
 #include <sstream>
 
-#include "device/cuda.h"
+#include "core/device/cuda.h"
 
 namespace tessel::parallel {
 namespace {

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "core/plan/config.h"
 #include "parallel/comm.h"
 #include "parallel/world.h"
-#include "plan/config.h"
 
 namespace tessel::parallel {
 
@@ -115,7 +115,7 @@ class Mesh {
   /// after the last collective, so that no rank leaves while another still waits on one, then
   /// every communicator shut down (NCCL's would otherwise be aborted by their destructors).
   /// Once; no collective after it. A failing rank does not call it (its peers are told through
-  /// the store, run/startup.h). Returns the communicators shut down.
+  /// the store, engine/run/startup.h). Returns the communicators shut down.
   int64_t shutdown();
 
  private:

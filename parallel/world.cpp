@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "plan/config.h"
+#include "core/plan/config.h"
 
 namespace tessel::parallel {
 namespace {

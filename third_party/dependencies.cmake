@@ -68,7 +68,7 @@ endif()
 # c10's small CUDA runtime (streams, events, the caching allocator), with their compile flags.
 # LibTorch's CUDA half (libtorch_cuda, which brings cuBLAS, cuDNN, NCCL and the rest: about a third
 # of a second of one core and a gigabyte mapped at every start) is linked only into
-# libtessel_cuda.so (tessel::torch_cuda), which device/cuda.cpp loads when a process may compute
+# libtessel_cuda.so (tessel::torch_cuda), which core/device/cuda.cpp loads when a process may compute
 # on a GPU: a CPU run, a dry run, tessel-data and tessel-launch never map it.
 add_library(tessel_torch INTERFACE)
 add_library(tessel::torch ALIAS tessel_torch)

@@ -127,7 +127,7 @@ for t in cmake ninja; do
   command -v "$t" >/dev/null 2>&1 || [ -x "$env_dir/bin/$t" ] || {
     echo "setup: installing $t from PyPI into $env_dir"; "$env_dir/bin/pip" install --no-input -q "$t"; }
 done
-# tessel-data and generate run Hugging Face tokenizers through a Python helper (io/tokenizer.h).
+# tessel-data and generate run Hugging Face tokenizers through a Python helper (engine/io/tokenizer.h).
 if ! "$env_dir/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('tokenizers') != '$TOKENIZERS_VERSION')" 2>/dev/null; then
   echo "setup: installing tokenizers==$TOKENIZERS_VERSION (tessel-data's tokenizer helper)"
   "$env_dir/bin/pip" install --no-input -q "tokenizers==$TOKENIZERS_VERSION"

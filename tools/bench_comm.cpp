@@ -9,9 +9,9 @@
 #include <chrono>
 #include <cstdio>
 
-#include "device/cuda.h"
+#include "core/device/cuda.h"
+#include "core/plan/config.h"
 #include "parallel/mesh.h"
-#include "plan/config.h"
 
 namespace {
 

@@ -12,10 +12,10 @@
 #include <chrono>
 #include <cstdio>
 
-#include "device/cuda.h"
+#include "core/device/cuda.h"
+#include "core/plan/config.h"
 #include "parallel/cp/attention.h"
 #include "parallel/mesh.h"
-#include "plan/config.h"
 
 namespace {
 

@@ -23,10 +23,10 @@
 #include <stdexcept>
 #include <thread>
 
-#include "cli/cli_checks.h"
-#include "data/data.h"
-#include "io/tokenizer.h"
-#include "plan/config.h"
+#include "core/plan/config.h"
+#include "engine/cli/cli_checks.h"
+#include "engine/data/data.h"
+#include "engine/io/tokenizer.h"
 
 namespace {
 namespace fs = std::filesystem;

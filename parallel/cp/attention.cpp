@@ -6,7 +6,7 @@
 #include <numeric>
 #include <stdexcept>
 
-#include "parallel/attention_kernels.h"
+#include "core/kernels/attention_kernels.h"
 #include "parallel/autograd_comm.h"
 
 namespace tessel::parallel::cp {
@@ -88,9 +88,9 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       for (int64_t a = 0; a < held; ++a)
         for (int64_t b = 0; b < held; ++b) {
           if (theirs[b] > mine[a]) continue;  // keys after every query of the chunk
-          auto [o, l] =
-              block_forward(q.narrow(2, a * c, c), expand_heads(kv[0].narrow(2, b * c, c), heads),
-                            expand_heads(kv[1].narrow(2, b * c, c), heads), theirs[b] == mine[a]);
+          auto [o, l] = kernels::block_forward(
+              q.narrow(2, a * c, c), kernels::expand_heads(kv[0].narrow(2, b * c, c), heads),
+              kernels::expand_heads(kv[1].narrow(2, b * c, c), heads), theirs[b] == mine[a]);
           merge(out[a], lse[a], o, l);
         }
       wait_all(works);
@@ -122,14 +122,14 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       for (int64_t a = 0; a < held; ++a)
         for (int64_t b = 0; b < held; ++b) {
           if (theirs[b] > mine[a]) continue;
-          auto [dqa, dk, dv] =
-              block_backward(dy.narrow(2, a * c, c), q.narrow(2, a * c, c),
-                             expand_heads(kv[0].narrow(2, b * c, c), heads),
-                             expand_heads(kv[1].narrow(2, b * c, c), heads), y.narrow(2, a * c, c),
-                             lse.narrow(2, a * c, c), theirs[b] == mine[a]);
+          auto [dqa, dk, dv] = kernels::block_backward(
+              dy.narrow(2, a * c, c), q.narrow(2, a * c, c),
+              kernels::expand_heads(kv[0].narrow(2, b * c, c), heads),
+              kernels::expand_heads(kv[1].narrow(2, b * c, c), heads), y.narrow(2, a * c, c),
+              lse.narrow(2, a * c, c), theirs[b] == mine[a]);
           dq.narrow(2, a * c, c).add_(dqa);
-          dkv[0].narrow(2, b * c, c).add_(sum_heads(dk, kvh));
-          dkv[1].narrow(2, b * c, c).add_(sum_heads(dv, kvh));
+          dkv[0].narrow(2, b * c, c).add_(kernels::sum_heads(dk, kvh));
+          dkv[1].narrow(2, b * c, c).add_(kernels::sum_heads(dv, kvh));
         }
       // The block's gradient moves on with it; after the last step one more hop brings every
       // block's gradient home to its owner.
@@ -180,13 +180,15 @@ struct AllGatherAttention : torch::autograd::Function<AllGatherAttention> {
     for (int a = 0; a < 2; ++a) {
       const auto qa = q.narrow(2, a * c, c);
       const int64_t at = mine[a] * c;  // keys before this chunk: [0, at)
-      auto [o, l] = block_forward(qa, expand_heads(kv[0].narrow(2, at, c), heads),
-                                  expand_heads(kv[1].narrow(2, at, c), heads), /*causal=*/true);
+      auto [o, l] = kernels::block_forward(qa, kernels::expand_heads(kv[0].narrow(2, at, c), heads),
+                                           kernels::expand_heads(kv[1].narrow(2, at, c), heads),
+                                           /*causal=*/true);
       out[a] = o.to(torch::kFloat32);
       lse[a] = l;
       if (at > 0) {
-        auto [op, lp] = block_forward(qa, expand_heads(kv[0].narrow(2, 0, at), heads),
-                                      expand_heads(kv[1].narrow(2, 0, at), heads), false);
+        auto [op, lp] =
+            kernels::block_forward(qa, kernels::expand_heads(kv[0].narrow(2, 0, at), heads),
+                                   kernels::expand_heads(kv[1].narrow(2, 0, at), heads), false);
         merge(out[a], lse[a], op, lp);
       }
     }
@@ -203,13 +205,14 @@ struct AllGatherAttention : torch::autograd::Function<AllGatherAttention> {
     auto dq = torch::zeros(q.sizes(), q.options().dtype(torch::kFloat32));
     auto dkv = torch::zeros(kv.sizes(), dq.options());  // [2, b, kv_heads, 2n·c, d], global order
     auto add = [&](int64_t a, int64_t from, int64_t len, bool causal) {
-      auto [dqa, dk, dv] = block_backward(grads[0].narrow(2, a * c, c), q.narrow(2, a * c, c),
-                                          expand_heads(kv[0].narrow(2, from, len), heads),
-                                          expand_heads(kv[1].narrow(2, from, len), heads),
-                                          y.narrow(2, a * c, c), lse.narrow(2, a * c, c), causal);
+      auto [dqa, dk, dv] =
+          kernels::block_backward(grads[0].narrow(2, a * c, c), q.narrow(2, a * c, c),
+                                  kernels::expand_heads(kv[0].narrow(2, from, len), heads),
+                                  kernels::expand_heads(kv[1].narrow(2, from, len), heads),
+                                  y.narrow(2, a * c, c), lse.narrow(2, a * c, c), causal);
       dq.narrow(2, a * c, c).add_(dqa);
-      dkv[0].narrow(2, from, len).add_(sum_heads(dk, kvh));
-      dkv[1].narrow(2, from, len).add_(sum_heads(dv, kvh));
+      dkv[0].narrow(2, from, len).add_(kernels::sum_heads(dk, kvh));
+      dkv[1].narrow(2, from, len).add_(kernels::sum_heads(dv, kvh));
     };
     for (int64_t a = 0; a < 2; ++a) {
       add(a, mine[a] * c, c, true);
@@ -256,8 +259,9 @@ torch::Tensor alltoall_attention(Group& g, const torch::Tensor& q, const torch::
   const int64_t n = g.size(), c = q.size(2) / 2, hq = q.size(1) / n;
   const int64_t hk = alltoall_kv_heads(k.size(1), n) / n;
   auto seq = to_global_order(heads_for_tokens(g, q, k, v), 2, n, c);
-  auto y = dense_attention(seq.narrow(1, 0, hq), seq.narrow(1, hq, hk), seq.narrow(1, hq + hk, hk),
-                           /*causal=*/true, /*tessel_kernels=*/false);
+  auto y = kernels::dense_attention(seq.narrow(1, 0, hq), seq.narrow(1, hq, hk),
+                                    seq.narrow(1, hq + hk, hk),
+                                    /*causal=*/true, /*tessel_kernels=*/false);
   return tokens_for_heads(g, to_rank_order(y, 2, n, c));
 }
 

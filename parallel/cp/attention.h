@@ -9,7 +9,7 @@
 //   ring:      K/V blocks travel around the cp ring by p2p (the next block's transfer overlaps
 //              the current block's attention); partial results are merged by log-sum-exp, and
 //              backward sends dK/dV around the ring with their blocks, back to their owners.
-// Both use the block kernels of parallel/attention_kernels.h (the CPU flash kernel; the
+// Both use the block kernels of core/kernels/attention_kernels.h (the CPU flash kernel; the
 // memory-efficient kernel on CUDA), which return the log-sum-exp, and accumulate in fp32.
 //   alltoall:  (Ulysses; Jacobs et al. 2023, arXiv:2309.14509) one all-to-all trades this rank's
 //              tokens of every head for every token of 1/cp of the heads (q, k and v in one

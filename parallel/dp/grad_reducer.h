@@ -23,8 +23,8 @@
 #include <memory>
 #include <vector>
 
-#include "observe/timing.h"
-#include "optim/optim.h"
+#include "core/observe/timing.h"
+#include "core/optim/optim.h"
 #include "parallel/mesh.h"
 
 namespace tessel::parallel::dp {
@@ -60,7 +60,7 @@ class GradReducer {
   void end_backward(int64_t chunk, bool final);
   /// After the step's last backward: waits for every bucket (orders the stream on NCCL).
   void finish();
-  /// Forgets a step left half-run by a failed CUDA graph capture (run/step_graph.h): its
+  /// Forgets a step left half-run by a failed CUDA graph capture (engine/run/step_graph.h): its
   /// collectives were recorded, never queued, so nothing is waited for; every bucket is empty
   /// again and the next step starts as the first did.
   void abandon_step();

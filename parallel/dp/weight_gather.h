@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "observe/timing.h"
-#include "optim/optim.h"
+#include "core/observe/timing.h"
+#include "core/optim/optim.h"
 #include "parallel/block_hooks.h"
 #include "parallel/comm.h"
 #include "parallel/dp/bucket_gather.h"

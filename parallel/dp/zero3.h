@@ -14,13 +14,13 @@
 // they run beside the gradient reduce-scatters on the group itself instead of queueing behind them.
 #pragma once
 
-#include "observe/timing.h"
+#include "core/observe/timing.h"
 
 #include <map>
 #include <string>
 #include <vector>
 
-#include "optim/optim.h"
+#include "core/optim/optim.h"
 #include "parallel/block_hooks.h"
 #include "parallel/comm.h"
 #include "parallel/dp/bucket_gather.h"

@@ -2,8 +2,8 @@
 
 #include <torch/torch.h>
 
-#include "device/cuda.h"
-#include "observe/host_reads.h"
+#include "core/device/cuda.h"
+#include "core/observe/host_reads.h"
 #include "parallel/autograd_comm.h"
 
 namespace tessel::parallel::ep {

@@ -14,7 +14,7 @@
 #include <memory>
 #include <vector>
 
-#include "observe/timing.h"
+#include "core/observe/timing.h"
 #include "parallel/comm.h"
 #include "parallel/pp/schedule.h"
 

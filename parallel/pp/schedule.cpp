@@ -11,7 +11,7 @@
 #include <tuple>
 
 #include <c10/util/Exception.h>
-#include "plan/config.h"
+#include "core/plan/config.h"
 
 namespace tessel::parallel::pp {
 namespace {

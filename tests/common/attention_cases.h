@@ -1,6 +1,6 @@
-// Checks of parallel/attention_kernels.h shared by the unit tests (CPU) and the GPU suite (CUDA):
-// the log-sum-exp block kernels, forward and backward, against autograd through plain attention
-// written out in fp64 (softmax(q·kᵀ/√d + causal mask)·v) from the same rounded inputs.
+// Checks of core/kernels/attention_kernels.h shared by the unit tests (CPU) and the GPU suite
+// (CUDA): the log-sum-exp block kernels, forward and backward, against autograd through plain
+// attention written out in fp64 (softmax(q·kᵀ/√d + causal mask)·v) from the same rounded inputs.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -9,7 +9,7 @@
 #include <cmath>
 #include <string>
 
-#include "parallel/attention_kernels.h"
+#include "core/kernels/attention_kernels.h"
 
 namespace tessel::testing {
 
@@ -60,13 +60,13 @@ inline void check_block_kernels(const BlockCase& c) {
   auto ref = plain_attention(q64, k64, v64, c.causal);
   ref.backward(dy.to(torch::kFloat64));
 
-  auto kx = parallel::expand_heads(k, heads), vx = parallel::expand_heads(v, heads);
+  auto kx = kernels::expand_heads(k, heads), vx = kernels::expand_heads(v, heads);
   auto [o_diag, l_diag] =
-      parallel::block_forward(q, kx.narrow(2, past, m), vx.narrow(2, past, m), c.causal);
+      kernels::block_forward(q, kx.narrow(2, past, m), vx.narrow(2, past, m), c.causal);
   auto out = o_diag.to(torch::kFloat32), lse = l_diag;
   if (past > 0) {
     auto [o_past, l_past] =
-        parallel::block_forward(q, kx.narrow(2, 0, past), vx.narrow(2, 0, past), false);
+        kernels::block_forward(q, kx.narrow(2, 0, past), vx.narrow(2, 0, past), false);
     auto merged = torch::logaddexp(lse, l_past);
     out = out * (lse - merged).exp().unsqueeze(-1) +
           o_past.to(torch::kFloat32) * (l_past - merged).exp().unsqueeze(-1);
@@ -76,8 +76,8 @@ inline void check_block_kernels(const BlockCase& c) {
   auto dq = torch::zeros({b, heads, m, d}, opts.dtype(torch::kFloat32));
   auto dk = torch::zeros({b, heads, n, d}, dq.options()), dv = torch::zeros_like(dk);
   auto add = [&](int64_t from, int64_t len, bool causal) {
-    auto [gq, gk, gv] = parallel::block_backward(dy, q, kx.narrow(2, from, len),
-                                                 vx.narrow(2, from, len), y, lse, causal);
+    auto [gq, gk, gv] = kernels::block_backward(dy, q, kx.narrow(2, from, len),
+                                                vx.narrow(2, from, len), y, lse, causal);
     dq.add_(gq);
     dk.narrow(2, from, len).add_(gk);
     dv.narrow(2, from, len).add_(gv);
@@ -98,8 +98,8 @@ inline void check_block_kernels(const BlockCase& c) {
   check("out", y, ref.detach());
   EXPECT_EQ(lse.scalar_type(), torch::kFloat32);
   check("dq", dq, q64.grad());
-  check("dk", parallel::sum_heads(dk, c.kv_heads), k64.grad());
-  check("dv", parallel::sum_heads(dv, c.kv_heads), v64.grad());
+  check("dk", kernels::sum_heads(dk, c.kv_heads), k64.grad());
+  check("dv", kernels::sum_heads(dv, c.kv_heads), v64.grad());
 }
 
 // Every combination the issue asks for on one device.

@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "observe/counters.h"
+#include "core/observe/counters.h"
 #include "parallel/autograd_comm.h"
 #include "parallel/mesh.h"
 #include "tests/dist/dist_env.h"

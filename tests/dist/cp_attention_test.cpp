@@ -9,7 +9,7 @@
 #include <string>
 #include <tuple>
 
-#include "parallel/attention_kernels.h"
+#include "core/kernels/attention_kernels.h"
 #include "parallel/cp/attention.h"
 #include "tests/dist/dist_env.h"
 
@@ -118,8 +118,8 @@ TEST(CpBlocks, MergedBlocksEqualDenseAttention) {
        v = torch::randn({b, h, 2 * m, d});
   auto dense = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
   auto qa = q.narrow(2, m, m);
-  auto [o1, l1] = block_forward(qa, k.narrow(2, 0, m), v.narrow(2, 0, m), false);
-  auto [o2, l2] = block_forward(qa, k.narrow(2, m, m), v.narrow(2, m, m), true);
+  auto [o1, l1] = kernels::block_forward(qa, k.narrow(2, 0, m), v.narrow(2, 0, m), false);
+  auto [o2, l2] = kernels::block_forward(qa, k.narrow(2, m, m), v.narrow(2, m, m), true);
   auto lse = torch::logaddexp(l1, l2);
   auto out = o1 * (l1 - lse).exp().unsqueeze(-1) + o2 * (l2 - lse).exp().unsqueeze(-1);
   EXPECT_TRUE(close(out, dense.narrow(2, m, m)));

@@ -5,7 +5,7 @@
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "device/cpu.h"
+#include "core/device/cpu.h"
 #include "parallel/mesh.h"
 #include "tests/dist/dist_env.h"
 

@@ -14,11 +14,11 @@ import unittest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
 from common import BIN, TmpDirTest, base_plan, free_port, read_metrics, run, write_plan, write_tokens  # noqa: E402
 
-STOPPED = 75  # run/stop.h kExitStopped
+STOPPED = 75  # engine/run/stop.h kExitStopped
 
 
 def lr_at(step, lr, warmup, steps):
-    """optim/optim.cpp's schedule: linear warmup, then cosine to 0 at the last step."""
+    """core/optim/optim.cpp's schedule: linear warmup, then cosine to 0 at the last step."""
     import math
     if step <= warmup:
         return lr * step / warmup

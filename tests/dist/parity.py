@@ -202,7 +202,7 @@ class Parity(unittest.TestCase):
     def check_host_reads(self, out, row):
         """No host read inside a step (each would be a host sync on a GPU), but for the one an
         expert-parallel exchange makes per MoE layer and micro-batch for its split sizes (counted
-        by the trainer, observe/host_reads.h: memory.json host_reads_per_step)."""
+        by the trainer, core/observe/host_reads.h: memory.json host_reads_per_step)."""
         with open(os.path.join(out, "memory.json")) as f:
             reads = [m["host_reads_per_step"] for m in json.load(f)["ranks"]]
         base = BASES[row.base]

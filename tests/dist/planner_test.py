@@ -1,7 +1,7 @@
 """The --dry-run planner against measured counters: for small plans in several layouts, the
 predicted per-rank weights, gradients and optimizer state (each against the bytes the CPU
 allocator counted for it), step activation peak and bytes per group per step are within 15% of
-what the run measured (memory.json, run/step_counters.h); the context-parallel group's bytes
+what the run measured (memory.json, engine/run/step_counters.h); the context-parallel group's bytes
 exactly, for every method."""
 import json
 import os

@@ -4,10 +4,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "core/optim/optim.h"
+#include "engine/planner/model_plan.h"
 #include "models/registry.h"
-#include "optim/optim.h"
 #include "parallel/dp/weight_gather.h"
-#include "planner/model_plan.h"
 #include "tests/dist/dist_env.h"
 
 namespace tessel::parallel {

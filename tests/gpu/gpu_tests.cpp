@@ -16,13 +16,13 @@
 #include <filesystem>
 #include <memory>
 
-#include "device/cuda.h"
-#include "io/safetensors.h"
-#include "models/fused_ops.h"
+#include "core/device/cuda.h"
+#include "core/kernels/fused_ops.h"
+#include "engine/io/safetensors.h"
+#include "engine/run/train.h"
 #include "parallel/ep/dispatch.h"
 #include "parallel/mesh.h"
 #include "parallel/tp/layers.h"
-#include "run/train.h"
 #include "tests/common/attention_cases.h"
 #include "tests/common/moe_cases.h"
 #include "tests/common/recompute_cases.h"
@@ -48,18 +48,18 @@ TEST(CudaDenseAttention, NeverTheMathKernel) {
       auto o = torch::TensorOptions().dtype(dtype).device(g_device);
       auto q = torch::randn({2, 8, 256, 64}, o), k = torch::randn({2, kv, 256, 64}, o),
            v = torch::randn({2, kv, 256, 64}, o);
-      const auto kernel = parallel::dense_attention_kernel(q, k, v, true);
+      const auto kernel = kernels::dense_attention_kernel(q, k, v, true);
       EXPECT_NE(kernel, "math") << "dtype " << dtype << " kv_heads " << kv;
       std::fprintf(stderr, "dense attention %s kv_heads %ld: %s kernel\n",
                    dtype == torch::kFloat32 ? "fp32" : "bf16", static_cast<long>(kv),
                    kernel.c_str());
-      auto y = parallel::dense_attention(q, k, v, true, /*tessel_kernels=*/true);  // SDPA on CUDA
+      auto y = kernels::dense_attention(q, k, v, true, /*tessel_kernels=*/true);  // SDPA on CUDA
       auto ref = plain_attention(q.to(torch::kFloat64), k.to(torch::kFloat64),
                                  v.to(torch::kFloat64), true);
       const double tol = dtype == torch::kFloat32 ? 1e-4 : 3e-2;  // TF32 off: see main()
       EXPECT_LT((y.to(torch::kFloat64) - ref).abs().max().item<double>(), tol);
       auto one = q.narrow(2, 255, 1);  // a generated token against the cached keys
-      EXPECT_NE(parallel::dense_attention_kernel(one, k, v, false), "math");
+      EXPECT_NE(kernels::dense_attention_kernel(one, k, v, false), "math");
     }
 }
 
@@ -67,25 +67,25 @@ TEST(CudaDenseAttention, NeverTheMathKernel) {
 // a fused one, flash (or cuDNN's, where SDPA prefers it) in bf16, memory-efficient in fp32,
 // grouped heads or not.
 TEST(CudaDenseAttention, PlannedKernels) {
-  // The order Tessel pins (parallel::pin_sdpa_order): cuDNN's kernel first in bf16 where the GPU
+  // The order Tessel pins (kernels::pin_sdpa_order): cuDNN's kernel first in bf16 where the GPU
   // has it (the H100 did), the memory-efficient one in fp32; named at the plan's length.
-  parallel::pin_sdpa_order(torch::kBFloat16);
+  kernels::pin_sdpa_order(torch::kBFloat16);
   for (int64_t seq : {2048, 8192}) {
     const auto k =
-        parallel::planned_attention_kernel(32, 8, seq, 64, torch::kBFloat16, g_device, true);
+        kernels::planned_attention_kernel(32, 8, seq, 64, torch::kBFloat16, g_device, true);
     std::fprintf(stderr, "planned attention bf16 seq %ld: %s kernel\n", static_cast<long>(seq),
                  k.c_str());
     EXPECT_TRUE(k == "cudnn" || k == "flash") << k;
   }
-  parallel::pin_sdpa_order(torch::kFloat32);
-  EXPECT_EQ(parallel::planned_attention_kernel(32, 8, 2048, 64, torch::kFloat32, g_device, true),
+  kernels::pin_sdpa_order(torch::kFloat32);
+  EXPECT_EQ(kernels::planned_attention_kernel(32, 8, 2048, 64, torch::kFloat32, g_device, true),
             "efficient");
-  parallel::pin_sdpa_order(torch::kBFloat16);
+  kernels::pin_sdpa_order(torch::kBFloat16);
   for (int64_t kv : {32, 8}) {
     const auto bf16 =
-        parallel::planned_attention_kernel(32, kv, 2048, 64, torch::kBFloat16, g_device, true);
+        kernels::planned_attention_kernel(32, kv, 2048, 64, torch::kBFloat16, g_device, true);
     EXPECT_TRUE(bf16 == "flash" || bf16 == "cudnn") << bf16;
-    EXPECT_EQ(parallel::planned_attention_kernel(32, kv, 2048, 64, torch::kFloat32, g_device, true),
+    EXPECT_EQ(kernels::planned_attention_kernel(32, kv, 2048, 64, torch::kFloat32, g_device, true),
               "efficient");
   }
 }
@@ -95,7 +95,7 @@ TEST(CudaDenseAttention, PlannedKernels) {
 // flash's backward repeated on an H100: bench/RESULTS.md, third GPU run).
 TEST(CudaDeterministic, AttentionBackwardRepeatsBitwise) {
   device::set_deterministic(true);
-  parallel::pin_sdpa_order(torch::kBFloat16, /*deterministic=*/true);
+  kernels::pin_sdpa_order(torch::kBFloat16, /*deterministic=*/true);
   const auto o = torch::TensorOptions().dtype(torch::kBFloat16).device(g_device);
   torch::manual_seed(0);
   auto q = torch::randn({2, 32, 2048, 64}, o), k = torch::randn({2, 8, 2048, 64}, o),
@@ -111,7 +111,7 @@ TEST(CudaDeterministic, AttentionBackwardRepeatsBitwise) {
   const auto first = grads();
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(torch::equal(first, grads())) << "repeat " << i;
   device::set_deterministic(false);
-  parallel::pin_sdpa_order(torch::kBFloat16);
+  kernels::pin_sdpa_order(torch::kBFloat16);
 }
 
 TEST(CudaRecompute, ReplaysTheForwardsRandomDraws) { check_recompute_replays_rng(g_device); }
@@ -137,7 +137,7 @@ double time_us(const F& f) {
          20;
 }
 
-// Llama's RMSNorm on CUDA is LibTorch's fused kernel (models/fused_ops.cpp): against the
+// Llama's RMSNorm on CUDA is LibTorch's fused kernel (core/kernels/fused_ops.cpp): against the
 // composite in fp64 (fp32 statistics) in fp32 and bf16, output and both gradients, at Llama-3 1B's
 // width; and its time against the composite's, forward and backward (the GPU check's report).
 TEST(CudaFusedOps, RmsNormMatchesTheCompositeAndIsFaster) {
@@ -155,7 +155,7 @@ TEST(CudaFusedOps, RmsNormMatchesTheCompositeAndIsFaster) {
     auto dy = torch::randn({rows, h}, o);
     auto xr = x.detach().to(torch::kFloat64).requires_grad_();
     auto wr = w.detach().to(torch::kFloat64).requires_grad_();
-    auto y = models::rms_norm(x, w, 1e-5, /*fused=*/true), yr = composite(xr, wr);
+    auto y = kernels::rms_norm(x, w, 1e-5, /*fused=*/true), yr = composite(xr, wr);
     y.backward(dy);
     yr.backward(dy.to(torch::kFloat64));
     const double tol = dtype == torch::kFloat32 ? 1e-5 : 2e-2;
@@ -165,7 +165,7 @@ TEST(CudaFusedOps, RmsNormMatchesTheCompositeAndIsFaster) {
     EXPECT_LT(rel(y, yr), tol);
     EXPECT_LT(rel(x.grad(), xr.grad()), tol);
     EXPECT_LT(rel(w.grad(), wr.grad()), tol);
-    const double fused = time_us([&] { models::rms_norm(x, w, 1e-5, true).backward(dy); });
+    const double fused = time_us([&] { kernels::rms_norm(x, w, 1e-5, true).backward(dy); });
     const double comp = time_us([&] { composite(x, w).backward(dy); });
     std::fprintf(stderr,
                  "kernel rms_norm [%ld, %ld] %s fwd+bwd: fused %.1f us, composite %.1f us\n",

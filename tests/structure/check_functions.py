@@ -10,8 +10,7 @@ import os
 import re
 import sys
 
-FOLDERS = ["cli", "run", "checkpoint", "planner", "models", "parallel", "optim", "io", "data",
-           "observe", "plan", "launcher", "tools"]
+FOLDERS = ["engine", "models", "parallel", "core", "launcher", "tools"]
 SCOPE = re.compile(r"\b(namespace|class|struct|union|enum)\b[^()]*$|extern\s+\"C\"\s*$")
 HEAD = re.compile(r"\)\s*(const|override|final|noexcept|mutable|->\s*[\w:<>,\s*&]+|\s)*$")
 

@@ -26,12 +26,22 @@ def read_layers(root):
     return folders
 
 
-def folder_of(path):
+def folder_of(path, layers=None):
+    """The declared folder a path lies in: the longest of its leading folders that LAYERS names
+    (engine/run for engine/run/train.cpp), else its top folder."""
+    parts = path.split("/")
+    for k in range(len(parts) - 1, 0, -1):
+        if layers and "/".join(parts[:k]) in layers:
+            return "/".join(parts[:k])
+    return parts[0]
+
+
+def top_of(path):
     return path.split("/", 1)[0]
 
 
-def sources(root):
-    """(path relative to root, top folder) of every source file in a declared-or-not folder."""
+def sources(root, layers):
+    """(path relative to root, its declared folder) of every source file of the tree."""
     skip = {".git", "build", "third_party", ".env", "docs", "configs", "examples"}
     for top in sorted(os.listdir(root)):
         if top in skip or not os.path.isdir(os.path.join(root, top)) or top.startswith("."):
@@ -39,7 +49,8 @@ def sources(root):
         for dirpath, _, files in sorted(os.walk(os.path.join(root, top))):
             for name in sorted(files):
                 if name.endswith(SOURCES):
-                    yield os.path.relpath(os.path.join(dirpath, name), root), top
+                    path = os.path.relpath(os.path.join(dirpath, name), root)
+                    yield path, folder_of(path, layers)
 
 
 def includes(root, path):
@@ -55,10 +66,10 @@ def diagram(root):
     """Text picture: each layer, top to bottom, with each folder and the folders it includes."""
     layers = read_layers(root)
     uses = {}
-    for path, src in sources(root):
+    for path, src in sources(root, layers):
         for _, inc in includes(root, path):
-            if folder_of(inc) != src:
-                uses.setdefault(src, set()).add(folder_of(inc))
+            if folder_of(inc, layers) != src:
+                uses.setdefault(src, set()).add(folder_of(inc, layers))
     out, last = [], None
     for folder, (rank, layer) in sorted(layers.items(), key=lambda kv: (kv[1][0], kv[0])):
         if layer != last:
@@ -66,25 +77,65 @@ def diagram(root):
             out.append(f"[{layer}]")
             last = layer
         targets = sorted(uses.get(folder, ()), key=lambda f: (layers.get(f, (99,))[0], f))
-        out.append(f"  {folder + '/':<12} -> {' '.join(t + '/' for t in targets) or '(nothing of ours)'}")
+        out.append(f"  {folder + '/':<17} -> {' '.join(t + '/' for t in targets) or '(nothing of ours)'}")
+    tops = {}
+    for a, bs in top_uses(root, layers).items():
+        for b in bs:
+            tops.setdefault(a, set()).add(b)
+    out.append(f"{'':-<78}")
+    out.append("[top-level folders] " + "; ".join(f"{a}/ -> {' '.join(b + '/' for b in sorted(tops[a]))}"
+                                                  for a in sorted(tops)))
     return "\n".join(out[1:])
+
+
+def top_uses(root, layers):
+    """{top folder: {top folder it includes: first (path, line, include) doing so}}."""
+    uses = {}
+    for path, _ in sources(root, layers):
+        for n, inc in includes(root, path):
+            a, b = top_of(path), top_of(inc)
+            if a != b:
+                uses.setdefault(a, {}).setdefault(b, (path, n, inc))
+    return uses
+
+
+def top_circles(root, layers):
+    """Each include from one top-level folder into another that includes it back, directly or
+    through others (LAYERS may order subfolders so that no include runs upward, yet interleave two
+    top-level folders: those must stay one way)."""
+    uses = top_uses(root, layers)
+    def reach(a):
+        seen, todo = set(), [a]
+        while todo:
+            for b in uses.get(todo.pop(), {}):
+                if b not in seen:
+                    seen.add(b)
+                    todo.append(b)
+        return seen
+    out = []
+    for a in sorted(uses):
+        for b, (path, n, inc) in sorted(uses[a].items()):
+            if a in reach(b):
+                out.append(f"{path}:{n}: includes {inc}: top-level folders {a}/ and {b}/ include each "
+                           f"other (a circle)")
+    return out
 
 
 def offences(root):
     layers = read_layers(root)
     out = []
-    for path, src in sources(root):
+    for path, src in sources(root, layers):
         if src not in layers:
             out.append(f"{path}: folder {src}/ is in no layer of LAYERS")
             continue
         for n, inc in includes(root, path):
-            dst = folder_of(inc)
+            dst = folder_of(inc, layers)
             if dst not in layers:
                 out.append(f"{path}:{n}: includes {inc}: folder {dst}/ is in no layer of LAYERS")
             elif layers[dst][0] < layers[src][0]:
                 out.append(f"{path}:{n}: includes {inc}: {src}/ ({layers[src][1]}) may not "
                            f"include {dst}/ ({layers[dst][1]}), a layer above it")
-    return out
+    return out or top_circles(root, layers)  # a circle with an upward include is named above
 
 
 def main():

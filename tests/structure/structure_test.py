@@ -43,6 +43,25 @@ class Layers(unittest.TestCase):
             self.assertIn("stray/x.cpp: folder stray/ is in no layer of LAYERS", out)
             self.assertIn("2 include(s) against the layer order (top > mid > low)", out)
 
+    def test_circle_between_top_level_folders_is_named(self):
+        with tempfile.TemporaryDirectory() as d:
+            def write(path, text):
+                os.makedirs(os.path.dirname(os.path.join(d, path)), exist_ok=True)
+                with open(os.path.join(d, path), "w") as f:
+                    f.write(text)
+            # Every include runs downward, yet engine/ and models/ include each other.
+            write("LAYERS", "top: engine/run\nmid: models\nlow: engine/io\n")
+            write("engine/io/file.h", "#pragma once\n")
+            write("models/layers.h", '#pragma once\n#include "engine/io/file.h"\n')
+            write("engine/run/train.cpp", '#include "models/layers.h"\n')
+            rc, out = check("check_layers.py", d)
+            self.assertEqual(rc, 1, out)
+            self.assertIn("models/layers.h:2: includes engine/io/file.h: top-level folders models/ and engine/ "
+                          "include each other (a circle)", out)
+            self.assertIn("engine/run/train.cpp:1: includes models/layers.h: top-level folders engine/ and "
+                          "models/ include each other (a circle)", out)
+            self.assertIn("2 include(s) against the layer order (top > mid > low)", out)
+
 
 
 class Functions(unittest.TestCase):
@@ -54,14 +73,14 @@ class Functions(unittest.TestCase):
     def test_long_function_is_named(self):
         body = "".join(f"  x += {i};  // {{ a brace in a comment\n" for i in range(61))
         with tempfile.TemporaryDirectory() as d:
-            os.makedirs(os.path.join(d, "run"))
-            with open(os.path.join(d, "run", "a.cpp"), "w") as f:
+            os.makedirs(os.path.join(d, "engine", "run"))
+            with open(os.path.join(d, "engine", "run", "a.cpp"), "w") as f:
                 f.write('namespace t {\nconst char* s = "}";\n'
                         "int short_one(int x) {\n  if (x) {\n    return 1;\n  }\n  return 0;\n}\n"
                         "int long_one(int x) {\n" + body + "  return x;\n}\n}  // namespace t\n")
             rc, out = check("check_functions.py", d)
             self.assertEqual(rc, 1, out)
-            self.assertIn("run/a.cpp:9: 64 lines: int long_one(int x)", out)
+            self.assertIn("engine/run/a.cpp:9: 64 lines: int long_one(int x)", out)
             self.assertNotIn("short_one", out)
             self.assertIn("1 function(s) over 60 lines", out)
 

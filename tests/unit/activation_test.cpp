@@ -3,9 +3,9 @@
 
 #include <limits>
 
-#include "models/activations.h"
+#include "core/kernels/activations.h"
 
-namespace tessel::models {
+namespace tessel::kernels {
 namespace {
 
 TEST(Activations, GeluTanhCpuMatchesTorchWithinFloatRounding) {
@@ -98,4 +98,4 @@ TEST(Activations, BiasGeluMatchesTheUnfusedKernel) {
 }
 
 }  // namespace
-}  // namespace tessel::models
+}  // namespace tessel::kernels

@@ -1,11 +1,11 @@
-// Tessel's short-sequence CPU attention (parallel/attention_cpu.h) against plain attention in
+// Tessel's short-sequence CPU attention (core/kernels/attention_cpu.h) against plain attention in
 // fp64: outputs and all three gradients, causal and not, grouped-query heads, rows whose length
 // is not a multiple of the 8-lane vectors, and the layouts the model hands it.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "parallel/attention_cpu.h"
-#include "parallel/softmax_kernels.h"
+#include "core/kernels/attention_cpu.h"
+#include "core/kernels/softmax_kernels.h"
 #include "tests/common/attention_cases.h"
 
 namespace tessel::testing {
@@ -41,8 +41,8 @@ TEST_P(ShortAttention, MatchesPlainAttentionAndItsGradients) {
   auto q = projected(b, c.heads, c.m, c.d), k = projected(b, c.kv_heads, c.n, c.d),
        v = projected(b, c.kv_heads, c.n, c.d);
   auto dy = torch::randn({b, c.heads, c.m, c.d});
-  ASSERT_TRUE(parallel::short_attention_applies(q, k, c.causal));
-  auto y = parallel::short_attention(q, k, v, c.causal);
+  ASSERT_TRUE(kernels::short_attention_applies(q, k, c.causal));
+  auto y = kernels::short_attention(q, k, v, c.causal);
   y.backward(dy);
 
   auto q64 = q.detach().to(torch::kFloat64).requires_grad_(true);
@@ -57,8 +57,8 @@ TEST_P(ShortAttention, MatchesPlainAttentionAndItsGradients) {
   EXPECT_EQ(y.sizes(), q.sizes());
   // Which path ran: the fused head loops wherever they apply (AVX2, head size a multiple of 8).
   auto [out, saved] =
-      parallel::short_attention_forward(q.detach(), k.detach(), v.detach(), c.causal);
-  EXPECT_EQ(saved.probs.dim(), parallel::kernels::head_loops_apply(c.d) ? 4 : 3);
+      kernels::short_attention_forward(q.detach(), k.detach(), v.detach(), c.causal);
+  EXPECT_EQ(saved.probs.dim(), kernels::cpu::head_loops_apply(c.d) ? 4 : 3);
   EXPECT_TRUE(torch::equal(out, y.detach()));
   EXPECT_EQ(k.grad().sizes(), k.sizes());
 }
@@ -74,14 +74,14 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(ShortAttention, AppliesToShortFp32CpuAttentionOnly) {
   auto q = torch::randn({1, 4, 16, 8}), k = torch::randn({1, 2, 16, 8});
-  EXPECT_TRUE(parallel::short_attention_applies(q, k, true));
-  EXPECT_FALSE(parallel::short_attention_applies(q, k.narrow(2, 0, 8), true));  // m != n
-  EXPECT_TRUE(parallel::short_attention_applies(q, k.narrow(2, 0, 8), false));
-  EXPECT_FALSE(parallel::short_attention_applies(q.to(torch::kBFloat16), k, true));
-  EXPECT_FALSE(parallel::short_attention_applies(torch::randn({1, 3, 16, 8}), k, true));
-  auto long_k = torch::randn({1, 2, parallel::kShortAttentionKeys + 1, 8});
-  EXPECT_FALSE(parallel::short_attention_applies(q, long_k, false));
-  EXPECT_THROW(parallel::short_attention(q, long_k, long_k, false), c10::Error);
+  EXPECT_TRUE(kernels::short_attention_applies(q, k, true));
+  EXPECT_FALSE(kernels::short_attention_applies(q, k.narrow(2, 0, 8), true));  // m != n
+  EXPECT_TRUE(kernels::short_attention_applies(q, k.narrow(2, 0, 8), false));
+  EXPECT_FALSE(kernels::short_attention_applies(q.to(torch::kBFloat16), k, true));
+  EXPECT_FALSE(kernels::short_attention_applies(torch::randn({1, 3, 16, 8}), k, true));
+  auto long_k = torch::randn({1, 2, kernels::kShortAttentionKeys + 1, 8});
+  EXPECT_FALSE(kernels::short_attention_applies(q, long_k, false));
+  EXPECT_THROW(kernels::short_attention(q, long_k, long_k, false), c10::Error);
 }
 
 // The row loops: the causal rows' masked keys come out exactly 0, every row sums to 1, a row's
@@ -92,8 +92,8 @@ TEST(SoftmaxRows, MaskedKeysAreZeroAndRowsSumToOne) {
   const int64_t m = 19, n = 19;
   auto s = torch::randn({4, m, n}) * 5;
   auto p = s.clone();
-  parallel::kernels::ScoreRows rows{4 * m, n, m, true, 0.25f};
-  parallel::kernels::softmax_rows(p.mutable_data_ptr<float>(), rows);
+  kernels::cpu::ScoreRows rows{4 * m, n, m, true, 0.25f};
+  kernels::cpu::softmax_rows(p.mutable_data_ptr<float>(), rows);
   auto want =
       (s * 0.25).masked_fill(torch::ones({m, n}, torch::kBool).triu(1), -INFINITY).softmax(-1);
   EXPECT_LT((p - want).abs().max().item<double>(), 1e-6);
@@ -105,8 +105,8 @@ TEST(SoftmaxRows, MaskedKeysAreZeroAndRowsSumToOne) {
   EXPECT_LT((p.sum(-1) - 1).abs().max().item<double>(), 1e-6);
   auto dp = torch::randn({4, m, n});
   auto ds = dp.clone();
-  parallel::kernels::softmax_backward_rows(p.const_data_ptr<float>(), ds.mutable_data_ptr<float>(),
-                                           rows);
+  kernels::cpu::softmax_backward_rows(p.const_data_ptr<float>(), ds.mutable_data_ptr<float>(),
+                                      rows);
   EXPECT_LT(ds.sum(-1).abs().max().item<double>(), 1e-5);
 
   const int threads = at::get_num_threads();
@@ -115,7 +115,7 @@ TEST(SoftmaxRows, MaskedKeysAreZeroAndRowsSumToOne) {
   for (int t : {1, 2}) {
     at::set_num_threads(t);
     auto x = big.clone();
-    parallel::kernels::softmax_rows(x.mutable_data_ptr<float>(), {64 * 200, 200, 200, true, 0.1f});
+    kernels::cpu::softmax_rows(x.mutable_data_ptr<float>(), {64 * 200, 200, 200, true, 0.1f});
     outs.push_back(x);
   }
   at::set_num_threads(threads);

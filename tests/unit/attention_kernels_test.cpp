@@ -21,7 +21,7 @@ TEST(DenseAttention, GroupedQueryHeadsMatchPlainAttention) {
   auto ref =
       plain_attention(q.to(torch::kFloat64), k.to(torch::kFloat64), v.to(torch::kFloat64), true);
   for (bool tessel : {true, false}) {  // Tessel's short-sequence kernel, SDPA's flash
-    auto y = parallel::dense_attention(q, k, v, true, tessel);
+    auto y = kernels::dense_attention(q, k, v, true, tessel);
     EXPECT_LT((y.to(torch::kFloat64) - ref).abs().max().item<double>(), 1e-5) << tessel;
   }
 }
@@ -34,26 +34,26 @@ TEST(PlannedAttention, CpuGetsTheFlashKernelOrTesselsForShortSequences) {
     for (int64_t kv : {6, 2})
       for (int64_t d : {32, 64, 128}) {
         for (bool tessel : {true, false})
-          EXPECT_EQ(parallel::planned_attention_kernel(6, kv, 1024, d, dtype, torch::kCPU, tessel),
+          EXPECT_EQ(kernels::planned_attention_kernel(6, kv, 1024, d, dtype, torch::kCPU, tessel),
                     "flash")
               << "kv " << kv << " head size " << d;
         const bool own = dtype == torch::kFloat32;
-        EXPECT_EQ(parallel::planned_attention_kernel(6, kv, 256, d, dtype, torch::kCPU, true),
+        EXPECT_EQ(kernels::planned_attention_kernel(6, kv, 256, d, dtype, torch::kCPU, true),
                   own ? "tessel" : "flash");
-        EXPECT_EQ(parallel::planned_attention_kernel(6, kv, 257, d, dtype, torch::kCPU, true),
+        EXPECT_EQ(kernels::planned_attention_kernel(6, kv, 257, d, dtype, torch::kCPU, true),
                   "flash");
-        EXPECT_EQ(parallel::planned_attention_kernel(6, kv, 128, d, dtype, torch::kCPU, false),
+        EXPECT_EQ(kernels::planned_attention_kernel(6, kv, 128, d, dtype, torch::kCPU, false),
                   "flash");
       }
 }
 
 TEST(KernelLayout, IsTheForwardsOutputLayout) {
   auto q = torch::randn({2, 3, 8, 16});
-  auto [out, lse] = parallel::block_forward(q, q, q, true);
+  auto [out, lse] = kernels::block_forward(q, q, q, true);
   // What the kernel returned needs no copy; a [b, h, m, d]-contiguous tensor gets one.
-  EXPECT_EQ(parallel::kernel_layout(out).data_ptr(), out.data_ptr());
+  EXPECT_EQ(kernels::kernel_layout(out).data_ptr(), out.data_ptr());
   auto plain = out.contiguous();
-  auto laid = parallel::kernel_layout(plain);
+  auto laid = kernels::kernel_layout(plain);
   EXPECT_TRUE(torch::equal(laid, plain));
   EXPECT_EQ(laid.stride(2), 3 * 16);  // rows of one head are h·d apart
   EXPECT_EQ(lse.sizes(), (std::vector<int64_t>{2, 3, 8}));
@@ -61,16 +61,16 @@ TEST(KernelLayout, IsTheForwardsOutputLayout) {
 
 // SDPA's CUDA backend order, pinned per dtype at start-up (flags only: no device needed).
 TEST(SdpaOrder, PinnedPerDtype) {
-  parallel::pin_sdpa_order(torch::kBFloat16);
+  kernels::pin_sdpa_order(torch::kBFloat16);
   auto order = at::globalContext().sDPPriorityOrder();
   EXPECT_EQ(order[0], at::SDPBackend::cudnn_attention);
   EXPECT_EQ(order[1], at::SDPBackend::flash_attention);
-  parallel::pin_sdpa_order(torch::kFloat32);
+  kernels::pin_sdpa_order(torch::kFloat32);
   order = at::globalContext().sDPPriorityOrder();
   EXPECT_EQ(order[0], at::SDPBackend::efficient_attention);
   EXPECT_EQ(order[1], at::SDPBackend::math);
   // training.deterministic: cuDNN's attention (whose backward does not repeat) after math.
-  parallel::pin_sdpa_order(torch::kBFloat16, /*deterministic=*/true);
+  kernels::pin_sdpa_order(torch::kBFloat16, /*deterministic=*/true);
   order = at::globalContext().sDPPriorityOrder();
   EXPECT_EQ(order[0], at::SDPBackend::flash_attention);
   EXPECT_EQ(order[1], at::SDPBackend::efficient_attention);

@@ -4,7 +4,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "plan/config.h"
+#include "core/plan/config.h"
 
 namespace tessel {
 namespace {

@@ -6,8 +6,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "data/data.h"
-#include "observe/tensorboard.h"
+#include "core/observe/tensorboard.h"
+#include "engine/data/data.h"
 
 namespace fs = std::filesystem;
 

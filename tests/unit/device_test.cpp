@@ -1,5 +1,6 @@
 // LibTorch's CUDA half (libtorch_cuda, cuBLAS, cuDNN, NCCL) is loaded only when a process asks
-// for CUDA, and then completely (device/cuda.h). One test: what it checks depends on the order.
+// for CUDA, and then completely (core/device/cuda.h). One test: what it checks depends on the
+// order.
 #include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -12,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "device/cuda.h"
-#include "run/train.h"
+#include "core/device/cuda.h"
+#include "engine/run/build.h"
 
 namespace {
 

@@ -3,7 +3,7 @@
 #include <map>
 #include <set>
 
-#include "optim/flat_layout.h"
+#include "core/optim/flat_layout.h"
 
 namespace tessel::optim {
 namespace {

@@ -1,9 +1,9 @@
-// Llama's fused CPU layers (models/fused_ops.h) against their LibTorch composites in fp64:
+// Llama's fused CPU layers (core/kernels/fused_ops.h) against their LibTorch composites in fp64:
 // outputs and gradients of RMSNorm, SwiGLU and RoPE, in the layouts the model hands them.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "models/fused_ops.h"
+#include "core/kernels/fused_ops.h"
 
 namespace tessel::testing {
 namespace {
@@ -38,7 +38,7 @@ TEST(FusedOps, RmsNormMatchesTheComposite) {
     check_against_composite(
         {x, w},
         [](const std::vector<torch::Tensor>& t, bool fused) {
-          return models::rms_norm(t[0], t[1], 1e-5, fused);
+          return kernels::rms_norm(t[0], t[1], 1e-5, fused);
         },
         2e-6);
   }
@@ -54,11 +54,11 @@ TEST(FusedOps, LibTorchsFusedRmsNormWhereTesselsLoopsDoNotRun) {
   check_against_composite(
       {x, w},
       [](const std::vector<torch::Tensor>& t, bool fused) {
-        return models::rms_norm(t[0], t[1], 1e-5, /*fused=*/false);  // fp32: LibTorch's operator
+        return kernels::rms_norm(t[0], t[1], 1e-5, /*fused=*/false);  // fp32: LibTorch's operator
       },
       2e-6);
   auto xb = x.to(torch::kBFloat16).requires_grad_(), wb = w.to(torch::kBFloat16).requires_grad_();
-  auto y = models::rms_norm(xb, wb, 1e-5, true);
+  auto y = kernels::rms_norm(xb, wb, 1e-5, true);
   EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
   auto x32 = xb.detach().to(torch::kFloat32);
   auto want =
@@ -74,7 +74,7 @@ TEST(FusedOps, SwigluMatchesTheComposite) {
   check_against_composite(
       {g, u},
       [](const std::vector<torch::Tensor>& t, bool fused) {
-        return models::swiglu(t[0], t[1], fused);
+        return kernels::swiglu(t[0], t[1], fused);
       },
       2e-6);
 }
@@ -85,10 +85,10 @@ TEST(FusedOps, SwigluMatchesTheComposite) {
 TEST(FusedOps, SwigluBackwardInPlaceMatchesOutOfPlace) {
   auto g1 = torch::randn({32, 40}).requires_grad_(), u1 = torch::randn({32, 40}).requires_grad_();
   auto m = torch::randn({40, 24}), dz = torch::randn({32, 24});
-  torch::matmul(models::swiglu(g1, u1, true), m).backward(dz);
+  torch::matmul(kernels::swiglu(g1, u1, true), m).backward(dz);
   auto g2 = g1.detach().clone().requires_grad_(), u2 = u1.detach().clone().requires_grad_();
   auto dy = torch::matmul(dz, m.t()), kept = dy.clone();
-  models::swiglu(g2, u2, true).backward(dy);
+  kernels::swiglu(g2, u2, true).backward(dy);
   EXPECT_TRUE(torch::equal(dy, kept));
   EXPECT_TRUE(torch::equal(g1.grad(), g2.grad()));
   EXPECT_TRUE(torch::equal(u1.grad(), u2.grad()));
@@ -106,19 +106,19 @@ TEST(FusedOps, RopeMatchesTheCompositeInTheModelsLayout) {
       {x},
       [&](const std::vector<torch::Tensor>& t, bool fused) {
         const auto dtype = t[0].scalar_type();
-        return models::rope(t[0], cos.to(dtype), sin.to(dtype), fused);
+        return kernels::rope(t[0], cos.to(dtype), sin.to(dtype), fused);
       },
       1e-6);
   // The result keeps x's memory layout (no copy for the attention's reshape to make twice).
-  auto y = models::rope(x, cos, sin, true);
+  auto y = kernels::rope(x, cos, sin, true);
   EXPECT_EQ(y.strides(), x.strides());
 }
 
 TEST(FusedOps, OffOrNotFp32CpuRunsTheComposite) {
   auto x = torch::randn({4, 16}, torch::kFloat64), w = torch::ones({16}, torch::kFloat64);
-  EXPECT_FALSE(models::fused_cpu(x));
-  EXPECT_TRUE(models::fused_cpu(x.to(torch::kFloat32)));
-  auto y = models::rms_norm(x, w, 1e-6, true);  // fp64: the composite (fp32 statistics), exactly
+  EXPECT_FALSE(kernels::fused_cpu(x));
+  EXPECT_TRUE(kernels::fused_cpu(x.to(torch::kFloat32)));
+  auto y = kernels::rms_norm(x, w, 1e-6, true);  // fp64: the composite (fp32 statistics), exactly
   auto x32 = x.to(torch::kFloat32);
   auto want = (x32 * torch::rsqrt(x32.pow(2).mean(-1, true) + 1e-6)).to(torch::kFloat64);
   EXPECT_TRUE(torch::allclose(y, want, 0, 0));

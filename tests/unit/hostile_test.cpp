@@ -12,15 +12,15 @@
 #include <random>
 #include <sstream>
 
-#include "checkpoint/checkpoint.h"
-#include "checkpoint/index.h"
-#include "io/checksum.h"
-#include "io/safetensors.h"
+#include "core/plan/config.h"
+#include "engine/checkpoint/checkpoint.h"
+#include "engine/checkpoint/index.h"
+#include "engine/io/checksum.h"
+#include "engine/io/safetensors.h"
+#include "engine/planner/planner.h"
+#include "engine/run/resume_plan.h"
+#include "engine/run/startup.h"
 #include "parallel/mesh.h"
-#include "plan/config.h"
-#include "planner/planner.h"
-#include "run/resume_plan.h"
-#include "run/startup.h"
 
 namespace fs = std::filesystem;
 

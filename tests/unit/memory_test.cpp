@@ -1,14 +1,14 @@
 // What a GPU step must not do, checked on CPU: recompute RoPE tables per micro-batch, or keep
 // several fp32 copies of the logits for the loss. CPU allocations are counted by the allocator
-// wrapper the trainer's step counters use (observe/counters.h).
+// wrapper the trainer's step counters use (core/observe/counters.h).
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "core/observe/counters.h"
+#include "engine/planner/model_plan.h"
 #include "models/registry.h"
-#include "observe/counters.h"
 #include "parallel/tp/layers.h"
-#include "planner/model_plan.h"
 
 namespace tessel {
 namespace {

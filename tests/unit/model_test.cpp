@@ -2,8 +2,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "engine/planner/model_plan.h"
 #include "models/registry.h"
-#include "planner/model_plan.h"
 #include "tests/common/recompute_cases.h"
 
 namespace tessel::models {

@@ -1,9 +1,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "core/optim/optim.h"
+#include "engine/planner/model_plan.h"
 #include "models/registry.h"
-#include "optim/optim.h"
-#include "planner/model_plan.h"
 
 namespace tessel {
 namespace {

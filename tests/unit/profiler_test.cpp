@@ -5,8 +5,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "observe/profiler.h"
-#include "plan/config.h"
+#include "core/observe/profiler.h"
+#include "core/plan/config.h"
 
 namespace tessel {
 namespace {

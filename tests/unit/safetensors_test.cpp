@@ -5,9 +5,9 @@
 #include <filesystem>
 #include <fstream>
 
-#include "io/checksum.h"
-#include "io/safetensors.h"
-#include "plan/config.h"
+#include "core/plan/config.h"
+#include "engine/io/checksum.h"
+#include "engine/io/safetensors.h"
 
 namespace fs = std::filesystem;
 

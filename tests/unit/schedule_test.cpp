@@ -4,8 +4,8 @@
 
 #include <fmt/format.h>
 
+#include "core/plan/config.h"
 #include "parallel/pp/schedule.h"
-#include "plan/config.h"
 
 namespace tessel::parallel::pp {
 namespace {

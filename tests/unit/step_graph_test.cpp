@@ -1,14 +1,14 @@
-// The policy of training.cuda_graph (run/step_graph.h) against a stand-in backend: warm-up steps
-// eager, one capture replayed at once and for every later step, eager steps on request without
-// losing the graph, and a failed capture undone and never tried again. The CUDA backend itself
-// runs in tests/gpu/gpu_suite.py (CudaGraph), skipped without a GPU.
+// The policy of training.cuda_graph (engine/run/step_graph.h) against a stand-in backend: warm-up
+// steps eager, one capture replayed at once and for every later step, eager steps on request
+// without losing the graph, and a failed capture undone and never tried again. The CUDA backend
+// itself runs in tests/gpu/gpu_suite.py (CudaGraph), skipped without a GPU.
 #include <gtest/gtest.h>
 
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "run/step_graph.h"
+#include "engine/run/step_graph.h"
 
 namespace tessel {
 namespace {

@@ -3,7 +3,7 @@
 
 #include <csignal>
 
-#include "run/stop.h"
+#include "engine/run/stop.h"
 
 namespace tessel {
 namespace {

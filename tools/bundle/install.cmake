@@ -16,7 +16,7 @@ set_target_properties(${TESSEL_TOOLS} PROPERTIES
   INSTALL_RPATH_USE_LINK_PATH OFF
   SKIP_BUILD_RPATH OFF)
 install(TARGETS ${TESSEL_TOOLS} RUNTIME DESTINATION libexec/tessel)
-# LibTorch's CUDA half's own module (device/cuda.h): beside the binaries that load it.
+# LibTorch's CUDA half's own module (core/device/cuda.h): beside the binaries that load it.
 set_target_properties(tessel_cuda PROPERTIES INSTALL_RPATH "$ORIGIN/../../lib/tessel"
   INSTALL_RPATH_USE_LINK_PATH OFF)
 install(TARGETS tessel_cuda LIBRARY DESTINATION libexec/tessel)
@@ -27,7 +27,7 @@ install(CODE "execute_process(COMMAND git -C \"${CMAKE_SOURCE_DIR}\" rev-parse -
 # What configs/default.yaml trains on (this project's own text), so that it runs from share/tessel.
 install(FILES README.md DESTINATION share/tessel)
 install(DIRECTORY docs DESTINATION share/tessel FILES_MATCHING PATTERN "*.md")
-foreach(dir cli run checkpoint planner optim io data observe plan device models tools tests/unit)
+foreach(dir engine core models tools tests/unit)
   install(DIRECTORY ${dir}/ DESTINATION share/tessel/${dir} FILES_MATCHING PATTERN "*.cpp" PATTERN "*.h"
           PATTERN "bundle" EXCLUDE)
 endforeach()

@@ -1,0 +1,247 @@
+#include "core/plan/rules.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <vector>
+
+#include "core/device/cuda.h"
+
+namespace tessel {
+namespace {
+
+// Cross-field rules, run after every value is in. Messages name both quantities and their values.
+class Validator {
+ public:
+  Validator(Config& c, const std::map<std::string, int>& lines) : c_(c), lines_(lines) {}
+
+  void require(bool ok, const std::string& key, const std::string& msg) {
+    if (ok) return;
+    auto it = lines_.find(key);
+    std::string where = c_.source + (it != lines_.end() ? ":" + std::to_string(it->second) : "");
+    errors_.push_back(where + ": " + msg);
+  }
+  template <class A, class B>
+  static std::string q(const std::string& a, A va, const std::string& rel, const std::string& b,
+                       B vb) {
+    std::ostringstream s;
+    s << a << " (" << va << ") " << rel << " " << b << " (" << vb << ")";
+    return s.str();
+  }
+
+  void run() {
+    // Resolve the "auto" values first: later rules talk about the resolved numbers.
+    resolve_auto();
+    check_model();
+    check_training();
+    check_data_and_checkpoint();
+    check_cuda_graph();
+    // The layout is checked against the world size by parallel::check_layout (it needs the world).
+    if (!errors_.empty()) {
+      std::string all;
+      for (const auto& e : errors_) all += (all.empty() ? "" : "\n") + e;
+      throw UserError(all);
+    }
+  }
+
+ private:
+  void resolve_auto() {
+    auto& m = c_.model;
+    auto& t = c_.training;
+    if (m.kv_heads == 0) m.kv_heads = m.heads;
+    if (m.tie_embeddings == "auto") m.tie_embeddings = m.arch == "gpt2" ? "true" : "false";
+    if (m.ffn_hidden == 0)
+      m.ffn_hidden = m.arch == "gpt2" ? 4 * m.hidden : (8 * m.hidden / 3 + 63) / 64 * 64;
+    if (m.moe.ffn_hidden == 0) m.moe.ffn_hidden = m.ffn_hidden;
+    if (t.dtype == "auto")  // bf16 where it is fast and safe (CUDA), fp32 elsewhere
+      t.dtype =
+          t.device == "cuda" || (t.device == "auto" && device::cuda_available()) ? "bf16" : "fp32";
+  }
+
+  void check_model() {
+    const auto& m = c_.model;
+    require(m.hidden % m.heads == 0, "model.hidden",
+            q("model.hidden", m.hidden, "must be divisible by", "model.heads", m.heads));
+    require(m.heads % m.kv_heads == 0, "model.kv_heads",
+            q("model.heads", m.heads, "must be divisible by", "model.kv_heads", m.kv_heads));
+    require(m.arch != "gpt2" || m.kv_heads == m.heads, "model.kv_heads",
+            q("gpt2 has no grouped-query attention: model.kv_heads", m.kv_heads, "must equal",
+              "model.heads", m.heads));
+    require(m.arch != "llama" || m.head_dim() % 2 == 0, "model.hidden",
+            fmt::format("RoPE needs an even head dimension: model.hidden ({}) / model.heads ({}) "
+                        "= {} is odd",
+                        m.hidden, m.heads, m.head_dim()));
+    require(m.arch == "llama" || !m.qk_norm, "model.qk_norm",
+            "model.qk_norm is a llama-family option (Qwen3); model.arch is " + m.arch);
+    // Each key is bounded; their product is too, in double (int64 byte counts of the weights,
+    // gradients and optimizer state stay exact below 2^44 parameters, 16 bytes each).
+    const double h = static_cast<double>(m.hidden),
+                 experts = static_cast<double>(std::max<int64_t>(1, m.moe.experts));
+    const double params =
+        static_cast<double>(m.layers) *
+            (4 * h * h + 3 * h * static_cast<double>(std::max(m.ffn_hidden, m.moe.ffn_hidden)) *
+                             (experts + static_cast<double>(m.moe.shared_experts))) +
+        2 * h * static_cast<double>(m.vocab_size + m.max_seq_len);
+    constexpr double kMaxParams = 17.5e12;  // 2^44
+    require(params <= kMaxParams, "model.hidden",
+            fmt::format("model: about {:.3g} parameters (model.layers {}, model.hidden {}, "
+                        "ffn_hidden {}, {} experts, vocab_size {}): at most {:.3g} (ten times "
+                        "the largest published models; byte counts would overflow)",
+                        params, m.layers, m.hidden, m.ffn_hidden, m.moe.experts, m.vocab_size,
+                        kMaxParams));
+    check_moe();
+  }
+
+  void check_moe() {
+    const auto& m = c_.model;
+    const auto& e = m.moe;
+    const auto& p = c_.parallel;
+    if (e.experts == 0) {
+      require(p.ep == 1, "parallel.ep",
+              q("parallel.ep", p.ep, "needs a mixture of experts: set", "model.moe.experts",
+                e.experts));
+      return;
+    }
+    require(m.arch == "llama", "model.moe.experts",
+            "model.moe.experts (" + std::to_string(e.experts) +
+                ") builds llama-family MoE layers (Mixtral, Qwen3-MoE); model.arch is " + m.arch);
+    require(e.top_k <= e.experts, "model.moe.top_k",
+            q("model.moe.top_k", e.top_k, "must be <=", "model.moe.experts", e.experts));
+    require(e.every <= m.layers, "model.moe.every",
+            q("model.moe.every", e.every, "leaves no MoE layer: it must be <=", "model.layers",
+              m.layers));
+    require(e.experts % p.ep == 0, "parallel.ep",
+            q("model.moe.experts", e.experts, "must be divisible by", "parallel.ep", p.ep) +
+                ": each ep rank holds experts/ep whole experts");
+    const bool split_sequence = p.cp > 1 || (p.sequence_parallel && p.tp > 1);
+    require(e.capacity_factor == 0 || !split_sequence, "model.moe.capacity_factor",
+            fmt::format("model.moe.capacity_factor ({}) drops choices per whole sequence in token "
+                        "order, which needs each sequence on one rank: parallel.cp ({}) > 1 or "
+                        "parallel.sequence_parallel with parallel.tp ({}) > 1 splits it; use "
+                        "capacity_factor 0 (dropless) there",
+                        fmt_double(e.capacity_factor), p.cp, p.tp));
+    // Grouped matmuls over 16-bit weights need rows of 16-byte multiples.
+    const bool half = c_.training.dtype == "bf16" || c_.training.dtype == "fp16";
+    require(!half || (m.hidden % 8 == 0 && e.ffn_hidden % 8 == 0), "model.moe.ffn_hidden",
+            fmt::format("training.dtype {}: the experts' grouped matmuls need model.hidden ({}) "
+                        "and model.moe.ffn_hidden ({}) to be multiples of 8",
+                        c_.training.dtype, m.hidden, e.ffn_hidden));
+  }
+
+  void check_training() {
+    const auto& m = c_.model;
+    const auto& t = c_.training;
+    require(t.seq_len <= m.max_seq_len, "training.seq_len",
+            q("training.seq_len", t.seq_len, "must be <=", "model.max_seq_len", m.max_seq_len));
+    constexpr double kMaxTokensPerStep = 4294967296.0;  // 2^32: x 2^30 steps stays in int64
+    require(
+        static_cast<double>(t.global_batch) * static_cast<double>(t.seq_len) <= kMaxTokensPerStep,
+        "training.global_batch",
+        fmt::format("training.global_batch ({}) x training.seq_len ({}) = {:.4g} tokens per "
+                    "step: at most 2^32 (the largest published runs use under 2^25; token "
+                    "counts must stay exact)",
+                    t.global_batch, t.seq_len,
+                    static_cast<double>(t.global_batch) * static_cast<double>(t.seq_len)));
+    require(t.global_batch % t.micro_batch == 0, "training.global_batch",
+            q("training.global_batch", t.global_batch, "must be divisible by",
+              "training.micro_batch", t.micro_batch));
+    require(t.optimizer.betas.size() == 2 && t.optimizer.betas[0] >= 0 &&
+                t.optimizer.betas[0] < 1 && t.optimizer.betas[1] >= 0 && t.optimizer.betas[1] < 1,
+            "training.optimizer.betas",
+            "training.optimizer.betas must be two numbers in [0, 1), got " + betas_text());
+    require(t.schedule.min_lr <= t.optimizer.lr, "training.schedule.min_lr",
+            q("training.schedule.min_lr", t.schedule.min_lr, "must be <=", "training.optimizer.lr",
+              t.optimizer.lr));
+    require(!c_.parallel.zero3_keep_gathered || c_.parallel.zero == 3,
+            "parallel.zero3.keep_gathered",
+            fmt::format("parallel.zero3.keep_gathered is a ZeRO-3 setting (it keeps sharded "
+                        "parameters gathered); parallel.zero is {}, whose parameters are never "
+                        "sharded: set parallel.zero 3, or remove keep_gathered",
+                        c_.parallel.zero));
+    require(t.schedule.warmup_steps <= t.steps, "training.schedule.warmup_steps",
+            q("training.schedule.warmup_steps", t.schedule.warmup_steps,
+              "must be <=", "training.steps", t.steps));
+  }
+
+  void check_data_and_checkpoint() {
+    const auto& m = c_.model;
+    const auto& t = c_.training;
+    require(t.eval_every == 0 || c_.data.val_fraction > 0, "training.eval_every",
+            "training.eval_every (" + std::to_string(t.eval_every) +
+                ") needs validation data: data.val_fraction is 0");
+    require(c_.data.format != "text" || m.vocab_size >= 257, "model.vocab_size",
+            q("text data has 257 token ids (bytes and end-of-document): model.vocab_size",
+              m.vocab_size, "must be >=", "257", 257));
+    require(!c_.data.path.empty(), "data.path", "data.path is empty: name the training data");
+    try {
+      profile_steps(c_);
+    } catch (const UserError& e) {
+      require(false, "logging.profile", e.what());
+    }
+    Config scratch;
+    const auto fields = bind_fields(scratch);
+    for (const auto& key : c_.checkpoint.accept_changes) {
+      const auto f =
+          std::find_if(fields.begin(), fields.end(), [&](const Field& x) { return x.key == key; });
+      if (f == fields.end())
+        require(false, "checkpoint.accept_changes",
+                "checkpoint.accept_changes: '" + key + "' is not a plan key; did you mean '" +
+                    nearest_key(key) + "'?");
+      else
+        require(f->free_on_resume.empty(), "checkpoint.accept_changes",
+                "checkpoint.accept_changes: '" + key +
+                    "' needs no acceptance: a resumed run may change it freely (" +
+                    f->free_on_resume + "); remove it from the list");
+    }
+  }
+
+  // A captured step replays its device work only: whatever the host decides inside a step must
+  // be the same every step, and every wait must be on the device.
+  void check_cuda_graph() {
+    const auto& t = c_.training;
+    const auto& p = c_.parallel;
+    if (!t.cuda_graph) return;
+    const std::string why = "training.cuda_graph captures one step and replays it";
+    require(t.device == "cuda", "training.cuda_graph",
+            "training.cuda_graph needs training.device cuda (it is " + t.device +
+                "): CUDA graphs are a CUDA feature");
+    require(p.backend != "gloo", "parallel.backend",
+            why +
+                ": its collectives must be NCCL's (queued on the device); parallel.backend "
+                "gloo waits on the host");
+    require(p.pp == 1, "parallel.pp",
+            why + ": with parallel.pp " + std::to_string(p.pp) +
+                " the pipeline's transfers and schedule are driven from the host; use pp 1");
+    require(p.zero == 0, "parallel.zero",
+            why + ": ZeRO " + std::to_string(p.zero) +
+                " gathers and releases weights by host bookkeeping across steps; use zero 0");
+    require(t.recompute == "none", "training.recompute",
+            why + ": recomputation (training.recompute " + t.recompute +
+                ") saves and restores the CUDA generator's state, which a capture cannot read");
+    require(c_.model.moe.experts == 0, "model.moe.experts",
+            why +
+                ": a mixture of experts routes tokens in shapes known only at run time "
+                "(model.moe.experts " +
+                std::to_string(c_.model.moe.experts) + ")");
+  }
+
+  std::string betas_text() const {
+    std::string s = "[";
+    for (double b : c_.training.optimizer.betas) s += (s.size() > 1 ? ", " : "") + fmt_double(b);
+    return s + "]";
+  }
+  Config& c_;
+  const std::map<std::string, int>& lines_;
+  std::vector<std::string> errors_;
+};
+
+}  // namespace
+
+void check_rules(Config& c, const std::map<std::string, int>& lines) {
+  Validator v(c, lines);
+  v.run();
+}
+
+}  // namespace tessel

@@ -1,0 +1,178 @@
+// `tessel-train export`: a checkpoint's global weights under Hugging Face's names, with
+// config.json (and the tokenizer when given), into a folder of their own.
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/optim/state_names.h"
+#include "engine/checkpoint/checkpoint.h"
+#include "engine/io/safetensors.h"
+#include "engine/io/tokenizer.h"
+
+namespace fs = std::filesystem;
+
+namespace tessel {
+
+namespace {
+
+// Copies the tokenizer files into `out` and returns its special tokens.
+SpecialTokens export_tokenizer(const std::string& tokenizer, const fs::path& out,
+                               const ModelConfig& m) {
+  fs::path src = tokenizer;
+  if (fs::is_directory(src)) src /= "tokenizer.json";
+  if (!fs::is_regular_file(src))
+    throw UserError("--tokenizer: " + src.string() + " does not exist");
+  auto s = special_tokens(src.string());
+  if (s.vocab_size > m.vocab_size)
+    throw UserError("--tokenizer " + src.string() + " has " + std::to_string(s.vocab_size) +
+                    " ids but the model's vocabulary (model.vocab_size) is " +
+                    std::to_string(m.vocab_size));
+  fs::copy_file(src, out / "tokenizer.json", fs::copy_options::overwrite_existing);
+  for (const char* extra : {"tokenizer_config.json", "special_tokens_map.json"})
+    if (fs::exists(src.parent_path() / extra))
+      fs::copy_file(src.parent_path() / extra, out / extra, fs::copy_options::overwrite_existing);
+  nlohmann::json specials = nlohmann::json::object();
+  if (s.bos) specials["bos_token"] = s.bos_text;
+  if (s.eos) specials["eos_token"] = s.eos_text;
+  if (!fs::exists(out / "tokenizer_config.json")) {
+    auto cfg = specials;
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast";
+    cfg["model_max_length"] = m.max_seq_len;
+    // Decoder-only: no token_type_ids, which the fast tokenizer would otherwise return and
+    // transformers' generate(**tokenizer(text)) would pass on to a model that takes none.
+    cfg["model_input_names"] = {"input_ids", "attention_mask"};
+    write_file_atomic((out / "tokenizer_config.json").string(), cfg.dump(2) + "\n");
+  }
+  if (!fs::exists(out / "special_tokens_map.json"))
+    write_file_atomic((out / "special_tokens_map.json").string(), specials.dump(2) + "\n");
+  return s;
+}
+
+}  // namespace
+
+models::Weights checkpoint_model_weights(const std::string& step_dir) {
+  // The fp32 master copy is exact for bf16 runs too (their model weights are its rounding).
+  auto all = read_checkpoint_tensors(step_dir);
+  models::Weights w;
+  for (auto& [name, t] : all)
+    if (!optim::is_optimizer_state(name)) {
+      auto master = all.find(optim::kSlotPrefixes[0] + name);
+      w[name] = (master != all.end() ? master->second : t).to(torch::kFloat32);
+    }
+  return w;
+}
+
+namespace {
+
+// The files an export writes: a folder holding only these is a previous export.
+const std::set<std::string> kExportFiles = {"model.safetensors",      "config.json",
+                                            "generation_config.json", "tokenizer.json",
+                                            "tokenizer_config.json",  "special_tokens_map.json"};
+
+// The files of out_dir an export would replace (a previous export's), in name order. An export
+// never writes into a checkpoint (`guarded`: a step folder or a checkpoint folder, and the folder
+// above it) and never mixes with other files: either is refused, naming the folder. `what` names
+// the setting in the message (export --out, checkpoint.export_hf).
+std::vector<std::string> export_folder_previous(const std::string& out_dir,
+                                                const std::string& guarded_dir,
+                                                const std::string& what) {
+  std::error_code ec;
+  const auto out = fs::weakly_canonical(out_dir, ec);
+  const auto step = fs::weakly_canonical(guarded_dir, ec);
+  for (const auto& guarded : {step, step.parent_path()})
+    for (auto p = out; !p.empty(); p = p.parent_path()) {
+      if (p == guarded)
+        throw UserError(
+            fmt::format("{} {}: inside the checkpoint folder {}; export into a folder of its own",
+                        what, out_dir, guarded.string()));
+      if (p == p.parent_path()) break;
+    }
+  std::vector<std::string> previous, other;
+  if (!fs::is_directory(out_dir, ec)) return previous;
+  for (const auto& e : fs::directory_iterator(out_dir, ec))
+    (kExportFiles.count(e.path().filename().string()) && e.is_regular_file() ? previous : other)
+        .push_back(e.path().filename().string());
+  std::sort(other.begin(), other.end());
+  if (!other.empty())
+    throw UserError(fmt::format(
+        "{} {}: the folder holds files an export does not write ({}); export into a new or "
+        "empty folder, or a previous export's",
+        what, out_dir, fmt::join(other, ", ")));
+  std::sort(previous.begin(), previous.end());
+  return previous;
+}
+
+// A folder holding only export files is emptied first (said in the log), so that no stale
+// tokenizer stays beside new weights.
+void prepare_export_folder(const std::string& out_dir, const std::string& step_dir,
+                           const std::string& what) {
+  const auto previous = export_folder_previous(out_dir, step_dir, what);
+  if (previous.empty()) return;
+  for (const auto& f : previous) fs::remove(fs::path(out_dir) / f);
+  spdlog::info("export: replacing the previous export in {} (removed {})", out_dir,
+               fmt::join(previous, ", "));
+}
+
+// What the exported class (MixtralForCausalLM without per-head norms, else Qwen3MoeForCausalLM)
+// would not compute as Tessel does: each named, or empty.
+std::vector<std::string> moe_differences(const models::ModelShape& m) {
+  std::vector<std::string> d;
+  const auto& e = m.moe;
+  if (e.experts == 0) return d;
+  const bool mixtral = !m.qk_norm;
+  if (e.shared > 0)
+    d.push_back("shared experts (written as mlp.shared_experts.*, DeepSeek's names)");
+  if (e.score != "softmax") d.push_back("router.score " + e.score);
+  if (mixtral && e.every != 1) d.push_back("dense layers between MoE layers (moe.every)");
+  if (mixtral && !e.norm_topk) d.push_back("router.norm_topk false");
+  if (e.bias_update_rate > 0)
+    d.push_back("the balance bias of expert choice (model.moe.bias_update_rate; not written)");
+  return d;
+}
+
+}  // namespace
+
+void check_export_folder(const std::string& out_dir, const std::string& checkpoint_dir,
+                         const std::string& what) {
+  // A step folder's guard covers the checkpoint folder too (its parent).
+  export_folder_previous(out_dir, (fs::path(checkpoint_dir) / "step_0").string(), what);
+}
+
+void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
+               const std::string& tokenizer, const std::string& what) {
+  const std::string dir = resolve_checkpoint(checkpoint_dir);
+  Config c = load_config((fs::path(dir) / "config.yaml").string());
+  const auto w = checkpoint_model_weights(dir);
+  const auto& arch = models::arch(c.model.arch);
+  prepare_export_folder(out_dir, dir, what);  // once the checkpoint has been read
+  fs::create_directories(out_dir);
+  write_safetensors((fs::path(out_dir) / "model.safetensors").string(),
+                    arch.to_hf(w, model_shape(c.model)), {{"format", "pt"}});
+  auto config = arch.hf_config(model_shape(c.model));
+  if (!tokenizer.empty()) {
+    auto s = export_tokenizer(tokenizer, out_dir, c.model);
+    nlohmann::json gen = {{"_from_model_config", true}};
+    for (auto [key, id] : {std::pair{"bos_token_id", s.bos}, std::pair{"eos_token_id", s.eos}})
+      if (id) config[key] = gen[key] = *id;
+    write_file_atomic((fs::path(out_dir) / "generation_config.json").string(), gen.dump(2) + "\n");
+  }
+  write_file_atomic((fs::path(out_dir) / "config.json").string(), config.dump(2) + "\n");
+  if (const auto d = moe_differences(model_shape(c.model)); !d.empty())
+    spdlog::warn(
+        "export: {} has no {} in transformers: the weights are all written, but its "
+        "from_pretrained would not compute this model",
+        config["architectures"][0].get<std::string>(), fmt::join(d, ", "));
+  spdlog::info("exported {} ({} tensors{}) to {}", dir, w.size(),
+               tokenizer.empty() ? "" : ", with the tokenizer", out_dir);
+}
+
+}  // namespace tessel

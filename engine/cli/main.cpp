@@ -1,0 +1,472 @@
+// tessel-train: train a plan, score sequences, or export a checkpoint. main() is the boundary
+// where errors become one clear message and a non-zero exit.
+#include <c10/util/Logging.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+#include <CLI/CLI.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/device/cpu.h"
+#include "core/device/cuda.h"
+#include "core/optim/optim.h"
+#include "core/plan/config.h"
+#include "engine/checkpoint/checkpoint.h"
+#include "engine/cli/cli_checks.h"
+#include "engine/io/safetensors.h"
+#include "engine/io/tokenizer.h"
+#include "engine/planner/cpu_profile.h"
+#include "engine/planner/planner.h"
+#include "engine/run/score.h"
+#include "engine/run/startup.h"
+#include "engine/run/stop.h"
+#include "engine/run/train.h"
+#include "models/registry.h"
+#include "parallel/mesh.h"
+#include "parallel/pp/schedule.h"
+
+namespace {
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  for (; b >= 1024 && u < 4; ++u) b /= 1024;
+  return fmt::format("{:.{}f} {}", b, u == 0 ? 0 : 2, units[u]);
+}
+
+// --dry-run: what each rank will keep for the run, from the plan alone (nothing is built).
+void print_state_bytes(const tessel::Config& c, const tessel::parallel::Layout& l) {
+  const int64_t zero = c.parallel.zero, data_ranks = l.dp * l.cp;
+  const auto dtype = tessel::resolve_dtype(c.training.dtype);
+  const double w = static_cast<double>(c10::elementSize(dtype));
+  std::printf("# state per rank, ZeRO %lld over %lld data rank%s, %s (activations not included):\n",
+              static_cast<long long>(zero), static_cast<long long>(data_ranks),
+              data_ranks == 1 ? "" : "s", c.training.dtype.c_str());
+  for (int64_t stage = 0; stage < l.pp; ++stage) {
+    const auto part = tessel::stage_part(c, l.pp, stage);
+    const auto shape = tessel::model_shape(c.model);
+    const int64_t n = tessel::models::parameters_on_rank(shape, l.tp, part, l.ep);
+    // ZeRO splits MoE experts over the ranks holding the same experts (data ranks / ep).
+    const int64_t experts = tessel::models::expert_parameters_on_rank(shape, part, l.ep);
+    auto b = tessel::planned_state_bytes(n - experts, zero, data_ranks, dtype);
+    const auto e = tessel::planned_state_bytes(experts, zero, data_ranks / l.ep, dtype);
+    b.params += e.params, b.grads += e.grads, b.optimizer += e.optimizer;
+    std::string units;
+    if (zero == 3) {  // the root unit stays gathered; a block, its prefetched neighbour, and
+                      // briefly a third while backward crosses from one block to the next
+      int64_t layers = 0;
+      for (const auto& [first, end] : part.chunks) layers += end - first;
+      const int64_t block = tessel::models::block_parameters(tessel::model_shape(c.model), l.tp);
+      units = fmt::format("; + gathered: the root unit {} and 2-3 blocks of {}",
+                          human_bytes(w * static_cast<double>(n - layers * block)),
+                          human_bytes(w * static_cast<double>(block)));
+    }
+    std::printf("#   %s%lld parameters: weights %s, gradients %s, optimizer %s, total %s%s\n",
+                l.pp > 1 ? fmt::format("pipeline stage {}: ", stage).c_str() : "",
+                static_cast<long long>(n), human_bytes(b.params).c_str(),
+                human_bytes(b.grads).c_str(), human_bytes(b.optimizer).c_str(),
+                human_bytes(b.params + b.grads + b.optimizer).c_str(), units.c_str());
+  }
+}
+
+struct TrainArgs {
+  std::string config;
+  std::vector<std::string> sets;
+  bool dry_run = false, help_config = false, details = false;
+  int64_t world_size = 0;
+  std::string profile, plan_json, profile_steps;
+  std::vector<std::string> profile_sets;
+};
+
+void add_train_options(CLI::App& app, TrainArgs& a) {
+  app.add_option("config", a.config, "YAML plan");
+  app.add_option("--set", a.sets, "Override a plan key: section.key=value (repeatable)")
+      ->take_all()
+      ->allow_extra_args(false);
+  app.add_flag("--dry-run", a.dry_run,
+               "Validate the plan against the world and print what it costs (memory per rank, "
+               "step time, tokens/s, MFU, a faster layout when there is one); start nothing");
+  app.add_flag("--details", a.details,
+               "With --dry-run: also print the resolved plan (every key, as YAML) and the rank "
+               "grid (each rank's coordinates and groups)");
+  app.add_option("--world-size", a.world_size,
+                 "With --dry-run: the number of processes to plan for")
+      ->check(tessel::cli::whole_at_least(1));
+  app.add_option("--device-profile", a.profile,
+                 "With --dry-run: the device the step time is predicted for: h100, h100-pcie, "
+                 "h100-nvl, h200, a100, "
+                 "cpu (this machine, measured now), or a YAML file (base, peak_tflops, "
+                 "fp32_tflops, intra_node_gbps, inter_node_gbps, gpus_per_node, memory_gib, "
+                 "efficiency, ...). Default: cpu for a CPU plan without --world-size, else h100");
+  app.add_option("--profile-set", a.profile_sets,
+                 "With --dry-run: override a device profile field: key=value (repeatable)")
+      ->take_all()
+      ->allow_extra_args(false);
+  app.add_option("--plan-json", a.plan_json,
+                 "With --dry-run: also write the planner's figures (per-rank bytes, "
+                 "communication, FLOPs, predicted step time) to this JSON file");
+  app.add_option("--profile", a.profile_steps,
+                 "Profile training steps (logging.profile): N (N steps after 3 warm-up steps) or "
+                 "A-B; writes a trace per rank to <run.output_dir>/profile and prints the "
+                 "operators by self time");
+  app.add_flag("--help-config", a.help_config,
+               "Print the reference of every plan key (Markdown) and exit");
+  app.footer(
+      "Subcommands:\n  tessel-train score CONFIG --weights W.safetensors (--tokens T.bin | --data "
+      "PREFIX|FILES)\n"
+      "  tessel-train generate [CONFIG] --weights W.safetensors|EXPORT_DIR|CHECKPOINT --prompt "
+      "TEXT\n"
+      "  tessel-train export CHECKPOINT_DIR --format hf --out DIR [--tokenizer tokenizer.json]");
+}
+
+int run_training(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
+  {  // checkpoint.on_signal's default, watched until the plan says which (engine/run/stop.h)
+    tessel::Config defaults;
+    for (const auto& f : tessel::bind_fields(defaults))
+      if (f.key == "checkpoint.on_signal")
+        tessel::watch_stop_signals(std::get<std::vector<std::string>>(f.def));
+  }
+  auto start = tessel::start_run(a.config, a.sets, world);
+  auto peers = start.peers;  // a failure is posted for the other ranks, a hang diagnosed
+  try {
+    return tessel::Trainer(std::move(start), world).train();
+  } catch (...) {
+    tessel::fail_run(peers.get(), std::current_exception());
+  }
+}
+
+// --dry-run with pipeline stages: the schedule, its bubble and peak activations, the layers.
+void print_pipeline(const tessel::Config& c, const tessel::parallel::Layout& layout) {
+  namespace pp = tessel::parallel::pp;
+  const auto& t = c.training;
+  const int64_t m = t.global_batch / (layout.dp * t.micro_batch);
+  auto schedule =
+      pp::make_schedule(c.parallel.pipeline_schedule, layout.pp, m, c.parallel.virtual_stages);
+  auto sim = pp::simulate(schedule);
+  std::printf("%s", pp::render(schedule, sim).c_str());
+  std::printf(
+      "# predicted bubble %.4f of ideal step time (the paper's figure for %s: %.4f); peak "
+      "activations per rank:",
+      sim.bubble, schedule.name.c_str(),
+      pp::theory_bubble(schedule.name, layout.pp, m, c.parallel.virtual_stages));
+  for (auto a : sim.peak_activations) std::printf(" %lld", static_cast<long long>(a));
+  std::printf(" micro-batch chunks (held from forward to weight gradient)\n");
+  std::printf("# layers per stage (stage = %s): %s\n",
+              schedule.v_shape ? "chunk 0: pipeline rank r, chunk 1: 2·pp − 1 − r"
+                               : "chunk·pp + pipeline rank",
+              pp::stage_layer_counts(c.model.layers, layout.pp * c.parallel.virtual_stages,
+                                     c.parallel.layers_per_stage)
+                  .c_str());
+}
+
+void print_context_parallel(const tessel::Config& c, const tessel::parallel::Layout& layout) {
+  std::printf(
+      "# context parallel: %lld ranks (%s), %lld tokens per rank per sequence (chunks "
+      "r and %lld-r of %lld)\n",
+      static_cast<long long>(layout.cp), c.parallel.context_method.c_str(),
+      static_cast<long long>(c.training.seq_len / layout.cp),
+      static_cast<long long>(2 * layout.cp - 1), static_cast<long long>(2 * layout.cp));
+  if (c.parallel.context_method == "hybrid")
+    std::printf(
+        "# hybrid: all-to-all inside groups of %lld consecutive cp ranks, ring across %lld "
+        "groups\n",
+        static_cast<long long>(c.parallel.context_alltoall_size),
+        static_cast<long long>(layout.cp / c.parallel.context_alltoall_size));
+}
+
+// A layout the planner finds faster than the plan's (`current`), and the command that plans it.
+void print_faster_layout(const std::string& config, int64_t n, const tessel::LayoutChoice& b,
+                         const tessel::PlanEstimate& current) {
+  double most = 0;
+  for (const auto& r : b.estimate.ranks) most = std::max(most, r.total());
+  std::string sets;
+  for (const auto& s : b.sets) sets += " --set " + s;
+  std::printf(
+      "# by these figures a faster layout on %lld processes: tp %lld cp %lld pp %lld dp %lld, "
+      "ZeRO %lld%s: step %.1f ms, %.0f%% less than this plan's %.1f ms, at most %s per rank\n"
+      "#   tessel-train %s --dry-run --world-size %lld%s\n",
+      static_cast<long long>(n), static_cast<long long>(b.layout.tp),
+      static_cast<long long>(b.layout.cp), static_cast<long long>(b.layout.pp),
+      static_cast<long long>(b.layout.dp), static_cast<long long>(b.plan.parallel.zero),
+      b.layout.pp > 1 ? (" (" + b.plan.parallel.pipeline_schedule + ")").c_str() : "",
+      1e3 * b.estimate.step_s, 100 * (1 - b.estimate.step_s / current.step_s), 1e3 * current.step_s,
+      human_bytes(most).c_str(), config.c_str(), static_cast<long long>(n), sets.c_str());
+}
+
+// --dry-run's device: --device-profile; else this CPU, measured now, when the plan would run on it
+// here (training.device cpu, or auto without CUDA, and no --world-size); else h100.
+tessel::DeviceProfile dry_run_device(const TrainArgs& a, const tessel::Config& c, int64_t n) {
+  std::string spec = a.profile;
+  if (spec.empty()) {
+    const auto& dev = c.training.device;
+    const bool cpu_here =
+        a.world_size == 0 && (dev == "cpu" || (dev == "auto" && !tessel::device::cuda_available()));
+    spec = cpu_here ? "cpu" : "h100";
+  }
+  if (spec != "cpu") return tessel::device_profile(spec, a.profile_sets);
+  auto d = tessel::measure_cpu_profile(c, n);
+  tessel::apply_profile_overrides(d, a.profile_sets);
+  return d;
+}
+
+// --dry-run: the plan checked against the world, nothing started.
+int plan_dry_run(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
+  tessel::Config c = tessel::load_config(a.config, a.sets);
+  const int64_t n = a.world_size > 0 ? a.world_size : world.world;
+  // --world-size plans for another machine (a GPU cluster from a laptop): this node's devices
+  // are not checked.
+  const auto layout =
+      tessel::parallel::check_layout(c, n, a.world_size > 0 ? 0 : world.local_world);
+  c.parallel.dp = layout.dp;
+  const auto& t = c.training;
+  // What matters first: valid or not, memory, step time, tokens/s, MFU and a faster layout; then
+  // the pipeline's and context parallelism's particulars; the resolved plan and the rank grid
+  // with --details.
+  std::printf(
+      "# plan %s is valid for %lld processes: %lld micro-batches of %lld sequences per data rank "
+      "per step; "
+      "%lld tokens per step\n",
+      a.config.c_str(), static_cast<long long>(n),
+      static_cast<long long>(t.global_batch / (layout.dp * t.micro_batch)),
+      static_cast<long long>(t.micro_batch), static_cast<long long>(t.global_batch * t.seq_len));
+  const auto device = dry_run_device(a, c, n);
+  const auto estimate = tessel::estimate(c, layout, device);
+  std::printf("%s", tessel::render(estimate, c, device).c_str());
+  if (const auto better = tessel::faster_layout(c, n, device, estimate))
+    print_faster_layout(a.config, n, *better, estimate);
+  if (!a.plan_json.empty())
+    tessel::write_file_atomic(a.plan_json, tessel::to_json(estimate, device));
+  print_state_bytes(c, layout);
+  if (layout.pp > 1) print_pipeline(c, layout);
+  if (layout.cp > 1) print_context_parallel(c, layout);
+  if (a.details) {
+    std::printf("%s", tessel::dump_config(c).c_str());
+    std::printf("%s", tessel::parallel::describe_grid(layout).c_str());
+  } else {
+    std::printf("# the resolved plan and the rank grid: --details\n");
+  }
+  return 0;
+}
+
+int run_train(int argc, char** argv) {
+  CLI::App app{"tessel-train: train GPT-2 / Llama models from a YAML plan", "tessel-train"};
+  TrainArgs a;
+  add_train_options(app, a);
+  TESSEL_CLI_PARSE(app, argc, argv);
+  if (!a.profile_steps.empty()) a.sets.push_back("logging.profile=" + a.profile_steps);
+  if (a.help_config) {
+    std::fputs(tessel::config_reference().c_str(), stdout);
+    return 0;
+  }
+  if (a.config.empty())
+    throw tessel::UserError("no plan given: tessel-train CONFIG.yaml (see --help)");
+  const auto world = tessel::parallel::discover_world();
+  return a.dry_run ? plan_dry_run(a, world) : run_training(a, world);
+}
+
+int run_score(int argc, char** argv) {
+  CLI::App app{"tessel-train score: mean next-token loss and perplexity of given sequences",
+               "tessel-train score"};
+  std::string config, weights, tokens, data, tokenizer;
+  int64_t max_rows = 0;
+  std::vector<std::string> sets;
+  app.add_option("config", config, "YAML plan (model and training.seq_len)")->required();
+  app.add_option("--weights", weights,
+                 "model.safetensors (Hugging Face or Tessel names), an export's folder, or a "
+                 "checkpoint (a step_<N> folder, or a checkpoint.dir: its latest)")
+      ->required();
+  auto* t = app.add_option("--tokens", tokens,
+                           "raw little-endian rows of training.seq_len+1 tokens (--token-dtype)");
+  std::string token_dtype = "int32";
+  app.add_option("--token-dtype", token_dtype,
+                 "--tokens element type: int32, or uint16/uint32 as data.format tokens files")
+      ->check(CLI::IsMember({"int32", "uint16", "uint32"}));
+  auto* d = app.add_option("--data", data,
+                           "a Megatron prefix (PREFIX.bin/.idx) or text files (one document each), "
+                           "cut into windows of training.seq_len+1 tokens");
+  t->excludes(d);
+  app.add_option("--tokenizer", tokenizer, "--data text: tokenizer.json (default: byte tokens)");
+  app.add_option("--max-rows", max_rows, "--data: score at most this many windows (0: all)")
+      ->check(CLI::NonNegativeNumber);
+  std::string logits;
+  app.add_option("--logits", logits,
+                 "--tokens: also write every row's logits ({\"logits\": [rows, seq_len, vocab]} "
+                 "fp32) to this safetensors file");
+  app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")->take_all();
+  TESSEL_CLI_PARSE(app, argc, argv);
+  if (tokens.empty() == data.empty())
+    throw tessel::UserError("score: give --tokens FILE or --data PREFIX|FILES");
+  const auto c = tessel::load_config(config, sets);
+  auto r = tokens.empty() ? tessel::score_data(c, weights, data, tokenizer, max_rows)
+                          : tessel::score(c, weights, tokens, token_dtype, logits);
+  nlohmann::json out = {
+      {"loss", r.loss}, {"tokens", r.tokens}, {"rows", r.rows}, {"perplexity", std::exp(r.loss)}};
+  std::printf("%s\n", out.dump().c_str());
+  return 0;
+}
+
+std::vector<int64_t> parse_ids(const std::string& s) {
+  std::vector<int64_t> ids;
+  size_t pos = 0;
+  while (pos < s.size()) {
+    size_t end = s.find(',', pos);
+    if (end == std::string::npos) end = s.size();
+    try {
+      ids.push_back(std::stoll(s.substr(pos, end - pos)));
+    } catch (const std::exception&) {
+      throw tessel::UserError("--prompt-ids: '" + s.substr(pos, end - pos) +
+                              "' is not a token id (expected e.g. 15496,995)");
+    }
+    pos = end + 1;
+  }
+  return ids;
+}
+
+struct GenerateArgs {
+  std::string config, weights, tokenizer, prompt, prompt_ids;
+  std::vector<std::string> sets;
+  tessel::SampleOptions o;
+  bool json = false, no_stop = false;
+};
+
+void add_generate_options(CLI::App& app, GenerateArgs& a) {
+  app.add_option("config", a.config,
+                 "YAML plan (the model); default: the Hugging Face config.json beside --weights "
+                 "(as export writes it)");
+  app.add_option("--weights", a.weights,
+                 "model.safetensors (Hugging Face or Tessel names), an export's folder, or a "
+                 "checkpoint (a step_<N> folder, or a checkpoint.dir: its latest)")
+      ->required();
+  app.add_option("--tokenizer", a.tokenizer,
+                 "tokenizer.json (default: the one beside --weights, as export writes it)");
+  auto* p = app.add_option("--prompt", a.prompt, "Prompt text");
+  auto* pi = app.add_option("--prompt-ids", a.prompt_ids, "Prompt token ids, comma-separated");
+  p->excludes(pi);
+  app.add_option("--max-new-tokens", a.o.max_new_tokens, "Tokens to generate")
+      ->check(tessel::cli::whole_at_least(1));
+  app.add_option("--temperature", a.o.temperature, "0: greedy; > 0: sample from softmax(logits/T)")
+      ->check(tessel::cli::finite_non_negative());
+  app.add_option("--top-k", a.o.top_k, "Sample among the k most likely tokens (0: all)")
+      ->check(tessel::cli::whole_at_least(0));
+  app.add_option("--seed", a.o.seed, "Sampling seed");
+  app.add_flag("--no-stop", a.no_stop, "Do not stop at the tokenizer's end-of-sequence token");
+  app.add_flag("--json", a.json, "Print one JSON line: prompt_ids, ids, text");
+  app.add_option("--set", a.sets, "Override a plan key: section.key=value (repeatable)")
+      ->take_all();
+}
+
+// --tokenizer, else the tokenizer.json in `folder` if there is one; --prompt needs one.
+std::string tokenizer_for(const GenerateArgs& a, const std::filesystem::path& folder) {
+  std::string tokenizer = a.tokenizer;
+  if (tokenizer.empty()) {
+    auto beside = folder / "tokenizer.json";
+    if (std::filesystem::exists(beside)) tokenizer = beside.string();
+  }
+  if (tokenizer.empty() && !a.prompt.empty())
+    throw tessel::UserError(
+        "generate: --prompt needs a tokenizer (--tokenizer, or tokenizer.json "
+        "beside --weights); --prompt-ids needs none");
+  return tokenizer;
+}
+
+std::vector<int64_t> encode_prompt(tessel::TokenizerProcess& tok, const std::string& prompt) {
+  const auto encoded = tok.encode({prompt}, true);  // kept: [0] of a temporary would dangle
+  return std::vector<int64_t>(encoded[0].begin(), encoded[0].end());
+}
+
+// The continuation `out` of the prompt `ids`: as JSON, as text, or (no tokenizer) as ids.
+void print_generated(const std::vector<int64_t>& ids, const std::vector<int64_t>& out,
+                     tessel::TokenizerProcess* tok, bool json) {
+  const std::string text = tok ? tok->decode(out, false) : "";
+  if (json) {
+    nlohmann::json j = {{"prompt_ids", ids}, {"ids", out}, {"text", text}};
+    std::printf("%s\n", j.dump().c_str());
+  } else if (tok) {
+    // Prompt and continuation decoded as one sequence: decoded apart, a SentencePiece decoder
+    // drops the space before the first new token and a byte-level one can split a character.
+    auto all = ids;
+    all.insert(all.end(), out.begin(), out.end());
+    std::printf("%s\n", tok->decode(all, true).c_str());
+  } else {
+    std::printf("%s\n", nlohmann::json(out).dump().c_str());
+  }
+}
+
+int run_generate(int argc, char** argv) {
+  CLI::App app{"tessel-train generate: continue a prompt with the plan's model",
+               "tessel-train generate"};
+  GenerateArgs a;
+  add_generate_options(app, a);
+  TESSEL_CLI_PARSE(app, argc, argv);
+  if (a.prompt.empty() == a.prompt_ids.empty())
+    throw tessel::UserError("generate: give --prompt TEXT or --prompt-ids IDS");
+  // Files beside the weights: in the folder --weights names, or beside the file it names.
+  const auto folder = std::filesystem::is_directory(a.weights)
+                          ? std::filesystem::path(a.weights)
+                          : std::filesystem::path(a.weights).parent_path();
+  a.tokenizer = tokenizer_for(a, folder);
+  const auto c = !a.config.empty()
+                     ? tessel::load_config(a.config, a.sets)
+                     : tessel::plan_from_hf_config((folder / "config.json").string(), a.sets);
+  std::unique_ptr<tessel::TokenizerProcess> tok;
+  if (!a.tokenizer.empty()) {
+    tok = std::make_unique<tessel::TokenizerProcess>(a.tokenizer);
+    if (!a.no_stop) a.o.stop = tessel::special_tokens(a.tokenizer).eos;
+  }
+  const std::vector<int64_t> ids =
+      a.prompt.empty() ? parse_ids(a.prompt_ids) : encode_prompt(*tok, a.prompt);
+  auto model = tessel::load_for_inference(c, a.weights);
+  const auto out = tessel::generate(model, c, ids, a.o);
+  print_generated(ids, out, tok.get(), a.json);
+  return 0;
+}
+
+int run_export(int argc, char** argv) {
+  CLI::App app{"tessel-train export: a checkpoint as Hugging Face safetensors + config.json",
+               "tessel-train export"};
+  std::string dir, format = "hf", out, tokenizer;
+  app.add_option("checkpoint", dir, "step_<N> folder, or a checkpoint.dir (its latest)")
+      ->required();
+  app.add_option("--format", format, "Output format")->check(CLI::IsMember({"hf"}));
+  app.add_option("--out", out, "Output folder")->required();
+  app.add_option("--tokenizer", tokenizer,
+                 "tokenizer.json (or its folder) to write beside the weights, with its bos/eos "
+                 "ids in config.json and generation_config.json");
+  TESSEL_CLI_PARSE(app, argc, argv);
+  tessel::export_hf(dir, out, tokenizer);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tessel::device::reproducible_cpu_blas();  // before any tensor: oneMKL reads it at its first call
+  spdlog::set_pattern("[%H:%M:%S] %v");
+  // c10d warns about every rendezvous retry (a rank waiting for rank 0 to come up) with a C++
+  // backtrace; errors stay. TORCH_CPP_LOG_LEVEL=INFO or WARNING brings the warnings back.
+  if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = 2;
+  // Under a launcher, say which rank failed (the launcher also prefixes every line).
+  const char* rank = std::getenv("RANK");
+  const std::string who = rank ? std::string("tessel-train[rank ") + rank + "]" : "tessel-train";
+  const std::string cmd = argc > 1 ? argv[1] : "";
+  try {
+    if (cmd == "score") return run_score(argc - 1, argv + 1);
+    if (cmd == "export") return run_export(argc - 1, argv + 1);
+    if (cmd == "generate") return run_generate(argc - 1, argv + 1);
+    return run_train(argc, argv);
+  } catch (const tessel::UserError& e) {
+    std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
+    return 2;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "%s: internal error: %s\n", who.c_str(), e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,411 @@
+#include "engine/data/data.h"
+
+#include <fcntl.h>
+#include <glob.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <thread>
+#include <type_traits>
+
+#include "engine/data/files.h"
+#include "engine/io/safetensors.h"
+
+namespace tessel::data {
+namespace {
+
+// Reports progress at most every two seconds while a long preparation runs.
+class Progress {
+ public:
+  explicit Progress(std::string what) : what_(std::move(what)), last_(clock::now()) {}
+  void tick(const std::function<std::string()>& status) {
+    if (clock::now() - last_ < std::chrono::seconds(2)) return;
+    last_ = clock::now();
+    spdlog::info("{}: {}", what_, status());
+  }
+
+ private:
+  using clock = std::chrono::steady_clock;
+  std::string what_;
+  clock::time_point last_;
+};
+
+void add_text_files(TokenStream& s, const std::vector<std::string>& patterns) {
+  std::vector<std::string> files;
+  for (const auto& p : patterns)
+    for (auto& f : expand(p)) files.push_back(std::move(f));
+  // One owned buffer of uint16 tokens: every file's bytes followed by end-of-document.
+  auto buf = std::make_shared<std::vector<uint16_t>>();
+  Progress progress("data");
+  std::vector<std::pair<int, int64_t>> bounds;  // (file, tokens) per file
+  for (size_t i = 0; i < files.size(); ++i) {
+    auto m = map_file(files[i]);
+    const auto* bytes = static_cast<const uint8_t*>(m->ptr);
+    if (int64_t bad = utf8_error(bytes, static_cast<int64_t>(m->size)); bad >= 0)
+      throw UserError(files[i] + ": not UTF-8 text (invalid byte at offset " + std::to_string(bad) +
+                      "); data.format text reads UTF-8 files");
+    buf->insert(buf->end(), bytes, bytes + m->size);
+    buf->push_back(static_cast<uint16_t>(kTextEod));
+    bounds.emplace_back(static_cast<int>(i), static_cast<int64_t>(m->size) + 1);
+    progress.tick([&] {
+      return fmt::format("read {}/{} files ({} tokens)", i + 1, files.size(), buf->size());
+    });
+  }
+  int base = static_cast<int>(s.files.size());
+  s.files.insert(s.files.end(), files.begin(), files.end());
+  int64_t offset = 0;
+  for (auto [f, n] : bounds) {
+    s.add(Span{buf->data() + offset, n, 2, false, base + f, 0});
+    offset += n;
+  }
+  s.storage.push_back(buf);
+}
+
+void add_token_files(TokenStream& s, const std::vector<std::string>& patterns, int elem) {
+  for (const auto& p : patterns)
+    for (const auto& f : expand(p)) {
+      auto m = map_file(f);
+      if (m->size % elem)
+        throw UserError(f + ": size " + std::to_string(m->size) + " bytes is not a multiple of " +
+                        std::to_string(elem) + " (data.token_dtype uint" +
+                        std::to_string(8 * elem) + "): truncated or of another dtype");
+      s.files.push_back(f);
+      if (m->size)
+        s.add(Span{m->ptr, static_cast<int64_t>(m->size) / elem, elem, false,
+                   static_cast<int>(s.files.size()) - 1, 0});
+      s.storage.push_back(m);
+    }
+}
+
+}  // namespace
+
+// Maps a whole file read-only; an empty file maps to nothing.
+std::shared_ptr<Mapping> map_file(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) throw UserError(path + ": cannot open: " + std::strerror(errno));
+  struct stat st {};
+  fstat(fd, &st);
+  if (S_ISDIR(st.st_mode)) {
+    ::close(fd);
+    throw UserError(path + ": a folder, not a data file");
+  }
+  auto m = std::make_shared<Mapping>();
+  m->size = static_cast<size_t>(st.st_size);
+  if (m->size) m->ptr = mmap(nullptr, m->size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (m->size && m->ptr == MAP_FAILED)
+    throw UserError(path + ": cannot map: " + std::strerror(errno));
+  return m;
+}
+
+std::vector<std::string> expand(const std::string& pattern) {
+  glob_t g{};
+  int rc = ::glob(pattern.c_str(), GLOB_NOSORT, nullptr, &g);
+  std::vector<std::string> out;
+  if (rc == 0)
+    for (size_t i = 0; i < g.gl_pathc; ++i) out.emplace_back(g.gl_pathv[i]);
+  globfree(&g);
+  std::sort(out.begin(), out.end());
+  if (out.empty()) throw UserError("data.path: '" + pattern + "' matches no file");
+  return out;
+}
+
+int64_t utf8_error(const uint8_t* p, int64_t n) {
+  // Well-formed sequences only (Unicode Table 3-7, RFC 3629), as Python's strict decoder takes
+  // them: no overlong forms (C0, C1, E0 80-9F, F0 80-8F), surrogates (ED A0-BF) or code points
+  // past U+10FFFF (F4 90-BF, F5-FF).
+  for (int64_t i = 0; i < n;) {
+    const uint8_t c = p[i];
+    int len = 0;
+    uint8_t lo = 0x80, hi = 0xBF;  // the range of the second byte
+    if (c < 0x80) {
+      len = 1;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;
+      if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    }
+    if (len == 0 || i + len > n) return i;
+    if (len > 1 && (p[i + 1] < lo || p[i + 1] > hi)) return i;
+    for (int k = 2; k < len; ++k)
+      if ((p[i + k] & 0xC0) != 0x80) return i;
+    i += len;
+  }
+  return -1;
+}
+
+void TokenStream::add(Span s) {
+  starts_.push_back(total_);
+  total_ += s.tokens;
+  spans_.push_back(s);
+}
+
+void TokenStream::read(int64_t begin, int64_t n, int64_t* out) const {
+  auto it = std::upper_bound(starts_.begin(), starts_.end(), begin);
+  size_t k = static_cast<size_t>(it - starts_.begin()) - 1;
+  int64_t off = begin - starts_[k];
+  while (n > 0) {
+    const Span& s = spans_[k];
+    int64_t take = std::min(n, s.tokens - off);
+    for (int64_t i = 0; i < take; ++i) {
+      int64_t j = off + i;
+      switch (s.elem_size) {
+        case 1:
+          out[i] = static_cast<const uint8_t*>(s.data)[j];
+          break;
+        case 2:
+          out[i] = s.is_signed ? static_cast<const int16_t*>(s.data)[j]
+                               : static_cast<const uint16_t*>(s.data)[j];
+          break;
+        case 4:  // not one ?: expression: int32 and uint32 would meet as uint32
+          if (s.is_signed)
+            out[i] = static_cast<const int32_t*>(s.data)[j];
+          else
+            out[i] = static_cast<const uint32_t*>(s.data)[j];
+          break;
+        default:
+          out[i] = static_cast<const int64_t*>(s.data)[j];
+          break;
+      }
+    }
+    out += take;
+    n -= take;
+    off = 0;
+    ++k;
+  }
+}
+
+int64_t TokenStream::first_outside(int64_t begin, int64_t end, int64_t vocab) const {
+  if (begin >= end) return -1;
+  auto it = std::upper_bound(starts_.begin(), starts_.end(), begin);
+  for (size_t k = static_cast<size_t>(it - starts_.begin()) - 1; k < spans_.size(); ++k) {
+    const Span& s = spans_[k];
+    const int64_t off = std::max<int64_t>(0, begin - starts_[k]);
+    const int64_t n = std::min(s.tokens, end - starts_[k]) - off;
+    if (n <= 0) break;
+    int64_t bad = -1;
+    switch (s.elem_size) {
+      case 1:
+        bad = first_outside_typed(static_cast<const uint8_t*>(s.data) + off, n, vocab);
+        break;
+      case 2:
+        bad = s.is_signed
+                  ? first_outside_typed(static_cast<const int16_t*>(s.data) + off, n, vocab)
+                  : first_outside_typed(static_cast<const uint16_t*>(s.data) + off, n, vocab);
+        break;
+      case 4:
+        bad = s.is_signed
+                  ? first_outside_typed(static_cast<const int32_t*>(s.data) + off, n, vocab)
+                  : first_outside_typed(static_cast<const uint32_t*>(s.data) + off, n, vocab);
+        break;
+      default:
+        bad = first_outside_typed(static_cast<const int64_t*>(s.data) + off, n, vocab);
+        break;
+    }
+    if (bad >= 0) return starts_[k] + off + bad;
+  }
+  return -1;
+}
+
+int64_t TokenStream::bytes(int64_t begin, int64_t end) const {
+  int64_t out = 0;
+  for (size_t k = 0; k < spans_.size(); ++k) {
+    const int64_t lo = std::max(begin, starts_[k]),
+                  hi = std::min(end, starts_[k] + spans_[k].tokens);
+    if (hi > lo) out += (hi - lo) * spans_[k].elem_size;
+  }
+  return out;
+}
+
+std::string TokenStream::where(int64_t pos) const {
+  auto it = std::upper_bound(starts_.begin(), starts_.end(), pos);
+  size_t k = static_cast<size_t>(it - starts_.begin()) - 1;
+  return files[spans_[k].file] + " (token " +
+         std::to_string(spans_[k].file_token + pos - starts_[k]) + ")";
+}
+
+namespace {
+
+// A Megatron prefix that is not one: what the user most likely meant.
+std::string megatron_hint(const std::string& prefix) {
+  namespace fs = std::filesystem;
+  const auto ext = fs::path(prefix).extension().string();
+  if (ext == ".bin" || ext == ".idx")
+    return "; name the prefix without " + ext + " (" +
+           fs::path(prefix).replace_extension().string() + ")";
+  if (ext == ".jsonl" || ext == ".json" || ext == ".txt" ||
+      prefix.find_first_of("*?[") != std::string::npos)
+    return "; format megatron reads PREFIX.bin and PREFIX.idx: make them from text or JSONL with "
+           "`tessel-data " +
+           prefix + " --out PREFIX`, or use data.format text (raw text files)";
+  return "";
+}
+
+}  // namespace
+
+TokenStream open_stream(const DataConfig& d) {
+  TokenStream s;
+  // Every error names the plan key (expand's "matches no file" already does).
+  auto keyed = [](const UserError& e) {
+    const std::string what = e.what();
+    return what.rfind("data.", 0) == 0 ? e : UserError("data.path: " + what);
+  };
+  if (d.format == "text") {
+    try {
+      add_text_files(s, d.path);
+    } catch (const UserError& e) {
+      throw keyed(e);
+    }
+  } else if (d.format == "tokens") {
+    try {
+      add_token_files(s, d.path, d.token_dtype == "uint16" ? 2 : 4);
+    } catch (const UserError& e) {
+      throw keyed(e);
+    }
+  } else {
+    for (const auto& prefix : d.path) {
+      try {
+        add_megatron(s, prefix);
+      } catch (const UserError& e) {  // the key, and the likely slip
+        throw UserError("data.path (format megatron): " + std::string(e.what()) +
+                        megatron_hint(prefix));
+      }
+    }
+  }
+  return s;
+}
+
+void check_token_ids(const Config& c, int64_t rank, int64_t world) {
+  if (c.data.format == "text") return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const TokenStream s = open_stream(c.data);
+  const int64_t n = s.size(), begin = n * rank / world, end = n * (rank + 1) / world;
+  const int64_t vocab = c.model.vocab_size;
+  // Spans are scanned a share at a time on this rank's threads.
+  const int64_t parts =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (end - begin) >> 20));
+  std::vector<int64_t> bad(static_cast<size_t>(parts), -1);
+  // std::thread, not at::parallel_for: ATen's is serial in files built without OpenMP.
+  std::vector<std::thread> scanners;
+  for (int64_t p = 0; p < parts; ++p)
+    scanners.emplace_back([&, p] {
+      bad[p] = s.first_outside(begin + (end - begin) * p / parts,
+                               begin + (end - begin) * (p + 1) / parts, vocab);
+    });
+  for (auto& t : scanners) t.join();
+  for (int64_t pos : bad)
+    if (pos >= 0) {
+      int64_t id = 0;
+      s.read(pos, 1, &id);
+      throw UserError(fmt::format(
+          "data.path: {}: token id {} is outside model.vocab_size {} (ids run from 0 to {}); "
+          "found by the start-up scan of the data, before any training",
+          s.where(pos), id, vocab, vocab - 1));
+    }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double bytes = static_cast<double>(s.bytes(begin, end));
+  if (rank == 0)
+    spdlog::info(
+        "data: token ids checked against model.vocab_size {}: {} tokens ({:.3g} MB{}) in "
+        "{:.2f} s ({:.2f} GB/s)",
+        vocab, end - begin, bytes / 1e6,
+        world > 1 ? fmt::format(", this rank's share of {} tokens", n) : "", secs,
+        bytes / 1e9 / std::max(secs, 1e-9));
+}
+
+std::vector<int64_t> epoch_permutation(int64_t n, int64_t seed, int64_t epoch) {
+  std::vector<int64_t> perm(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) perm[i] = i;
+  uint64_t state = static_cast<uint64_t>(seed) * 0x9e3779b97f4a7c15ull ^
+                   (static_cast<uint64_t>(epoch) + 0x632be59bd9b4e019ull);
+  auto next = [&state] {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  for (int64_t i = n - 1; i > 0; --i) {
+    // Lemire-free modulo: the bias is below 2^-40 for any n that fits in memory.
+    int64_t j = static_cast<int64_t>(next() % static_cast<uint64_t>(i + 1));
+    std::swap(perm[i], perm[j]);
+  }
+  return perm;
+}
+
+Dataset::Dataset(const Config& c)
+    : stream_(open_stream(c.data)),
+      seq_len_(c.training.seq_len),
+      vocab_(c.model.vocab_size),
+      seed_(c.run.seed),
+      shuffle_(c.data.shuffle) {
+  const int64_t n = stream_.size();
+  val_begin_ = n - static_cast<int64_t>(static_cast<double>(n) * c.data.val_fraction);
+  train_n_ = std::max<int64_t>(0, (val_begin_ - 1) / seq_len_);
+  val_n_ = c.data.val_fraction > 0 ? std::max<int64_t>(0, (n - val_begin_ - 1) / seq_len_) : 0;
+  std::string files = stream_.files.size() == 1 ? stream_.files[0]
+                                                : std::to_string(stream_.files.size()) + " files";
+  if (train_n_ < 1)
+    throw UserError("data.path: " + files + " hold " + std::to_string(val_begin_) +
+                    " training tokens: not one sample of training.seq_len+1 = " +
+                    std::to_string(seq_len_ + 1) + " tokens");
+  if (c.data.val_fraction > 0 && val_n_ < 1)
+    throw UserError("data.val_fraction: the " + std::to_string(n - val_begin_) +
+                    " held-out tokens of " + files + " hold no sample of training.seq_len+1 = " +
+                    std::to_string(seq_len_ + 1) + " tokens");
+}
+
+int64_t Dataset::sample_at(int64_t pos) {
+  const int64_t epoch = pos / train_n_, i = pos % train_n_;
+  if (!shuffle_) return i;
+  if (epoch != perm_epoch_) {
+    perm_ = epoch_permutation(train_n_, seed_, epoch);
+    perm_epoch_ = epoch;
+  }
+  return perm_[static_cast<size_t>(i)];
+}
+
+torch::Tensor Dataset::windows(const std::vector<int64_t>& starts, int64_t first_label) const {
+  auto out = torch::empty({static_cast<int64_t>(starts.size()), seq_len_ + 1}, torch::kInt64);
+  int64_t* p = out.data_ptr<int64_t>();
+  for (size_t r = 0; r < starts.size(); ++r) {
+    int64_t* row = p + r * (seq_len_ + 1);
+    stream_.read(starts[r], seq_len_ + 1, row);
+    for (int64_t j = 0; j <= seq_len_; ++j)
+      if (row[j] < 0 || row[j] >= vocab_)
+        throw UserError(stream_.where(starts[r] + j) + ": token id " + std::to_string(row[j]) +
+                        " is outside model.vocab_size " + std::to_string(vocab_) + " (sample " +
+                        std::to_string(first_label + static_cast<int64_t>(r)) + ")");
+  }
+  return out;
+}
+
+torch::Tensor Dataset::train_batch(int64_t first, int64_t count) {
+  std::vector<int64_t> starts;
+  for (int64_t i = 0; i < count; ++i) starts.push_back(sample_at(first + i) * seq_len_);
+  return windows(starts, first);
+}
+
+torch::Tensor Dataset::val_batch(int64_t first, int64_t count) const {
+  std::vector<int64_t> starts;
+  for (int64_t i = 0; i < count; ++i)
+    starts.push_back(val_begin_ + ((first + i) % val_n_) * seq_len_);
+  return windows(starts, first);
+}
+
+}  // namespace tessel::data

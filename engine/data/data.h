@@ -1,0 +1,136 @@
+// Training data. Every format becomes one read-only token stream (documents back to back, each
+// ending in its end-of-document token); the stream is cut into windows of seq_len+1 tokens
+// (window i starts at token i·seq_len, so neighbours share one token: the last target of one is
+// the first input of the next); the end of the stream is held out for validation.
+// The global order of samples is a pure function of (seed, epoch), and a run's position is one
+// counter (samples consumed), so a resumed run reads exactly what an uninterrupted one would.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/plan/config.h"
+
+namespace tessel::data {
+
+constexpr int64_t kTextEod = 256;  // text format: bytes 0-255, then end-of-document
+constexpr int64_t kTextVocab = 257;
+
+/// One contiguous run of tokens inside a file (memory-mapped or owned).
+struct Span {
+  const void* data;
+  int64_t tokens;
+  int elem_size;  // 1, 2, 4 or 8 bytes, little-endian unsigned (signed for int16/32/64 data)
+  bool is_signed;
+  int file;            // index into TokenStream::files
+  int64_t file_token;  // first token's index within that file (for messages)
+};
+
+/// Documents concatenated into one stream of token ids.
+class TokenStream {
+ public:
+  int64_t size() const { return total_; }
+  /// Copies tokens [begin, begin+n) into out.
+  void read(int64_t begin, int64_t n, int64_t* out) const;
+  /// "<file> (token <k>)" for the stream position, for messages.
+  std::string where(int64_t pos) const;
+  /// The first position in [begin, end) whose token id lies outside [0, vocab), or -1. Reads
+  /// the mapped files in chunks with a vectorised max (and min, for signed data); only a chunk
+  /// that holds a bad id is searched element by element.
+  int64_t first_outside(int64_t begin, int64_t end, int64_t vocab) const;
+  /// Bytes the files hold for positions [begin, end).
+  int64_t bytes(int64_t begin, int64_t end) const;
+
+  std::vector<std::string> files;
+  void add(Span s);
+  std::vector<std::shared_ptr<void>> storage;  // keeps mappings and buffers alive
+
+ private:
+  std::vector<Span> spans_;
+  std::vector<int64_t> starts_;  // stream position of each span
+  int64_t total_ = 0;
+};
+
+/// The files a path or glob names, sorted; UserError when none.
+std::vector<std::string> expand(const std::string& pattern);
+/// Index of the first invalid UTF-8 byte of p[0, n), or -1.
+int64_t utf8_error(const uint8_t* p, int64_t n);
+
+/// Opens the plan's data (text files/globs, megatron prefixes, or token files).
+TokenStream open_stream(const DataConfig& d);
+
+/// The start-up scan of `tokens` and `megatron` data: rank `rank` of `world` checks its share of
+/// the stream (the ranks agree on start-up, so one bad id anywhere stops every rank before any
+/// work), and a token id outside [0, model.vocab_size) is a UserError naming the file, the
+/// token's index in it and the value. Text data needs no scan (its 257 ids are checked with the
+/// plan). Logs the share scanned and its speed.
+void check_token_ids(const Config& c, int64_t rank, int64_t world);
+
+/// Megatron-LM MMapIndexedDataset: prefix.idx + prefix.bin. Errors name the file and what is wrong.
+void add_megatron(TokenStream& s, const std::string& prefix);
+
+/// Streams a Megatron-LM dataset: prefix.bin grows one document at a time; finish() writes
+/// prefix.idx (version 1, one sequence per document) and renames both into place, so a prefix
+/// is never left half-written. Tokens are uint16 (code 8) when the vocabulary fits, else int32
+/// (code 4: what Megatron's own preprocessing writes; its format has no uint32 code).
+class MegatronWriter {
+ public:
+  MegatronWriter(const std::string& prefix, int64_t vocab_size);
+  ~MegatronWriter();  // unfinished: the temporary files are removed
+  /// One document. An id at or above vocab_size is a UserError naming the document, the token
+  /// and the value (never cut to 16 bits).
+  void add(const uint32_t* tokens, int64_t n);
+  void finish();
+  int64_t documents() const { return static_cast<int64_t>(lens_.size()); }
+  int64_t tokens() const { return tokens_; }
+  int elem_size() const { return elem_; }
+
+ private:
+  std::string prefix_;
+  int64_t vocab_;
+  int elem_;
+  std::FILE* bin_ = nullptr;
+  std::vector<int32_t> lens_;
+  std::vector<int64_t> ptrs_;
+  int64_t tokens_ = 0, bytes_ = 0;
+  std::vector<char> buf_;
+};
+
+/// Writes prefix.bin / prefix.idx (uint16 tokens, version 1) with one sequence per document.
+void write_megatron(const std::string& prefix, const std::vector<std::vector<uint16_t>>& docs);
+
+class Dataset {
+ public:
+  Dataset(const Config& c);
+  int64_t train_samples() const { return train_n_; }
+  int64_t val_samples() const { return val_n_; }
+  int64_t train_tokens() const { return val_begin_; }
+
+  /// Rows at global positions [first, first+count) of the training order: [count, seq_len+1].
+  torch::Tensor train_batch(int64_t first, int64_t count);
+  /// Validation rows [first, first+count) (in stream order, wrapping): [count, seq_len+1].
+  torch::Tensor val_batch(int64_t first, int64_t count) const;
+
+  /// Which window the global position `pos` reads (pure in seed, epoch; exposed for tests).
+  int64_t sample_at(int64_t pos);
+
+ private:
+  torch::Tensor windows(const std::vector<int64_t>& starts, int64_t first_label) const;
+
+  TokenStream stream_;
+  int64_t seq_len_, vocab_, seed_;
+  bool shuffle_;
+  int64_t val_begin_, train_n_, val_n_;
+  int64_t perm_epoch_ = -1;
+  std::vector<int64_t> perm_;
+};
+
+/// The sample order of one epoch: a Fisher-Yates shuffle of [0, n) driven by splitmix64 seeded
+/// from (seed, epoch). Our own generator, so the order never changes with the torch version.
+std::vector<int64_t> epoch_permutation(int64_t n, int64_t seed, int64_t epoch);
+
+}  // namespace tessel::data

@@ -1,0 +1,88 @@
+// The planner's estimates share these (planner.cpp: memory and time; traffic.cpp: each group's
+// bytes per step): what every stage's estimate uses, computed once per plan.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "core/plan/config.h"
+#include "engine/planner/planner.h"
+#include "models/layers.h"
+#include "models/shape.h"
+#include "parallel/mesh.h"
+#include "parallel/pp/schedule.h"
+
+namespace tessel::planning {
+
+// Activation bytes per token per transformer block, in elements of the compute dtype, as this
+// implementation's autograd keeps them: `replicated`·h (the residual stream, norms' inputs and
+// outputs: divided by tp only under sequence parallelism) + (`attn`·h + `kv`·kv_dim +
+// `ffn`·ffn_hidden) / tp. `outside`·h per token for the embedding output and the final norm.
+// Measured on CPU fp32 with the counting allocator (core/observe/counters.h), 2026-11-23, from
+// single- process and tp=2 runs that vary h, kv_heads, ffn_hidden, layers, seq_len and vocab_size;
+// the other layouts (sp, cp, pp, ZeRO) are predictions that tests/dist/planner_test.py checks.
+struct ActivationModel {
+  double replicated, attn, kv, ffn, outside;
+  double rerun = 0;  // recompute: share of one block's full activations live while it reruns
+};
+
+struct PlanBasis {
+  models::ModelShape m;
+  c10::ScalarType dtype;
+  double w;                // bytes per element of the compute dtype
+  bool sp;                 // sequence parallelism in effect
+  int64_t mbs;             // micro-batches per step
+  int64_t lanes;           // micro-batches at once without pipelining (2: pairs_microbatches)
+  double tok;              // tokens of one micro-batch on one rank (cp splits the sequence)
+  double h, tp, kvd;       // hidden size, tensor-parallel size, keys' (and values') width
+  double vocab_local;      // the head's rows on one tp rank
+  bool cpu;                // the plan runs on CPUs (else GPUs)
+  bool own_kernels;        // Tessel's fused CPU kernels run (activation_model)
+  double short_attention;  // bytes per token its short-sequence attention holds in a block
+  ActivationModel a;
+  parallel::pp::Simulation sim;  // the plan's pipeline schedule (gpipe when pp = 1)
+  double per_layer;              // one micro-batch's saved activations in one block, bytes
+  double act_row;                // one activation between stages, bytes
+  int64_t zero, data_ranks, pp;
+  bool keep_gathered;        // ZeRO-3: units gathered once per step (parallel.zero3.keep_gathered)
+  double block;              // one layer's parameters on one tp rank
+  double per_moe_layer = 0;  // per_layer for an MoE layer (its experts instead of the MLP)
+};
+
+struct Traffic {  // one group's bytes on one rank per step, by how a ring moves them
+  double all_reduce = 0, gather_scatter = 0, p2p = 0;
+  double ops = 0;  // collectives and transfers issued (each pays the profile's latency)
+  double bytes() const { return all_reduce + gather_scatter + p2p; }
+  // Seconds those bytes take: at the link's `gbps`, or the profile's own figure for all-gathers
+  // and reduce-scatters, and for send/receive, where it has one.
+  double wire(int64_t n, double gbps, const DeviceProfile& d) const {
+    const double f = n > 1 ? static_cast<double>(n - 1) / static_cast<double>(n) : 0.0;
+    auto at = [gbps](double rate) { return (rate > 0 ? rate : gbps) * 1e9; };
+    return 2 * f * all_reduce / at(0) + f * gather_scatter / at(d.gather_gbps) +
+           p2p / at(d.p2p_gbps);
+  }
+};
+
+// MoE layers among a stage's chunks.
+int64_t moe_layers_in(const models::ModelShape& m, const models::StagePart& part);
+// The expert parameters a rank of the stage holds (E/ep experts of each MoE layer).
+double expert_params(const models::ModelShape& m, const models::StagePart& part, int64_t ep);
+// Ranks of one all-to-all of context parallelism: cp (alltoall), the group size (hybrid), else 1.
+int64_t alltoall_ranks(const Config& c, const parallel::Layout& l);
+// ZeRO-2 inside a pipeline, or ZeRO-3 kept gathered, with fp32 weights: micro-batches accumulate
+// in the parameters and each chunk reduce-scatters once per step (parallel/dp/grad_reducer.h).
+inline bool reduce_once(const PlanBasis& b) {
+  return ((b.zero == 2 && b.pp > 1) || (b.zero == 3 && b.keep_gathered)) &&
+         b.dtype == c10::ScalarType::Float;
+}
+
+// Communication per step of one rank of a stage: the collectives this implementation issues, by
+// group (comm.h's byte count).
+std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::Layout& l,
+                                             const PlanBasis& b, const RankEstimate& r,
+                                             const models::StagePart& part);
+
+}  // namespace tessel::planning

@@ -1,0 +1,28 @@
+// This machine's CPU as a device profile for --dry-run: the rates a CPU step is made of, measured
+// now on the threads each rank of the plan will use, so that a CPU plan's predicted step time is
+// this machine's (tests/dist/planner_test.py compares it with measured steps).
+#pragma once
+
+#include <cstdint>
+
+#include "core/plan/config.h"
+#include "engine/planner/planner.h"
+
+namespace tessel {
+
+/// Threads each rank of `c` computes with on a node running `ranks_on_node` of its processes:
+/// training.threads; else OMP_NUM_THREADS; else 1 under tessel-launch with several workers (it
+/// sets OMP_NUM_THREADS=1 then); else LibTorch's default for one process.
+int64_t cpu_threads_per_rank(const Config& c, int64_t ranks_on_node);
+
+/// Measures (about a second) the matmul rate in the plan's dtype, scaled dot-product
+/// attention forward and backward at the plan's head size and sequence, the MLP activation
+/// (tanh-GELU for gpt2, SiLU·gate for llama) forward and backward, the memory bandwidth of an
+/// element-wise add, and with more than one rank the latency and bandwidth of loopback Gloo
+/// all-reduce, all-gather and send/receive between two ranks of this process. Rates are per rank:
+/// on `cpu_threads_per_rank` threads, shared out when the node's ranks want more threads than it
+/// has cores. Sets glibc's malloc to keep freed memory for the rest of the process (the
+/// steady state of a training step; meant for --dry-run, which exits after planning).
+DeviceProfile measure_cpu_profile(const Config& c, int64_t ranks_on_node);
+
+}  // namespace tessel

@@ -1,0 +1,576 @@
+#include "engine/planner/planner.h"
+
+#include <ATen/Parallel.h>
+#include <c10/core/ScalarType.h>
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/kernels/attention_cpu.h"
+#include "core/optim/optim.h"
+#include "engine/planner/basis.h"
+#include "engine/planner/figures.h"
+#include "engine/planner/model_plan.h"
+#include "models/registry.h"
+#include "parallel/cp/attention.h"
+#include "parallel/pp/schedule.h"
+#include "parallel/tp/head_loss.h"
+
+namespace tessel {
+namespace {
+
+// The planner's internals shared with traffic.cpp (basis.h).
+using planning::ActivationModel;
+using planning::alltoall_ranks;
+using planning::expert_params;
+using planning::moe_layers_in;
+using planning::PlanBasis;
+using planning::reduce_once;
+using planning::stage_traffic;
+using planning::Traffic;
+
+// Llama's RMSNorm as Tessel's CPU kernel (training.kernels tessel, fp32 on the CPU) or LibTorch's
+// fused CUDA kernel (core/kernels/fused_ops.cpp) keeps x and one scale per row, not also x·rsqrt as
+// the composite does (LibTorch's CPU operator is the composite): one h less per norm, two per block
+// and one outside. `own_kernels`: Tessel's SwiGLU runs too, which keeps gate and up, not also
+// silu(gate) (one ffn less).
+ActivationModel activation_model(const models::ModelShape& m, const std::string& recompute,
+                                 bool own_kernels, bool cpu) {
+  const bool llama = m.arch == "llama", fused = llama && own_kernels;
+  const bool fused_norm = fused || (llama && !cpu);
+  ActivationModel a = !llama       ? ActivationModel{4.76, 3.58, 0.0, 2.0, 2.3}
+                      : fused      ? ActivationModel{4.5, 1.6, 2.0, 3.0, 2.3}
+                      : fused_norm ? ActivationModel{4.5, 1.6, 2.0, 4.0, 2.3}
+                                   : ActivationModel{6.5, 1.6, 2.0, 4.0, 3.3};
+  // Recomputation, measured the same way: full keeps each block's input (1·h per token) and
+  // holds about half of one block's activations at the peak; selective keeps the MLP half's
+  // input instead of its norm and ffn-wide tensors, and a quarter of one MLP's at the peak.
+  if (recompute == "full") return {1.0, 0, 0, 0, a.outside, 0.5};
+  if (recompute == "selective")
+    return {llama ? (fused_norm ? 3.5 : 4.5) : 3.76, a.attn, a.kv, 0.0, a.outside, 0.25};
+  return a;
+}
+
+const std::map<std::string, DeviceProfile>& builtin_profiles() {
+  // Dense peaks from NVIDIA's datasheets (SXM); NVLink per GPU one way (H100/H200: 900 GB/s
+  // both ways; A100: 600); NICs: ConnectX-7 400 Gb/s, ConnectX-6 200 Gb/s, one per GPU.
+  // H100 PCIe and H100 NVL (datasheets, dense bf16: 756 and 835 TFLOP/s; fp32: 51 and 60;
+  // 80 and 94 GB): their NVLink bridges join pairs only, so the rest of a node talks over PCIe
+  // Gen5 x16 (64 GB/s one way).
+  static const std::map<std::string, DeviceProfile> p = {
+      {"h100", {"h100", 989.4, 66.9, 450, 50, 8, 80, 0.5}},
+      {"h100-pcie", {"h100-pcie", 756, 51, 64, 50, 8, 80, 0.5}},
+      {"h100-nvl", {"h100-nvl", 835, 60, 64, 50, 8, 94, 0.5}},
+      {"h200", {"h200", 989.4, 66.9, 450, 50, 8, 141, 0.5}},
+      {"a100", {"a100", 312, 19.5, 300, 25, 8, 80, 0.5}},
+  };
+  return p;
+}
+
+}  // namespace
+
+double matmul_peak_tflops(const DeviceProfile& d, const TrainingConfig& t) {
+  if (d.cpu) return d.peak_tflops;  // measured in the plan's dtype
+  if (t.dtype != "fp32") return d.peak_tflops;
+  return t.tf32 ? d.peak_tflops / 2 : d.fp32_tflops;
+}
+
+std::string matmul_peak_name(const TrainingConfig& t) {
+  if (t.dtype != "fp32") return "dense " + t.dtype;
+  return t.tf32 ? "dense TF32 (fp32 matmuls on tensor cores: training.tf32)" : "fp32";
+}
+
+const DeviceProfile* profile_of_gpu(const std::string& cuda_name) {
+  // CUDA's names: "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H100 NVL", ...:
+  // the specific forms before the bare model.
+  static const std::pair<const char*, const char*> kByName[] = {{"H200", "h200"},
+                                                                {"H100 PCIe", "h100-pcie"},
+                                                                {"H100 NVL", "h100-nvl"},
+                                                                {"H100", "h100"},
+                                                                {"A100", "a100"}};
+  for (const auto& [key, profile] : kByName)
+    if (cuda_name.find(key) != std::string::npos) return &builtin_profiles().at(profile);
+  return nullptr;
+}
+
+namespace {
+
+std::string builtin_profile_names() {
+  std::string names;
+  for (const auto& [name, _] : builtin_profiles()) names += (names.empty() ? "" : ", ") + name;
+  return names;
+}
+
+void set_field(DeviceProfile& d, const std::string& key, const std::string& value,
+               const std::string& where) {
+  auto num = [&] {
+    try {
+      size_t used = 0;
+      double v = std::stod(value, &used);
+      if (used != value.size() || v <= 0) throw std::invalid_argument("");
+      return v;
+    } catch (const std::exception&) {
+      throw UserError(where + ": " + key + " must be a positive number, not '" + value + "'");
+    }
+  };
+  if (key == "name")
+    d.name = value;
+  else if (key == "peak_tflops")
+    d.peak_tflops = num();
+  else if (key == "fp32_tflops")
+    d.fp32_tflops = num();
+  else if (key == "intra_node_gbps")
+    d.intra_node_gbps = num();
+  else if (key == "inter_node_gbps")
+    d.inter_node_gbps = num();
+  else if (key == "gpus_per_node") {
+    const double v = num();
+    if (v != std::floor(v))
+      throw UserError(where + ": gpus_per_node must be a whole number, not '" + value + "'");
+    d.gpus_per_node = static_cast<int64_t>(v);
+  } else if (key == "memory_gib")
+    d.memory_gib = num();
+  else if (key == "efficiency") {
+    d.efficiency = num();
+    if (d.efficiency > 1)
+      throw UserError(where +
+                      ": efficiency is a fraction of the peak (0 < efficiency <= 1), not '" +
+                      value + "'");
+  } else if (key == "attention_tflops")
+    d.attention_tflops = num();
+  else if (key == "activation_ns")
+    d.activation_ns = num();
+  else if (key == "memory_gbps")
+    d.memory_gbps = num();
+  else if (key == "latency_us")
+    d.latency_us = num();
+  else if (key == "gather_gbps")
+    d.gather_gbps = num();
+  else if (key == "p2p_gbps")
+    d.p2p_gbps = num();
+  else if (key == "op_us")
+    d.op_us = num();
+  else
+    throw UserError(where + ": unknown device profile key '" + key +
+                    "' (keys: name, base, peak_tflops, fp32_tflops, intra_node_gbps, "
+                    "inter_node_gbps, gpus_per_node, memory_gib, efficiency, attention_tflops, "
+                    "activation_ns, memory_gbps, latency_us, gather_gbps, p2p_gbps, op_us)");
+}
+
+// The first group of kind k: do its ranks share a node?
+bool within_node(parallel::GroupKind k, const parallel::Layout& l, int64_t gpus_per_node) {
+  const auto groups = parallel::group_ranks(k, l);
+  if (groups.empty() || groups[0].size() < 2) return true;
+  return groups[0].front() / gpus_per_node == groups[0].back() / gpus_per_node;
+}
+
+}  // namespace
+
+DeviceProfile device_profile(const std::string& spec, const std::vector<std::string>& overrides) {
+  const auto& builtin = builtin_profiles();
+  DeviceProfile d = builtin.at("h100");
+  if (builtin.count(spec)) {
+    d = builtin.at(spec);
+  } else if (!spec.empty()) {
+    if (!std::filesystem::is_regular_file(spec))
+      throw UserError("--device-profile '" + spec + "': neither a built-in profile (" +
+                      builtin_profile_names() + ", cpu) nor a YAML file");
+    YAML::Node y;
+    try {
+      y = YAML::LoadFile(spec);
+    } catch (const YAML::Exception& e) {
+      throw UserError(spec + ": " + e.what());
+    }
+    if (y["base"]) {
+      const auto base = y["base"].as<std::string>();
+      if (!builtin.count(base))
+        throw UserError(spec + ": base '" + base + "' is not a built-in profile (" +
+                        builtin_profile_names() + ")");
+      d = builtin.at(base);
+    }
+    d.name = std::filesystem::path(spec).stem().string();
+    for (const auto& kv : y) {
+      const auto key = kv.first.as<std::string>();
+      if (key != "base") set_field(d, key, kv.second.as<std::string>(), spec);
+    }
+  }
+  apply_profile_overrides(d, overrides);
+  return d;
+}
+
+void apply_profile_overrides(DeviceProfile& d, const std::vector<std::string>& overrides) {
+  for (const auto& o : overrides) {
+    const auto eq = o.find('=');
+    if (eq == std::string::npos) throw UserError("--profile-set '" + o + "': expected key=value");
+    set_field(d, o.substr(0, eq), o.substr(eq + 1), "--profile-set");
+  }
+}
+
+namespace {
+
+// Key/value heads of one tp rank that alltoall context parallelism repeats to split them over
+// cp (held for backward unless full recomputation reruns attention); 0 for the other methods.
+double alltoall_repeated_kv(const Config& c, const parallel::Layout& l) {
+  const int64_t a = alltoall_ranks(c, l);
+  if (a == 1 || c.training.recompute == "full") return 0;
+  const int64_t kv = std::max<int64_t>(1, c.model.kv_heads / l.tp);
+  return static_cast<double>(parallel::cp::alltoall_kv_heads(kv, a) - kv);
+}
+
+// Bytes per token that Tessel's short-sequence CPU attention (core/kernels/attention_cpu.h) holds
+// for backward beyond what SDPA's kernels would: each head's fp32 probabilities over the sequence.
+double short_attention_bytes(const Config& c, const parallel::Layout& l,
+                             const models::ModelShape& m, torch::ScalarType dtype,
+                             bool own_kernels) {
+  const auto& t = c.training;
+  if (!own_kernels || l.cp > 1) return 0;
+  if (!kernels::short_attention_applies(torch::kCPU, dtype, t.seq_len)) return 0;
+  return 4.0 * static_cast<double>(m.heads / l.tp) *
+         static_cast<double>((t.seq_len + 7) / 8 * 8);  // rows padded to 8 keys
+}
+
+// `cpu`: the run computes on the CPU.
+PlanBasis plan_basis(const Config& c, const parallel::Layout& l, bool cpu) {
+  namespace pp = parallel::pp;
+  const auto& t = c.training;
+  PlanBasis b;
+  b.m = model_shape(c.model);
+  const auto& m = b.m;
+  b.dtype = resolve_dtype(t.dtype);
+  const double w = b.w = static_cast<double>(c10::elementSize(b.dtype));
+  const bool sp = b.sp = c.parallel.sequence_parallel && l.tp > 1;
+  b.mbs = t.global_batch / (l.dp * t.micro_batch);
+  const double tok = b.tok =
+      static_cast<double>(t.micro_batch * t.seq_len) / static_cast<double>(l.cp);
+  const double h = b.h = static_cast<double>(m.hidden), tp = b.tp = static_cast<double>(l.tp);
+  const double kvd = b.kvd = static_cast<double>(m.kv_heads * m.head_dim());
+  b.vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
+  b.cpu = cpu;
+  b.own_kernels = cpu && t.kernels == "tessel" && b.dtype == torch::kFloat32;
+  b.lanes = pairs_microbatches(c, l.world(), !cpu,
+                               t.threads > 0 ? t.threads : int64_t{at::get_num_threads()})
+                ? 2
+                : 1;
+  const auto& a = b.a = activation_model(m, t.recompute, b.own_kernels, b.cpu);
+  b.short_attention = short_attention_bytes(c, l, m, b.dtype, b.own_kernels);
+  b.sim = pp::simulate(pp::make_schedule(l.pp > 1 ? c.parallel.pipeline_schedule : "gpipe", l.pp,
+                                         b.mbs, l.pp > 1 ? c.parallel.virtual_stages : 1));
+
+  const double block_tokens_floats =
+      a.replicated * h / (sp ? tp : 1.0) + (a.attn * h + a.kv * kvd + a.ffn * m.ffn_hidden) / tp;
+  // One micro-batch through one block: its saved activations (+ CP all-gather: the whole
+  // sequence's keys and values, kept for backward).
+  b.per_layer = w * tok * block_tokens_floats +
+                (l.cp > 1 && c.parallel.context_method == "allgather" && t.recompute != "full"
+                     ? w * static_cast<double>(t.micro_batch * t.seq_len) * 2 * kvd / tp
+                     : 0.0) +
+                alltoall_repeated_kv(c, l) * 2 * static_cast<double>(m.head_dim()) * w * tok +
+                (t.recompute == "full" ? 0.0 : b.short_attention * tok);
+  b.act_row = tok * h * w / (sp ? tp : 1.0);
+  b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp, b.pp = l.pp;
+  b.keep_gathered = c.parallel.zero3_keep_gathered;
+  b.block = static_cast<double>(models::block_parameters(m, l.tp));
+  if (m.moe.experts > 0) {
+    // An MoE layer keeps, per token and choice, the row sent to its expert, the expert's
+    // output and its gate-weighted copy (3·h) and its SwiGLU's ffn-wide tensors (as the MLP's);
+    // the router's fp32 logits and scores (2·E); the shared experts as an MLP. Recomputation
+    // reruns it (like the MLP). Measured on CPU fp32 (tests/dist/planner_test.py, 2026-11-25).
+    const auto& e = m.moe;
+    const double k = static_cast<double>(e.top_k), f = static_cast<double>(e.ffn_hidden);
+    const double routed = t.recompute == "none"
+                              ? k * (a.ffn * f + 3 * h) + 2 * static_cast<double>(e.experts) * 4 / w
+                              : 0.0;
+    const double shared = a.ffn * static_cast<double>(e.shared) * f / tp;
+    b.per_moe_layer = b.per_layer + w * tok / (sp ? tp : 1.0) * routed + w * tok * shared -
+                      w * tok * a.ffn * static_cast<double>(m.ffn_hidden) / tp;
+  }
+  return b;
+}
+
+// The model FLOPs of a step, and the forward work recomputation reruns on top of them.
+void add_step_flops(PlanEstimate& e, const PlanBasis& b, const TrainingConfig& t) {
+  const auto& m = b.m;
+  const double h = b.h;
+  e.params_total = models::parameters_on_rank(m, 1, {});
+  double n_flops = static_cast<double>(e.params_total);
+  n_flops -= expert_params(m, {{{0, m.layers}}, true, true}, 1) *
+             static_cast<double>(m.moe.experts - m.moe.top_k) /
+             static_cast<double>(std::max<int64_t>(1, m.moe.experts));    // active experts only
+  n_flops -= static_cast<double>(m.vocab_size) * h * (m.tied() ? 0 : 1);  // input embeddings
+  if (m.arch == "gpt2") n_flops -= static_cast<double>(m.max_seq_len) * h;
+  e.flops_per_step =
+      flops_per_token(m, n_flops, t.seq_len) * static_cast<double>(t.global_batch * t.seq_len);
+  // The work the device does: recomputation reruns forward work the model FLOPs (and so MFU)
+  // do not count. Full: every block's forward again (2 per block weight, and attention's
+  // 4·L·H·Q·T, a third of its 12); selective: each block's MLP forward (2 per MLP weight).
+  const double mlp_weights =
+      (m.arch == "llama" ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden);
+  const double layers = static_cast<double>(m.layers);
+  double rerun_per_token = 0;
+  if (t.recompute == "full")
+    rerun_per_token = 2.0 * layers * static_cast<double>(models::block_parameters(m, 1)) +
+                      4.0 * layers * h * static_cast<double>(t.seq_len);
+  else if (t.recompute == "selective")
+    rerun_per_token = 2.0 * layers * mlp_weights;
+  e.recompute_flops_per_step = rerun_per_token * static_cast<double>(t.global_batch * t.seq_len);
+}
+
+// ZeRO-2's and ZeRO-3's buffers at a stage's peak, added to its activations.
+void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
+  const auto& t = c.training;
+  const double w = b.w, block = b.block;
+  if (b.zero == 1 && b.cpu && b.data_ranks > 1) {
+    // ZeRO-1 gathers the updated weights at the step's start, every bucket at once, each block
+    // waiting for its own. Gloo's all-gather holds a flat copy of its input and of its output
+    // until then: the whole weights and this rank's share, the peak where the activations are
+    // small (measured: zero1_dp2_llama 371.8 KB against 366.6 predicted so, 2026-11-27). NCCL
+    // gathers in place. (ZeRO-2 gathers the same way, but its measured peaks, 1.19-1.35 times
+    // the weights at dp 2-4, follow no such rule yet: its own term below stands.)
+    const double staging =
+        w * static_cast<double>(r.params) * (1.0 + 1.0 / static_cast<double>(b.data_ranks));
+    r.activations = std::max(r.activations, staging);
+  }
+  const double one_microbatch =
+      r.inflight > 1 ? r.activations / static_cast<double>(r.inflight) : 0.0;
+  if (b.zero == 2)  // gradient buckets being reduced (half the fp32 gradient at the peak, as
+                    // measured; at most three buckets exist at once)
+    r.activations += 0.5 * std::min(4.0 * static_cast<double>(r.params),
+                                    3 * c.parallel.ddp_bucket_mb * (1 << 20));
+  // and the parameters' accumulated gradients, from the stage's first backward on: by then one
+  // held micro-batch's activations are being freed (measured at pp 2: stage 0, holding two,
+  // peaks before its first backward; the last stage, holding one, with the gradients).
+  if (reduce_once(b))
+    r.activations += std::max(0.0, 4.0 * static_cast<double>(r.params) - one_microbatch);
+  if (b.zero == 3 && b.keep_gathered) {  // the stage's whole weights, for the whole step
+    r.gathered = w * static_cast<double>(r.params);
+    r.activations += r.gathered;
+    if (!reduce_once(b))  // bf16/fp16: buckets reduced per micro-batch, as below
+      r.activations += 4.0 * std::min(static_cast<double>(r.params), 3 * block);
+  } else if (b.zero == 3) {
+    // At the peak, the root unit and blocks: without recomputation the peak is where backward
+    // begins (the last block gathered); with it, the saved activations are smaller and the
+    // peak moves into backward, where the block being differentiated, its prefetched
+    // neighbour and the one being released are gathered at once (measured: 3 blocks).
+    const double blocks =
+        std::min<double>(static_cast<double>(r.layers), t.recompute == "none" ? 1.0 : 3.0);
+    r.gathered = w * (static_cast<double>(r.params) - r.layers * block + blocks * block);
+    // Plus the gradient buckets in flight: up to three units' fp32 gradients wait for their
+    // reduce-scatter (measured with the allocator counting from the first byte, 2026-11-25).
+    r.activations += r.gathered + 4.0 * std::min(static_cast<double>(r.params), 3 * block);
+  }
+}
+
+// CPU step constants (cpu_compute_s): host operators per block and micro-batch, forward and
+// backward (with Tessel's own kernels: counted in --profile traces of the bench's models,
+// 2026-11-26, 115 and 107 operators per block and micro-batch, the head and optimizer included;
+// LibTorch's: GPT-2's flash attention is fewer operators, Llama's composite RMSNorm, RoPE and
+// SwiGLU many more); element-wise passes over a block's [tokens, hidden], over the logits, and over
+// the optimizer's fp32 state.
+constexpr double kGpt2BlockOps = 115, kLlamaBlockOps = 107;
+constexpr double kGpt2TorchBlockOps = 100, kLlamaTorchBlockOps = 200;
+constexpr double kBlockPasses = 20, kHeadPasses = 8, kOptimizerPasses = 12;
+
+// One stage's bytes: its parameters' state between steps and what a step adds at its peak.
+// The last stage's head and loss at their peak. Whole logits: the head's output and the loss's
+// fp32 softmax/gradient buffer for every token. Lean logits (parallel/tp/head_loss.h): one
+// chunk's output and fp32 copy, the fp32 weight gradient and the input's gradient.
+double head_bytes(const TrainingConfig& t, const PlanBasis& b) {
+  const double w = b.w, tok = b.tok, v = b.vocab_local;
+  if (!t.lean_logits) return tok * v * (w + 4);
+  const double chunk = std::min(
+      tok, static_cast<double>(t.lean_logits_chunk > 0 ? t.lean_logits_chunk
+                                                       : parallel::tp::default_head_chunk_rows(
+                                                             static_cast<int64_t>(v), !b.cpu)));
+  return chunk * v * (w == 4 ? 4 : w + 4) + v * b.h * 4 + tok * b.h * w;
+}
+
+RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const PlanBasis& b,
+                          int64_t stage, const models::StagePart& part) {
+  const auto& t = c.training;
+  const auto& m = b.m;
+  const auto& a = b.a;
+  const bool sp = b.sp;
+  const double w = b.w, tok = b.tok, h = b.h, tp = b.tp, kvd = b.kvd;
+  RankEstimate r;
+  r.stage = stage;
+  r.params = models::parameters_on_rank(m, l.tp, part, l.ep);
+  for (const auto& [first, end] : part.chunks) r.layers += end - first;
+  // ZeRO splits the experts over the ranks holding the same experts (data ranks / ep).
+  const auto experts = static_cast<int64_t>(expert_params(m, part, l.ep));
+  const auto state = planned_state_bytes(r.params - experts, b.zero, b.data_ranks, b.dtype);
+  const auto expert_state = planned_state_bytes(experts, b.zero, b.data_ranks / l.ep, b.dtype);
+  r.weights = static_cast<double>(state.params + expert_state.params);
+  r.grads = static_cast<double>(state.grads + expert_state.grads);
+  r.optimizer = static_cast<double>(state.optimizer + expert_state.optimizer);
+  const int64_t chunks = std::max<int64_t>(1, static_cast<int64_t>(part.chunks.size()));
+  r.inflight = l.pp > 1 ? b.sim.peak_activations[static_cast<size_t>(stage)] : b.lanes;
+  const double layers_per_chunk = static_cast<double>(r.layers) / static_cast<double>(chunks);
+  const double moe_layers = static_cast<double>(moe_layers_in(m, part));
+  r.activations =
+      static_cast<double>(r.inflight) *
+      ((static_cast<double>(r.layers) - moe_layers) * b.per_layer + moe_layers * b.per_moe_layer) /
+      static_cast<double>(chunks);
+  if (l.pp > 1 && b.sim.peak_deferred[static_cast<size_t>(stage)] > 0) {
+    // Zero-bubble schedules: past B a micro-batch holds, until its W, only each linear layer's
+    // input and output gradient (q/k/v share an input, as up/gate do): the peak over the
+    // simulated run of whole micro-batches and these.
+    const double f = static_cast<double>(m.ffn_hidden) / tp;
+    const double kept = 3 * h + f + (h + 2 * kvd) / tp + 2 * h + (m.arch == "llama" ? 2 : 1) * f;
+    r.activations = parallel::pp::peak_held(b.sim, stage, layers_per_chunk * b.per_layer,
+                                            layers_per_chunk * w * tok * kept);
+  }
+  if (part.first) r.activations += static_cast<double>(r.inflight) * tok * h * w;
+  // A chunk that receives its input keeps it (the leaf its gradient goes back from) until B.
+  const double receiving = static_cast<double>(chunks - (part.first ? 1 : 0)) / chunks;
+  if (l.pp > 1) r.activations += static_cast<double>(r.inflight) * receiving * b.act_row;
+  if (t.recompute != "none" && r.layers > 0) {  // one block (full) or MLP (selective) rerun
+    const auto none = activation_model(m, "none", b.own_kernels, b.cpu);
+    const double rerun_floats =
+        t.recompute == "full" ? none.replicated * h / (sp ? tp : 1.0) +
+                                    (none.attn * h + none.kv * kvd + none.ffn * m.ffn_hidden) / tp
+                              : none.ffn * m.ffn_hidden / tp;
+    // The rerun block's attention probabilities are live whole until its backward.
+    r.activations +=
+        a.rerun * w * tok * rerun_floats + (t.recompute == "full" ? b.short_attention * tok : 0.0);
+  }
+  if (part.last)
+    r.activations +=
+        static_cast<double>(b.lanes) * (head_bytes(t, b) + (a.outside - 1) * tok * h * w);
+  add_zero_buffers(r, c, b);
+  return r;
+}
+
+parallel::GroupKind group_kind(const std::string& name) {
+  return name == "tp"       ? parallel::GroupKind::kTp
+         : name == "cp"     ? parallel::GroupKind::kCp
+         : name == "pp"     ? parallel::GroupKind::kPp
+         : name == "dp_cp"  ? parallel::GroupKind::kDpCp
+         : name == "ep"     ? parallel::GroupKind::kEp
+         : name == "edp_cp" ? parallel::GroupKind::kEdpCp
+                            : parallel::GroupKind::kEmbedding;
+}
+
+// The part of a stage's communication time that its `compute` does not hide. Records each
+// group's bytes on `r` and its link time on `e` (the slowest stage's).
+double exposed_comm_s(const std::map<std::string, Traffic>& g, double compute,
+                      const parallel::Layout& l, const DeviceProfile& dev, const PlanBasis& b,
+                      RankEstimate& r, PlanEstimate& e) {
+  double exposed = 0;
+  for (const auto& [name, traffic] : g) {
+    r.comm[name] = traffic.bytes();
+    const parallel::GroupKind kind = group_kind(name);
+    const int64_t n = static_cast<int64_t>(parallel::group_ranks(kind, l)[0].size());
+    const double gbps =
+        within_node(kind, l, dev.gpus_per_node) ? dev.intra_node_gbps : dev.inter_node_gbps;
+    const double s = traffic.ops * dev.latency_us * 1e-6 + traffic.wire(n, gbps, dev);
+    e.comm_s[name] = std::max(e.comm_s[name], s);
+    if (dev.cpu) {  // every core computes: Gloo's threads take their time from the step
+      exposed += s;
+      continue;
+    }
+    // tp, cp and pipeline transfers sit on the critical path; data-parallel reductions overlap
+    // backward (about 2/3 of compute), ZeRO-1/2's weight all-gather after the step does not.
+    if (name == "dp_cp") {
+      const double after_step =
+          (b.zero == 1 || b.zero == 2) ? b.w * static_cast<double>(r.params) / (gbps * 1e9) : 0;
+      exposed +=
+          std::max(0.0, s - after_step - (b.zero == 3 ? 1.0 : 2.0 / 3.0) * compute) + after_step;
+    } else {
+      exposed += s;
+    }
+  }
+  return exposed;
+}
+
+// A stage's compute per step on a CPU profile: its matmuls at the measured rate × efficiency,
+// attention at the measured SDPA rate, the MLP activation per element, the host's cost of the
+// operators a block issues, and the element-wise rest (norms, residual adds, biases, the loss over
+// the logits, the optimizer) as passes over their tensors at the measured bandwidth. Operators and
+// passes per block were counted on CPU fp32 runs of gpt2 and llama (2026-11-25, planner_test's
+// StepTime checks the result on five layouts).
+std::map<std::string, double> cpu_compute_s(const Config& c, const PlanBasis& b,
+                                            const RankEstimate& r, const models::StagePart& part,
+                                            const DeviceProfile& d) {
+  const auto& t = c.training;
+  const auto& m = b.m;
+  const bool llama = m.arch == "llama", full = t.recompute == "full";
+  const double micro = static_cast<double>(b.mbs), tokens = micro * b.tok;
+  const double layers = static_cast<double>(r.layers), h = b.h, tp = b.tp;
+  const double mlp = (llama ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden) / tp;
+  const double rerun = full ? b.block : t.recompute == "selective" ? mlp : 0.0;
+  const double head = part.last ? b.vocab_local * h : 0.0;
+  const double matmul = (6 * (layers * b.block + head) + 2 * layers * rerun) * tokens /
+                        (d.peak_tflops * 1e12 * d.efficiency);
+  const double attention = 12 * layers * static_cast<double>(m.heads) / tp *
+                           static_cast<double>(m.head_dim() * t.seq_len) * tokens *
+                           (full ? 4.0 / 3 : 1.0) /
+                           // never faster than the matmul peak MFU is measured against (a pinned
+                           // peak below the measured attention rate would put MFU over 100%)
+                           (std::min(d.attention_tflops, d.peak_tflops * d.efficiency) * 1e12);
+  const double activation = layers * tokens * static_cast<double>(m.ffn_hidden) / tp *
+                            d.activation_ns * 1e-9 * (rerun > 0 ? 1.5 : 1.0);
+  const double block_ops = b.own_kernels ? (llama ? kLlamaBlockOps : kGpt2BlockOps)
+                                         : (llama ? kLlamaTorchBlockOps : kGpt2TorchBlockOps);
+  const double ops = block_ops * layers * micro * (full ? 1.4 : 1.0);
+  const double state =
+      static_cast<double>(r.params) / static_cast<double>(b.zero >= 1 ? b.data_ranks : 1);
+  const double bytes = kBlockPasses * layers * tokens * h * b.w / (b.sp ? tp : 1.0) +
+                       kHeadPasses * tokens * (part.last ? b.vocab_local : 0.0) * 4 +
+                       kOptimizerPasses * state * 4;
+  return {{"matmul", matmul},
+          {"attention", attention},
+          {"activation", activation},
+          {"operators", ops * d.op_us * 1e-6},
+          {"element-wise", bytes / (d.memory_gbps * 1e9)}};
+}
+
+}  // namespace
+
+PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DeviceProfile& dev) {
+  const auto& t = c.training;
+  // Where the run computes decides its kernels, whichever device the figures are predicted on.
+  const auto& device = c.training.device;
+  const PlanBasis b = plan_basis(c, l, device == "cpu" || (device == "auto" && dev.cpu));
+  PlanEstimate e;
+  e.world = l.world();
+  add_step_flops(e, b, t);
+  for (int64_t stage = 0; stage < l.pp; ++stage) {
+    const auto part = stage_part(c, l.pp, stage);
+    RankEstimate r = stage_memory(c, l, b, stage, part);
+    const auto traffic = stage_traffic(c, l, b, r, part);
+    // Time on the device profile: this stage's compute, its communication on the group's link.
+    const double peak = matmul_peak_tflops(dev, t) * 1e12 * dev.efficiency;
+    std::map<std::string, double> parts;
+    if (dev.cpu) parts = cpu_compute_s(c, b, r, part, dev);
+    double compute =
+        (e.flops_per_step + e.recompute_flops_per_step) / static_cast<double>(e.world) / peak;
+    if (dev.cpu) {
+      compute = 0;
+      for (const auto& [what, s] : parts) compute += s;
+    }
+    // Plus, on every step, the world's all-reduce of the gradient norm and stop votes, and on
+    // logged steps the loss's over the pipeline and data groups (latency only: a few bytes).
+    const double small =
+        e.world > 1 ? 1.0 + 2.0 / static_cast<double>(std::max<int64_t>(1, c.logging.every)) : 0.0;
+    const double exposed =
+        exposed_comm_s(traffic, compute, l, dev, b, r, e) + small * dev.latency_us * 1e-6;
+    if (stage == 0 || compute + exposed > e.compute_s + e.comm_exposed_s) {
+      e.compute_s = compute;
+      e.comm_exposed_s = exposed;
+      e.compute_parts = parts;
+    }
+    e.ranks.push_back(std::move(r));
+  }
+  e.bubble_s = l.pp > 1 ? e.compute_s * b.sim.bubble : 0.0;
+  e.step_s = e.compute_s + e.comm_exposed_s + e.bubble_s;
+  e.tokens_per_s = static_cast<double>(t.global_batch * t.seq_len) / e.step_s;
+  e.mfu = e.flops_per_step / e.step_s / static_cast<double>(e.world) /
+          (matmul_peak_tflops(dev, t) * 1e12);
+  return e;
+}
+
+}  // namespace tessel

@@ -1,0 +1,237 @@
+#include <algorithm>
+#include <cmath>
+
+#include "core/optim/flat_layout.h"
+#include "engine/planner/basis.h"
+#include "models/registry.h"
+#include "parallel/cp/attention.h"
+
+namespace tessel::planning {
+
+int64_t moe_layers_in(const models::ModelShape& m, const models::StagePart& part) {
+  int64_t n = 0;
+  for (const auto& [first, end] : part.chunks)
+    for (int64_t i = first; i < end; ++i) n += m.moe.is_moe(i) ? 1 : 0;
+  return n;
+}
+
+double expert_params(const models::ModelShape& m, const models::StagePart& part, int64_t ep) {
+  return static_cast<double>(models::expert_parameters_on_rank(m, part, ep));
+}
+
+// Ranks of one all-to-all of context parallelism: cp (alltoall), the group size (hybrid), else 1.
+int64_t alltoall_ranks(const Config& c, const parallel::Layout& l) {
+  if (l.cp == 1) return 1;
+  if (c.parallel.context_method == "alltoall") return l.cp;
+  return c.parallel.context_method == "hybrid" ? c.parallel.context_alltoall_size : 1;
+}
+
+namespace {
+
+// Adds to `g` the MoE balance loss's sums over a group that splits each sequence (tp under SP,
+// cp): per MoE layer and micro-batch, two all-reduces of [micro_batch, experts] fp32 (the choices
+// and the scores), in every forward, and again where recomputation reruns the layer's forward
+// with the loss attached (aux_loss_coef > 0).
+void add_aux_loss_traffic(Traffic& g, const Config& c, const PlanBasis& b, double moe_layers) {
+  const auto& t = c.training;
+  const double reruns = t.recompute != "none" && b.m.moe.aux_loss_coef > 0 ? 1 : 0;
+  const double sums = static_cast<double>(b.mbs) * moe_layers * 2 * (1 + reruns);
+  g.all_reduce += sums * static_cast<double>(t.micro_batch * b.m.moe.experts) * 4;
+  g.ops += sums;
+}
+
+// Adds tensor parallelism's bytes per step on one rank of the stage to `g`.
+void add_tp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, const PlanBasis& b,
+                    const RankEstimate& r, const models::StagePart& part) {
+  const auto& t = c.training;
+  const auto& m = b.m;
+  const bool sp = b.sp;
+  const double mb = static_cast<double>(b.mbs), tok = b.tok, h = b.h, w = b.w, kvd = b.kvd;
+  // A tp region (attention, a dense MLP) issues one all-reduce forward and one backward, or under
+  // SP an all-gather and a reduce-scatter each way; recomputation reruns the forward's: selective
+  // the MLP's, full the whole block's. An MoE layer's experts and router are replicated over tp
+  // (they see every token of the rank, or under SP its slice of the sequence): only its shared
+  // experts, an MLP split over tp, communicate there. Plus the embedding (first stage) and the
+  // head's input (last), and the loss's three [tokens] fp32 all-reduces (the slices' largest
+  // log-sum-exp, the sum of their exponentials, the target's loss).
+  const double ends = (part.first ? 1 : 0) + (part.last ? 1 : 0);
+  const double row = tok * h * w;
+  const double u = sp ? 2 : 1;
+  const double full = t.recompute == "full" ? 1 : 0, selective = t.recompute == "selective" ? 1 : 0;
+  const double layers = static_cast<double>(r.layers);
+  const double moe = static_cast<double>(moe_layers_in(m, part));
+  const double mlps = layers - moe + (m.moe.shared > 0 ? moe : 0);
+  const double per_mb = u * ((2 + full) * layers + (2 + full + selective) * mlps + ends);
+  (sp ? g.gather_scatter : g.all_reduce) += mb * per_mb * row;
+  g.ops += mb * per_mb;
+  if (part.last) g.all_reduce += mb * 3 * tok * 4, g.ops += mb * 3;
+  if (sp) add_aux_loss_traffic(g, c, b, moe);
+  // Replicated parameters whose gradient each tp rank holds part of: summed once per step.
+  double replicated = 0;
+  const double experts = sp ? expert_params(m, part, l.ep) : 0.0;
+  // Under SP each tp rank sees a slice of the sequence, so its norms, biases, MoE routers and
+  // experts, and gpt2's position table (first stage) are among them.
+  if (sp)
+    replicated += (m.arch == "llama" ? 2.0 : 6.0) * h * layers +
+                  (part.last ? (m.arch == "llama" ? 1 : 2) * h : 0) +
+                  (part.first && m.arch == "gpt2" ? static_cast<double>(m.max_seq_len) * h : 0) +
+                  experts + moe * static_cast<double>(m.moe.experts) * h;
+  if (m.kv_heads < l.tp) replicated += 2 * h * kvd * r.layers;
+  // Under ZeRO each data rank sums only the gradients it owns (its shard of the flat buffer, the
+  // experts' over their own data group): where the replicated ones fall decides each rank's
+  // bytes, 1/data ranks of them on average, which is what this predicts.
+  if (b.zero > 0 && b.data_ranks > 1)
+    replicated = (replicated - experts) / static_cast<double>(b.data_ranks) +
+                 experts / static_cast<double>(std::max<int64_t>(1, b.data_ranks / l.ep));
+  g.all_reduce += 4 * replicated;
+  if (replicated > 0) g.ops += 1;
+}
+
+// Adds context parallelism's bytes per step to `g`: the keys and values (and their gradients).
+void add_cp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, const PlanBasis& b,
+                    const RankEstimate& r) {
+  const auto& t = c.training;
+  const double mb = static_cast<double>(b.mbs);
+  const double kv_bytes = static_cast<double>(t.micro_batch * t.seq_len) * 2 * b.kvd / b.tp * b.w;
+  const double full = t.recompute == "full" ? 1 : 0;
+  if (c.parallel.context_method == "allgather") {  // keys/values gathered, grads scattered
+    // (the gradients in fp32: reduced before they are rounded)
+    g.gather_scatter += mb * r.layers * kv_bytes * (1 + full + 4 / b.w);
+    g.ops += mb * r.layers * (2 + full);
+  } else {
+    // alltoall (and hybrid inside its groups): each pass through attention sends q, k, v out
+    // (key/value heads repeated to a multiple of the group) and the output back; backward the
+    // same two all-to-alls reversed, and full recomputation reruns forward's. Each all-to-all's
+    // size is this rank's whole input.
+    const auto& m = b.m;
+    const int64_t a = alltoall_ranks(c, l), hq = m.heads / l.tp;
+    const double kv = static_cast<double>(
+        parallel::cp::alltoall_kv_heads(std::max<int64_t>(1, m.kv_heads / l.tp), a));
+    const double head = b.tok * static_cast<double>(m.head_dim()) * b.w;  // one head's tokens
+    if (a > 1) {
+      g.gather_scatter +=
+          mb * r.layers * head * (2 * static_cast<double>(hq) + 2 * kv) * (2 + full);
+      g.ops += mb * r.layers * 2 * (2 + full);
+    }
+    // ring (and hybrid across its groups): each ring member's keys/values (its group's tokens of
+    // its heads) go round ring-1 times forward and again in backward (plus once more when full
+    // recompute reruns forward); dK/dV go round ring times, in fp32.
+    const double ring = static_cast<double>(l.cp / a);
+    if (ring > 1) {
+      g.p2p += mb * r.layers * 2 * kv * head * ((2 + full) * (ring - 1) + ring * 4 / b.w);
+      g.ops += mb * r.layers * ((2 + full) * (ring - 1) + ring);
+    }
+  }
+}
+
+// Adds the data-parallel (dp×cp) group's bytes per step to `d`: gradients reduced, and under
+// ZeRO weights gathered.
+// The stage's blocks as ZeRO-3 gathers them over one data group: the parameters of every block
+// on this rank (under expert parallelism only the experts', over the experts' data group, and all
+// but the experts', over dp×cp), the last block's (its backward follows its forward: not gathered
+// again), and how many.
+struct Blocks {
+  double params = 0, last = 0, count = 0;
+};
+Blocks stage_blocks(const PlanBasis& b, const parallel::Layout& l, const models::StagePart& part,
+                    bool experts) {
+  const auto& m = b.m;
+  Blocks k;
+  int64_t last = -1;
+  for (const auto& [first, end] : part.chunks)
+    for (int64_t i = first; i < end; ++i) {
+      const double e =
+          l.ep > 1 && m.moe.is_moe(i)
+              ? static_cast<double>(m.moe.experts / l.ep * 3 * m.moe.ffn_hidden * m.hidden)
+              : 0.0;
+      const double p =
+          experts ? e : static_cast<double>(models::block_parameters(m, l.tp, i, l.ep)) - e;
+      if (p == 0) continue;
+      k.params += p, k.count += 1;
+      if (i > last) last = i, k.last = p;
+    }
+  return k;
+}
+
+// Adds the bytes per step of a data group (dp×cp, or the experts' own) to `d`: gradients reduced,
+// and under ZeRO weights gathered; `n` parameters, in `blocks` (and the rest at the stage's ends).
+void add_data_traffic(Traffic& d, const Config& c, const PlanBasis& b, double n,
+                      const Blocks& blocks) {
+  const double mb = static_cast<double>(b.mbs), w = b.w;
+  const double buckets = std::ceil(4 * n / std::max(1.0, c.parallel.ddp_bucket_mb * (1 << 20)));
+  if (b.zero == 0) d.all_reduce += 4 * n, d.ops += buckets;
+  if (b.zero == 1) d.gather_scatter += 4 * n + w * n, d.ops += 2 * buckets;
+  if (reduce_once(b))  // inside a pipeline or kept gathered, fp32: once per step
+    d.gather_scatter += 4 * n + w * n, d.ops += 2 * buckets;
+  else if (b.zero == 2 || (b.zero == 3 && b.keep_gathered))
+    d.gather_scatter += mb * 4 * n + w * n, d.ops += (mb + 1) * buckets;
+  if (b.zero == 3 && !b.keep_gathered) {
+    // Per micro-batch every unit gathered for forward, every block but the last again for
+    // backward, and the gradients reduced.
+    d.gather_scatter += mb * (4 * n + w * (n + blocks.params - blocks.last));
+    d.ops += mb * 3 * (blocks.count + 1);
+  }
+}
+
+}  // namespace
+
+std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::Layout& l,
+                                             const PlanBasis& b, const RankEstimate& r,
+                                             const models::StagePart& part) {
+  std::map<std::string, Traffic> g;
+  const double mb = static_cast<double>(b.mbs);
+  const double own_chunks =
+      static_cast<double>(std::max<int64_t>(1, static_cast<int64_t>(part.chunks.size())));
+  if (l.tp > 1) add_tp_traffic(g["tp"], c, l, b, r, part);
+  if (l.cp > 1) {
+    add_cp_traffic(g["cp"], c, l, b, r);
+    add_aux_loss_traffic(g["cp"], c, b, static_cast<double>(moe_layers_in(b.m, part)));
+  }
+  if (l.pp > 1) {  // activations forward, gradients backward, at every chunk boundary
+    // zbv: the V turns on pipeline rank pp − 1 (stages pp − 1 and pp), a hand-over, not a send.
+    const bool v = c.parallel.pipeline_schedule == "zbv";
+    const double turn = v && r.stage == l.pp - 1 ? 1 : 0;
+    const double sends_fwd = own_chunks - (part.last ? 1 : 0) - turn;
+    const double sends_bwd = own_chunks - (part.first ? 1 : 0) - turn;
+    g["pp"].p2p += mb * (sends_fwd + sends_bwd) * b.act_row;
+    g["pp"].ops += mb * (sends_fwd + sends_bwd);
+  }
+  // Under expert parallelism the experts' gradients go over their own data group (edp_cp).
+  const double experts = l.ep > 1 ? expert_params(b.m, part, l.ep) : 0.0;
+  if (b.data_ranks > 1)
+    add_data_traffic(g["dp_cp"], c, b, static_cast<double>(r.params) - experts,
+                     stage_blocks(b, l, part, false));
+  if (experts > 0 && b.data_ranks / l.ep > 1)
+    add_data_traffic(g["edp_cp"], c, b, experts, stage_blocks(b, l, part, true));
+  // zbv: one rank holds the first and the last stage, whose tied token table gets a gradient from
+  // each chunk's backward; ZeRO-2/3 reduce each as it comes (parallel/dp/grad_reducer.cpp): twice
+  // per micro-batch where the gradients are reduced per micro-batch.
+  if (b.data_ranks > 1 && b.zero >= 2 && !reduce_once(b) && l.pp > 1 && b.m.tied() && part.first &&
+      part.last)
+    g["dp_cp"].gather_scatter += mb * 4 * b.vocab_local * b.h, g["dp_cp"].ops += mb;
+  if (l.ep > 1 && r.layers > 0) {
+    // Each MoE layer's dispatch and combine forward and backward: all-to-alls of this rank's
+    // token choices (every choice counted, its own included: dropless), recomputation rerunning
+    // the forward's pair; and the forward's exchange of counts (int64 per expert).
+    const double moe = static_cast<double>(moe_layers_in(b.m, part));
+    const double reruns = c.training.recompute == "none" ? 0 : 1;
+    const double rows = b.tok / (b.sp ? b.tp : 1.0) * static_cast<double>(b.m.moe.top_k);
+    g["ep"].gather_scatter += mb * moe *
+                              ((4 + 2 * reruns) * rows * b.h * b.w +
+                               (1 + reruns) * 8 * static_cast<double>(b.m.moe.experts));
+    g["ep"].ops += mb * moe * 3 * (2 + reruns);
+  }
+  if (l.pp > 1 && b.m.tied() && part.first != part.last) {  // zbv: one rank holds both
+    // The token table's fp32 gradient (this tp rank's rows, the vocabulary padded to tp); under
+    // ZeRO the table is a bucket of its own, padded to kAlignElements per data rank and sharded
+    // over them, and each rank sums its whole piece.
+    const double table = b.vocab_local * b.h;
+    const double piece = static_cast<double>(optim::kAlignElements * b.data_ranks);
+    const double held =
+        b.zero > 0 ? std::ceil(table / piece) * piece / static_cast<double>(b.data_ranks) : table;
+    g["embedding"].all_reduce += 4 * held;
+    g["embedding"].ops += 1;
+  }
+  return g;
+}
+}  // namespace tessel::planning

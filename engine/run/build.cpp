@@ -1,0 +1,115 @@
+#include "engine/run/build.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "core/device/cuda.h"
+#include "core/kernels/attention_kernels.h"
+#include "core/observe/counters.h"
+#include "engine/io/safetensors.h"
+#include "engine/run/startup.h"
+#include "parallel/cp/attention.h"
+
+namespace tessel {
+
+torch::Device resolve_device(const std::string& device, const parallel::WorldInfo& w,
+                             std::string* why) {
+  if (device == "cpu") {  // LibTorch's CUDA half is never loaded
+    if (why) *why = "training.device cpu";
+    return torch::kCPU;
+  }
+  const bool cuda = device::cuda_available();
+  if (device == "cuda" && !cuda)
+    throw UserError("training.device is cuda but no CUDA device can be used: " +
+                    device::cuda_unavailable_reason());
+  if (!cuda) {
+    if (why) *why = "training.device auto, no CUDA device: " + device::cuda_unavailable_reason();
+    return torch::kCPU;
+  }
+  const auto choice =
+      parallel::choose_cuda_device(static_cast<int>(device::cuda_device_count()), w.local_rank,
+                                   w.local_world, std::getenv("CUDA_VISIBLE_DEVICES"));
+  if (why) *why = choice.why;
+  return {torch::kCUDA, static_cast<c10::DeviceIndex>(choice.index)};
+}
+
+torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device) {
+  return device.is_cuda() ? host.pin_memory().to(device, /*non_blocking=*/true) : host;
+}
+
+void load_weights_file(models::Decoder& model, const std::string& path) {
+  models::load_weights(model, read_safetensors(path).tensors, path);
+}
+
+models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
+                           parallel::Group* tp, const models::StagePart& stages,
+                           parallel::Group* cp, parallel::Group* ep) {
+  auto model =
+      models::build_model(model_shape(c.model), c.run.seed, tp, c.parallel.sequence_parallel,
+                          stages, cp, c.parallel.context_method, ep);
+  if (!c.model.init_from.empty()) load_weights_file(model, init_weights_file(c.model.init_from));
+  model->set_recompute(c.training.recompute);
+  model->set_kernels(c.training.kernels);
+  model->set_lean_logits(c.training.lean_logits, c.training.lean_logits_chunk);
+  model->to(device, dtype);
+  torch::NoGradGuard no_grad;
+  for (auto& p : model->named_parameters())  // state that is not trained stays fp32
+    if (!p.value().requires_grad()) p.value().set_data(p.value().to(torch::kFloat32));
+  return model;
+}
+
+void configure_device(const Config& c, const torch::Device& on) {
+  if (c.training.threads > 0) torch::set_num_threads(static_cast<int>(c.training.threads));
+  if (on.is_cuda()) device::set_tf32(c.training.tf32);
+  device::set_deterministic(c.training.deterministic);
+  if (c.training.deterministic)
+    spdlog::info(
+        "training.deterministic: PyTorch's deterministic algorithms (strict), cuDNN "
+        "deterministic, CUBLAS_WORKSPACE_CONFIG={}, cuDNN's attention last",
+        std::getenv("CUBLAS_WORKSPACE_CONFIG"));
+  if (!on.is_cuda()) CpuAllocationCounter::get();  // counts the state from its first byte
+}
+
+std::string attention_kernel(const Config& c, const torch::Device& device,
+                             torch::ScalarType dtype) {
+  const auto m = model_shape(c.model);
+  const auto& par = c.parallel;
+  const bool alltoall = par.cp > 1 && par.context_method == "alltoall";
+  if (par.cp > 1 && !alltoall) {  // allgather and ring run their own block kernels
+    return fmt::format("context parallel ({}): {} block kernels", par.context_method,
+                       device.is_cuda() ? "memory-efficient" : "flash (CPU)");
+  }
+  // alltoall: dense attention over the whole sequence for 1/cp of each tp rank's heads.
+  const int64_t per_tp = std::max<int64_t>(1, m.kv_heads / par.tp);
+  const int64_t carried = alltoall ? parallel::cp::alltoall_kv_heads(per_tp, par.cp) : per_tp;
+  const int64_t heads = m.heads / par.tp / (alltoall ? par.cp : 1);
+  const int64_t kv = carried / (alltoall ? par.cp : 1);
+  if (device.is_cuda()) kernels::pin_sdpa_order(dtype, c.training.deterministic);
+  const auto kernel =
+      kernels::planned_attention_kernel(heads, kv, c.training.seq_len, m.head_dim(), dtype, device,
+                                        !alltoall && c.training.kernels == "tessel");
+  auto line = fmt::format(
+      "{}{} ({} heads, {} key/value heads of {} per rank, {}){}",
+      alltoall ? "context parallel (alltoall): " : "",
+      kernel == "tessel" ? "Tessel's short-sequence CPU kernel" : "SDPA " + kernel + " kernel",
+      heads, kv, m.head_dim(), c.training.dtype,
+      carried > per_tp ? fmt::format("; {} key/value heads per tp rank repeated x{} to split "
+                                     "over cp {}",
+                                     per_tp, carried / per_tp, par.cp)
+                       : "");
+  if (device.is_cuda() && kernel == "math")
+    throw UserError(fmt::format(
+        "{}: attention would run SDPA's math kernel on CUDA, which holds a [{}, {}] score matrix "
+        "per head: {} heads of size {} ({} key/value heads per rank) in {} have no fused kernel "
+        "here (flash: bf16/fp16, head size a multiple of 8 up to 256; memory-efficient: any float "
+        "dtype, head size a multiple of 8)",
+        c.source, c.training.seq_len, c.training.seq_len, heads, m.head_dim(), kv,
+        c.training.dtype));
+  return line;
+}
+
+}  // namespace tessel

@@ -1,0 +1,45 @@
+// What a run builds before its first step, outside the Trainer: the device it computes on, the
+// model on that device, and which attention kernel the plan will run (tessel-train's run, score
+// and generate, and the tests, build through these).
+#pragma once
+
+#include <torch/types.h>
+
+#include <string>
+
+#include "core/plan/config.h"
+#include "engine/planner/model_plan.h"
+#include "models/registry.h"
+#include "parallel/mesh.h"
+
+namespace tessel {
+
+/// training.device resolved: auto -> cuda when available; the CUDA index by
+/// parallel::choose_cuda_device (`why`, when given, receives its reason). Throws UserError for
+/// cuda without one, or for too few devices for the processes on this node.
+torch::Device resolve_device(const std::string& device, const parallel::WorldInfo& w = {},
+                             std::string* why = nullptr);
+
+/// The process-wide settings of the plan's device: intra-op threads, TF32, deterministic kernels;
+/// on CPU the allocation counter, counting the state from its first byte.
+void configure_device(const Config& c, const torch::Device& device);
+
+/// Host rows (data, evaluation, scoring) onto the run's device: on CUDA through pinned memory and
+/// queued without waiting (the copy goes behind the work already queued); on CPU as they are.
+torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device);
+
+/// Builds the plan's model on `device` in `dtype`: seeded init, or model.init_from.
+/// `tp`: the tensor-parallel group (null: one process holds the whole model); `stages`: the
+/// pipeline stages this rank holds (default: all); `cp`: the context-parallel group.
+models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
+                           parallel::Group* tp = nullptr, const models::StagePart& stages = {},
+                           parallel::Group* cp = nullptr, parallel::Group* ep = nullptr);
+
+/// Loads a safetensors file of Tessel or Hugging Face names into `model` (models/registry.h).
+void load_weights_file(models::Decoder& model, const std::string& path);
+
+/// The attention kernel the plan runs on `device`, in words for the start-up log (on CUDA it also
+/// pins SDPA's kernel order). Throws UserError where it would be SDPA's math kernel on CUDA.
+std::string attention_kernel(const Config& c, const torch::Device& device, torch::ScalarType dtype);
+
+}  // namespace tessel

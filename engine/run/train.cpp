@@ -1,0 +1,389 @@
+#include "engine/run/train.h"
+
+#include <ATen/record_function.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "core/observe/profiler.h"
+#include "engine/checkpoint/checkpoint.h"
+#include "engine/io/safetensors.h"
+#include "engine/planner/planner.h"
+#include "engine/run/same_plan.h"
+#include "engine/run/step_counters.h"
+#include "engine/run/stop.h"
+#include "models/moe.h"
+#include "parallel/dp/grad_reducer.h"
+#include "parallel/dp/weight_gather.h"
+#include "parallel/dp/zero3.h"
+#include "parallel/pp/executor.h"
+
+namespace tessel {
+
+Trainer::Trainer(Start start, const parallel::WorldInfo& world)
+    : c_(std::move(start.config)),
+      peers_(std::move(start.peers)),
+      lock_(std::move(start.lock)),
+      device_(resolve_device(c_.training.device, world, &device_why_)),
+      dtype_(resolve_dtype(c_.training.dtype)) {
+  // start_run() checked the plan against this node and agreed with every rank.
+  configure_device(c_, device_);
+  attention_ = attention_kernel(c_, device_, dtype_);
+  mesh_ = parallel::Mesh::create(c_, world, device_, std::move(start.store));
+  weight_gather_wait_ = SpanTimer(time_on_device(device_, mesh_->dp_cp().backend_name()));
+  const auto& l = mesh_->layout();
+  c_.parallel.dp = l.dp;
+  check_same_plan(c_, *mesh_);
+  if (mesh_->rank() == 0) {
+    std::filesystem::create_directories(c_.run.output_dir);
+    write_file_atomic((std::filesystem::path(c_.run.output_dir) / "config.yaml").string(),
+                      dump_config(c_));
+  } else {
+    spdlog::set_level(spdlog::level::warn);  // rank 0 reports for everyone
+  }
+  data_ = std::make_unique<data::Dataset>(c_);
+  model_ = make_model(c_, device_, dtype_, &mesh_->group(parallel::GroupKind::kTp),
+                      stage_part(c_, l.pp, mesh_->coord().pp),
+                      &mesh_->group(parallel::GroupKind::kCp), &mesh_->ep());
+  setup_state();
+  const auto& t = c_.training;
+  const bool sp = c_.parallel.sequence_parallel && l.tp > 1;
+  // One micro-batch between stages: this cp rank's tokens (SP: its tp share of them).
+  activation_shape_ = {t.micro_batch, t.seq_len / l.cp / (sp ? l.tp : 1), c_.model.hidden};
+  executor_ = make_executor(parallel::pp::make_schedule(c_.parallel.pipeline_schedule, l.pp,
+                                                        t.global_batch / (l.dp * t.micro_batch),
+                                                        c_.parallel.virtual_stages));
+  if (pairs_microbatches(c_, mesh_->world(), device_.is_cuda(), at::get_num_threads())) {
+    std::vector<torch::Tensor> weights;
+    for (const auto& p : models::named_params(model_)) weights.push_back(p.tensor);
+    executor_->pair_microbatches(std::move(weights));
+  }
+  if (mesh_->rank() == 0) metrics_ = std::make_unique<MetricsLog>(c_, first_step_ - 1);
+  log_layout(world);
+  measure_flops();
+  log_state();
+  stop_ = std::make_unique<StopOnSignal>(c_.checkpoint.on_signal, device_);
+  counters_ = std::make_unique<StepCounters>(*mesh_, device_);
+  if (const auto [a, b] = profile_steps(c_, first_step_); b >= a)
+    profiler_ = std::make_unique<StepProfiler>(
+        a, b, (std::filesystem::path(c_.run.output_dir) / "profile").string(), mesh_->rank(),
+        device_.is_cuda());
+  setup_rss_ = peak_rss_bytes();  // before any step: what the steps add is activations
+}
+
+std::unique_ptr<parallel::pp::Executor> Trainer::make_executor(parallel::pp::Schedule s) const {
+  return std::make_unique<parallel::pp::Executor>(
+      mesh_->group(parallel::GroupKind::kPp), std::move(s), activation_shape_,
+      torch::TensorOptions().dtype(dtype_).device(device_));
+}
+
+void Trainer::setup_state() {
+  // ZeRO shards over the data group (dp×cp); a tied table under pp gets a bucket of its own, so
+  // the first and last stage hold the same piece of it and can sum its gradient.
+  const auto& l = mesh_->layout();
+  auto& data_group = mesh_->dp_cp();
+  auto& experts = mesh_->expert_data();  // MoE experts' data group (data_group when ep is 1)
+  const int64_t zero = c_.parallel.zero;
+  auto params = models::named_params(model_);
+  // Under expert parallelism data ranks hold different experts, so every rank adds its squares to
+  // the gradient norm: a tensor held by r data ranks counts 1/r on each.
+  if (l.ep > 1 && zero == 0)
+    for (auto& p : params) p.replicas *= (p.expert ? mesh_->expert_data() : data_group).size();
+  opt_ = std::make_unique<FlatAdamW>(
+      params, c_.training,
+      layout_of(params, {std::max<int64_t>(
+                             1, static_cast<int64_t>(c_.parallel.ddp_bucket_mb * (1 << 20) / 4)),
+                         zero > 0 ? data_group.size() : 1, zero > 0 ? data_group.rank() : 0, zero,
+                         zero > 0 && l.pp > 1 && c_.model.tied(), zero > 0 ? experts.size() : 1,
+                         zero > 0 ? experts.rank() : 0}));
+  scaler_ = std::make_unique<LossScaler>(c_.training, device_);
+  if (auto dir = checkpoint_to_resume(c_); !dir.empty()) {
+    auto st = load_checkpoint(dir, model_, *opt_, scaler_.get());
+    first_step_ = st.step + 1;
+    consumed_ = st.consumed_samples;
+    resumed_from_ = dir;
+    spdlog::info("resumed from {} (step {}, {} samples consumed)", dir, st.step,
+                 st.consumed_samples);
+  }
+  const bool table_copies = parallel::table_on_two_stages(c_, l);
+  for (const auto& s : opt_->layout().slots()) {
+    // Under ZeRO the table is a bucket of its own: each rank sums its whole (aligned) piece.
+    auto views = s.name == "embed.weight" && table_copies && zero > 0
+                     ? std::vector<torch::Tensor>{opt_->grad_bucket_piece(s)}
+                     : opt_->grad_views(s);
+    auto& into = s.name == "embed.weight" ? embedding_grads_ : tp_summed_grads_;
+    if ((s.name == "embed.weight" && table_copies) ||
+        (l.tp > 1 && model_->specs().at(s.name).tp_grad_sum))
+      into.insert(into.end(), views.begin(), views.end());
+  }
+  const bool keep = c_.parallel.zero3_keep_gathered;
+  reducer_ = std::make_unique<parallel::dp::GradReducer>(*mesh_, params, *opt_, keep);
+  if (zero == 3) {
+    gatherer_ = std::make_unique<parallel::dp::UnitGatherer>(data_group.side(), experts.side(),
+                                                             *opt_, keep);
+    model_->set_hooks(gatherer_.get());
+    reducer_->on_bucket_done = [g = gatherer_.get()](size_t b) { g->bucket_done(b); };
+  }
+  if (zero == 1 || zero == 2) {
+    weights_ = std::make_unique<parallel::dp::WeightGather>(data_group, experts, *opt_,
+                                                            weight_gather_wait_);
+    model_->set_hooks(weights_.get());
+  }
+}
+
+void Trainer::stage_inputs(int64_t step) {
+  const auto& t = c_.training;
+  // This data rank's rows of the global batch (the next B positions of the global order).
+  const int64_t rows = t.global_batch / mesh_->layout().dp;
+  auto batch = to_device(data_->train_batch(consumed_ + mesh_->coord().dp * rows, rows), device_);
+  consumed_ += t.global_batch;
+  if (!in_.lr.defined()) {  // a host double, but a float32 device scalar for a captured step
+    in_.lr = graph_ ? torch::zeros({}, torch::dtype(torch::kFloat32).device(device_))
+                    : torch::zeros({}, torch::dtype(torch::kFloat64));
+    in_.step = torch::zeros({}, torch::dtype(torch::kInt64).device(device_));
+    in_.vote = torch::zeros({}, torch::dtype(torch::kFloat32).device(device_));
+  }
+  // A captured step reads fixed buffers: copy into them. Eager steps take the batch as it is.
+  if (graph_ && in_.batch.defined())
+    in_.batch.copy_(batch);
+  else
+    in_.batch = graph_ ? batch.clone() : batch;
+  in_.lr.fill_(lr_at(t, step));
+  in_.step.fill_(step);
+  in_.vote.copy_(stop_->vote());
+}
+
+Trainer::StepOut Trainer::train_step(int64_t step) {
+  stage_inputs(step);
+  // The injected overflow (a test hook) changes what the step computes: never captured.
+  const bool overflow = step == c_.training.loss_scale.inject_overflow_step;
+  if (!graph_) {
+    auto out = device_step(overflow);
+    in_.batch = torch::Tensor();  // not held into the next step's figures
+    return out;
+  }
+  StepOut out;
+  const auto ran = graph_->run(
+      overflow, [&] { out = device_step(overflow); }, [&] { reducer_->abandon_step(); });
+  if (ran == StepGraph::Ran::kCaptured) graph_out_ = out;
+  replayed_ = ran == StepGraph::Ran::kReplayed;
+  if (graph_->failed() && !graph_failure_logged_) {
+    graph_failure_logged_ = true;
+    spdlog::warn("training.cuda_graph: capturing step {} failed; every step runs eagerly: {}", step,
+                 graph_->failure());
+  } else if (ran == StepGraph::Ran::kCaptured) {
+    spdlog::info("training.cuda_graph: step {} captured; later steps replay it", step);
+  }
+  return ran == StepGraph::Ran::kEager ? out : graph_out_;
+}
+
+Trainer::StepOut Trainer::device_step(bool overflow) {
+  const auto& t = c_.training;
+  const auto& l = mesh_->layout();
+  // ZeRO-1/2: the whole weights come back from the last update's pieces, waited for unit by unit
+  // by this step's forward; started here so that a step holds its own gathers.
+  if (weights_) weights_->start_all();
+  const auto& batch = in_.batch;
+  // The loss rule: sum of token losses over the global batch / its number of target tokens.
+  const double scale = 1.0 / static_cast<double>(t.global_batch * t.seq_len);
+  // Each micro-batch's loss, added in micro-batch order after the step (paired micro-batches
+  // finish in either order).
+  std::vector<torch::Tensor> losses(static_cast<size_t>(executor_->schedule().microbatches));
+  begin_moe_step(scale);
+  // The schedule decides the order of forwards and backwards (one stage: F0 B0 F1 B1 ...).
+  parallel::pp::StageFns fns{
+      [&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
+        auto out =
+            model_->stage_forward(chunk, input, batch.narrow(0, mb * t.micro_batch, t.micro_batch));
+        if (!model_->is_last_stage(chunk)) return out;
+        out = out * scale;
+        losses[static_cast<size_t>(mb)] = out.detach();
+        if (scaler_->dynamic()) out = out * scaler_->scale();  // fp16: scaled into range
+        return overflow ? out * 1e30 : out;
+      },
+      [&](int64_t chunk, bool final) { reducer_->begin_backward(chunk, final); },
+      [&](int64_t chunk, bool final) { reducer_->end_backward(chunk, final); }};
+  parallel::pp::StepStats stats;
+  {
+    RECORD_USER_SCOPE("tessel::forward_backward");
+    stats = executor_->run(fns);
+  }
+  RECORD_USER_SCOPE("tessel::grad_sync_and_optimizer");
+  auto loss = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
+  for (const auto& l_mb : losses)
+    if (l_mb.defined()) loss += l_mb;
+  reducer_->finish();
+  pp_peak_activations_ = std::max(pp_peak_activations_, stats.peak_activations);
+  sync_replicated_grads();
+  // The norm sums over every rank: with ZeRO each data rank holds other pieces of the gradient;
+  // without, data ranks hold equal gradients and only data rank 0 adds its squares. Every rank
+  // joins this all-reduce on every step, so it also carries the stop-on-signal votes.
+  const bool adds_squares = c_.parallel.zero > 0 || l.ep > 1 || mesh_->dp_cp().rank() == 0;
+  torch::Tensor votes;
+  auto norm = opt_->clip_grad_norm(
+      t.grad_clip,
+      [&](torch::Tensor& sq) {
+        auto both = torch::stack(
+            {adds_squares ? sq : torch::zeros_like(sq), in_.vote.to(sq.scalar_type())});
+        mesh_->world_group().all_reduce(both).wait();
+        sq = both[0];
+        votes = both[1];
+      },
+      scaler_->unscale());
+  if (weights_) weights_->wait_all();  // every unit's gather has landed (the forward's waits)
+  opt_->step(in_.lr, scaler_->update(norm, in_.step));  // a non-finite step is skipped
+  if (weights_) weights_->updated();
+  if (gatherer_) gatherer_->release_all();
+  update_balance_bias();  // MoE: after the update, from the step's choices
+  return {loss, norm, votes};
+}
+
+double Trainer::evaluate() {
+  torch::NoGradGuard no_grad;
+  if (weights_) weights_->wait_all();
+  const auto& t = c_.training;
+  const auto& l = mesh_->layout();
+  auto total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  const int64_t rows = t.eval_batches * t.global_batch, mine = rows / l.dp;
+  if (gatherer_) carried_exposed_ms_ += gatherer_->take_wait_ms();  // the steps' so far
+  auto last = std::chrono::steady_clock::now();
+  parallel::pp::StageFns fns{[&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
+    const int64_t first = mb * t.micro_batch;
+    torch::Tensor rows_mb;  // read only by the stages that embed tokens or score targets
+    if (model_->needs_rows(chunk))
+      rows_mb =
+          to_device(data_->val_batch(mesh_->coord().dp * mine + first, t.micro_batch), device_);
+    auto out = model_->stage_forward(chunk, input, rows_mb);
+    if (model_->is_last_stage(chunk)) total += out.to(torch::kFloat64);
+    if (chunk == 0 && std::chrono::steady_clock::now() - last > std::chrono::seconds(2)) {
+      last = std::chrono::steady_clock::now();
+      spdlog::info("eval: {}/{} sequences", (first + t.micro_batch) * l.dp, rows);
+    }
+    return out;
+  }};
+  make_executor(parallel::pp::forward_only(l.pp, mine / t.micro_batch,
+                                           executor_->schedule().virtual_stages,
+                                           executor_->schedule().v_shape))
+      ->run(fns);
+  if (gatherer_) gatherer_->take_wait_ms();  // evaluation's gathers are not a step's
+  mesh_->group(parallel::GroupKind::kPp).all_reduce(total).wait();  // the last stage's sum
+  mesh_->dp_cp().all_reduce(total).wait();
+  return total.item<double>() / static_cast<double>(rows * t.seq_len);
+}
+
+void Trainer::update_balance_bias() {
+  auto* st = model_->moe_state();
+  if (!st) return;
+  st->loss_factor.reset();  // the step's backward is done: nothing more is a training forward
+  if (c_.model.moe.bias_update_rate == 0) return;
+  // Every layer's choices over the global batch (a layer's on its own stage, zeros elsewhere):
+  // every rank holding a layer moves its bias alike.
+  auto counts = st->counts.clone();
+  mesh_->world_group().all_reduce(counts).wait();
+  model_->update_moe_bias(counts);
+}
+
+void Trainer::begin_moe_step(double scale) {
+  auto* moe = model_->moe_state();
+  if (!moe) return;
+  // The balance loss's gradient scale (the loss sum's factor, fp16's scale included), and fresh
+  // figures for the step.
+  model_->reset_moe_stats();
+  moe->seq_len = c_.training.seq_len;
+  moe->loss_factor =
+      torch::full({}, scale, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
+  if (scaler_->dynamic()) moe->loss_factor = moe->loss_factor * scaler_->scale();
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::sync_replicated_grads() {
+  // Replicated parameters whose tp ranks each hold part of the gradient (sequence-parallel
+  // norms and biases, key/value projections shared by query heads on several ranks): sum them.
+  // One all-reduce for all of them (not one per parameter).
+  mesh_->group(parallel::GroupKind::kTp).all_reduce_coalesced(tp_summed_grads_, sum_staging_);
+  // A tied token table lives on the first stage (embedding) and the last (head): each holds part
+  // of its gradient; the sum keeps the two copies equal (Megatron's embedding group).
+  mesh_->group(parallel::GroupKind::kEmbedding)
+      .all_reduce_coalesced(embedding_grads_, sum_staging_);
+}
+
+void Trainer::check_finite() const {
+  if (const int64_t bad = scaler_->first_non_finite_step())
+    throw UserError(fmt::format(
+        "step {}: the loss or the gradient norm is not finite (training.dtype {}); that step's "
+        "update was skipped and training stops here, saving nothing from step {} on. Lower "
+        "training.optimizer.lr, set training.grad_clip, or check the data; the last checkpoint "
+        "in {} resumes the run",
+        bad, c_.training.dtype, bad, c_.checkpoint_dir()));
+}
+
+int Trainer::train() {
+  const auto& t = c_.training;
+  start_time_ = last_log_time_ = std::chrono::steady_clock::now();
+  last_log_step_ = first_step_ - 1;
+  if (first_step_ > t.steps)
+    spdlog::info("nothing to do: the checkpoint is at step {} of {}", first_step_ - 1, t.steps);
+  if (t.cuda_graph)  // after the warm-up steps, one captured step replayed
+                     // (engine/run/step_graph.h)
+    graph_ = std::make_unique<StepGraph>(make_cuda_graph_backend(), kGraphWarmupSteps);
+  for (int64_t step = first_step_; step <= t.steps; ++step) {
+    if (peers_) peers_->set_step(step);
+    counters_->begin_step();
+    if (profiler_) profiler_->before_step(step);
+    StepOut out = train_step(step);
+    if (profiler_)
+      if (auto table = profiler_->after_step(step); !table.empty()) spdlog::info("{}", table);
+    counters_->end_step(/*host_ran=*/!replayed_);      // a replay's collectives go uncounted
+    if (step == first_step_) executor_->take_times();  // the warm-up step is not timed
+    const bool last = step == t.steps, stop = stop_->stop_after(out.stop_votes);  // every rank's
+    if (step % c_.logging.every == 0 || last || stop) log_step(step, out);
+    if (t.eval_every > 0 && (step % t.eval_every == 0 || last)) {
+      auto t0 = std::chrono::steady_clock::now();
+      double val = evaluate();
+      if (metrics_)
+        metrics_->eval(
+            step, val,
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count(),
+            consumed_ * t.seq_len);
+      last_log_time_ += std::chrono::steady_clock::now() - t0;  // keep evaluation out of ms/step
+    }
+    if ((c_.checkpoint.every > 0 && step % c_.checkpoint.every == 0) || last || stop) {
+      auto t0 = std::chrono::steady_clock::now();
+      check_finite();  // a non-finite step is never saved
+      if (weights_) weights_->wait_all();
+      auto dir = save_checkpoint(c_, *mesh_, model_, *opt_, *scaler_, {step, consumed_});
+      spdlog::info("checkpoint {}", dir);
+      last_log_time_ += std::chrono::steady_clock::now() - t0;
+    }
+    if (stop && !last) {
+      spdlog::warn(
+          "stopped after step {} on a signal, its checkpoint saved; exit {}: run the same "
+          "command again to resume",
+          step, kExitStopped);
+      shut_down();
+      return kExitStopped;
+    }
+  }
+  graph_.reset();  // back on the stream of before, the graph's memory freed
+  report_end();
+  // The last checkpoint is complete on every rank (its save ends with a world barrier).
+  shut_down();  // before rank 0's export: the others need not wait for it
+  if (!c_.checkpoint.export_hf.empty() && mesh_->rank() == 0)
+    export_hf(c_.checkpoint_dir(), c_.checkpoint.export_hf, "", "checkpoint.export_hf");
+  return 0;
+}
+
+void Trainer::shut_down() {
+  graph_.reset();
+  if (weights_) weights_->wait_all();
+  const int64_t n = mesh_->shutdown();
+  if (mesh_->world() > 1)
+    spdlog::info("every rank reached the end; {} communicators of this rank shut down", n);
+}
+
+}  // namespace tessel

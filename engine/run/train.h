@@ -1,0 +1,139 @@
+// The training run: components are built once (device, model, optimizer, data, metrics,
+// checkpoints); train() loops over steps; train_step() runs the micro-batches of one global batch.
+#pragma once
+
+#include <torch/types.h>
+
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/observe/metrics.h"
+#include "core/observe/timing.h"
+#include "core/optim/loss_scale.h"
+#include "core/optim/optim.h"
+#include "core/plan/config.h"
+#include "engine/data/data.h"
+#include "engine/planner/figures.h"
+#include "engine/planner/model_plan.h"
+#include "engine/run/build.h"
+#include "engine/run/startup.h"
+#include "engine/run/step_graph.h"
+#include "engine/run/stop.h"
+#include "models/registry.h"
+#include "parallel/mesh.h"
+
+namespace tessel::parallel::dp {
+class GradReducer;
+class UnitGatherer;
+class WeightGather;
+}  // namespace tessel::parallel::dp
+namespace tessel::parallel::pp {
+class Executor;
+struct StepStats;
+struct Schedule;
+}  // namespace tessel::parallel::pp
+
+namespace tessel {
+class StepCounters;
+class StepProfiler;
+
+class Trainer {
+ public:
+  /// Builds the mesh over the started run's store, then the model, optimizer and data.
+  Trainer(Start start, const parallel::WorldInfo& world);
+  ~Trainer();
+  /// Trains to training.steps (0), or until a signal of checkpoint.on_signal: then every rank
+  /// saves after the same step and it returns kExitStopped.
+  int train();
+
+ private:
+  struct StepOut {
+    torch::Tensor loss, grad_norm;  // device scalars: read only when logging
+    torch::Tensor stop_votes;       // ranks that had seen a stop signal (engine/run/stop.h)
+  };
+  /// Communication the steps since the last call did not hide, ms (reads device timers).
+  double take_exposed_comm_ms();
+  /// The flat layout, optimizer, loss scaler, gradient reduction and ZeRO-3 gathering of this
+  /// rank; resumes their state (and the model's) from a checkpoint when the plan says so.
+  void setup_state();
+  void log_state() const;  // the start lines about parameters and state bytes
+  StepOut train_step(int64_t step);
+  /// The step's inputs into in_ (host work: the batch, and the rate, step number and stop vote
+  /// as device scalars) before device_step runs or a captured step replays.
+  void stage_inputs(int64_t step);
+  /// Everything a step queues on the device, reading its inputs from in_ only and never waiting
+  /// on the host: what training.cuda_graph captures (engine/run/step_graph.h).
+  StepOut device_step(bool overflow);
+  double evaluate();
+  void sync_replicated_grads();
+  void check_finite() const;  // host sync: throws UserError naming the first non-finite step
+  void log_step(int64_t step, StepOut& out);
+  MoeFigures moe_figures();           // the logged step's, over every rank (a world all-reduce)
+  void begin_moe_step(double scale);  // MoE: the balance loss's scale, figures reset
+  void update_balance_bias();         // MoE: model.moe.bias_update_rate, after the update
+  std::unique_ptr<parallel::pp::Executor> make_executor(parallel::pp::Schedule s) const;
+  void log_layout(const parallel::WorldInfo& world) const;  // the start lines about the layout
+  void measure_flops();  // FLOPs per token (over every stage) and the device peak
+  /// Every rank's `mine` gathered to rank 0: [world, n] on the CPU there, undefined elsewhere.
+  torch::Tensor gather_figures(const std::vector<double>& mine) const;
+  void write_report(const std::string& file, const nlohmann::json& report) const;  // output_dir
+  void report_pipeline();
+  void report_memory();
+  void shut_down();   // the end every rank reaches together: parallel::Mesh::shutdown
+  void report_end();  // the figures printed and written when the run is done
+
+  Config c_;
+  std::shared_ptr<Peers> peers_;  // several ranks: heartbeat and failures (startup.h)
+  RunLock lock_;                  // rank 0: the run folder is ours
+  std::unique_ptr<parallel::Mesh> mesh_;
+  std::string device_why_;  // why this device (the start-up log); before device_, which sets it
+  std::string attention_;   // the attention kernel, for the start-up log
+  torch::Device device_;
+  torch::ScalarType dtype_;
+  models::Decoder model_{nullptr};
+  std::unique_ptr<FlatAdamW> opt_;
+  std::unique_ptr<parallel::dp::GradReducer> reducer_;
+  std::unique_ptr<parallel::dp::UnitGatherer> gatherer_;  // ZeRO-3
+  std::unique_ptr<parallel::dp::WeightGather> weights_;   // ZeRO-1/2
+  std::unique_ptr<LossScaler> scaler_;
+  std::unique_ptr<StopOnSignal> stop_;
+  std::unique_ptr<StepCounters> counters_;
+  std::unique_ptr<StepProfiler> profiler_;  // logging.profile: null when unset  // per-step comm
+                                            // bytes and memory (the planner's)
+  // Views of the reduced gradient this rank holds (its ZeRO pieces): parameters whose gradient
+  // is summed over tp, and a tied token table on the first or last stage (summed over both).
+  std::vector<torch::Tensor> tp_summed_grads_, embedding_grads_;
+  torch::Tensor sum_staging_;  // their packed buffer for one all-reduce
+  std::unique_ptr<parallel::pp::Executor> executor_;
+  std::vector<int64_t> activation_shape_;  // one micro-batch's activation between stages
+  // Pipeline figures summed over the steps after the first (which warms up): step, compute, wait.
+  double pp_step_ms_ = 0, pp_compute_ms_ = 0, pp_wait_ms_ = 0;
+  int64_t pp_steps_ = 0, pp_peak_activations_ = 0;
+  // A step's inputs: the rows of this data rank [rows, seq + 1], the learning rate, the step
+  // number and this rank's stop vote (scalars on the device; the rate float64 on the CPU).
+  struct StepInputs {
+    torch::Tensor batch, lr, step, vote;
+  } in_;
+  std::unique_ptr<StepGraph> graph_;  // training.cuda_graph; null otherwise
+  StepOut graph_out_;                 // the captured step's outputs, rewritten by each replay
+  bool graph_failure_logged_ = false;
+  bool replayed_ = false;  // the last step was a replay: its host code did not run
+  std::unique_ptr<data::Dataset> data_;
+  std::unique_ptr<MetricsLog> metrics_;
+  double flops_per_token_ = 0;
+  Peak peak_;
+  // Timing between logged steps: the loss read at a log step is the only host sync.
+  std::chrono::steady_clock::time_point last_log_time_, start_time_;
+  int64_t last_log_step_ = 0;
+  SpanTimer weight_gather_wait_{false};  // ZeRO 1-2: the all-gather after the step
+                                         // (device-timed under NCCL: set with the mesh)
+  double carried_exposed_ms_ = 0;        // taken early (before an evaluation), not yet logged
+  int64_t first_step_ = 1;               // > 1 when resumed
+  std::string resumed_from_;             // the checkpoint folder, when resumed
+  int64_t consumed_ = 0;                 // the data position: global samples consumed so far
+  int64_t setup_rss_ = 0;                // peak resident set before the first step
+};
+
+}  // namespace tessel
