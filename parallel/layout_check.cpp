@@ -122,17 +122,18 @@ void check_stage_layers(const Config& c, Problems& problems) {
 void check_schedule(const Config& c, const Layout& l, Problems& problems) {
   const auto& p = c.parallel;
   const auto& t = c.training;
-  const bool chunked = p.pipeline_schedule == "interleaved" || p.pipeline_schedule == "zbv";
+  const bool chunked = p.pipeline_schedule == PipelineSchedule::kInterleaved ||
+                       p.pipeline_schedule == PipelineSchedule::kZbv;
   problems.require(p.virtual_stages == 1 || (chunked && p.pp > 1),
                    fmt::format("parallel.pipeline.virtual_stages ({}) > 1 needs schedule "
                                "interleaved or zbv and parallel.pp > 1 (schedule {}, pp {})",
-                               p.virtual_stages, p.pipeline_schedule, p.pp));
+                               p.virtual_stages, p.pipeline_schedule.name(), p.pp));
   problems.require(!chunked || p.pp > 1,
                    fmt::format("parallel.pipeline.schedule {} needs parallel.pp > 1 (pp is 1)",
-                               p.pipeline_schedule));
+                               p.pipeline_schedule.name()));
   if (p.pp > 1) {  // the schedule's own needs (m >= p; interleaved: m % p == 0, v >= 2)
     try {
-      pp::make_schedule(p.pipeline_schedule, p.pp,
+      pp::make_schedule(p.pipeline_schedule.name(), p.pp,
                         t.global_batch / std::max<int64_t>(1, l.dp * t.micro_batch),
                         p.virtual_stages);
     } catch (const UserError& e) {
@@ -146,8 +147,8 @@ void check_schedule(const Config& c, const Layout& l, Problems& problems) {
 void check_context_heads(const Config& c, Problems& problems) {
   const auto& p = c.parallel;
   const int64_t heads = c.model.heads / std::max<int64_t>(1, p.tp);
-  const bool hybrid = p.context_method == "hybrid";
-  if (p.cp == 1 || (p.context_method != "alltoall" && !hybrid)) return;
+  const bool hybrid = p.context_method == CpMethod::kHybrid;
+  if (p.cp == 1 || (p.context_method != CpMethod::kAllToAll && !hybrid)) return;
   const int64_t a = hybrid ? p.context_alltoall_size : p.cp;
   if (hybrid && p.cp % a != 0) {
     problems.add(
@@ -164,7 +165,7 @@ void check_context_heads(const Config& c, Problems& problems) {
       "parallel.context.method {} splits each tp rank's query heads over {}: model.heads ({}) / "
       "parallel.tp ({}) = {} heads are not divisible by {} ({}); {}or use "
       "parallel.context.method ring or allgather",
-      p.context_method, key, c.model.heads, p.tp, heads, key, a,
+      p.context_method.name(), key, c.model.heads, p.tp, heads, key, a,
       fit.empty() ? "" : fmt::format("{} {} would divide them, ", key, fmt::join(fit, ", "))));
 }
 

@@ -335,7 +335,7 @@ void log_communicators(const Mesh& mesh) {
 }  // namespace
 
 bool table_on_two_stages(const Config& c, const Layout& l) {
-  return l.pp > 1 && c.model.tied() && c.parallel.pipeline_schedule != "zbv";
+  return l.pp > 1 && c.model.tied() && c.parallel.pipeline_schedule != PipelineSchedule::kZbv;
 }
 
 bool group_used(GroupKind k, const Config& c, const Layout& l) {
@@ -383,7 +383,7 @@ std::unique_ptr<Mesh> Mesh::build(const Config& c, const WorldInfo& w, const tor
   auto& pp = *mesh->groups_[static_cast<size_t>(GroupKind::kPp)];
   if (pp.size() > 1) add_pipeline_channels(make, pp);
   auto& cp = *mesh->groups_[static_cast<size_t>(GroupKind::kCp)];
-  if (cp.size() > 1 && c.parallel.context_method == "hybrid")
+  if (cp.size() > 1 && c.parallel.context_method == CpMethod::kHybrid)
     add_context_split(make, cp, c.parallel.context_alltoall_size);
   mesh->communicators_ = make.listed();
   if (connect) log_communicators(*mesh);

@@ -50,6 +50,14 @@ std::vector<std::string> all_keys() {
   return keys;
 }
 
+// Why `n` is not one of `c`'s names: the same words as a string field's choices.
+std::string not_a_choice(const ChoiceBase& c, const YAML::Node& n) {
+  std::string all;
+  for (const auto& ch : c.names()) all += (all.empty() ? "" : "|") + ch;
+  return "must be one of " + all + ", got '" +
+         (n.IsScalar() ? n.Scalar() : std::string(n.IsMap() ? "a mapping" : "a list")) + "'";
+}
+
 // Parses one YAML node into a field, or returns what was expected.
 std::string assign(Field& f, const YAML::Node& n) {
   auto scalar = [&](auto& out, const char* what) -> std::string {
@@ -78,6 +86,8 @@ std::string assign(Field& f, const YAML::Node& n) {
           if (!n.IsScalar()) return "expected a string";
           *p = n.Scalar();
           return "";
+        } else if constexpr (std::is_same_v<T, ChoiceBase>) {
+          return n.IsScalar() && p->set_name(n.Scalar()) ? "" : not_a_choice(*p, n);
         } else {
           using E = typename T::value_type;
           const char* what = std::is_same_v<E, double> ? "a list of numbers" : "a list of strings";
@@ -104,6 +114,19 @@ std::string assign(Field& f, const YAML::Node& n) {
           *p = out;
           return "";
         }
+      },
+      f.ref);
+}
+
+// The field's declared default.
+void set_default(Field& f) {
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, ChoiceBase>)
+          p->set_name(std::get<std::string>(f.def));
+        else
+          *p = std::get<T>(f.def);
       },
       f.ref);
 }
@@ -147,7 +170,7 @@ class Loader {
   explicit Loader(std::string source) : fields_(bind_fields(c_)) {
     c_.source = std::move(source);
     for (auto& f : fields_) {
-      std::visit([&](auto* p) { *p = std::get<std::remove_pointer_t<decltype(p)>>(f.def); }, f.ref);
+      set_default(f);
       by_key_[f.key] = &f;
     }
   }
@@ -203,11 +226,11 @@ class Loader {
         // The plan gave the other name of this setting already: read it before set() copies.
         const auto* other = alias_of(key);
         const bool both = other && lines_.count(other);
-        const std::string earlier = both ? *std::get<std::string*>(by_key_.at(other)->ref) : "";
+        const std::string earlier = both ? by_key_.at(other)->value_text() : "";
         set(*it->second, kv.second, c_.source + ":" + std::to_string(line));
-        if (both && *std::get<std::string*>(it->second->ref) != earlier)
-          fail(line, key + " (" + *std::get<std::string*>(it->second->ref) + ") and " + other +
-                         " (" + earlier + ", line " + std::to_string(lines_.at(other)) +
+        if (both && it->second->value_text() != earlier)
+          fail(line, key + " (" + it->second->value_text() + ") and " + other + " (" + earlier +
+                         ", line " + std::to_string(lines_.at(other)) +
                          ") name the same setting and disagree");
         lines_[key] = line;
       } else if (is_section(key)) {
@@ -233,7 +256,8 @@ class Loader {
     if (err.empty()) err = check_field(f);
     if (!err.empty()) throw UserError(where + ": " + f.key + ": " + err);
     if (const auto* other = alias_of(f.key))
-      *std::get<std::string*>(by_key_.at(other)->ref) = *std::get<std::string*>(f.ref);
+      std::get<ChoiceBase*>(by_key_.at(other)->ref)
+          ->set_index(std::get<ChoiceBase*>(f.ref)->index());
   }
 
   Config c_;
@@ -265,6 +289,19 @@ Config load(const std::string& source, const std::function<YAML::Node()>& parse,
 
 }  // namespace
 
+const std::vector<std::string>& choice_names(PipelineSchedule) {
+  static const std::vector<std::string> n{"gpipe", "1f1b", "interleaved", "zb-h1", "zbv"};
+  return n;
+}
+const std::vector<std::string>& choice_names(CpMethod) {
+  static const std::vector<std::string> n{"allgather", "ring", "alltoall", "hybrid"};
+  return n;
+}
+const std::vector<std::string>& choice_names(Recompute) {
+  static const std::vector<std::string> n{"none", "selective", "full"};
+  return n;
+}
+
 std::string fmt_double(double v) {
   // The shortest of %.15g..%.17g that reads back to the same double: 0.9, not 0.90000000000000002.
   char buf[32];
@@ -291,7 +328,7 @@ std::string Field::type_name() const {
         if constexpr (std::is_same_v<T, int64_t>) return auto_zero ? "int|auto" : "int";
         if constexpr (std::is_same_v<T, double>) return "float";
         if constexpr (std::is_same_v<T, bool>) return "bool";
-        if constexpr (std::is_same_v<T, std::string>) {
+        if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, ChoiceBase>) {
           std::string all;
           for (const auto& ch : choices) all += (all.empty() ? "" : "|") + ch;
           return choices.empty() ? "string" : all;
@@ -314,6 +351,8 @@ std::string Field::value_text() const {
           return *p ? "true" : "false";
         } else if constexpr (std::is_same_v<T, std::string>) {
           return quote_if_needed(*p);
+        } else if constexpr (std::is_same_v<T, ChoiceBase>) {
+          return quote_if_needed(p->name());
         } else if constexpr (std::is_same_v<T, std::vector<double>>) {
           std::string s;
           for (double v : *p) s += (s.empty() ? "" : ", ") + fmt_double(v);
@@ -395,8 +434,7 @@ std::string dump_config(const Config& c_in) {
 std::string config_reference() {
   Config c;
   auto fields = bind_fields(c);
-  for (auto& f : fields)
-    std::visit([&](auto* p) { *p = std::get<std::remove_pointer_t<decltype(p)>>(f.def); }, f.ref);
+  for (auto& f : fields) set_default(f);
   std::ostringstream out;
   out << "# Configuration reference\n\n"
       << "Generated by `tessel-train --help-config` from the field declarations in\n"
@@ -440,7 +478,7 @@ bool pairs_microbatches(const Config& c, int64_t world, bool cuda, int64_t threa
   // Recomputation's rerun backpropagates into the weights' .grad itself (models/recompute.cpp),
   // which the second lane must not touch; MoE's balance state and ZeRO's hooks are per step.
   return t.microbatch_pairs && !cuda && world == 1 && c.parallel.zero == 0 &&
-         c.model.moe.experts == 0 && t.recompute == "none" && t.micro_batch > 0 &&
+         c.model.moe.experts == 0 && t.recompute == Recompute::kNone && t.micro_batch > 0 &&
          t.global_batch / t.micro_batch >= 2 && threads >= 2;
 }
 

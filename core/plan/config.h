@@ -12,9 +12,30 @@
 #include <variant>
 #include <vector>
 
+#include "core/plan/choice.h"
 #include "core/plan/user_error.h"
 
 namespace tessel {
+
+// The enumerated plan keys (core/plan/choice.h); each enum's names, in its order, are declared
+// once in config.cpp (choice_names).
+enum class PipelineSchedule {
+  kGpipe,
+  k1F1B,
+  kInterleaved,
+  kZbH1,
+  kZbv
+};                                                              // parallel.pipeline.schedule
+enum class CpMethod { kAllGather, kRing, kAllToAll, kHybrid };  // parallel.context.method
+enum class Recompute { kNone, kSelective, kFull };              // training.recompute
+const std::vector<std::string>& choice_names(PipelineSchedule);
+const std::vector<std::string>& choice_names(CpMethod);
+const std::vector<std::string>& choice_names(Recompute);
+/// The plan's name of a value ("zb-h1" for PipelineSchedule::kZbH1).
+template <class E>
+const std::string& name_of(E e) {
+  return choice_names(e)[static_cast<size_t>(e)];
+}
 
 struct RunConfig {
   std::string name;
@@ -52,19 +73,19 @@ struct ModelConfig {
 struct ParallelConfig {
   int64_t dp;  // 0 = auto (world / (tp·cp·pp))
   int64_t tp, pp, cp;
-  int64_t ep;                  // expert parallelism: MoE experts split over ep ranks drawn from dp
-  std::string context_method;  // allgather | ring | alltoall | hybrid (parallel.context.method)
-  int64_t context_alltoall_size;  // hybrid: ranks per all-to-all group (context.alltoall_size)
+  int64_t ep;  // expert parallelism: MoE experts split over ep ranks drawn from dp
+  Choice<CpMethod> context_method;  // parallel.context.method
+  int64_t context_alltoall_size;    // hybrid: ranks per all-to-all group (context.alltoall_size)
   bool sequence_parallel;
   std::string order;    // tp-cp-dp-pp
   std::string backend;  // auto | gloo | nccl
   double timeout_s;     // collectives and rendezvous
   double ddp_bucket_mb;
   int64_t zero;  // 0: DDP; 1: optimizer state sharded over dp×cp; 2: + gradients; 3: + parameters
-  bool zero3_keep_gathered;              // ZeRO-3: units gathered once per step (not per use)
-  std::string pipeline_schedule;         // gpipe | 1f1b | interleaved
-  int64_t virtual_stages;                // model chunks per pipeline rank (interleaved)
-  std::vector<double> layers_per_stage;  // empty: even split
+  bool zero3_keep_gathered;                    // ZeRO-3: units gathered once per step (not per use)
+  Choice<PipelineSchedule> pipeline_schedule;  // parallel.pipeline.schedule
+  int64_t virtual_stages;                      // model chunks per pipeline rank (interleaved)
+  std::vector<double> layers_per_stage;        // empty: even split
 };
 
 struct OptimizerConfig {
@@ -87,19 +108,19 @@ struct LossScaleConfig {  // fp16 dynamic loss scaling (as torch.amp.GradScaler)
 };
 
 struct TrainingConfig {
-  std::string device;     // auto | cpu | cuda
-  std::string dtype;      // fp32 | bf16 | fp16 (auto resolved at load: bf16 on CUDA, else fp32)
-  bool tf32;              // CUDA: fp32 matmuls and convolutions on TF32 tensor cores
-  bool deterministic;     // deterministic kernels (PyTorch's deterministic algorithms)
-  std::string recompute;  // none | selective | full (activation checkpointing)
-  std::string kernels;    // tessel | torch: Tessel's own fused kernels where they apply, or not
-  bool lean_logits;       // head fused with the loss, in chunks of tokens (parallel/tp/head_loss.h)
+  std::string device;  // auto | cpu | cuda
+  std::string dtype;   // fp32 | bf16 | fp16 (auto resolved at load: bf16 on CUDA, else fp32)
+  bool tf32;           // CUDA: fp32 matmuls and convolutions on TF32 tensor cores
+  bool deterministic;  // deterministic kernels (PyTorch's deterministic algorithms)
+  Choice<Recompute> recompute;  // activation checkpointing
+  std::string kernels;  // tessel | torch: Tessel's own fused kernels where they apply, or not
+  bool lean_logits;     // head fused with the loss, in chunks of tokens (parallel/tp/head_loss.h)
   int64_t
       lean_logits_chunk;  // tokens per chunk; 0: at most 64 MiB (CPU), 1 GiB (GPU) of fp32 logits
   bool cuda_graph;        // CUDA: the steady-state step captured once and replayed
                           // (engine/run/step_graph.h)
   bool microbatch_pairs;  // CPU, one process: micro-batches two at a time (parallel/pp/pairs.cpp)
-  std::string activation_checkpointing;  // alias of recompute, resolved into it at load
+  Choice<Recompute> activation_checkpointing;  // alias of recompute, resolved into it at load
   int64_t steps, global_batch, micro_batch, seq_len;
   double grad_clip;
   int64_t eval_every, eval_batches, threads;
@@ -148,7 +169,7 @@ struct Config {
 // ---- the field table -----------------------------------------------------------------------
 
 using FieldRef = std::variant<int64_t*, double*, bool*, std::string*, std::vector<std::string>*,
-                              std::vector<double>*>;
+                              std::vector<double>*, ChoiceBase*>;
 using FieldValue =
     std::variant<int64_t, double, bool, std::string, std::vector<std::string>, std::vector<double>>;
 

@@ -16,6 +16,7 @@ class FieldAdder {
   explicit FieldAdder(std::vector<Field>& f) : f_(f) {}
   Field& operator()(S key, FieldRef ref, FieldValue def, S help) {
     f_.push_back(Field{std::move(key), ref, std::move(def), std::move(help)});
+    if (auto* choice = std::get_if<ChoiceBase*>(&ref)) f_.back().choices = (*choice)->names();
     return f_.back();
   }
 
@@ -136,8 +137,7 @@ void add_parallel_fields(FieldAdder& add, Config& c) {
       "all-to-all trades this rank's tokens of every head for every token of 1/cp of the heads, "
       "dense attention runs on those, and a second all-to-all brings the outputs back (query "
       "heads per tp rank must divide by cp); hybrid = alltoall inside groups of "
-      "parallel.context.alltoall_size consecutive cp ranks and ring across the groups.")
-      .one_of({"allgather", "ring", "alltoall", "hybrid"});
+      "parallel.context.alltoall_size consecutive cp ranks and ring across the groups.");
   add("parallel.context.alltoall_size", &c.parallel.context_alltoall_size, int64_t{2},
       "hybrid: cp ranks per all-to-all group (consecutive cp ranks, within a node by the default "
       "order); it divides parallel.cp, and each tp rank's query heads divide by it. The ring runs "
@@ -164,8 +164,7 @@ void add_parallel_pipeline_fields(FieldAdder& add, Config& c) {
       "Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, interleaved 1F1B, "
       "zb-h1 (zero-bubble: backward split into input and weight gradients, the weights' deferred "
       "into the bubble; 1F1B's memory, about a third of its bubble) or zbv (zero-bubble in a V: "
-      "two chunks per rank, virtual_stages 2).")
-      .one_of({"gpipe", "1f1b", "interleaved", "zb-h1", "zbv"});
+      "two chunks per rank, virtual_stages 2).");
   add("parallel.pipeline.virtual_stages", &c.parallel.virtual_stages, int64_t{1},
       "Model chunks per pipeline rank (interleaved: 2 or more; zbv: 2; 1 otherwise).")
       .range(1);
@@ -220,12 +219,10 @@ void add_training_fields(FieldAdder& add, Config& c) {
       "Activation checkpointing. none: keep every block's activations for backward. selective: "
       "keep attention's and rerun each block's MLP half (its norm and the ffn-wide tensors, the "
       "largest per token) in backward. full: keep only each block's input and rerun the whole "
-      "block in backward (about one more forward of compute).")
-      .one_of({"none", "selective", "full"});
+      "block in backward (about one more forward of compute).");
   add("training.activation_checkpointing", &c.training.activation_checkpointing, S("none"),
       "The same setting as training.recompute, under its earlier name: either "
-      "name sets both (--set of one overrides the plan's other; a plan giving both must agree).")
-      .one_of({"none", "selective", "full"});
+      "name sets both (--set of one overrides the plan's other; a plan giving both must agree).");
   add("training.steps", &c.training.steps, int64_t{100}, "Optimizer steps.").range(1);
   add("training.global_batch", &c.training.global_batch, int64_t{8},
       "Sequences per optimizer step, over all data-parallel ranks.")

@@ -217,8 +217,8 @@ class Validator {
     require(p.zero == 0, "parallel.zero",
             why + ": ZeRO " + std::to_string(p.zero) +
                 " gathers and releases weights by host bookkeeping across steps; use zero 0");
-    require(t.recompute == "none", "training.recompute",
-            why + ": recomputation (training.recompute " + t.recompute +
+    require(t.recompute == Recompute::kNone, "training.recompute",
+            why + ": recomputation (training.recompute " + t.recompute.name() +
                 ") saves and restores the CUDA generator's state, which a capture cannot read");
     require(c_.model.moe.experts == 0, "model.moe.experts",
             why +

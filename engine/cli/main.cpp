@@ -145,8 +145,8 @@ void print_pipeline(const tessel::Config& c, const tessel::parallel::Layout& lay
   namespace pp = tessel::parallel::pp;
   const auto& t = c.training;
   const int64_t m = t.global_batch / (layout.dp * t.micro_batch);
-  auto schedule =
-      pp::make_schedule(c.parallel.pipeline_schedule, layout.pp, m, c.parallel.virtual_stages);
+  auto schedule = pp::make_schedule(c.parallel.pipeline_schedule.name(), layout.pp, m,
+                                    c.parallel.virtual_stages);
   auto sim = pp::simulate(schedule);
   std::printf("%s", pp::render(schedule, sim).c_str());
   std::printf(
@@ -168,10 +168,10 @@ void print_context_parallel(const tessel::Config& c, const tessel::parallel::Lay
   std::printf(
       "# context parallel: %lld ranks (%s), %lld tokens per rank per sequence (chunks "
       "r and %lld-r of %lld)\n",
-      static_cast<long long>(layout.cp), c.parallel.context_method.c_str(),
+      static_cast<long long>(layout.cp), c.parallel.context_method.name().c_str(),
       static_cast<long long>(c.training.seq_len / layout.cp),
       static_cast<long long>(2 * layout.cp - 1), static_cast<long long>(2 * layout.cp));
-  if (c.parallel.context_method == "hybrid")
+  if (c.parallel.context_method == tessel::CpMethod::kHybrid)
     std::printf(
         "# hybrid: all-to-all inside groups of %lld consecutive cp ranks, ring across %lld "
         "groups\n",
@@ -193,7 +193,7 @@ void print_faster_layout(const std::string& config, int64_t n, const tessel::Lay
       static_cast<long long>(n), static_cast<long long>(b.layout.tp),
       static_cast<long long>(b.layout.cp), static_cast<long long>(b.layout.pp),
       static_cast<long long>(b.layout.dp), static_cast<long long>(b.plan.parallel.zero),
-      b.layout.pp > 1 ? (" (" + b.plan.parallel.pipeline_schedule + ")").c_str() : "",
+      b.layout.pp > 1 ? (" (" + b.plan.parallel.pipeline_schedule.name() + ")").c_str() : "",
       1e3 * b.estimate.step_s, 100 * (1 - b.estimate.step_s / current.step_s), 1e3 * current.step_s,
       human_bytes(most).c_str(), config.c_str(), static_cast<long long>(n), sets.c_str());
 }

@@ -13,7 +13,7 @@ namespace {
 // One layout faster_layout tries.
 struct Candidate {
   int64_t tp, cp, pp, dp, zero, micro_batch;
-  std::string schedule;  // 1f1b | interleaved (when pp > 1)
+  PipelineSchedule schedule;  // 1f1b | interleaved (when pp > 1)
 };
 
 // The plan `c` on candidate `k`: sequence parallel with any tp, ring attention when cp is new,
@@ -23,9 +23,9 @@ Config with_layout(const Config& c, const Candidate& k) {
   auto& par = p.parallel;
   par.tp = k.tp, par.cp = k.cp, par.pp = k.pp, par.dp = k.dp, par.zero = k.zero;
   par.sequence_parallel = k.tp > 1;
-  if (k.cp > 1 && c.parallel.cp == 1) par.context_method = "ring";
-  par.pipeline_schedule = k.pp > 1 ? k.schedule : c.parallel.pipeline_schedule;
-  par.virtual_stages = k.pp > 1 && k.schedule == "interleaved" ? 2 : 1;
+  if (k.cp > 1 && c.parallel.cp == 1) par.context_method = CpMethod::kRing;
+  par.pipeline_schedule = k.pp > 1 ? k.schedule : PipelineSchedule(c.parallel.pipeline_schedule);
+  par.virtual_stages = k.pp > 1 && k.schedule == PipelineSchedule::kInterleaved ? 2 : 1;
   par.layers_per_stage.clear();
   p.training.micro_batch = k.micro_batch;
   return p;
@@ -37,6 +37,9 @@ std::vector<std::string> layout_overrides(const Config& c, const Config& p) {
   auto set = [&sets](const std::string& key, const auto& from, const auto& to) {
     if (from != to) sets.push_back(fmt::format("{}={}", key, to));
   };
+  auto set_choice = [&sets](const std::string& key, const ChoiceBase& from, const ChoiceBase& to) {
+    if (from.index() != to.index()) sets.push_back(fmt::format("{}={}", key, to.name()));
+  };
   const auto& was = c.parallel;
   const auto& par = p.parallel;
   set("parallel.tp", was.tp, par.tp);
@@ -46,10 +49,10 @@ std::vector<std::string> layout_overrides(const Config& c, const Config& p) {
   set("parallel.zero", was.zero, par.zero);
   set("parallel.sequence_parallel", was.sequence_parallel, par.sequence_parallel);
   if (par.pp > 1) {
-    set("parallel.pipeline.schedule", was.pipeline_schedule, par.pipeline_schedule);
+    set_choice("parallel.pipeline.schedule", was.pipeline_schedule, par.pipeline_schedule);
     set("parallel.pipeline.virtual_stages", was.virtual_stages, par.virtual_stages);
   }
-  if (par.cp > 1) set("parallel.context.method", was.context_method, par.context_method);
+  if (par.cp > 1) set_choice("parallel.context.method", was.context_method, par.context_method);
   if (!was.layers_per_stage.empty()) sets.push_back("parallel.pipeline.layers_per_stage=[]");
   set("training.micro_batch", c.training.micro_batch, p.training.micro_batch);
   return sets;
@@ -90,8 +93,8 @@ std::optional<LayoutChoice> faster_layout(const Config& c, int64_t world, const 
         if (dp * tp * cp * pp != world || t.global_batch % dp != 0) continue;
         const int64_t mb = micro_batch_for(t, dp);
         for (int64_t zero = 0; zero <= 3; ++zero)
-          for (const std::string schedule : {"1f1b", "interleaved"}) {
-            if (pp == 1 && schedule == "interleaved") continue;
+          for (const auto schedule : {PipelineSchedule::k1F1B, PipelineSchedule::kInterleaved}) {
+            if (pp == 1 && schedule == PipelineSchedule::kInterleaved) continue;
             Config p = with_layout(c, {tp, cp, pp, dp, zero, mb, schedule});
             auto sets = layout_overrides(c, p);
             consider(std::move(p), std::move(sets));

@@ -41,7 +41,7 @@ models::StagePart stage_part(const Config& c, int64_t pp, int64_t rank) {
   const int64_t v = c.parallel.virtual_stages;
   const auto layers =
       parallel::pp::stage_layers(c.model.layers, pp * v, c.parallel.layers_per_stage);
-  const auto& name = c.parallel.pipeline_schedule;
+  const auto& name = c.parallel.pipeline_schedule.name();
   const int64_t last = pp * v - 1;
   models::StagePart part{{}, rank == 0, parallel::pp::stage_of(name, pp, rank, v - 1) == last};
   for (int64_t chunk = 0; chunk < v; ++chunk)

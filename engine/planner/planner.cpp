@@ -38,8 +38,8 @@ using planning::Traffic;
 // the composite does (LibTorch's CPU operator is the composite): one h less per norm, two per block
 // and one outside. `own_kernels`: Tessel's SwiGLU runs too, which keeps gate and up, not also
 // silu(gate) (one ffn less).
-ActivationModel activation_model(const models::ModelShape& m, const std::string& recompute,
-                                 bool own_kernels, bool cpu) {
+ActivationModel activation_model(const models::ModelShape& m, Recompute recompute, bool own_kernels,
+                                 bool cpu) {
   const bool llama = m.arch == "llama", fused = llama && own_kernels;
   const bool fused_norm = fused || (llama && !cpu);
   ActivationModel a = !llama       ? ActivationModel{4.76, 3.58, 0.0, 2.0, 2.3}
@@ -49,8 +49,8 @@ ActivationModel activation_model(const models::ModelShape& m, const std::string&
   // Recomputation, measured the same way: full keeps each block's input (1·h per token) and
   // holds about half of one block's activations at the peak; selective keeps the MLP half's
   // input instead of its norm and ffn-wide tensors, and a quarter of one MLP's at the peak.
-  if (recompute == "full") return {1.0, 0, 0, 0, a.outside, 0.5};
-  if (recompute == "selective")
+  if (recompute == Recompute::kFull) return {1.0, 0, 0, 0, a.outside, 0.5};
+  if (recompute == Recompute::kSelective)
     return {llama ? (fused_norm ? 3.5 : 4.5) : 3.76, a.attn, a.kv, 0.0, a.outside, 0.25};
   return a;
 }
@@ -216,7 +216,7 @@ namespace {
 // cp (held for backward unless full recomputation reruns attention); 0 for the other methods.
 double alltoall_repeated_kv(const Config& c, const parallel::Layout& l) {
   const int64_t a = alltoall_ranks(c, l);
-  if (a == 1 || c.training.recompute == "full") return 0;
+  if (a == 1 || c.training.recompute == Recompute::kFull) return 0;
   const int64_t kv = std::max<int64_t>(1, c.model.kv_heads / l.tp);
   return static_cast<double>(parallel::cp::alltoall_kv_heads(kv, a) - kv);
 }
@@ -257,19 +257,21 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l, bool cpu) {
                 : 1;
   const auto& a = b.a = activation_model(m, t.recompute, b.own_kernels, b.cpu);
   b.short_attention = short_attention_bytes(c, l, m, b.dtype, b.own_kernels);
-  b.sim = pp::simulate(pp::make_schedule(l.pp > 1 ? c.parallel.pipeline_schedule : "gpipe", l.pp,
-                                         b.mbs, l.pp > 1 ? c.parallel.virtual_stages : 1));
+  b.sim = pp::simulate(pp::make_schedule(
+      name_of(l.pp > 1 ? PipelineSchedule(c.parallel.pipeline_schedule) : PipelineSchedule::kGpipe),
+      l.pp, b.mbs, l.pp > 1 ? c.parallel.virtual_stages : 1));
 
   const double block_tokens_floats =
       a.replicated * h / (sp ? tp : 1.0) + (a.attn * h + a.kv * kvd + a.ffn * m.ffn_hidden) / tp;
   // One micro-batch through one block: its saved activations (+ CP all-gather: the whole
   // sequence's keys and values, kept for backward).
   b.per_layer = w * tok * block_tokens_floats +
-                (l.cp > 1 && c.parallel.context_method == "allgather" && t.recompute != "full"
+                (l.cp > 1 && c.parallel.context_method == CpMethod::kAllGather &&
+                         t.recompute != Recompute::kFull
                      ? w * static_cast<double>(t.micro_batch * t.seq_len) * 2 * kvd / tp
                      : 0.0) +
                 alltoall_repeated_kv(c, l) * 2 * static_cast<double>(m.head_dim()) * w * tok +
-                (t.recompute == "full" ? 0.0 : b.short_attention * tok);
+                (t.recompute == Recompute::kFull ? 0.0 : b.short_attention * tok);
   b.act_row = tok * h * w / (sp ? tp : 1.0);
   b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp, b.pp = l.pp;
   b.keep_gathered = c.parallel.zero3_keep_gathered;
@@ -281,7 +283,7 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l, bool cpu) {
     // reruns it (like the MLP). Measured on CPU fp32 (tests/dist/planner_test.py, 2026-11-25).
     const auto& e = m.moe;
     const double k = static_cast<double>(e.top_k), f = static_cast<double>(e.ffn_hidden);
-    const double routed = t.recompute == "none"
+    const double routed = t.recompute == Recompute::kNone
                               ? k * (a.ffn * f + 3 * h) + 2 * static_cast<double>(e.experts) * 4 / w
                               : 0.0;
     const double shared = a.ffn * static_cast<double>(e.shared) * f / tp;
@@ -311,10 +313,10 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const TrainingConfig& t
       (m.arch == "llama" ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden);
   const double layers = static_cast<double>(m.layers);
   double rerun_per_token = 0;
-  if (t.recompute == "full")
+  if (t.recompute == Recompute::kFull)
     rerun_per_token = 2.0 * layers * static_cast<double>(models::block_parameters(m, 1)) +
                       4.0 * layers * h * static_cast<double>(t.seq_len);
-  else if (t.recompute == "selective")
+  else if (t.recompute == Recompute::kSelective)
     rerun_per_token = 2.0 * layers * mlp_weights;
   e.recompute_flops_per_step = rerun_per_token * static_cast<double>(t.global_batch * t.seq_len);
 }
@@ -355,8 +357,8 @@ void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
     // begins (the last block gathered); with it, the saved activations are smaller and the
     // peak moves into backward, where the block being differentiated, its prefetched
     // neighbour and the one being released are gathered at once (measured: 3 blocks).
-    const double blocks =
-        std::min<double>(static_cast<double>(r.layers), t.recompute == "none" ? 1.0 : 3.0);
+    const double blocks = std::min<double>(static_cast<double>(r.layers),
+                                           t.recompute == Recompute::kNone ? 1.0 : 3.0);
     r.gathered = w * (static_cast<double>(r.params) - r.layers * block + blocks * block);
     // Plus the gradient buckets in flight: up to three units' fp32 gradients wait for their
     // reduce-scatter (measured with the allocator counting from the first byte, 2026-11-25).
@@ -427,15 +429,17 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   // A chunk that receives its input keeps it (the leaf its gradient goes back from) until B.
   const double receiving = static_cast<double>(chunks - (part.first ? 1 : 0)) / chunks;
   if (l.pp > 1) r.activations += static_cast<double>(r.inflight) * receiving * b.act_row;
-  if (t.recompute != "none" && r.layers > 0) {  // one block (full) or MLP (selective) rerun
-    const auto none = activation_model(m, "none", b.own_kernels, b.cpu);
+  if (t.recompute != Recompute::kNone &&
+      r.layers > 0) {  // one block (full) or MLP (selective) rerun
+    const auto none = activation_model(m, Recompute::kNone, b.own_kernels, b.cpu);
     const double rerun_floats =
-        t.recompute == "full" ? none.replicated * h / (sp ? tp : 1.0) +
-                                    (none.attn * h + none.kv * kvd + none.ffn * m.ffn_hidden) / tp
-                              : none.ffn * m.ffn_hidden / tp;
+        t.recompute == Recompute::kFull
+            ? none.replicated * h / (sp ? tp : 1.0) +
+                  (none.attn * h + none.kv * kvd + none.ffn * m.ffn_hidden) / tp
+            : none.ffn * m.ffn_hidden / tp;
     // The rerun block's attention probabilities are live whole until its backward.
-    r.activations +=
-        a.rerun * w * tok * rerun_floats + (t.recompute == "full" ? b.short_attention * tok : 0.0);
+    r.activations += a.rerun * w * tok * rerun_floats +
+                     (t.recompute == Recompute::kFull ? b.short_attention * tok : 0.0);
   }
   if (part.last)
     r.activations +=
@@ -497,11 +501,11 @@ std::map<std::string, double> cpu_compute_s(const Config& c, const PlanBasis& b,
                                             const DeviceProfile& d) {
   const auto& t = c.training;
   const auto& m = b.m;
-  const bool llama = m.arch == "llama", full = t.recompute == "full";
+  const bool llama = m.arch == "llama", full = t.recompute == Recompute::kFull;
   const double micro = static_cast<double>(b.mbs), tokens = micro * b.tok;
   const double layers = static_cast<double>(r.layers), h = b.h, tp = b.tp;
   const double mlp = (llama ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden) / tp;
-  const double rerun = full ? b.block : t.recompute == "selective" ? mlp : 0.0;
+  const double rerun = full ? b.block : t.recompute == Recompute::kSelective ? mlp : 0.0;
   const double head = part.last ? b.vocab_local * h : 0.0;
   const double matmul = (6 * (layers * b.block + head) + 2 * layers * rerun) * tokens /
                         (d.peak_tflops * 1e12 * d.efficiency);

@@ -46,7 +46,7 @@ std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& 
       "# planner: {:.4g} B parameters; {:.4g} TFLOP per step ({} tokens); training.recompute "
       "{}; dtype {}\n",
       static_cast<double>(e.params_total) / 1e9, e.flops_per_step / 1e12,
-      c.training.global_batch * c.training.seq_len, c.training.recompute, c.training.dtype);
+      c.training.global_batch * c.training.seq_len, c.training.recompute.name(), c.training.dtype);
   for (const auto& r : e.ranks) {
     s += fmt::format(
         "#   {}{} parameters, {} blocks: weights {}, gradients {}, optimizer {}, activations {} "
@@ -73,7 +73,7 @@ std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& 
       "{:.1f} + bubble {:.1f}; {:.0f} tokens/s ({:.0f} per device), MFU {:.1f}%{}\n",
       device, 1e3 * e.step_s, 1e3 * e.compute_s,
       e.recompute_flops_per_step > 0
-          ? fmt::format(" (of which {} recomputation {:.1f})", c.training.recompute,
+          ? fmt::format(" (of which {} recomputation {:.1f})", c.training.recompute.name(),
                         1e3 * e.compute_s * e.recompute_flops_per_step /
                             (e.flops_per_step + e.recompute_flops_per_step))
           : "",

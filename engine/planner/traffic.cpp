@@ -22,8 +22,8 @@ double expert_params(const models::ModelShape& m, const models::StagePart& part,
 // Ranks of one all-to-all of context parallelism: cp (alltoall), the group size (hybrid), else 1.
 int64_t alltoall_ranks(const Config& c, const parallel::Layout& l) {
   if (l.cp == 1) return 1;
-  if (c.parallel.context_method == "alltoall") return l.cp;
-  return c.parallel.context_method == "hybrid" ? c.parallel.context_alltoall_size : 1;
+  if (c.parallel.context_method == CpMethod::kAllToAll) return l.cp;
+  return c.parallel.context_method == CpMethod::kHybrid ? c.parallel.context_alltoall_size : 1;
 }
 
 namespace {
@@ -34,7 +34,7 @@ namespace {
 // with the loss attached (aux_loss_coef > 0).
 void add_aux_loss_traffic(Traffic& g, const Config& c, const PlanBasis& b, double moe_layers) {
   const auto& t = c.training;
-  const double reruns = t.recompute != "none" && b.m.moe.aux_loss_coef > 0 ? 1 : 0;
+  const double reruns = t.recompute != Recompute::kNone && b.m.moe.aux_loss_coef > 0 ? 1 : 0;
   const double sums = static_cast<double>(b.mbs) * moe_layers * 2 * (1 + reruns);
   g.all_reduce += sums * static_cast<double>(t.micro_batch * b.m.moe.experts) * 4;
   g.ops += sums;
@@ -57,7 +57,8 @@ void add_tp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
   const double ends = (part.first ? 1 : 0) + (part.last ? 1 : 0);
   const double row = tok * h * w;
   const double u = sp ? 2 : 1;
-  const double full = t.recompute == "full" ? 1 : 0, selective = t.recompute == "selective" ? 1 : 0;
+  const double full = t.recompute == Recompute::kFull ? 1 : 0,
+               selective = t.recompute == Recompute::kSelective ? 1 : 0;
   const double layers = static_cast<double>(r.layers);
   const double moe = static_cast<double>(moe_layers_in(m, part));
   const double mlps = layers - moe + (m.moe.shared > 0 ? moe : 0);
@@ -93,8 +94,8 @@ void add_cp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
   const auto& t = c.training;
   const double mb = static_cast<double>(b.mbs);
   const double kv_bytes = static_cast<double>(t.micro_batch * t.seq_len) * 2 * b.kvd / b.tp * b.w;
-  const double full = t.recompute == "full" ? 1 : 0;
-  if (c.parallel.context_method == "allgather") {  // keys/values gathered, grads scattered
+  const double full = t.recompute == Recompute::kFull ? 1 : 0;
+  if (c.parallel.context_method == CpMethod::kAllGather) {  // keys/values gathered, grads scattered
     // (the gradients in fp32: reduced before they are rounded)
     g.gather_scatter += mb * r.layers * kv_bytes * (1 + full + 4 / b.w);
     g.ops += mb * r.layers * (2 + full);
@@ -189,7 +190,7 @@ std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::La
   }
   if (l.pp > 1) {  // activations forward, gradients backward, at every chunk boundary
     // zbv: the V turns on pipeline rank pp − 1 (stages pp − 1 and pp), a hand-over, not a send.
-    const bool v = c.parallel.pipeline_schedule == "zbv";
+    const bool v = c.parallel.pipeline_schedule == PipelineSchedule::kZbv;
     const double turn = v && r.stage == l.pp - 1 ? 1 : 0;
     const double sends_fwd = own_chunks - (part.last ? 1 : 0) - turn;
     const double sends_bwd = own_chunks - (part.first ? 1 : 0) - turn;
@@ -214,7 +215,7 @@ std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::La
     // token choices (every choice counted, its own included: dropless), recomputation rerunning
     // the forward's pair; and the forward's exchange of counts (int64 per expert).
     const double moe = static_cast<double>(moe_layers_in(b.m, part));
-    const double reruns = c.training.recompute == "none" ? 0 : 1;
+    const double reruns = c.training.recompute == Recompute::kNone ? 0 : 1;
     const double rows = b.tok / (b.sp ? b.tp : 1.0) * static_cast<double>(b.m.moe.top_k);
     g["ep"].gather_scatter += mb * moe *
                               ((4 + 2 * reruns) * rows * b.h * b.w +

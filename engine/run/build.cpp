@@ -50,9 +50,9 @@ models::Decoder make_model(const Config& c, const torch::Device& device, torch::
                            parallel::Group* cp, parallel::Group* ep) {
   auto model =
       models::build_model(model_shape(c.model), c.run.seed, tp, c.parallel.sequence_parallel,
-                          stages, cp, c.parallel.context_method, ep);
+                          stages, cp, c.parallel.context_method.name(), ep);
   if (!c.model.init_from.empty()) load_weights_file(model, init_weights_file(c.model.init_from));
-  model->set_recompute(c.training.recompute);
+  model->set_recompute(c.training.recompute.name());
   model->set_kernels(c.training.kernels);
   model->set_lean_logits(c.training.lean_logits, c.training.lean_logits_chunk);
   model->to(device, dtype);
@@ -78,9 +78,9 @@ std::string attention_kernel(const Config& c, const torch::Device& device,
                              torch::ScalarType dtype) {
   const auto m = model_shape(c.model);
   const auto& par = c.parallel;
-  const bool alltoall = par.cp > 1 && par.context_method == "alltoall";
+  const bool alltoall = par.cp > 1 && par.context_method == CpMethod::kAllToAll;
   if (par.cp > 1 && !alltoall) {  // allgather and ring run their own block kernels
-    return fmt::format("context parallel ({}): {} block kernels", par.context_method,
+    return fmt::format("context parallel ({}): {} block kernels", par.context_method.name(),
                        device.is_cuda() ? "memory-efficient" : "flash (CPU)");
   }
   // alltoall: dense attention over the whole sequence for 1/cp of each tp rank's heads.

@@ -22,9 +22,9 @@
 
 #include "engine/checkpoint/checkpoint.h"
 #include "engine/data/data.h"
+#include "engine/run/build.h"
 #include "engine/run/resume_plan.h"
 #include "engine/run/stop.h"
-#include "engine/run/build.h"
 #include "parallel/comm.h"
 #include "parallel/mesh.h"
 

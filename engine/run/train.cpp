@@ -53,7 +53,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   const bool sp = c_.parallel.sequence_parallel && l.tp > 1;
   // One micro-batch between stages: this cp rank's tokens (SP: its tp share of them).
   activation_shape_ = {t.micro_batch, t.seq_len / l.cp / (sp ? l.tp : 1), c_.model.hidden};
-  executor_ = make_executor(parallel::pp::make_schedule(c_.parallel.pipeline_schedule, l.pp,
+  executor_ = make_executor(parallel::pp::make_schedule(c_.parallel.pipeline_schedule.name(), l.pp,
                                                         t.global_batch / (l.dp * t.micro_batch),
                                                         c_.parallel.virtual_stages));
   if (pairs_microbatches(c_, mesh_->world(), device_.is_cuda(), at::get_num_threads())) {

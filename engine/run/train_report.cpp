@@ -37,8 +37,8 @@ void Trainer::log_layout(const parallel::WorldInfo& world) const {
   spdlog::info("{} process{} ({}, {}): dp {} tp {}{} pp {} cp {}{} | {} gradient bucket{}",
                mesh_->world(), mesh_->world() > 1 ? "es" : "", world.source, mesh_->backend(), l.dp,
                l.tp, sp ? " (sequence parallel)" : "", l.pp, l.cp,
-               l.cp > 1 ? fmt::format(" ({}, {} tokens per rank)", c_.parallel.context_method,
-                                      t.seq_len / l.cp)
+               l.cp > 1 ? fmt::format(" ({}, {} tokens per rank)",
+                                      c_.parallel.context_method.name(), t.seq_len / l.cp)
                         : "",
                reducer_->buckets().size(), reducer_->buckets().size() == 1 ? "" : "s");
   if (executor_->pairs())

@@ -64,6 +64,35 @@ class Layers(unittest.TestCase):
 
 
 
+class Choices(unittest.TestCase):
+    def test_no_typed_choice_compared_with_a_string(self):
+        rc, out = check("check_choices.py", ROOT)
+        self.assertEqual(rc, 0, out)
+        self.assertIn("0 comparison(s) of a typed plan choice with a string outside core/plan/", out)
+
+    def test_comparison_is_named(self):
+        with tempfile.TemporaryDirectory() as d:
+            def write(path, text):
+                os.makedirs(os.path.dirname(os.path.join(d, path)), exist_ok=True)
+                with open(os.path.join(d, path), "w") as f:
+                    f.write(text)
+            write("core/plan/config.h", "struct P {\n  Choice<PipelineSchedule> pipeline_schedule;\n"
+                                        "  std::string arch;\n};\n")
+            write("core/plan/config_fields.cpp",
+                  'add("parallel.pipeline.schedule", &c.parallel.pipeline_schedule, S("1f1b"), "x");\n'
+                  'add("model.arch", &c.model.arch, S("gpt2"), "Architecture; of a model.").one_of({"gpt2"});\n')
+            write("core/plan/rules.cpp", 'bool a = c.parallel.pipeline_schedule == "zbv";  // inside plan/\n')
+            write("engine/run/train.cpp", 'bool ok = c.parallel.pipeline_schedule == PipelineSchedule::kZbv;\n'
+                                          'bool bad = c_.parallel.pipeline_schedule != "zbv";\n'
+                                          'bool arch = c.model.arch == "llama";\n')
+            rc, out = check("check_choices.py", d)
+            self.assertEqual(rc, 1, out)
+            self.assertIn('engine/run/train.cpp:2: plan choice pipeline_schedule compared with a string', out)
+            self.assertNotIn("rules.cpp", out)
+            self.assertIn("1 comparison(s) of a typed plan choice with a string outside core/plan/ (typed: "
+                          "pipeline_schedule; enumerated keys still held as strings: 1: model.arch)", out)
+
+
 class Functions(unittest.TestCase):
     def test_no_function_over_60_lines(self):
         rc, out = check("check_functions.py", ROOT)

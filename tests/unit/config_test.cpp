@@ -50,16 +50,16 @@ const std::string kData = "data: {path: a.txt}\n";
 TEST(Config, RecomputeAliases) {
   const std::string plan = kData + "training: {activation_checkpointing: full}\n";
   Config c = load_config_text(plan, "p.yaml", {"training.recompute=none"});
-  EXPECT_EQ(c.training.recompute, "none");
-  EXPECT_EQ(c.training.activation_checkpointing, "none");
+  EXPECT_EQ(c.training.recompute.name(), "none");
+  EXPECT_EQ(c.training.activation_checkpointing.name(), "none");
   c = load_config_text(plan, "p.yaml");
-  EXPECT_EQ(c.training.recompute, "full");
+  EXPECT_EQ(c.training.recompute.name(), "full");
   c = load_config_text(kData + "training: {recompute: selective}\n", "p.yaml",
                        {"training.activation_checkpointing=full"});
-  EXPECT_EQ(c.training.recompute, "full");
-  EXPECT_EQ(c.training.activation_checkpointing, "full");
+  EXPECT_EQ(c.training.recompute.name(), "full");
+  EXPECT_EQ(c.training.activation_checkpointing.name(), "full");
   Config again = load_config_text(dump_config(c), "dumped.yaml");  // both keys, agreeing
-  EXPECT_EQ(again.training.recompute, "full");
+  EXPECT_EQ(again.training.recompute.name(), "full");
 }
 
 struct BadPlan {

@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Finds every comparison of a typed plan choice (a `Choice<E>` member of core/plan/config.h)
+with a string literal outside core/plan/: those keys are compared with their enum values, so that
+a new value is found by the compiler. Also names the enumerated keys still held as strings (a
+`.one_of(...)` field of core/plan/config_fields.cpp). Exits 1 on any comparison. Usage:
+check_choices.py [ROOT]"""
+import os
+import re
+import sys
+
+SOURCES = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh")
+SKIP = {".git", "build", "third_party", ".env", "docs", "configs", "examples"}
+
+
+def typed_members(root):
+    with open(os.path.join(root, "core", "plan", "config.h")) as f:
+        return sorted(set(re.findall(r"^\s*Choice<\w+>\s+(\w+);", f.read(), re.M)))
+
+
+def string_choice_keys(root, typed):
+    """Keys declared with .one_of(...) whose member is not a Choice."""
+    with open(os.path.join(root, "core", "plan", "config_fields.cpp")) as f:
+        text = f.read()
+    out = []
+    for m in re.finditer(r'add\("([\w.]+)",\s*&c\.[\w.]*?(\w+),(.*?)\);[ \t]*$', text, re.S | re.M):
+        if ".one_of(" in m.group(3) and m.group(2) not in typed:
+            out.append(m.group(1))
+    return out
+
+
+def comparisons(root, typed):
+    if not typed:
+        return []
+    names = "|".join(typed)
+    pat = re.compile(r'(?:[\w\]\)]\.|->)(' + names + r')\s*(==|!=)\s*"|"\s*(==|!=)\s*[\w.\->]+(?:\.|->)(' +
+                     names + r')\b')
+    out = []
+    for top in sorted(os.listdir(root)):
+        if top in SKIP or top.startswith(".") or not os.path.isdir(os.path.join(root, top)):
+            continue
+        for dirpath, _, files in sorted(os.walk(os.path.join(root, top))):
+            rel_dir = os.path.relpath(dirpath, root)
+            if rel_dir == os.path.join("core", "plan") or rel_dir.startswith(os.path.join("core", "plan") + os.sep):
+                continue
+            for name in sorted(files):
+                if not name.endswith(SOURCES):
+                    continue
+                path = os.path.join(rel_dir, name)
+                with open(os.path.join(root, path), errors="replace") as f:
+                    for n, line in enumerate(f, 1):
+                        code = line.split("//")[0]
+                        m = pat.search(code)
+                        if m:
+                            out.append(f"{path}:{n}: plan choice {m.group(1) or m.group(4)} compared with a "
+                                       f"string: {code.strip()}")
+    return out
+
+
+def main():
+    root = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", ".."))
+    typed = typed_members(root)
+    bad = comparisons(root, typed)
+    for line in bad:
+        print(line)
+    pending = string_choice_keys(root, typed)
+    print(f"{len(bad)} comparison(s) of a typed plan choice with a string outside core/plan/ "
+          f"(typed: {', '.join(typed) or 'none'}; enumerated keys still held as strings: "
+          f"{len(pending)}: {', '.join(pending)})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
