@@ -167,8 +167,8 @@ namespace {
 
 // parallel.backend with auto resolved: NCCL on CUDA, Gloo on the CPU.
 std::string choose_backend(const Config& c, const torch::Device& device) {
-  std::string backend =
-      c.parallel.backend == "auto" ? (device.is_cuda() ? "nccl" : "gloo") : c.parallel.backend;
+  std::string backend = c.parallel.backend == Backend::kAuto ? (device.is_cuda() ? "nccl" : "gloo")
+                                                             : c.parallel.backend.name();
   if (is_nccl_backend(backend) && !device.is_cuda())
     throw UserError(c.source + ": parallel.backend nccl needs training.device cuda");
   return backend;
@@ -357,7 +357,7 @@ std::unique_ptr<Mesh> Mesh::build(const Config& c, const WorldInfo& w, const tor
   mesh->rank_ = w.rank;
   mesh->coord_ = coord_of(w.rank, mesh->layout_);
   mesh->device_ = device;
-  mesh->backend_ = connect ? choose_backend(c, device) : c.parallel.backend;
+  mesh->backend_ = connect ? choose_backend(c, device) : c.parallel.backend.name();
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(c.parallel.timeout_s * 1000));
   if (connect && w.world > 1 && !store) store = rendezvous(w, c.parallel.timeout_s);
   GroupMaker make{w, mesh->backend_, store, timeout, device, connect};

@@ -57,7 +57,7 @@ double time_op(Group& g, const std::string& op, int64_t elems, int iters, int wa
 }
 
 struct Args {
-  std::string backend = "auto", ops = "all";
+  std::string backend_arg = "auto", ops = "all";  // --backend, --ops
   int64_t min_bytes = 1 << 10, max_bytes = 64 << 20;
   int iters = 20, warmup = 5;
 };
@@ -81,7 +81,7 @@ void bench_op(const Args& a, Group& g, const std::string& op, const torch::Devic
 void bench(const Args& a) {
   const auto world = tessel::parallel::discover_world();
   const bool cuda =
-      a.backend == "nccl" || (a.backend == "auto" && tessel::device::cuda_available());
+      a.backend_arg == "nccl" || (a.backend_arg == "auto" && tessel::device::cuda_available());
   const torch::Device dev =
       cuda ? torch::Device(torch::kCUDA, static_cast<int8_t>(world.local_rank)) : torch::kCPU;
   if (cuda) c10::cuda::set_device(dev.index());  // before any CUDA or NCCL work
@@ -90,7 +90,7 @@ void bench(const Args& a) {
       fmt::format(
           "data: {{path: none}}\ntraining: {{global_batch: {}, micro_batch: 1, device: {}}}\n"
           "parallel: {{backend: {}}}\n",
-          world.world, cuda ? "cuda" : "cpu", a.backend),
+          world.world, cuda ? "cuda" : "cpu", a.backend_arg),
       "tessel-bench-comm");
   auto mesh = tessel::parallel::Mesh::create(c, world, dev);
   auto& g = mesh->world_group();
@@ -111,7 +111,7 @@ int main(int argc, char** argv) {
       "tessel-bench-comm: collective bandwidth over the world group (run under tessel-launch)",
       "tessel-bench-comm"};
   Args a;
-  app.add_option("--backend", a.backend, "gloo, nccl, or auto (nccl when CUDA is available)")
+  app.add_option("--backend", a.backend_arg, "gloo, nccl, or auto (nccl when CUDA is available)")
       ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
   app.add_option("--ops", a.ops,
                  "all, or one of all_reduce, all_gather, reduce_scatter, broadcast, all_to_all");

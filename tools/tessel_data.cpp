@@ -33,7 +33,7 @@ namespace fs = std::filesystem;
 
 struct Options {
   std::vector<std::string> inputs;
-  std::string out, tokenizer, format = "auto", key = "text", eod, python;
+  std::string out, tokenizer, input_format = "auto", key = "text", eod, python;
   int workers = 0;
   bool no_special = false, progress = true;
 };
@@ -118,7 +118,7 @@ class Pipeline {
 };
 
 std::string format_of(const Options& o, const std::string& file) {
-  if (o.format != "auto") return o.format;
+  if (o.input_format != "auto") return o.input_format;
   auto ext = fs::path(file).extension().string();
   return ext == ".jsonl" || ext == ".json" || ext == ".ndjson" ? "jsonl" : "text";
 }
@@ -450,7 +450,7 @@ int main(int argc, char** argv) {
   app.add_option("--out", o.out, "Output prefix: writes PREFIX.bin and PREFIX.idx")->required();
   app.add_option("--tokenizer", o.tokenizer,
                  "A Hugging Face tokenizer.json (default: byte tokens, end-of-document 256)");
-  app.add_option("--format", o.format, "Input format (auto: .jsonl/.json/.ndjson are JSONL)")
+  app.add_option("--format", o.input_format, "Input format (auto: .jsonl/.json/.ndjson are JSONL)")
       ->check(CLI::IsMember({"auto", "text", "jsonl"}));
   app.add_option("--text-key", o.key, "JSONL: the field holding the document's text");
   app.add_option("--eod", o.eod,

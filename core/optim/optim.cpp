@@ -19,11 +19,11 @@ double lr_at(const TrainingConfig& t, int64_t step) {
   const double peak = t.optimizer.lr;
   if (step <= s.warmup_steps)
     return peak * static_cast<double>(step) / static_cast<double>(s.warmup_steps);
-  if (s.decay == "constant") return peak;
+  if (s.decay == Decay::kConstant) return peak;
   const double progress = static_cast<double>(step - s.warmup_steps) /
                           static_cast<double>(std::max<int64_t>(1, t.steps - s.warmup_steps));
   const double frac =
-      s.decay == "cosine" ? 0.5 * (1.0 + std::cos(M_PI * progress)) : 1.0 - progress;
+      s.decay == Decay::kCosine ? 0.5 * (1.0 + std::cos(M_PI * progress)) : 1.0 - progress;
   return s.min_lr + (peak - s.min_lr) * frac;
 }
 

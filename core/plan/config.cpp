@@ -297,8 +297,32 @@ const std::vector<std::string>& choice_names(CpMethod) {
   static const std::vector<std::string> n{"allgather", "ring", "alltoall", "hybrid"};
   return n;
 }
+const std::vector<std::string>& choice_names(Backend) {
+  static const std::vector<std::string> n{"auto", "gloo", "nccl"};
+  return n;
+}
 const std::vector<std::string>& choice_names(Recompute) {
   static const std::vector<std::string> n{"none", "selective", "full"};
+  return n;
+}
+const std::vector<std::string>& choice_names(Kernels) {
+  static const std::vector<std::string> n{"tessel", "torch"};
+  return n;
+}
+const std::vector<std::string>& choice_names(Decay) {
+  static const std::vector<std::string> n{"cosine", "linear", "constant"};
+  return n;
+}
+const std::vector<std::string>& choice_names(DataFormat) {
+  static const std::vector<std::string> n{"text", "megatron", "tokens"};
+  return n;
+}
+const std::vector<std::string>& choice_names(TokenDtype) {
+  static const std::vector<std::string> n{"uint16", "uint32"};
+  return n;
+}
+const std::vector<std::string>& choice_names(RouterScore) {
+  static const std::vector<std::string> n{"softmax", "sigmoid"};
   return n;
 }
 

@@ -19,18 +19,27 @@ namespace tessel {
 
 // The enumerated plan keys (core/plan/choice.h); each enum's names, in its order, are declared
 // once in config.cpp (choice_names).
-enum class PipelineSchedule {
-  kGpipe,
-  k1F1B,
-  kInterleaved,
-  kZbH1,
-  kZbv
-};                                                              // parallel.pipeline.schedule
-enum class CpMethod { kAllGather, kRing, kAllToAll, kHybrid };  // parallel.context.method
-enum class Recompute { kNone, kSelective, kFull };              // training.recompute
+// parallel.pipeline.schedule, parallel.context.method, parallel.backend, training.recompute,
+// training.kernels, training.schedule.decay, data.format, data.token_dtype,
+// model.moe.router.score:
+enum class PipelineSchedule { kGpipe, k1F1B, kInterleaved, kZbH1, kZbv };
+enum class CpMethod { kAllGather, kRing, kAllToAll, kHybrid };
+enum class Backend { kAuto, kGloo, kNccl };
+enum class Recompute { kNone, kSelective, kFull };
+enum class Kernels { kTessel, kTorch };
+enum class Decay { kCosine, kLinear, kConstant };
+enum class DataFormat { kText, kMegatron, kTokens };
+enum class TokenDtype { kUint16, kUint32 };
+enum class RouterScore { kSoftmax, kSigmoid };
 const std::vector<std::string>& choice_names(PipelineSchedule);
 const std::vector<std::string>& choice_names(CpMethod);
+const std::vector<std::string>& choice_names(Backend);
 const std::vector<std::string>& choice_names(Recompute);
+const std::vector<std::string>& choice_names(Kernels);
+const std::vector<std::string>& choice_names(Decay);
+const std::vector<std::string>& choice_names(DataFormat);
+const std::vector<std::string>& choice_names(TokenDtype);
+const std::vector<std::string>& choice_names(RouterScore);
 /// The plan's name of a value ("zb-h1" for PipelineSchedule::kZbH1).
 template <class E>
 const std::string& name_of(E e) {
@@ -45,11 +54,11 @@ struct RunConfig {
 
 struct MoeConfig {  // model.moe.*: mixture of experts (llama); experts 0: dense
   int64_t experts, top_k, shared_experts;
-  int64_t ffn_hidden;        // 0 = auto (model.ffn_hidden)
-  int64_t every;             // layer i is MoE when (i + 1) % every == 0
-  double capacity_factor;    // 0: dropless
-  std::string router_score;  // softmax | sigmoid (model.moe.router.score)
-  bool norm_topk;            // model.moe.router.norm_topk
+  int64_t ffn_hidden;                // 0 = auto (model.ffn_hidden)
+  int64_t every;                     // layer i is MoE when (i + 1) % every == 0
+  double capacity_factor;            // 0: dropless
+  Choice<RouterScore> router_score;  // model.moe.router.score
+  bool norm_topk;                    // model.moe.router.norm_topk
   double aux_loss_coef;
   double bias_update_rate;  // auxiliary-loss-free balancing: the bias step per optimizer step
 };
@@ -77,9 +86,9 @@ struct ParallelConfig {
   Choice<CpMethod> context_method;  // parallel.context.method
   int64_t context_alltoall_size;    // hybrid: ranks per all-to-all group (context.alltoall_size)
   bool sequence_parallel;
-  std::string order;    // tp-cp-dp-pp
-  std::string backend;  // auto | gloo | nccl
-  double timeout_s;     // collectives and rendezvous
+  std::string order;        // tp-cp-dp-pp
+  Choice<Backend> backend;  // parallel.backend
+  double timeout_s;         // collectives and rendezvous
   double ddp_bucket_mb;
   int64_t zero;  // 0: DDP; 1: optimizer state sharded over dp×cp; 2: + gradients; 3: + parameters
   bool zero3_keep_gathered;                    // ZeRO-3: units gathered once per step (not per use)
@@ -97,7 +106,7 @@ struct OptimizerConfig {
 
 struct LrScheduleConfig {
   int64_t warmup_steps;
-  std::string decay;  // cosine | linear | constant
+  Choice<Decay> decay;  // training.schedule.decay
   double min_lr;
 };
 
@@ -113,8 +122,8 @@ struct TrainingConfig {
   bool tf32;           // CUDA: fp32 matmuls and convolutions on TF32 tensor cores
   bool deterministic;  // deterministic kernels (PyTorch's deterministic algorithms)
   Choice<Recompute> recompute;  // activation checkpointing
-  std::string kernels;  // tessel | torch: Tessel's own fused kernels where they apply, or not
-  bool lean_logits;     // head fused with the loss, in chunks of tokens (parallel/tp/head_loss.h)
+  Choice<Kernels> kernels;      // Tessel's own fused kernels where they apply, or LibTorch's
+  bool lean_logits;  // head fused with the loss, in chunks of tokens (parallel/tp/head_loss.h)
   int64_t
       lean_logits_chunk;  // tokens per chunk; 0: at most 64 MiB (CPU), 1 GiB (GPU) of fp32 logits
   bool cuda_graph;        // CUDA: the steady-state step captured once and replayed
@@ -130,11 +139,11 @@ struct TrainingConfig {
 };
 
 struct DataConfig {
-  std::string format;             // text | megatron | tokens
+  Choice<DataFormat> format;      // data.format
   std::vector<std::string> path;  // files or globs; megatron: prefixes (without .bin/.idx)
   double val_fraction;
   bool shuffle;
-  std::string token_dtype;  // tokens format: uint16 | uint32
+  Choice<TokenDtype> token_dtype;  // data.token_dtype (tokens files)
 };
 
 struct CheckpointConfig {

@@ -94,8 +94,7 @@ void add_moe_fields(FieldAdder& add, Config& c) {
       .range(0);
   add("model.moe.router.score", &c.model.moe.router_score, S("softmax"),
       "Router scores: softmax over experts (Mixtral, Qwen3-MoE) or sigmoid per expert "
-      "(DeepSeek-V3).")
-      .one_of({"softmax", "sigmoid"});
+      "(DeepSeek-V3).");
   add("model.moe.router.norm_topk", &c.model.moe.norm_topk, true,
       "Renormalise the k chosen experts' gate weights to sum to 1 (Mixtral; Qwen3-MoE's "
       "norm_topk_prob).");
@@ -150,8 +149,7 @@ void add_parallel_fields(FieldAdder& add, Config& c) {
       "Rank order, fastest-varying first (tensor-parallel peers share a node).")
       .one_of({"tp-cp-dp-pp"});
   add("parallel.backend", &c.parallel.backend, S("auto"),
-      "Collectives: auto = nccl on CUDA, gloo on CPU.")
-      .one_of({"auto", "gloo", "nccl"});
+      "Collectives: auto = nccl on CUDA, gloo on CPU.");
   add("parallel.timeout_s", &c.parallel.timeout_s, 600.0,
       "Rendezvous and collective timeout; a collective that takes longer fails, naming its group, "
       "operation, sequence number and rank.")
@@ -255,8 +253,7 @@ void add_training_speed_fields(FieldAdder& add, Config& c) {
       "each head's probabilities for backward: 4·heads·seq_len bytes per token and layer); the "
       "same functions within float rounding (docs/performance.md). torch: LibTorch's operators "
       "everywhere (SDPA's flash kernel for attention). Elsewhere (CUDA, bf16, fp16) both run "
-      "LibTorch's.")
-      .one_of({"tessel", "torch"});
+      "LibTorch's.");
   add("training.lean_logits", &c.training.lean_logits, true,
       "Fuse the output head with the cross-entropy and run them a chunk of tokens at a time, "
       "making the gradients as each chunk's logits are made: a micro-batch's [tokens, vocab/tp] "
@@ -305,8 +302,7 @@ void add_training_optimizer_fields(FieldAdder& add, Config& c) {
       "Linear warmup: lr·s/warmup_steps at step s.")
       .range(0);
   add("training.schedule.decay", &c.training.schedule.decay, S("cosine"),
-      "Decay from lr to min_lr over the steps after warmup.")
-      .one_of({"cosine", "linear", "constant"});
+      "Decay from lr to min_lr over the steps after warmup.");
   add("training.schedule.min_lr", &c.training.schedule.min_lr, 0.0, "Final learning rate.")
       .range(0);
 }
@@ -340,8 +336,7 @@ void add_training_loss_scale_fields(FieldAdder& add, Config& c) {
 void add_data_fields(FieldAdder& add, Config& c) {
   add("data.format", &c.data.format, S("text"),
       "text: UTF-8 files as byte tokens 0-255 plus end-of-document 256; megatron: .bin/.idx "
-      "indexed datasets (path = prefix); tokens: flat little-endian token files.")
-      .one_of({"text", "megatron", "tokens"});
+      "indexed datasets (path = prefix); tokens: flat little-endian token files.");
   add("data.path", &c.data.path, Strings{},
       "Files, globs (text, tokens) or prefixes (megatron); relative to the working directory.");
   add("data.val_fraction", &c.data.val_fraction, 0.0,
@@ -349,8 +344,7 @@ void add_data_fields(FieldAdder& add, Config& c) {
       .range(0, 0.5);
   add("data.shuffle", &c.data.shuffle, true,
       "Shuffle the sample order each epoch (a pure function of run.seed and the epoch).");
-  add("data.token_dtype", &c.data.token_dtype, S("uint16"), "Element type of `tokens` files.")
-      .one_of({"uint16", "uint32"});
+  add("data.token_dtype", &c.data.token_dtype, S("uint16"), "Element type of `tokens` files.");
 }
 
 // checkpoint.*

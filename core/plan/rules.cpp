@@ -171,7 +171,7 @@ class Validator {
     require(t.eval_every == 0 || c_.data.val_fraction > 0, "training.eval_every",
             "training.eval_every (" + std::to_string(t.eval_every) +
                 ") needs validation data: data.val_fraction is 0");
-    require(c_.data.format != "text" || m.vocab_size >= 257, "model.vocab_size",
+    require(c_.data.format != DataFormat::kText || m.vocab_size >= 257, "model.vocab_size",
             q("text data has 257 token ids (bytes and end-of-document): model.vocab_size",
               m.vocab_size, "must be >=", "257", 257));
     require(!c_.data.path.empty(), "data.path", "data.path is empty: name the training data");
@@ -207,7 +207,7 @@ class Validator {
     require(t.device == "cuda", "training.cuda_graph",
             "training.cuda_graph needs training.device cuda (it is " + t.device +
                 "): CUDA graphs are a CUDA feature");
-    require(p.backend != "gloo", "parallel.backend",
+    require(p.backend != Backend::kGloo, "parallel.backend",
             why +
                 ": its collectives must be NCCL's (queued on the device); parallel.backend "
                 "gloo waits on the host");

@@ -266,15 +266,15 @@ TokenStream open_stream(const DataConfig& d) {
     const std::string what = e.what();
     return what.rfind("data.", 0) == 0 ? e : UserError("data.path: " + what);
   };
-  if (d.format == "text") {
+  if (d.format == DataFormat::kText) {
     try {
       add_text_files(s, d.path);
     } catch (const UserError& e) {
       throw keyed(e);
     }
-  } else if (d.format == "tokens") {
+  } else if (d.format == DataFormat::kTokens) {
     try {
-      add_token_files(s, d.path, d.token_dtype == "uint16" ? 2 : 4);
+      add_token_files(s, d.path, d.token_dtype == TokenDtype::kUint16 ? 2 : 4);
     } catch (const UserError& e) {
       throw keyed(e);
     }
@@ -292,7 +292,7 @@ TokenStream open_stream(const DataConfig& d) {
 }
 
 void check_token_ids(const Config& c, int64_t rank, int64_t world) {
-  if (c.data.format == "text") return;
+  if (c.data.format == DataFormat::kText) return;
   const auto t0 = std::chrono::steady_clock::now();
   const TokenStream s = open_stream(c.data);
   const int64_t n = s.size(), begin = n * rank / world, end = n * (rank + 1) / world;

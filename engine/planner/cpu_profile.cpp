@@ -53,7 +53,7 @@ class StepKernels {
  public:
   StepKernels(const Config& c, const models::ModelShape& m, torch::ScalarType dtype)
       : llama_(m.arch == "llama"),
-        own_kernels_(c.training.kernels == "tessel" && dtype == torch::kFloat32),
+        own_kernels_(c.training.kernels == Kernels::kTessel && dtype == torch::kFloat32),
         tessel_gelu_(!llama_ && own_kernels_),
         short_attention_(own_kernels_ && c.parallel.cp <= 1 &&
                          kernels::short_attention_applies(torch::kCPU, dtype, c.training.seq_len)) {

@@ -250,7 +250,7 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l, bool cpu) {
   const double kvd = b.kvd = static_cast<double>(m.kv_heads * m.head_dim());
   b.vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
   b.cpu = cpu;
-  b.own_kernels = cpu && t.kernels == "tessel" && b.dtype == torch::kFloat32;
+  b.own_kernels = cpu && t.kernels == Kernels::kTessel && b.dtype == torch::kFloat32;
   b.lanes = pairs_microbatches(c, l.world(), !cpu,
                                t.threads > 0 ? t.threads : int64_t{at::get_num_threads()})
                 ? 2

@@ -53,7 +53,7 @@ models::Decoder make_model(const Config& c, const torch::Device& device, torch::
                           stages, cp, c.parallel.context_method.name(), ep);
   if (!c.model.init_from.empty()) load_weights_file(model, init_weights_file(c.model.init_from));
   model->set_recompute(c.training.recompute.name());
-  model->set_kernels(c.training.kernels);
+  model->set_kernels(c.training.kernels.name());
   model->set_lean_logits(c.training.lean_logits, c.training.lean_logits_chunk);
   model->to(device, dtype);
   torch::NoGradGuard no_grad;
@@ -91,7 +91,7 @@ std::string attention_kernel(const Config& c, const torch::Device& device,
   if (device.is_cuda()) kernels::pin_sdpa_order(dtype, c.training.deterministic);
   const auto kernel =
       kernels::planned_attention_kernel(heads, kv, c.training.seq_len, m.head_dim(), dtype, device,
-                                        !alltoall && c.training.kernels == "tessel");
+                                        !alltoall && c.training.kernels == Kernels::kTessel);
   auto line = fmt::format(
       "{}{} ({} heads, {} key/value heads of {} per rank, {}){}",
       alltoall ? "context parallel (alltoall): " : "",

@@ -15,7 +15,8 @@ namespace {
 
 // training.steps shapes the LR only under a decay that runs to the last step.
 bool steps_shape_the_lr(const Config& a, const Config& b) {
-  return a.training.schedule.decay != "constant" || b.training.schedule.decay != "constant";
+  return a.training.schedule.decay != Decay::kConstant ||
+         b.training.schedule.decay != Decay::kConstant;
 }
 
 int64_t saved_step(const std::string& step_dir) {

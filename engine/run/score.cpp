@@ -198,7 +198,7 @@ ScoreResult score_data(const Config& c, const std::string& weights, const std::s
     }
   } else {
     DataConfig d;
-    d.format = "text";
+    d.format = DataFormat::kText;
     d.path = {data};
     stream = data::open_stream(d);
   }

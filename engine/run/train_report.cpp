@@ -76,8 +76,9 @@ void Trainer::log_state() const {
       gatherer_ ? fmt::format(" (+ gathered units, the largest {:.2f} MiB)",
                               gatherer_->largest_unit_bytes() / 1048576.0)
                 : "");
-  spdlog::info("data {} | {} training samples ({} tokens), {} validation samples", c_.data.format,
-               data_->train_samples(), data_->train_tokens(), data_->val_samples());
+  spdlog::info("data {} | {} training samples ({} tokens), {} validation samples",
+               c_.data.format.name(), data_->train_samples(), data_->train_tokens(),
+               data_->val_samples());
   spdlog::info("device {}: {}", device_.str(), device_why_);
   spdlog::info("attention: {}", attention_);
   spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,

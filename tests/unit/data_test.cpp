@@ -30,7 +30,7 @@ class DataTest : public ::testing::Test {
   }
   Config plan(const std::string& format, std::vector<std::string> path, int64_t seq_len = 8) {
     Config c = load_config_text("data: {path: x}\n", "t.yaml");
-    c.data.format = format;
+    if (!c.data.format.set_name(format)) throw std::invalid_argument("data.format " + format);
     c.data.path = std::move(path);
     c.data.shuffle = false;
     c.training.seq_len = seq_len;

@@ -18,9 +18,9 @@ TEST(LrSchedule, WarmupThenDecay) {
   EXPECT_DOUBLE_EQ(lr_at(t, 2), 1.0);
   EXPECT_DOUBLE_EQ(lr_at(t, 6), 0.1 + 0.9 * 0.5);  // cosine halfway
   EXPECT_DOUBLE_EQ(lr_at(t, 10), 0.1);
-  t.schedule.decay = "linear";
+  t.schedule.decay = Decay::kLinear;
   EXPECT_DOUBLE_EQ(lr_at(t, 4), 0.1 + 0.9 * 0.75);
-  t.schedule.decay = "constant";
+  t.schedule.decay = Decay::kConstant;
   EXPECT_DOUBLE_EQ(lr_at(t, 9), 1.0);
 }
 
