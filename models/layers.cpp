@@ -139,7 +139,8 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
     return down(
         kernels::swiglu(gate->forward_entered(xf), up->forward_entered(xf), tessel_kernels));
   if (!tessel_kernels) return down(torch::gelu(up->forward_entered(xf), "tanh"));
-  if (up->bias.defined() && kernels::gelu_tanh_uses_cpu_kernel(xf))  // the bias added in the GELU's pass
+  if (up->bias.defined() &&
+      kernels::gelu_tanh_uses_cpu_kernel(xf))  // the bias added in the GELU's pass
     return down(kernels::bias_gelu_tanh(up->forward_entered(xf, false), up->bias));
   return down(kernels::gelu_tanh(up->forward_entered(xf)));
 }

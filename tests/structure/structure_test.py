@@ -11,6 +11,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.environ.get("TESSEL_ROOT", os.path.join(HERE, "..", ".."))
 
 
+def tree_writer(root):
+    """write(path, text) under a made-up tree at `root`, making its folders."""
+    def write(path, text):
+        os.makedirs(os.path.dirname(os.path.join(root, path)), exist_ok=True)
+        with open(os.path.join(root, path), "w") as f:
+            f.write(text)
+    return write
+
+
 def check(script, root):
     r = subprocess.run([sys.executable, os.path.join(HERE, script), root], capture_output=True, text=True)
     return r.returncode, r.stdout
@@ -24,10 +33,7 @@ class Layers(unittest.TestCase):
 
     def test_upward_include_is_named(self):
         with tempfile.TemporaryDirectory() as d:
-            def write(path, text):
-                os.makedirs(os.path.dirname(os.path.join(d, path)), exist_ok=True)
-                with open(os.path.join(d, path), "w") as f:
-                    f.write(text)
+            write = tree_writer(d)
             write("LAYERS", "top: run\nmid: models\nlow: plan  # comment\n")
             write("plan/config.h", "#pragma once\n")
             write("models/layers.h", '#pragma once\n#include "plan/config.h"\n')
@@ -45,10 +51,7 @@ class Layers(unittest.TestCase):
 
     def test_circle_between_top_level_folders_is_named(self):
         with tempfile.TemporaryDirectory() as d:
-            def write(path, text):
-                os.makedirs(os.path.dirname(os.path.join(d, path)), exist_ok=True)
-                with open(os.path.join(d, path), "w") as f:
-                    f.write(text)
+            write = tree_writer(d)
             # Every include runs downward, yet engine/ and models/ include each other.
             write("LAYERS", "top: engine/run\nmid: models\nlow: engine/io\n")
             write("engine/io/file.h", "#pragma once\n")
@@ -72,10 +75,7 @@ class Choices(unittest.TestCase):
 
     def test_comparison_is_named(self):
         with tempfile.TemporaryDirectory() as d:
-            def write(path, text):
-                os.makedirs(os.path.dirname(os.path.join(d, path)), exist_ok=True)
-                with open(os.path.join(d, path), "w") as f:
-                    f.write(text)
+            write = tree_writer(d)
             write("core/plan/config.h", "struct P {\n  Choice<PipelineSchedule> pipeline_schedule;\n"
                                         "  std::string arch;\n};\n")
             write("core/plan/config_fields.cpp",
