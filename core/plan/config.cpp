@@ -50,11 +50,16 @@ std::vector<std::string> all_keys() {
   return keys;
 }
 
+// A key's values as --help-config and the errors write them: a|b|c.
+std::string choices_text(const std::vector<std::string>& names) {
+  std::string all;
+  for (const auto& ch : names) all += (all.empty() ? "" : "|") + ch;
+  return all;
+}
+
 // Why `n` is not one of `c`'s names: the same words as a string field's choices.
 std::string not_a_choice(const ChoiceBase& c, const YAML::Node& n) {
-  std::string all;
-  for (const auto& ch : c.names()) all += (all.empty() ? "" : "|") + ch;
-  return "must be one of " + all + ", got '" +
+  return "must be one of " + choices_text(c.names()) + ", got '" +
          (n.IsScalar() ? n.Scalar() : std::string(n.IsMap() ? "a mapping" : "a list")) + "'";
 }
 
@@ -154,9 +159,7 @@ std::string check_field(const Field& f) {
   auto check_choice = [&](const std::string& v, const char* what) -> std::string {
     if (f.choices.empty() || std::find(f.choices.begin(), f.choices.end(), v) != f.choices.end())
       return "";
-    std::string all;
-    for (const auto& ch : f.choices) all += (all.empty() ? "" : "|") + ch;
-    return std::string(what) + "must be one of " + all + ", got '" + v + "'";
+    return std::string(what) + "must be one of " + choices_text(f.choices) + ", got '" + v + "'";
   };
   if (auto* p = std::get_if<std::string*>(&f.ref)) return check_choice(**p, "");
   if (auto* p = std::get_if<std::vector<std::string>*>(&f.ref))
@@ -353,9 +356,7 @@ std::string Field::type_name() const {
         if constexpr (std::is_same_v<T, double>) return "float";
         if constexpr (std::is_same_v<T, bool>) return "bool";
         if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, ChoiceBase>) {
-          std::string all;
-          for (const auto& ch : choices) all += (all.empty() ? "" : "|") + ch;
-          return choices.empty() ? "string" : all;
+          return choices.empty() ? "string" : choices_text(choices);
         }
         if constexpr (std::is_same_v<T, std::vector<double>>) return "list of float";
         return "list of string";
