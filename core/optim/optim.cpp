@@ -1,5 +1,6 @@
 #include "core/optim/optim.h"
 
+#include "core/kernels/accumulate.h"
 #include "core/observe/counters.h"
 
 #include <fmt/format.h>
@@ -279,7 +280,7 @@ void FlatAdamW::finish_load(const torch::Tensor& step, const std::string& source
 
 void FlatAdamW::fold_microbatch(int64_t begin, int64_t end) {
   if (!grads16_.defined() || end <= begin) return;
-  grad_.narrow(0, begin, end - begin).add_(grads16_.narrow(0, begin, end - begin));
+  kernels::add_widened(grad_.narrow(0, begin, end - begin), grads16_.narrow(0, begin, end - begin));
   grads16_.narrow(0, begin, end - begin).zero_();
 }
 

@@ -377,17 +377,62 @@ constexpr double kGpt2TorchBlockOps = 100, kLlamaTorchBlockOps = 200;
 constexpr double kBlockPasses = 20, kHeadPasses = 8, kOptimizerPasses = 12;
 
 // One stage's bytes: its parameters' state between steps and what a step adds at its peak.
-// The last stage's head and loss at their peak. Whole logits: the head's output and the loss's
-// fp32 softmax/gradient buffer for every token. Lean logits (parallel/tp/head_loss.h): one
-// chunk's output and fp32 copy, the fp32 weight gradient and the input's gradient.
-double head_bytes(const TrainingConfig& t, const PlanBasis& b) {
+// The last stage's head and loss: what each micro-batch keeps from its forward to its backward,
+// and what the loss allocates while it runs. Whole logits: the head's output and the loss's fp32
+// softmax/gradient buffer for every token, kept. Lean logits (parallel/tp/head_loss.h): forward
+// makes the gradients, kept for backward (the fp32 weight gradient and the input's); while it
+// runs, one chunk's output and its fp32 copy.
+struct HeadBytes {
+  double kept, transient;
+};
+HeadBytes head_bytes(const TrainingConfig& t, const PlanBasis& b) {
   const double w = b.w, tok = b.tok, v = b.vocab_local;
-  if (!t.lean_logits) return tok * v * (w + 4);
+  if (!t.lean_logits) return {tok * v * (w + 4), 0.0};
   const double chunk = std::min(
       tok, static_cast<double>(t.lean_logits_chunk > 0 ? t.lean_logits_chunk
                                                        : parallel::tp::default_head_chunk_rows(
                                                              static_cast<int64_t>(v), !b.cpu)));
-  return chunk * v * (w == 4 ? 4 : w + 4) + v * b.h * 4 + tok * b.h * w;
+  return {v * b.h * 4 + tok * b.h * w, chunk * v * (w == 4 ? 4 : w + 4)};
+}
+
+// A pipeline rank: the most it holds over the simulated run of its schedule. A micro-batch chunk
+// holds its saved activations from F to B (the first chunk also the embedding's output, a chunk
+// that receives its input that input, the leaf its gradient goes back from; the last chunk
+// `last_kept`, the head's). Zero-bubble schedules: past B, until its W, each linear layer's input
+// and output gradient (q/k/v share an input, as up/gate do) and the gradients B computed for
+// every other parameter of the chunk (norms, biases, embeddings, the head, the router and
+// experts), which W hands over with the linear weights' (parallel/pp/weight_grad.h). Over Gloo
+// (CPU) every tensor sent stays until the step's end, where its send is waited for. A backward
+// works on about half a block's activations more.
+double pipeline_held(const parallel::Layout& l, const PlanBasis& b, int64_t stage,
+                     const models::StagePart& part, double last_kept) {
+  const auto& m = b.m;
+  const double h = b.h, tp = b.tp, kvd = b.kvd, w = b.w, tok = b.tok;
+  const double f = static_cast<double>(m.ffn_hidden) / tp;
+  const double kept = 3 * h + f + (h + 2 * kvd) / tp + 2 * h + (m.arch == "llama" ? 2 : 1) * f;
+  const double mlp_mats = m.arch == "llama" ? 3.0 : 2.0;
+  const double attention_weights = (2 * h * h + 2 * h * kvd) / tp;  // q, k, v, o
+  const double mlp_weights = mlp_mats * h * f;
+  const double shared_weights =
+      mlp_mats * h * static_cast<double>(m.moe.shared * m.moe.ffn_hidden) / tp;
+  std::vector<parallel::pp::ChunkBytes> bytes;
+  for (const auto& [begin, end] : part.chunks) {
+    const models::StagePart one{{{begin, end}}, part.first && begin == 0,
+                                part.last && end == m.layers};
+    const double layers = static_cast<double>(end - begin);
+    const double moe = static_cast<double>(moe_layers_in(m, one));
+    const double linear = layers * attention_weights + (layers - moe) * mlp_weights +
+                          moe * shared_weights;  // the weights W computes
+    const double params = static_cast<double>(models::parameters_on_rank(m, l.tp, one, l.ep));
+    parallel::pp::ChunkBytes c;
+    c.whole = (layers - moe) * b.per_layer + moe * b.per_moe_layer +
+              (one.first ? tok * h * w : b.act_row) + (one.last ? last_kept : 0.0);
+    c.deferred = layers * w * tok * kept + w * std::max(0.0, params - linear);
+    c.sent_forward = b.cpu && !one.last ? b.act_row : 0.0;
+    c.sent_backward = b.cpu && !one.first ? b.act_row : 0.0;
+    bytes.push_back(c);
+  }
+  return parallel::pp::peak_held(b.sim, stage, bytes, 0.5 * b.per_layer);
 }
 
 RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const PlanBasis& b,
@@ -410,25 +455,17 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   r.optimizer = static_cast<double>(state.optimizer + expert_state.optimizer);
   const int64_t chunks = std::max<int64_t>(1, static_cast<int64_t>(part.chunks.size()));
   r.inflight = l.pp > 1 ? b.sim.peak_activations[static_cast<size_t>(stage)] : b.lanes;
-  const double layers_per_chunk = static_cast<double>(r.layers) / static_cast<double>(chunks);
   const double moe_layers = static_cast<double>(moe_layers_in(m, part));
   r.activations =
       static_cast<double>(r.inflight) *
       ((static_cast<double>(r.layers) - moe_layers) * b.per_layer + moe_layers * b.per_moe_layer) /
       static_cast<double>(chunks);
-  if (l.pp > 1 && b.sim.peak_deferred[static_cast<size_t>(stage)] > 0) {
-    // Zero-bubble schedules: past B a micro-batch holds, until its W, only each linear layer's
-    // input and output gradient (q/k/v share an input, as up/gate do): the peak over the
-    // simulated run of whole micro-batches and these.
-    const double f = static_cast<double>(m.ffn_hidden) / tp;
-    const double kept = 3 * h + f + (h + 2 * kvd) / tp + 2 * h + (m.arch == "llama" ? 2 : 1) * f;
-    r.activations = parallel::pp::peak_held(b.sim, stage, layers_per_chunk * b.per_layer,
-                                            layers_per_chunk * w * tok * kept);
-  }
-  if (part.first) r.activations += static_cast<double>(r.inflight) * tok * h * w;
-  // A chunk that receives its input keeps it (the leaf its gradient goes back from) until B.
-  const double receiving = static_cast<double>(chunks - (part.first ? 1 : 0)) / chunks;
-  if (l.pp > 1) r.activations += static_cast<double>(r.inflight) * receiving * b.act_row;
+  const auto head = head_bytes(t, b);
+  const double last_kept = head.kept + (a.outside - 1) * tok * h * w;
+  if (l.pp > 1)
+    r.activations = pipeline_held(l, b, stage, part, last_kept);
+  else
+    r.activations += static_cast<double>(r.inflight) * (tok * h * w + (part.last ? last_kept : 0));
   if (t.recompute != Recompute::kNone &&
       r.layers > 0) {  // one block (full) or MLP (selective) rerun
     const auto none = activation_model(m, Recompute::kNone, b.own_kernels, b.cpu);
@@ -441,10 +478,16 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
     r.activations += a.rerun * w * tok * rerun_floats +
                      (t.recompute == Recompute::kFull ? b.short_attention * tok : 0.0);
   }
-  if (part.last)
-    r.activations +=
-        static_cast<double>(b.lanes) * (head_bytes(t, b) + (a.outside - 1) * tok * h * w);
+  if (part.last) r.activations += static_cast<double>(b.lanes) * head.transient;
   add_zero_buffers(r, c, b);
+  // After backward, the gradient norm (core/optim/optim.cpp clip_grad_norm): on the CPU each of
+  // its chunks of at most 2^14 elements is copied to fp64 in turn, the step's peak when the
+  // activations are smaller (CUDA reads each chunk in its own dtype).
+  if (b.cpu) {
+    const double shard = static_cast<double>(r.params) /
+                         static_cast<double>(b.zero > 0 ? b.data_ranks : 1);
+    r.activations = std::max(r.activations, 8.0 * std::min(16384.0, shard));
+  }
   return r;
 }
 

@@ -122,9 +122,17 @@ struct Simulation {
   bool ordered_messages = true;
 };
 
-/// The most rank `rank` holds at once in the simulated run, when a micro-batch chunk holds `whole`
-/// from its forward to its backward (or B) and `deferred` from its B to its W.
-double peak_held(const Simulation& sim, int64_t rank, double whole, double deferred);
+/// What one micro-batch of a rank's local chunk holds: `whole` from its forward to its backward
+/// (or B), `deferred` from its B to its W; what its forward and backward send (kept to the step's
+/// end, when sends are waited for only then).
+struct ChunkBytes {
+  double whole = 0, deferred = 0, sent_forward = 0, sent_backward = 0;
+};
+
+/// The most rank `rank` holds at once in the simulated run, chunks[c] being its local chunk c's
+/// bytes and `backward_transient` what a backward (or B) works on above what is held.
+double peak_held(const Simulation& sim, int64_t rank, const std::vector<ChunkBytes>& chunks,
+                 double backward_transient);
 
 /// Runs the lists with the given unit times as the executor runs them over Gloo: sends never
 /// block, a receive is posted where it stands, and a pass waits for its inputs: a forward for its

@@ -241,26 +241,31 @@ Simulation simulate(const Schedule& s, double forward_time, double backward_time
   return sim;
 }
 
-double peak_held(const Simulation& sim, int64_t rank, double whole, double deferred) {
+double peak_held(const Simulation& sim, int64_t rank, const std::vector<ChunkBytes>& chunks,
+                 double backward_transient) {
   double now = 0, peak = 0;
   for (const auto& slot : sim.timeline[static_cast<size_t>(rank)]) {
+    const auto& c = chunks.at(static_cast<size_t>(slot.action.chunk));
+    double during = 0;
     switch (slot.action.op) {
       case Op::kForward:
-        now += whole;
+        now += c.whole + c.sent_forward;
         break;
       case Op::kBackward:
-        now -= whole;
+        during = backward_transient;
+        now += c.sent_backward - c.whole;
         break;
       case Op::kBackwardInput:
-        now += deferred - whole;
+        during = backward_transient;
+        now += c.sent_backward + c.deferred - c.whole;
         break;
       case Op::kBackwardWeight:
-        now -= deferred;
+        now -= c.deferred;
         break;
       default:
         break;
     }
-    peak = std::max(peak, now);
+    peak = std::max(peak, now + during);
   }
   return peak;
 }

@@ -79,29 +79,35 @@ void WeightGrads::defer(const torch::Tensor& param, std::function<torch::Tensor(
 }
 
 void WeightGrads::deliver() {
-  std::vector<torch::Tensor> params, grads;
+  // Grouped by parameter (in first-seen order), then each parameter's gradient computed, summed
+  // in item order and accumulated on its own: one parameter's gradient lives at a time, not the
+  // whole chunk's (W's transient memory is its largest parameter, not its weights), and each
+  // parameter's hooks fire once, as they would in a plain backward.
+  std::vector<std::vector<size_t>> by_param;
   std::unordered_map<const void*, size_t> at;
-  {
-    torch::NoGradGuard no_grad;
-    for (auto& item : items_) {
-      auto g = item.later ? item.later() : std::move(item.grad);
-      if (!g.defined()) continue;
-      auto [it, fresh] = at.emplace(item.param.unsafeGetTensorImpl(), params.size());
-      if (fresh) {
-        params.push_back(item.param);
-        grads.push_back(std::move(g));
-      } else {
-        grads[it->second] = grads[it->second] + g;
+  for (size_t i = 0; i < items_.size(); ++i) {
+    auto [it, fresh] = at.emplace(items_[i].param.unsafeGetTensorImpl(), by_param.size());
+    if (fresh) by_param.emplace_back();
+    by_param[it->second].push_back(i);
+  }
+  for (const auto& indices : by_param) {
+    torch::Tensor grad;
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i : indices) {
+        auto& item = items_[i];
+        auto g = item.later ? item.later() : std::move(item.grad);
+        item.later = nullptr;
+        if (g.defined()) grad = grad.defined() ? grad + g : std::move(g);
       }
     }
+    if (!grad.defined()) continue;
+    const auto& param = items_[indices.front()].param;
+    torch::autograd::Engine::get_default_engine().execute(
+        {torch::autograd::impl::gradient_edge(param)}, {grad}, /*keep_graph=*/false,
+        /*create_graph=*/false, /*accumulate_grad=*/true, {});
   }
   items_.clear();
-  if (params.empty()) return;
-  torch::autograd::edge_list roots;
-  for (const auto& p : params) roots.push_back(torch::autograd::impl::gradient_edge(p));
-  torch::autograd::Engine::get_default_engine().execute(roots, grads, /*keep_graph=*/false,
-                                                        /*create_graph=*/false,
-                                                        /*accumulate_grad=*/true, {});
 }
 
 Deferring::Deferring(WeightGrads& store) {

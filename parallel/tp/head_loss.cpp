@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "core/kernels/accumulate.h"
 #include "parallel/autograd_comm.h"
 #include "parallel/tp/layers.h"
 
@@ -54,7 +55,7 @@ struct FusedHeadCrossEntropy : torch::autograd::Function<FusedHeadCrossEntropy> 
       if (y.scalar_type() == torch::kFloat32)
         dw.addmm_(dl.t(), yc);  // [Vl, h]
       else  // the matmul in the model's dtype (tensor cores), summed over chunks in fp32
-        dw.add_(torch::mm(dl.t(), yc));
+        kernels::add_widened(dw, torch::mm(dl.t(), yc));  // no fp32 copy of the product
     }
     ctx->save_for_backward({dy, dw});
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());

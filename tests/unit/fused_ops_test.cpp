@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "core/kernels/accumulate.h"
 #include "core/kernels/fused_ops.h"
+#include "core/observe/counters.h"
 
 namespace tessel::testing {
 namespace {
@@ -122,6 +124,27 @@ TEST(FusedOps, OffOrNotFp32CpuRunsTheComposite) {
   auto x32 = x.to(torch::kFloat32);
   auto want = (x32 * torch::rsqrt(x32.pow(2).mean(-1, true) + 1e-6)).to(torch::kFloat64);
   EXPECT_TRUE(torch::allclose(y, want, 0, 0));
+}
+
+// The fold of a micro-batch's 16-bit gradients: the same bits as LibTorch's mixed-dtype add_, with
+// no full-size temporary (LibTorch's CPU add_ casts the whole input to fp32 first).
+TEST(Accumulate, AddsA16BitGradientIntoFp32BitwiseWithoutACopy) {
+  torch::manual_seed(4);
+  auto& counter = CpuAllocationCounter::get();
+  for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    const int64_t n = 100003;  // not a multiple of a thread's share
+    auto acc = torch::randn({n}) * 3, g = torch::randn({n}).to(dtype);
+    auto want = acc.clone();
+    want.add_(g);
+    counter.take_peak();
+    const int64_t before = counter.now();
+    kernels::add_widened(acc, g);
+    EXPECT_LT(counter.take_peak() - before, 4096) << "a temporary the size of the gradient";
+    EXPECT_TRUE(torch::equal(acc, want)) << dtype;
+  }
+  auto acc = torch::zeros({5});  // same dtype: LibTorch's add_
+  kernels::add_widened(acc, torch::ones({5}));
+  EXPECT_TRUE(torch::equal(acc, torch::ones({5})));
 }
 
 }  // namespace
