@@ -27,15 +27,15 @@ void release(c10::intrusive_ptr<c10d::Work>& w) {
   w.reset();
 }
 
-// Reduce-scatter over Gloo, which has none: all-reduce a copy of the input, then take this rank's
-// chunk. c10d's own emulation does the same, but wraps the all-reduce in a work of its own, so the
+// Reduce-scatter over Gloo, which has none: all-reduce a copy of the input (the input itself when
+// the caller gives it up), then take this rank's chunk. c10d's own emulation does the same, but wraps the all-reduce in a work of its own, so the
 // copy escaped release() above.
 class GlooReduceScatter final : public c10d::Work {
  public:
   GlooReduceScatter(c10d::Backend& gloo, torch::Tensor out, const torch::Tensor& in,
-                    c10d::ReduceOp op)
+                    c10d::ReduceOp op, bool scratch_input)
       : out_(std::move(out)),
-        copy_(in.flatten().clone()),
+        copy_(scratch_input && in.is_contiguous() ? in.view(-1) : in.flatten().clone()),
         rank_(gloo.getRank()),
         size_(gloo.getSize()) {
     std::vector<at::Tensor> v{copy_};
@@ -211,7 +211,8 @@ Work Group::all_gather(torch::Tensor& out, torch::Tensor& in) {
   return finish(backend("all_gather")._allgather_base(h_out, h_in), out, h_out, "all_gather");
 }
 
-Work Group::reduce_scatter(torch::Tensor& out, torch::Tensor& in, c10d::ReduceOp op) {
+Work Group::reduce_scatter(torch::Tensor& out, torch::Tensor& in, c10d::ReduceOp op,
+                           bool scratch_input) {
   TORCH_CHECK(in.numel() == out.numel() * size(), "reduce_scatter: in has ", in.numel(),
               " elements, want ", out.numel() * size());
   if (size() == 1) {
@@ -221,8 +222,9 @@ Work Group::reduce_scatter(torch::Tensor& out, torch::Tensor& in, c10d::ReduceOp
   bytes_ += in.numel() * in.element_size();
   if (backend("reduce_scatter").getBackendName() == "gloo") {
     auto h_out = staged(out) ? torch::empty_like(out, torch::kCPU) : out;
-    return finish(c10::make_intrusive<GlooReduceScatter>(*backend_, h_out, host(in), op), out,
-                  h_out, "reduce_scatter");
+    return finish(
+        c10::make_intrusive<GlooReduceScatter>(*backend_, h_out, host(in), op, scratch_input), out,
+        h_out, "reduce_scatter");
   }
   c10d::ReduceScatterOptions o;
   o.reduceOp = op;

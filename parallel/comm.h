@@ -108,9 +108,11 @@ class Group {
   Work reduce(torch::Tensor& t, int64_t root, c10d::ReduceOp op = c10d::ReduceOp::SUM);
   /// out: [size·n] <- every rank's in: [n] (contiguous), in rank order.
   Work all_gather(torch::Tensor& out, torch::Tensor& in);
-  /// out: [n] <- reduction of every rank's slice r of in: [size·n].
+  /// out: [n] <- reduction of every rank's slice r of in: [size·n]. `scratch_input`: the caller
+  /// drops `in` after the wait, so its contents may be overwritten (Gloo, which has no
+  /// reduce-scatter, then all-reduces `in` itself rather than a copy of it).
   Work reduce_scatter(torch::Tensor& out, torch::Tensor& in,
-                      c10d::ReduceOp op = c10d::ReduceOp::SUM);
+                      c10d::ReduceOp op = c10d::ReduceOp::SUM, bool scratch_input = false);
   /// out and in: [size·n]; slice j of in goes to rank j, slice r of out comes from rank r.
   /// With split sizes (rows of dim 0, one per rank): in_rows[j] rows of `in` go to rank j, and
   /// out_rows[r] rows of `out` come from rank r.

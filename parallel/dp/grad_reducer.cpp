@@ -97,7 +97,8 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
     if (++st.ready < b.params) return;
     st.ready = 0, st.reduced = true;
     st.piece = torch::empty({layout.piece_numel(b)}, st.buffer.options());
-    st.work = dp_cp.reduce_scatter(st.piece, st.buffer);
+    st.work = dp_cp.reduce_scatter(st.piece, st.buffer, c10d::ReduceOp::SUM,
+                                   /*scratch_input=*/true);  // dropped once drained
     if (on_bucket_done) on_bucket_done(index);
     // Bound the transient gradient memory: with more than kInFlight buckets reducing, the
     // oldest is waited for and folded into the shard (it has had the others' time to finish).

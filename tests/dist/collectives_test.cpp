@@ -101,6 +101,21 @@ TEST(Collectives, WaitFreesWhatTheCollectiveHeld) {
   }
 }
 
+// A reduce-scatter whose input the caller gives up (ZeRO-2/3's transient buckets) allocates nothing
+// the size of it: Gloo, which has no reduce-scatter, all-reduces the input itself, not a copy.
+TEST(Collectives, ReduceScatterOfAScratchInputMakesNoCopy) {
+  auto& g = group();
+  auto& counter = tessel::CpuAllocationCounter::get();
+  const int64_t k = 1 << 14;
+  auto in = torch::full({static_cast<int64_t>(n()) * k}, r() + 1);
+  auto out = torch::empty({k});
+  counter.take_peak();
+  const int64_t before = counter.now();
+  g.reduce_scatter(out, in, c10d::ReduceOp::SUM, /*scratch_input=*/true).wait();
+  EXPECT_LT(counter.take_peak() - before, k * 4) << "a copy of the input";
+  EXPECT_TRUE(torch::equal(out, torch::full({k}, n() * (n() + 1) / 2)));
+}
+
 TEST(AutogradPairs, CopyToAndReduceFrom) {
   auto& g = group();
   auto x = torch::full({2, 3}, r() + 1).requires_grad_();
