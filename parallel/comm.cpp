@@ -48,7 +48,8 @@ class GlooReduceScatter final : public c10d::Work {
     if (!allreduce_) return true;
     allreduce_->wait(timeout);
     release(allreduce_);
-    out_.copy_(copy_.chunk(size_)[rank_].view_as(out_));
+    auto mine = copy_.chunk(size_)[rank_];
+    if (mine.data_ptr() != out_.data_ptr()) out_.copy_(mine.view_as(out_));  // else in place
     copy_ = torch::Tensor();
     return true;
   }

@@ -25,7 +25,6 @@ GradReducer::GradReducer(const Mesh& mesh, const std::vector<NamedParam>& params
     : mesh_(mesh),
       opt_(opt),
       reduce_(mesh.dp_cp().size() > 1 || opt.zero() >= 2),
-      in_place_(mesh.dp_cp().is_nccl()),
       once_(((opt.zero() == 2 && mesh.layout().pp > 1) || (opt.zero() == 3 && keep_gathered)) &&
             !opt.low_precision()),
       wait_(time_on_device(mesh.device(), mesh.dp_cp().backend_name())) {
@@ -96,9 +95,12 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
     const_cast<torch::autograd::Variable&>(p).mutable_grad() = torch::Tensor();
     if (++st.ready < b.params) return;
     st.ready = 0, st.reduced = true;
-    st.piece = torch::empty({layout.piece_numel(b)}, st.buffer.options());
+    // In place: this rank's piece of the buffer receives the sum (the buffer is dropped once
+    // drained, so Gloo may all-reduce it whole).
+    const int64_t piece = layout.piece_numel(b);
+    st.piece = st.buffer.narrow(0, b.shard_rank * piece, piece);
     st.work = dp_cp.reduce_scatter(st.piece, st.buffer, c10d::ReduceOp::SUM,
-                                   /*scratch_input=*/true);  // dropped once drained
+                                   /*scratch_input=*/true);
     if (on_bucket_done) on_bucket_done(index);
     // Bound the transient gradient memory: with more than kInFlight buckets reducing, the
     // oldest is waited for and folded into the shard (it has had the others' time to finish).
@@ -118,10 +120,10 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
     st.work = dp_cp.all_reduce(whole);
     return;
   }
-  auto mine = opt_.grad().narrow(0, layout.piece_flat(b), layout.piece_numel(b));
-  // NCCL reduce-scatters in place (output = input + rank·count); Gloo gets a separate output.
-  st.piece = in_place_ ? mine : torch::empty_like(mine);
-  st.work = dp_cp.reduce_scatter(st.piece, whole);
+  // In place (output = input + rank·count): NCCL natively; Gloo all-reduces the bucket itself, not
+  // a copy (the other ranks' pieces of this rank's gradient are not read again this step).
+  st.piece = opt_.grad().narrow(0, layout.piece_flat(b), layout.piece_numel(b));
+  st.work = dp_cp.reduce_scatter(st.piece, whole, c10d::ReduceOp::SUM, /*scratch_input=*/true);
 }
 
 void GradReducer::check_complete(size_t i) const {
@@ -145,11 +147,8 @@ void GradReducer::drain(size_t i) {
     live_bucket_bytes_ -= st.buffer.numel() * 4;
     st.buffer = torch::Tensor();
     st.piece = torch::Tensor();
-  } else if (opt_.zero() == 1 && !in_place_) {
-    opt_.grad()
-        .narrow(0, opt_.layout().piece_flat(b), opt_.layout().piece_numel(b))
-        .copy_(st.piece);
-    st.piece = torch::Tensor();
+  } else if (opt_.zero() == 1) {
+    st.piece = torch::Tensor();  // a view of the gradient, reduced in place
   }
 }
 

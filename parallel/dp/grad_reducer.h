@@ -89,7 +89,6 @@ class GradReducer {
   std::vector<std::pair<int64_t, int64_t>> chunk_range_;  // flat range of each chunk's slots
   std::vector<bool> final_;                               // per chunk, during its last backward
   bool reduce_ = false;    // anything to do: dp×cp > 1, or gradients sharded
-  bool in_place_ = false;  // NCCL reduce-scatters and all-gathers in place
   bool once_ = false;  // fp32 ZeRO-2 with pp > 1 or ZeRO-3 kept gathered: reduce-scatter at each
                        // chunk's last backward
   SpanTimer wait_;
