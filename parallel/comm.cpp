@@ -60,6 +60,39 @@ class GlooReduceScatter final : public c10d::Work {
   int64_t rank_, size_;
 };
 
+// All-gather over Gloo straight into the output: one in-place broadcast per rank of its slice.
+// c10d's Gloo all-gather stages the whole output in a flat buffer of its own while it runs (the
+// whole weights for ZeRO-1's gather of the updated weights, alive or not at the step's peak as
+// Gloo's worker threads happen to run); the broadcasts move the same bytes, exactly.
+class GlooAllGather final : public c10d::Work {
+ public:
+  GlooAllGather(c10d::Backend& gloo, const torch::Tensor& out, const torch::Tensor& in) {
+    const int64_t n = gloo.getSize(), k = in.numel();
+    auto flat = out.view(-1);
+    flat.narrow(0, gloo.getRank() * k, k).copy_(in.reshape(-1));
+    for (int64_t r = 0; r < n; ++r) {
+      std::vector<at::Tensor> slice{flat.narrow(0, r * k, k)};
+      c10d::BroadcastOptions o;
+      o.rootRank = r;
+      works_.push_back(gloo.broadcast(slice, o));
+    }
+  }
+  bool isCompleted() override {
+    return std::all_of(works_.begin(), works_.end(), [](const auto& w) { return !w || w->isCompleted(); });
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    for (auto& w : works_)
+      if (w) {
+        w->wait(timeout);
+        release(w);
+      }
+    return true;
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+};
+
 // Gloo on CUDA tensors (several ranks sharing one GPU, where NCCL cannot run): every Gloo call gets
 // CPU copies, and wait() copies results back into the CUDA tensors. Gloo's send/recv and some of
 // its collectives take raw pointers and would read device memory from the host; staging them all
@@ -209,7 +242,10 @@ Work Group::all_gather(torch::Tensor& out, torch::Tensor& in) {
   bytes_ += out.numel() * out.element_size();
   auto h_out = staged(out) ? torch::empty_like(out, torch::kCPU) : out;
   auto h_in = host(in);
-  return finish(backend("all_gather")._allgather_base(h_out, h_in), out, h_out, "all_gather");
+  auto& b = backend("all_gather");
+  if (b.getBackendName() == "gloo" && h_out.is_contiguous())
+    return finish(c10::make_intrusive<GlooAllGather>(b, h_out, h_in), out, h_out, "all_gather");
+  return finish(b._allgather_base(h_out, h_in), out, h_out, "all_gather");
 }
 
 Work Group::reduce_scatter(torch::Tensor& out, torch::Tensor& in, c10d::ReduceOp op,

@@ -325,17 +325,6 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const TrainingConfig& t
 void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
   const auto& t = c.training;
   const double w = b.w, block = b.block;
-  if (b.zero == 1 && b.cpu && b.data_ranks > 1) {
-    // ZeRO-1 gathers the updated weights at the step's start, every bucket at once, each block
-    // waiting for its own. Gloo's all-gather holds a flat copy of its input and of its output
-    // until then: the whole weights and this rank's share, the peak where the activations are
-    // small (measured: zero1_dp2_llama 371.8 KB against 366.6 predicted so, 2026-11-27). NCCL
-    // gathers in place. (ZeRO-2 gathers the same way, but its measured peaks, 1.19-1.35 times
-    // the weights at dp 2-4, follow no such rule yet: its own term below stands.)
-    const double staging =
-        w * static_cast<double>(r.params) * (1.0 + 1.0 / static_cast<double>(b.data_ranks));
-    r.activations = std::max(r.activations, staging);
-  }
   const double one_microbatch =
       r.inflight > 1 ? r.activations / static_cast<double>(r.inflight) : 0.0;
   if (b.zero == 2)  // gradient buckets being reduced (half the fp32 gradient at the peak, as
@@ -351,18 +340,20 @@ void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
     r.gathered = w * static_cast<double>(r.params);
     r.activations += r.gathered;
     if (!reduce_once(b))  // bf16/fp16: buckets reduced per micro-batch, as below
-      r.activations += 4.0 * std::min(static_cast<double>(r.params), 3 * block);
+      r.activations += 4.0 * std::min(static_cast<double>(r.params), 2 * block);
   } else if (b.zero == 3) {
     // At the peak, the root unit and blocks: without recomputation the peak is where backward
     // begins (the last block gathered); with it, the saved activations are smaller and the
-    // peak moves into backward, where the block being differentiated, its prefetched
-    // neighbour and the one being released are gathered at once (measured: 3 blocks).
+    // peak moves into backward, where the block being differentiated and its prefetched
+    // neighbour are gathered at once (2 blocks, measured once Gloo's all-gather stopped staging
+    // its output, 2026-11-27; 3 before).
     const double blocks = std::min<double>(static_cast<double>(r.layers),
-                                           t.recompute == Recompute::kNone ? 1.0 : 3.0);
+                                           t.recompute == Recompute::kNone ? 1.0 : 2.0);
     r.gathered = w * (static_cast<double>(r.params) - r.layers * block + blocks * block);
-    // Plus the gradient buckets in flight: up to three units' fp32 gradients wait for their
-    // reduce-scatter (measured with the allocator counting from the first byte, 2026-11-25).
-    r.activations += r.gathered + 4.0 * std::min(static_cast<double>(r.params), 3 * block);
+    // Plus the gradient buckets in flight: two units' fp32 gradients wait for their
+    // reduce-scatter (parallel/dp/grad_reducer.h; fitted on the parity table's ZeRO-3 rows,
+    // 2026-11-27).
+    r.activations += r.gathered + 4.0 * std::min(static_cast<double>(r.params), 2 * block);
   }
 }
 
@@ -395,6 +386,17 @@ HeadBytes head_bytes(const TrainingConfig& t, const PlanBasis& b) {
   return {v * b.h * 4 + tok * b.h * w, chunk * v * (w == 4 ? 4 : w + 4)};
 }
 
+// The activations of one block (full recomputation) or one MLP (selective) that backward reruns.
+double rerun_bytes(const Config& c, const PlanBasis& b) {
+  const auto& m = b.m;
+  const auto none = activation_model(m, Recompute::kNone, b.own_kernels, b.cpu);
+  const double floats = c.training.recompute == Recompute::kFull
+                            ? none.replicated * b.h / (b.sp ? b.tp : 1.0) +
+                                  (none.attn * b.h + none.kv * b.kvd + none.ffn * m.ffn_hidden) / b.tp
+                            : none.ffn * m.ffn_hidden / b.tp;
+  return b.w * b.tok * floats;
+}
+
 // A pipeline rank: the most it holds over the simulated run of its schedule. A micro-batch chunk
 // holds its saved activations from F to B (the first chunk also the embedding's output, a chunk
 // that receives its input that input, the leaf its gradient goes back from; the last chunk
@@ -403,9 +405,9 @@ HeadBytes head_bytes(const TrainingConfig& t, const PlanBasis& b) {
 // every other parameter of the chunk (norms, biases, embeddings, the head, the router and
 // experts), which W hands over with the linear weights' (parallel/pp/weight_grad.h). Over Gloo
 // (CPU) every tensor sent stays until the step's end, where its send is waited for. A backward
-// works on about half a block's activations more.
+// works on about half a block's activations more (and a recomputed block or MLP, `rerun`, whole).
 double pipeline_held(const parallel::Layout& l, const PlanBasis& b, int64_t stage,
-                     const models::StagePart& part, double last_kept) {
+                     const models::StagePart& part, double last_kept, double rerun) {
   const auto& m = b.m;
   const double h = b.h, tp = b.tp, kvd = b.kvd, w = b.w, tok = b.tok;
   const double f = static_cast<double>(m.ffn_hidden) / tp;
@@ -432,7 +434,7 @@ double pipeline_held(const parallel::Layout& l, const PlanBasis& b, int64_t stag
     c.sent_backward = b.cpu && !one.first ? b.act_row : 0.0;
     bytes.push_back(c);
   }
-  return parallel::pp::peak_held(b.sim, stage, bytes, 0.5 * b.per_layer);
+  return parallel::pp::peak_held(b.sim, stage, bytes, 0.5 * b.per_layer + rerun);
 }
 
 RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const PlanBasis& b,
@@ -440,8 +442,7 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   const auto& t = c.training;
   const auto& m = b.m;
   const auto& a = b.a;
-  const bool sp = b.sp;
-  const double w = b.w, tok = b.tok, h = b.h, tp = b.tp, kvd = b.kvd;
+  const double w = b.w, tok = b.tok, h = b.h;
   RankEstimate r;
   r.stage = stage;
   r.params = models::parameters_on_rank(m, l.tp, part, l.ep);
@@ -463,20 +464,20 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   const auto head = head_bytes(t, b);
   const double last_kept = head.kept + (a.outside - 1) * tok * h * w;
   if (l.pp > 1)
-    r.activations = pipeline_held(l, b, stage, part, last_kept);
+    r.activations = pipeline_held(l, b, stage, part, last_kept, 0.0);
   else
     r.activations += static_cast<double>(r.inflight) * (tok * h * w + (part.last ? last_kept : 0));
-  if (t.recompute != Recompute::kNone &&
-      r.layers > 0) {  // one block (full) or MLP (selective) rerun
-    const auto none = activation_model(m, Recompute::kNone, b.own_kernels, b.cpu);
-    const double rerun_floats =
-        t.recompute == Recompute::kFull
-            ? none.replicated * h / (sp ? tp : 1.0) +
-                  (none.attn * h + none.kv * kvd + none.ffn * m.ffn_hidden) / tp
-            : none.ffn * m.ffn_hidden / tp;
+  if (t.recompute != Recompute::kNone && r.layers > 0) {
+    // One block (full) or MLP (selective) rerun in backward. Without pipelining, about half of
+    // it at the step's peak (calibrated with the head's); a pipeline rank's peak is a backward
+    // holding other micro-batches, where the rerun is whole (measured on recompute_pp2_full_gpt2:
+    // 426 and 499 KB above the held activations on its two stages).
     // The rerun block's attention probabilities are live whole until its backward.
-    r.activations += a.rerun * w * tok * rerun_floats +
-                     (t.recompute == Recompute::kFull ? b.short_attention * tok : 0.0);
+    const double probs = t.recompute == Recompute::kFull ? b.short_attention * tok : 0.0;
+    if (l.pp > 1)
+      r.activations = pipeline_held(l, b, stage, part, last_kept, rerun_bytes(c, b) + probs);
+    else
+      r.activations += a.rerun * rerun_bytes(c, b) + probs;
   }
   if (part.last) r.activations += static_cast<double>(b.lanes) * head.transient;
   add_zero_buffers(r, c, b);

@@ -101,9 +101,9 @@ TEST(Collectives, WaitFreesWhatTheCollectiveHeld) {
   }
 }
 
-// A reduce-scatter whose input the caller gives up (ZeRO-2/3's transient buckets) allocates nothing
-// the size of it: Gloo, which has no reduce-scatter, all-reduces the input itself, not a copy.
-TEST(Collectives, ReduceScatterOfAScratchInputMakesNoCopy) {
+// A reduce-scatter whose input the caller gives up (ZeRO's buckets) allocates nothing the size of
+// it: Gloo, which has no reduce-scatter, all-reduces the input itself, not a copy.
+TEST(Collectives, ReduceScatterOfAScratchInputAndAllGatherMakeNoCopy) {
   auto& g = group();
   auto& counter = tessel::CpuAllocationCounter::get();
   const int64_t k = 1 << 14;
@@ -114,6 +114,14 @@ TEST(Collectives, ReduceScatterOfAScratchInputMakesNoCopy) {
   g.reduce_scatter(out, in, c10d::ReduceOp::SUM, /*scratch_input=*/true).wait();
   EXPECT_LT(counter.take_peak() - before, k * 4) << "a copy of the input";
   EXPECT_TRUE(torch::equal(out, torch::full({k}, n() * (n() + 1) / 2)));
+  // And an all-gather writes straight into its output (c10d's Gloo all-gather stages the whole
+  // output in a buffer of its own).
+  auto gathered = torch::empty({static_cast<int64_t>(n()) * k});
+  counter.take_peak();
+  const int64_t before_gather = counter.now();
+  g.all_gather(gathered, out).wait();
+  EXPECT_LT(counter.take_peak() - before_gather, k * 4) << "a staging copy of the output";
+  EXPECT_TRUE(torch::equal(gathered, torch::full_like(gathered, n() * (n() + 1) / 2)));
 }
 
 TEST(AutogradPairs, CopyToAndReduceFrom) {
