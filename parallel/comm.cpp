@@ -28,8 +28,8 @@ void release(c10::intrusive_ptr<c10d::Work>& w) {
 }
 
 // Reduce-scatter over Gloo, which has none: all-reduce a copy of the input (the input itself when
-// the caller gives it up), then take this rank's chunk. c10d's own emulation does the same, but wraps the all-reduce in a work of its own, so the
-// copy escaped release() above.
+// the caller gives it up), then take this rank's chunk. c10d's own emulation does the same, but
+// wraps the all-reduce in a work of its own, so the copy escaped release() above.
 class GlooReduceScatter final : public c10d::Work {
  public:
   GlooReduceScatter(c10d::Backend& gloo, torch::Tensor out, const torch::Tensor& in,
@@ -78,7 +78,8 @@ class GlooAllGather final : public c10d::Work {
     }
   }
   bool isCompleted() override {
-    return std::all_of(works_.begin(), works_.end(), [](const auto& w) { return !w || w->isCompleted(); });
+    return std::all_of(works_.begin(), works_.end(),
+                       [](const auto& w) { return !w || w->isCompleted(); });
   }
   bool wait(std::chrono::milliseconds timeout) override {
     for (auto& w : works_)

@@ -390,10 +390,11 @@ HeadBytes head_bytes(const TrainingConfig& t, const PlanBasis& b) {
 double rerun_bytes(const Config& c, const PlanBasis& b) {
   const auto& m = b.m;
   const auto none = activation_model(m, Recompute::kNone, b.own_kernels, b.cpu);
-  const double floats = c.training.recompute == Recompute::kFull
-                            ? none.replicated * b.h / (b.sp ? b.tp : 1.0) +
-                                  (none.attn * b.h + none.kv * b.kvd + none.ffn * m.ffn_hidden) / b.tp
-                            : none.ffn * m.ffn_hidden / b.tp;
+  const double floats =
+      c.training.recompute == Recompute::kFull
+          ? none.replicated * b.h / (b.sp ? b.tp : 1.0) +
+                (none.attn * b.h + none.kv * b.kvd + none.ffn * m.ffn_hidden) / b.tp
+          : none.ffn * m.ffn_hidden / b.tp;
   return b.w * b.tok * floats;
 }
 
@@ -419,8 +420,8 @@ double pipeline_held(const parallel::Layout& l, const PlanBasis& b, int64_t stag
       mlp_mats * h * static_cast<double>(m.moe.shared * m.moe.ffn_hidden) / tp;
   std::vector<parallel::pp::ChunkBytes> bytes;
   for (const auto& [begin, end] : part.chunks) {
-    const models::StagePart one{{{begin, end}}, part.first && begin == 0,
-                                part.last && end == m.layers};
+    const models::StagePart one{
+        {{begin, end}}, part.first && begin == 0, part.last && end == m.layers};
     const double layers = static_cast<double>(end - begin);
     const double moe = static_cast<double>(moe_layers_in(m, one));
     const double linear = layers * attention_weights + (layers - moe) * mlp_weights +
@@ -485,8 +486,8 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   // its chunks of at most 2^14 elements is copied to fp64 in turn, the step's peak when the
   // activations are smaller (CUDA reads each chunk in its own dtype).
   if (b.cpu) {
-    const double shard = static_cast<double>(r.params) /
-                         static_cast<double>(b.zero > 0 ? b.data_ranks : 1);
+    const double shard =
+        static_cast<double>(r.params) / static_cast<double>(b.zero > 0 ? b.data_ranks : 1);
     r.activations = std::max(r.activations, 8.0 * std::min(16384.0, shard));
   }
   return r;

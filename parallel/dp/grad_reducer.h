@@ -88,9 +88,9 @@ class GradReducer {
   std::deque<size_t> in_flight_;  // stages 2-3: buckets reducing, oldest first
   std::vector<std::pair<int64_t, int64_t>> chunk_range_;  // flat range of each chunk's slots
   std::vector<bool> final_;                               // per chunk, during its last backward
-  bool reduce_ = false;    // anything to do: dp×cp > 1, or gradients sharded
-  bool once_ = false;  // fp32 ZeRO-2 with pp > 1 or ZeRO-3 kept gathered: reduce-scatter at each
-                       // chunk's last backward
+  bool reduce_ = false;  // anything to do: dp×cp > 1, or gradients sharded
+  bool once_ = false;    // fp32 ZeRO-2 with pp > 1 or ZeRO-3 kept gathered: reduce-scatter at each
+                         // chunk's last backward
   SpanTimer wait_;
   int64_t live_bucket_bytes_ = 0, peak_bucket_bytes_ = 0;
 };
