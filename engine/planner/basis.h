@@ -79,6 +79,15 @@ inline bool reduce_once(const PlanBasis& b) {
          b.dtype == c10::ScalarType::Float;
 }
 
+// Activation bytes per token per block (ActivationModel) as this implementation keeps them, by
+// architecture, recomputation and kernels (memory.cpp).
+ActivationModel activation_model(const models::ModelShape& m, Recompute recompute, bool own_kernels,
+                                 bool cpu);
+// One stage's bytes: its parameters' state between steps and what a step adds at its peak
+// (memory.cpp).
+RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const PlanBasis& b,
+                          int64_t stage, const models::StagePart& part);
+
 // Communication per step of one rank of a stage: the collectives this implementation issues, by
 // group (comm.h's byte count).
 std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::Layout& l,
