@@ -257,18 +257,28 @@ void Peers::agree_on_start(const std::string& my_error) {
 }
 
 void Peers::start_heartbeat() {
-  c10d::TCPStoreOptions o;
-  o.port = static_cast<uint16_t>(port_);
-  o.isServer = false;
-  o.timeout = std::chrono::seconds(5);
-  beat_->store = c10::make_intrusive<c10d::TCPStore>(host_, o);
-  if (const auto prefix = parallel::agent_store_prefix(); !prefix.empty())
-    beat_->store = c10::make_intrusive<c10d::PrefixStore>(prefix, beat_->store);
   beat_->rank = rank_;
-  thread_ = std::thread([b = beat_] { beat_loop(b); });
+  thread_ = std::thread([b = beat_, host = host_, port = port_] { beat_loop(b, host, port); });
 }
 
-void Peers::beat_loop(const std::shared_ptr<Beat>& b) {
+// The heartbeat's own connection (5 s per call, so that a gone rank 0 ends it soon). It connects
+// from the heartbeat's thread and tries again while the run goes on: on a loaded node rank 0's
+// store may take longer than one try to answer, and a heartbeat late to start costs nothing.
+void Peers::beat_loop(const std::shared_ptr<Beat>& b, const std::string& host, int port) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(port);
+  o.isServer = false;
+  o.timeout = std::chrono::seconds(5);
+  while (!b->store) {
+    try {
+      b->store = c10::make_intrusive<c10d::TCPStore>(host, o);
+    } catch (const std::exception&) {
+      std::unique_lock<std::mutex> lock(b->mu);
+      if (b->cv.wait_for(lock, std::chrono::seconds(1), [&] { return b->stop; })) return;
+    }
+  }
+  if (const auto prefix = parallel::agent_store_prefix(); !prefix.empty())
+    b->store = c10::make_intrusive<c10d::PrefixStore>(prefix, b->store);
   const char* env_rank = std::getenv("RANK");
   int64_t beats = 0;
   std::optional<Clock::time_point> seen_failure;

@@ -83,7 +83,7 @@ class Peers {
   // What the heartbeat thread uses, shared with it: a thread blocked on a stopped rank 0's store
   // can be left behind when this rank fails, without touching a destroyed Peers.
   struct Beat {
-    c10::intrusive_ptr<c10d::Store> store;  // a connection of its own (5 s timeout)
+    c10::intrusive_ptr<c10d::Store> store;  // a connection of its own (5 s timeout), the thread's
     int64_t rank = 0;
     std::atomic<int64_t> step{0};
     std::atomic<bool> failed{false};  // this rank reported a failure itself
@@ -91,7 +91,7 @@ class Peers {
     std::condition_variable cv;
     bool stop = false;
   };
-  static void beat_loop(const std::shared_ptr<Beat>& b);
+  static void beat_loop(const std::shared_ptr<Beat>& b, const std::string& host, int port);
   c10::intrusive_ptr<c10d::Store> store_;
   std::string host_;
   int port_;
