@@ -257,13 +257,15 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l, bool cpu) {
   b.block = static_cast<double>(models::block_parameters(m, l.tp));
   if (m.moe.experts > 0) {
     // An MoE layer keeps, per token and choice, the row sent to its expert, the expert's
-    // output and its gate-weighted copy (3·h) and its SwiGLU's ffn-wide tensors (as the MLP's);
-    // the router's fp32 logits and scores (2·E); the shared experts as an MLP. Recomputation
-    // reruns it (like the MLP). Measured on CPU fp32 (tests/dist/planner_test.py, 2026-11-25).
+    // output and its gate-weighted copy (3·h) and its SwiGLU's four ffn-wide tensors (gate, up,
+    // silu, their product: the experts' grouped matmuls take no fused kernel); the router's fp32
+    // logits and scores (2·E); the shared experts as an MLP. Recomputation reruns it (like the
+    // MLP). Measured on CPU fp32 (tests/dist/planner_test.py, 2026-11-25; the four ffn-wide
+    // tensors by a sweep of moe.ffn_hidden and layers, 2026-11-27).
     const auto& e = m.moe;
     const double k = static_cast<double>(e.top_k), f = static_cast<double>(e.ffn_hidden);
     const double routed = t.recompute == Recompute::kNone
-                              ? k * (a.ffn * f + 3 * h) + 2 * static_cast<double>(e.experts) * 4 / w
+                              ? k * (4 * f + 3 * h) + 2 * static_cast<double>(e.experts) * 4 / w
                               : 0.0;
     const double shared = a.ffn * static_cast<double>(e.shared) * f / tp;
     b.per_moe_layer = b.per_layer + w * tok / (sp ? tp : 1.0) * routed + w * tok * shared -
