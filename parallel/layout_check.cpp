@@ -197,7 +197,8 @@ void check_batch(const Config& c, const Layout& l, Problems& problems) {
 // The `local_world` processes of this node against its CUDA devices, when it trains on CUDA.
 void check_devices(const Config& c, int64_t local_world, Problems& problems) {
   const auto& t = c.training;
-  const bool cuda = t.device == "cuda" || (t.device == "auto" && device::cuda_available());
+  const bool cuda = t.device == TrainDevice::kCuda ||
+                    (t.device == TrainDevice::kAuto && device::cuda_available());
   if (!cuda) return;
   try {  // the rule the device choice applies (one visible device each, or one per local rank)
     choose_cuda_device(static_cast<int>(device::cuda_device_count()), 0,

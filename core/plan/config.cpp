@@ -304,6 +304,14 @@ const std::vector<std::string>& choice_names(Backend) {
   static const std::vector<std::string> n{"auto", "gloo", "nccl"};
   return n;
 }
+const std::vector<std::string>& choice_names(TrainDevice) {
+  static const std::vector<std::string> n{"auto", "cpu", "cuda"};
+  return n;
+}
+const std::vector<std::string>& choice_names(Dtype) {
+  static const std::vector<std::string> n{"auto", "fp32", "bf16", "fp16"};
+  return n;
+}
 const std::vector<std::string>& choice_names(Recompute) {
   static const std::vector<std::string> n{"none", "selective", "full"};
   return n;

@@ -21,7 +21,7 @@ namespace tessel {
 // once in config.cpp (choice_names).
 // parallel.pipeline.schedule, parallel.context.method, parallel.backend, training.recompute,
 // training.kernels, training.schedule.decay, data.format, data.token_dtype,
-// model.moe.router.score:
+// model.moe.router.score, training.device, training.dtype:
 enum class PipelineSchedule { kGpipe, k1F1B, kInterleaved, kZbH1, kZbv };
 enum class CpMethod { kAllGather, kRing, kAllToAll, kHybrid };
 enum class Backend { kAuto, kGloo, kNccl };
@@ -31,6 +31,8 @@ enum class Decay { kCosine, kLinear, kConstant };
 enum class DataFormat { kText, kMegatron, kTokens };
 enum class TokenDtype { kUint16, kUint32 };
 enum class RouterScore { kSoftmax, kSigmoid };
+enum class TrainDevice { kAuto, kCpu, kCuda };
+enum class Dtype { kAuto, kFp32, kBf16, kFp16 };  // kAuto resolved at load
 const std::vector<std::string>& choice_names(PipelineSchedule);
 const std::vector<std::string>& choice_names(CpMethod);
 const std::vector<std::string>& choice_names(Backend);
@@ -40,6 +42,8 @@ const std::vector<std::string>& choice_names(Decay);
 const std::vector<std::string>& choice_names(DataFormat);
 const std::vector<std::string>& choice_names(TokenDtype);
 const std::vector<std::string>& choice_names(RouterScore);
+const std::vector<std::string>& choice_names(TrainDevice);
+const std::vector<std::string>& choice_names(Dtype);
 /// The plan's name of a value ("zb-h1" for PipelineSchedule::kZbH1).
 template <class E>
 const std::string& name_of(E e) {
@@ -117,8 +121,8 @@ struct LossScaleConfig {  // fp16 dynamic loss scaling (as torch.amp.GradScaler)
 };
 
 struct TrainingConfig {
-  std::string device;  // auto | cpu | cuda
-  std::string dtype;   // fp32 | bf16 | fp16 (auto resolved at load: bf16 on CUDA, else fp32)
+  Choice<TrainDevice> device;  // auto | cpu | cuda
+  Choice<Dtype> dtype;         // fp32 | bf16 | fp16 (auto resolved at load: bf16 on CUDA, else fp32)
   bool tf32;           // CUDA: fp32 matmuls and convolutions on TF32 tensor cores
   bool deterministic;  // deterministic kernels (PyTorch's deterministic algorithms)
   Choice<Recompute> recompute;  // activation checkpointing

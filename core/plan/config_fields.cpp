@@ -192,13 +192,11 @@ void add_parallel_pipeline_fields(FieldAdder& add, Config& c) {
 
 // training.*: device, precision, batch shape and evaluation
 void add_training_fields(FieldAdder& add, Config& c) {
-  add("training.device", &c.training.device, S("auto"), "auto = cuda when available, else cpu.")
-      .one_of({"auto", "cpu", "cuda"});
+  add("training.device", &c.training.device, S("auto"), "auto = cuda when available, else cpu.");
   add("training.dtype", &c.training.dtype, S("auto"),
       "fp32, or bf16/fp16 weights and activations with fp32 master weights and fp32 gradient "
       "accumulation; fp16 scales the loss dynamically (training.loss_scale). auto = bf16 when "
-      "training.device resolves to cuda, else fp32.")
-      .one_of({"auto", "fp32", "bf16", "fp16"});
+      "training.device resolves to cuda, else fp32.");
   add("training.tf32", &c.training.tf32, true,
       "On CUDA, fp32 matrix multiplications and convolutions use TF32 tensor cores (as "
       "Megatron-LM and torchtitan do); false keeps them exact fp32 (parity checks).");

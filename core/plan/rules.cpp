@@ -55,9 +55,11 @@ class Validator {
     if (m.ffn_hidden == 0)
       m.ffn_hidden = m.arch == "gpt2" ? 4 * m.hidden : (8 * m.hidden / 3 + 63) / 64 * 64;
     if (m.moe.ffn_hidden == 0) m.moe.ffn_hidden = m.ffn_hidden;
-    if (t.dtype == "auto")  // bf16 where it is fast and safe (CUDA), fp32 elsewhere
-      t.dtype =
-          t.device == "cuda" || (t.device == "auto" && device::cuda_available()) ? "bf16" : "fp32";
+    if (t.dtype == Dtype::kAuto)  // bf16 where it is fast and safe (CUDA), fp32 elsewhere
+      t.dtype = t.device == TrainDevice::kCuda ||
+                        (t.device == TrainDevice::kAuto && device::cuda_available())
+                    ? Dtype::kBf16
+                    : Dtype::kFp32;
   }
 
   void check_model() {
@@ -123,11 +125,11 @@ class Validator {
                         "capacity_factor 0 (dropless) there",
                         fmt_double(e.capacity_factor), p.cp, p.tp));
     // Grouped matmuls over 16-bit weights need rows of 16-byte multiples.
-    const bool half = c_.training.dtype == "bf16" || c_.training.dtype == "fp16";
+    const bool half = c_.training.dtype != Dtype::kFp32;
     require(!half || (m.hidden % 8 == 0 && e.ffn_hidden % 8 == 0), "model.moe.ffn_hidden",
             fmt::format("training.dtype {}: the experts' grouped matmuls need model.hidden ({}) "
                         "and model.moe.ffn_hidden ({}) to be multiples of 8",
-                        c_.training.dtype, m.hidden, e.ffn_hidden));
+                        c_.training.dtype.name(), m.hidden, e.ffn_hidden));
   }
 
   void check_training() {
@@ -204,8 +206,8 @@ class Validator {
     const auto& p = c_.parallel;
     if (!t.cuda_graph) return;
     const std::string why = "training.cuda_graph captures one step and replays it";
-    require(t.device == "cuda", "training.cuda_graph",
-            "training.cuda_graph needs training.device cuda (it is " + t.device +
+    require(t.device == TrainDevice::kCuda, "training.cuda_graph",
+            "training.cuda_graph needs training.device cuda (it is " + t.device.name() +
                 "): CUDA graphs are a CUDA feature");
     require(p.backend != Backend::kGloo, "parallel.backend",
             why +

@@ -268,7 +268,7 @@ std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models:
 
 // Bytes per parameter in a checkpoint: the weight in the run's dtype, master copy, two moments.
 int64_t checkpoint_bytes_per_parameter(const Config& c) {
-  return (c.training.dtype == "fp32" ? 4 : 2) + 12;
+  return (c.training.dtype == Dtype::kFp32 ? 4 : 2) + 12;
 }
 
 double checkpoint_bytes(const Config& c) {
@@ -293,7 +293,7 @@ void check_room_for_checkpoint(const Config& c) {
         "about {} ({} parameters x {} bytes: weights in {}, an fp32 master copy and two fp32 "
         "AdamW moments); free space there or set checkpoint.dir to a larger filesystem",
         dir, gib(free_bytes), gib(need), models::parameters_on_rank(model_shape(c.model), 1, {}),
-        checkpoint_bytes_per_parameter(c), c.training.dtype));
+        checkpoint_bytes_per_parameter(c), c.training.dtype.name()));
   if (free_bytes < 2 * need)
     spdlog::warn("checkpoint.dir {}: {} free, room for {:.0f} checkpoint(s) of about {}", dir,
                  gib(free_bytes), std::floor(free_bytes / need), gib(need));

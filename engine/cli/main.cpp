@@ -46,7 +46,7 @@ void print_state_bytes(const tessel::Config& c, const tessel::parallel::Layout& 
   const double w = static_cast<double>(c10::elementSize(dtype));
   std::printf("# state per rank, ZeRO %lld over %lld data rank%s, %s (activations not included):\n",
               static_cast<long long>(zero), static_cast<long long>(data_ranks),
-              data_ranks == 1 ? "" : "s", c.training.dtype.c_str());
+              data_ranks == 1 ? "" : "s", c.training.dtype.name().c_str());
   for (int64_t stage = 0; stage < l.pp; ++stage) {
     const auto part = tessel::stage_part(c, l.pp, stage);
     const auto shape = tessel::model_shape(c.model);
@@ -203,9 +203,10 @@ void print_faster_layout(const std::string& config, int64_t n, const tessel::Lay
 tessel::DeviceProfile dry_run_device(const TrainArgs& a, const tessel::Config& c, int64_t n) {
   std::string spec = a.profile;
   if (spec.empty()) {
-    const auto& dev = c.training.device;
+    const tessel::TrainDevice dev = c.training.device;
     const bool cpu_here =
-        a.world_size == 0 && (dev == "cpu" || (dev == "auto" && !tessel::device::cuda_available()));
+        a.world_size == 0 && (dev == tessel::TrainDevice::kCpu ||
+                              (dev == tessel::TrainDevice::kAuto && !tessel::device::cuda_available()));
     spec = cpu_here ? "cpu" : "h100";
   }
   if (spec != "cpu") return tessel::device_profile(spec, a.profile_sets);

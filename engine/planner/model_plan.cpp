@@ -32,9 +32,9 @@ models::ModelShape model_shape(const ModelConfig& m) {
   return s;
 }
 
-c10::ScalarType resolve_dtype(const std::string& dtype) {
-  if (dtype == "bf16") return c10::kBFloat16;
-  return dtype == "fp16" ? c10::kHalf : c10::kFloat;
+c10::ScalarType resolve_dtype(Dtype dtype) {
+  if (dtype == Dtype::kBf16) return c10::kBFloat16;
+  return dtype == Dtype::kFp16 ? c10::kHalf : c10::kFloat;
 }
 
 models::StagePart stage_part(const Config& c, int64_t pp, int64_t rank) {

@@ -17,7 +17,7 @@ namespace tessel {
 models::ModelShape model_shape(const ModelConfig& m);
 
 /// training.dtype (resolved: fp32 | bf16 | fp16) as a tensor dtype.
-c10::ScalarType resolve_dtype(const std::string& dtype);
+c10::ScalarType resolve_dtype(Dtype dtype);
 
 /// The pipeline stages of pipeline rank `rank` (chunk c is stage c·pp + rank).
 models::StagePart stage_part(const Config& c, int64_t pp, int64_t rank);

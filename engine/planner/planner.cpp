@@ -54,12 +54,12 @@ const std::map<std::string, DeviceProfile>& builtin_profiles() {
 
 double matmul_peak_tflops(const DeviceProfile& d, const TrainingConfig& t) {
   if (d.cpu) return d.peak_tflops;  // measured in the plan's dtype
-  if (t.dtype != "fp32") return d.peak_tflops;
+  if (t.dtype != Dtype::kFp32) return d.peak_tflops;
   return t.tf32 ? d.peak_tflops / 2 : d.fp32_tflops;
 }
 
 std::string matmul_peak_name(const TrainingConfig& t) {
-  if (t.dtype != "fp32") return "dense " + t.dtype;
+  if (t.dtype != Dtype::kFp32) return "dense " + t.dtype.name();
   return t.tf32 ? "dense TF32 (fp32 matmuls on tensor cores: training.tf32)" : "fp32";
 }
 
@@ -401,8 +401,9 @@ std::map<std::string, double> cpu_compute_s(const Config& c, const PlanBasis& b,
 PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DeviceProfile& dev) {
   const auto& t = c.training;
   // Where the run computes decides its kernels, whichever device the figures are predicted on.
-  const auto& device = c.training.device;
-  const PlanBasis b = plan_basis(c, l, device == "cpu" || (device == "auto" && dev.cpu));
+  const TrainDevice device = c.training.device;
+  const PlanBasis b =
+      plan_basis(c, l, device == TrainDevice::kCpu || (device == TrainDevice::kAuto && dev.cpu));
   PlanEstimate e;
   e.world = l.world();
   add_step_flops(e, b, t);

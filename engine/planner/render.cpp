@@ -28,7 +28,7 @@ std::string cpu_line(const DeviceProfile& d) {
 std::string device_brief(const DeviceProfile& d, const Config& c) {
   if (d.cpu)
     return fmt::format("cpu ({:.3g} TFLOP/s {} measured, {} rank{} here)",
-                       matmul_peak_tflops(d, c.training), c.training.dtype, d.gpus_per_node,
+                       matmul_peak_tflops(d, c.training), c.training.dtype.name(), d.gpus_per_node,
                        d.gpus_per_node == 1 ? "" : "s");
   return fmt::format(
       "{} ({:.0f} TFLOP/s {} peak at {:.0f}% efficiency, {} GB/s in a node, {} GB/s between "
@@ -46,7 +46,7 @@ std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& 
       "# planner: {:.4g} B parameters; {:.4g} TFLOP per step ({} tokens); training.recompute "
       "{}; dtype {}\n",
       static_cast<double>(e.params_total) / 1e9, e.flops_per_step / 1e12,
-      c.training.global_batch * c.training.seq_len, c.training.recompute.name(), c.training.dtype);
+      c.training.global_batch * c.training.seq_len, c.training.recompute.name(), c.training.dtype.name());
   for (const auto& r : e.ranks) {
     s += fmt::format(
         "#   {}{} parameters, {} blocks: weights {}, gradients {}, optimizer {}, activations {} "

@@ -16,14 +16,14 @@
 
 namespace tessel {
 
-torch::Device resolve_device(const std::string& device, const parallel::WorldInfo& w,
+torch::Device resolve_device(TrainDevice device, const parallel::WorldInfo& w,
                              std::string* why) {
-  if (device == "cpu") {  // LibTorch's CUDA half is never loaded
+  if (device == TrainDevice::kCpu) {  // LibTorch's CUDA half is never loaded
     if (why) *why = "training.device cpu";
     return torch::kCPU;
   }
   const bool cuda = device::cuda_available();
-  if (device == "cuda" && !cuda)
+  if (device == TrainDevice::kCuda && !cuda)
     throw UserError("training.device is cuda but no CUDA device can be used: " +
                     device::cuda_unavailable_reason());
   if (!cuda) {
@@ -96,7 +96,7 @@ std::string attention_kernel(const Config& c, const torch::Device& device,
       "{}{} ({} heads, {} key/value heads of {} per rank, {}){}",
       alltoall ? "context parallel (alltoall): " : "",
       kernel == "tessel" ? "Tessel's short-sequence CPU kernel" : "SDPA " + kernel + " kernel",
-      heads, kv, m.head_dim(), c.training.dtype,
+      heads, kv, m.head_dim(), c.training.dtype.name(),
       carried > per_tp ? fmt::format("; {} key/value heads per tp rank repeated x{} to split "
                                      "over cp {}",
                                      per_tp, carried / per_tp, par.cp)
@@ -108,7 +108,7 @@ std::string attention_kernel(const Config& c, const torch::Device& device,
         "here (flash: bf16/fp16, head size a multiple of 8 up to 256; memory-efficient: any float "
         "dtype, head size a multiple of 8)",
         c.source, c.training.seq_len, c.training.seq_len, heads, m.head_dim(), kv,
-        c.training.dtype));
+        c.training.dtype.name()));
   return line;
 }
 

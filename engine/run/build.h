@@ -17,7 +17,7 @@ namespace tessel {
 /// training.device resolved: auto -> cuda when available; the CUDA index by
 /// parallel::choose_cuda_device (`why`, when given, receives its reason). Throws UserError for
 /// cuda without one, or for too few devices for the processes on this node.
-torch::Device resolve_device(const std::string& device, const parallel::WorldInfo& w = {},
+torch::Device resolve_device(TrainDevice device, const parallel::WorldInfo& w = {},
                              std::string* why = nullptr);
 
 /// The process-wide settings of the plan's device: intra-op threads, TF32, deterministic kernels;

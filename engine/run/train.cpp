@@ -318,7 +318,7 @@ void Trainer::check_finite() const {
         "update was skipped and training stops here, saving nothing from step {} on. Lower "
         "training.optimizer.lr, set training.grad_clip, or check the data; the last checkpoint "
         "in {} resumes the run",
-        bad, c_.training.dtype, bad, c_.checkpoint_dir()));
+        bad, c_.training.dtype.name(), bad, c_.checkpoint_dir()));
 }
 
 int Trainer::train() {

@@ -64,7 +64,7 @@ void Trainer::log_state() const {
                !resumed_from_.empty()       ? "weights from checkpoint " + resumed_from_
                : c_.model.init_from.empty() ? "seeded init"
                                             : "weights from " + c_.model.init_from,
-               c_.training.dtype, device_.str());
+               c_.training.dtype.name(), device_.str());
   const auto bytes = opt_->bytes();
   auto& data_group = mesh_->dp_cp();
   const int64_t zero = c_.parallel.zero;
@@ -223,7 +223,7 @@ void Trainer::report_memory() {
   const auto all = gather_figures(mine);
   if (!all.defined()) return;
   nlohmann::json out = {{"zero", c_.parallel.zero},
-                        {"dtype", c_.training.dtype},
+                        {"dtype", c_.training.dtype.name()},
                         {"data_ranks", mesh_->dp_cp().size()},
                         {"predicted", predicted_bytes(c_, mesh_->layout())},  // --dry-run's
                         {"ranks", nlohmann::json::array()}};

@@ -456,7 +456,7 @@ int main(int argc, char** argv) {
             "dp: " +
             std::to_string(world.world) + "}\n",
         "gpu_tests");
-    const auto device = tessel::resolve_device("cuda", world);
+    const auto device = tessel::resolve_device(tessel::TrainDevice::kCuda, world);
     c10::cuda::set_device(device.index());
     tessel::testing::g_device = device;
     tessel::testing::g_mesh = tessel::parallel::Mesh::create(c, world, device);
