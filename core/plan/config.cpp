@@ -304,6 +304,10 @@ const std::vector<std::string>& choice_names(Backend) {
   static const std::vector<std::string> n{"auto", "gloo", "nccl"};
   return n;
 }
+const std::vector<std::string>& choice_names(TieEmbeddings) {
+  static const std::vector<std::string> n{"auto", "true", "false"};
+  return n;
+}
 const std::vector<std::string>& choice_names(TrainDevice) {
   static const std::vector<std::string> n{"auto", "cpu", "cuda"};
   return n;

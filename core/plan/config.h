@@ -21,7 +21,7 @@ namespace tessel {
 // once in config.cpp (choice_names).
 // parallel.pipeline.schedule, parallel.context.method, parallel.backend, training.recompute,
 // training.kernels, training.schedule.decay, data.format, data.token_dtype,
-// model.moe.router.score, training.device, training.dtype:
+// model.moe.router.score, model.tie_embeddings, training.device, training.dtype:
 enum class PipelineSchedule { kGpipe, k1F1B, kInterleaved, kZbH1, kZbv };
 enum class CpMethod { kAllGather, kRing, kAllToAll, kHybrid };
 enum class Backend { kAuto, kGloo, kNccl };
@@ -31,6 +31,7 @@ enum class Decay { kCosine, kLinear, kConstant };
 enum class DataFormat { kText, kMegatron, kTokens };
 enum class TokenDtype { kUint16, kUint32 };
 enum class RouterScore { kSoftmax, kSigmoid };
+enum class TieEmbeddings { kAuto, kTrue, kFalse };  // kAuto resolved at load, by arch
 enum class TrainDevice { kAuto, kCpu, kCuda };
 enum class Dtype { kAuto, kFp32, kBf16, kFp16 };  // kAuto resolved at load
 const std::vector<std::string>& choice_names(PipelineSchedule);
@@ -42,6 +43,7 @@ const std::vector<std::string>& choice_names(Decay);
 const std::vector<std::string>& choice_names(DataFormat);
 const std::vector<std::string>& choice_names(TokenDtype);
 const std::vector<std::string>& choice_names(RouterScore);
+const std::vector<std::string>& choice_names(TieEmbeddings);
 const std::vector<std::string>& choice_names(TrainDevice);
 const std::vector<std::string>& choice_names(Dtype);
 /// The plan's name of a value ("zb-h1" for PipelineSchedule::kZbH1).
@@ -73,13 +75,13 @@ struct ModelConfig {
   int64_t kv_heads;    // 0 = auto (= heads)
   int64_t ffn_hidden;  // 0 = auto (gpt2: 4·hidden; llama: 8/3·hidden rounded up to 64)
   int64_t vocab_size, max_seq_len;
-  std::string tie_embeddings;  // auto | true | false; auto resolves by arch
+  Choice<TieEmbeddings> tie_embeddings;  // auto | true | false; auto resolves by arch
   double norm_eps, rope_theta, init_std;
   std::string init_from;  // safetensors file (Hugging Face or Tessel names) or empty
   bool qk_norm;           // RMSNorm of each query/key head before RoPE (Qwen3)
   MoeConfig moe;
 
-  bool tied() const { return tie_embeddings == "true"; }
+  bool tied() const { return tie_embeddings == TieEmbeddings::kTrue; }
   int64_t head_dim() const { return hidden / heads; }
 };
 

@@ -55,8 +55,7 @@ void add_model_fields(FieldAdder& add, Config& c) {
       "Longest sequence (gpt2: rows of the position table).")
       .range(1);
   add("model.tie_embeddings", &c.model.tie_embeddings, S("auto"),
-      "Share input embedding and output head. auto = true for gpt2, false for llama.")
-      .one_of({"auto", "true", "false"});
+      "Share input embedding and output head. auto = true for gpt2, false for llama.");
   add("model.norm_eps", &c.model.norm_eps, 1e-5, "Epsilon of LayerNorm / RMSNorm.").range(0);
   add("model.rope_theta", &c.model.rope_theta, 10000.0, "RoPE base (llama).").range(1);
   add("model.init_std", &c.model.init_std, 0.02, "Std of the normal initial weights.").range(0);

@@ -51,7 +51,8 @@ class Validator {
     auto& m = c_.model;
     auto& t = c_.training;
     if (m.kv_heads == 0) m.kv_heads = m.heads;
-    if (m.tie_embeddings == "auto") m.tie_embeddings = m.arch == "gpt2" ? "true" : "false";
+    if (m.tie_embeddings == TieEmbeddings::kAuto)
+      m.tie_embeddings = m.arch == "gpt2" ? TieEmbeddings::kTrue : TieEmbeddings::kFalse;
     if (m.ffn_hidden == 0)
       m.ffn_hidden = m.arch == "gpt2" ? 4 * m.hidden : (8 * m.hidden / 3 + 63) / 64 * 64;
     if (m.moe.ffn_hidden == 0) m.moe.ffn_hidden = m.ffn_hidden;

@@ -24,13 +24,13 @@ TEST(Config, DefaultsResolveAndOverride) {
   Config c = load_config_text(kGood, "good.yaml", {"training.optimizer.lr=0.01", "model.layers=3"});
   EXPECT_EQ(c.model.arch, "llama");
   EXPECT_EQ(c.model.kv_heads, 2);
-  EXPECT_EQ(c.model.tie_embeddings, "false");  // auto resolves by arch
+  EXPECT_EQ(c.model.tie_embeddings, TieEmbeddings::kFalse);  // auto resolves by arch
   EXPECT_EQ(c.model.ffn_hidden, 192);          // 8/3·64 = 170.7 -> 192
   EXPECT_DOUBLE_EQ(c.training.optimizer.lr, 0.01);
   EXPECT_EQ(c.model.layers, 3);
   EXPECT_EQ(c.parallel.dp, 0);  // auto: resolved against the world by parallel::check_layout
   Config g = load_config_text("data: {path: x}\n", "g.yaml");
-  EXPECT_EQ(g.model.tie_embeddings, "true");
+  EXPECT_EQ(g.model.tie_embeddings, TieEmbeddings::kTrue);
   EXPECT_EQ(g.model.ffn_hidden, 4 * g.model.hidden);
   EXPECT_EQ(g.data.path, std::vector<std::string>{"x"});  // a scalar is a one-element list
 }
