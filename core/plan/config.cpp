@@ -308,6 +308,10 @@ const std::vector<std::string>& choice_names(TieEmbeddings) {
   static const std::vector<std::string> n{"auto", "true", "false"};
   return n;
 }
+const std::vector<std::string>& choice_names(RankOrder) {
+  static const std::vector<std::string> n{"tp-cp-dp-pp"};
+  return n;
+}
 const std::vector<std::string>& choice_names(TrainDevice) {
   static const std::vector<std::string> n{"auto", "cpu", "cuda"};
   return n;

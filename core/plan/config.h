@@ -21,7 +21,7 @@ namespace tessel {
 // once in config.cpp (choice_names).
 // parallel.pipeline.schedule, parallel.context.method, parallel.backend, training.recompute,
 // training.kernels, training.schedule.decay, data.format, data.token_dtype,
-// model.moe.router.score, model.tie_embeddings, training.device, training.dtype:
+// model.moe.router.score, model.tie_embeddings, parallel.order, training.device, training.dtype:
 enum class PipelineSchedule { kGpipe, k1F1B, kInterleaved, kZbH1, kZbv };
 enum class CpMethod { kAllGather, kRing, kAllToAll, kHybrid };
 enum class Backend { kAuto, kGloo, kNccl };
@@ -33,6 +33,7 @@ enum class TokenDtype { kUint16, kUint32 };
 enum class RouterScore { kSoftmax, kSigmoid };
 enum class TieEmbeddings { kAuto, kTrue, kFalse };  // kAuto resolved at load, by arch
 enum class TrainDevice { kAuto, kCpu, kCuda };
+enum class RankOrder { kTpCpDpPp };  // the one order the mesh builds (parallel/mesh.h)
 enum class Dtype { kAuto, kFp32, kBf16, kFp16 };  // kAuto resolved at load
 const std::vector<std::string>& choice_names(PipelineSchedule);
 const std::vector<std::string>& choice_names(CpMethod);
@@ -45,6 +46,7 @@ const std::vector<std::string>& choice_names(TokenDtype);
 const std::vector<std::string>& choice_names(RouterScore);
 const std::vector<std::string>& choice_names(TieEmbeddings);
 const std::vector<std::string>& choice_names(TrainDevice);
+const std::vector<std::string>& choice_names(RankOrder);
 const std::vector<std::string>& choice_names(Dtype);
 /// The plan's name of a value ("zb-h1" for PipelineSchedule::kZbH1).
 template <class E>
@@ -92,7 +94,7 @@ struct ParallelConfig {
   Choice<CpMethod> context_method;  // parallel.context.method
   int64_t context_alltoall_size;    // hybrid: ranks per all-to-all group (context.alltoall_size)
   bool sequence_parallel;
-  std::string order;        // tp-cp-dp-pp
+  Choice<RankOrder> order;  // tp-cp-dp-pp
   Choice<Backend> backend;  // parallel.backend
   double timeout_s;         // collectives and rendezvous
   double ddp_bucket_mb;

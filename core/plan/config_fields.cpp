@@ -145,8 +145,7 @@ void add_parallel_fields(FieldAdder& add, Config& c) {
       "Split activations outside the tensor-parallel regions along the sequence (tp > 1): "
       "all-gather before column-parallel layers, reduce-scatter after row-parallel ones.");
   add("parallel.order", &c.parallel.order, S("tp-cp-dp-pp"),
-      "Rank order, fastest-varying first (tensor-parallel peers share a node).")
-      .one_of({"tp-cp-dp-pp"});
+      "Rank order, fastest-varying first (tensor-parallel peers share a node).");
   add("parallel.backend", &c.parallel.backend, S("auto"),
       "Collectives: auto = nccl on CUDA, gloo on CPU.");
   add("parallel.timeout_s", &c.parallel.timeout_s, 600.0,
