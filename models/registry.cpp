@@ -9,10 +9,15 @@ namespace tessel::models {
 extern const Arch kGpt2;
 extern const Arch kLlama;
 
-const Arch& arch(const std::string& name) {
-  if (name == kGpt2.name) return kGpt2;
-  if (name == kLlama.name) return kLlama;
-  throw UserError("model.arch: unknown architecture '" + name + "' (known: gpt2, llama)");
+const Arch& arch(ModelArch a) {
+  switch (a) {  // a new ModelArch without its case here is a compiler warning (-Wswitch)
+    case ModelArch::kGpt2:
+      return kGpt2;
+    case ModelArch::kLlama:
+      return kLlama;
+  }
+  throw std::logic_error("models::arch: no builder for model.arch value " +
+                         std::to_string(static_cast<int>(a)));
 }
 
 void check_all_used(const Weights& hf, const std::set<std::string>& used,

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/plan/model_arch.h"
+
 namespace tessel::models {
 
 /// Mixture of experts (models/moe.h): none when experts is 0.
@@ -25,7 +27,7 @@ struct MoeShape {
 };
 
 struct ModelShape {
-  std::string arch;  // gpt2 | llama (models/registry.h)
+  ModelArch arch = ModelArch::kGpt2;  // models/registry.h
   int64_t layers = 0, hidden = 0, heads = 0;
   int64_t kv_heads = 0;    // key/value heads (grouped-query attention when < heads)
   int64_t ffn_hidden = 0;  // the MLP's inner width

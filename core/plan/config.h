@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/plan/choice.h"
+#include "core/plan/model_arch.h"
 #include "core/plan/user_error.h"
 
 namespace tessel {
@@ -21,7 +22,7 @@ namespace tessel {
 // once in config.cpp (choice_names).
 // parallel.pipeline.schedule, parallel.context.method, parallel.backend, training.recompute,
 // training.kernels, training.schedule.decay, data.format, data.token_dtype,
-// model.moe.router.score, model.tie_embeddings, parallel.order, training.device, training.dtype:
+// model.moe.router.score, model.arch (model_arch.h), model.tie_embeddings, parallel.order, training.device, training.dtype:
 enum class PipelineSchedule { kGpipe, k1F1B, kInterleaved, kZbH1, kZbv };
 enum class CpMethod { kAllGather, kRing, kAllToAll, kHybrid };
 enum class Backend { kAuto, kGloo, kNccl };
@@ -72,7 +73,7 @@ struct MoeConfig {  // model.moe.*: mixture of experts (llama); experts 0: dense
 };
 
 struct ModelConfig {
-  std::string arch;  // gpt2 | llama
+  Choice<ModelArch> arch;  // gpt2 | llama
   int64_t layers, hidden, heads;
   int64_t kv_heads;    // 0 = auto (= heads)
   int64_t ffn_hidden;  // 0 = auto (gpt2: 4·hidden; llama: 8/3·hidden rounded up to 64)

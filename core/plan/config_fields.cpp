@@ -36,7 +36,7 @@ void add_run_fields(FieldAdder& add, Config& c) {
 
 // model.*
 void add_model_fields(FieldAdder& add, Config& c) {
-  add("model.arch", &c.model.arch, S("gpt2"), "Architecture.").one_of({"gpt2", "llama"});
+  add("model.arch", &c.model.arch, S("gpt2"), "Architecture.");
   add("model.layers", &c.model.layers, int64_t{2}, "Transformer blocks.").range(1);
   add("model.hidden", &c.model.hidden, int64_t{64}, "Model width.").range(1);
   add("model.heads", &c.model.heads, int64_t{4}, "Attention (query) heads.").range(1);

@@ -52,9 +52,9 @@ class Validator {
     auto& t = c_.training;
     if (m.kv_heads == 0) m.kv_heads = m.heads;
     if (m.tie_embeddings == TieEmbeddings::kAuto)
-      m.tie_embeddings = m.arch == "gpt2" ? TieEmbeddings::kTrue : TieEmbeddings::kFalse;
+      m.tie_embeddings = m.arch == ModelArch::kGpt2 ? TieEmbeddings::kTrue : TieEmbeddings::kFalse;
     if (m.ffn_hidden == 0)
-      m.ffn_hidden = m.arch == "gpt2" ? 4 * m.hidden : (8 * m.hidden / 3 + 63) / 64 * 64;
+      m.ffn_hidden = m.arch == ModelArch::kGpt2 ? 4 * m.hidden : (8 * m.hidden / 3 + 63) / 64 * 64;
     if (m.moe.ffn_hidden == 0) m.moe.ffn_hidden = m.ffn_hidden;
     if (t.dtype == Dtype::kAuto)  // bf16 where it is fast and safe (CUDA), fp32 elsewhere
       t.dtype = t.device == TrainDevice::kCuda ||
@@ -69,15 +69,15 @@ class Validator {
             q("model.hidden", m.hidden, "must be divisible by", "model.heads", m.heads));
     require(m.heads % m.kv_heads == 0, "model.kv_heads",
             q("model.heads", m.heads, "must be divisible by", "model.kv_heads", m.kv_heads));
-    require(m.arch != "gpt2" || m.kv_heads == m.heads, "model.kv_heads",
+    require(m.arch != ModelArch::kGpt2 || m.kv_heads == m.heads, "model.kv_heads",
             q("gpt2 has no grouped-query attention: model.kv_heads", m.kv_heads, "must equal",
               "model.heads", m.heads));
-    require(m.arch != "llama" || m.head_dim() % 2 == 0, "model.hidden",
+    require(m.arch != ModelArch::kLlama || m.head_dim() % 2 == 0, "model.hidden",
             fmt::format("RoPE needs an even head dimension: model.hidden ({}) / model.heads ({}) "
                         "= {} is odd",
                         m.hidden, m.heads, m.head_dim()));
-    require(m.arch == "llama" || !m.qk_norm, "model.qk_norm",
-            "model.qk_norm is a llama-family option (Qwen3); model.arch is " + m.arch);
+    require(m.arch == ModelArch::kLlama || !m.qk_norm, "model.qk_norm",
+            "model.qk_norm is a llama-family option (Qwen3); model.arch is " + m.arch.name());
     // Each key is bounded; their product is too, in double (int64 byte counts of the weights,
     // gradients and optimizer state stay exact below 2^44 parameters, 16 bytes each).
     const double h = static_cast<double>(m.hidden),
@@ -107,9 +107,10 @@ class Validator {
                 e.experts));
       return;
     }
-    require(m.arch == "llama", "model.moe.experts",
+    require(m.arch == ModelArch::kLlama, "model.moe.experts",
             "model.moe.experts (" + std::to_string(e.experts) +
-                ") builds llama-family MoE layers (Mixtral, Qwen3-MoE); model.arch is " + m.arch);
+                ") builds llama-family MoE layers (Mixtral, Qwen3-MoE); model.arch is " +
+                m.arch.name());
     require(e.top_k <= e.experts, "model.moe.top_k",
             q("model.moe.top_k", e.top_k, "must be <=", "model.moe.experts", e.experts));
     require(e.every <= m.layers, "model.moe.every",

@@ -180,7 +180,7 @@ void write_index(const Config& c, const fs::path& tmp, const CheckpointState& st
                           {"step", st.step},
                           {"consumed_samples", st.consumed_samples},
                           {"world_size", world},
-                          {"arch", c.model.arch},
+                          {"arch", c.model.arch.name()},
                           {"tensors", nlohmann::json::object()}};
   auto& tensors = index["tensors"];
   auto& files = index["files"] = nlohmann::json::object();  // every rank file's size and checksum

@@ -52,7 +52,7 @@ struct ThreadsFor {
 class StepKernels {
  public:
   StepKernels(const Config& c, const models::ModelShape& m, torch::ScalarType dtype)
-      : llama_(m.arch == "llama"),
+      : llama_(m.arch == ModelArch::kLlama),
         own_kernels_(c.training.kernels == Kernels::kTessel && dtype == torch::kFloat32),
         tessel_gelu_(!llama_ && own_kernels_),
         short_attention_(own_kernels_ && c.parallel.cp <= 1 &&

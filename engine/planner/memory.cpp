@@ -94,8 +94,8 @@ double pipeline_held(const parallel::Layout& l, const PlanBasis& b, int64_t stag
   const auto& m = b.m;
   const double h = b.h, tp = b.tp, kvd = b.kvd, w = b.w, tok = b.tok;
   const double f = static_cast<double>(m.ffn_hidden) / tp;
-  const double kept = 3 * h + f + (h + 2 * kvd) / tp + 2 * h + (m.arch == "llama" ? 2 : 1) * f;
-  const double mlp_mats = m.arch == "llama" ? 3.0 : 2.0;
+  const double kept = 3 * h + f + (h + 2 * kvd) / tp + 2 * h + (m.arch == ModelArch::kLlama ? 2 : 1) * f;
+  const double mlp_mats = m.arch == ModelArch::kLlama ? 3.0 : 2.0;
   const double attention_weights = (2 * h * h + 2 * h * kvd) / tp;  // q, k, v, o
   const double mlp_weights = mlp_mats * h * f;
   const double shared_weights =
@@ -129,7 +129,7 @@ double pipeline_held(const parallel::Layout& l, const PlanBasis& b, int64_t stag
 // silu(gate) (one ffn less).
 ActivationModel activation_model(const models::ModelShape& m, Recompute recompute, bool own_kernels,
                                  bool cpu) {
-  const bool llama = m.arch == "llama", fused = llama && own_kernels;
+  const bool llama = m.arch == ModelArch::kLlama, fused = llama && own_kernels;
   const bool fused_norm = fused || (llama && !cpu);
   ActivationModel a = !llama       ? ActivationModel{4.76, 3.58, 0.0, 2.0, 2.3}
                       : fused      ? ActivationModel{4.5, 1.6, 2.0, 3.0, 2.3}

@@ -284,14 +284,14 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const TrainingConfig& t
              static_cast<double>(m.moe.experts - m.moe.top_k) /
              static_cast<double>(std::max<int64_t>(1, m.moe.experts));    // active experts only
   n_flops -= static_cast<double>(m.vocab_size) * h * (m.tied() ? 0 : 1);  // input embeddings
-  if (m.arch == "gpt2") n_flops -= static_cast<double>(m.max_seq_len) * h;
+  if (m.arch == ModelArch::kGpt2) n_flops -= static_cast<double>(m.max_seq_len) * h;
   e.flops_per_step =
       flops_per_token(m, n_flops, t.seq_len) * static_cast<double>(t.global_batch * t.seq_len);
   // The work the device does: recomputation reruns forward work the model FLOPs (and so MFU)
   // do not count. Full: every block's forward again (2 per block weight, and attention's
   // 4·L·H·Q·T, a third of its 12); selective: each block's MLP forward (2 per MLP weight).
   const double mlp_weights =
-      (m.arch == "llama" ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden);
+      (m.arch == ModelArch::kLlama ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden);
   const double layers = static_cast<double>(m.layers);
   double rerun_per_token = 0;
   if (t.recompute == Recompute::kFull)
@@ -365,7 +365,7 @@ std::map<std::string, double> cpu_compute_s(const Config& c, const PlanBasis& b,
                                             const DeviceProfile& d) {
   const auto& t = c.training;
   const auto& m = b.m;
-  const bool llama = m.arch == "llama", full = t.recompute == Recompute::kFull;
+  const bool llama = m.arch == ModelArch::kLlama, full = t.recompute == Recompute::kFull;
   const double micro = static_cast<double>(b.mbs), tokens = micro * b.tok;
   const double layers = static_cast<double>(r.layers), h = b.h, tp = b.tp;
   const double mlp = (llama ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden) / tp;

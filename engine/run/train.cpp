@@ -16,9 +16,7 @@
 #include "engine/run/step_counters.h"
 #include "engine/run/stop.h"
 #include "models/moe.h"
-#include "parallel/dp/grad_reducer.h"
-#include "parallel/dp/weight_gather.h"
-#include "parallel/dp/zero3.h"
+#include "parallel/dp/grad_sync.h"
 #include "parallel/pp/executor.h"
 
 namespace tessel {
@@ -33,7 +31,6 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   configure_device(c_, device_);
   attention_ = attention_kernel(c_, device_, dtype_);
   mesh_ = parallel::Mesh::create(c_, world, device_, std::move(start.store));
-  weight_gather_wait_ = SpanTimer(time_on_device(device_, mesh_->dp_cp().backend_name()));
   const auto& l = mesh_->layout();
   c_.parallel.dp = l.dp;
   check_same_plan(c_, *mesh_);
@@ -119,19 +116,9 @@ void Trainer::setup_state() {
         (l.tp > 1 && model_->specs().at(s.name).tp_grad_sum))
       into.insert(into.end(), views.begin(), views.end());
   }
-  const bool keep = c_.parallel.zero3_keep_gathered;
-  reducer_ = std::make_unique<parallel::dp::GradReducer>(*mesh_, params, *opt_, keep);
-  if (zero == 3) {
-    gatherer_ = std::make_unique<parallel::dp::UnitGatherer>(data_group.side(), experts.side(),
-                                                             *opt_, keep);
-    model_->set_hooks(gatherer_.get());
-    reducer_->on_bucket_done = [g = gatherer_.get()](size_t b) { g->bucket_done(b); };
-  }
-  if (zero == 1 || zero == 2) {
-    weights_ = std::make_unique<parallel::dp::WeightGather>(data_group, experts, *opt_,
-                                                            weight_gather_wait_);
-    model_->set_hooks(weights_.get());
-  }
+  sync_ = parallel::dp::make_grad_sync(*mesh_, params, *opt_, zero, c_.parallel.zero3_keep_gathered,
+                                       time_on_device(device_, data_group.backend_name()));
+  if (auto* hooks = sync_->block_hooks()) model_->set_hooks(hooks);
 }
 
 void Trainer::stage_inputs(int64_t step) {
@@ -167,7 +154,7 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   }
   StepOut out;
   const auto ran = graph_->run(
-      overflow, [&] { out = device_step(overflow); }, [&] { reducer_->abandon_step(); });
+      overflow, [&] { out = device_step(overflow); }, [&] { sync_->abandon_step(); });
   if (ran == StepGraph::Ran::kCaptured) graph_out_ = out;
   replayed_ = ran == StepGraph::Ran::kReplayed;
   if (graph_->failed() && !graph_failure_logged_) {
@@ -180,51 +167,66 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   return ran == StepGraph::Ran::kEager ? out : graph_out_;
 }
 
+// One step on the device: the schedule's forwards and backwards, the gradients' synchronisation,
+// the clipped norm (with the stop votes), the update.
 Trainer::StepOut Trainer::device_step(bool overflow) {
   const auto& t = c_.training;
-  const auto& l = mesh_->layout();
-  // ZeRO-1/2: the whole weights come back from the last update's pieces, waited for unit by unit
-  // by this step's forward; started here so that a step holds its own gathers.
-  if (weights_) weights_->start_all();
-  const auto& batch = in_.batch;
   // The loss rule: sum of token losses over the global batch / its number of target tokens.
   const double scale = 1.0 / static_cast<double>(t.global_batch * t.seq_len);
   // Each micro-batch's loss, added in micro-batch order after the step (paired micro-batches
   // finish in either order).
   std::vector<torch::Tensor> losses(static_cast<size_t>(executor_->schedule().microbatches));
+  sync_->begin_step();  // ZeRO-1/2: the weights' gathers, waited for unit by unit by forward
   begin_moe_step(scale);
-  // The schedule decides the order of forwards and backwards (one stage: F0 B0 F1 B1 ...).
-  parallel::pp::StageFns fns{
-      [&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
-        auto out =
-            model_->stage_forward(chunk, input, batch.narrow(0, mb * t.micro_batch, t.micro_batch));
+  {
+    RECORD_USER_SCOPE("tessel::forward_backward");
+    const auto stats = executor_->run(step_fns(scale, overflow, losses));
+    pp_peak_activations_ = std::max(pp_peak_activations_, stats.peak_activations);
+  }
+  RECORD_USER_SCOPE("tessel::grad_sync_and_optimizer");
+  sync_->finish_backward();
+  sync_replicated_grads();
+  auto [norm, votes] = clip_and_vote();
+  sync_->before_optimizer();
+  opt_->step(in_.lr, scaler_->update(norm, in_.step));  // a non-finite step is skipped
+  sync_->after_optimizer();
+  update_balance_bias();  // MoE: after the update, from the step's choices
+  auto loss = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
+  for (const auto& l_mb : losses)
+    if (l_mb.defined()) loss += l_mb;
+  return {loss, norm, votes};
+}
+
+// What the schedule runs (one stage: F0 B0 F1 B1 ...): each micro-batch's forward, its loss
+// (scaled by the loss rule, and for fp16 into range) kept in `losses`, and the gradient sync
+// around each backward.
+parallel::pp::StageFns Trainer::step_fns(double scale, bool overflow,
+                                         std::vector<torch::Tensor>& losses) {
+  const auto& t = c_.training;
+  return {
+      [this, &t, &losses, scale, overflow](int64_t mb, int64_t chunk, const torch::Tensor& input) {
+        auto out = model_->stage_forward(chunk, input,
+                                         in_.batch.narrow(0, mb * t.micro_batch, t.micro_batch));
         if (!model_->is_last_stage(chunk)) return out;
         out = out * scale;
         losses[static_cast<size_t>(mb)] = out.detach();
         if (scaler_->dynamic()) out = out * scaler_->scale();  // fp16: scaled into range
         return overflow ? out * 1e30 : out;
       },
-      [&](int64_t chunk, bool final) { reducer_->begin_backward(chunk, final); },
-      [&](int64_t chunk, bool final) { reducer_->end_backward(chunk, final); }};
-  parallel::pp::StepStats stats;
-  {
-    RECORD_USER_SCOPE("tessel::forward_backward");
-    stats = executor_->run(fns);
-  }
-  RECORD_USER_SCOPE("tessel::grad_sync_and_optimizer");
-  auto loss = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
-  for (const auto& l_mb : losses)
-    if (l_mb.defined()) loss += l_mb;
-  reducer_->finish();
-  pp_peak_activations_ = std::max(pp_peak_activations_, stats.peak_activations);
-  sync_replicated_grads();
-  // The norm sums over every rank: with ZeRO each data rank holds other pieces of the gradient;
-  // without, data ranks hold equal gradients and only data rank 0 adds its squares. Every rank
-  // joins this all-reduce on every step, so it also carries the stop-on-signal votes.
-  const bool adds_squares = c_.parallel.zero > 0 || l.ep > 1 || mesh_->dp_cp().rank() == 0;
+      [this](int64_t chunk, bool final) { sync_->begin_backward(chunk, final); },
+      [this](int64_t chunk, bool final) { sync_->end_backward(chunk, final); }};
+}
+
+// The gradient norm, clipped, and the ranks' stop votes. The norm sums over every rank: with
+// ZeRO each data rank holds other pieces of the gradient; without, data ranks hold equal
+// gradients and only data rank 0 adds its squares. Every rank joins this all-reduce on every
+// step, so it also carries the stop-on-signal votes.
+std::pair<torch::Tensor, torch::Tensor> Trainer::clip_and_vote() {
+  const bool adds_squares =
+      c_.parallel.zero > 0 || mesh_->layout().ep > 1 || mesh_->dp_cp().rank() == 0;
   torch::Tensor votes;
   auto norm = opt_->clip_grad_norm(
-      t.grad_clip,
+      c_.training.grad_clip,
       [&](torch::Tensor& sq) {
         auto both = torch::stack(
             {adds_squares ? sq : torch::zeros_like(sq), in_.vote.to(sq.scalar_type())});
@@ -233,22 +235,17 @@ Trainer::StepOut Trainer::device_step(bool overflow) {
         votes = both[1];
       },
       scaler_->unscale());
-  if (weights_) weights_->wait_all();  // every unit's gather has landed (the forward's waits)
-  opt_->step(in_.lr, scaler_->update(norm, in_.step));  // a non-finite step is skipped
-  if (weights_) weights_->updated();
-  if (gatherer_) gatherer_->release_all();
-  update_balance_bias();  // MoE: after the update, from the step's choices
-  return {loss, norm, votes};
+  return {norm, votes};
 }
 
 double Trainer::evaluate() {
   torch::NoGradGuard no_grad;
-  if (weights_) weights_->wait_all();
+  sync_->weights_ready();
   const auto& t = c_.training;
   const auto& l = mesh_->layout();
   auto total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   const int64_t rows = t.eval_batches * t.global_batch, mine = rows / l.dp;
-  if (gatherer_) carried_exposed_ms_ += gatherer_->take_wait_ms();  // the steps' so far
+  carried_exposed_ms_ += sync_->take_wait_ms();  // the steps' so far
   auto last = std::chrono::steady_clock::now();
   parallel::pp::StageFns fns{[&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
     const int64_t first = mb * t.micro_batch;
@@ -268,7 +265,7 @@ double Trainer::evaluate() {
                                            executor_->schedule().virtual_stages,
                                            executor_->schedule().v_shape))
       ->run(fns);
-  if (gatherer_) gatherer_->take_wait_ms();  // evaluation's gathers are not a step's
+  sync_->take_wait_ms();  // evaluation's gathers are not a step's
   mesh_->group(parallel::GroupKind::kPp).all_reduce(total).wait();  // the last stage's sum
   mesh_->dp_cp().all_reduce(total).wait();
   return total.item<double>() / static_cast<double>(rows * t.seq_len);
@@ -355,7 +352,7 @@ int Trainer::train() {
     if ((c_.checkpoint.every > 0 && step % c_.checkpoint.every == 0) || last || stop) {
       auto t0 = std::chrono::steady_clock::now();
       check_finite();  // a non-finite step is never saved
-      if (weights_) weights_->wait_all();
+      sync_->weights_ready();
       auto dir = save_checkpoint(c_, *mesh_, model_, *opt_, *scaler_, {step, consumed_});
       spdlog::info("checkpoint {}", dir);
       last_log_time_ += std::chrono::steady_clock::now() - t0;
@@ -380,7 +377,7 @@ int Trainer::train() {
 
 void Trainer::shut_down() {
   graph_.reset();
-  if (weights_) weights_->wait_all();
+  if (sync_) sync_->weights_ready();
   const int64_t n = mesh_->shutdown();
   if (mesh_->world() > 1)
     spdlog::info("every rank reached the end; {} communicators of this rank shut down", n);

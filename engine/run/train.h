@@ -25,12 +25,11 @@
 #include "parallel/mesh.h"
 
 namespace tessel::parallel::dp {
-class GradReducer;
-class UnitGatherer;
-class WeightGather;
+class GradSync;
 }  // namespace tessel::parallel::dp
 namespace tessel::parallel::pp {
 class Executor;
+struct StageFns;
 struct StepStats;
 struct Schedule;
 }  // namespace tessel::parallel::pp
@@ -66,6 +65,8 @@ class Trainer {
   /// Everything a step queues on the device, reading its inputs from in_ only and never waiting
   /// on the host: what training.cuda_graph captures (engine/run/step_graph.h).
   StepOut device_step(bool overflow);
+  parallel::pp::StageFns step_fns(double scale, bool overflow, std::vector<torch::Tensor>& losses);
+  std::pair<torch::Tensor, torch::Tensor> clip_and_vote();  // the clipped norm, the stop votes
   double evaluate();
   void sync_replicated_grads();
   void check_finite() const;  // host sync: throws UserError naming the first non-finite step
@@ -94,9 +95,7 @@ class Trainer {
   torch::ScalarType dtype_;
   models::Decoder model_{nullptr};
   std::unique_ptr<FlatAdamW> opt_;
-  std::unique_ptr<parallel::dp::GradReducer> reducer_;
-  std::unique_ptr<parallel::dp::UnitGatherer> gatherer_;  // ZeRO-3
-  std::unique_ptr<parallel::dp::WeightGather> weights_;   // ZeRO-1/2
+  std::unique_ptr<parallel::dp::GradSync> sync_;  // DDP or ZeRO-1/2/3 (parallel/dp/grad_sync.h)
   std::unique_ptr<LossScaler> scaler_;
   std::unique_ptr<StopOnSignal> stop_;
   std::unique_ptr<StepCounters> counters_;
@@ -127,13 +126,11 @@ class Trainer {
   // Timing between logged steps: the loss read at a log step is the only host sync.
   std::chrono::steady_clock::time_point last_log_time_, start_time_;
   int64_t last_log_step_ = 0;
-  SpanTimer weight_gather_wait_{false};  // ZeRO 1-2: the all-gather after the step
-                                         // (device-timed under NCCL: set with the mesh)
-  double carried_exposed_ms_ = 0;        // taken early (before an evaluation), not yet logged
-  int64_t first_step_ = 1;               // > 1 when resumed
-  std::string resumed_from_;             // the checkpoint folder, when resumed
-  int64_t consumed_ = 0;                 // the data position: global samples consumed so far
-  int64_t setup_rss_ = 0;                // peak resident set before the first step
+  double carried_exposed_ms_ = 0;  // taken early (before an evaluation), not yet logged
+  int64_t first_step_ = 1;         // > 1 when resumed
+  std::string resumed_from_;       // the checkpoint folder, when resumed
+  int64_t consumed_ = 0;           // the data position: global samples consumed so far
+  int64_t setup_rss_ = 0;          // peak resident set before the first step
 };
 
 }  // namespace tessel

@@ -23,9 +23,7 @@
 #include "engine/run/stop.h"
 #include "models/moe.h"
 #include "parallel/cp/attention.h"
-#include "parallel/dp/grad_reducer.h"
-#include "parallel/dp/weight_gather.h"
-#include "parallel/dp/zero3.h"
+#include "parallel/dp/grad_sync.h"
 #include "parallel/pp/executor.h"
 
 namespace tessel {
@@ -40,7 +38,8 @@ void Trainer::log_layout(const parallel::WorldInfo& world) const {
                l.cp > 1 ? fmt::format(" ({}, {} tokens per rank)",
                                       c_.parallel.context_method.name(), t.seq_len / l.cp)
                         : "",
-               reducer_->buckets().size(), reducer_->buckets().size() == 1 ? "" : "s");
+               sync_->reducer().buckets().size(),
+               sync_->reducer().buckets().size() == 1 ? "" : "s");
   if (executor_->pairs())
     spdlog::info(
         "micro-batches two at a time, each on {} of {} threads "
@@ -59,7 +58,7 @@ void Trainer::log_layout(const parallel::WorldInfo& world) const {
 }
 
 void Trainer::log_state() const {
-  spdlog::info("model {} | {} parameters on this rank | {} | {} on {}", c_.model.arch,
+  spdlog::info("model {} | {} parameters on this rank | {} | {} on {}", c_.model.arch.name(),
                opt_->numel(),
                !resumed_from_.empty()       ? "weights from checkpoint " + resumed_from_
                : c_.model.init_from.empty() ? "seeded init"
@@ -73,9 +72,9 @@ void Trainer::log_state() const {
       "optimizer {:.2f} MiB{}",
       zero, data_group.size(), data_group.size() == 1 ? "" : "s", bytes.params / 1048576.0,
       bytes.grads / 1048576.0, bytes.optimizer / 1048576.0,
-      gatherer_ ? fmt::format(" (+ gathered units, the largest {:.2f} MiB)",
-                              gatherer_->largest_unit_bytes() / 1048576.0)
-                : "");
+      sync_->unit_gatherer() ? fmt::format(" (+ gathered units, the largest {:.2f} MiB)",
+                                           sync_->unit_gatherer()->largest_unit_bytes() / 1048576.0)
+                             : "");
   spdlog::info("data {} | {} training samples ({} tokens), {} validation samples",
                c_.data.format.name(), data_->train_samples(), data_->train_tokens(),
                data_->val_samples());
@@ -188,6 +187,7 @@ void Trainer::report_memory() {
   // steps added, activations mostly).
   const auto b = opt_->bytes();
   const auto pad = opt_->alignment_padding();
+  const auto* units = sync_->unit_gatherer();
   // The state as the CPU allocator counted it, each part on its own (-1 on CUDA: not counted).
   auto allocated = [this](Held what) {
     return device_.is_cuda() ? -1 : CpuAllocationCounter::get().live(what);
@@ -198,9 +198,9 @@ void Trainer::report_memory() {
       {"params_bytes", b.params},
       {"grads_bytes", b.grads},
       {"optimizer_bytes", b.optimizer},
-      {"gathered_peak_bytes", gatherer_ ? gatherer_->peak_gathered_bytes() : 0},
-      {"largest_unit_bytes", gatherer_ ? gatherer_->largest_unit_bytes() : 0},
-      {"grad_bucket_peak_bytes", reducer_->peak_bucket_bytes()},
+      {"gathered_peak_bytes", units ? units->peak_gathered_bytes() : 0},
+      {"largest_unit_bytes", units ? units->largest_unit_bytes() : 0},
+      {"grad_bucket_peak_bytes", sync_->reducer().peak_bucket_bytes()},
       {"setup_peak_rss_bytes", setup_rss_},
       {"peak_rss_bytes", peak_rss_bytes()},
       {"step_base_bytes", counters_->step_base_bytes()},
@@ -297,8 +297,7 @@ double Trainer::take_exposed_comm_ms() {
   // and waits for ZeRO-3 gathers their prefetch did not hide (CUDA: from events, read now).
   const double carried = carried_exposed_ms_;
   carried_exposed_ms_ = 0;
-  return carried + reducer_->take_wait_ms() + weight_gather_wait_.take_ms() +
-         (gatherer_ ? gatherer_->take_wait_ms() : 0.0);
+  return carried + sync_->take_wait_ms();
 }
 
 }  // namespace tessel

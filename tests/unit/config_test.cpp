@@ -22,7 +22,7 @@ data: {format: text, path: [a.txt]}
 
 TEST(Config, DefaultsResolveAndOverride) {
   Config c = load_config_text(kGood, "good.yaml", {"training.optimizer.lr=0.01", "model.layers=3"});
-  EXPECT_EQ(c.model.arch, "llama");
+  EXPECT_EQ(c.model.arch, ModelArch::kLlama);
   EXPECT_EQ(c.model.kv_heads, 2);
   EXPECT_EQ(c.model.tie_embeddings, TieEmbeddings::kFalse);  // auto resolves by arch
   EXPECT_EQ(c.model.ffn_hidden, 192);          // 8/3·64 = 170.7 -> 192

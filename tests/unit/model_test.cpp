@@ -168,10 +168,10 @@ TEST(HfNames, RoundTripBothArchitectures) {
       model("{arch: llama, layers: 2, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 300}");
   Weights hf3;
   for (auto& [k, t] :
-       arch("llama").to_hf(model_weights(*std::make_unique<Decoder>(build_model(deep, 1))), deep))
+       arch(ModelArch::kLlama).to_hf(model_weights(*std::make_unique<Decoder>(build_model(deep, 1))), deep))
     hf3[k] = t;
   try {
-    arch("llama").from_hf(hf3, shallow, "deep.safetensors");
+    arch(ModelArch::kLlama).from_hf(hf3, shallow, "deep.safetensors");
     FAIL();
   } catch (const UserError& e) {
     EXPECT_NE(
@@ -183,7 +183,7 @@ TEST(HfNames, RoundTripBothArchitectures) {
   auto m = model("{arch: gpt2, layers: 1, hidden: 16, heads: 2, vocab_size: 300}");
   Weights partial;
   try {
-    arch("gpt2").from_hf(partial, m, "x.safetensors");
+    arch(ModelArch::kGpt2).from_hf(partial, m, "x.safetensors");
     FAIL();
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("x.safetensors: missing Hugging Face tensor 'wte.weight'"),

@@ -1,0 +1,68 @@
+#include "parallel/dp/grad_sync.h"
+
+#include "parallel/dp/weight_gather.h"
+
+namespace tessel::parallel::dp {
+namespace {
+
+// DDP: the reducer alone (buckets all-reduced as backward completes them).
+class Ddp final : public GradSync {
+ public:
+  Ddp(Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt) {
+    reducer_ = std::make_unique<GradReducer>(mesh, params, opt);
+  }
+};
+
+// ZeRO-1/2: gradients reduce-scattered into this rank's pieces; after the update each rank's
+// piece of the weights is gathered back, from the next step's start, unit by unit.
+class WeightPieces final : public GradSync {
+ public:
+  WeightPieces(Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt,
+               bool time_on_device)
+      : wait_(time_on_device) {
+    reducer_ = std::make_unique<GradReducer>(mesh, params, opt);
+    weights_ = std::make_unique<WeightGather>(mesh.dp_cp(), mesh.expert_data(), opt, wait_);
+  }
+  BlockHooks* block_hooks() override { return weights_.get(); }
+  void begin_step() override { weights_->start_all(); }
+  void before_optimizer() override { weights_->wait_all(); }
+  void after_optimizer() override { weights_->updated(); }
+  void weights_ready() override { weights_->wait_all(); }
+  double take_wait_ms() override { return reducer_->take_wait_ms() + wait_.take_ms(); }
+
+ private:
+  SpanTimer wait_;  // the forward's waits for its units' gathers
+  std::unique_ptr<WeightGather> weights_;
+};
+
+// ZeRO-3: each unit's weights gathered where it is used (and freed after, unless kept for the
+// step); a unit's gradients reduce-scattered once its bucket is complete.
+class Units final : public GradSync {
+ public:
+  Units(Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt, bool keep) {
+    reducer_ = std::make_unique<GradReducer>(mesh, params, opt, keep);
+    units_ =
+        std::make_unique<UnitGatherer>(mesh.dp_cp().side(), mesh.expert_data().side(), opt, keep);
+    reducer_->on_bucket_done = [g = units_.get()](size_t b) { g->bucket_done(b); };
+  }
+  BlockHooks* block_hooks() override { return units_.get(); }
+  void after_optimizer() override { units_->release_all(); }
+  double take_wait_ms() override { return reducer_->take_wait_ms() + units_->take_wait_ms(); }
+  const UnitGatherer* unit_gatherer() const override { return units_.get(); }
+
+ private:
+  std::unique_ptr<UnitGatherer> units_;
+};
+
+}  // namespace
+
+std::unique_ptr<GradSync> make_grad_sync(Mesh& mesh, const std::vector<NamedParam>& params,
+                                         FlatAdamW& opt, int64_t zero, bool keep_gathered,
+                                         bool time_on_device) {
+  if (zero == 3) return std::make_unique<Units>(mesh, params, opt, keep_gathered);
+  if (zero == 1 || zero == 2)
+    return std::make_unique<WeightPieces>(mesh, params, opt, time_on_device);
+  return std::make_unique<Ddp>(mesh, params, opt);
+}
+
+}  // namespace tessel::parallel::dp
