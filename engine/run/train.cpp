@@ -12,6 +12,7 @@
 #include "engine/checkpoint/checkpoint.h"
 #include "engine/io/safetensors.h"
 #include "engine/planner/planner.h"
+#include "engine/run/parallelize.h"
 #include "engine/run/same_plan.h"
 #include "engine/run/step_counters.h"
 #include "engine/run/stop.h"
@@ -42,10 +43,20 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
     spdlog::set_level(spdlog::level::warn);  // rank 0 reports for everyone
   }
   data_ = std::make_unique<data::Dataset>(c_);
-  model_ = make_model(c_, device_, dtype_, &mesh_->group(parallel::GroupKind::kTp),
-                      stage_part(c_, l.pp, mesh_->coord().pp),
-                      &mesh_->group(parallel::GroupKind::kCp), &mesh_->ep());
-  setup_state();
+  {
+    auto st = parallelize(c_, *mesh_, device_, dtype_);
+    model_ = std::move(st.model);
+    opt_ = std::move(st.opt);
+    scaler_ = std::move(st.scaler);
+    sync_ = std::move(st.sync);
+    tp_summed_grads_ = std::move(st.tp_summed_grads);
+    embedding_grads_ = std::move(st.embedding_grads);
+    resumed_from_ = st.resumed_from;
+    if (!resumed_from_.empty()) {
+      first_step_ = st.resumed.step + 1;
+      consumed_ = st.resumed.consumed_samples;
+    }
+  }
   const auto& t = c_.training;
   const bool sp = c_.parallel.sequence_parallel && l.tp > 1;
   // One micro-batch between stages: this cp rank's tokens (SP: its tp share of them).
@@ -75,50 +86,6 @@ std::unique_ptr<parallel::pp::Executor> Trainer::make_executor(parallel::pp::Sch
   return std::make_unique<parallel::pp::Executor>(
       mesh_->group(parallel::GroupKind::kPp), std::move(s), activation_shape_,
       torch::TensorOptions().dtype(dtype_).device(device_));
-}
-
-void Trainer::setup_state() {
-  // ZeRO shards over the data group (dp×cp); a tied table under pp gets a bucket of its own, so
-  // the first and last stage hold the same piece of it and can sum its gradient.
-  const auto& l = mesh_->layout();
-  auto& data_group = mesh_->dp_cp();
-  auto& experts = mesh_->expert_data();  // MoE experts' data group (data_group when ep is 1)
-  const int64_t zero = c_.parallel.zero;
-  auto params = models::named_params(model_);
-  // Under expert parallelism data ranks hold different experts, so every rank adds its squares to
-  // the gradient norm: a tensor held by r data ranks counts 1/r on each.
-  if (l.ep > 1 && zero == 0)
-    for (auto& p : params) p.replicas *= (p.expert ? mesh_->expert_data() : data_group).size();
-  opt_ = std::make_unique<FlatAdamW>(
-      params, c_.training,
-      layout_of(params, {std::max<int64_t>(
-                             1, static_cast<int64_t>(c_.parallel.ddp_bucket_mb * (1 << 20) / 4)),
-                         zero > 0 ? data_group.size() : 1, zero > 0 ? data_group.rank() : 0, zero,
-                         zero > 0 && l.pp > 1 && c_.model.tied(), zero > 0 ? experts.size() : 1,
-                         zero > 0 ? experts.rank() : 0}));
-  scaler_ = std::make_unique<LossScaler>(c_.training, device_);
-  if (auto dir = checkpoint_to_resume(c_); !dir.empty()) {
-    auto st = load_checkpoint(dir, model_, *opt_, scaler_.get());
-    first_step_ = st.step + 1;
-    consumed_ = st.consumed_samples;
-    resumed_from_ = dir;
-    spdlog::info("resumed from {} (step {}, {} samples consumed)", dir, st.step,
-                 st.consumed_samples);
-  }
-  const bool table_copies = parallel::table_on_two_stages(c_, l);
-  for (const auto& s : opt_->layout().slots()) {
-    // Under ZeRO the table is a bucket of its own: each rank sums its whole (aligned) piece.
-    auto views = s.name == "embed.weight" && table_copies && zero > 0
-                     ? std::vector<torch::Tensor>{opt_->grad_bucket_piece(s)}
-                     : opt_->grad_views(s);
-    auto& into = s.name == "embed.weight" ? embedding_grads_ : tp_summed_grads_;
-    if ((s.name == "embed.weight" && table_copies) ||
-        (l.tp > 1 && model_->specs().at(s.name).tp_grad_sum))
-      into.insert(into.end(), views.begin(), views.end());
-  }
-  sync_ = parallel::dp::make_grad_sync(*mesh_, params, *opt_, zero, c_.parallel.zero3_keep_gathered,
-                                       time_on_device(device_, data_group.backend_name()));
-  if (auto* hooks = sync_->block_hooks()) model_->set_hooks(hooks);
 }
 
 void Trainer::stage_inputs(int64_t step) {

@@ -56,7 +56,6 @@ class Trainer {
   double take_exposed_comm_ms();
   /// The flat layout, optimizer, loss scaler, gradient reduction and ZeRO-3 gathering of this
   /// rank; resumes their state (and the model's) from a checkpoint when the plan says so.
-  void setup_state();
   void log_state() const;  // the start lines about parameters and state bytes
   StepOut train_step(int64_t step);
   /// The step's inputs into in_ (host work: the batch, and the rate, step number and stop vote

@@ -1,0 +1,80 @@
+#include "engine/run/parallelize.h"
+
+#include <spdlog/spdlog.h>
+
+#include "core/observe/timing.h"
+#include "engine/planner/model_plan.h"
+#include "engine/run/build.h"
+
+namespace tessel {
+namespace {
+
+// Data parallelism's flat buffers: ZeRO shards over the data group (dp×cp), an MoE layer's
+// experts over the expert data group; a tied table under pp gets a bucket of its own, so the first
+// and last stage hold the same piece of it and can sum its gradient.
+std::unique_ptr<FlatAdamW> make_optimizer(const Config& c, parallel::Mesh& mesh,
+                                          std::vector<NamedParam>& params) {
+  const auto& l = mesh.layout();
+  auto& data_group = mesh.dp_cp();
+  auto& experts = mesh.expert_data();  // data_group when ep is 1
+  const int64_t zero = c.parallel.zero;
+  // Under expert parallelism data ranks hold different experts, so every rank adds its squares to
+  // the gradient norm: a tensor held by r data ranks counts 1/r on each.
+  if (l.ep > 1 && zero == 0)
+    for (auto& p : params) p.replicas *= (p.expert ? experts : data_group).size();
+  return std::make_unique<FlatAdamW>(
+      params, c.training,
+      layout_of(params, {std::max<int64_t>(
+                             1, static_cast<int64_t>(c.parallel.ddp_bucket_mb * (1 << 20) / 4)),
+                         zero > 0 ? data_group.size() : 1, zero > 0 ? data_group.rank() : 0, zero,
+                         zero > 0 && l.pp > 1 && c.model.tied(), zero > 0 ? experts.size() : 1,
+                         zero > 0 ? experts.rank() : 0}));
+}
+
+// The gradients summed outside data parallelism after backward: tp-replicated parameters' and a
+// tied table's held on two stages (under ZeRO its whole aligned piece, a bucket of its own).
+void replicated_grads(const Config& c, const parallel::Layout& l, TrainState& s) {
+  const bool table_copies = parallel::table_on_two_stages(c, l);
+  for (const auto& slot : s.opt->layout().slots()) {
+    auto views = slot.name == "embed.weight" && table_copies && c.parallel.zero > 0
+                     ? std::vector<torch::Tensor>{s.opt->grad_bucket_piece(slot)}
+                     : s.opt->grad_views(slot);
+    auto& into = slot.name == "embed.weight" ? s.embedding_grads : s.tp_summed_grads;
+    if ((slot.name == "embed.weight" && table_copies) ||
+        (l.tp > 1 && s.model->specs().at(slot.name).tp_grad_sum))
+      into.insert(into.end(), views.begin(), views.end());
+  }
+}
+
+}  // namespace
+
+TrainState parallelize(const Config& c, parallel::Mesh& mesh, const torch::Device& device,
+                       torch::ScalarType dtype) {
+  const auto& l = mesh.layout();
+  TrainState s;
+  // Tensor parallelism, this rank's pipeline stages, context parallelism and its experts: each
+  // layer is built holding this rank's part of the same global model.
+  s.model = make_model(c, device, dtype, &mesh.group(parallel::GroupKind::kTp),
+                       stage_part(c, l.pp, mesh.coord().pp), &mesh.group(parallel::GroupKind::kCp),
+                       &mesh.ep());
+  // Data parallelism's state: the flat optimizer over this rank's pieces, the fp16 loss scale.
+  auto params = models::named_params(s.model);
+  s.opt = make_optimizer(c, mesh, params);
+  s.scaler = std::make_unique<LossScaler>(c.training, device);
+  // A resumed run's state, into the pieces this layout holds (whatever layout saved it).
+  if (auto dir = checkpoint_to_resume(c); !dir.empty()) {
+    s.resumed = load_checkpoint(dir, s.model, *s.opt, s.scaler.get());
+    s.resumed_from = dir;
+    spdlog::info("resumed from {} (step {}, {} samples consumed)", dir, s.resumed.step,
+                 s.resumed.consumed_samples);
+  }
+  replicated_grads(c, l, s);
+  // Data parallelism's synchronisation, last: ZeRO-3 frees the whole weights it shards.
+  s.sync = parallel::dp::make_grad_sync(mesh, params, *s.opt, c.parallel.zero,
+                                        c.parallel.zero3_keep_gathered,
+                                        time_on_device(device, mesh.dp_cp().backend_name()));
+  if (auto* hooks = s.sync->block_hooks()) s.model->set_hooks(hooks);
+  return s;
+}
+
+}  // namespace tessel
