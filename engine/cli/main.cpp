@@ -32,48 +32,6 @@
 
 namespace {
 
-std::string human_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  for (; b >= 1024 && u < 4; ++u) b /= 1024;
-  return fmt::format("{:.{}f} {}", b, u == 0 ? 0 : 2, units[u]);
-}
-
-// --dry-run: what each rank will keep for the run, from the plan alone (nothing is built).
-void print_state_bytes(const tessel::Config& c, const tessel::parallel::Layout& l) {
-  const int64_t zero = c.parallel.zero, data_ranks = l.dp * l.cp;
-  const auto dtype = tessel::resolve_dtype(c.training.dtype);
-  const double w = static_cast<double>(c10::elementSize(dtype));
-  std::printf("# state per rank, ZeRO %lld over %lld data rank%s, %s (activations not included):\n",
-              static_cast<long long>(zero), static_cast<long long>(data_ranks),
-              data_ranks == 1 ? "" : "s", c.training.dtype.name().c_str());
-  for (int64_t stage = 0; stage < l.pp; ++stage) {
-    const auto part = tessel::stage_part(c, l.pp, stage);
-    const auto shape = tessel::model_shape(c.model);
-    const int64_t n = tessel::models::parameters_on_rank(shape, l.tp, part, l.ep);
-    // ZeRO splits MoE experts over the ranks holding the same experts (data ranks / ep).
-    const int64_t experts = tessel::models::expert_parameters_on_rank(shape, part, l.ep);
-    auto b = tessel::planned_state_bytes(n - experts, zero, data_ranks, dtype);
-    const auto e = tessel::planned_state_bytes(experts, zero, data_ranks / l.ep, dtype);
-    b.params += e.params, b.grads += e.grads, b.optimizer += e.optimizer;
-    std::string units;
-    if (zero == 3) {  // the root unit stays gathered; a block, its prefetched neighbour, and
-                      // briefly a third while backward crosses from one block to the next
-      int64_t layers = 0;
-      for (const auto& [first, end] : part.chunks) layers += end - first;
-      const int64_t block = tessel::models::block_parameters(tessel::model_shape(c.model), l.tp);
-      units = fmt::format("; + gathered: the root unit {} and 2-3 blocks of {}",
-                          human_bytes(w * static_cast<double>(n - layers * block)),
-                          human_bytes(w * static_cast<double>(block)));
-    }
-    std::printf("#   %s%lld parameters: weights %s, gradients %s, optimizer %s, total %s%s\n",
-                l.pp > 1 ? fmt::format("pipeline stage {}: ", stage).c_str() : "",
-                static_cast<long long>(n), human_bytes(b.params).c_str(),
-                human_bytes(b.grads).c_str(), human_bytes(b.optimizer).c_str(),
-                human_bytes(b.params + b.grads + b.optimizer).c_str(), units.c_str());
-  }
-}
-
 struct TrainArgs {
   std::string config;
   std::vector<std::string> sets;
@@ -140,73 +98,15 @@ int run_training(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
   }
 }
 
-// --dry-run with pipeline stages: the schedule, its bubble and peak activations, the layers.
-void print_pipeline(const tessel::Config& c, const tessel::parallel::Layout& layout) {
-  namespace pp = tessel::parallel::pp;
-  const auto& t = c.training;
-  const int64_t m = t.global_batch / (layout.dp * t.micro_batch);
-  auto schedule = pp::make_schedule(c.parallel.pipeline_schedule.name(), layout.pp, m,
-                                    c.parallel.virtual_stages);
-  auto sim = pp::simulate(schedule);
-  std::printf("%s", pp::render(schedule, sim).c_str());
-  std::printf(
-      "# predicted bubble %.4f of ideal step time (the paper's figure for %s: %.4f); peak "
-      "activations per rank:",
-      sim.bubble, schedule.name.c_str(),
-      pp::theory_bubble(schedule.name, layout.pp, m, c.parallel.virtual_stages));
-  for (auto a : sim.peak_activations) std::printf(" %lld", static_cast<long long>(a));
-  std::printf(" micro-batch chunks (held from forward to weight gradient)\n");
-  std::printf("# layers per stage (stage = %s): %s\n",
-              schedule.v_shape ? "chunk 0: pipeline rank r, chunk 1: 2·pp − 1 − r"
-                               : "chunk·pp + pipeline rank",
-              pp::stage_layer_counts(c.model.layers, layout.pp * c.parallel.virtual_stages,
-                                     c.parallel.layers_per_stage)
-                  .c_str());
-}
-
-void print_context_parallel(const tessel::Config& c, const tessel::parallel::Layout& layout) {
-  std::printf(
-      "# context parallel: %lld ranks (%s), %lld tokens per rank per sequence (chunks "
-      "r and %lld-r of %lld)\n",
-      static_cast<long long>(layout.cp), c.parallel.context_method.name().c_str(),
-      static_cast<long long>(c.training.seq_len / layout.cp),
-      static_cast<long long>(2 * layout.cp - 1), static_cast<long long>(2 * layout.cp));
-  if (c.parallel.context_method == tessel::CpMethod::kHybrid)
-    std::printf(
-        "# hybrid: all-to-all inside groups of %lld consecutive cp ranks, ring across %lld "
-        "groups\n",
-        static_cast<long long>(c.parallel.context_alltoall_size),
-        static_cast<long long>(layout.cp / c.parallel.context_alltoall_size));
-}
-
-// A layout the planner finds faster than the plan's (`current`), and the command that plans it.
-void print_faster_layout(const std::string& config, int64_t n, const tessel::LayoutChoice& b,
-                         const tessel::PlanEstimate& current) {
-  double most = 0;
-  for (const auto& r : b.estimate.ranks) most = std::max(most, r.total());
-  std::string sets;
-  for (const auto& s : b.sets) sets += " --set " + s;
-  std::printf(
-      "# by these figures a faster layout on %lld processes: tp %lld cp %lld pp %lld dp %lld, "
-      "ZeRO %lld%s: step %.1f ms, %.0f%% less than this plan's %.1f ms, at most %s per rank\n"
-      "#   tessel-train %s --dry-run --world-size %lld%s\n",
-      static_cast<long long>(n), static_cast<long long>(b.layout.tp),
-      static_cast<long long>(b.layout.cp), static_cast<long long>(b.layout.pp),
-      static_cast<long long>(b.layout.dp), static_cast<long long>(b.plan.parallel.zero),
-      b.layout.pp > 1 ? (" (" + b.plan.parallel.pipeline_schedule.name() + ")").c_str() : "",
-      1e3 * b.estimate.step_s, 100 * (1 - b.estimate.step_s / current.step_s), 1e3 * current.step_s,
-      human_bytes(most).c_str(), config.c_str(), static_cast<long long>(n), sets.c_str());
-}
-
 // --dry-run's device: --device-profile; else this CPU, measured now, when the plan would run on it
 // here (training.device cpu, or auto without CUDA, and no --world-size); else h100.
 tessel::DeviceProfile dry_run_device(const TrainArgs& a, const tessel::Config& c, int64_t n) {
   std::string spec = a.profile;
   if (spec.empty()) {
     const tessel::TrainDevice dev = c.training.device;
-    const bool cpu_here =
-        a.world_size == 0 && (dev == tessel::TrainDevice::kCpu ||
-                              (dev == tessel::TrainDevice::kAuto && !tessel::device::cuda_available()));
+    const bool cpu_here = a.world_size == 0 &&
+                          (dev == tessel::TrainDevice::kCpu || (dev == tessel::TrainDevice::kAuto &&
+                                                                !tessel::device::cuda_available()));
     spec = cpu_here ? "cpu" : "h100";
   }
   if (spec != "cpu") return tessel::device_profile(spec, a.profile_sets);
@@ -224,33 +124,14 @@ int plan_dry_run(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
   const auto layout =
       tessel::parallel::check_layout(c, n, a.world_size > 0 ? 0 : world.local_world);
   c.parallel.dp = layout.dp;
-  const auto& t = c.training;
-  // What matters first: valid or not, memory, step time, tokens/s, MFU and a faster layout; then
-  // the pipeline's and context parallelism's particulars; the resolved plan and the rank grid
-  // with --details.
-  std::printf(
-      "# plan %s is valid for %lld processes: %lld micro-batches of %lld sequences per data rank "
-      "per step; "
-      "%lld tokens per step\n",
-      a.config.c_str(), static_cast<long long>(n),
-      static_cast<long long>(t.global_batch / (layout.dp * t.micro_batch)),
-      static_cast<long long>(t.micro_batch), static_cast<long long>(t.global_batch * t.seq_len));
   const auto device = dry_run_device(a, c, n);
   const auto estimate = tessel::estimate(c, layout, device);
-  std::printf("%s", tessel::render(estimate, c, device).c_str());
-  if (const auto better = tessel::faster_layout(c, n, device, estimate))
-    print_faster_layout(a.config, n, *better, estimate);
+  const auto faster = tessel::faster_layout(c, n, device, estimate);
+  std::printf("%s",
+              tessel::dry_run_report({c, a.config, layout, n, device, estimate, faster, a.details})
+                  .c_str());
   if (!a.plan_json.empty())
     tessel::write_file_atomic(a.plan_json, tessel::to_json(estimate, device));
-  print_state_bytes(c, layout);
-  if (layout.pp > 1) print_pipeline(c, layout);
-  if (layout.cp > 1) print_context_parallel(c, layout);
-  if (a.details) {
-    std::printf("%s", tessel::dump_config(c).c_str());
-    std::printf("%s", tessel::parallel::describe_grid(layout).c_str());
-  } else {
-    std::printf("# the resolved plan and the rank grid: --details\n");
-  }
   return 0;
 }
 

@@ -95,6 +95,21 @@ std::optional<LayoutChoice> faster_layout(const Config& c, int64_t world, const 
 
 /// Human-readable lines for --dry-run ("# ..."), and the same figures as JSON.
 std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& d);
+
+/// What --dry-run prints, whole: `plan` resolved against `layout` for `world` processes, its
+/// estimate on `device`, the faster layout when there is one, and with `details` the resolved
+/// plan and the rank grid.
+struct DryRun {
+  const Config& plan;
+  const std::string& plan_path;
+  const parallel::Layout& layout;
+  int64_t world;
+  const DeviceProfile& device;
+  const PlanEstimate& estimate;
+  const std::optional<LayoutChoice>& faster;
+  bool details;
+};
+std::string dry_run_report(const DryRun& r);
 std::string to_json(const PlanEstimate& e, const DeviceProfile& d);
 
 /// The byte figures --dry-run predicts for this plan and layout, per pipeline stage (weights,

@@ -1,9 +1,17 @@
-// --dry-run's report of a plan estimate: the lines printed and the JSON written.
+// --dry-run's report, rendered here only: what matters first (valid or not, memory, step time,
+// tokens/s, MFU, a faster layout), the state per rank, the pipeline's and context parallelism's
+// particulars, and with --details the resolved plan and the rank grid; and the JSON written.
 #include <fmt/format.h>
+#include <fmt/printf.h>
 
 #include <nlohmann/json.hpp>
 
+#include "core/optim/optim.h"
+#include "engine/planner/model_plan.h"
 #include "engine/planner/planner.h"
+#include "models/registry.h"
+#include "parallel/mesh.h"
+#include "parallel/pp/schedule.h"
 
 namespace tessel {
 
@@ -37,6 +45,117 @@ std::string device_brief(const DeviceProfile& d, const Config& c) {
       d.intra_node_gbps, d.inter_node_gbps, d.gpus_per_node);
 }
 
+// Bytes with a binary unit: 512 B, 1.50 KiB, 6.15 GiB.
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  for (; b >= 1024 && u < 4; ++u) b /= 1024;
+  return fmt::format("{:.{}f} {}", b, u == 0 ? 0 : 2, units[u]);
+}
+
+// --dry-run: what each rank will keep for the run, from the plan alone (nothing is built).
+std::string state_bytes(const Config& c, const parallel::Layout& l) {
+  std::string out;
+  const int64_t zero = c.parallel.zero, data_ranks = l.dp * l.cp;
+  const auto dtype = resolve_dtype(c.training.dtype);
+  const double w = static_cast<double>(c10::elementSize(dtype));
+  out += fmt::sprintf(
+      "# state per rank, ZeRO %lld over %lld data rank%s, %s (activations not included):\n",
+      static_cast<long long>(zero), static_cast<long long>(data_ranks), data_ranks == 1 ? "" : "s",
+      c.training.dtype.name().c_str());
+  for (int64_t stage = 0; stage < l.pp; ++stage) {
+    const auto part = stage_part(c, l.pp, stage);
+    const auto shape = model_shape(c.model);
+    const int64_t n = models::parameters_on_rank(shape, l.tp, part, l.ep);
+    // ZeRO splits MoE experts over the ranks holding the same experts (data ranks / ep).
+    const int64_t experts = models::expert_parameters_on_rank(shape, part, l.ep);
+    auto b = planned_state_bytes(n - experts, zero, data_ranks, dtype);
+    const auto e = planned_state_bytes(experts, zero, data_ranks / l.ep, dtype);
+    b.params += e.params, b.grads += e.grads, b.optimizer += e.optimizer;
+    std::string units;
+    if (zero == 3) {  // the root unit stays gathered; a block, its prefetched neighbour, and
+                      // briefly a third while backward crosses from one block to the next
+      int64_t layers = 0;
+      for (const auto& [first, end] : part.chunks) layers += end - first;
+      const int64_t block = models::block_parameters(model_shape(c.model), l.tp);
+      units = fmt::format("; + gathered: the root unit {} and 2-3 blocks of {}",
+                          human_bytes(w * static_cast<double>(n - layers * block)),
+                          human_bytes(w * static_cast<double>(block)));
+    }
+    out +=
+        fmt::sprintf("#   %s%lld parameters: weights %s, gradients %s, optimizer %s, total %s%s\n",
+                     l.pp > 1 ? fmt::format("pipeline stage {}: ", stage).c_str() : "",
+                     static_cast<long long>(n), human_bytes(b.params).c_str(),
+                     human_bytes(b.grads).c_str(), human_bytes(b.optimizer).c_str(),
+                     human_bytes(b.params + b.grads + b.optimizer).c_str(), units.c_str());
+  }
+  return out;
+}
+
+// --dry-run with pipeline stages: the schedule, its bubble and peak activations, the layers.
+std::string pipeline_lines(const Config& c, const parallel::Layout& layout) {
+  std::string out;
+  namespace pp = parallel::pp;
+  const auto& t = c.training;
+  const int64_t m = t.global_batch / (layout.dp * t.micro_batch);
+  auto schedule = pp::make_schedule(c.parallel.pipeline_schedule.name(), layout.pp, m,
+                                    c.parallel.virtual_stages);
+  auto sim = pp::simulate(schedule);
+  out += fmt::sprintf("%s", pp::render(schedule, sim).c_str());
+  out += fmt::sprintf(
+      "# predicted bubble %.4f of ideal step time (the paper's figure for %s: %.4f); peak "
+      "activations per rank:",
+      sim.bubble, schedule.name.c_str(),
+      pp::theory_bubble(schedule.name, layout.pp, m, c.parallel.virtual_stages));
+  for (auto a : sim.peak_activations) out += fmt::sprintf(" %lld", static_cast<long long>(a));
+  out += fmt::sprintf(" micro-batch chunks (held from forward to weight gradient)\n");
+  out += fmt::sprintf("# layers per stage (stage = %s): %s\n",
+                      schedule.v_shape ? "chunk 0: pipeline rank r, chunk 1: 2·pp − 1 − r"
+                                       : "chunk·pp + pipeline rank",
+                      pp::stage_layer_counts(c.model.layers, layout.pp * c.parallel.virtual_stages,
+                                             c.parallel.layers_per_stage)
+                          .c_str());
+  return out;
+}
+
+std::string context_parallel_lines(const Config& c, const parallel::Layout& layout) {
+  std::string out;
+  out += fmt::sprintf(
+      "# context parallel: %lld ranks (%s), %lld tokens per rank per sequence (chunks "
+      "r and %lld-r of %lld)\n",
+      static_cast<long long>(layout.cp), c.parallel.context_method.name().c_str(),
+      static_cast<long long>(c.training.seq_len / layout.cp),
+      static_cast<long long>(2 * layout.cp - 1), static_cast<long long>(2 * layout.cp));
+  if (c.parallel.context_method == CpMethod::kHybrid)
+    out += fmt::sprintf(
+        "# hybrid: all-to-all inside groups of %lld consecutive cp ranks, ring across %lld "
+        "groups\n",
+        static_cast<long long>(c.parallel.context_alltoall_size),
+        static_cast<long long>(layout.cp / c.parallel.context_alltoall_size));
+  return out;
+}
+
+// A layout the planner finds faster than the plan's (`current`), and the command that plans it.
+std::string faster_layout_lines(const std::string& config, int64_t n, const LayoutChoice& b,
+                                const PlanEstimate& current) {
+  std::string out;
+  double most = 0;
+  for (const auto& r : b.estimate.ranks) most = std::max(most, r.total());
+  std::string sets;
+  for (const auto& s : b.sets) sets += " --set " + s;
+  out += fmt::sprintf(
+      "# by these figures a faster layout on %lld processes: tp %lld cp %lld pp %lld dp %lld, "
+      "ZeRO %lld%s: step %.1f ms, %.0f%% less than this plan's %.1f ms, at most %s per rank\n"
+      "#   tessel-train %s --dry-run --world-size %lld%s\n",
+      static_cast<long long>(n), static_cast<long long>(b.layout.tp),
+      static_cast<long long>(b.layout.cp), static_cast<long long>(b.layout.pp),
+      static_cast<long long>(b.layout.dp), static_cast<long long>(b.plan.parallel.zero),
+      b.layout.pp > 1 ? (" (" + b.plan.parallel.pipeline_schedule.name() + ")").c_str() : "",
+      1e3 * b.estimate.step_s, 100 * (1 - b.estimate.step_s / current.step_s), 1e3 * current.step_s,
+      human_bytes(most).c_str(), config.c_str(), static_cast<long long>(n), sets.c_str());
+  return out;
+}
+
 }  // namespace
 
 std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& d) {
@@ -46,7 +165,8 @@ std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& 
       "# planner: {:.4g} B parameters; {:.4g} TFLOP per step ({} tokens); training.recompute "
       "{}; dtype {}\n",
       static_cast<double>(e.params_total) / 1e9, e.flops_per_step / 1e12,
-      c.training.global_batch * c.training.seq_len, c.training.recompute.name(), c.training.dtype.name());
+      c.training.global_batch * c.training.seq_len, c.training.recompute.name(),
+      c.training.dtype.name());
   for (const auto& r : e.ranks) {
     s += fmt::format(
         "#   {}{} parameters, {} blocks: weights {}, gradients {}, optimizer {}, activations {} "
@@ -148,6 +268,29 @@ nlohmann::json predicted_bytes(const Config& c, const parallel::Layout& l) {
                       {"activation_bytes", r.activations},
                       {"comm_bytes_per_step", r.comm}});
   return stages;
+}
+
+std::string dry_run_report(const DryRun& r) {
+  const auto& c = r.plan;
+  const auto& l = r.layout;
+  const auto& t = c.training;
+  std::string out = fmt::sprintf(
+      "# plan %s is valid for %lld processes: %lld micro-batches of %lld sequences per data rank "
+      "per step; "
+      "%lld tokens per step\n",
+      r.plan_path.c_str(), static_cast<long long>(r.world),
+      static_cast<long long>(t.global_batch / (l.dp * t.micro_batch)),
+      static_cast<long long>(t.micro_batch), static_cast<long long>(t.global_batch * t.seq_len));
+  out += render(r.estimate, c, r.device);
+  if (r.faster) out += faster_layout_lines(r.plan_path, r.world, *r.faster, r.estimate);
+  out += state_bytes(c, l);
+  if (l.pp > 1) out += pipeline_lines(c, l);
+  if (l.cp > 1) out += context_parallel_lines(c, l);
+  if (r.details)
+    out += dump_config(c) + parallel::describe_grid(l);
+  else
+    out += "# the resolved plan and the rank grid: --details\n";
+  return out;
 }
 
 }  // namespace tessel
