@@ -84,60 +84,65 @@ std::string builtin_profile_names() {
   return names;
 }
 
+// The device profile's keys, declared once: what each sets, and its bound beyond "a positive
+// number". The YAML file, --profile-set and the unknown-key message read this table.
+struct ProfileKey {
+  const char* key;
+  double DeviceProfile::*number;  // null: a text (name) or a whole number (gpus_per_node)
+  const char* bound;              // extra rule, in words; empty: none
+};
+const std::vector<ProfileKey>& profile_keys() {
+  static const std::vector<ProfileKey> k{
+      {"name", nullptr, ""},
+      {"peak_tflops", &DeviceProfile::peak_tflops, ""},
+      {"fp32_tflops", &DeviceProfile::fp32_tflops, ""},
+      {"intra_node_gbps", &DeviceProfile::intra_node_gbps, ""},
+      {"inter_node_gbps", &DeviceProfile::inter_node_gbps, ""},
+      {"gpus_per_node", nullptr, "a whole number"},
+      {"memory_gib", &DeviceProfile::memory_gib, ""},
+      {"efficiency", &DeviceProfile::efficiency, "a fraction of the peak (0 < efficiency <= 1)"},
+      {"attention_tflops", &DeviceProfile::attention_tflops, ""},
+      {"activation_ns", &DeviceProfile::activation_ns, ""},
+      {"memory_gbps", &DeviceProfile::memory_gbps, ""},
+      {"latency_us", &DeviceProfile::latency_us, ""},
+      {"gather_gbps", &DeviceProfile::gather_gbps, ""},
+      {"p2p_gbps", &DeviceProfile::p2p_gbps, ""},
+      {"op_us", &DeviceProfile::op_us, ""}};
+  return k;
+}
+
 void set_field(DeviceProfile& d, const std::string& key, const std::string& value,
                const std::string& where) {
-  auto num = [&] {
-    try {
-      size_t used = 0;
-      double v = std::stod(value, &used);
-      if (used != value.size() || v <= 0) throw std::invalid_argument("");
-      return v;
-    } catch (const std::exception&) {
-      throw UserError(where + ": " + key + " must be a positive number, not '" + value + "'");
-    }
-  };
-  if (key == "name")
+  const auto& keys = profile_keys();
+  const auto it =
+      std::find_if(keys.begin(), keys.end(), [&](const ProfileKey& k) { return key == k.key; });
+  if (it == keys.end()) {
+    std::string names = "name, base";
+    for (const auto& k : keys)
+      if (std::string(k.key) != "name") names += std::string(", ") + k.key;
+    throw UserError(where + ": unknown device profile key '" + key + "' (keys: " + names + ")");
+  }
+  if (key == "name") {
     d.name = value;
-  else if (key == "peak_tflops")
-    d.peak_tflops = num();
-  else if (key == "fp32_tflops")
-    d.fp32_tflops = num();
-  else if (key == "intra_node_gbps")
-    d.intra_node_gbps = num();
-  else if (key == "inter_node_gbps")
-    d.inter_node_gbps = num();
-  else if (key == "gpus_per_node") {
-    const double v = num();
+    return;
+  }
+  double v = 0;
+  try {
+    size_t used = 0;
+    v = std::stod(value, &used);
+    if (used != value.size() || v <= 0) throw std::invalid_argument("");
+  } catch (const std::exception&) {
+    throw UserError(where + ": " + key + " must be a positive number, not '" + value + "'");
+  }
+  if (key == "gpus_per_node") {
     if (v != std::floor(v))
       throw UserError(where + ": gpus_per_node must be a whole number, not '" + value + "'");
     d.gpus_per_node = static_cast<int64_t>(v);
-  } else if (key == "memory_gib")
-    d.memory_gib = num();
-  else if (key == "efficiency") {
-    d.efficiency = num();
-    if (d.efficiency > 1)
-      throw UserError(where +
-                      ": efficiency is a fraction of the peak (0 < efficiency <= 1), not '" +
-                      value + "'");
-  } else if (key == "attention_tflops")
-    d.attention_tflops = num();
-  else if (key == "activation_ns")
-    d.activation_ns = num();
-  else if (key == "memory_gbps")
-    d.memory_gbps = num();
-  else if (key == "latency_us")
-    d.latency_us = num();
-  else if (key == "gather_gbps")
-    d.gather_gbps = num();
-  else if (key == "p2p_gbps")
-    d.p2p_gbps = num();
-  else if (key == "op_us")
-    d.op_us = num();
-  else
-    throw UserError(where + ": unknown device profile key '" + key +
-                    "' (keys: name, base, peak_tflops, fp32_tflops, intra_node_gbps, "
-                    "inter_node_gbps, gpus_per_node, memory_gib, efficiency, attention_tflops, "
-                    "activation_ns, memory_gbps, latency_us, gather_gbps, p2p_gbps, op_us)");
+    return;
+  }
+  if (key == "efficiency" && v > 1)
+    throw UserError(where + ": efficiency is " + it->bound + ", not '" + value + "'");
+  d.*(it->number) = v;
 }
 
 // The first group of kind k: do its ranks share a node?
