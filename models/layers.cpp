@@ -15,13 +15,6 @@
 namespace tessel::models {
 namespace tp = parallel::tp;
 
-namespace {
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-}  // namespace
-
 torch::Tensor ParamSpec::local_of(const torch::Tensor& global) const {
   auto g = global;
   if (padded_rows > g.size(0)) {
@@ -87,6 +80,24 @@ AttentionImpl::AttentionImpl(const DecoderOptions& opt)
     q_norm = register_module("q_norm", Norm(hd, m.norm_eps, false));
     k_norm = register_module("k_norm", Norm(hd, m.norm_eps, false));
   }
+}
+
+std::vector<std::pair<std::string, tp::Placement>> AttentionImpl::placements() const {
+  std::vector<std::pair<std::string, tp::Placement>> p;
+  tp::Placement partial;
+  partial.partial_grad = true;
+  auto add = [&](const std::string& name, const torch::Tensor& t) {
+    if (t.defined()) p.push_back({name, partial});
+  };
+  if (k_all) {  // each rank's query heads reach only their key/value head
+    add("k.weight", k_all->weight), add("k.bias", k_all->bias);
+    add("v.weight", v_all->weight), add("v.bias", v_all->bias);
+  }
+  if (q_norm) {  // each rank normalises only its own heads
+    add("q_norm.weight", q_norm->weight), add("k_norm.weight", k_norm->weight);
+    add("q_norm.bias", q_norm->bias), add("k_norm.bias", k_norm->bias);
+  }
+  return p;
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
@@ -232,8 +243,9 @@ DecoderImpl::DecoderImpl(DecoderOptions o) : o_(std::move(o)) {
     norm = register_module("norm", Norm(m.hidden, m.norm_eps, o_.layer_norm));
     if (!m.tied()) {
       head = register_module(
-          "head", tp::ColumnParallelLinear(
-                      *o_.tp, m.hidden, tp::padded_vocab(m.vocab_size, o_.tp->size()), false, sp));
+          "head",
+          tp::ColumnParallelLinear(*o_.tp, m.hidden, tp::padded_vocab(m.vocab_size, o_.tp->size()),
+                                   false, sp, m.vocab_size));
       head->defer_weight_grad = false;  // W would hold the logits' gradient
     } else if (!embed)
       embed = make_embed();
@@ -294,66 +306,36 @@ void DecoderImpl::reset_moe_stats() {
   moe_state_->dropped.zero_();
 }
 
-bool DecoderImpl::moe_spec(const std::string& n, ParamSpec& s) const {
-  const int64_t t = o_.tp->size(), r = o_.tp->rank();
-  if (n.find(".mlp.experts.") != std::string::npos) {
-    // Whole experts, E/ep of them on each ep rank; replicated over tp like the router.
-    s.expert = true;
-    s.shard = {0, o_.ep->size(), o_.ep->rank()};
-    s.global_shape[0] *= o_.ep->size();
-    s.tp_grad_sum = o_.sequence_parallel && t > 1;
-    s.replicas = t;
-  } else if (n.find(".mlp.shared.up.") != std::string::npos ||
-             n.find(".mlp.shared.gate.") != std::string::npos ||
-             ends_with(n, "mlp.shared.down.weight")) {
-    const int64_t dim = ends_with(n, "down.weight") ? 1 : 0;  // column- or row-parallel
-    s.shard = {dim, t, r};
-    s.global_shape[static_cast<size_t>(dim)] *= t;
-  } else if (n.find("attn.q_norm.") != std::string::npos ||
-             n.find("attn.k_norm.") != std::string::npos) {
-    s.tp_grad_sum = t > 1;  // each rank normalises only its own heads
-    s.replicas = t;
-  } else {
-    return false;
-  }
-  return true;
-}
-
 void DecoderImpl::build_specs() {
-  // By global name: which dimension is split over tp, which replicated parameters get partial
-  // gradients (with SP every replicated parameter sees only its rank's sequence chunk).
-  const int64_t t = o_.tp->size(), r = o_.tp->rank();
+  // Each layer declares how its parameters sit over tp (and ep) where it makes them
+  // (parallel/tp/layers.h Placement); what none declares is replicated, its gradient partial
+  // under SP (each rank sees only its sequence chunk).
+  const int64_t t = o_.tp->size();
   const bool sp = o_.sequence_parallel;
-  const int64_t vp = tp::padded_vocab(o_.model.vocab_size, t);
+  std::map<std::string, tp::Placement> declared;
+  // (Not the Decoder itself: this runs in its constructor, before a holder owns it.)
+  for (const auto& item : named_modules("", /*include_self=*/false)) {
+    const auto* placed = dynamic_cast<const tp::Placed*>(item.value().get());
+    if (!placed) continue;
+    for (const auto& [local, placement] : placed->placements())
+      declared[item.key() + "." + local] = placement;
+  }
   for (const auto& p : named_parameters()) {
     const std::string& n = p.key();
     ParamSpec s;
     s.global_shape = p.value().sizes().vec();
-    auto split = [&](int64_t dim) {
-      s.shard = {dim, t, r};
-      s.global_shape[dim] *= t;
-    };
-    if (n == "embed.weight" || n == "head.weight") {
-      split(0);
-      s.padded_rows = vp;
-      s.global_shape[0] = o_.model.vocab_size;
-    } else if (moe_spec(n, s)) {
-    } else if (ends_with(n, "attn.q.weight") || ends_with(n, "attn.q.bias") ||
-               n.find("mlp.up.") != std::string::npos || n.find("mlp.gate.") != std::string::npos) {
-      split(0);
-    } else if (ends_with(n, "attn.k.weight") || ends_with(n, "attn.k.bias") ||
-               ends_with(n, "attn.v.weight") || ends_with(n, "attn.v.bias")) {
-      if (o_.model.kv_heads % t == 0) {
-        split(0);
-      } else {
-        s.tp_grad_sum = t > 1;  // each rank's query heads reach only their key/value head
-        s.replicas = t;
-      }
-    } else if (ends_with(n, "attn.o.weight") || ends_with(n, "mlp.down.weight")) {
-      split(1);
-    } else {  // norms, row-parallel biases, position table: replicated
-      s.tp_grad_sum = sp && t > 1;
+    const auto it = declared.find(n);
+    const tp::Placement place = it == declared.end() ? tp::Placement{} : it->second;
+    s.shard = place.shard;
+    s.global_shape[static_cast<size_t>(place.shard.dim)] *= place.shard.parts;
+    s.expert = place.expert;
+    if (place.shard.parts == 1 || place.expert) {  // whole on every tp rank
+      s.tp_grad_sum = t > 1 && (sp || place.partial_grad);
       s.replicas = t;
+    }
+    if (place.true_rows > 0) {  // a padded vocabulary: its true rows
+      s.padded_rows = s.global_shape[0];
+      s.global_shape[0] = place.true_rows;
     }
     // Pipeline: which local chunk's backward produces the gradient; the first and last stage
     // both hold a tied token table (on different ranks), which the gradient norm counts once.

@@ -90,9 +90,12 @@ TORCH_MODULE(Norm);
 /// kv_heads < heads. Heads are split over tp; key/value heads too when kv_heads % tp == 0, else
 /// (tp > kv_heads) every rank holds all key/value projections and uses the head its query heads
 /// share. x: [b, s, h] (SP: [b, s/t, h]) -> same.
-class AttentionImpl : public torch::nn::Module {
+class AttentionImpl : public torch::nn::Module, public parallel::tp::Placed {
  public:
   explicit AttentionImpl(const DecoderOptions& o);
+  /// q, k, v, o declare their own; here what the tp layers do not: key/value projections held
+  /// whole by every rank (tp > kv_heads) and the per-head norms, whose gradients are partial.
+  std::vector<std::pair<std::string, parallel::tp::Placement>> placements() const override;
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
   parallel::tp::ColumnParallelLinear q{nullptr}, k{nullptr}, v{nullptr};
   torch::nn::Linear k_all{nullptr}, v_all{nullptr};  // registered as k, v when replicated
@@ -226,8 +229,6 @@ class DecoderImpl : public torch::nn::Module {
   /// The last stage's loss sum from its final activation x [b, T, h] (SP: [b, T/t, h]).
   torch::Tensor head_loss_sum(const torch::Tensor& x, const torch::Tensor& targets);
   void build_specs();
-  /// The spec of an MoE layer's parameter, a shared expert's or a per-head norm's (false: none).
-  bool moe_spec(const std::string& name, ParamSpec& s) const;
   std::vector<std::vector<Block>> blocks_;  // per chunk
   DecoderOptions o_;
   std::shared_ptr<parallel::Group> solo_;     // the group of one when no tp group is given

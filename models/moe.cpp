@@ -68,6 +68,13 @@ MoeImpl::MoeImpl(const DecoderOptions& o, int64_t layer, MoeState* state)
   }
 }
 
+std::vector<std::pair<std::string, parallel::tp::Placement>> MoeImpl::placements() const {
+  const parallel::tp::Shard over_ep{0, ep_->size(), ep_->rank()};
+  return {{"experts.gate", {over_ep, 0, false, true}},
+          {"experts.up", {over_ep, 0, false, true}},
+          {"experts.down", {over_ep, 0, false, true}}};
+}
+
 torch::Tensor MoeImpl::experts(const parallel::ep::Dispatched& d) const {
   if (d.local_rows.empty() || parallel::ep::grouped_mm_on_device(d.rows)) {
     auto mm = [&](const torch::Tensor& a, const torch::Tensor& w) {

@@ -34,9 +34,11 @@ struct MoeState {
   bool count_here = true;     // this rank adds its statistics (false: a tp/cp replica's copy)
 };
 
-class MoeImpl : public torch::nn::Module {
+class MoeImpl : public torch::nn::Module, public parallel::tp::Placed {
  public:
   MoeImpl(const DecoderOptions& o, int64_t layer, MoeState* state);
+  /// The stacked experts, E/ep of them on each ep rank (replicated over tp, like the router).
+  std::vector<std::pair<std::string, parallel::tp::Placement>> placements() const override;
   /// x [b, s, h] (SP: [b, s/t, h]) -> same.
   torch::Tensor forward(const torch::Tensor& x);
   /// Auxiliary-loss-free balancing, after an optimizer step: `choices` [E] (this layer's, over

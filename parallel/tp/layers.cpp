@@ -33,11 +33,17 @@ torch::Tensor Shard::of(const torch::Tensor& global) const {
 }
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(Group& tp, int64_t in, int64_t out,
-                                                   bool with_bias, bool sp)
-    : tp_(&tp), sp_(sp) {
+                                                   bool with_bias, bool sp, int64_t true_out)
+    : tp_(&tp), sp_(sp), true_out_(true_out) {
   const int64_t local = chunk(out, tp, "output features");
   weight = register_parameter("weight", torch::empty({local, in}));
   if (with_bias) bias = register_parameter("bias", torch::zeros({local}));
+}
+
+std::vector<std::pair<std::string, Placement>> ColumnParallelLinearImpl::placements() const {
+  std::vector<std::pair<std::string, Placement>> p{{"weight", {weight_shard(), true_out_}}};
+  if (bias.defined()) p.push_back({"bias", {weight_shard(), true_out_}});
+  return p;
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
@@ -57,6 +63,10 @@ RowParallelLinearImpl::RowParallelLinearImpl(Group& tp, int64_t in, int64_t out,
   if (with_bias) bias = register_parameter("bias", torch::zeros({out}));
 }
 
+std::vector<std::pair<std::string, Placement>> RowParallelLinearImpl::placements() const {
+  return {{"weight", {weight_shard()}}};
+}
+
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
   auto y = leave_row(*tp_, pp::linear(x, weight), sp_);
   return bias.defined() ? y + bias : y;
@@ -64,10 +74,14 @@ torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
 
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(Group& tp, int64_t vocab, int64_t dim,
                                                        bool sp)
-    : tp_(&tp), sp_(sp) {
+    : tp_(&tp), sp_(sp), vocab_(vocab) {
   rows_ = padded_vocab(vocab, tp.size()) / tp.size();
   start_ = vocab_slice_start(vocab, tp.size(), tp.rank());
   weight = register_parameter("weight", torch::empty({rows_, dim}));
+}
+
+std::vector<std::pair<std::string, Placement>> VocabParallelEmbeddingImpl::placements() const {
+  return {{"weight", {weight_shard(), vocab_}}};
 }
 
 torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& tokens) {

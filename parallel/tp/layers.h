@@ -26,6 +26,23 @@ struct Shard {
   torch::Tensor of(const torch::Tensor& global) const;
 };
 
+/// How one parameter sits over the model-parallel groups, declared by the layer that makes it (as
+/// Megatron sets its tensor-parallel attributes at creation): the slice this rank holds and, for
+/// a replicated one, whether each rank's gradient is only partial (summed over tp).
+struct Placement {
+  Shard shard;                // parts 1: the whole tensor
+  int64_t true_rows = 0;      // > 0: dim 0 is a vocabulary padded past this many rows
+  bool partial_grad = false;  // replicated, but each tp rank's gradient is partial
+  bool expert = false;        // stacked experts: `shard` splits dim 0 over the ep group, not tp
+};
+/// A layer that declares its parameters' placements, by the names it registered them under. The
+/// model's parameters that no layer declares are replicated (models/layers.cpp build_specs).
+class Placed {
+ public:
+  virtual ~Placed() = default;
+  virtual std::vector<std::pair<std::string, Placement>> placements() const = 0;
+};
+
 /// Vocabulary padded up to a multiple of the tensor-parallel size.
 inline int64_t padded_vocab(int64_t vocab, int64_t tp) { return (vocab + tp - 1) / tp * tp; }
 /// First row of tp rank `rank`'s slice [start, start + Vp/t) of the padded vocabulary.
@@ -37,9 +54,11 @@ inline int64_t vocab_slice_start(int64_t vocab, int64_t tp, int64_t rank) {
 /// or with SP x [b, s/t, h] all-gathered along the sequence (reduce-scatter in backward).
 torch::Tensor enter(Group& tp, const torch::Tensor& x, bool sequence_parallel);
 
-class ColumnParallelLinearImpl : public torch::nn::Module {
+class ColumnParallelLinearImpl : public torch::nn::Module, public Placed {
  public:
-  ColumnParallelLinearImpl(Group& tp, int64_t in, int64_t out, bool bias, bool sequence_parallel);
+  /// `true_out` > 0: `out` is a vocabulary padded past that many rows (the head).
+  ColumnParallelLinearImpl(Group& tp, int64_t in, int64_t out, bool bias, bool sequence_parallel,
+                           int64_t true_out = 0);
   torch::Tensor forward(const torch::Tensor& x);
   /// The same on an input that already went through enter() (several layers share one gather);
   /// without its bias when `add_bias` is false (the caller adds it: a fused bias and activation).
@@ -48,19 +67,24 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   Shard weight_shard() const { return {0, tp_->size(), tp_->rank()}; }
   /// Zero-bubble pipelines: its weight gradient may wait for W (parallel/pp/weight_grad.h).
   bool defer_weight_grad = true;
+  /// weight and bias split along the output features.
+  std::vector<std::pair<std::string, Placement>> placements() const override;
 
  private:
   Group* tp_;
   bool sp_;
+  int64_t true_out_;
 };
 TORCH_MODULE(ColumnParallelLinear);
 
-class RowParallelLinearImpl : public torch::nn::Module {
+class RowParallelLinearImpl : public torch::nn::Module, public Placed {
  public:
   RowParallelLinearImpl(Group& tp, int64_t in, int64_t out, bool bias, bool sequence_parallel);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight, bias;  // bias is replicated: added once, after the reduction
   Shard weight_shard() const { return {1, tp_->size(), tp_->rank()}; }
+  /// weight split along the input features; bias replicated.
+  std::vector<std::pair<std::string, Placement>> placements() const override;
 
  private:
   Group* tp_;
@@ -68,18 +92,20 @@ class RowParallelLinearImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RowParallelLinear);
 
-class VocabParallelEmbeddingImpl : public torch::nn::Module {
+class VocabParallelEmbeddingImpl : public torch::nn::Module, public Placed {
  public:
   VocabParallelEmbeddingImpl(Group& tp, int64_t vocab, int64_t dim, bool sequence_parallel);
   torch::Tensor forward(const torch::Tensor& tokens);
   torch::Tensor weight;  // [Vp/t, dim]: global rows [vocab_start, vocab_start + Vp/t)
   int64_t vocab_start() const { return start_; }
   Shard weight_shard() const { return {0, tp_->size(), tp_->rank()}; }
+  /// weight split along the (padded) vocabulary.
+  std::vector<std::pair<std::string, Placement>> placements() const override;
 
  private:
   Group* tp_;
   bool sp_;
-  int64_t start_, rows_;
+  int64_t start_, rows_, vocab_;
 };
 TORCH_MODULE(VocabParallelEmbedding);
 
