@@ -7,7 +7,7 @@
 #include <atomic>
 #include <cstring>
 
-namespace tessel {
+namespace tessel::observe {
 namespace {
 
 thread_local Held current_held = Held::kOther;
@@ -80,4 +80,4 @@ int64_t CpuAllocationCounter::live(Held what) const { return CountingAllocator::
 HeldAs::HeldAs(Held what) : before_(current_held) { current_held = what; }
 HeldAs::~HeldAs() { current_held = before_; }
 
-}  // namespace tessel
+}  // namespace tessel::observe

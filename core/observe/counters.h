@@ -9,7 +9,7 @@
 #include <string>
 #include <utility>
 
-namespace tessel {
+namespace tessel::observe {
 
 /// What a lasting CPU allocation holds, so that each part of the training state is measured by
 /// the allocator on its own (memory.json; the planner test compares each with its prediction).
@@ -40,4 +40,4 @@ class HeldAs {
   Held before_;
 };
 
-}  // namespace tessel
+}  // namespace tessel::observe

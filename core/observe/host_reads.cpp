@@ -8,7 +8,7 @@
 #include <cstring>
 #include <mutex>
 
-namespace tessel {
+namespace tessel::observe {
 namespace {
 
 std::atomic<int64_t> g_reads{0};
@@ -66,4 +66,4 @@ void count_host_reads(bool trace) {
 
 bool counting_host_reads() { return g_counting; }
 
-}  // namespace tessel
+}  // namespace tessel::observe

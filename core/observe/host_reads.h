@@ -15,7 +15,7 @@
 
 #include <cstdint>
 
-namespace tessel {
+namespace tessel::observe {
 
 /// t copied to the host, counted as one host read.
 torch::Tensor read_on_host(const torch::Tensor& t);
@@ -30,4 +30,4 @@ int64_t host_reads();
 void count_host_reads(bool trace = false);
 bool counting_host_reads();
 
-}  // namespace tessel
+}  // namespace tessel::observe

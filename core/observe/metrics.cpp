@@ -14,7 +14,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-namespace tessel {
+namespace tessel::observe {
 
 int64_t memory_bytes(const torch::Device& device) {
   if (device.is_cuda()) {
@@ -163,4 +163,4 @@ void MetricsLog::eval(int64_t step, double val_loss, double ms, int64_t tokens) 
   spdlog::info("eval step {} | val_loss {:.4f} | {:.0f} ms", step, val_loss, ms);
 }
 
-}  // namespace tessel
+}  // namespace tessel::observe

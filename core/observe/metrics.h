@@ -12,7 +12,7 @@
 #include "core/observe/tensorboard.h"
 #include "core/plan/config.h"
 
-namespace tessel {
+namespace tessel::observe {
 
 /// Bytes in use: CUDA peak allocated since the last call, or the process's resident set on CPU.
 int64_t memory_bytes(const torch::Device& device);
@@ -60,4 +60,4 @@ class MetricsLog {
   std::string path_;
 };
 
-}  // namespace tessel
+}  // namespace tessel::observe

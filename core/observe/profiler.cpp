@@ -14,7 +14,7 @@
 #include <set>
 #include <utility>
 
-namespace tessel {
+namespace tessel::observe {
 namespace {
 
 namespace prof = torch::autograd::profiler;
@@ -168,4 +168,4 @@ std::string StepProfiler::after_step(int64_t step) {
                      base.string());
 }
 
-}  // namespace tessel
+}  // namespace tessel::observe

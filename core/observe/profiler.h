@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace tessel {
+namespace tessel::observe {
 
 /// One profiled span: an operator on a host thread, or a kernel/copy on the device.
 struct ProfiledSpan {
@@ -60,4 +60,4 @@ class StepProfiler {
   uint64_t t0_ns_ = 0;
 };
 
-}  // namespace tessel
+}  // namespace tessel::observe

@@ -10,7 +10,7 @@
 
 #include "core/plan/config.h"
 
-namespace tessel {
+namespace tessel::observe {
 namespace {
 
 const std::array<uint32_t, 256>& crc_table() {
@@ -117,4 +117,4 @@ void TensorBoardWriter::record(const std::string& payload) {
   if (!ok) throw UserError(path_ + ": cannot write TensorBoard events: " + std::strerror(errno));
 }
 
-}  // namespace tessel
+}  // namespace tessel::observe

@@ -8,7 +8,7 @@
 #include <map>
 #include <string>
 
-namespace tessel {
+namespace tessel::observe {
 
 class TensorBoardWriter {
  public:
@@ -30,4 +30,4 @@ class TensorBoardWriter {
 /// CRC-32C (Castagnoli), as TFRecord frames use it (exposed for tests).
 uint32_t crc32c(const void* data, size_t n);
 
-}  // namespace tessel
+}  // namespace tessel::observe

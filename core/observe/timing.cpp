@@ -5,7 +5,7 @@
 
 #include <vector>
 
-namespace tessel {
+namespace tessel::observe {
 
 struct SpanTimer::Events {
   std::vector<std::unique_ptr<at::cuda::CUDAEvent>> pool;  // start, stop, start, stop, ...
@@ -62,4 +62,4 @@ double SpanTimer::take_ms() {
   return ms;
 }
 
-}  // namespace tessel
+}  // namespace tessel::observe

@@ -9,7 +9,7 @@
 #include <chrono>
 #include <memory>
 
-namespace tessel {
+namespace tessel::observe {
 
 class SpanTimer {
  public:
@@ -40,4 +40,4 @@ inline bool time_on_device(const torch::Device& device, const std::string& backe
   return device.is_cuda() && backend == "nccl";
 }
 
-}  // namespace tessel
+}  // namespace tessel::observe

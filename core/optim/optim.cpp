@@ -76,16 +76,16 @@ void FlatAdamW::allocate_buffers(const torch::Tensor& front) {
   auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(front.device());
   auto w16 = f32.dtype(front.scalar_type());
   {  // each buffer counted by the CPU allocator as the part of the state it holds (counters.h)
-    HeldAs weights(Held::kWeights);
+    observe::HeldAs weights(observe::Held::kWeights);
     if (z < 3) params_ = torch::zeros({n}, w16);
     if (z == 3 && low_precision_) shard16_ = torch::zeros({s}, w16);
-    HeldAs master(low_precision_ ? Held::kOptimizer : Held::kWeights);
+    observe::HeldAs master(low_precision_ ? observe::Held::kOptimizer : observe::Held::kWeights);
     if (low_precision_ || z == 3) master_ = torch::zeros({s}, f32);  // fp32 stages 0-2: the weights
-    HeldAs grads(Held::kGrads);
+    observe::HeldAs grads(observe::Held::kGrads);
     if (z < 2) grad_ = torch::zeros({n}, f32);
     if (z < 2 && low_precision_) grads16_ = torch::zeros({n}, w16);
     if (z >= 2) grad_shard_ = torch::zeros({s}, f32);
-    HeldAs optimizer(Held::kOptimizer);
+    observe::HeldAs optimizer(observe::Held::kOptimizer);
     exp_avg_ = torch::zeros({s}, f32);
     exp_avg_sq_ = torch::zeros({s}, f32);
   }

@@ -16,8 +16,7 @@
 
 namespace tessel {
 
-torch::Device resolve_device(TrainDevice device, const parallel::WorldInfo& w,
-                             std::string* why) {
+torch::Device resolve_device(TrainDevice device, const parallel::WorldInfo& w, std::string* why) {
   if (device == TrainDevice::kCpu) {  // LibTorch's CUDA half is never loaded
     if (why) *why = "training.device cpu";
     return torch::kCPU;
@@ -71,7 +70,7 @@ void configure_device(const Config& c, const torch::Device& on) {
         "training.deterministic: PyTorch's deterministic algorithms (strict), cuDNN "
         "deterministic, CUBLAS_WORKSPACE_CONFIG={}, cuDNN's attention last",
         std::getenv("CUBLAS_WORKSPACE_CONFIG"));
-  if (!on.is_cuda()) CpuAllocationCounter::get();  // counts the state from its first byte
+  if (!on.is_cuda()) observe::CpuAllocationCounter::get();  // counts the state from its first byte
 }
 
 std::string attention_kernel(const Config& c, const torch::Device& device,

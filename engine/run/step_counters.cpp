@@ -17,10 +17,10 @@ int cuda_index(const torch::Device& d) { return d.index() < 0 ? 0 : d.index(); }
 
 StepCounters::StepCounters(const parallel::Mesh& mesh, const torch::Device& device)
     : mesh_(mesh), device_(device) {
-  if (!device.is_cuda()) CpuAllocationCounter::get();
+  if (!device.is_cuda()) observe::CpuAllocationCounter::get();
   if (const char* v = std::getenv("TESSEL_COUNT_HOST_READS"))
     if (std::strcmp(v, "1") == 0 || std::strcmp(v, "trace") == 0)
-      count_host_reads(std::strcmp(v, "trace") == 0);
+      observe::count_host_reads(std::strcmp(v, "trace") == 0);
 }
 
 int64_t StepCounters::allocated() const {
@@ -28,7 +28,7 @@ int64_t StepCounters::allocated() const {
     return c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index(device_))
         .allocated_bytes[0]
         .current;
-  return CpuAllocationCounter::get().now();
+  return observe::CpuAllocationCounter::get().now();
 }
 
 int64_t StepCounters::reset_peak() {
@@ -38,7 +38,7 @@ int64_t StepCounters::reset_peak() {
     c10::cuda::CUDACachingAllocator::resetPeakStats(d);
     return peak;
   }
-  return CpuAllocationCounter::get().take_peak();
+  return observe::CpuAllocationCounter::get().take_peak();
 }
 
 void StepCounters::begin_step() {
@@ -48,7 +48,7 @@ void StepCounters::begin_step() {
   }
   reset_peak();
   base_ = allocated();
-  reads_at_begin_ = host_reads();
+  reads_at_begin_ = observe::host_reads();
 }
 
 void StepCounters::end_step(bool host_ran) {
@@ -63,7 +63,7 @@ void StepCounters::end_step(bool host_ran) {
   // The first step also allocates what lives on (lazy buffers, caches): steady state is the rest.
   if (steps_ == 1 || steps_ == 0) peak_extra_ = reads_ = 0;
   peak_extra_ = std::max(peak_extra_, peak - base_);
-  reads_ = std::max(reads_, host_reads() - reads_at_begin_);
+  reads_ = std::max(reads_, observe::host_reads() - reads_at_begin_);
   peak_abs_ = std::max(peak_abs_, peak);
   ++steps_;
 }

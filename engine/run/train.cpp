@@ -69,17 +69,17 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
     for (const auto& p : models::named_params(model_)) weights.push_back(p.tensor);
     executor_->pair_microbatches(std::move(weights));
   }
-  if (mesh_->rank() == 0) metrics_ = std::make_unique<MetricsLog>(c_, first_step_ - 1);
+  if (mesh_->rank() == 0) metrics_ = std::make_unique<observe::MetricsLog>(c_, first_step_ - 1);
   log_layout(world);
   measure_flops();
   log_state();
   stop_ = std::make_unique<StopOnSignal>(c_.checkpoint.on_signal, device_);
   counters_ = std::make_unique<StepCounters>(*mesh_, device_);
   if (const auto [a, b] = profile_steps(c_, first_step_); b >= a)
-    profiler_ = std::make_unique<StepProfiler>(
+    profiler_ = std::make_unique<observe::StepProfiler>(
         a, b, (std::filesystem::path(c_.run.output_dir) / "profile").string(), mesh_->rank(),
         device_.is_cuda());
-  setup_rss_ = peak_rss_bytes();  // before any step: what the steps add is activations
+  setup_rss_ = observe::peak_rss_bytes();  // before any step: what the steps add is activations
 }
 
 std::unique_ptr<parallel::pp::Executor> Trainer::make_executor(parallel::pp::Schedule s) const {

@@ -24,6 +24,9 @@
 #include "models/registry.h"
 #include "parallel/mesh.h"
 
+namespace tessel::observe {
+class StepProfiler;
+}  // namespace tessel::observe
 namespace tessel::parallel::dp {
 class GradSync;
 }  // namespace tessel::parallel::dp
@@ -36,7 +39,6 @@ struct Schedule;
 
 namespace tessel {
 class StepCounters;
-class StepProfiler;
 
 class Trainer {
  public:
@@ -70,7 +72,7 @@ class Trainer {
   void sync_replicated_grads();
   void check_finite() const;  // host sync: throws UserError naming the first non-finite step
   void log_step(int64_t step, StepOut& out);
-  MoeFigures moe_figures();           // the logged step's, over every rank (a world all-reduce)
+  observe::MoeFigures moe_figures();  // the logged step's, over every rank (a world all-reduce)
   void begin_moe_step(double scale);  // MoE: the balance loss's scale, figures reset
   void update_balance_bias();         // MoE: model.moe.bias_update_rate, after the update
   std::unique_ptr<parallel::pp::Executor> make_executor(parallel::pp::Schedule s) const;
@@ -98,8 +100,9 @@ class Trainer {
   std::unique_ptr<LossScaler> scaler_;
   std::unique_ptr<StopOnSignal> stop_;
   std::unique_ptr<StepCounters> counters_;
-  std::unique_ptr<StepProfiler> profiler_;  // logging.profile: null when unset  // per-step comm
-                                            // bytes and memory (the planner's)
+  std::unique_ptr<observe::StepProfiler>
+      profiler_;  // logging.profile: null when unset  // per-step comm
+                  // bytes and memory (the planner's)
   // Views of the reduced gradient this rank holds (its ZeRO pieces): parameters whose gradient
   // is summed over tp, and a tied token table on the first or last stage (summed over both).
   std::vector<torch::Tensor> tp_summed_grads_, embedding_grads_;
@@ -119,7 +122,7 @@ class Trainer {
   bool graph_failure_logged_ = false;
   bool replayed_ = false;  // the last step was a replay: its host code did not run
   std::unique_ptr<data::Dataset> data_;
-  std::unique_ptr<MetricsLog> metrics_;
+  std::unique_ptr<observe::MetricsLog> metrics_;
   double flops_per_token_ = 0;
   Peak peak_;
   // Timing between logged steps: the loss read at a log step is the only host sync.

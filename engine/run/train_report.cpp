@@ -120,15 +120,16 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   const double elapsed = std::chrono::duration<double>(now - start_time_).count();
   const double eta = elapsed / static_cast<double>(step - first_step_ + 1) *
                      static_cast<double>(c_.training.steps - step);
-  metrics_->step({step, c_.training.steps, loss, lr_at(c_.training, step), norm, ms, tokens_per_s,
-                  tflops, peak_.tflops > 0 ? tflops / peak_.tflops : 0.0,
-                  device_.is_cuda() ? counters_->take_peak_since_log() : memory_bytes(device_), eta,
-                  exposed_ms, scaler_->scale_value(), scaler_->skipped_steps(), mesh_->world(),
-                  consumed_, consumed_ * c_.training.seq_len, elapsed, moe});
+  metrics_->step(
+      {step, c_.training.steps, loss, lr_at(c_.training, step), norm, ms, tokens_per_s, tflops,
+       peak_.tflops > 0 ? tflops / peak_.tflops : 0.0,
+       device_.is_cuda() ? counters_->take_peak_since_log() : observe::memory_bytes(device_), eta,
+       exposed_ms, scaler_->scale_value(), scaler_->skipped_steps(), mesh_->world(), consumed_,
+       consumed_ * c_.training.seq_len, elapsed, moe});
 }
 
-MoeFigures Trainer::moe_figures() {
-  MoeFigures f;
+observe::MoeFigures Trainer::moe_figures() {
+  observe::MoeFigures f;
   auto* st = model_->moe_state();
   if (!st || !st->counts.defined()) return f;
   // Each MoE layer lives on one pipeline stage; its choices are counted on every data (and cp,
@@ -189,8 +190,8 @@ void Trainer::report_memory() {
   const auto pad = opt_->alignment_padding();
   const auto* units = sync_->unit_gatherer();
   // The state as the CPU allocator counted it, each part on its own (-1 on CUDA: not counted).
-  auto allocated = [this](Held what) {
-    return device_.is_cuda() ? -1 : CpuAllocationCounter::get().live(what);
+  auto allocated = [this](observe::Held what) {
+    return device_.is_cuda() ? -1 : observe::CpuAllocationCounter::get().live(what);
   };
   const std::vector<std::pair<const char*, int64_t>> figures = {
       {"numel", opt_->numel()},
@@ -202,19 +203,20 @@ void Trainer::report_memory() {
       {"largest_unit_bytes", units ? units->largest_unit_bytes() : 0},
       {"grad_bucket_peak_bytes", sync_->reducer().peak_bucket_bytes()},
       {"setup_peak_rss_bytes", setup_rss_},
-      {"peak_rss_bytes", peak_rss_bytes()},
+      {"peak_rss_bytes", observe::peak_rss_bytes()},
       {"step_base_bytes", counters_->step_base_bytes()},
       {"step_peak_bytes", counters_->step_peak_bytes()},
-      {"allocated_weights_bytes", allocated(Held::kWeights)},
-      {"allocated_grads_bytes", allocated(Held::kGrads)},
-      {"allocated_optimizer_bytes", allocated(Held::kOptimizer)},
+      {"allocated_weights_bytes", allocated(observe::Held::kWeights)},
+      {"allocated_grads_bytes", allocated(observe::Held::kGrads)},
+      {"allocated_optimizer_bytes", allocated(observe::Held::kOptimizer)},
       {"padding_weights_bytes", pad.params},  // what --dry-run leaves out (optim::kAlignElements)
       {"padding_grads_bytes", pad.grads},
       {"padding_optimizer_bytes", pad.optimizer},
       {"padding_bound_bytes", opt_->alignment_padding_bound()},
       // Per step at most, steps after the first (-1: LibTorch's reads not counted, see
       // core/observe/host_reads.h)
-      {"host_reads_per_step", counting_host_reads() ? counters_->host_reads_per_step() : -1}};
+      {"host_reads_per_step",
+       observe::counting_host_reads() ? counters_->host_reads_per_step() : -1}};
   std::vector<double> mine;
   for (const auto& [_, v] : figures) mine.push_back(static_cast<double>(v));
   // Then the bytes per training step of every group (the planner's comm figures).

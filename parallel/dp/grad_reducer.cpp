@@ -27,7 +27,7 @@ GradReducer::GradReducer(const Mesh& mesh, const std::vector<NamedParam>& params
       reduce_(mesh.dp_cp().size() > 1 || opt.zero() >= 2),
       once_(((opt.zero() == 2 && mesh.layout().pp > 1) || (opt.zero() == 3 && keep_gathered)) &&
             !opt.low_precision()),
-      wait_(time_on_device(mesh.device(), mesh.dp_cp().backend_name())) {
+      wait_(observe::time_on_device(mesh.device(), mesh.dp_cp().backend_name())) {
   const auto& layout = opt.layout();
   // Each chunk's slots are one contiguous range (the model registers them so).
   std::map<std::string, const NamedParam*> by_name;

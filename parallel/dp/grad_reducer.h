@@ -91,7 +91,7 @@ class GradReducer {
   bool reduce_ = false;  // anything to do: dp×cp > 1, or gradients sharded
   bool once_ = false;    // fp32 ZeRO-2 with pp > 1 or ZeRO-3 kept gathered: reduce-scatter at each
                          // chunk's last backward
-  SpanTimer wait_;
+  observe::SpanTimer wait_;
   int64_t live_bucket_bytes_ = 0, peak_bucket_bytes_ = 0;
 };
 

@@ -17,9 +17,8 @@ class Ddp final : public GradSync {
 // piece of the weights is gathered back, from the next step's start, unit by unit.
 class WeightPieces final : public GradSync {
  public:
-  WeightPieces(Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt,
-               bool time_on_device)
-      : wait_(time_on_device) {
+  WeightPieces(Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt, bool device_timed)
+      : wait_(device_timed) {
     reducer_ = std::make_unique<GradReducer>(mesh, params, opt);
     weights_ = std::make_unique<WeightGather>(mesh.dp_cp(), mesh.expert_data(), opt, wait_);
   }
@@ -31,7 +30,7 @@ class WeightPieces final : public GradSync {
   double take_wait_ms() override { return reducer_->take_wait_ms() + wait_.take_ms(); }
 
  private:
-  SpanTimer wait_;  // the forward's waits for its units' gathers
+  observe::SpanTimer wait_;  // the forward's waits for its units' gathers
   std::unique_ptr<WeightGather> weights_;
 };
 
@@ -58,10 +57,10 @@ class Units final : public GradSync {
 
 std::unique_ptr<GradSync> make_grad_sync(Mesh& mesh, const std::vector<NamedParam>& params,
                                          FlatAdamW& opt, int64_t zero, bool keep_gathered,
-                                         bool time_on_device) {
+                                         bool device_timed) {
   if (zero == 3) return std::make_unique<Units>(mesh, params, opt, keep_gathered);
   if (zero == 1 || zero == 2)
-    return std::make_unique<WeightPieces>(mesh, params, opt, time_on_device);
+    return std::make_unique<WeightPieces>(mesh, params, opt, device_timed);
   return std::make_unique<Ddp>(mesh, params, opt);
 }
 

@@ -72,7 +72,7 @@ class UnitGatherer : public BlockHooks {
   int64_t last_layer_ = -1;
   bool keep_;
   int64_t live_bytes_ = 0, peak_bytes_ = 0;
-  SpanTimer wait_;
+  observe::SpanTimer wait_;
 };
 
 }  // namespace tessel::parallel::dp

@@ -65,7 +65,7 @@ Dispatched dispatch(Group& ep, const torch::Tensor& rows, const torch::Tensor& c
     d.rows = rows;
     d.offsets = ends.to(torch::kInt32);
     if (host_rows) {
-      auto h = read_on_host(counts);
+      auto h = observe::read_on_host(counts);
       d.local_rows.assign(h.data_ptr<int64_t>(), h.data_ptr<int64_t>() + experts);
       int64_t kept = 0;
       for (auto r : d.local_rows) kept += r;
@@ -76,7 +76,7 @@ Dispatched dispatch(Group& ep, const torch::Tensor& rows, const torch::Tensor& c
   // What every source sends to each of this rank's experts: row s, column e.
   auto mine = all_to_all_dim(ep, counts.view({n, local}).contiguous(), 0);
   // The one host read of the layer: split sizes of both transfers.
-  auto host = read_on_host(torch::cat({counts.view({n, local}).sum(1), mine.reshape(-1)}));
+  auto host = observe::read_on_host(torch::cat({counts.view({n, local}).sum(1), mine.reshape(-1)}));
   const auto* h = host.data_ptr<int64_t>();
   d.route.send.assign(h, h + n);
   d.route.recv.assign(static_cast<size_t>(n), 0);

@@ -35,7 +35,7 @@ using RecvKey = std::tuple<int64_t, int64_t, bool>;  // (micro-batch, chunk, gra
 class Transfers {
  public:
   Transfers(Group& pp, const std::vector<int64_t>& shape, const torch::TensorOptions& options,
-            SpanTimer& wait)
+            observe::SpanTimer& wait)
       : pp_(pp),
         shape_(shape),
         options_(options),
@@ -79,7 +79,7 @@ class Transfers {
   Group& pp_;
   const std::vector<int64_t>& shape_;
   torch::TensorOptions options_;
-  SpanTimer& wait_;
+  observe::SpanTimer& wait_;
   const bool staged_;
   std::map<RecvKey, Pending> pending_;
   std::vector<P2POp> batch_;
@@ -132,7 +132,7 @@ class StepRun {
  public:
   StepRun(const Schedule& s, int64_t rank, const StageFns& fns, Group& pp,
           const std::vector<int64_t>& shape, const torch::TensorOptions& options,
-          SpanTimer& compute, SpanTimer& wait)
+          observe::SpanTimer& compute, observe::SpanTimer& wait)
       : s_(s),
         p_(s.stages),
         stages_(s.stages * s.virtual_stages),
@@ -178,7 +178,7 @@ class StepRun {
   const StageFns& fns_;
   const std::vector<int64_t>& shape_;
   torch::TensorOptions options_;
-  SpanTimer& compute_;
+  observe::SpanTimer& compute_;
   std::map<std::pair<int64_t, int64_t>, Held> held_;             // by (micro-batch, chunk)
   std::map<std::pair<int64_t, int64_t>, WeightGrads> deferred_;  // between a B and its W
   std::map<RecvKey, torch::Tensor> local_;
@@ -319,9 +319,9 @@ Executor::Executor(Group& pp, Schedule schedule, std::vector<int64_t> activation
       schedule_(std::move(schedule)),
       shape_(std::move(activation_shape)),
       options_(options),
-      step_(time_on_device(options.device(), pp.backend_name())),
-      compute_(time_on_device(options.device(), pp.backend_name())),
-      wait_(time_on_device(options.device(), pp.backend_name())) {
+      step_(observe::time_on_device(options.device(), pp.backend_name())),
+      compute_(observe::time_on_device(options.device(), pp.backend_name())),
+      wait_(observe::time_on_device(options.device(), pp.backend_name())) {
   TORCH_CHECK(pp_.size() == schedule_.stages, "pipeline group of ", pp_.size(),
               " ranks for a schedule of ", schedule_.stages);
   if (pp_.size() > 1) {  // channels match messages in order: the lists must agree on it

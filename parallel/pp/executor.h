@@ -82,7 +82,7 @@ class Executor {
   std::vector<int64_t> shape_;
   torch::TensorOptions options_;
   std::vector<bool> last_backward_;  // per action of this rank: the chunk's last backward
-  SpanTimer step_, compute_, wait_;
+  observe::SpanTimer step_, compute_, wait_;
   std::vector<torch::Tensor> weights_;     // pair_microbatches: those that require grad
   std::unique_ptr<c10::ThreadPool> lane_;  // pair_microbatches: the second lane's thread
 };

@@ -86,7 +86,7 @@ torch::Tensor backward_through(const torch::Tensor& y) {
 // thread scheduling.
 TEST(Collectives, WaitFreesWhatTheCollectiveHeld) {
   auto& g = group();
-  auto& counter = tessel::CpuAllocationCounter::get();
+  auto& counter = tessel::observe::CpuAllocationCounter::get();
   const int64_t k = 4096;
   for (int i = 0; i < 20; ++i) {
     auto in = torch::full({static_cast<int64_t>(n()) * k}, r() + 1);
@@ -105,7 +105,7 @@ TEST(Collectives, WaitFreesWhatTheCollectiveHeld) {
 // it: Gloo, which has no reduce-scatter, all-reduces the input itself, not a copy.
 TEST(Collectives, ReduceScatterOfAScratchInputAndAllGatherMakeNoCopy) {
   auto& g = group();
-  auto& counter = tessel::CpuAllocationCounter::get();
+  auto& counter = tessel::observe::CpuAllocationCounter::get();
   const int64_t k = 1 << 14;
   auto in = torch::full({static_cast<int64_t>(n()) * k}, r() + 1);
   auto out = torch::empty({k});

@@ -37,7 +37,7 @@ TEST(WeightGather, EachUnitIsWholeOnceItsHookHasWaited) {
       weights.narrow(0, layout.piece_flat(bucket), piece)
           .copy_(want.narrow(0, layout.piece_flat(bucket), piece));
     }
-    SpanTimer timer(false);
+    observe::SpanTimer timer(false);
     dp::WeightGather gather(g, g, opt, timer);
     gather.start_all();
     auto whole = [&](const std::string& unit) {

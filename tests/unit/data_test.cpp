@@ -292,11 +292,11 @@ TEST_F(DataTest, WriterPicks16Or32BitTokensAndReadsBack) {
 }
 
 TEST(TensorBoard, Crc32cKnownVectorAndRecordFraming) {
-  EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);  // the CRC-32C check value
+  EXPECT_EQ(observe::crc32c("123456789", 9), 0xE3069283u);  // the CRC-32C check value
   const auto dir = fs::temp_directory_path() / ("tessel-tb-" + std::to_string(getpid()));
   std::string path;
   {
-    TensorBoardWriter w(dir.string());
+    observe::TensorBoardWriter w(dir.string());
     w.scalars(7, {{"train/loss", 2.5}});
     path = w.path();
   }

@@ -130,7 +130,7 @@ TEST(FusedOps, OffOrNotFp32CpuRunsTheComposite) {
 // no full-size temporary (LibTorch's CPU add_ casts the whole input to fp32 first).
 TEST(Accumulate, AddsA16BitGradientIntoFp32BitwiseWithoutACopy) {
   torch::manual_seed(4);
-  auto& counter = CpuAllocationCounter::get();
+  auto& counter = observe::CpuAllocationCounter::get();
   for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
     const int64_t n = 100003;  // not a multiple of a thread's share
     auto acc = torch::randn({n}) * 3, g = torch::randn({n}).to(dtype);

@@ -16,7 +16,7 @@ namespace {
 // The counting allocator's blocks are plain, as the default CPU allocator's: oneDNN's bf16
 // matmul (CPUs with avx512_bf16 or AMX) allocates through raw_allocate, which asserts that.
 TEST(Memory, CountingAllocatorServesRawAllocations) {
-  auto& counter = CpuAllocationCounter::get();
+  auto& counter = observe::CpuAllocationCounter::get();
   auto* alloc = c10::GetCPUAllocator();
   const int64_t before = counter.now();
   void* p = alloc->raw_allocate(1000);
@@ -37,7 +37,7 @@ TEST(Memory, CrossEntropyKeepsOneFp32CopyOfTheLogits) {
   torch::manual_seed(0);
   const int64_t n = 512, v = 1000;
   parallel::Group solo("solo", {0}, 0, nullptr);
-  auto& counter = CpuAllocationCounter::get();
+  auto& counter = observe::CpuAllocationCounter::get();
   for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
     auto logits = torch::randn({n, v}).to(dtype).requires_grad_();
     auto targets = torch::randint(0, v, {n});

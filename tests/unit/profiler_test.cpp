@@ -14,12 +14,12 @@ namespace {
 TEST(Profiler, SelfTimeSubtractsNestedSpansPerThread) {
   // Thread 1: linear [0, 100) holding addmm [10, 70) holding copy [20, 30); thread 2: addmm
   // [0, 50) on its own; a device kernel [5, 25) counts whole.
-  std::vector<ProfiledSpan> spans = {{"aten::addmm", 1, 10'000'000, 70'000'000},
-                                     {"aten::linear", 1, 0, 100'000'000},
-                                     {"aten::copy_", 1, 20'000'000, 30'000'000},
-                                     {"aten::addmm", 2, 0, 50'000'000},
-                                     {"gemm_kernel", 7, 5'000'000, 25'000'000, true}};
-  const auto ops = op_times(spans);
+  std::vector<observe::ProfiledSpan> spans = {{"aten::addmm", 1, 10'000'000, 70'000'000},
+                                              {"aten::linear", 1, 0, 100'000'000},
+                                              {"aten::copy_", 1, 20'000'000, 30'000'000},
+                                              {"aten::addmm", 2, 0, 50'000'000},
+                                              {"gemm_kernel", 7, 5'000'000, 25'000'000, true}};
+  const auto ops = observe::op_times(spans);
   ASSERT_EQ(ops.size(), 4u);
   EXPECT_EQ(ops[0].name, "aten::addmm");  // 50 + 50 ms self, the most
   EXPECT_EQ(ops[0].calls, 2);
@@ -45,19 +45,19 @@ TEST(Profiler, SelfTimeSubtractsNestedSpansPerThread) {
 
 TEST(Profiler, CountsTheThreadsBusyWithOperators) {
   // Thread 1: 100 ms, thread 2: 60 ms, thread 3: 5 ms (a helper's stray span), a device stream.
-  const std::vector<ProfiledSpan> spans = {{"a", 1, 0, 100'000'000},
-                                           {"b", 2, 0, 60'000'000},
-                                           {"c", 3, 0, 5'000'000},
-                                           {"k", 7, 0, 500'000'000, true}};
-  EXPECT_EQ(busy_host_threads(spans), 2);
-  EXPECT_EQ(busy_host_threads({spans[0]}), 1);
-  EXPECT_EQ(busy_host_threads({}), 1);
+  const std::vector<observe::ProfiledSpan> spans = {{"a", 1, 0, 100'000'000},
+                                                    {"b", 2, 0, 60'000'000},
+                                                    {"c", 3, 0, 5'000'000},
+                                                    {"k", 7, 0, 500'000'000, true}};
+  EXPECT_EQ(observe::busy_host_threads(spans), 2);
+  EXPECT_EQ(observe::busy_host_threads({spans[0]}), 1);
+  EXPECT_EQ(observe::busy_host_threads({}), 1);
 }
 
 TEST(Profiler, ProfilesItsWindowAndWritesTraceAndTable) {
   const auto dir = std::filesystem::temp_directory_path() / "tessel_profiler_test";
   std::filesystem::remove_all(dir);
-  StepProfiler p(2, 3, dir.string(), 0, false);
+  observe::StepProfiler p(2, 3, dir.string(), 0, false);
   auto a = torch::randn({64, 64});
   for (int64_t step = 1; step <= 4; ++step) {
     p.before_step(step);

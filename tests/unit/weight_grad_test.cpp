@@ -63,7 +63,7 @@ TEST(WeightGrad, WHoldsOneParametersGradientAtATime) {
   }
   for (auto& w : ws) w.mutable_grad() = torch::zeros_like(w);  // accumulated into, as in training
   fired = 0;  // (B's capture of the leaves runs the tensor hooks too)
-  auto& counter = CpuAllocationCounter::get();
+  auto& counter = observe::CpuAllocationCounter::get();
   counter.take_peak();
   const int64_t before = counter.now();
   store.deliver();
