@@ -134,8 +134,8 @@ void assign_weights(Decoder& model, const Weights& w, const std::string& source)
   }
 }
 
-std::vector<NamedParam> named_params(Decoder& model) {
-  std::vector<NamedParam> out;
+std::vector<optim::NamedParam> named_params(Decoder& model) {
+  std::vector<optim::NamedParam> out;
   for (const auto& p : model->named_parameters()) {
     if (!p.value().requires_grad()) continue;  // state that is not trained (MoE balance bias)
     const auto& spec = model->specs().at(p.key());

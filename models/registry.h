@@ -69,7 +69,7 @@ Weights model_weights(Decoder& model);
 
 /// Every parameter of `model` in registration order, with its pipeline chunk and replica count
 /// (from the specs), for the optimizer and gradient reduction.
-std::vector<NamedParam> named_params(Decoder& model);
+std::vector<optim::NamedParam> named_params(Decoder& model);
 
 /// Checks global tensors `w` against the model (names and global shapes) and copies this rank's
 /// slices in.

@@ -5,7 +5,7 @@
 
 #include "core/optim/state_names.h"
 
-namespace tessel {
+namespace tessel::optim {
 
 LossScaler::LossScaler(const TrainingConfig& t, const torch::Device& device)
     : t_(t), dynamic_(t.dtype == Dtype::kFp16) {
@@ -52,4 +52,4 @@ void LossScaler::load_state(const std::map<std::string, torch::Tensor>& by_name)
   take(optim::kSkippedStepsName, skipped_);
 }
 
-}  // namespace tessel
+}  // namespace tessel::optim

@@ -15,7 +15,7 @@
 
 #include "core/plan/config.h"
 
-namespace tessel {
+namespace tessel::optim {
 
 class LossScaler {
  public:
@@ -45,4 +45,4 @@ class LossScaler {
   torch::Tensor scale_, growth_tracker_, skipped_, bad_step_;
 };
 
-}  // namespace tessel
+}  // namespace tessel::optim

@@ -13,7 +13,7 @@
 #include <cmath>
 #include <limits>
 
-namespace tessel {
+namespace tessel::optim {
 
 double lr_at(const TrainingConfig& t, int64_t step) {
   const auto& s = t.schedule;
@@ -369,4 +369,4 @@ void FlatAdamW::refresh_weights() {
   }
 }
 
-}  // namespace tessel
+}  // namespace tessel::optim

@@ -22,7 +22,7 @@
 #include "core/optim/flat_layout.h"
 #include "core/plan/config.h"
 
-namespace tessel {
+namespace tessel::optim {
 
 /// Learning rate at optimizer step `step` (1-based): linear warmup lr·step/warmup, then cosine,
 /// linear or constant from lr (at step = warmup) to min_lr (at the last step).
@@ -165,4 +165,4 @@ class FlatAdamW {
   std::vector<DecayGroup> groups_;
 };
 
-}  // namespace tessel
+}  // namespace tessel::optim

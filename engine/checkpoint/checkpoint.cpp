@@ -93,8 +93,8 @@ struct Entry {
   bool every_data_rank = false;
 };
 
-std::vector<Entry> checkpoint_entries(models::Decoder& model, const FlatAdamW& opt,
-                                      const LossScaler& scaler) {
+std::vector<Entry> checkpoint_entries(models::Decoder& model, const optim::FlatAdamW& opt,
+                                      const optim::LossScaler& scaler) {
   std::vector<Entry> out;
   auto params = model->named_parameters();
   for (const auto& p : params)  // ZeRO-3: only what the optimizer does not hold (not trained)
@@ -214,7 +214,7 @@ void write_index(const Config& c, const fs::path& tmp, const CheckpointState& st
 }  // namespace
 
 std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models::Decoder& model,
-                            const FlatAdamW& opt, const LossScaler& scaler,
+                            const optim::FlatAdamW& opt, const optim::LossScaler& scaler,
                             const CheckpointState& st) {
   const fs::path root = c.checkpoint_dir();
   const fs::path dir = root / ("step_" + std::to_string(st.step));
@@ -501,8 +501,8 @@ std::pair<int, std::string> slot_of(const std::string& name) {
 
 }  // namespace
 
-CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model, FlatAdamW& opt,
-                                LossScaler* scaler) {
+CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model,
+                                optim::FlatAdamW& opt, optim::LossScaler* scaler) {
   const fs::path dir(step_dir);
   const std::string source = step_dir;
   const auto index = read_index(dir);

@@ -28,7 +28,7 @@ struct CheckpointState {
 /// records it as "flat": [begin, end) beside the slice). Every rank then meets at a barrier, so
 /// none goes on (or resumes) before the checkpoint is published.
 std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models::Decoder& model,
-                            const FlatAdamW& opt, const LossScaler& scaler,
+                            const optim::FlatAdamW& opt, const optim::LossScaler& scaler,
                             const CheckpointState& st);
 
 /// The bytes one checkpoint of this plan takes on disk, all ranks' files together: each
@@ -56,8 +56,8 @@ std::string checkpoint_to_resume(const Config& c);
 
 /// Restores model weights, optimizer state (into this rank's ZeRO pieces, whatever layout wrote
 /// it), the fp16 loss scale (when `scaler` is given) and run state from a complete checkpoint.
-CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model, FlatAdamW& opt,
-                                LossScaler* scaler = nullptr);
+CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model,
+                                optim::FlatAdamW& opt, optim::LossScaler* scaler = nullptr);
 
 /// `tessel-train export`: Hugging Face-named model.safetensors + config.json into out_dir.
 /// `tokenizer` (a tokenizer.json or its folder; empty: none): copied beside the weights with

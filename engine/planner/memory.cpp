@@ -94,7 +94,8 @@ double pipeline_held(const parallel::Layout& l, const PlanBasis& b, int64_t stag
   const auto& m = b.m;
   const double h = b.h, tp = b.tp, kvd = b.kvd, w = b.w, tok = b.tok;
   const double f = static_cast<double>(m.ffn_hidden) / tp;
-  const double kept = 3 * h + f + (h + 2 * kvd) / tp + 2 * h + (m.arch == ModelArch::kLlama ? 2 : 1) * f;
+  const double kept =
+      3 * h + f + (h + 2 * kvd) / tp + 2 * h + (m.arch == ModelArch::kLlama ? 2 : 1) * f;
   const double mlp_mats = m.arch == ModelArch::kLlama ? 3.0 : 2.0;
   const double attention_weights = (2 * h * h + 2 * h * kvd) / tp;  // q, k, v, o
   const double mlp_weights = mlp_mats * h * f;
@@ -156,8 +157,9 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   for (const auto& [first, end] : part.chunks) r.layers += end - first;
   // ZeRO splits the experts over the ranks holding the same experts (data ranks / ep).
   const auto experts = static_cast<int64_t>(expert_params(m, part, l.ep));
-  const auto state = planned_state_bytes(r.params - experts, b.zero, b.data_ranks, b.dtype);
-  const auto expert_state = planned_state_bytes(experts, b.zero, b.data_ranks / l.ep, b.dtype);
+  const auto state = optim::planned_state_bytes(r.params - experts, b.zero, b.data_ranks, b.dtype);
+  const auto expert_state =
+      optim::planned_state_bytes(experts, b.zero, b.data_ranks / l.ep, b.dtype);
   r.weights = static_cast<double>(state.params + expert_state.params);
   r.grads = static_cast<double>(state.grads + expert_state.grads);
   r.optimizer = static_cast<double>(state.optimizer + expert_state.optimizer);

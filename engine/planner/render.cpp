@@ -69,8 +69,8 @@ std::string state_bytes(const Config& c, const parallel::Layout& l) {
     const int64_t n = models::parameters_on_rank(shape, l.tp, part, l.ep);
     // ZeRO splits MoE experts over the ranks holding the same experts (data ranks / ep).
     const int64_t experts = models::expert_parameters_on_rank(shape, part, l.ep);
-    auto b = planned_state_bytes(n - experts, zero, data_ranks, dtype);
-    const auto e = planned_state_bytes(experts, zero, data_ranks / l.ep, dtype);
+    auto b = optim::planned_state_bytes(n - experts, zero, data_ranks, dtype);
+    const auto e = optim::planned_state_bytes(experts, zero, data_ranks / l.ep, dtype);
     b.params += e.params, b.grads += e.grads, b.optimizer += e.optimizer;
     std::string units;
     if (zero == 3) {  // the root unit stays gathered; a block, its prefetched neighbour, and

@@ -12,8 +12,8 @@ namespace {
 // Data parallelism's flat buffers: ZeRO shards over the data group (dp×cp), an MoE layer's
 // experts over the expert data group; a tied table under pp gets a bucket of its own, so the first
 // and last stage hold the same piece of it and can sum its gradient.
-std::unique_ptr<FlatAdamW> make_optimizer(const Config& c, parallel::Mesh& mesh,
-                                          std::vector<NamedParam>& params) {
+std::unique_ptr<optim::FlatAdamW> make_optimizer(const Config& c, parallel::Mesh& mesh,
+                                                 std::vector<optim::NamedParam>& params) {
   const auto& l = mesh.layout();
   auto& data_group = mesh.dp_cp();
   auto& experts = mesh.expert_data();  // data_group when ep is 1
@@ -22,13 +22,13 @@ std::unique_ptr<FlatAdamW> make_optimizer(const Config& c, parallel::Mesh& mesh,
   // the gradient norm: a tensor held by r data ranks counts 1/r on each.
   if (l.ep > 1 && zero == 0)
     for (auto& p : params) p.replicas *= (p.expert ? experts : data_group).size();
-  return std::make_unique<FlatAdamW>(
+  return std::make_unique<optim::FlatAdamW>(
       params, c.training,
-      layout_of(params, {std::max<int64_t>(
-                             1, static_cast<int64_t>(c.parallel.ddp_bucket_mb * (1 << 20) / 4)),
-                         zero > 0 ? data_group.size() : 1, zero > 0 ? data_group.rank() : 0, zero,
-                         zero > 0 && l.pp > 1 && c.model.tied(), zero > 0 ? experts.size() : 1,
-                         zero > 0 ? experts.rank() : 0}));
+      optim::layout_of(params, {std::max<int64_t>(1, static_cast<int64_t>(c.parallel.ddp_bucket_mb *
+                                                                          (1 << 20) / 4)),
+                                zero > 0 ? data_group.size() : 1, zero > 0 ? data_group.rank() : 0,
+                                zero, zero > 0 && l.pp > 1 && c.model.tied(),
+                                zero > 0 ? experts.size() : 1, zero > 0 ? experts.rank() : 0}));
 }
 
 // The gradients summed outside data parallelism after backward: tp-replicated parameters' and a
@@ -60,7 +60,7 @@ TrainState parallelize(const Config& c, parallel::Mesh& mesh, const torch::Devic
   // Data parallelism's state: the flat optimizer over this rank's pieces, the fp16 loss scale.
   auto params = models::named_params(s.model);
   s.opt = make_optimizer(c, mesh, params);
-  s.scaler = std::make_unique<LossScaler>(c.training, device);
+  s.scaler = std::make_unique<optim::LossScaler>(c.training, device);
   // A resumed run's state, into the pieces this layout holds (whatever layout saved it).
   if (auto dir = checkpoint_to_resume(c); !dir.empty()) {
     s.resumed = load_checkpoint(dir, s.model, *s.opt, s.scaler.get());

@@ -25,8 +25,8 @@ namespace tessel {
 
 struct TrainState {
   models::Decoder model{nullptr};
-  std::unique_ptr<FlatAdamW> opt;
-  std::unique_ptr<LossScaler> scaler;
+  std::unique_ptr<optim::FlatAdamW> opt;
+  std::unique_ptr<optim::LossScaler> scaler;
   std::unique_ptr<parallel::dp::GradSync> sync;
   // Views of the reduced gradient this rank holds (its ZeRO pieces): parameters whose gradient
   // is summed over tp, and a tied token table on the first or last stage (summed over both).

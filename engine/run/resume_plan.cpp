@@ -56,7 +56,8 @@ void check_resume_plan(const Config& plan, const std::string& step_dir, bool log
   const auto changes = plan_changes(then, plan);
   if (changes.empty()) return;
   const int64_t next = saved_step(step_dir) + 1;
-  const double lr_then = lr_at(then.training, next), lr_now = lr_at(plan.training, next);
+  const double lr_then = optim::lr_at(then.training, next),
+               lr_now = optim::lr_at(plan.training, next);
   std::string lr_note;
   if (next > then.training.steps)
     lr_note = fmt::format(

@@ -105,7 +105,7 @@ void Trainer::stage_inputs(int64_t step) {
     in_.batch.copy_(batch);
   else
     in_.batch = graph_ ? batch.clone() : batch;
-  in_.lr.fill_(lr_at(t, step));
+  in_.lr.fill_(optim::lr_at(t, step));
   in_.step.fill_(step);
   in_.vote.copy_(stop_->vote());
 }

@@ -95,9 +95,9 @@ class Trainer {
   torch::Device device_;
   torch::ScalarType dtype_;
   models::Decoder model_{nullptr};
-  std::unique_ptr<FlatAdamW> opt_;
+  std::unique_ptr<optim::FlatAdamW> opt_;
   std::unique_ptr<parallel::dp::GradSync> sync_;  // DDP or ZeRO-1/2/3 (parallel/dp/grad_sync.h)
-  std::unique_ptr<LossScaler> scaler_;
+  std::unique_ptr<optim::LossScaler> scaler_;
   std::unique_ptr<StopOnSignal> stop_;
   std::unique_ptr<StepCounters> counters_;
   std::unique_ptr<observe::StepProfiler>

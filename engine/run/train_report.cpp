@@ -121,8 +121,8 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   const double eta = elapsed / static_cast<double>(step - first_step_ + 1) *
                      static_cast<double>(c_.training.steps - step);
   metrics_->step(
-      {step, c_.training.steps, loss, lr_at(c_.training, step), norm, ms, tokens_per_s, tflops,
-       peak_.tflops > 0 ? tflops / peak_.tflops : 0.0,
+      {step, c_.training.steps, loss, optim::lr_at(c_.training, step), norm, ms, tokens_per_s,
+       tflops, peak_.tflops > 0 ? tflops / peak_.tflops : 0.0,
        device_.is_cuda() ? counters_->take_peak_since_log() : observe::memory_bytes(device_), eta,
        exposed_ms, scaler_->scale_value(), scaler_->skipped_steps(), mesh_->world(), consumed_,
        consumed_ * c_.training.seq_len, elapsed, moe});

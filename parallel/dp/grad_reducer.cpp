@@ -20,8 +20,8 @@ struct ReadyHook : torch::autograd::PostAccumulateGradHook {
 
 }  // namespace
 
-GradReducer::GradReducer(const Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt,
-                         bool keep_gathered)
+GradReducer::GradReducer(const Mesh& mesh, const std::vector<optim::NamedParam>& params,
+                         optim::FlatAdamW& opt, bool keep_gathered)
     : mesh_(mesh),
       opt_(opt),
       reduce_(mesh.dp_cp().size() > 1 || opt.zero() >= 2),
@@ -30,7 +30,7 @@ GradReducer::GradReducer(const Mesh& mesh, const std::vector<NamedParam>& params
       wait_(observe::time_on_device(mesh.device(), mesh.dp_cp().backend_name())) {
   const auto& layout = opt.layout();
   // Each chunk's slots are one contiguous range (the model registers them so).
-  std::map<std::string, const NamedParam*> by_name;
+  std::map<std::string, const optim::NamedParam*> by_name;
   int64_t chunks = 0;
   for (const auto& p : params) {
     by_name[p.name] = &p;

@@ -46,7 +46,7 @@ class GradReducer {
   /// them. `keep_gathered`: ZeRO-3's units stay gathered for the whole step
   /// (parallel.zero3.keep_gathered), so with fp32 weights the gradients accumulate in the
   /// parameters and are reduce-scattered once per step, as ZeRO-2 does inside a pipeline.
-  GradReducer(const Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt,
+  GradReducer(const Mesh& mesh, const std::vector<optim::NamedParam>& params, optim::FlatAdamW& opt,
               bool keep_gathered = false);
   ~GradReducer();
   GradReducer(const GradReducer&) = delete;
@@ -82,7 +82,7 @@ class GradReducer {
   static constexpr size_t kInFlight = 2;  // stages 2-3: bucket buffers reducing at once, at most
 
   const Mesh& mesh_;
-  FlatAdamW& opt_;
+  optim::FlatAdamW& opt_;
   std::vector<torch::Tensor> hooked_;  // parameters carrying our hook (removed on destruction)
   std::vector<BucketState> state_;
   std::deque<size_t> in_flight_;  // stages 2-3: buckets reducing, oldest first

@@ -8,7 +8,7 @@ namespace {
 // DDP: the reducer alone (buckets all-reduced as backward completes them).
 class Ddp final : public GradSync {
  public:
-  Ddp(Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt) {
+  Ddp(Mesh& mesh, const std::vector<optim::NamedParam>& params, optim::FlatAdamW& opt) {
     reducer_ = std::make_unique<GradReducer>(mesh, params, opt);
   }
 };
@@ -17,7 +17,8 @@ class Ddp final : public GradSync {
 // piece of the weights is gathered back, from the next step's start, unit by unit.
 class WeightPieces final : public GradSync {
  public:
-  WeightPieces(Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt, bool device_timed)
+  WeightPieces(Mesh& mesh, const std::vector<optim::NamedParam>& params, optim::FlatAdamW& opt,
+               bool device_timed)
       : wait_(device_timed) {
     reducer_ = std::make_unique<GradReducer>(mesh, params, opt);
     weights_ = std::make_unique<WeightGather>(mesh.dp_cp(), mesh.expert_data(), opt, wait_);
@@ -38,7 +39,8 @@ class WeightPieces final : public GradSync {
 // step); a unit's gradients reduce-scattered once its bucket is complete.
 class Units final : public GradSync {
  public:
-  Units(Mesh& mesh, const std::vector<NamedParam>& params, FlatAdamW& opt, bool keep) {
+  Units(Mesh& mesh, const std::vector<optim::NamedParam>& params, optim::FlatAdamW& opt,
+        bool keep) {
     reducer_ = std::make_unique<GradReducer>(mesh, params, opt, keep);
     units_ =
         std::make_unique<UnitGatherer>(mesh.dp_cp().side(), mesh.expert_data().side(), opt, keep);
@@ -55,8 +57,8 @@ class Units final : public GradSync {
 
 }  // namespace
 
-std::unique_ptr<GradSync> make_grad_sync(Mesh& mesh, const std::vector<NamedParam>& params,
-                                         FlatAdamW& opt, int64_t zero, bool keep_gathered,
+std::unique_ptr<GradSync> make_grad_sync(Mesh& mesh, const std::vector<optim::NamedParam>& params,
+                                         optim::FlatAdamW& opt, int64_t zero, bool keep_gathered,
                                          bool device_timed) {
   if (zero == 3) return std::make_unique<Units>(mesh, params, opt, keep_gathered);
   if (zero == 1 || zero == 2)

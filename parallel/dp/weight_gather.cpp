@@ -6,7 +6,8 @@
 
 namespace tessel::parallel::dp {
 
-WeightGather::WeightGather(Group& dp_cp, Group& experts, FlatAdamW& opt, observe::SpanTimer& timer)
+WeightGather::WeightGather(Group& dp_cp, Group& experts, optim::FlatAdamW& opt,
+                           observe::SpanTimer& timer)
     : dp_cp_(dp_cp),
       experts_(experts),
       opt_(opt),

@@ -22,7 +22,7 @@ class WeightGather : public BlockHooks {
  public:
   /// `timer` times the waits (the gathers' time that compute did not hide).
   /// `experts`: the group the MoE experts' buckets are split over (the data group when ep is 1).
-  WeightGather(Group& dp_cp, Group& experts, FlatAdamW& opt, observe::SpanTimer& timer);
+  WeightGather(Group& dp_cp, Group& experts, optim::FlatAdamW& opt, observe::SpanTimer& timer);
   /// After each optimizer step: the pieces changed, the whole weights are due a gather.
   void updated() { due_ = true; }
   /// At the start of a step: every bucket's all-gather started, when the weights are due one
@@ -41,7 +41,7 @@ class WeightGather : public BlockHooks {
 
   Group& dp_cp_;
   Group& experts_;
-  FlatAdamW& opt_;
+  optim::FlatAdamW& opt_;
   observe::SpanTimer& timer_;
   // A unit ("root", "layers.<i>") waits for every bucket holding any of its parameters (under
   // ZeRO-1/2 a bucket may hold several units' parameters).

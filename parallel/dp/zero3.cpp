@@ -26,7 +26,7 @@ void allocate_storage(const torch::Tensor& t) {
 
 }  // namespace
 
-UnitGatherer::UnitGatherer(Group& dp_cp, Group& experts, FlatAdamW& opt, bool keep)
+UnitGatherer::UnitGatherer(Group& dp_cp, Group& experts, optim::FlatAdamW& opt, bool keep)
     : dp_cp_(dp_cp),
       experts_(experts),
       opt_(opt),

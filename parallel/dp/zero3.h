@@ -34,7 +34,7 @@ class UnitGatherer : public BlockHooks {
   /// its first use to release_all() (parallel.zero3.keep_gathered), else it is freed after each
   /// forward and backward.
   /// `experts`: the group the MoE experts' buckets are split over (the data group when ep is 1).
-  UnitGatherer(Group& dp_cp, Group& experts, FlatAdamW& opt, bool keep = false);
+  UnitGatherer(Group& dp_cp, Group& experts, optim::FlatAdamW& opt, bool keep = false);
   void before_stage() override;
   torch::Tensor before_block(int64_t layer, const torch::Tensor& x) override;
   torch::Tensor after_block(int64_t layer, const torch::Tensor& y) override;
@@ -66,7 +66,7 @@ class UnitGatherer : public BlockHooks {
 
   Group& dp_cp_;
   Group& experts_;
-  FlatAdamW& opt_;
+  optim::FlatAdamW& opt_;
   std::map<std::string, Unit> units_;
   std::vector<std::string> unit_of_bucket_;
   int64_t last_layer_ = -1;

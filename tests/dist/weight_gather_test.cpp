@@ -22,7 +22,8 @@ TEST(WeightGather, EachUnitIsWholeOnceItsHookHasWaited) {
   const auto params = models::named_params(model);
   for (int64_t zero : {1, 2}) {
     // Buckets of 1,000 elements: several units' parameters share buckets.
-    FlatAdamW opt(params, c.training, layout_of(params, {1000, g.size(), g.rank(), zero, false}));
+    optim::FlatAdamW opt(params, c.training,
+                         optim::layout_of(params, {1000, g.size(), g.rank(), zero, false}));
     const auto& layout = opt.layout();
     auto weights = opt.weights();
     // Every rank writes its piece of each bucket: rank k's pieces hold k + 1 (+ the bucket index

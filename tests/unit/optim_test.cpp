@@ -14,24 +14,24 @@ TEST(LrSchedule, WarmupThenDecay) {
       "min_lr: 0.1}}\n",
       "t");
   auto& t = c.training;
-  EXPECT_DOUBLE_EQ(lr_at(t, 1), 0.5);
-  EXPECT_DOUBLE_EQ(lr_at(t, 2), 1.0);
-  EXPECT_DOUBLE_EQ(lr_at(t, 6), 0.1 + 0.9 * 0.5);  // cosine halfway
-  EXPECT_DOUBLE_EQ(lr_at(t, 10), 0.1);
+  EXPECT_DOUBLE_EQ(optim::lr_at(t, 1), 0.5);
+  EXPECT_DOUBLE_EQ(optim::lr_at(t, 2), 1.0);
+  EXPECT_DOUBLE_EQ(optim::lr_at(t, 6), 0.1 + 0.9 * 0.5);  // cosine halfway
+  EXPECT_DOUBLE_EQ(optim::lr_at(t, 10), 0.1);
   t.schedule.decay = Decay::kLinear;
-  EXPECT_DOUBLE_EQ(lr_at(t, 4), 0.1 + 0.9 * 0.75);
+  EXPECT_DOUBLE_EQ(optim::lr_at(t, 4), 0.1 + 0.9 * 0.75);
   t.schedule.decay = Decay::kConstant;
-  EXPECT_DOUBLE_EQ(lr_at(t, 9), 1.0);
+  EXPECT_DOUBLE_EQ(optim::lr_at(t, 9), 1.0);
 }
 
 TEST(WeightDecay, ChosenByName) {
   std::vector<std::string> g = {"*norm*", "*.bias", "embed.*", "pos_embed.*"};
-  EXPECT_TRUE(exempt_from_decay("layers.0.attn_norm.weight", g));
-  EXPECT_TRUE(exempt_from_decay("norm.weight", g));
-  EXPECT_TRUE(exempt_from_decay("layers.3.mlp.up.bias", g));
-  EXPECT_TRUE(exempt_from_decay("embed.weight", g));
-  EXPECT_FALSE(exempt_from_decay("layers.0.attn.q.weight", g));
-  EXPECT_FALSE(exempt_from_decay("head.weight", g));
+  EXPECT_TRUE(optim::exempt_from_decay("layers.0.attn_norm.weight", g));
+  EXPECT_TRUE(optim::exempt_from_decay("norm.weight", g));
+  EXPECT_TRUE(optim::exempt_from_decay("layers.3.mlp.up.bias", g));
+  EXPECT_TRUE(optim::exempt_from_decay("embed.weight", g));
+  EXPECT_FALSE(optim::exempt_from_decay("layers.0.attn.q.weight", g));
+  EXPECT_FALSE(optim::exempt_from_decay("head.weight", g));
 }
 
 // The flat fused AdamW equals the textbook AdamW applied per parameter.
@@ -43,7 +43,7 @@ TEST(FlatAdamW, MatchesReferenceAdamWAndClipping) {
   auto model = models::build_model(model_shape(c.model), 3);
   std::map<std::string, torch::Tensor> w0;
   for (const auto& p : model->named_parameters()) w0[p.key()] = p.value().detach().clone();
-  FlatAdamW opt(models::named_params(model), c.training);
+  optim::FlatAdamW opt(models::named_params(model), c.training);
   // The parameters are now views of the flat master buffer, with their values unchanged.
   for (const auto& p : model->named_parameters()) ASSERT_TRUE(torch::equal(p.value(), w0[p.key()]));
   std::map<std::string, torch::Tensor> m, v;
@@ -65,7 +65,7 @@ TEST(FlatAdamW, MatchesReferenceAdamWAndClipping) {
     for (auto& [k, w] : w0) {
       auto gk = g[k] * coef;
       if (!m.count(k)) m[k] = torch::zeros_like(w), v[k] = torch::zeros_like(w);
-      double wd = exempt_from_decay(k, c.training.optimizer.no_decay) ? 0.0 : 0.1;
+      double wd = optim::exempt_from_decay(k, c.training.optimizer.no_decay) ? 0.0 : 0.1;
       w.mul_(1 - lr * wd);
       m[k] = b1 * m[k] + (1 - b1) * gk;
       v[k] = b2 * v[k] + (1 - b2) * gk * gk;
@@ -94,10 +94,10 @@ TEST(FlatAdamW, StateBytesAsPlanned) {
         auto model = models::build_model(model_shape(c.model), 3);
         model->to(dtype);
         const auto params = models::named_params(model);
-        FlatAdamW opt(params, c.training,
-                      layout_of(params, {2000, shards, shards - 1, zero, false}));
+        optim::FlatAdamW opt(params, c.training,
+                             optim::layout_of(params, {2000, shards, shards - 1, zero, false}));
         const auto got = opt.bytes();
-        const auto want = planned_state_bytes(opt.numel(), zero, shards, dtype);
+        const auto want = optim::planned_state_bytes(opt.numel(), zero, shards, dtype);
         // Padding: up to kAlignElements before each slot and per piece of each bucket, at up to
         // 12 bytes an element (the optimizer's fp32 master and moments).
         const int64_t pad = (static_cast<int64_t>(opt.layout().slots().size()) +
@@ -139,7 +139,7 @@ TEST(FlatAdamW, EveryViewIsAligned) {
         optim::LayoutOptions o{2000, shards, shards - 1, zero, false};
         o.expert_shards = shards;
         o.expert_shard_rank = shards - 1;
-        FlatAdamW opt(params, c.training, layout_of(params, o));
+        optim::FlatAdamW opt(params, c.training, optim::layout_of(params, o));
         const auto what = ::testing::Message()
                           << c10::toString(dtype) << " zero " << zero << " shards " << shards;
         for (const auto& p : params) {
