@@ -22,7 +22,8 @@ namespace tessel {
 // once in config.cpp (choice_names).
 // parallel.pipeline.schedule, parallel.context.method, parallel.backend, training.recompute,
 // training.kernels, training.schedule.decay, data.format, data.token_dtype,
-// model.moe.router.score, model.arch (model_arch.h), model.tie_embeddings, parallel.order, training.device, training.dtype:
+// model.moe.router.score, model.arch (model_arch.h), model.tie_embeddings, parallel.order,
+// training.device, training.dtype:
 enum class PipelineSchedule { kGpipe, k1F1B, kInterleaved, kZbH1, kZbv };
 enum class CpMethod { kAllGather, kRing, kAllToAll, kHybrid };
 enum class Backend { kAuto, kGloo, kNccl };
@@ -34,7 +35,7 @@ enum class TokenDtype { kUint16, kUint32 };
 enum class RouterScore { kSoftmax, kSigmoid };
 enum class TieEmbeddings { kAuto, kTrue, kFalse };  // kAuto resolved at load, by arch
 enum class TrainDevice { kAuto, kCpu, kCuda };
-enum class RankOrder { kTpCpDpPp };  // the one order the mesh builds (parallel/mesh.h)
+enum class RankOrder { kTpCpDpPp };               // the one order the mesh builds (parallel/mesh.h)
 enum class Dtype { kAuto, kFp32, kBf16, kFp16 };  // kAuto resolved at load
 const std::vector<std::string>& choice_names(PipelineSchedule);
 const std::vector<std::string>& choice_names(CpMethod);
@@ -127,9 +128,9 @@ struct LossScaleConfig {  // fp16 dynamic loss scaling (as torch.amp.GradScaler)
 
 struct TrainingConfig {
   Choice<TrainDevice> device;  // auto | cpu | cuda
-  Choice<Dtype> dtype;         // fp32 | bf16 | fp16 (auto resolved at load: bf16 on CUDA, else fp32)
-  bool tf32;           // CUDA: fp32 matmuls and convolutions on TF32 tensor cores
-  bool deterministic;  // deterministic kernels (PyTorch's deterministic algorithms)
+  Choice<Dtype> dtype;  // fp32 | bf16 | fp16 (auto resolved at load: bf16 on CUDA, else fp32)
+  bool tf32;            // CUDA: fp32 matmuls and convolutions on TF32 tensor cores
+  bool deterministic;   // deterministic kernels (PyTorch's deterministic algorithms)
   Choice<Recompute> recompute;  // activation checkpointing
   Choice<Kernels> kernels;      // Tessel's own fused kernels where they apply, or LibTorch's
   bool lean_logits;  // head fused with the loss, in chunks of tokens (parallel/tp/head_loss.h)

@@ -73,10 +73,11 @@ void add_tp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
   // Under SP each tp rank sees a slice of the sequence, so its norms, biases, MoE routers and
   // experts, and gpt2's position table (first stage) are among them.
   if (sp)
-    replicated += (m.arch == ModelArch::kLlama ? 2.0 : 6.0) * h * layers +
-                  (part.last ? (m.arch == ModelArch::kLlama ? 1 : 2) * h : 0) +
-                  (part.first && m.arch == ModelArch::kGpt2 ? static_cast<double>(m.max_seq_len) * h : 0) +
-                  experts + moe * static_cast<double>(m.moe.experts) * h;
+    replicated +=
+        (m.arch == ModelArch::kLlama ? 2.0 : 6.0) * h * layers +
+        (part.last ? (m.arch == ModelArch::kLlama ? 1 : 2) * h : 0) +
+        (part.first && m.arch == ModelArch::kGpt2 ? static_cast<double>(m.max_seq_len) * h : 0) +
+        experts + moe * static_cast<double>(m.moe.experts) * h;
   if (m.kv_heads < l.tp) replicated += 2 * h * kvd * r.layers;
   // Under ZeRO each data rank sums only the gradients it owns (its shard of the flat buffer, the
   // experts' over their own data group): where the replicated ones fall decides each rank's

@@ -25,7 +25,7 @@ TEST(Config, DefaultsResolveAndOverride) {
   EXPECT_EQ(c.model.arch, ModelArch::kLlama);
   EXPECT_EQ(c.model.kv_heads, 2);
   EXPECT_EQ(c.model.tie_embeddings, TieEmbeddings::kFalse);  // auto resolves by arch
-  EXPECT_EQ(c.model.ffn_hidden, 192);          // 8/3·64 = 170.7 -> 192
+  EXPECT_EQ(c.model.ffn_hidden, 192);                        // 8/3·64 = 170.7 -> 192
   EXPECT_DOUBLE_EQ(c.training.optimizer.lr, 0.01);
   EXPECT_EQ(c.model.layers, 3);
   EXPECT_EQ(c.parallel.dp, 0);  // auto: resolved against the world by parallel::check_layout

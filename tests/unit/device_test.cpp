@@ -32,7 +32,8 @@ TEST(CudaModule, LoadedOnlyWhenAskedForThenWhole) {
   // A binary of Tessel's starts without it, and a CPU plan's device does not load it.
   ASSERT_FALSE(tessel::device::cuda_loaded());
   std::string why;
-  EXPECT_TRUE(tessel::resolve_device(tessel::TrainDevice::kCpu, tessel::parallel::WorldInfo{}, &why).is_cpu());
+  EXPECT_TRUE(tessel::resolve_device(tessel::TrainDevice::kCpu, tessel::parallel::WorldInfo{}, &why)
+                  .is_cpu());
   EXPECT_EQ(why, "training.device cpu");
   EXPECT_FALSE(tessel::device::cuda_loaded());
   EXPECT_FALSE(mapped("libtorch_cuda.so"));
@@ -66,10 +67,13 @@ TEST(CudaModule, LoadedOnlyWhenAskedForThenWhole) {
     EXPECT_NE(runtime.find("LibTorch's CUDA runtime is 13."), std::string::npos) << runtime;
   // Without a device, auto resolves to the CPU and says why.
   if (!available) {
-    EXPECT_TRUE(tessel::resolve_device(tessel::TrainDevice::kAuto, tessel::parallel::WorldInfo{}, &why).is_cpu());
+    EXPECT_TRUE(
+        tessel::resolve_device(tessel::TrainDevice::kAuto, tessel::parallel::WorldInfo{}, &why)
+            .is_cpu());
     EXPECT_NE(why.find("no CUDA device"), std::string::npos) << why;
-    EXPECT_THROW(tessel::resolve_device(tessel::TrainDevice::kCuda, tessel::parallel::WorldInfo{}, &why),
-                 tessel::UserError);
+    EXPECT_THROW(
+        tessel::resolve_device(tessel::TrainDevice::kCuda, tessel::parallel::WorldInfo{}, &why),
+        tessel::UserError);
   }
 }
 

@@ -168,7 +168,8 @@ TEST(HfNames, RoundTripBothArchitectures) {
       model("{arch: llama, layers: 2, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 300}");
   Weights hf3;
   for (auto& [k, t] :
-       arch(ModelArch::kLlama).to_hf(model_weights(*std::make_unique<Decoder>(build_model(deep, 1))), deep))
+       arch(ModelArch::kLlama)
+           .to_hf(model_weights(*std::make_unique<Decoder>(build_model(deep, 1))), deep))
     hf3[k] = t;
   try {
     arch(ModelArch::kLlama).from_hf(hf3, shallow, "deep.safetensors");
