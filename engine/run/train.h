@@ -56,8 +56,6 @@ class Trainer {
   };
   /// Communication the steps since the last call did not hide, ms (reads device timers).
   double take_exposed_comm_ms();
-  /// The flat layout, optimizer, loss scaler, gradient reduction and ZeRO-3 gathering of this
-  /// rank; resumes their state (and the model's) from a checkpoint when the plan says so.
   void log_state() const;  // the start lines about parameters and state bytes
   StepOut train_step(int64_t step);
   /// The step's inputs into in_ (host work: the batch, and the rate, step number and stop vote
@@ -99,10 +97,8 @@ class Trainer {
   std::unique_ptr<parallel::dp::GradSync> sync_;  // DDP or ZeRO-1/2/3 (parallel/dp/grad_sync.h)
   std::unique_ptr<optim::LossScaler> scaler_;
   std::unique_ptr<StopOnSignal> stop_;
-  std::unique_ptr<StepCounters> counters_;
-  std::unique_ptr<observe::StepProfiler>
-      profiler_;  // logging.profile: null when unset  // per-step comm
-                  // bytes and memory (the planner's)
+  std::unique_ptr<StepCounters> counters_;  // per-step comm bytes and memory (the planner's)
+  std::unique_ptr<observe::StepProfiler> profiler_;  // logging.profile: null when unset
   // Views of the reduced gradient this rank holds (its ZeRO pieces): parameters whose gradient
   // is summed over tp, and a tied token table on the first or last stage (summed over both).
   std::vector<torch::Tensor> tp_summed_grads_, embedding_grads_;
