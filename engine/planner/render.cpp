@@ -6,7 +6,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/optim/optim.h"
 #include "engine/planner/model_plan.h"
 #include "engine/planner/planner.h"
 #include "models/registry.h"
@@ -53,41 +52,30 @@ std::string human_bytes(double b) {
   return fmt::format("{:.{}f} {}", b, u == 0 ? 0 : 2, units[u]);
 }
 
-// --dry-run: what each rank will keep for the run, from the plan alone (nothing is built).
-std::string state_bytes(const Config& c, const parallel::Layout& l) {
-  std::string out;
+// --dry-run: what each rank will keep for the run, from the plan alone (the estimate's state
+// bytes per stage: nothing is built).
+std::string state_bytes(const Config& c, const parallel::Layout& l, const PlanEstimate& e) {
   const int64_t zero = c.parallel.zero, data_ranks = l.dp * l.cp;
-  const auto dtype = resolve_dtype(c.training.dtype);
-  const double w = static_cast<double>(c10::elementSize(dtype));
-  out += fmt::sprintf(
+  const double w = static_cast<double>(c10::elementSize(resolve_dtype(c.training.dtype)));
+  std::string out = fmt::sprintf(
       "# state per rank, ZeRO %lld over %lld data rank%s, %s (activations not included):\n",
       static_cast<long long>(zero), static_cast<long long>(data_ranks), data_ranks == 1 ? "" : "s",
       c.training.dtype.name().c_str());
-  for (int64_t stage = 0; stage < l.pp; ++stage) {
-    const auto part = stage_part(c, l.pp, stage);
-    const auto shape = model_shape(c.model);
-    const int64_t n = models::parameters_on_rank(shape, l.tp, part, l.ep);
-    // ZeRO splits MoE experts over the ranks holding the same experts (data ranks / ep).
-    const int64_t experts = models::expert_parameters_on_rank(shape, part, l.ep);
-    auto b = optim::planned_state_bytes(n - experts, zero, data_ranks, dtype);
-    const auto e = optim::planned_state_bytes(experts, zero, data_ranks / l.ep, dtype);
-    b.params += e.params, b.grads += e.grads, b.optimizer += e.optimizer;
+  for (const auto& r : e.ranks) {
     std::string units;
     if (zero == 3) {  // the root unit stays gathered; a block, its prefetched neighbour, and
                       // briefly a third while backward crosses from one block to the next
-      int64_t layers = 0;
-      for (const auto& [first, end] : part.chunks) layers += end - first;
       const int64_t block = models::block_parameters(model_shape(c.model), l.tp);
       units = fmt::format("; + gathered: the root unit {} and 2-3 blocks of {}",
-                          human_bytes(w * static_cast<double>(n - layers * block)),
+                          human_bytes(w * static_cast<double>(r.params - r.layers * block)),
                           human_bytes(w * static_cast<double>(block)));
     }
     out +=
         fmt::sprintf("#   %s%lld parameters: weights %s, gradients %s, optimizer %s, total %s%s\n",
-                     l.pp > 1 ? fmt::format("pipeline stage {}: ", stage).c_str() : "",
-                     static_cast<long long>(n), human_bytes(b.params).c_str(),
-                     human_bytes(b.grads).c_str(), human_bytes(b.optimizer).c_str(),
-                     human_bytes(b.params + b.grads + b.optimizer).c_str(), units.c_str());
+                     l.pp > 1 ? fmt::format("pipeline stage {}: ", r.stage).c_str() : "",
+                     static_cast<long long>(r.params), human_bytes(r.weights).c_str(),
+                     human_bytes(r.grads).c_str(), human_bytes(r.optimizer).c_str(),
+                     human_bytes(r.weights + r.grads + r.optimizer).c_str(), units.c_str());
   }
   return out;
 }
@@ -283,7 +271,7 @@ std::string dry_run_report(const DryRun& r) {
       static_cast<long long>(t.micro_batch), static_cast<long long>(t.global_batch * t.seq_len));
   out += render(r.estimate, c, r.device);
   if (r.faster) out += faster_layout_lines(r.plan_path, r.world, *r.faster, r.estimate);
-  out += state_bytes(c, l);
+  out += state_bytes(c, l, r.estimate);
   if (l.pp > 1) out += pipeline_lines(c, l);
   if (l.cp > 1) out += context_parallel_lines(c, l);
   if (r.details)
