@@ -93,9 +93,8 @@ std::vector<std::pair<std::string, tp::Placement>> AttentionImpl::placements() c
     add("k.weight", k_all->weight), add("k.bias", k_all->bias);
     add("v.weight", v_all->weight), add("v.bias", v_all->bias);
   }
-  if (q_norm) {  // each rank normalises only its own heads
+  if (q_norm) {  // each rank normalises only its own heads (RMSNorm: a weight, no bias)
     add("q_norm.weight", q_norm->weight), add("k_norm.weight", k_norm->weight);
-    add("q_norm.bias", q_norm->bias), add("k_norm.bias", k_norm->bias);
   }
   return p;
 }
