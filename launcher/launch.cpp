@@ -66,7 +66,7 @@ constexpr const char* kNoRestart = "an error in the plan or its inputs: restarti
 bool user_error(int status) { return WIFEXITED(status) && WEXITSTATUS(status) == kExitUserError; }
 
 // A worker that saved a checkpoint on a signal and exited kExitStopped did not fail.
-bool stopped(int status) { return WIFEXITED(status) && WEXITSTATUS(status) == kExitStopped; }
+bool stopped(int status) { return WIFEXITED(status) && WEXITSTATUS(status) == run::kExitStopped; }
 bool failed(int status) {
   return !(WIFEXITED(status) && WEXITSTATUS(status) == 0) && !stopped(status);
 }
@@ -336,9 +336,9 @@ std::optional<int> after_round(const Options& o, RoundEnd end, int round,
     std::fprintf(stderr,
                  "tessel-launch: the workers saved a checkpoint on a signal and stopped (exit "
                  "%d): run the same command again to resume\n",
-                 kExitStopped);
+                 run::kExitStopped);
     requeue_under_slurm(o);
-    return kExitStopped;
+    return run::kExitStopped;
   }
   if (end == RoundEnd::kSignal) {
     std::fprintf(stderr, "tessel-launch: stopped by signal; workers terminated\n");

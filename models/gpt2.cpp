@@ -42,7 +42,7 @@ Weights gpt2_from_hf(const Weights& hf_in, const ModelShape& m, const std::strin
   auto get = [&](const std::string& k) -> torch::Tensor {
     auto it = hf.find(k);
     if (it == hf.end())
-      throw UserError(source + ": missing Hugging Face tensor '" + k + "' (gpt2)");
+      throw plan::UserError(source + ": missing Hugging Face tensor '" + k + "' (gpt2)");
     used.insert(k);
     return it->second;
   };

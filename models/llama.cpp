@@ -101,7 +101,7 @@ Weights llama_from_hf(const Weights& hf, const ModelShape& m, const std::string&
   auto take = [&](const std::string& h) {
     auto it = hf.find(h);
     if (it == hf.end())
-      throw UserError(source + ": missing Hugging Face tensor '" + h + "' (" +
+      throw plan::UserError(source + ": missing Hugging Face tensor '" + h + "' (" +
                       (m.moe.experts == 0 ? "llama"
                        : mixtral_names(m) ? "Mixtral-style MoE"
                                           : "Qwen3-MoE-style MoE") +

@@ -9,11 +9,11 @@ namespace tessel::models {
 extern const Arch kGpt2;
 extern const Arch kLlama;
 
-const Arch& arch(ModelArch a) {
+const Arch& arch(plan::ModelArch a) {
   switch (a) {  // a new ModelArch without its case here is a compiler warning (-Wswitch)
-    case ModelArch::kGpt2:
+    case plan::ModelArch::kGpt2:
       return kGpt2;
-    case ModelArch::kLlama:
+    case plan::ModelArch::kLlama:
       return kLlama;
   }
   throw std::logic_error("models::arch: no builder for model.arch value " +
@@ -33,7 +33,7 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
   for (const auto& [k, t] : hf)
     if (!used.count(k) && !ignorable(k)) extra += (extra.empty() ? "" : ", ") + k;
   if (!extra.empty())
-    throw UserError(
+    throw plan::UserError(
         source +
         ": tensors the plan's model does not have (more layers, or another architecture?): " +
         extra);
@@ -118,8 +118,10 @@ void assign_weights(Decoder& model, const Weights& w, const std::string& source)
     if (!w.count(p.key())) missing += (missing.empty() ? "" : ", ") + p.key();
   for (const auto& [name, t] : w)
     if (!global.count(name)) extra += (extra.empty() ? "" : ", ") + name;
-  if (!missing.empty()) throw UserError(source + ": missing tensors for this model: " + missing);
-  if (!extra.empty()) throw UserError(source + ": tensors this model does not have: " + extra);
+  if (!missing.empty())
+    throw plan::UserError(source + ": missing tensors for this model: " + missing);
+  if (!extra.empty())
+    throw plan::UserError(source + ": tensors this model does not have: " + extra);
   torch::NoGradGuard no_grad;
   for (auto& p : params) {
     const auto& t = w.at(p.key());
@@ -128,7 +130,7 @@ void assign_weights(Decoder& model, const Weights& w, const std::string& source)
       std::ostringstream s;
       s << source << ": tensor '" << p.key() << "' has shape " << t.sizes()
         << " but the plan's model needs " << c10::IntArrayRef(spec.global_shape);
-      throw UserError(s.str());
+      throw plan::UserError(s.str());
     }
     p.value().copy_(spec.local_of(t));
   }

@@ -28,7 +28,7 @@ struct Arch {
   nlohmann::json (*hf_config)(const ModelShape&);
 };
 
-const Arch& arch(ModelArch a);
+const Arch& arch(plan::ModelArch a);
 
 /// Throws UserError naming every tensor of `hf` that was not used, except buffers that carry no
 /// weights (attention masks, rotary tables) and a tied head's duplicate.

@@ -72,16 +72,16 @@ const std::vector<GroupKind>& all_group_kinds() {
   return k;
 }
 
-Coord coord_of(int64_t rank, const Layout& l) {
+Coord coord_of(int64_t rank, const plan::Layout& l) {
   return {rank % l.tp, (rank / l.tp) % l.cp, (rank / (l.tp * l.cp)) % l.dp,
           rank / (l.tp * l.cp * l.dp)};
 }
 
-int64_t rank_of(const Coord& c, const Layout& l) {
+int64_t rank_of(const Coord& c, const plan::Layout& l) {
   return c.tp + l.tp * (c.cp + l.cp * (c.dp + l.dp * c.pp));
 }
 
-std::vector<std::vector<int64_t>> group_ranks(GroupKind k, const Layout& l) {
+std::vector<std::vector<int64_t>> group_ranks(GroupKind k, const plan::Layout& l) {
   // Ranks that agree on every coordinate outside the group's axes form one group.
   auto key = [&](const Coord& c) -> std::array<int64_t, 4> {
     switch (k) {
@@ -140,11 +140,11 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const WorldInfo& w, double timeout_s)
     if (!agent_store) return store;
     return c10::make_intrusive<c10d::PrefixStore>(prefix, store);
   } catch (const c10::Error& e) {
-    throw UserError(fmt::format("rank {}: rendezvous at {}:{} failed: {}", w.rank, w.master_addr,
-                                w.master_port, e.what_without_backtrace()));
+    throw plan::UserError(fmt::format("rank {}: rendezvous at {}:{} failed: {}", w.rank,
+                                      w.master_addr, w.master_port, e.what_without_backtrace()));
   } catch (const std::exception& e) {
-    throw UserError(fmt::format("rank {}: rendezvous at {}:{} failed: {}", w.rank, w.master_addr,
-                                w.master_port, e.what()));
+    throw plan::UserError(fmt::format("rank {}: rendezvous at {}:{} failed: {}", w.rank,
+                                      w.master_addr, w.master_port, e.what()));
   }
 }
 
@@ -166,11 +166,12 @@ std::vector<const Group*> Mesh::groups() const {
 namespace {
 
 // parallel.backend with auto resolved: NCCL on CUDA, Gloo on the CPU.
-std::string choose_backend(const Config& c, const torch::Device& device) {
-  std::string backend = c.parallel.backend == Backend::kAuto ? (device.is_cuda() ? "nccl" : "gloo")
-                                                             : c.parallel.backend.name();
+std::string choose_backend(const plan::Config& c, const torch::Device& device) {
+  std::string backend = c.parallel.backend == plan::Backend::kAuto
+                            ? (device.is_cuda() ? "nccl" : "gloo")
+                            : c.parallel.backend.name();
   if (is_nccl_backend(backend) && !device.is_cuda())
-    throw UserError(c.source + ": parallel.backend nccl needs training.device cuda");
+    throw plan::UserError(c.source + ": parallel.backend nccl needs training.device cuda");
   return backend;
 }
 
@@ -240,7 +241,8 @@ class GroupMaker {
     }
     const auto* cuda = device::cuda_module();
     if (!cuda)
-      throw UserError("parallel.backend nccl needs CUDA: " + device::cuda_unavailable_reason());
+      throw plan::UserError("parallel.backend nccl needs CUDA: " +
+                            device::cuda_unavailable_reason());
     return cuda->make_nccl(prefixed, my, n, name, ranks, timeout_, device_);
   }
 
@@ -263,8 +265,8 @@ class GroupMaker {
 // Every rank walks every group of every kind in the same order and joins the ones that hold it
 // (a group of one when none of a kind does: embedding, off the first and last pipeline stage or
 // without pipelining). The kinds no step of the plan uses are described, not connected.
-std::vector<std::unique_ptr<Group>> join_groups(GroupMaker& make, const Config& c, const Layout& l,
-                                                int64_t rank) {
+std::vector<std::unique_ptr<Group>> join_groups(GroupMaker& make, const plan::Config& c,
+                                                const plan::Layout& l, int64_t rank) {
   std::vector<std::unique_ptr<Group>> joined;
   for (auto k : all_group_kinds()) {
     std::unique_ptr<Group> mine;
@@ -334,11 +336,11 @@ void log_communicators(const Mesh& mesh) {
 
 }  // namespace
 
-bool table_on_two_stages(const Config& c, const Layout& l) {
-  return l.pp > 1 && c.model.tied() && c.parallel.pipeline_schedule != PipelineSchedule::kZbv;
+bool table_on_two_stages(const plan::Config& c, const plan::Layout& l) {
+  return l.pp > 1 && c.model.tied() && c.parallel.pipeline_schedule != plan::PipelineSchedule::kZbv;
 }
 
-bool group_used(GroupKind k, const Config& c, const Layout& l) {
+bool group_used(GroupKind k, const plan::Config& c, const plan::Layout& l) {
   switch (k) {
     case GroupKind::kDp:  // gradients are reduced over dp_cp, which is dp when cp is 1
     case GroupKind::kMp:  // norms are summed over the world
@@ -350,10 +352,11 @@ bool group_used(GroupKind k, const Config& c, const Layout& l) {
   }
 }
 
-std::unique_ptr<Mesh> Mesh::build(const Config& c, const WorldInfo& w, const torch::Device& device,
+std::unique_ptr<Mesh> Mesh::build(const plan::Config& c, const WorldInfo& w,
+                                  const torch::Device& device,
                                   c10::intrusive_ptr<c10d::Store> store, bool connect) {
   auto mesh = std::unique_ptr<Mesh>(new Mesh());
-  mesh->layout_ = check_layout(c, w.world, w.local_world);
+  mesh->layout_ = plan::check_layout(c, w.world, w.local_world);
   mesh->rank_ = w.rank;
   mesh->coord_ = coord_of(w.rank, mesh->layout_);
   mesh->device_ = device;
@@ -383,20 +386,39 @@ std::unique_ptr<Mesh> Mesh::build(const Config& c, const WorldInfo& w, const tor
   auto& pp = *mesh->groups_[static_cast<size_t>(GroupKind::kPp)];
   if (pp.size() > 1) add_pipeline_channels(make, pp);
   auto& cp = *mesh->groups_[static_cast<size_t>(GroupKind::kCp)];
-  if (cp.size() > 1 && c.parallel.context_method == CpMethod::kHybrid)
+  if (cp.size() > 1 && c.parallel.context_method == plan::CpMethod::kHybrid)
     add_context_split(make, cp, c.parallel.context_alltoall_size);
   mesh->communicators_ = make.listed();
   if (connect) log_communicators(*mesh);
   return mesh;
 }
 
-std::unique_ptr<Mesh> Mesh::create(const Config& c, const WorldInfo& w, const torch::Device& device,
+std::unique_ptr<Mesh> Mesh::create(const plan::Config& c, const WorldInfo& w,
+                                   const torch::Device& device,
                                    c10::intrusive_ptr<c10d::Store> store) {
   return build(c, w, device, std::move(store), /*connect=*/true);
 }
 
-std::unique_ptr<Mesh> Mesh::plan(const Config& c, const WorldInfo& w) {
+std::unique_ptr<Mesh> Mesh::plan(const plan::Config& c, const WorldInfo& w) {
   return build(c, w, torch::Device(torch::kCPU), {}, /*connect=*/false);
+}
+
+std::string describe_grid(const plan::Layout& l) {
+  std::ostringstream s;
+  s << fmt::format("rank grid: world {} = tp {} x cp {} x dp {} x pp {} (order tp-cp-dp-pp)\n",
+                   l.world(), l.tp, l.cp, l.dp, l.pp);
+  std::map<GroupKind, std::vector<std::vector<int64_t>>> groups;
+  for (auto k : all_group_kinds()) groups[k] = group_ranks(k, l);
+  for (int64_t r = 0; r < l.world(); ++r) {
+    Coord c = coord_of(r, l);
+    s << fmt::format("  rank {:>3}: tp {} cp {} dp {} pp {} |", r, c.tp, c.cp, c.dp, c.pp);
+    for (auto k : all_group_kinds())
+      for (const auto& g : groups[k])
+        if (std::find(g.begin(), g.end(), r) != g.end())
+          s << fmt::format(" {} [{}]", group_name(k), fmt::join(g, ","));
+    s << "\n";
+  }
+  return s.str();
 }
 
 }  // namespace tessel::parallel

@@ -11,16 +11,11 @@
 #include <vector>
 
 #include "core/plan/config.h"
+#include "core/plan/layout.h"
 #include "parallel/comm.h"
 #include "parallel/world.h"
 
 namespace tessel::parallel {
-
-struct Layout {
-  int64_t tp = 1, cp = 1, dp = 1, pp = 1;
-  int64_t ep = 1;  // expert parallelism: blocks of ep consecutive dp ranks (not a world factor)
-  int64_t world() const { return tp * cp * dp * pp; }
-};
 
 struct Coord {
   int64_t tp, cp, dp, pp;
@@ -31,8 +26,8 @@ enum class GroupKind { kTp, kCp, kDp, kPp, kDpCp, kMp, kEmbedding, kEp, kEdpCp }
 const char* group_name(GroupKind k);
 const std::vector<GroupKind>& all_group_kinds();
 
-Coord coord_of(int64_t rank, const Layout& l);
-int64_t rank_of(const Coord& c, const Layout& l);
+Coord coord_of(int64_t rank, const plan::Layout& l);
+int64_t rank_of(const Coord& c, const plan::Layout& l);
 /// Every group of a kind (each a sorted list of global ranks), ordered by their first rank.
 ///   tp, cp, dp, pp: ranks that differ only in that coordinate
 ///   dp_cp: differ in dp and cp (gradient reduction); mp: differ in tp and pp (one model replica,
@@ -40,20 +35,15 @@ int64_t rank_of(const Coord& c, const Layout& l);
 ///   ep: ep consecutive dp ranks (dp / ep of them: rank's dp // ep) that split an MoE layer's
 ///   experts; edp_cp: the ranks holding the same experts, differing in dp // ep and cp (expert
 ///   gradients are summed over it). Both empty when ep == 1 (dp_cp is then the expert data group).
-std::vector<std::vector<int64_t>> group_ranks(GroupKind k, const Layout& l);
-
-/// The plan's layout for `world` processes (dp auto resolved), with every check of the plan
-/// against the world; messages name the quantities and their values. Runs before any communicator.
-/// `local_world`: processes on this node, checked against its CUDA devices (0: not checked).
-Layout check_layout(const Config& c, int64_t world, int64_t local_world);
+std::vector<std::vector<int64_t>> group_ranks(GroupKind k, const plan::Layout& l);
 
 /// Whether a step of the plan uses groups of kind `k`: dp and mp are described (--dry-run's grid)
 /// but never connected; embedding only where a tied token table sits on two stages.
-bool group_used(GroupKind k, const Config& c, const Layout& l);
+bool group_used(GroupKind k, const plan::Config& c, const plan::Layout& l);
 /// A tied token table held by two pipeline stages, the first (embedding) and the last (head),
 /// whose gradients the embedding group sums: pp > 1, tied, and not zbv (which keeps both ends
 /// on one rank).
-bool table_on_two_stages(const Config& c, const Layout& l);
+bool table_on_two_stages(const plan::Config& c, const plan::Layout& l);
 
 /// One communicator of this rank: the group that made it, its members, and the groups of the
 /// same members that use it too (Mesh::create says which groups share).
@@ -64,7 +54,7 @@ struct Communicator {
 };
 
 /// Text of the rank grid: every rank's coordinates and its group members (for --dry-run).
-std::string describe_grid(const Layout& l);
+std::string describe_grid(const plan::Layout& l);
 
 /// Under torchrun's elastic agent (TORCHELASTIC_USE_AGENT_STORE=True) MASTER_PORT is the
 /// agent's own store: every rank is its client, and each restart attempt keeps its keys under
@@ -84,14 +74,14 @@ class Mesh {
   /// (world, pp, embedding, dp_cp, edp_cp), whose gradient reductions overlap them; ZeRO-3's side
   /// channels, the pipeline's channels and hybrid CP's split have their own. Groups no step uses
   /// (group_used) are not connected. The start-up log lists the communicators.
-  static std::unique_ptr<Mesh> create(const Config& c, const WorldInfo& w,
+  static std::unique_ptr<Mesh> create(const plan::Config& c, const WorldInfo& w,
                                       const torch::Device& device,
                                       c10::intrusive_ptr<c10d::Store> store = {});
   /// The groups create() makes for rank w.rank, none connected; communicators() lists the ones
   /// create() would connect (tests, and counting without processes).
-  static std::unique_ptr<Mesh> plan(const Config& c, const WorldInfo& w);
+  static std::unique_ptr<Mesh> plan(const plan::Config& c, const WorldInfo& w);
 
-  const Layout& layout() const { return layout_; }
+  const plan::Layout& layout() const { return layout_; }
   const Coord& coord() const { return coord_; }
   int64_t rank() const { return rank_; }
   int64_t world() const { return layout_.world(); }
@@ -119,10 +109,10 @@ class Mesh {
   int64_t shutdown();
 
  private:
-  static std::unique_ptr<Mesh> build(const Config& c, const WorldInfo& w,
+  static std::unique_ptr<Mesh> build(const plan::Config& c, const WorldInfo& w,
                                      const torch::Device& device,
                                      c10::intrusive_ptr<c10d::Store> store, bool connect);
-  Layout layout_;
+  plan::Layout layout_;
   Coord coord_{};
   int64_t rank_ = 0;
   torch::Device device_{torch::kCPU};

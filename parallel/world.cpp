@@ -23,32 +23,12 @@ int env_int(const char* name, const char* from) {
   char* end = nullptr;
   long x = v ? std::strtol(v, &end, 10) : -1;
   if (!v || *end || x < 0)
-    throw UserError(
+    throw plan::UserError(
         fmt::format("{}: {}={} is not a non-negative integer", from, name, v ? v : "(unset)"));
   return static_cast<int>(x);
 }
 
 }  // namespace
-
-DeviceChoice choose_cuda_device(int visible, int local_rank, int local_world,
-                                const char* visible_env) {
-  const std::string seen = visible_env ? fmt::format("CUDA_VISIBLE_DEVICES={}", visible_env)
-                                       : "CUDA_VISIBLE_DEVICES unset";
-  if (visible < 1)
-    throw UserError(
-        fmt::format("training.device cuda: this process sees no CUDA device ({})", seen));
-  if (visible == 1)
-    return {0, fmt::format("the only device this process sees ({}; local rank {} of {})", seen,
-                           local_rank, local_world)};
-  if (visible >= local_world)
-    return {local_rank, fmt::format("local rank {} of {} on {} visible devices ({})", local_rank,
-                                    local_world, visible, seen)};
-  throw UserError(fmt::format(
-      "{} processes on this node but each sees {} CUDA devices ({}): give every process its own "
-      "device (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES of one device per process), or "
-      "make at least {} devices visible to all of them",
-      local_world, visible, seen, local_world));
-}
 
 std::string first_slurm_host(const std::string& nodelist) {
   // "pre[3-5,7]suf,other" -> "pre3suf"; "a,b" -> "a"; "n1" -> "n1".
@@ -72,8 +52,8 @@ std::vector<int> slurm_tasks_per_node(const std::string& spec, const std::string
   // Comma-separated counts, each optionally "(xN)": N consecutive nodes with that count.
   std::vector<int> out;
   auto bad = [&](const std::string& why) {
-    return UserError(fmt::format("Slurm: {}='{}' {} (expected counts such as 8(x2) or 2(x3),1)",
-                                 variable, spec, why));
+    return plan::UserError(fmt::format(
+        "Slurm: {}='{}' {} (expected counts such as 8(x2) or 2(x3),1)", variable, spec, why));
   };
   size_t i = 0;
   while (i < spec.size()) {
@@ -116,14 +96,14 @@ int slurm_local_world() {
     if (std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; }))
       return counts[0];  // the same on every node: no need to know which node this is
     if (!env("SLURM_NODEID"))
-      throw UserError(
+      throw plan::UserError(
           fmt::format("Slurm: {}='{}' differs between nodes, and SLURM_NODEID (this "
                       "node's index) is not set",
                       variable, env(variable)));
     const int node = env_int("SLURM_NODEID", "Slurm environment");
     if (node < 0 || node >= static_cast<int>(counts.size()))
-      throw UserError(fmt::format("Slurm: SLURM_NODEID {} is outside {}='{}' ({} nodes)", node,
-                                  variable, env(variable), counts.size()));
+      throw plan::UserError(fmt::format("Slurm: SLURM_NODEID {} is outside {}='{}' ({} nodes)",
+                                        node, variable, env(variable), counts.size()));
     return counts[static_cast<size_t>(node)];
   }
   return 1;
@@ -160,7 +140,7 @@ WorldInfo discover_world() {
     w.local_world =
         env("OMPI_COMM_WORLD_LOCAL_SIZE") ? env_int("OMPI_COMM_WORLD_LOCAL_SIZE", from) : 1;
     if (w.local_world != w.world && !env("MASTER_ADDR"))
-      throw UserError(
+      throw plan::UserError(
           "Open MPI across nodes: set MASTER_ADDR to the host of rank 0 (mpirun -x "
           "MASTER_ADDR=...)");
     w.source = "Open MPI";
@@ -168,7 +148,7 @@ WorldInfo discover_world() {
   if (env("MASTER_ADDR")) w.master_addr = env("MASTER_ADDR");
   if (env("MASTER_PORT")) w.master_port = env_int("MASTER_PORT", "environment");
   if (w.world < 1 || w.rank >= w.world || w.local_rank >= std::max(w.local_world, 1))
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "{}: rank {} / world size {} / local rank {} / local world size {} are inconsistent",
         w.source, w.rank, w.world, w.local_rank, w.local_world));
   return w;

@@ -21,19 +21,6 @@ struct WorldInfo {
 /// Open MPI (OMPI_COMM_WORLD_*), else a single process. Throws UserError on inconsistent values.
 WorldInfo discover_world();
 
-/// Which CUDA device a process uses, and why (for the start-up log).
-struct DeviceChoice {
-  int index = 0;
-  std::string why;
-};
-/// From the number of devices this process sees (after CUDA_VISIBLE_DEVICES, which Slurm's
-/// --gpus-per-task or a site's binding sets per task): exactly one -> device 0 whatever the local
-/// rank (each process was given its own); at least local_world -> the local rank's; otherwise a
-/// UserError naming both counts (several processes would share, or miss, a device).
-/// `visible_env`: CUDA_VISIBLE_DEVICES as set (null: unset), named in the reason.
-DeviceChoice choose_cuda_device(int visible, int local_rank, int local_world,
-                                const char* visible_env);
-
 /// First host name of a Slurm node list ("n[3-5,7],m1" -> "n3").
 std::string first_slurm_host(const std::string& nodelist);
 

@@ -86,7 +86,7 @@ void bench(const Args& a) {
       cuda ? torch::Device(torch::kCUDA, static_cast<int8_t>(world.local_rank)) : torch::kCPU;
   if (cuda) c10::cuda::set_device(dev.index());  // before any CUDA or NCCL work
   // A plan of defaults whose only layout is data parallelism over every process.
-  tessel::Config c = tessel::load_config_text(
+  tessel::plan::Config c = tessel::plan::load_config_text(
       fmt::format(
           "data: {{path: none}}\ntraining: {{global_batch: {}, micro_batch: 1, device: {}}}\n"
           "parallel: {{backend: {}}}\n",

@@ -68,8 +68,8 @@ bool hybrid_ranks(const Args& a, int64_t n) { return n >= 4 && n % 2 == 0 && a.h
 
 // A plan whose only layout is context parallelism over every process (split for hybrid when it
 // runs).
-tessel::Config cp_config(const Args& a, bool cuda, int64_t n) {
-  return tessel::load_config_text(
+tessel::plan::Config cp_config(const Args& a, bool cuda, int64_t n) {
+  return tessel::plan::load_config_text(
       fmt::format("data: {{path: none}}\nmodel: {{heads: 4, max_seq_len: {}}}\n"
                   "training: {{global_batch: 1, micro_batch: 1, device: {}, seq_len: {}}}\n"
                   "parallel: {{cp: {}, dp: 1, context: {{method: {}, alltoall_size: 2}}}}\n",
@@ -168,7 +168,7 @@ void bench(const Args& a) {
     throw std::invalid_argument(fmt::format(
         "--seq ({}) must be divisible by 2·ranks ({}) and --heads ({}) by --kv-heads ({})", a.seq,
         2 * n, a.heads, a.kv_heads));
-  const tessel::Config c = cp_config(a, cuda, n);
+  const tessel::plan::Config c = cp_config(a, cuda, n);
   auto mesh = tessel::parallel::Mesh::create(c, world, dev);
   auto& g = mesh->group(tessel::parallel::GroupKind::kCp);
   const Inputs in = random_inputs(a, dev);

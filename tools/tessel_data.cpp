@@ -131,8 +131,8 @@ class Chunker {
   bool add(std::string text, const std::string& where) {
     const auto* b = reinterpret_cast<const uint8_t*>(text.data());
     if (int64_t bad = tessel::data::utf8_error(b, static_cast<int64_t>(text.size())); bad >= 0)
-      throw tessel::UserError(where + ": not UTF-8 (invalid byte at offset " + std::to_string(bad) +
-                              ")");
+      throw tessel::plan::UserError(where + ": not UTF-8 (invalid byte at offset " +
+                                    std::to_string(bad) + ")");
     if (text.empty()) {
       ++skipped_;
       return true;
@@ -169,18 +169,18 @@ std::string jsonl_document(const Options& o, const std::string& line, const std:
   try {
     j = nlohmann::json::parse(line);
   } catch (const std::exception& e) {
-    throw tessel::UserError(where + ": not a JSON object (" + e.what() + ")");
+    throw tessel::plan::UserError(where + ": not a JSON object (" + e.what() + ")");
   }
-  if (!j.is_object()) throw tessel::UserError(where + ": a JSON value, not an object");
+  if (!j.is_object()) throw tessel::plan::UserError(where + ": a JSON value, not an object");
   if (!j.contains(o.key)) {
     std::string keys;
     for (auto& [name, _] : j.items()) keys += (keys.empty() ? "" : ", ") + name;
-    throw tessel::UserError(
+    throw tessel::plan::UserError(
         fmt::format("{}: no field \"{}\" (--text-key names the field); this line's fields: {}",
                     where, o.key, keys.empty() ? "none" : keys));
   }
   if (!j[o.key].is_string())
-    throw tessel::UserError(
+    throw tessel::plan::UserError(
         fmt::format("{}: field \"{}\" is a {}, not a string", where, o.key, j[o.key].type_name()));
   return j[o.key].get<std::string>();
 }
@@ -204,7 +204,7 @@ void read_inputs(const Options& o, const std::vector<std::string>& files, Pipeli
   Chunker chunks(p, skipped);
   for (const auto& file : files) {
     std::ifstream f(file, std::ios::binary);
-    if (!f) throw tessel::UserError(file + ": cannot open");
+    if (!f) throw tessel::plan::UserError(file + ": cannot open");
     const bool more = format_of(o, file) == "text"
                           ? read_text_file(f, file, read_bytes, chunks)
                           : read_jsonl_file(o, f, file, read_bytes, chunks);
@@ -224,8 +224,9 @@ std::vector<std::vector<uint32_t>> byte_tokens(const std::vector<std::string>& t
 
 // A worker: encodes chunks (each document ends with eod) until the reader is done.
 void encode_chunks(const Options& o, uint32_t eod, Pipeline& p) {
-  std::unique_ptr<tessel::TokenizerProcess> tok;
-  if (!o.tokenizer.empty()) tok = std::make_unique<tessel::TokenizerProcess>(o.tokenizer, o.python);
+  std::unique_ptr<tessel::io::TokenizerProcess> tok;
+  if (!o.tokenizer.empty())
+    tok = std::make_unique<tessel::io::TokenizerProcess>(o.tokenizer, o.python);
   int64_t index;
   Chunk c;
   while (p.pop(index, c)) {
@@ -260,7 +261,7 @@ std::vector<std::string> input_files(const Options& o) {
       } else if (glob) {
         spdlog::info("{}: skipped: it is this run's output (--out {}), not an input", f, o.out);
       } else {
-        throw tessel::UserError(fmt::format(
+        throw tessel::plan::UserError(fmt::format(
             "{}: is an input and also what --out {} writes (PREFIX.bin and PREFIX.idx); "
             "choose another --out, or the input would be overwritten",
             f, o.out));
@@ -268,7 +269,7 @@ std::vector<std::string> input_files(const Options& o) {
     }
   }
   if (files.empty() && !o.inputs.empty())
-    throw tessel::UserError(fmt::format(
+    throw tessel::plan::UserError(fmt::format(
         "no input left: every file the inputs match is this run's output (--out {})", o.out));
   return files;
 }
@@ -290,22 +291,23 @@ Vocabulary vocabulary_of(const Options& o) {
   Vocabulary v;
   if (o.tokenizer.empty()) {
     if (!o.eod.empty())
-      throw tessel::UserError("--eod needs --tokenizer (byte tokens end documents with 256)");
+      throw tessel::plan::UserError("--eod needs --tokenizer (byte tokens end documents with 256)");
     return v;
   }
-  tessel::TokenizerProcess probe(o.tokenizer, o.python);
-  auto s = tessel::special_tokens(o.tokenizer);
+  tessel::io::TokenizerProcess probe(o.tokenizer, o.python);
+  auto s = tessel::io::special_tokens(o.tokenizer);
   // Ids may have gaps: the bound is the highest id + 1, not the number of tokens.
   v.size = std::max(probe.vocab_size(), s.vocab_size);
   if (o.eod.empty()) {
     if (!s.eos)
-      throw tessel::UserError(o.tokenizer +
+      throw tessel::plan::UserError(o.tokenizer +
                               ": no end-of-document token found (none of <|endoftext|>, "
                               "<|end_of_text|>, </s>, <eos>); name one with --eod TOKEN");
     v.eod = static_cast<uint32_t>(*s.eos), v.eod_text = s.eos_text;
   } else {
     auto id = probe.token_to_id(o.eod);
-    if (!id) throw tessel::UserError("--eod '" + o.eod + "' is not a token of " + o.tokenizer);
+    if (!id)
+      throw tessel::plan::UserError("--eod '" + o.eod + "' is not a token of " + o.tokenizer);
     v.eod = static_cast<uint32_t>(*id), v.eod_text = o.eod;
   }
   return v;

@@ -38,7 +38,7 @@ int64_t peak_rss_bytes() {
   return 0;
 }
 
-MetricsLog::MetricsLog(const Config& c, int64_t resumed_step) {
+MetricsLog::MetricsLog(const plan::Config& c, int64_t resumed_step) {
   std::filesystem::create_directories(c.run.output_dir);
   path_ = (std::filesystem::path(c.run.output_dir) / c.logging.metrics_file).string();
   std::string kept;
@@ -53,7 +53,7 @@ MetricsLog::MetricsLog(const Config& c, int64_t resumed_step) {
   }
   f_ = std::fopen(path_.c_str(), "w");
   if (f_) std::fputs(kept.c_str(), f_);
-  if (!f_) throw UserError(path_ + ": cannot write metrics: " + std::strerror(errno));
+  if (!f_) throw plan::UserError(path_ + ": cannot write metrics: " + std::strerror(errno));
   if (c.logging.tensorboard)
     tb_ = std::make_unique<TensorBoardWriter>(
         (std::filesystem::path(c.run.output_dir) / "tensorboard").string());
@@ -78,7 +78,7 @@ std::string duration(double s) {
 void MetricsLog::write_line(const std::string& line) {
   // A full disk or a vanished file must stop the run, not lose the metrics silently.
   if (std::fprintf(f_, "%s\n", line.c_str()) < 0 || std::fflush(f_) != 0)
-    throw UserError(path_ + ": cannot write metrics: " + std::strerror(errno));
+    throw plan::UserError(path_ + ": cannot write metrics: " + std::strerror(errno));
 }
 
 namespace {

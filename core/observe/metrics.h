@@ -48,7 +48,7 @@ class MetricsLog {
  public:
   /// Opens the metrics file; a resumed run (resumed_step > 0) keeps the lines of steps up to it
   /// and drops the rest (steps the interrupted run logged after its last checkpoint).
-  MetricsLog(const Config& c, int64_t resumed_step);
+  MetricsLog(const plan::Config& c, int64_t resumed_step);
   ~MetricsLog();
   void step(const StepLine& s);
   void eval(int64_t step, double val_loss, double ms, int64_t tokens);

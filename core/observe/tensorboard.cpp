@@ -84,7 +84,8 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
             std::to_string(::getpid())))
               .string();
   f_ = std::fopen(path_.c_str(), "wb");
-  if (!f_) throw UserError(path_ + ": cannot write TensorBoard events: " + std::strerror(errno));
+  if (!f_)
+    throw plan::UserError(path_ + ": cannot write TensorBoard events: " + std::strerror(errno));
   std::string e = event_head(t, 0);
   bytes_field(e, 3, "brain.Event:2");
   record(e);
@@ -114,7 +115,8 @@ void TensorBoardWriter::record(const std::string& payload) {
   bool ok = std::fwrite(&len, 8, 1, f_) == 1 && std::fwrite(&len_crc, 4, 1, f_) == 1 &&
             std::fwrite(payload.data(), 1, payload.size(), f_) == payload.size() &&
             std::fwrite(&data_crc, 4, 1, f_) == 1 && std::fflush(f_) == 0;
-  if (!ok) throw UserError(path_ + ": cannot write TensorBoard events: " + std::strerror(errno));
+  if (!ok)
+    throw plan::UserError(path_ + ": cannot write TensorBoard events: " + std::strerror(errno));
 }
 
 }  // namespace tessel::observe

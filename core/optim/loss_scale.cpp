@@ -7,8 +7,8 @@
 
 namespace tessel::optim {
 
-LossScaler::LossScaler(const TrainingConfig& t, const torch::Device& device)
-    : t_(t), dynamic_(t.dtype == Dtype::kFp16) {
+LossScaler::LossScaler(const plan::TrainingConfig& t, const torch::Device& device)
+    : t_(t), dynamic_(t.dtype == plan::Dtype::kFp16) {
   auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
   scale_ = torch::full({}, dynamic_ ? t.loss_scale.initial : 1.0, f32);
   growth_tracker_ = torch::zeros({}, f32.dtype(torch::kInt32));

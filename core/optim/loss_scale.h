@@ -19,7 +19,7 @@ namespace tessel::optim {
 
 class LossScaler {
  public:
-  LossScaler(const TrainingConfig& t, const torch::Device& device);
+  LossScaler(const plan::TrainingConfig& t, const torch::Device& device);
   bool dynamic() const { return dynamic_; }  // fp16
   /// What the loss is multiplied by before backward (fp32 device scalar; 1 without fp16).
   const torch::Tensor& scale() const { return scale_; }
@@ -40,7 +40,7 @@ class LossScaler {
   void load_state(const std::map<std::string, torch::Tensor>& by_name);
 
  private:
-  TrainingConfig t_;
+  plan::TrainingConfig t_;
   bool dynamic_;
   torch::Tensor scale_, growth_tracker_, skipped_, bad_step_;
 };

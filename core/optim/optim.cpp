@@ -15,16 +15,16 @@
 
 namespace tessel::optim {
 
-double lr_at(const TrainingConfig& t, int64_t step) {
+double lr_at(const plan::TrainingConfig& t, int64_t step) {
   const auto& s = t.schedule;
   const double peak = t.optimizer.lr;
   if (step <= s.warmup_steps)
     return peak * static_cast<double>(step) / static_cast<double>(s.warmup_steps);
-  if (s.decay == Decay::kConstant) return peak;
+  if (s.decay == plan::Decay::kConstant) return peak;
   const double progress = static_cast<double>(step - s.warmup_steps) /
                           static_cast<double>(std::max<int64_t>(1, t.steps - s.warmup_steps));
   const double frac =
-      s.decay == Decay::kCosine ? 0.5 * (1.0 + std::cos(M_PI * progress)) : 1.0 - progress;
+      s.decay == plan::Decay::kCosine ? 0.5 * (1.0 + std::cos(M_PI * progress)) : 1.0 - progress;
   return s.min_lr + (peak - s.min_lr) * frac;
 }
 
@@ -43,11 +43,11 @@ optim::FlatLayout layout_of(const std::vector<NamedParam>& params, const optim::
   return optim::FlatLayout(entries, o);
 }
 
-FlatAdamW::FlatAdamW(const std::vector<NamedParam>& params, const TrainingConfig& t)
+FlatAdamW::FlatAdamW(const std::vector<NamedParam>& params, const plan::TrainingConfig& t)
     : FlatAdamW(params, t,
                 layout_of(params, {std::numeric_limits<int64_t>::max(), 1, 0, 0, false})) {}
 
-FlatAdamW::FlatAdamW(const std::vector<NamedParam>& named, const TrainingConfig& t,
+FlatAdamW::FlatAdamW(const std::vector<NamedParam>& named, const plan::TrainingConfig& t,
                      optim::FlatLayout layout)
     : t_(t), layout_(std::move(layout)) {
   TORCH_CHECK(!named.empty(), "optimizer: no parameters");
@@ -250,7 +250,7 @@ void FlatAdamW::load_slot(int kind, const std::string& name, const torch::Tensor
     if (s.name == name) slot = &s;
   if (!slot) return;  // not this rank's parameter
   if (local.numel() != slot->numel)
-    throw UserError(
+    throw plan::UserError(
         fmt::format("{}: optimizer state optim.{}.{} has {} elements, this rank's "
                     "slice needs {}",
                     source, what[kind], name, local.numel(), slot->numel));
@@ -270,7 +270,7 @@ void FlatAdamW::load_slot(int kind, const std::string& name, const torch::Tensor
 void FlatAdamW::finish_load(const torch::Tensor& step, const std::string& source) {
   for (const auto& s : layout_.slots())
     if (loaded_[s.name] != 7)
-      throw UserError(source + ": optimizer state of " + s.name +
+      throw plan::UserError(source + ": optimizer state of " + s.name +
                       " is missing (optim.master, optim.exp_avg and optim.exp_avg_sq are needed)");
   loaded_.clear();
   torch::NoGradGuard no_grad;

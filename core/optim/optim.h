@@ -26,7 +26,7 @@ namespace tessel::optim {
 
 /// Learning rate at optimizer step `step` (1-based): linear warmup lr·step/warmup, then cosine,
 /// linear or constant from lr (at step = warmup) to min_lr (at the last step).
-double lr_at(const TrainingConfig& t, int64_t step);
+double lr_at(const plan::TrainingConfig& t, int64_t step);
 
 /// Whether a parameter is exempt from weight decay (its name matches a no_decay glob).
 bool exempt_from_decay(const std::string& name, const std::vector<std::string>& globs);
@@ -69,10 +69,10 @@ class FlatAdamW {
  public:
   /// Takes over `params` (already on their device and in the run's dtype): they become views of
   /// the flat weight buffer (ZeRO-3: of their unit's gather buffer).
-  FlatAdamW(const std::vector<NamedParam>& params, const TrainingConfig& t,
+  FlatAdamW(const std::vector<NamedParam>& params, const plan::TrainingConfig& t,
             optim::FlatLayout layout);
   /// One process, no ZeRO, one bucket.
-  FlatAdamW(const std::vector<NamedParam>& params, const TrainingConfig& t);
+  FlatAdamW(const std::vector<NamedParam>& params, const plan::TrainingConfig& t);
 
   /// Stages 0-1, bf16/fp16: adds this micro-batch's gradients of the flat range [begin, end) (a
   /// gradient bucket or a pipeline chunk) into the fp32 accumulator and clears them.
@@ -145,7 +145,7 @@ class FlatAdamW {
   void build_replicated_spans(const std::map<std::string, const NamedParam*>& params,
                               const std::vector<int64_t>& at);
 
-  TrainingConfig t_;
+  plan::TrainingConfig t_;
   optim::FlatLayout layout_;
   bool low_precision_;
   torch::ScalarType dtype_ = torch::kFloat32;  // the model's (the weights') dtype

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-namespace tessel {
+namespace tessel::plan {
 
 /// The field table's view of any Choice: its names and which one it holds.
 class ChoiceBase {
@@ -46,4 +46,4 @@ class Choice final : public ChoiceBase {
   E v_{};
 };
 
-}  // namespace tessel
+}  // namespace tessel::plan

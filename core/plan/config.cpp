@@ -15,7 +15,7 @@
 
 #include "core/plan/rules.h"
 
-namespace tessel {
+namespace tessel::plan {
 namespace {
 
 // A bound as a user reads it: 16777216, not 1.67772e+07 (bounds are integers or plain decimals).
@@ -559,4 +559,4 @@ std::pair<int64_t, int64_t> profile_steps(const Config& c, int64_t first_step) {
   return {a, b};
 }
 
-}  // namespace tessel
+}  // namespace tessel::plan

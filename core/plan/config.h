@@ -16,7 +16,7 @@
 #include "core/plan/model_arch.h"
 #include "core/plan/user_error.h"
 
-namespace tessel {
+namespace tessel::plan {
 
 // The enumerated plan keys (core/plan/choice.h); each enum's names, in its order, are declared
 // once in config.cpp (choice_names).
@@ -259,4 +259,4 @@ std::pair<int64_t, int64_t> profile_steps(const Config& c, int64_t first_step = 
 /// micro-batches and two or more intra-op `threads`.
 bool pairs_microbatches(const Config& c, int64_t world, bool cuda, int64_t threads);
 
-}  // namespace tessel
+}  // namespace tessel::plan

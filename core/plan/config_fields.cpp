@@ -3,7 +3,7 @@
 
 #include <tuple>
 
-namespace tessel {
+namespace tessel::plan {
 namespace {
 using S = std::string;
 using Strings = std::vector<std::string>;
@@ -487,4 +487,4 @@ std::vector<Field> bind_fields(Config& c) {
   return f;
 }
 
-}  // namespace tessel
+}  // namespace tessel::plan

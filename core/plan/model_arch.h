@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-namespace tessel {
+namespace tessel::plan {
 
 enum class ModelArch { kGpt2, kLlama };
 inline const std::vector<std::string>& choice_names(ModelArch) {
@@ -13,4 +13,4 @@ inline const std::vector<std::string>& choice_names(ModelArch) {
   return n;
 }
 
-}  // namespace tessel
+}  // namespace tessel::plan

@@ -9,7 +9,7 @@
 
 #include "core/device/cuda.h"
 
-namespace tessel {
+namespace tessel::plan {
 namespace {
 
 // Cross-field rules, run after every value is in. Messages name both quantities and their values.
@@ -38,7 +38,7 @@ class Validator {
     check_training();
     check_data_and_checkpoint();
     check_cuda_graph();
-    // The layout is checked against the world size by parallel::check_layout (it needs the world).
+    // The layout is checked against the world size by check_layout (layout.h): it needs the world.
     if (!errors_.empty()) {
       std::string all;
       for (const auto& e : errors_) all += (all.empty() ? "" : "\n") + e;
@@ -248,4 +248,4 @@ void check_rules(Config& c, const std::map<std::string, int>& lines) {
   v.run();
 }
 
-}  // namespace tessel
+}  // namespace tessel::plan

@@ -3,7 +3,7 @@
 
 #include <stdexcept>
 
-namespace tessel {
+namespace tessel::plan {
 
 /// A problem with the user's plan or input. The message is complete (file, line, key, values);
 /// main() prints it as is and exits non-zero.
@@ -12,4 +12,4 @@ class UserError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-}  // namespace tessel
+}  // namespace tessel::plan

@@ -25,7 +25,7 @@
 
 namespace fs = std::filesystem;
 
-namespace tessel {
+namespace tessel::checkpoint {
 using checkpoint::open_verified;
 using checkpoint::read_index;
 using checkpoint::read_text;
@@ -154,7 +154,7 @@ struct Written {
 };
 
 nlohmann::json index_fragment(const std::vector<Written>& mine, const std::string& file,
-                              const WrittenFile& written) {
+                              const io::WrittenFile& written) {
   nlohmann::json tensors = nlohmann::json::object();
   for (const auto& w : mine) {
     const Entry& e = *w.entry;
@@ -175,7 +175,8 @@ nlohmann::json index_fragment(const std::vector<Written>& mine, const std::strin
 
 // Rank 0: index.json from every writer's fragment (then removed). A replicated tensor written by
 // several writers (the step counter, once per pipeline stage) keeps one shard.
-void write_index(const Config& c, const fs::path& tmp, const CheckpointState& st, int64_t world) {
+void write_index(const plan::Config& c, const fs::path& tmp, const CheckpointState& st,
+                 int64_t world) {
   nlohmann::json index = {{"format", "tessel-checkpoint-1"},
                           {"step", st.step},
                           {"consumed_samples", st.consumed_samples},
@@ -208,14 +209,14 @@ void write_index(const Config& c, const fs::path& tmp, const CheckpointState& st
     }
     fs::remove(f);
   }
-  write_file_atomic((tmp / "index.json").string(), index.dump(1));
+  io::write_file_atomic((tmp / "index.json").string(), index.dump(1));
 }
 
 }  // namespace
 
-std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models::Decoder& model,
-                            const optim::FlatAdamW& opt, const optim::LossScaler& scaler,
-                            const CheckpointState& st) {
+std::string save_checkpoint(const plan::Config& c, const parallel::Mesh& mesh,
+                            models::Decoder& model, const optim::FlatAdamW& opt,
+                            const optim::LossScaler& scaler, const CheckpointState& st) {
   const fs::path root = c.checkpoint_dir();
   const fs::path dir = root / ("step_" + std::to_string(st.step));
   const fs::path tmp = root / ("step_" + std::to_string(st.step) + ".tmp");
@@ -247,19 +248,20 @@ std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models:
     std::vector<std::pair<std::string, torch::Tensor>> tensors;
     for (const auto& w : mine) tensors.emplace_back(w.entry->name, w.tensor);
     const std::string file = rank_file(mesh.rank());
-    const auto written = write_safetensors((tmp / file).string(), tensors, {{"format", "tessel"}});
-    write_file_atomic((tmp / fmt::format("index.{:05d}.json", mesh.rank())).string(),
+    const auto written =
+        io::write_safetensors((tmp / file).string(), tensors, {{"format", "tessel"}});
+    io::write_file_atomic((tmp / fmt::format("index.{:05d}.json", mesh.rank())).string(),
                       index_fragment(mine, file, written).dump());
   }
   world.barrier();
   if (mesh.rank() == 0) {
     write_index(c, tmp, st, mesh.world());
-    write_file_atomic((tmp / "config.yaml").string(), dump_config(c));
+    io::write_file_atomic((tmp / "config.yaml").string(), plan::dump_config(c));
     // The marker goes last; only then does the folder get its final name and `latest` point at it.
-    write_file_atomic((tmp / kMarker).string(), std::to_string(st.step) + "\n");
+    io::write_file_atomic((tmp / kMarker).string(), std::to_string(st.step) + "\n");
     fs::remove_all(dir);
     fs::rename(tmp, dir);
-    write_file_atomic((root / "latest").string(), dir.filename().string() + "\n");
+    io::write_file_atomic((root / "latest").string(), dir.filename().string() + "\n");
     prune(root, c.checkpoint.keep, st.step);
   }
   world.barrier();
@@ -267,16 +269,16 @@ std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models:
 }
 
 // Bytes per parameter in a checkpoint: the weight in the run's dtype, master copy, two moments.
-int64_t checkpoint_bytes_per_parameter(const Config& c) {
-  return (c.training.dtype == Dtype::kFp32 ? 4 : 2) + 12;
+int64_t checkpoint_bytes_per_parameter(const plan::Config& c) {
+  return (c.training.dtype == plan::Dtype::kFp32 ? 4 : 2) + 12;
 }
 
-double checkpoint_bytes(const Config& c) {
-  return static_cast<double>(models::parameters_on_rank(model_shape(c.model), 1, {})) *
+double checkpoint_bytes(const plan::Config& c) {
+  return static_cast<double>(models::parameters_on_rank(planner::model_shape(c.model), 1, {})) *
          static_cast<double>(checkpoint_bytes_per_parameter(c));
 }
 
-void check_room_for_checkpoint(const Config& c) {
+void check_room_for_checkpoint(const plan::Config& c) {
   const std::string dir = c.checkpoint_dir();
   std::error_code ec;
   fs::path probe = fs::absolute(dir, ec);
@@ -288,11 +290,12 @@ void check_room_for_checkpoint(const Config& c) {
   const double need = checkpoint_bytes(c);
   auto gib = [](double b) { return fmt::format("{:.3g} GiB", b / (1024.0 * 1024 * 1024)); };
   if (free_bytes < need)
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "checkpoint.dir {}: its filesystem has {} free, and one checkpoint of this plan needs "
         "about {} ({} parameters x {} bytes: weights in {}, an fp32 master copy and two fp32 "
         "AdamW moments); free space there or set checkpoint.dir to a larger filesystem",
-        dir, gib(free_bytes), gib(need), models::parameters_on_rank(model_shape(c.model), 1, {}),
+        dir, gib(free_bytes), gib(need),
+        models::parameters_on_rank(planner::model_shape(c.model), 1, {}),
         checkpoint_bytes_per_parameter(c), c.training.dtype.name()));
   if (free_bytes < 2 * need)
     spdlog::warn("checkpoint.dir {}: {} free, room for {:.0f} checkpoint(s) of about {}", dir,
@@ -301,7 +304,7 @@ void check_room_for_checkpoint(const Config& c) {
 
 std::string resolve_checkpoint(const std::string& dir) {
   fs::path p(dir);
-  if (!fs::is_directory(p)) throw UserError(dir + ": no such checkpoint folder");
+  if (!fs::is_directory(p)) throw plan::UserError(dir + ": no such checkpoint folder");
   if (!fs::exists(p / "index.json") && fs::exists(p / "latest")) {
     std::string name = read_text(p / "latest");
     name.erase(name.find_last_not_of(" \n\r\t") + 1);
@@ -309,7 +312,7 @@ std::string resolve_checkpoint(const std::string& dir) {
     p /= name;
   }
   if (!fs::exists(p / kMarker))
-    throw UserError(p.string() + ": not a complete checkpoint (no " + std::string(kMarker) +
+    throw plan::UserError(p.string() + ": not a complete checkpoint (no " + std::string(kMarker) +
                     " marker: the save was interrupted or this is not a step folder)");
   return p.string();
 }
@@ -318,7 +321,7 @@ namespace {
 
 // Copies a part out of the mapping 16 MiB at a time, dropping each block's pages once copied:
 // resident memory holds the global tensor being assembled, not the files.
-void copy_out(torch::Tensor dst, const torch::Tensor& src, const MappedSafetensors& f) {
+void copy_out(torch::Tensor dst, const torch::Tensor& src, const io::MappedSafetensors& f) {
   if (src.dim() == 0 || src.numel() == 0) {
     dst.copy_(src);
     return;
@@ -344,7 +347,7 @@ bool one_whole_shard(const nlohmann::json& shards, const std::vector<int64_t>& s
 // Writes one shard's `part` (from `file`) into its slice of `global` and marks it in `covered`:
 // a tensor-parallel slice, or a ZeRO piece (elements [begin, end) of the slice, row-major).
 void place_shard(const fs::path& path, const std::string& name, const nlohmann::json& shard,
-                 const torch::Tensor& part, const MappedSafetensors& f, torch::Tensor view,
+                 const torch::Tensor& part, const io::MappedSafetensors& f, torch::Tensor view,
                  torch::Tensor cover) {
   int dim = 0;
   for (const auto& r : shard.at("slice")) {
@@ -358,7 +361,7 @@ void place_shard(const fs::path& path, const std::string& name, const nlohmann::
   }
   const int64_t b = shard.at("flat")[0].get<int64_t>(), en = shard.at("flat")[1].get<int64_t>();
   if (b < 0 || en > view.numel() || en - b != part.numel())
-    throw UserError(path.string() + ": '" + name + "' piece [" + std::to_string(b) + ", " +
+    throw plan::UserError(path.string() + ": '" + name + "' piece [" + std::to_string(b) + ", " +
                     std::to_string(en) + ") does not fit its slice of " +
                     std::to_string(view.numel()) + " elements");
   auto write_flat = [&](torch::Tensor target, const torch::Tensor& values) {
@@ -375,7 +378,7 @@ void place_shard(const fs::path& path, const std::string& name, const nlohmann::
 // resume from uninitialised memory.
 void check_covered(const fs::path& dir, const std::string& name, const torch::Tensor& covered) {
   if (const int64_t missing = covered.numel() - covered.sum().item<int64_t>(); missing > 0)
-    throw UserError((dir / "index.json").string() + ": the shards of '" + name + "' cover " +
+    throw plan::UserError((dir / "index.json").string() + ": the shards of '" + name + "' cover " +
                     std::to_string(covered.numel() - missing) + " of its " +
                     std::to_string(covered.numel()) +
                     " elements; the checkpoint is incomplete and cannot be resumed");
@@ -387,7 +390,7 @@ void check_covered(const fs::path& dir, const std::string& name, const torch::Te
 void for_each_tensor(const fs::path& dir, const nlohmann::json& index,
                      const std::function<bool(const std::string&)>& want,
                      const std::function<void(const std::string&, torch::Tensor)>& use) {
-  std::map<std::string, std::unique_ptr<MappedSafetensors>> files;
+  std::map<std::string, std::unique_ptr<io::MappedSafetensors>> files;
   for (const auto& [name, e] : index.at("tensors").items()) {
     if (!want(name)) continue;
     const auto shape = e.at("shape").get<std::vector<int64_t>>();
@@ -399,7 +402,7 @@ void for_each_tensor(const fs::path& dir, const nlohmann::json& index,
       if (!files.count(file)) files[file] = open_verified(dir, index, file);
       auto part = files[file]->view(name);
       if (!part.defined())
-        throw UserError((dir / file).string() + ": missing tensor '" + name +
+        throw plan::UserError((dir / file).string() + ": missing tensor '" + name +
                         "' listed in index.json");
       checkpoint::check_shard_tensor(dir / file, name, e, shard, part);
       if (!global.defined()) {
@@ -412,7 +415,7 @@ void for_each_tensor(const fs::path& dir, const nlohmann::json& index,
         place_shard(dir / file, name, shard, part, *files[file], global, covered);
     }
     if (!global.defined())
-      throw UserError((dir / "index.json").string() + ": '" + name + "' lists no shards");
+      throw plan::UserError((dir / "index.json").string() + ": '" + name + "' lists no shards");
     if (!whole) check_covered(dir, name, covered);
     use(name, std::move(global));
   }
@@ -429,7 +432,7 @@ models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::
   return out;
 }
 
-std::string checkpoint_to_resume(const Config& c) {
+std::string checkpoint_to_resume(const plan::Config& c) {
   const std::string& r = c.checkpoint.resume;
   if (r == "never") return "";
   if (r == "auto") {
@@ -442,7 +445,7 @@ std::string checkpoint_to_resume(const Config& c) {
       std::string names;
       for (const auto& [step, path] : done)
         names += (names.empty() ? "" : ", ") + path.filename().string();
-      throw UserError(c.source + ": checkpoint.resume auto: " + c.checkpoint_dir() +
+      throw plan::UserError(c.source + ": checkpoint.resume auto: " + c.checkpoint_dir() +
                       " holds complete checkpoints (" + names +
                       ") but no 'latest' file; set "
                       "checkpoint.resume to one of them to continue, or to never to start over "
@@ -452,8 +455,8 @@ std::string checkpoint_to_resume(const Config& c) {
   }
   try {
     return resolve_checkpoint(r);
-  } catch (const UserError& e) {
-    throw UserError(c.source + ": checkpoint.resume: " + e.what());
+  } catch (const plan::UserError& e) {
+    throw plan::UserError(c.source + ": checkpoint.resume: " + e.what());
   }
 }
 
@@ -477,16 +480,19 @@ void check_checkpoint_names(const std::string& source, const nlohmann::json& ten
     if (spec == model->specs().end()) continue;
     const auto shape = e.at("shape").get<std::vector<int64_t>>();
     if (shape != spec->second.global_shape)
-      throw UserError(fmt::format("{}: tensor '{}' has shape [{}] but the plan's model needs [{}]",
-                                  source, name, fmt::join(shape, ", "),
-                                  fmt::join(spec->second.global_shape, ", ")));
+      throw plan::UserError(
+          fmt::format("{}: tensor '{}' has shape [{}] but the plan's model needs [{}]", source,
+                      name, fmt::join(shape, ", "), fmt::join(spec->second.global_shape, ", ")));
   }
   for (const auto& p : model->named_parameters())
     if (!tensors.contains(p.key())) missing += (missing.empty() ? "" : ", ") + p.key();
-  if (!missing.empty()) throw UserError(source + ": missing tensors for this model: " + missing);
-  if (!extra.empty()) throw UserError(source + ": tensors this model does not have: " + extra);
+  if (!missing.empty())
+    throw plan::UserError(source + ": missing tensors for this model: " + missing);
+  if (!extra.empty())
+    throw plan::UserError(source + ": tensors this model does not have: " + extra);
   if (!tensors.contains(optim::kStepName))
-    throw UserError(source + ": no optimizer state (" + optim::kStepName + ") to resume from");
+    throw plan::UserError(source + ": no optimizer state (" + optim::kStepName +
+                          ") to resume from");
 }
 
 // The optimizer slot a checkpoint name holds (0-2, FlatAdamW::load_slot's kinds) and its
@@ -537,4 +543,4 @@ CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& mo
   return {index.at("step").get<int64_t>(), index.at("consumed_samples").get<int64_t>()};
 }
 
-}  // namespace tessel
+}  // namespace tessel::checkpoint

@@ -14,7 +14,7 @@
 #include "models/registry.h"
 #include "parallel/mesh.h"
 
-namespace tessel {
+namespace tessel::checkpoint {
 
 struct CheckpointState {
   int64_t step;
@@ -27,18 +27,18 @@ struct CheckpointState {
 /// rank writes its pieces (a piece is a range of the flattened tensor-parallel slice: the index
 /// records it as "flat": [begin, end) beside the slice). Every rank then meets at a barrier, so
 /// none goes on (or resumes) before the checkpoint is published.
-std::string save_checkpoint(const Config& c, const parallel::Mesh& mesh, models::Decoder& model,
-                            const optim::FlatAdamW& opt, const optim::LossScaler& scaler,
-                            const CheckpointState& st);
+std::string save_checkpoint(const plan::Config& c, const parallel::Mesh& mesh,
+                            models::Decoder& model, const optim::FlatAdamW& opt,
+                            const optim::LossScaler& scaler, const CheckpointState& st);
 
 /// The bytes one checkpoint of this plan takes on disk, all ranks' files together: each
 /// parameter in the run's dtype, its fp32 master copy and two fp32 AdamW moments.
-double checkpoint_bytes(const Config& c);
+double checkpoint_bytes(const plan::Config& c);
 
 /// Start-up (rank 0): the filesystem of checkpoint.dir has room for one more checkpoint (the
 /// previous one is pruned only after the next is complete); UserError naming the folder, the
 /// free space and the estimate otherwise.
-void check_room_for_checkpoint(const Config& c);
+void check_room_for_checkpoint(const plan::Config& c);
 
 /// The checkpoint folder a user named: a step_<N> folder, or a checkpoint.dir (then its latest).
 /// Throws UserError unless the folder is complete.
@@ -52,7 +52,7 @@ models::Weights read_checkpoint_tensors(const std::string& step_dir,
 models::Weights checkpoint_model_weights(const std::string& step_dir);
 
 /// The checkpoint a run continues from, per checkpoint.resume: "" when it starts afresh.
-std::string checkpoint_to_resume(const Config& c);
+std::string checkpoint_to_resume(const plan::Config& c);
 
 /// Restores model weights, optimizer state (into this rank's ZeRO pieces, whatever layout wrote
 /// it), the fp16 loss scale (when `scaler` is given) and run state from a complete checkpoint.
@@ -73,4 +73,4 @@ void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
 void check_export_folder(const std::string& out_dir, const std::string& checkpoint_dir,
                          const std::string& what);
 
-}  // namespace tessel
+}  // namespace tessel::checkpoint

@@ -20,20 +20,20 @@
 
 namespace fs = std::filesystem;
 
-namespace tessel {
+namespace tessel::checkpoint {
 
 namespace {
 
 // Copies the tokenizer files into `out` and returns its special tokens.
-SpecialTokens export_tokenizer(const std::string& tokenizer, const fs::path& out,
-                               const ModelConfig& m) {
+io::SpecialTokens export_tokenizer(const std::string& tokenizer, const fs::path& out,
+                               const plan::ModelConfig& m) {
   fs::path src = tokenizer;
   if (fs::is_directory(src)) src /= "tokenizer.json";
   if (!fs::is_regular_file(src))
-    throw UserError("--tokenizer: " + src.string() + " does not exist");
-  auto s = special_tokens(src.string());
+    throw plan::UserError("--tokenizer: " + src.string() + " does not exist");
+  auto s = io::special_tokens(src.string());
   if (s.vocab_size > m.vocab_size)
-    throw UserError("--tokenizer " + src.string() + " has " + std::to_string(s.vocab_size) +
+    throw plan::UserError("--tokenizer " + src.string() + " has " + std::to_string(s.vocab_size) +
                     " ids but the model's vocabulary (model.vocab_size) is " +
                     std::to_string(m.vocab_size));
   fs::copy_file(src, out / "tokenizer.json", fs::copy_options::overwrite_existing);
@@ -50,10 +50,10 @@ SpecialTokens export_tokenizer(const std::string& tokenizer, const fs::path& out
     // Decoder-only: no token_type_ids, which the fast tokenizer would otherwise return and
     // transformers' generate(**tokenizer(text)) would pass on to a model that takes none.
     cfg["model_input_names"] = {"input_ids", "attention_mask"};
-    write_file_atomic((out / "tokenizer_config.json").string(), cfg.dump(2) + "\n");
+    io::write_file_atomic((out / "tokenizer_config.json").string(), cfg.dump(2) + "\n");
   }
   if (!fs::exists(out / "special_tokens_map.json"))
-    write_file_atomic((out / "special_tokens_map.json").string(), specials.dump(2) + "\n");
+    io::write_file_atomic((out / "special_tokens_map.json").string(), specials.dump(2) + "\n");
   return s;
 }
 
@@ -91,7 +91,7 @@ std::vector<std::string> export_folder_previous(const std::string& out_dir,
   for (const auto& guarded : {step, step.parent_path()})
     for (auto p = out; !p.empty(); p = p.parent_path()) {
       if (p == guarded)
-        throw UserError(
+        throw plan::UserError(
             fmt::format("{} {}: inside the checkpoint folder {}; export into a folder of its own",
                         what, out_dir, guarded.string()));
       if (p == p.parent_path()) break;
@@ -103,7 +103,7 @@ std::vector<std::string> export_folder_previous(const std::string& out_dir,
         .push_back(e.path().filename().string());
   std::sort(other.begin(), other.end());
   if (!other.empty())
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "{} {}: the folder holds files an export does not write ({}); export into a new or "
         "empty folder, or a previous export's",
         what, out_dir, fmt::join(other, ", ")));
@@ -150,23 +150,24 @@ void check_export_folder(const std::string& out_dir, const std::string& checkpoi
 void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
                const std::string& tokenizer, const std::string& what) {
   const std::string dir = resolve_checkpoint(checkpoint_dir);
-  Config c = load_config((fs::path(dir) / "config.yaml").string());
+  plan::Config c = plan::load_config((fs::path(dir) / "config.yaml").string());
   const auto w = checkpoint_model_weights(dir);
   const auto& arch = models::arch(c.model.arch);
   prepare_export_folder(out_dir, dir, what);  // once the checkpoint has been read
   fs::create_directories(out_dir);
-  write_safetensors((fs::path(out_dir) / "model.safetensors").string(),
-                    arch.to_hf(w, model_shape(c.model)), {{"format", "pt"}});
-  auto config = arch.hf_config(model_shape(c.model));
+  io::write_safetensors((fs::path(out_dir) / "model.safetensors").string(),
+                    arch.to_hf(w, planner::model_shape(c.model)), {{"format", "pt"}});
+  auto config = arch.hf_config(planner::model_shape(c.model));
   if (!tokenizer.empty()) {
     auto s = export_tokenizer(tokenizer, out_dir, c.model);
     nlohmann::json gen = {{"_from_model_config", true}};
     for (auto [key, id] : {std::pair{"bos_token_id", s.bos}, std::pair{"eos_token_id", s.eos}})
       if (id) config[key] = gen[key] = *id;
-    write_file_atomic((fs::path(out_dir) / "generation_config.json").string(), gen.dump(2) + "\n");
+    io::write_file_atomic((fs::path(out_dir) / "generation_config.json").string(),
+                          gen.dump(2) + "\n");
   }
-  write_file_atomic((fs::path(out_dir) / "config.json").string(), config.dump(2) + "\n");
-  if (const auto d = moe_differences(model_shape(c.model)); !d.empty())
+  io::write_file_atomic((fs::path(out_dir) / "config.json").string(), config.dump(2) + "\n");
+  if (const auto d = moe_differences(planner::model_shape(c.model)); !d.empty())
     spdlog::warn(
         "export: {} has no {} in transformers: the weights are all written, but its "
         "from_pretrained would not compute this model",
@@ -175,4 +176,4 @@ void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
                tokenizer.empty() ? "" : ", with the tokenizer", out_dir);
 }
 
-}  // namespace tessel
+}  // namespace tessel::checkpoint

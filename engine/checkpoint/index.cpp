@@ -34,7 +34,7 @@ class IndexCheck {
   explicit IndexCheck(fs::path path) : path_(std::move(path)) {}
 
   [[noreturn]] void fail(const std::string& key, const std::string& what) const {
-    throw UserError(
+    throw plan::UserError(
         fmt::format("{}: {}: {}; the checkpoint is damaged or was not written by "
                     "Tessel, and is not loaded",
                     path_.string(), key, what));
@@ -101,7 +101,7 @@ class IndexCheck {
       if (!file.is_string()) fail(s + ".file", "expected a file name, got " + file.dump());
       check_plain_name(file.get<std::string>(), path_.string() + ": " + s + ".file");
       if (!files.contains(file.get<std::string>()))
-        throw UserError(fmt::format(
+        throw plan::UserError(fmt::format(
             "{}: index.json records no size and checksum for {}, so it cannot be verified (a "
             "checkpoint written before checksums existed, or an edited index); refusing to load "
             "it. Resume from a checkpoint written by this version (checkpoint.resume)",
@@ -127,7 +127,7 @@ class IndexCheck {
 
 std::string read_text(const fs::path& p) {
   std::ifstream f(p);
-  if (!f) throw UserError(p.string() + ": cannot read");
+  if (!f) throw plan::UserError(p.string() + ": cannot read");
   std::stringstream s;
   s << f.rdbuf();
   return s.str();
@@ -138,7 +138,7 @@ void check_plain_name(const std::string& name, const std::string& where) {
                                    [](char ch) { return static_cast<unsigned char>(ch) < 0x20; });
   if (name.empty() || name == "." || name == ".." || name.size() > 255 ||
       name.find('/') != std::string::npos || control)
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "{}: '{}' is not a plain file name inside the checkpoint folder (a name with '/' or "
         "'..' would make Tessel read outside it); the checkpoint is not loaded",
         where, name));
@@ -147,7 +147,7 @@ void check_plain_name(const std::string& name, const std::string& where) {
 nlohmann::json read_index(const fs::path& dir) {
   const fs::path path = dir / "index.json";
   if (!fs::exists(path))
-    throw UserError(
+    throw plan::UserError(
         fmt::format("{}: missing: every complete checkpoint folder holds one (this folder has the "
                     "COMPLETE marker but no index: a damaged copy); resume from another checkpoint",
                     path.string()));
@@ -155,7 +155,7 @@ nlohmann::json read_index(const fs::path& dir) {
   try {
     index = nlohmann::json::parse(read_text(path));
   } catch (const nlohmann::json::exception& e) {
-    throw UserError(path.string() + ": not valid JSON: " + e.what());
+    throw plan::UserError(path.string() + ": not valid JSON: " + e.what());
   }
   const IndexCheck check(path);
   if (!index.is_object()) check.fail("(top level)", "expected an object");
@@ -179,15 +179,16 @@ nlohmann::json read_index(const fs::path& dir) {
   return index;
 }
 
-std::unique_ptr<MappedSafetensors> open_verified(const fs::path& dir, const nlohmann::json& index,
-                                                 const std::string& file) {
+std::unique_ptr<io::MappedSafetensors> open_verified(const fs::path& dir,
+                                                     const nlohmann::json& index,
+                                                     const std::string& file) {
   check_plain_name(file, (dir / "index.json").string());
   const fs::path path = dir / file;
   std::error_code ec;
   const auto real = fs::canonical(path, ec);
   const auto folder = fs::canonical(dir, ec);
   if (!ec && real.parent_path() != folder)
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "{}: a link to {}, outside the checkpoint folder; the checkpoint is not loaded (copy the "
         "file into the folder)",
         path.string(), real.string()));
@@ -195,17 +196,17 @@ std::unique_ptr<MappedSafetensors> open_verified(const fs::path& dir, const nloh
   const auto bytes = want.at("bytes").get<uint64_t>();
   const auto sum = want.at("checksum").get<std::string>();
   auto corrupt = [&](const std::string& found) {
-    return UserError(fmt::format(
+    return plan::UserError(fmt::format(
         "{}: corrupt checkpoint file: {}, but {} bytes with checksum {} when it was written "
         "(index.json); resume from another checkpoint (checkpoint.resume)",
         path.string(), found, bytes, sum));
   };
   if (const auto size = fs::file_size(path, ec); !ec && size != bytes)
     throw corrupt(fmt::format("{} bytes", size));
-  std::unique_ptr<MappedSafetensors> f;
+  std::unique_ptr<io::MappedSafetensors> f;
   try {
-    f = std::make_unique<MappedSafetensors>(path.string());
-  } catch (const UserError& e) {
+    f = std::make_unique<io::MappedSafetensors>(path.string());
+  } catch (const plan::UserError& e) {
     throw corrupt(e.what());
   }
   if (const auto got = f->checksum(); got != sum)
@@ -226,7 +227,7 @@ void check_shard_tensor(const fs::path& file, const std::string& name, const nlo
   const std::string dtype = entry.at("dtype");
   const auto shape = shard_shape(shard);
   if (c10::toString(part.scalar_type()) != dtype || part.sizes().vec() != shape)
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "{}: tensor '{}' is {} [{}] in the file, but index.json says {} [{}] for this shard; "
         "the checkpoint is damaged and is not loaded",
         file.string(), name, c10::toString(part.scalar_type()), fmt::join(part.sizes(), ", "),

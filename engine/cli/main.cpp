@@ -84,54 +84,56 @@ void add_train_options(CLI::App& app, TrainArgs& a) {
 
 int run_training(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
   {  // checkpoint.on_signal's default, watched until the plan says which (engine/run/stop.h)
-    tessel::Config defaults;
-    for (const auto& f : tessel::bind_fields(defaults))
+    tessel::plan::Config defaults;
+    for (const auto& f : tessel::plan::bind_fields(defaults))
       if (f.key == "checkpoint.on_signal")
-        tessel::watch_stop_signals(std::get<std::vector<std::string>>(f.def));
+        tessel::run::watch_stop_signals(std::get<std::vector<std::string>>(f.def));
   }
-  auto start = tessel::start_run(a.config, a.sets, world);
+  auto start = tessel::run::start_run(a.config, a.sets, world);
   auto peers = start.peers;  // a failure is posted for the other ranks, a hang diagnosed
   try {
-    return tessel::Trainer(std::move(start), world).train();
+    return tessel::run::Trainer(std::move(start), world).train();
   } catch (...) {
-    tessel::fail_run(peers.get(), std::current_exception());
+    tessel::run::fail_run(peers.get(), std::current_exception());
   }
 }
 
 // --dry-run's device: --device-profile; else this CPU, measured now, when the plan would run on it
 // here (training.device cpu, or auto without CUDA, and no --world-size); else h100.
-tessel::DeviceProfile dry_run_device(const TrainArgs& a, const tessel::Config& c, int64_t n) {
+tessel::planner::DeviceProfile dry_run_device(const TrainArgs& a, const tessel::plan::Config& c,
+                                              int64_t n) {
   std::string spec = a.profile;
   if (spec.empty()) {
-    const tessel::TrainDevice dev = c.training.device;
-    const bool cpu_here = a.world_size == 0 &&
-                          (dev == tessel::TrainDevice::kCpu || (dev == tessel::TrainDevice::kAuto &&
-                                                                !tessel::device::cuda_available()));
+    const tessel::plan::TrainDevice dev = c.training.device;
+    const bool cpu_here =
+        a.world_size == 0 &&
+        (dev == tessel::plan::TrainDevice::kCpu ||
+         (dev == tessel::plan::TrainDevice::kAuto && !tessel::device::cuda_available()));
     spec = cpu_here ? "cpu" : "h100";
   }
-  if (spec != "cpu") return tessel::device_profile(spec, a.profile_sets);
-  auto d = tessel::measure_cpu_profile(c, n);
-  tessel::apply_profile_overrides(d, a.profile_sets);
+  if (spec != "cpu") return tessel::planner::device_profile(spec, a.profile_sets);
+  auto d = tessel::planner::measure_cpu_profile(c, n);
+  tessel::planner::apply_profile_overrides(d, a.profile_sets);
   return d;
 }
 
 // --dry-run: the plan checked against the world, nothing started.
 int plan_dry_run(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
-  tessel::Config c = tessel::load_config(a.config, a.sets);
+  tessel::plan::Config c = tessel::plan::load_config(a.config, a.sets);
   const int64_t n = a.world_size > 0 ? a.world_size : world.world;
   // --world-size plans for another machine (a GPU cluster from a laptop): this node's devices
   // are not checked.
   const auto layout =
-      tessel::parallel::check_layout(c, n, a.world_size > 0 ? 0 : world.local_world);
+      tessel::plan::check_layout(c, n, a.world_size > 0 ? 0 : world.local_world);
   c.parallel.dp = layout.dp;
   const auto device = dry_run_device(a, c, n);
-  const auto estimate = tessel::estimate(c, layout, device);
-  const auto faster = tessel::faster_layout(c, n, device, estimate);
-  std::printf("%s",
-              tessel::dry_run_report({c, a.config, layout, n, device, estimate, faster, a.details})
-                  .c_str());
+  const auto estimate = tessel::planner::estimate(c, layout, device);
+  const auto faster = tessel::planner::faster_layout(c, n, device, estimate);
+  std::printf("%s", tessel::planner::dry_run_report(
+                        {c, a.config, layout, n, device, estimate, faster, a.details})
+                        .c_str());
   if (!a.plan_json.empty())
-    tessel::write_file_atomic(a.plan_json, tessel::to_json(estimate, device));
+    tessel::io::write_file_atomic(a.plan_json, tessel::planner::to_json(estimate, device));
   return 0;
 }
 
@@ -142,11 +144,11 @@ int run_train(int argc, char** argv) {
   TESSEL_CLI_PARSE(app, argc, argv);
   if (!a.profile_steps.empty()) a.sets.push_back("logging.profile=" + a.profile_steps);
   if (a.help_config) {
-    std::fputs(tessel::config_reference().c_str(), stdout);
+    std::fputs(tessel::plan::config_reference().c_str(), stdout);
     return 0;
   }
   if (a.config.empty())
-    throw tessel::UserError("no plan given: tessel-train CONFIG.yaml (see --help)");
+    throw tessel::plan::UserError("no plan given: tessel-train CONFIG.yaml (see --help)");
   const auto world = tessel::parallel::discover_world();
   return a.dry_run ? plan_dry_run(a, world) : run_training(a, world);
 }
@@ -182,10 +184,10 @@ int run_score(int argc, char** argv) {
   app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")->take_all();
   TESSEL_CLI_PARSE(app, argc, argv);
   if (tokens.empty() == data.empty())
-    throw tessel::UserError("score: give --tokens FILE or --data PREFIX|FILES");
-  const auto c = tessel::load_config(config, sets);
-  auto r = tokens.empty() ? tessel::score_data(c, weights, data, tokenizer, max_rows)
-                          : tessel::score(c, weights, tokens, token_dtype, logits);
+    throw tessel::plan::UserError("score: give --tokens FILE or --data PREFIX|FILES");
+  const auto c = tessel::plan::load_config(config, sets);
+  auto r = tokens.empty() ? tessel::run::score_data(c, weights, data, tokenizer, max_rows)
+                          : tessel::run::score(c, weights, tokens, token_dtype, logits);
   nlohmann::json out = {
       {"loss", r.loss}, {"tokens", r.tokens}, {"rows", r.rows}, {"perplexity", std::exp(r.loss)}};
   std::printf("%s\n", out.dump().c_str());
@@ -201,7 +203,7 @@ std::vector<int64_t> parse_ids(const std::string& s) {
     try {
       ids.push_back(std::stoll(s.substr(pos, end - pos)));
     } catch (const std::exception&) {
-      throw tessel::UserError("--prompt-ids: '" + s.substr(pos, end - pos) +
+      throw tessel::plan::UserError("--prompt-ids: '" + s.substr(pos, end - pos) +
                               "' is not a token id (expected e.g. 15496,995)");
     }
     pos = end + 1;
@@ -212,7 +214,7 @@ std::vector<int64_t> parse_ids(const std::string& s) {
 struct GenerateArgs {
   std::string config, weights, tokenizer, prompt, prompt_ids;
   std::vector<std::string> sets;
-  tessel::SampleOptions o;
+  tessel::run::SampleOptions o;
   bool json = false, no_stop = false;
 };
 
@@ -250,20 +252,20 @@ std::string tokenizer_for(const GenerateArgs& a, const std::filesystem::path& fo
     if (std::filesystem::exists(beside)) tokenizer = beside.string();
   }
   if (tokenizer.empty() && !a.prompt.empty())
-    throw tessel::UserError(
+    throw tessel::plan::UserError(
         "generate: --prompt needs a tokenizer (--tokenizer, or tokenizer.json "
         "beside --weights); --prompt-ids needs none");
   return tokenizer;
 }
 
-std::vector<int64_t> encode_prompt(tessel::TokenizerProcess& tok, const std::string& prompt) {
+std::vector<int64_t> encode_prompt(tessel::io::TokenizerProcess& tok, const std::string& prompt) {
   const auto encoded = tok.encode({prompt}, true);  // kept: [0] of a temporary would dangle
   return std::vector<int64_t>(encoded[0].begin(), encoded[0].end());
 }
 
 // The continuation `out` of the prompt `ids`: as JSON, as text, or (no tokenizer) as ids.
 void print_generated(const std::vector<int64_t>& ids, const std::vector<int64_t>& out,
-                     tessel::TokenizerProcess* tok, bool json) {
+                     tessel::io::TokenizerProcess* tok, bool json) {
   const std::string text = tok ? tok->decode(out, false) : "";
   if (json) {
     nlohmann::json j = {{"prompt_ids", ids}, {"ids", out}, {"text", text}};
@@ -286,24 +288,24 @@ int run_generate(int argc, char** argv) {
   add_generate_options(app, a);
   TESSEL_CLI_PARSE(app, argc, argv);
   if (a.prompt.empty() == a.prompt_ids.empty())
-    throw tessel::UserError("generate: give --prompt TEXT or --prompt-ids IDS");
+    throw tessel::plan::UserError("generate: give --prompt TEXT or --prompt-ids IDS");
   // Files beside the weights: in the folder --weights names, or beside the file it names.
   const auto folder = std::filesystem::is_directory(a.weights)
                           ? std::filesystem::path(a.weights)
                           : std::filesystem::path(a.weights).parent_path();
   a.tokenizer = tokenizer_for(a, folder);
   const auto c = !a.config.empty()
-                     ? tessel::load_config(a.config, a.sets)
-                     : tessel::plan_from_hf_config((folder / "config.json").string(), a.sets);
-  std::unique_ptr<tessel::TokenizerProcess> tok;
+                     ? tessel::plan::load_config(a.config, a.sets)
+                     : tessel::run::plan_from_hf_config((folder / "config.json").string(), a.sets);
+  std::unique_ptr<tessel::io::TokenizerProcess> tok;
   if (!a.tokenizer.empty()) {
-    tok = std::make_unique<tessel::TokenizerProcess>(a.tokenizer);
-    if (!a.no_stop) a.o.stop = tessel::special_tokens(a.tokenizer).eos;
+    tok = std::make_unique<tessel::io::TokenizerProcess>(a.tokenizer);
+    if (!a.no_stop) a.o.stop = tessel::io::special_tokens(a.tokenizer).eos;
   }
   const std::vector<int64_t> ids =
       a.prompt.empty() ? parse_ids(a.prompt_ids) : encode_prompt(*tok, a.prompt);
-  auto model = tessel::load_for_inference(c, a.weights);
-  const auto out = tessel::generate(model, c, ids, a.o);
+  auto model = tessel::run::load_for_inference(c, a.weights);
+  const auto out = tessel::run::generate(model, c, ids, a.o);
   print_generated(ids, out, tok.get(), a.json);
   return 0;
 }
@@ -320,7 +322,7 @@ int run_export(int argc, char** argv) {
                  "tokenizer.json (or its folder) to write beside the weights, with its bos/eos "
                  "ids in config.json and generation_config.json");
   TESSEL_CLI_PARSE(app, argc, argv);
-  tessel::export_hf(dir, out, tokenizer);
+  tessel::checkpoint::export_hf(dir, out, tokenizer);
   return 0;
 }
 
@@ -341,7 +343,7 @@ int main(int argc, char** argv) {
     if (cmd == "export") return run_export(argc - 1, argv + 1);
     if (cmd == "generate") return run_generate(argc - 1, argv + 1);
     return run_train(argc, argv);
-  } catch (const tessel::UserError& e) {
+  } catch (const tessel::plan::UserError& e) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
     return 2;
   } catch (const c10::Error& e) {

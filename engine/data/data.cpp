@@ -52,8 +52,8 @@ void add_text_files(TokenStream& s, const std::vector<std::string>& patterns) {
     auto m = map_file(files[i]);
     const auto* bytes = static_cast<const uint8_t*>(m->ptr);
     if (int64_t bad = utf8_error(bytes, static_cast<int64_t>(m->size)); bad >= 0)
-      throw UserError(files[i] + ": not UTF-8 text (invalid byte at offset " + std::to_string(bad) +
-                      "); data.format text reads UTF-8 files");
+      throw plan::UserError(files[i] + ": not UTF-8 text (invalid byte at offset " +
+                            std::to_string(bad) + "); data.format text reads UTF-8 files");
     buf->insert(buf->end(), bytes, bytes + m->size);
     buf->push_back(static_cast<uint16_t>(kTextEod));
     bounds.emplace_back(static_cast<int>(i), static_cast<int64_t>(m->size) + 1);
@@ -76,9 +76,10 @@ void add_token_files(TokenStream& s, const std::vector<std::string>& patterns, i
     for (const auto& f : expand(p)) {
       auto m = map_file(f);
       if (m->size % elem)
-        throw UserError(f + ": size " + std::to_string(m->size) + " bytes is not a multiple of " +
-                        std::to_string(elem) + " (data.token_dtype uint" +
-                        std::to_string(8 * elem) + "): truncated or of another dtype");
+        throw plan::UserError(f + ": size " + std::to_string(m->size) +
+                              " bytes is not a multiple of " + std::to_string(elem) +
+                              " (data.token_dtype uint" + std::to_string(8 * elem) +
+                              "): truncated or of another dtype");
       s.files.push_back(f);
       if (m->size)
         s.add(Span{m->ptr, static_cast<int64_t>(m->size) / elem, elem, false,
@@ -92,19 +93,19 @@ void add_token_files(TokenStream& s, const std::vector<std::string>& patterns, i
 // Maps a whole file read-only; an empty file maps to nothing.
 std::shared_ptr<Mapping> map_file(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) throw UserError(path + ": cannot open: " + std::strerror(errno));
+  if (fd < 0) throw plan::UserError(path + ": cannot open: " + std::strerror(errno));
   struct stat st {};
   fstat(fd, &st);
   if (S_ISDIR(st.st_mode)) {
     ::close(fd);
-    throw UserError(path + ": a folder, not a data file");
+    throw plan::UserError(path + ": a folder, not a data file");
   }
   auto m = std::make_shared<Mapping>();
   m->size = static_cast<size_t>(st.st_size);
   if (m->size) m->ptr = mmap(nullptr, m->size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
   if (m->size && m->ptr == MAP_FAILED)
-    throw UserError(path + ": cannot map: " + std::strerror(errno));
+    throw plan::UserError(path + ": cannot map: " + std::strerror(errno));
   return m;
 }
 
@@ -116,7 +117,7 @@ std::vector<std::string> expand(const std::string& pattern) {
     for (size_t i = 0; i < g.gl_pathc; ++i) out.emplace_back(g.gl_pathv[i]);
   globfree(&g);
   std::sort(out.begin(), out.end());
-  if (out.empty()) throw UserError("data.path: '" + pattern + "' matches no file");
+  if (out.empty()) throw plan::UserError("data.path: '" + pattern + "' matches no file");
   return out;
 }
 
@@ -259,31 +260,31 @@ std::string megatron_hint(const std::string& prefix) {
 
 }  // namespace
 
-TokenStream open_stream(const DataConfig& d) {
+TokenStream open_stream(const plan::DataConfig& d) {
   TokenStream s;
   // Every error names the plan key (expand's "matches no file" already does).
-  auto keyed = [](const UserError& e) {
+  auto keyed = [](const plan::UserError& e) {
     const std::string what = e.what();
-    return what.rfind("data.", 0) == 0 ? e : UserError("data.path: " + what);
+    return what.rfind("data.", 0) == 0 ? e : plan::UserError("data.path: " + what);
   };
-  if (d.format == DataFormat::kText) {
+  if (d.format == plan::DataFormat::kText) {
     try {
       add_text_files(s, d.path);
-    } catch (const UserError& e) {
+    } catch (const plan::UserError& e) {
       throw keyed(e);
     }
-  } else if (d.format == DataFormat::kTokens) {
+  } else if (d.format == plan::DataFormat::kTokens) {
     try {
-      add_token_files(s, d.path, d.token_dtype == TokenDtype::kUint16 ? 2 : 4);
-    } catch (const UserError& e) {
+      add_token_files(s, d.path, d.token_dtype == plan::TokenDtype::kUint16 ? 2 : 4);
+    } catch (const plan::UserError& e) {
       throw keyed(e);
     }
   } else {
     for (const auto& prefix : d.path) {
       try {
         add_megatron(s, prefix);
-      } catch (const UserError& e) {  // the key, and the likely slip
-        throw UserError("data.path (format megatron): " + std::string(e.what()) +
+      } catch (const plan::UserError& e) {  // the key, and the likely slip
+        throw plan::UserError("data.path (format megatron): " + std::string(e.what()) +
                         megatron_hint(prefix));
       }
     }
@@ -291,8 +292,8 @@ TokenStream open_stream(const DataConfig& d) {
   return s;
 }
 
-void check_token_ids(const Config& c, int64_t rank, int64_t world) {
-  if (c.data.format == DataFormat::kText) return;
+void check_token_ids(const plan::Config& c, int64_t rank, int64_t world) {
+  if (c.data.format == plan::DataFormat::kText) return;
   const auto t0 = std::chrono::steady_clock::now();
   const TokenStream s = open_stream(c.data);
   const int64_t n = s.size(), begin = n * rank / world, end = n * (rank + 1) / world;
@@ -313,7 +314,7 @@ void check_token_ids(const Config& c, int64_t rank, int64_t world) {
     if (pos >= 0) {
       int64_t id = 0;
       s.read(pos, 1, &id);
-      throw UserError(fmt::format(
+      throw plan::UserError(fmt::format(
           "data.path: {}: token id {} is outside model.vocab_size {} (ids run from 0 to {}); "
           "found by the start-up scan of the data, before any training",
           s.where(pos), id, vocab, vocab - 1));
@@ -348,7 +349,7 @@ std::vector<int64_t> epoch_permutation(int64_t n, int64_t seed, int64_t epoch) {
   return perm;
 }
 
-Dataset::Dataset(const Config& c)
+Dataset::Dataset(const plan::Config& c)
     : stream_(open_stream(c.data)),
       seq_len_(c.training.seq_len),
       vocab_(c.model.vocab_size),
@@ -361,11 +362,11 @@ Dataset::Dataset(const Config& c)
   std::string files = stream_.files.size() == 1 ? stream_.files[0]
                                                 : std::to_string(stream_.files.size()) + " files";
   if (train_n_ < 1)
-    throw UserError("data.path: " + files + " hold " + std::to_string(val_begin_) +
+    throw plan::UserError("data.path: " + files + " hold " + std::to_string(val_begin_) +
                     " training tokens: not one sample of training.seq_len+1 = " +
                     std::to_string(seq_len_ + 1) + " tokens");
   if (c.data.val_fraction > 0 && val_n_ < 1)
-    throw UserError("data.val_fraction: the " + std::to_string(n - val_begin_) +
+    throw plan::UserError("data.val_fraction: the " + std::to_string(n - val_begin_) +
                     " held-out tokens of " + files + " hold no sample of training.seq_len+1 = " +
                     std::to_string(seq_len_ + 1) + " tokens");
 }
@@ -388,9 +389,10 @@ torch::Tensor Dataset::windows(const std::vector<int64_t>& starts, int64_t first
     stream_.read(starts[r], seq_len_ + 1, row);
     for (int64_t j = 0; j <= seq_len_; ++j)
       if (row[j] < 0 || row[j] >= vocab_)
-        throw UserError(stream_.where(starts[r] + j) + ": token id " + std::to_string(row[j]) +
-                        " is outside model.vocab_size " + std::to_string(vocab_) + " (sample " +
-                        std::to_string(first_label + static_cast<int64_t>(r)) + ")");
+        throw plan::UserError(stream_.where(starts[r] + j) + ": token id " +
+                              std::to_string(row[j]) + " is outside model.vocab_size " +
+                              std::to_string(vocab_) + " (sample " +
+                              std::to_string(first_label + static_cast<int64_t>(r)) + ")");
   }
   return out;
 }

@@ -61,14 +61,14 @@ std::vector<std::string> expand(const std::string& pattern);
 int64_t utf8_error(const uint8_t* p, int64_t n);
 
 /// Opens the plan's data (text files/globs, megatron prefixes, or token files).
-TokenStream open_stream(const DataConfig& d);
+TokenStream open_stream(const plan::DataConfig& d);
 
 /// The start-up scan of `tokens` and `megatron` data: rank `rank` of `world` checks its share of
 /// the stream (the ranks agree on start-up, so one bad id anywhere stops every rank before any
 /// work), and a token id outside [0, model.vocab_size) is a UserError naming the file, the
 /// token's index in it and the value. Text data needs no scan (its 257 ids are checked with the
 /// plan). Logs the share scanned and its speed.
-void check_token_ids(const Config& c, int64_t rank, int64_t world);
+void check_token_ids(const plan::Config& c, int64_t rank, int64_t world);
 
 /// Megatron-LM MMapIndexedDataset: prefix.idx + prefix.bin. Errors name the file and what is wrong.
 void add_megatron(TokenStream& s, const std::string& prefix);
@@ -105,7 +105,7 @@ void write_megatron(const std::string& prefix, const std::vector<std::vector<uin
 
 class Dataset {
  public:
-  Dataset(const Config& c);
+  Dataset(const plan::Config& c);
   int64_t train_samples() const { return train_n_; }
   int64_t val_samples() const { return val_n_; }
   int64_t train_tokens() const { return val_begin_; }

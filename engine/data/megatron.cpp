@@ -26,8 +26,8 @@ struct IdxHeader {
   bool is_signed;
 };
 
-UserError corrupt_index(const std::string& idx, const std::string& why) {
-  return UserError(idx + ": corrupt Megatron index: " + why);
+plan::UserError corrupt_index(const std::string& idx, const std::string& why) {
+  return plan::UserError(idx + ": corrupt Megatron index: " + why);
 }
 
 // Megatron's dtype codes: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 8 uint16.
@@ -104,7 +104,7 @@ void add_megatron(TokenStream& s, const std::string& prefix) {
                                    std::to_string(len) + " at byte " + std::to_string(ptr));
     uint64_t end = static_cast<uint64_t>(ptr) + static_cast<uint64_t>(len) * elem;
     if (end > bm->size)
-      throw UserError(bin + ": truncated: sequence " + std::to_string(i) + " of " + idx +
+      throw plan::UserError(bin + ": truncated: sequence " + std::to_string(i) + " of " + idx +
                       " needs bytes up to " + std::to_string(end) + ", the file has " +
                       std::to_string(bm->size));
     if (len)
@@ -118,7 +118,8 @@ void add_megatron(TokenStream& s, const std::string& prefix) {
 MegatronWriter::MegatronWriter(const std::string& prefix, int64_t vocab_size)
     : prefix_(prefix), vocab_(vocab_size), elem_(vocab_size <= 65536 ? 2 : 4) {
   bin_ = std::fopen((prefix + ".bin.tmp").c_str(), "wb");
-  if (!bin_) throw UserError(prefix + ".bin.tmp: cannot create (" + std::strerror(errno) + ")");
+  if (!bin_)
+    throw plan::UserError(prefix + ".bin.tmp: cannot create (" + std::strerror(errno) + ")");
 }
 
 MegatronWriter::~MegatronWriter() {
@@ -130,7 +131,7 @@ MegatronWriter::~MegatronWriter() {
 
 void MegatronWriter::add(const uint32_t* tokens, int64_t n) {
   if (const int64_t bad = first_outside_typed(tokens, n, vocab_); bad >= 0)
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "{}: document {} token {}: id {} is outside the vocabulary of {} ids (0 to {}); "
         "nothing was written",
         prefix_, documents(), bad, tokens[bad], vocab_, vocab_ - 1));
@@ -142,7 +143,7 @@ void MegatronWriter::add(const uint32_t* tokens, int64_t n) {
     std::memcpy(buf_.data(), tokens, buf_.size());
   }
   if (n > 0 && std::fwrite(buf_.data(), 1, buf_.size(), bin_) != buf_.size())
-    throw UserError(prefix_ + ".bin.tmp: write failed (" + std::strerror(errno) + ")");
+    throw plan::UserError(prefix_ + ".bin.tmp: write failed (" + std::strerror(errno) + ")");
   ptrs_.push_back(bytes_);
   lens_.push_back(static_cast<int32_t>(n));
   bytes_ += static_cast<int64_t>(buf_.size());
@@ -169,7 +170,7 @@ void MegatronWriter::finish() {
   bin_ = nullptr;
   if (!ok) {
     std::remove((prefix_ + ".bin.tmp").c_str());
-    throw UserError(prefix_ + ".bin.tmp: write failed (" + std::strerror(errno) + ")");
+    throw plan::UserError(prefix_ + ".bin.tmp: write failed (" + std::strerror(errno) + ")");
   }
   // A reader opens the pair through .idx, so an older .idx goes first and the new one comes
   // last: a crash in between leaves no dataset, never a new .bin beside an old .idx.
@@ -178,9 +179,9 @@ void MegatronWriter::finish() {
   if (!ec) std::filesystem::rename(prefix_ + ".bin.tmp", prefix_ + ".bin", ec);
   if (ec) {
     std::remove((prefix_ + ".bin.tmp").c_str());
-    throw UserError(prefix_ + ".bin/.idx: cannot replace (" + ec.message() + ")");
+    throw plan::UserError(prefix_ + ".bin/.idx: cannot replace (" + ec.message() + ")");
   }
-  write_file_atomic(prefix_ + ".idx", idx);
+  io::write_file_atomic(prefix_ + ".idx", idx);
 }
 
 void write_megatron(const std::string& prefix, const std::vector<std::vector<uint16_t>>& docs) {

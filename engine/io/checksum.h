@@ -9,7 +9,7 @@
 #include <cstring>
 #include <string>
 
-namespace tessel {
+namespace tessel::io {
 
 class Checksum {
  public:
@@ -70,4 +70,4 @@ class Checksum {
   uint64_t total_ = 0;
 };
 
-}  // namespace tessel
+}  // namespace tessel::io

@@ -15,7 +15,7 @@
 #include "core/plan/config.h"
 #include "engine/io/checksum.h"
 
-namespace tessel {
+namespace tessel::io {
 namespace {
 
 constexpr uint64_t kMaxHeader = 100ull << 20;  // the reference implementation's limit
@@ -47,26 +47,26 @@ void fsync_path(const std::string& path, int flags) {
 void write_atomic(const std::string& path, const std::function<bool(FILE*)>& write) {
   const std::string tmp = path + ".tmp";
   FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) throw UserError(tmp + ": cannot write: " + std::strerror(errno));
+  if (!f) throw plan::UserError(tmp + ": cannot write: " + std::strerror(errno));
   bool ok = write(f) && std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
   ok = (std::fclose(f) == 0) && ok;
   if (!ok) {
     std::remove(tmp.c_str());
-    throw UserError(path + ": write failed: " + std::strerror(errno));
+    throw plan::UserError(path + ": write failed: " + std::strerror(errno));
   }
   std::filesystem::rename(tmp, path);
   const auto dir = std::filesystem::path(path).parent_path().string();
   fsync_path(dir.empty() ? "." : dir, O_RDONLY | O_DIRECTORY);
 }
 
-UserError invalid_file(const std::string& path, const std::string& why) {
-  return UserError(path + ": not a valid safetensors file: " + why);
+plan::UserError invalid_file(const std::string& path, const std::string& why) {
+  return plan::UserError(path + ": not a valid safetensors file: " + why);
 }
 
 // Maps `path` read-only into (data, size); data stays MAP_FAILED for an empty file.
 void map_file(const std::string& path, void*& data, size_t& size) {
   int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) throw UserError(path + ": cannot open: " + std::strerror(errno));
+  if (fd < 0) throw plan::UserError(path + ": cannot open: " + std::strerror(errno));
   struct stat st {};
   fstat(fd, &st);
   size = static_cast<size_t>(st.st_size);
@@ -75,7 +75,7 @@ void map_file(const std::string& path, void*& data, size_t& size) {
   if (size < 8)
     throw invalid_file(path, "file of " + std::to_string(size) +
                                  " bytes is shorter than its 8-byte header length");
-  if (data == MAP_FAILED) throw UserError(path + ": cannot map: " + std::strerror(errno));
+  if (data == MAP_FAILED) throw plan::UserError(path + ": cannot map: " + std::strerror(errno));
 }
 
 // The header's length (the file's first 8 bytes), checked against the limit and the file size.
@@ -260,7 +260,7 @@ std::string MappedSafetensors::checksum() const {
   // Through a small buffer with pread, not the mapping: the file's pages stay out of this
   // process's resident set (only the tensors read later are mapped in).
   int fd = ::open(path_.c_str(), O_RDONLY);
-  if (fd < 0) throw UserError(path_ + ": cannot open: " + std::strerror(errno));
+  if (fd < 0) throw plan::UserError(path_ + ": cannot open: " + std::strerror(errno));
   Checksum sum;
   std::vector<uint8_t> buf(8 << 20);
   off_t at = 0;
@@ -270,7 +270,7 @@ std::string MappedSafetensors::checksum() const {
     if (got < 0) {
       const int err = errno;
       ::close(fd);
-      throw UserError(path_ + ": cannot read: " + std::strerror(err));
+      throw plan::UserError(path_ + ": cannot read: " + std::strerror(err));
     }
     if (got == 0) break;
     sum.update(buf.data(), static_cast<size_t>(got));
@@ -332,4 +332,4 @@ void write_file_atomic(const std::string& path, const std::string& text) {
                [&](FILE* f) { return std::fwrite(text.data(), 1, text.size(), f) == text.size(); });
 }
 
-}  // namespace tessel
+}  // namespace tessel::io

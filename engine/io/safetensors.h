@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-namespace tessel {
+namespace tessel::io {
 
 struct SafetensorsFile {
   std::map<std::string, torch::Tensor> tensors;  // CPU, contiguous
@@ -74,4 +74,4 @@ WrittenFile write_safetensors(const std::string& path,
 /// Writes `text` to `path` atomically (temporary file, fsync, rename, fsync of the folder).
 void write_file_atomic(const std::string& path, const std::string& text);
 
-}  // namespace tessel
+}  // namespace tessel::io

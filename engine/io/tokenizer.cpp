@@ -17,7 +17,7 @@
 
 extern char** environ;
 
-namespace tessel {
+namespace tessel::io {
 namespace fs = std::filesystem;
 
 namespace {
@@ -108,12 +108,12 @@ namespace {
 
 nlohmann::json read_tokenizer_json(const std::string& tokenizer_json) {
   std::ifstream f(tokenizer_json);
-  if (!f) throw UserError(tokenizer_json + ": cannot open the tokenizer");
+  if (!f) throw plan::UserError(tokenizer_json + ": cannot open the tokenizer");
   nlohmann::json t;
   try {
     t = nlohmann::json::parse(f);
   } catch (const std::exception& e) {
-    throw UserError(tokenizer_json + ": not a tokenizer.json (" + e.what() + ")");
+    throw plan::UserError(tokenizer_json + ": not a tokenizer.json (" + e.what() + ")");
   }
   return t;
 }
@@ -150,7 +150,7 @@ void configured_tokens(const std::string& tokenizer_json, std::string& cfg_bos,
       if (j.contains("bos_token")) cfg_bos = text_of(j["bos_token"]);
       if (j.contains("eos_token")) cfg_eos = text_of(j["eos_token"]);
     } catch (const std::exception& e) {
-      throw UserError(cfg_path.string() + ": not JSON (" + e.what() + ")");
+      throw plan::UserError(cfg_path.string() + ": not JSON (" + e.what() + ")");
     }
   }
 }
@@ -195,7 +195,7 @@ SpecialTokens special_tokens(const std::string& tokenizer_json) {
 TokenizerProcess::TokenizerProcess(const std::string& tokenizer_json, const std::string& python)
     : path_(tokenizer_json) {
   if (!fs::is_regular_file(tokenizer_json))
-    throw UserError(tokenizer_json + ": no such tokenizer file");
+    throw plan::UserError(tokenizer_json + ": no such tokenizer file");
   std::signal(SIGPIPE, SIG_IGN);  // a dead helper is reported by the read, not by a signal
   int in[2], out[2];
   if (::pipe2(in, O_CLOEXEC) != 0)
@@ -230,7 +230,7 @@ TokenizerProcess::TokenizerProcess(const std::string& tokenizer_json, const std:
   if (rc != 0) {
     pid_ = -1;
     shutdown();
-    throw UserError("cannot start " + py + " for the tokenizer helper: " + std::strerror(rc) +
+    throw plan::UserError("cannot start " + py + " for the tokenizer helper: " + std::strerror(rc) +
                     " (set TESSEL_PYTHON or --python to a python with the `tokenizers` package)");
   }
   try {
@@ -238,9 +238,9 @@ TokenizerProcess::TokenizerProcess(const std::string& tokenizer_json, const std:
     uint32_t v;
     std::memcpy(&v, receive(4).data(), 4);
     vocab_ = v;
-  } catch (const UserError& e) {
+  } catch (const plan::UserError& e) {
     shutdown();  // the destructor does not run for a constructor that throws
-    throw UserError(std::string(e.what()) + " (python: " + py + ")");
+    throw plan::UserError(std::string(e.what()) + " (python: " + py + ")");
   }
 }
 
@@ -260,8 +260,8 @@ void TokenizerProcess::send(const std::string& bytes) {
     ssize_t n = ::write(to_, bytes.data() + done, bytes.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0)
-      throw UserError("the tokenizer helper for " + path_ + " exited (" + std::strerror(errno) +
-                      ")");
+      throw plan::UserError("the tokenizer helper for " + path_ + " exited (" +
+                            std::strerror(errno) + ")");
     done += static_cast<size_t>(n);
   }
 }
@@ -272,7 +272,7 @@ std::string TokenizerProcess::receive(size_t n) {
     ssize_t r = ::read(from_, b.data() + done, n - done);
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0)
-      throw UserError("the tokenizer helper for " + path_ +
+      throw plan::UserError("the tokenizer helper for " + path_ +
                       " exited without answering (is the `tokenizers` package installed? "
                       "third_party/setup.sh installs it)");
     done += static_cast<size_t>(r);
@@ -285,7 +285,7 @@ void TokenizerProcess::check_ok() {
   if (tag == "OK") return;
   uint32_t len;
   std::memcpy(&len, receive(4).data(), 4);
-  throw UserError(path_ + ": tokenizer: " + receive(len));
+  throw plan::UserError(path_ + ": tokenizer: " + receive(len));
 }
 
 std::vector<std::vector<uint32_t>> TokenizerProcess::encode(const std::vector<std::string>& texts,
@@ -332,4 +332,4 @@ std::optional<int64_t> TokenizerProcess::token_to_id(const std::string& token) {
   return id < 0 ? std::nullopt : std::optional<int64_t>(id);
 }
 
-}  // namespace tessel
+}  // namespace tessel::io

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-namespace tessel {
+namespace tessel::io {
 
 /// The python that runs the helper: `explicit_python`, else $TESSEL_PYTHON, else the checkout's
 /// .env/bin/python next to this binary (build/bin/../../.env), else python3 on PATH.
@@ -55,4 +55,4 @@ class TokenizerProcess {
   int to_ = -1, from_ = -1;
 };
 
-}  // namespace tessel
+}  // namespace tessel::io

@@ -15,7 +15,7 @@
 #include "parallel/mesh.h"
 #include "parallel/pp/schedule.h"
 
-namespace tessel::planning {
+namespace tessel::planner {
 
 // Activation bytes per token per transformer block, in elements of the compute dtype, as this
 // implementation's autograd keeps them: `replicated`·h (the residual stream, norms' inputs and
@@ -71,7 +71,7 @@ int64_t moe_layers_in(const models::ModelShape& m, const models::StagePart& part
 // The expert parameters a rank of the stage holds (E/ep experts of each MoE layer).
 double expert_params(const models::ModelShape& m, const models::StagePart& part, int64_t ep);
 // Ranks of one all-to-all of context parallelism: cp (alltoall), the group size (hybrid), else 1.
-int64_t alltoall_ranks(const Config& c, const parallel::Layout& l);
+int64_t alltoall_ranks(const plan::Config& c, const plan::Layout& l);
 // ZeRO-2 inside a pipeline, or ZeRO-3 kept gathered, with fp32 weights: micro-batches accumulate
 // in the parameters and each chunk reduce-scatters once per step (parallel/dp/grad_reducer.h).
 inline bool reduce_once(const PlanBasis& b) {
@@ -81,17 +81,17 @@ inline bool reduce_once(const PlanBasis& b) {
 
 // Activation bytes per token per block (ActivationModel) as this implementation keeps them, by
 // architecture, recomputation and kernels (memory.cpp).
-ActivationModel activation_model(const models::ModelShape& m, Recompute recompute, bool own_kernels,
-                                 bool cpu);
+ActivationModel activation_model(const models::ModelShape& m, plan::Recompute recompute,
+                                 bool own_kernels, bool cpu);
 // One stage's bytes: its parameters' state between steps and what a step adds at its peak
 // (memory.cpp).
-RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const PlanBasis& b,
+RankEstimate stage_memory(const plan::Config& c, const plan::Layout& l, const PlanBasis& b,
                           int64_t stage, const models::StagePart& part);
 
 // Communication per step of one rank of a stage: the collectives this implementation issues, by
 // group (comm.h's byte count).
-std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::Layout& l,
+std::map<std::string, Traffic> stage_traffic(const plan::Config& c, const plan::Layout& l,
                                              const PlanBasis& b, const RankEstimate& r,
                                              const models::StagePart& part);
 
-}  // namespace tessel::planning
+}  // namespace tessel::planner

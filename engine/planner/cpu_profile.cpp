@@ -26,7 +26,7 @@
 #include "engine/planner/model_plan.h"
 #include "parallel/comm.h"
 
-namespace tessel {
+namespace tessel::planner {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -51,9 +51,9 @@ struct ThreadsFor {
 // 10-50% slower than each one repeated on one set.
 class StepKernels {
  public:
-  StepKernels(const Config& c, const models::ModelShape& m, torch::ScalarType dtype)
-      : llama_(m.arch == ModelArch::kLlama),
-        own_kernels_(c.training.kernels == Kernels::kTessel && dtype == torch::kFloat32),
+  StepKernels(const plan::Config& c, const models::ModelShape& m, torch::ScalarType dtype)
+      : llama_(m.arch == plan::ModelArch::kLlama),
+        own_kernels_(c.training.kernels == plan::Kernels::kTessel && dtype == torch::kFloat32),
         tessel_gelu_(!llama_ && own_kernels_),
         short_attention_(own_kernels_ && c.parallel.cp <= 1 &&
                          kernels::short_attention_applies(torch::kCPU, dtype, c.training.seq_len)) {
@@ -267,7 +267,7 @@ Loopback loopback_gloo() {
 // starts its thread pool; on a shared machine the best run would be faster than a step's typical
 // one, and a short window catches a passing slowdown: the EPYC VM's matmul rate measured over
 // 15 runs ranged 0.07-0.14 TFLOP/s within minutes).
-std::array<double, 5> measure_rates(const Config& c, const models::ModelShape& m,
+std::array<double, 5> measure_rates(const plan::Config& c, const models::ModelShape& m,
                                     torch::ScalarType dtype) {
   StepKernels k(c, m, dtype);
   for (const auto t0 = Clock::now(); seconds_since(t0) < 0.2;) k.run();
@@ -287,14 +287,14 @@ std::array<double, 5> measure_rates(const Config& c, const models::ModelShape& m
 
 }  // namespace
 
-int64_t cpu_threads_per_rank(const Config& c, int64_t ranks_on_node) {
+int64_t cpu_threads_per_rank(const plan::Config& c, int64_t ranks_on_node) {
   if (c.training.threads > 0) return c.training.threads;
   if (const char* omp = std::getenv("OMP_NUM_THREADS"))  // tessel-launch leaves it as it is
     if (const int64_t n = std::atoll(omp); n > 0) return n;
   return ranks_on_node > 1 ? 1 : at::get_num_threads();
 }
 
-DeviceProfile measure_cpu_profile(const Config& c, int64_t ranks_on_node) {
+DeviceProfile measure_cpu_profile(const plan::Config& c, int64_t ranks_on_node) {
 #ifdef __GLIBC__
   // A step's allocations come from memory the process already holds: after its first steps a
   // step faults in no pages (0 minor faults per step on the bench's models, 2026-11-26). The
@@ -349,4 +349,4 @@ DeviceProfile measure_cpu_profile(const Config& c, int64_t ranks_on_node) {
   return d;
 }
 
-}  // namespace tessel
+}  // namespace tessel::planner

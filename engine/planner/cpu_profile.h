@@ -8,12 +8,12 @@
 #include "core/plan/config.h"
 #include "engine/planner/planner.h"
 
-namespace tessel {
+namespace tessel::planner {
 
 /// Threads each rank of `c` computes with on a node running `ranks_on_node` of its processes:
 /// training.threads; else OMP_NUM_THREADS; else 1 under tessel-launch with several workers (it
 /// sets OMP_NUM_THREADS=1 then); else LibTorch's default for one process.
-int64_t cpu_threads_per_rank(const Config& c, int64_t ranks_on_node);
+int64_t cpu_threads_per_rank(const plan::Config& c, int64_t ranks_on_node);
 
 /// Measures (about a second) the matmul rate in the plan's dtype, scaled dot-product
 /// attention forward and backward at the plan's head size and sequence, the MLP activation
@@ -23,6 +23,6 @@ int64_t cpu_threads_per_rank(const Config& c, int64_t ranks_on_node);
 /// on `cpu_threads_per_rank` threads, shared out when the node's ranks want more threads than it
 /// has cores. Sets glibc's malloc to keep freed memory for the rest of the process (the
 /// steady state of a training step; meant for --dry-run, which exits after planning).
-DeviceProfile measure_cpu_profile(const Config& c, int64_t ranks_on_node);
+DeviceProfile measure_cpu_profile(const plan::Config& c, int64_t ranks_on_node);
 
-}  // namespace tessel
+}  // namespace tessel::planner

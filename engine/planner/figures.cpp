@@ -9,7 +9,7 @@
 #include "core/plan/user_error.h"
 #include "engine/planner/planner.h"
 
-namespace tessel {
+namespace tessel::planner {
 
 double flops_parameters(models::Decoder& model) {
   const auto& m = model->options().model;
@@ -31,7 +31,7 @@ double flops_per_token(const models::ModelShape& m, double n, int64_t seq_len) {
   return 6.0 * n + 12.0 * m.layers * m.heads * m.head_dim() * static_cast<double>(seq_len);
 }
 
-Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType dtype) {
+Peak device_peak(const plan::Config& c, const torch::Device& device, torch::ScalarType dtype) {
   if (c.logging.peak_tflops > 0) return {c.logging.peak_tflops, "logging.peak_tflops", false};
   const std::string dname = dtype == torch::kHalf       ? "fp16"
                             : dtype == torch::kBFloat16 ? "bf16"
@@ -40,7 +40,8 @@ Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType
   if (device.is_cuda()) {
     const auto* cuda = device::cuda_module();
     if (!cuda)
-      throw UserError("CUDA device " + device.str() + ": " + device::cuda_unavailable_reason());
+      throw plan::UserError("CUDA device " + device.str() + ": " +
+                            device::cuda_unavailable_reason());
     name = cuda->device_name(device.index() < 0 ? 0 : device.index());
     // The planner's profile of this GPU: the one peak for its step time and its MFU.
     if (const auto* p = profile_of_gpu(name))
@@ -79,4 +80,4 @@ Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType
           true};
 }
 
-}  // namespace tessel
+}  // namespace tessel::planner

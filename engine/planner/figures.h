@@ -9,7 +9,7 @@
 #include "core/plan/config.h"
 #include "models/layers.h"
 
-namespace tessel {
+namespace tessel::planner {
 
 /// PaLM (appendix B) training FLOPs per token: 6·N + 12·L·H·Q·T, with N the parameters excluding
 /// the input embeddings (the token table counts when it is tied to the head), L layers, H heads,
@@ -30,6 +30,6 @@ struct Peak {
 };
 /// logging.peak_tflops when set; else the dense peak of known GPUs for the dtype; else (CPU or an
 /// unknown GPU) a large matmul measured now in the run's dtype, which the start line says.
-Peak device_peak(const Config& c, const torch::Device& device, torch::ScalarType dtype);
+Peak device_peak(const plan::Config& c, const torch::Device& device, torch::ScalarType dtype);
 
-}  // namespace tessel
+}  // namespace tessel::planner

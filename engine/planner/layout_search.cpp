@@ -7,37 +7,39 @@
 #include "engine/planner/planner.h"
 #include "parallel/mesh.h"
 
-namespace tessel {
+namespace tessel::planner {
 namespace {
 
 // One layout faster_layout tries.
 struct Candidate {
   int64_t tp, cp, pp, dp, zero, micro_batch;
-  PipelineSchedule schedule;  // 1f1b | interleaved (when pp > 1)
+  plan::PipelineSchedule schedule;  // 1f1b | interleaved (when pp > 1)
 };
 
 // The plan `c` on candidate `k`: sequence parallel with any tp, ring attention when cp is new,
 // the even layer split.
-Config with_layout(const Config& c, const Candidate& k) {
-  Config p = c;
+plan::Config with_layout(const plan::Config& c, const Candidate& k) {
+  plan::Config p = c;
   auto& par = p.parallel;
   par.tp = k.tp, par.cp = k.cp, par.pp = k.pp, par.dp = k.dp, par.zero = k.zero;
   par.sequence_parallel = k.tp > 1;
-  if (k.cp > 1 && c.parallel.cp == 1) par.context_method = CpMethod::kRing;
-  par.pipeline_schedule = k.pp > 1 ? k.schedule : PipelineSchedule(c.parallel.pipeline_schedule);
-  par.virtual_stages = k.pp > 1 && k.schedule == PipelineSchedule::kInterleaved ? 2 : 1;
+  if (k.cp > 1 && c.parallel.cp == 1) par.context_method = plan::CpMethod::kRing;
+  par.pipeline_schedule =
+      k.pp > 1 ? k.schedule : plan::PipelineSchedule(c.parallel.pipeline_schedule);
+  par.virtual_stages = k.pp > 1 && k.schedule == plan::PipelineSchedule::kInterleaved ? 2 : 1;
   par.layers_per_stage.clear();
   p.training.micro_batch = k.micro_batch;
   return p;
 }
 
 // The overrides that turn plan `c` into `p` (from with_layout): only the values that change.
-std::vector<std::string> layout_overrides(const Config& c, const Config& p) {
+std::vector<std::string> layout_overrides(const plan::Config& c, const plan::Config& p) {
   std::vector<std::string> sets;
   auto set = [&sets](const std::string& key, const auto& from, const auto& to) {
     if (from != to) sets.push_back(fmt::format("{}={}", key, to));
   };
-  auto set_choice = [&sets](const std::string& key, const ChoiceBase& from, const ChoiceBase& to) {
+  auto set_choice = [&sets](const std::string& key, const plan::ChoiceBase& from,
+                            const plan::ChoiceBase& to) {
     if (from.index() != to.index()) sets.push_back(fmt::format("{}={}", key, to.name()));
   };
   const auto& was = c.parallel;
@@ -59,7 +61,7 @@ std::vector<std::string> layout_overrides(const Config& c, const Config& p) {
 }
 
 // The plan's micro-batch, or the largest that divides this dp's share of the batch.
-int64_t micro_batch_for(const TrainingConfig& t, int64_t dp) {
+int64_t micro_batch_for(const plan::TrainingConfig& t, int64_t dp) {
   int64_t mb = std::min(t.micro_batch, t.global_batch / dp);
   while ((t.global_batch / dp) % mb != 0) --mb;
   return mb;
@@ -67,16 +69,17 @@ int64_t micro_batch_for(const TrainingConfig& t, int64_t dp) {
 
 }  // namespace
 
-std::optional<LayoutChoice> faster_layout(const Config& c, int64_t world, const DeviceProfile& d,
-                                          const PlanEstimate& current, double margin) {
+std::optional<LayoutChoice> faster_layout(const plan::Config& c, int64_t world,
+                                          const DeviceProfile& d, const PlanEstimate& current,
+                                          double margin) {
   const auto& t = c.training;
   const double fits = 0.9 * d.memory_gib * 1024 * 1024 * 1024;
   std::optional<LayoutChoice> best;
-  auto consider = [&](Config p, std::vector<std::string> sets) {
-    parallel::Layout l;
+  auto consider = [&](plan::Config p, std::vector<std::string> sets) {
+    plan::Layout l;
     try {
-      l = parallel::check_layout(p, world, 0);
-    } catch (const UserError&) {
+      l = plan::check_layout(p, world, 0);
+    } catch (const plan::UserError&) {
       return;  // not a layout this plan can take
     }
     p.parallel.dp = l.dp;
@@ -93,9 +96,10 @@ std::optional<LayoutChoice> faster_layout(const Config& c, int64_t world, const 
         if (dp * tp * cp * pp != world || t.global_batch % dp != 0) continue;
         const int64_t mb = micro_batch_for(t, dp);
         for (int64_t zero = 0; zero <= 3; ++zero)
-          for (const auto schedule : {PipelineSchedule::k1F1B, PipelineSchedule::kInterleaved}) {
-            if (pp == 1 && schedule == PipelineSchedule::kInterleaved) continue;
-            Config p = with_layout(c, {tp, cp, pp, dp, zero, mb, schedule});
+          for (const auto schedule :
+               {plan::PipelineSchedule::k1F1B, plan::PipelineSchedule::kInterleaved}) {
+            if (pp == 1 && schedule == plan::PipelineSchedule::kInterleaved) continue;
+            plan::Config p = with_layout(c, {tp, cp, pp, dp, zero, mb, schedule});
             auto sets = layout_overrides(c, p);
             consider(std::move(p), std::move(sets));
           }
@@ -104,4 +108,4 @@ std::optional<LayoutChoice> faster_layout(const Config& c, int64_t world, const 
   return best;
 }
 
-}  // namespace tessel
+}  // namespace tessel::planner

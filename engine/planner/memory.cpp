@@ -10,11 +10,11 @@
 #include "parallel/pp/schedule.h"
 #include "parallel/tp/head_loss.h"
 
-namespace tessel::planning {
+namespace tessel::planner {
 namespace {
 
 // ZeRO-2's and ZeRO-3's buffers at a stage's peak, added to its activations.
-void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
+void add_zero_buffers(RankEstimate& r, const plan::Config& c, const PlanBasis& b) {
   const auto& t = c.training;
   const double w = b.w, block = b.block;
   const double one_microbatch =
@@ -40,7 +40,7 @@ void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
     // neighbour are gathered at once (2 blocks, measured once Gloo's all-gather stopped staging
     // its output, 2026-11-27; 3 before).
     const double blocks = std::min<double>(static_cast<double>(r.layers),
-                                           t.recompute == Recompute::kNone ? 1.0 : 2.0);
+                                           t.recompute == plan::Recompute::kNone ? 1.0 : 2.0);
     r.gathered = w * (static_cast<double>(r.params) - r.layers * block + blocks * block);
     // Plus the gradient buckets in flight: two units' fp32 gradients wait for their
     // reduce-scatter (parallel/dp/grad_reducer.h; fitted on the parity table's ZeRO-3 rows,
@@ -58,7 +58,7 @@ void add_zero_buffers(RankEstimate& r, const Config& c, const PlanBasis& b) {
 struct HeadBytes {
   double kept, transient;
 };
-HeadBytes head_bytes(const TrainingConfig& t, const PlanBasis& b) {
+HeadBytes head_bytes(const plan::TrainingConfig& t, const PlanBasis& b) {
   const double w = b.w, tok = b.tok, v = b.vocab_local;
   if (!t.lean_logits) return {tok * v * (w + 4), 0.0};
   const double chunk = std::min(
@@ -69,11 +69,11 @@ HeadBytes head_bytes(const TrainingConfig& t, const PlanBasis& b) {
 }
 
 // The activations of one block (full recomputation) or one MLP (selective) that backward reruns.
-double rerun_bytes(const Config& c, const PlanBasis& b) {
+double rerun_bytes(const plan::Config& c, const PlanBasis& b) {
   const auto& m = b.m;
-  const auto none = activation_model(m, Recompute::kNone, b.own_kernels, b.cpu);
+  const auto none = activation_model(m, plan::Recompute::kNone, b.own_kernels, b.cpu);
   const double floats =
-      c.training.recompute == Recompute::kFull
+      c.training.recompute == plan::Recompute::kFull
           ? none.replicated * b.h / (b.sp ? b.tp : 1.0) +
                 (none.attn * b.h + none.kv * b.kvd + none.ffn * m.ffn_hidden) / b.tp
           : none.ffn * m.ffn_hidden / b.tp;
@@ -89,14 +89,14 @@ double rerun_bytes(const Config& c, const PlanBasis& b) {
 // experts), which W hands over with the linear weights' (parallel/pp/weight_grad.h). Over Gloo
 // (CPU) every tensor sent stays until the step's end, where its send is waited for. A backward
 // works on about half a block's activations more (and a recomputed block or MLP, `rerun`, whole).
-double pipeline_held(const parallel::Layout& l, const PlanBasis& b, int64_t stage,
+double pipeline_held(const plan::Layout& l, const PlanBasis& b, int64_t stage,
                      const models::StagePart& part, double last_kept, double rerun) {
   const auto& m = b.m;
   const double h = b.h, tp = b.tp, kvd = b.kvd, w = b.w, tok = b.tok;
   const double f = static_cast<double>(m.ffn_hidden) / tp;
   const double kept =
-      3 * h + f + (h + 2 * kvd) / tp + 2 * h + (m.arch == ModelArch::kLlama ? 2 : 1) * f;
-  const double mlp_mats = m.arch == ModelArch::kLlama ? 3.0 : 2.0;
+      3 * h + f + (h + 2 * kvd) / tp + 2 * h + (m.arch == plan::ModelArch::kLlama ? 2 : 1) * f;
+  const double mlp_mats = m.arch == plan::ModelArch::kLlama ? 3.0 : 2.0;
   const double attention_weights = (2 * h * h + 2 * h * kvd) / tp;  // q, k, v, o
   const double mlp_weights = mlp_mats * h * f;
   const double shared_weights =
@@ -128,9 +128,9 @@ double pipeline_held(const parallel::Layout& l, const PlanBasis& b, int64_t stag
 // the composite does (LibTorch's CPU operator is the composite): one h less per norm, two per block
 // and one outside. `own_kernels`: Tessel's SwiGLU runs too, which keeps gate and up, not also
 // silu(gate) (one ffn less).
-ActivationModel activation_model(const models::ModelShape& m, Recompute recompute, bool own_kernels,
-                                 bool cpu) {
-  const bool llama = m.arch == ModelArch::kLlama, fused = llama && own_kernels;
+ActivationModel activation_model(const models::ModelShape& m, plan::Recompute recompute,
+                                 bool own_kernels, bool cpu) {
+  const bool llama = m.arch == plan::ModelArch::kLlama, fused = llama && own_kernels;
   const bool fused_norm = fused || (llama && !cpu);
   ActivationModel a = !llama       ? ActivationModel{4.76, 3.58, 0.0, 2.0, 2.3}
                       : fused      ? ActivationModel{4.5, 1.6, 2.0, 3.0, 2.3}
@@ -139,13 +139,13 @@ ActivationModel activation_model(const models::ModelShape& m, Recompute recomput
   // Recomputation, measured the same way: full keeps each block's input (1·h per token) and
   // holds about half of one block's activations at the peak; selective keeps the MLP half's
   // input instead of its norm and ffn-wide tensors, and a quarter of one MLP's at the peak.
-  if (recompute == Recompute::kFull) return {1.0, 0, 0, 0, a.outside, 0.5};
-  if (recompute == Recompute::kSelective)
+  if (recompute == plan::Recompute::kFull) return {1.0, 0, 0, 0, a.outside, 0.5};
+  if (recompute == plan::Recompute::kSelective)
     return {llama ? (fused_norm ? 3.5 : 4.5) : 3.76, a.attn, a.kv, 0.0, a.outside, 0.25};
   return a;
 }
 
-RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const PlanBasis& b,
+RankEstimate stage_memory(const plan::Config& c, const plan::Layout& l, const PlanBasis& b,
                           int64_t stage, const models::StagePart& part) {
   const auto& t = c.training;
   const auto& m = b.m;
@@ -176,13 +176,13 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
     r.activations = pipeline_held(l, b, stage, part, last_kept, 0.0);
   else
     r.activations += static_cast<double>(r.inflight) * (tok * h * w + (part.last ? last_kept : 0));
-  if (t.recompute != Recompute::kNone && r.layers > 0) {
+  if (t.recompute != plan::Recompute::kNone && r.layers > 0) {
     // One block (full) or MLP (selective) rerun in backward. Without pipelining, about half of
     // it at the step's peak (calibrated with the head's); a pipeline rank's peak is a backward
     // holding other micro-batches, where the rerun is whole (measured on recompute_pp2_full_gpt2:
     // 426 and 499 KB above the held activations on its two stages).
     // The rerun block's attention probabilities are live whole until its backward.
-    const double probs = t.recompute == Recompute::kFull ? b.short_attention * tok : 0.0;
+    const double probs = t.recompute == plan::Recompute::kFull ? b.short_attention * tok : 0.0;
     if (l.pp > 1)
       r.activations = pipeline_held(l, b, stage, part, last_kept, rerun_bytes(c, b) + probs);
     else
@@ -201,4 +201,4 @@ RankEstimate stage_memory(const Config& c, const parallel::Layout& l, const Plan
   return r;
 }
 
-}  // namespace tessel::planning
+}  // namespace tessel::planner

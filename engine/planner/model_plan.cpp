@@ -2,9 +2,9 @@
 
 #include "parallel/pp/schedule.h"
 
-namespace tessel {
+namespace tessel::planner {
 
-models::ModelShape model_shape(const ModelConfig& m) {
+models::ModelShape model_shape(const plan::ModelConfig& m) {
   models::ModelShape s;
   s.arch = m.arch;
   s.layers = m.layers;
@@ -32,16 +32,16 @@ models::ModelShape model_shape(const ModelConfig& m) {
   return s;
 }
 
-c10::ScalarType resolve_dtype(Dtype dtype) {
-  if (dtype == Dtype::kBf16) return c10::kBFloat16;
-  return dtype == Dtype::kFp16 ? c10::kHalf : c10::kFloat;
+c10::ScalarType resolve_dtype(plan::Dtype dtype) {
+  if (dtype == plan::Dtype::kBf16) return c10::kBFloat16;
+  return dtype == plan::Dtype::kFp16 ? c10::kHalf : c10::kFloat;
 }
 
-models::StagePart stage_part(const Config& c, int64_t pp, int64_t rank) {
+models::StagePart stage_part(const plan::Config& c, int64_t pp, int64_t rank) {
   const int64_t v = c.parallel.virtual_stages;
   const auto layers =
       parallel::pp::stage_layers(c.model.layers, pp * v, c.parallel.layers_per_stage);
-  const auto& name = c.parallel.pipeline_schedule.name();
+  const plan::PipelineSchedule name = c.parallel.pipeline_schedule;
   const int64_t last = pp * v - 1;
   models::StagePart part{{}, rank == 0, parallel::pp::stage_of(name, pp, rank, v - 1) == last};
   for (int64_t chunk = 0; chunk < v; ++chunk)
@@ -50,4 +50,4 @@ models::StagePart stage_part(const Config& c, int64_t pp, int64_t rank) {
   return part;
 }
 
-}  // namespace tessel
+}  // namespace tessel::planner

@@ -11,15 +11,15 @@
 #include "models/layers.h"
 #include "models/shape.h"
 
-namespace tessel {
+namespace tessel::planner {
 
 /// The model section of a validated plan (every "auto" resolved) as models::ModelShape.
-models::ModelShape model_shape(const ModelConfig& m);
+models::ModelShape model_shape(const plan::ModelConfig& m);
 
 /// training.dtype (resolved: fp32 | bf16 | fp16) as a tensor dtype.
-c10::ScalarType resolve_dtype(Dtype dtype);
+c10::ScalarType resolve_dtype(plan::Dtype dtype);
 
 /// The pipeline stages of pipeline rank `rank` (chunk c is stage c·pp + rank).
-models::StagePart stage_part(const Config& c, int64_t pp, int64_t rank);
+models::StagePart stage_part(const plan::Config& c, int64_t pp, int64_t rank);
 
-}  // namespace tessel
+}  // namespace tessel::planner

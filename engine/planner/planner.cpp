@@ -20,19 +20,8 @@
 #include "parallel/pp/schedule.h"
 #include "parallel/tp/head_loss.h"
 
-namespace tessel {
+namespace tessel::planner {
 namespace {
-
-// The planner's internals shared with traffic.cpp (basis.h).
-using planning::activation_model;
-using planning::alltoall_ranks;
-using planning::expert_params;
-using planning::moe_layers_in;
-using planning::PlanBasis;
-using planning::reduce_once;
-using planning::stage_memory;
-using planning::stage_traffic;
-using planning::Traffic;
 
 const std::map<std::string, DeviceProfile>& builtin_profiles() {
   // Dense peaks from NVIDIA's datasheets (SXM); NVLink per GPU one way (H100/H200: 900 GB/s
@@ -52,14 +41,14 @@ const std::map<std::string, DeviceProfile>& builtin_profiles() {
 
 }  // namespace
 
-double matmul_peak_tflops(const DeviceProfile& d, const TrainingConfig& t) {
+double matmul_peak_tflops(const DeviceProfile& d, const plan::TrainingConfig& t) {
   if (d.cpu) return d.peak_tflops;  // measured in the plan's dtype
-  if (t.dtype != Dtype::kFp32) return d.peak_tflops;
+  if (t.dtype != plan::Dtype::kFp32) return d.peak_tflops;
   return t.tf32 ? d.peak_tflops / 2 : d.fp32_tflops;
 }
 
-std::string matmul_peak_name(const TrainingConfig& t) {
-  if (t.dtype != Dtype::kFp32) return "dense " + t.dtype.name();
+std::string matmul_peak_name(const plan::TrainingConfig& t) {
+  if (t.dtype != plan::Dtype::kFp32) return "dense " + t.dtype.name();
   return t.tf32 ? "dense TF32 (fp32 matmuls on tensor cores: training.tf32)" : "fp32";
 }
 
@@ -120,7 +109,8 @@ void set_field(DeviceProfile& d, const std::string& key, const std::string& valu
     std::string names = "name, base";
     for (const auto& k : keys)
       if (std::string(k.key) != "name") names += std::string(", ") + k.key;
-    throw UserError(where + ": unknown device profile key '" + key + "' (keys: " + names + ")");
+    throw plan::UserError(where + ": unknown device profile key '" + key + "' (keys: " + names +
+                          ")");
   }
   if (key == "name") {
     d.name = value;
@@ -132,21 +122,21 @@ void set_field(DeviceProfile& d, const std::string& key, const std::string& valu
     v = std::stod(value, &used);
     if (used != value.size() || v <= 0) throw std::invalid_argument("");
   } catch (const std::exception&) {
-    throw UserError(where + ": " + key + " must be a positive number, not '" + value + "'");
+    throw plan::UserError(where + ": " + key + " must be a positive number, not '" + value + "'");
   }
   if (key == "gpus_per_node") {
     if (v != std::floor(v))
-      throw UserError(where + ": gpus_per_node must be a whole number, not '" + value + "'");
+      throw plan::UserError(where + ": gpus_per_node must be a whole number, not '" + value + "'");
     d.gpus_per_node = static_cast<int64_t>(v);
     return;
   }
   if (key == "efficiency" && v > 1)
-    throw UserError(where + ": efficiency is " + it->bound + ", not '" + value + "'");
+    throw plan::UserError(where + ": efficiency is " + it->bound + ", not '" + value + "'");
   d.*(it->number) = v;
 }
 
 // The first group of kind k: do its ranks share a node?
-bool within_node(parallel::GroupKind k, const parallel::Layout& l, int64_t gpus_per_node) {
+bool within_node(parallel::GroupKind k, const plan::Layout& l, int64_t gpus_per_node) {
   const auto groups = parallel::group_ranks(k, l);
   if (groups.empty() || groups[0].size() < 2) return true;
   return groups[0].front() / gpus_per_node == groups[0].back() / gpus_per_node;
@@ -161,18 +151,18 @@ DeviceProfile device_profile(const std::string& spec, const std::vector<std::str
     d = builtin.at(spec);
   } else if (!spec.empty()) {
     if (!std::filesystem::is_regular_file(spec))
-      throw UserError("--device-profile '" + spec + "': neither a built-in profile (" +
+      throw plan::UserError("--device-profile '" + spec + "': neither a built-in profile (" +
                       builtin_profile_names() + ", cpu) nor a YAML file");
     YAML::Node y;
     try {
       y = YAML::LoadFile(spec);
     } catch (const YAML::Exception& e) {
-      throw UserError(spec + ": " + e.what());
+      throw plan::UserError(spec + ": " + e.what());
     }
     if (y["base"]) {
       const auto base = y["base"].as<std::string>();
       if (!builtin.count(base))
-        throw UserError(spec + ": base '" + base + "' is not a built-in profile (" +
+        throw plan::UserError(spec + ": base '" + base + "' is not a built-in profile (" +
                         builtin_profile_names() + ")");
       d = builtin.at(base);
     }
@@ -189,7 +179,8 @@ DeviceProfile device_profile(const std::string& spec, const std::vector<std::str
 void apply_profile_overrides(DeviceProfile& d, const std::vector<std::string>& overrides) {
   for (const auto& o : overrides) {
     const auto eq = o.find('=');
-    if (eq == std::string::npos) throw UserError("--profile-set '" + o + "': expected key=value");
+    if (eq == std::string::npos)
+      throw plan::UserError("--profile-set '" + o + "': expected key=value");
     set_field(d, o.substr(0, eq), o.substr(eq + 1), "--profile-set");
   }
 }
@@ -198,16 +189,16 @@ namespace {
 
 // Key/value heads of one tp rank that alltoall context parallelism repeats to split them over
 // cp (held for backward unless full recomputation reruns attention); 0 for the other methods.
-double alltoall_repeated_kv(const Config& c, const parallel::Layout& l) {
+double alltoall_repeated_kv(const plan::Config& c, const plan::Layout& l) {
   const int64_t a = alltoall_ranks(c, l);
-  if (a == 1 || c.training.recompute == Recompute::kFull) return 0;
+  if (a == 1 || c.training.recompute == plan::Recompute::kFull) return 0;
   const int64_t kv = std::max<int64_t>(1, c.model.kv_heads / l.tp);
   return static_cast<double>(parallel::cp::alltoall_kv_heads(kv, a) - kv);
 }
 
 // Bytes per token that Tessel's short-sequence CPU attention (core/kernels/attention_cpu.h) holds
 // for backward beyond what SDPA's kernels would: each head's fp32 probabilities over the sequence.
-double short_attention_bytes(const Config& c, const parallel::Layout& l,
+double short_attention_bytes(const plan::Config& c, const plan::Layout& l,
                              const models::ModelShape& m, torch::ScalarType dtype,
                              bool own_kernels) {
   const auto& t = c.training;
@@ -218,12 +209,11 @@ double short_attention_bytes(const Config& c, const parallel::Layout& l,
 }
 
 // `cpu`: the run computes on the CPU.
-PlanBasis plan_basis(const Config& c, const parallel::Layout& l, bool cpu) {
+PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
   namespace pp = parallel::pp;
   const auto& t = c.training;
   PlanBasis b;
-  b.m = model_shape(c.model);
-  const auto& m = b.m;
+  const auto& m = b.m = model_shape(c.model);
   b.dtype = resolve_dtype(t.dtype);
   const double w = b.w = static_cast<double>(c10::elementSize(b.dtype));
   const bool sp = b.sp = c.parallel.sequence_parallel && l.tp > 1;
@@ -234,28 +224,28 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l, bool cpu) {
   const double kvd = b.kvd = static_cast<double>(m.kv_heads * m.head_dim());
   b.vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
   b.cpu = cpu;
-  b.own_kernels = cpu && t.kernels == Kernels::kTessel && b.dtype == torch::kFloat32;
-  b.lanes = pairs_microbatches(c, l.world(), !cpu,
+  b.own_kernels = cpu && t.kernels == plan::Kernels::kTessel && b.dtype == torch::kFloat32;
+  b.lanes = plan::pairs_microbatches(c, l.world(), !cpu,
                                t.threads > 0 ? t.threads : int64_t{at::get_num_threads()})
                 ? 2
                 : 1;
   const auto& a = b.a = activation_model(m, t.recompute, b.own_kernels, b.cpu);
   b.short_attention = short_attention_bytes(c, l, m, b.dtype, b.own_kernels);
-  b.sim = pp::simulate(pp::make_schedule(
-      name_of(l.pp > 1 ? PipelineSchedule(c.parallel.pipeline_schedule) : PipelineSchedule::kGpipe),
-      l.pp, b.mbs, l.pp > 1 ? c.parallel.virtual_stages : 1));
+  const auto kind = l.pp > 1 ? plan::PipelineSchedule(c.parallel.pipeline_schedule)
+                             : plan::PipelineSchedule::kGpipe;
+  b.sim = pp::simulate(pp::make_schedule(kind, l.pp, b.mbs, c.parallel.virtual_stages));
 
   const double block_tokens_floats =
       a.replicated * h / (sp ? tp : 1.0) + (a.attn * h + a.kv * kvd + a.ffn * m.ffn_hidden) / tp;
   // One micro-batch through one block: its saved activations (+ CP all-gather: the whole
   // sequence's keys and values, kept for backward).
   b.per_layer = w * tok * block_tokens_floats +
-                (l.cp > 1 && c.parallel.context_method == CpMethod::kAllGather &&
-                         t.recompute != Recompute::kFull
+                (l.cp > 1 && c.parallel.context_method == plan::CpMethod::kAllGather &&
+                         t.recompute != plan::Recompute::kFull
                      ? w * static_cast<double>(t.micro_batch * t.seq_len) * 2 * kvd / tp
                      : 0.0) +
                 alltoall_repeated_kv(c, l) * 2 * static_cast<double>(m.head_dim()) * w * tok +
-                (t.recompute == Recompute::kFull ? 0.0 : b.short_attention * tok);
+                (t.recompute == plan::Recompute::kFull ? 0.0 : b.short_attention * tok);
   b.act_row = tok * h * w / (sp ? tp : 1.0);
   b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp, b.pp = l.pp;
   b.keep_gathered = c.parallel.zero3_keep_gathered;
@@ -269,7 +259,7 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l, bool cpu) {
     // tensors by a sweep of moe.ffn_hidden and layers, 2026-11-27).
     const auto& e = m.moe;
     const double k = static_cast<double>(e.top_k), f = static_cast<double>(e.ffn_hidden);
-    const double routed = t.recompute == Recompute::kNone
+    const double routed = t.recompute == plan::Recompute::kNone
                               ? k * (4 * f + 3 * h) + 2 * static_cast<double>(e.experts) * 4 / w
                               : 0.0;
     const double shared = a.ffn * static_cast<double>(e.shared) * f / tp;
@@ -280,7 +270,7 @@ PlanBasis plan_basis(const Config& c, const parallel::Layout& l, bool cpu) {
 }
 
 // The model FLOPs of a step, and the forward work recomputation reruns on top of them.
-void add_step_flops(PlanEstimate& e, const PlanBasis& b, const TrainingConfig& t) {
+void add_step_flops(PlanEstimate& e, const PlanBasis& b, const plan::TrainingConfig& t) {
   const auto& m = b.m;
   const double h = b.h;
   e.params_total = models::parameters_on_rank(m, 1, {});
@@ -289,20 +279,20 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const TrainingConfig& t
              static_cast<double>(m.moe.experts - m.moe.top_k) /
              static_cast<double>(std::max<int64_t>(1, m.moe.experts));    // active experts only
   n_flops -= static_cast<double>(m.vocab_size) * h * (m.tied() ? 0 : 1);  // input embeddings
-  if (m.arch == ModelArch::kGpt2) n_flops -= static_cast<double>(m.max_seq_len) * h;
+  if (m.arch == plan::ModelArch::kGpt2) n_flops -= static_cast<double>(m.max_seq_len) * h;
   e.flops_per_step =
       flops_per_token(m, n_flops, t.seq_len) * static_cast<double>(t.global_batch * t.seq_len);
   // The work the device does: recomputation reruns forward work the model FLOPs (and so MFU)
   // do not count. Full: every block's forward again (2 per block weight, and attention's
   // 4·L·H·Q·T, a third of its 12); selective: each block's MLP forward (2 per MLP weight).
   const double mlp_weights =
-      (m.arch == ModelArch::kLlama ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden);
+      (m.arch == plan::ModelArch::kLlama ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden);
   const double layers = static_cast<double>(m.layers);
   double rerun_per_token = 0;
-  if (t.recompute == Recompute::kFull)
+  if (t.recompute == plan::Recompute::kFull)
     rerun_per_token = 2.0 * layers * static_cast<double>(models::block_parameters(m, 1)) +
                       4.0 * layers * h * static_cast<double>(t.seq_len);
-  else if (t.recompute == Recompute::kSelective)
+  else if (t.recompute == plan::Recompute::kSelective)
     rerun_per_token = 2.0 * layers * mlp_weights;
   e.recompute_flops_per_step = rerun_per_token * static_cast<double>(t.global_batch * t.seq_len);
 }
@@ -330,7 +320,7 @@ parallel::GroupKind group_kind(const std::string& name) {
 // The part of a stage's communication time that its `compute` does not hide. Records each
 // group's bytes on `r` and its link time on `e` (the slowest stage's).
 double exposed_comm_s(const std::map<std::string, Traffic>& g, double compute,
-                      const parallel::Layout& l, const DeviceProfile& dev, const PlanBasis& b,
+                      const plan::Layout& l, const DeviceProfile& dev, const PlanBasis& b,
                       RankEstimate& r, PlanEstimate& e) {
   double exposed = 0;
   for (const auto& [name, traffic] : g) {
@@ -365,16 +355,17 @@ double exposed_comm_s(const std::map<std::string, Traffic>& g, double compute,
 // the logits, the optimizer) as passes over their tensors at the measured bandwidth. Operators and
 // passes per block were counted on CPU fp32 runs of gpt2 and llama (2026-11-25, planner_test's
 // StepTime checks the result on five layouts).
-std::map<std::string, double> cpu_compute_s(const Config& c, const PlanBasis& b,
+std::map<std::string, double> cpu_compute_s(const plan::Config& c, const PlanBasis& b,
                                             const RankEstimate& r, const models::StagePart& part,
                                             const DeviceProfile& d) {
   const auto& t = c.training;
   const auto& m = b.m;
-  const bool llama = m.arch == ModelArch::kLlama, full = t.recompute == Recompute::kFull;
+  const bool llama = m.arch == plan::ModelArch::kLlama,
+             full = t.recompute == plan::Recompute::kFull;
   const double micro = static_cast<double>(b.mbs), tokens = micro * b.tok;
   const double layers = static_cast<double>(r.layers), h = b.h, tp = b.tp;
   const double mlp = (llama ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden) / tp;
-  const double rerun = full ? b.block : t.recompute == Recompute::kSelective ? mlp : 0.0;
+  const double rerun = full ? b.block : t.recompute == plan::Recompute::kSelective ? mlp : 0.0;
   const double head = part.last ? b.vocab_local * h : 0.0;
   const double matmul = (6 * (layers * b.block + head) + 2 * layers * rerun) * tokens /
                         (d.peak_tflops * 1e12 * d.efficiency);
@@ -403,12 +394,12 @@ std::map<std::string, double> cpu_compute_s(const Config& c, const PlanBasis& b,
 
 }  // namespace
 
-PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DeviceProfile& dev) {
+PlanEstimate estimate(const plan::Config& c, const plan::Layout& l, const DeviceProfile& dev) {
   const auto& t = c.training;
   // Where the run computes decides its kernels, whichever device the figures are predicted on.
-  const TrainDevice device = c.training.device;
-  const PlanBasis b =
-      plan_basis(c, l, device == TrainDevice::kCpu || (device == TrainDevice::kAuto && dev.cpu));
+  const plan::TrainDevice device = c.training.device;
+  const PlanBasis b = plan_basis(
+      c, l, device == plan::TrainDevice::kCpu || (device == plan::TrainDevice::kAuto && dev.cpu));
   PlanEstimate e;
   e.world = l.world();
   add_step_flops(e, b, t);
@@ -447,4 +438,4 @@ PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DevicePr
   return e;
 }
 
-}  // namespace tessel
+}  // namespace tessel::planner

@@ -14,7 +14,7 @@
 #include "core/plan/config.h"
 #include "parallel/mesh.h"
 
-namespace tessel {
+namespace tessel::planner {
 
 /// A device for the step-time prediction. Built in: h100, h200, a100 (SXM, dense bf16 peaks;
 /// NVLink per-GPU one-way bandwidth; one 400 Gb/s (H100/H200) or 200 Gb/s (A100) NIC per GPU),
@@ -42,9 +42,9 @@ struct DeviceProfile {
 };
 /// The one dense peak a plan's matmuls run at, for its step time and its MFU alike: bf16/fp16 on
 /// tensor cores; fp32 as TF32 (half the bf16 peak) when training.tf32, else plain fp32.
-double matmul_peak_tflops(const DeviceProfile& d, const TrainingConfig& t);
+double matmul_peak_tflops(const DeviceProfile& d, const plan::TrainingConfig& t);
 /// Which peak that is, in words ("dense bf16", "dense TF32 (training.tf32)", "fp32").
-std::string matmul_peak_name(const TrainingConfig& t);
+std::string matmul_peak_name(const plan::TrainingConfig& t);
 /// The built-in profile of a GPU by its CUDA name ("NVIDIA H100 80GB HBM3" -> h100), or null.
 const DeviceProfile* profile_of_gpu(const std::string& cuda_name);
 
@@ -78,31 +78,32 @@ struct PlanEstimate {
   double tokens_per_s = 0, mfu = 0;
 };
 
-PlanEstimate estimate(const Config& c, const parallel::Layout& l, const DeviceProfile& d);
+PlanEstimate estimate(const plan::Config& c, const plan::Layout& l, const DeviceProfile& d);
 
 /// A layout of the same model, batch and recomputation on the same world, and its figures.
 struct LayoutChoice {
-  Config plan;  // the plan with its parallel keys (and micro_batch) changed
-  parallel::Layout layout;
+  plan::Config plan;  // the plan with its parallel keys (and micro_batch) changed
+  plan::Layout layout;
   PlanEstimate estimate;
   std::vector<std::string> sets;  // the --set overrides that turn the plan into this one
 };
 /// The fastest layout by the planner's own figures among tp, cp, pp (1F1B or interleaved), dp
 /// and ZeRO stages that the checks accept and that fit the device's memory (90%); nullopt when
 /// none is at least `margin` (0.1 = 10%) faster than `current`.
-std::optional<LayoutChoice> faster_layout(const Config& c, int64_t world, const DeviceProfile& d,
-                                          const PlanEstimate& current, double margin = 0.1);
+std::optional<LayoutChoice> faster_layout(const plan::Config& c, int64_t world,
+                                          const DeviceProfile& d, const PlanEstimate& current,
+                                          double margin = 0.1);
 
 /// Human-readable lines for --dry-run ("# ..."), and the same figures as JSON.
-std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& d);
+std::string render(const PlanEstimate& e, const plan::Config& c, const DeviceProfile& d);
 
 /// What --dry-run prints, whole: `plan` resolved against `layout` for `world` processes, its
 /// estimate on `device`, the faster layout when there is one, and with `details` the resolved
 /// plan and the rank grid.
 struct DryRun {
-  const Config& plan;
+  const plan::Config& plan;
   const std::string& plan_path;
-  const parallel::Layout& layout;
+  const plan::Layout& layout;
   int64_t world;
   const DeviceProfile& device;
   const PlanEstimate& estimate;
@@ -117,6 +118,6 @@ std::string to_json(const PlanEstimate& e, const DeviceProfile& d);
 /// writes beside its measured counters in memory.json ("predicted"), so that every run checks
 /// the planner against itself: `--dry-run --world-size N`'s figures (the h100 profile; its rates
 /// do not enter bytes).
-nlohmann::json predicted_bytes(const Config& c, const parallel::Layout& l);
+nlohmann::json predicted_bytes(const plan::Config& c, const plan::Layout& l);
 
-}  // namespace tessel
+}  // namespace tessel::planner

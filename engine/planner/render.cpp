@@ -12,7 +12,7 @@
 #include "parallel/mesh.h"
 #include "parallel/pp/schedule.h"
 
-namespace tessel {
+namespace tessel::planner {
 
 namespace {
 
@@ -32,7 +32,7 @@ std::string cpu_line(const DeviceProfile& d) {
 }
 
 // The device in brief: a GPU's datasheet, or (cpu_line has the rest) this CPU's matmul rate.
-std::string device_brief(const DeviceProfile& d, const Config& c) {
+std::string device_brief(const DeviceProfile& d, const plan::Config& c) {
   if (d.cpu)
     return fmt::format("cpu ({:.3g} TFLOP/s {} measured, {} rank{} here)",
                        matmul_peak_tflops(d, c.training), c.training.dtype.name(), d.gpus_per_node,
@@ -54,7 +54,7 @@ std::string human_bytes(double b) {
 
 // --dry-run: what each rank will keep for the run, from the plan alone (the estimate's state
 // bytes per stage: nothing is built).
-std::string state_bytes(const Config& c, const parallel::Layout& l, const PlanEstimate& e) {
+std::string state_bytes(const plan::Config& c, const plan::Layout& l, const PlanEstimate& e) {
   const int64_t zero = c.parallel.zero, data_ranks = l.dp * l.cp;
   const double w = static_cast<double>(c10::elementSize(resolve_dtype(c.training.dtype)));
   std::string out = fmt::sprintf(
@@ -81,12 +81,12 @@ std::string state_bytes(const Config& c, const parallel::Layout& l, const PlanEs
 }
 
 // --dry-run with pipeline stages: the schedule, its bubble and peak activations, the layers.
-std::string pipeline_lines(const Config& c, const parallel::Layout& layout) {
+std::string pipeline_lines(const plan::Config& c, const plan::Layout& layout) {
   std::string out;
   namespace pp = parallel::pp;
   const auto& t = c.training;
   const int64_t m = t.global_batch / (layout.dp * t.micro_batch);
-  auto schedule = pp::make_schedule(c.parallel.pipeline_schedule.name(), layout.pp, m,
+  auto schedule = pp::make_schedule(c.parallel.pipeline_schedule, layout.pp, m,
                                     c.parallel.virtual_stages);
   auto sim = pp::simulate(schedule);
   out += fmt::sprintf("%s", pp::render(schedule, sim).c_str());
@@ -94,7 +94,7 @@ std::string pipeline_lines(const Config& c, const parallel::Layout& layout) {
       "# predicted bubble %.4f of ideal step time (the paper's figure for %s: %.4f); peak "
       "activations per rank:",
       sim.bubble, schedule.name.c_str(),
-      pp::theory_bubble(schedule.name, layout.pp, m, c.parallel.virtual_stages));
+      pp::theory_bubble(c.parallel.pipeline_schedule, layout.pp, m, c.parallel.virtual_stages));
   for (auto a : sim.peak_activations) out += fmt::sprintf(" %lld", static_cast<long long>(a));
   out += fmt::sprintf(" micro-batch chunks (held from forward to weight gradient)\n");
   out += fmt::sprintf("# layers per stage (stage = %s): %s\n",
@@ -106,7 +106,7 @@ std::string pipeline_lines(const Config& c, const parallel::Layout& layout) {
   return out;
 }
 
-std::string context_parallel_lines(const Config& c, const parallel::Layout& layout) {
+std::string context_parallel_lines(const plan::Config& c, const plan::Layout& layout) {
   std::string out;
   out += fmt::sprintf(
       "# context parallel: %lld ranks (%s), %lld tokens per rank per sequence (chunks "
@@ -114,7 +114,7 @@ std::string context_parallel_lines(const Config& c, const parallel::Layout& layo
       static_cast<long long>(layout.cp), c.parallel.context_method.name().c_str(),
       static_cast<long long>(c.training.seq_len / layout.cp),
       static_cast<long long>(2 * layout.cp - 1), static_cast<long long>(2 * layout.cp));
-  if (c.parallel.context_method == CpMethod::kHybrid)
+  if (c.parallel.context_method == plan::CpMethod::kHybrid)
     out += fmt::sprintf(
         "# hybrid: all-to-all inside groups of %lld consecutive cp ranks, ring across %lld "
         "groups\n",
@@ -146,7 +146,7 @@ std::string faster_layout_lines(const std::string& config, int64_t n, const Layo
 
 }  // namespace
 
-std::string render(const PlanEstimate& e, const Config& c, const DeviceProfile& d) {
+std::string render(const PlanEstimate& e, const plan::Config& c, const DeviceProfile& d) {
   auto gib = [](double b) { return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024)); };
   auto mib = [](double b) { return fmt::format("{:.1f} MiB", b / (1024.0 * 1024)); };
   std::string s = fmt::format(
@@ -244,7 +244,7 @@ std::string to_json(const PlanEstimate& e, const DeviceProfile& d) {
   return j.dump(1) + "\n";
 }
 
-nlohmann::json predicted_bytes(const Config& c, const parallel::Layout& l) {
+nlohmann::json predicted_bytes(const plan::Config& c, const plan::Layout& l) {
   // `--dry-run --world-size N`'s prediction (the h100 profile: its rates are not used here).
   const auto e = estimate(c, l, device_profile("h100", {}));
   nlohmann::json stages = nlohmann::json::array();
@@ -275,10 +275,10 @@ std::string dry_run_report(const DryRun& r) {
   if (l.pp > 1) out += pipeline_lines(c, l);
   if (l.cp > 1) out += context_parallel_lines(c, l);
   if (r.details)
-    out += dump_config(c) + parallel::describe_grid(l);
+    out += plan::dump_config(c) + parallel::describe_grid(l);
   else
     out += "# the resolved plan and the rank grid: --details\n";
   return out;
 }
 
-}  // namespace tessel
+}  // namespace tessel::planner

@@ -6,7 +6,7 @@
 #include "models/registry.h"
 #include "parallel/cp/attention.h"
 
-namespace tessel::planning {
+namespace tessel::planner {
 
 int64_t moe_layers_in(const models::ModelShape& m, const models::StagePart& part) {
   int64_t n = 0;
@@ -20,10 +20,11 @@ double expert_params(const models::ModelShape& m, const models::StagePart& part,
 }
 
 // Ranks of one all-to-all of context parallelism: cp (alltoall), the group size (hybrid), else 1.
-int64_t alltoall_ranks(const Config& c, const parallel::Layout& l) {
+int64_t alltoall_ranks(const plan::Config& c, const plan::Layout& l) {
   if (l.cp == 1) return 1;
-  if (c.parallel.context_method == CpMethod::kAllToAll) return l.cp;
-  return c.parallel.context_method == CpMethod::kHybrid ? c.parallel.context_alltoall_size : 1;
+  if (c.parallel.context_method == plan::CpMethod::kAllToAll) return l.cp;
+  return c.parallel.context_method == plan::CpMethod::kHybrid ? c.parallel.context_alltoall_size
+                                                              : 1;
 }
 
 namespace {
@@ -32,16 +33,17 @@ namespace {
 // cp): per MoE layer and micro-batch, two all-reduces of [micro_batch, experts] fp32 (the choices
 // and the scores), in every forward, and again where recomputation reruns the layer's forward
 // with the loss attached (aux_loss_coef > 0).
-void add_aux_loss_traffic(Traffic& g, const Config& c, const PlanBasis& b, double moe_layers) {
+void add_aux_loss_traffic(Traffic& g, const plan::Config& c, const PlanBasis& b,
+                          double moe_layers) {
   const auto& t = c.training;
-  const double reruns = t.recompute != Recompute::kNone && b.m.moe.aux_loss_coef > 0 ? 1 : 0;
+  const double reruns = t.recompute != plan::Recompute::kNone && b.m.moe.aux_loss_coef > 0 ? 1 : 0;
   const double sums = static_cast<double>(b.mbs) * moe_layers * 2 * (1 + reruns);
   g.all_reduce += sums * static_cast<double>(t.micro_batch * b.m.moe.experts) * 4;
   g.ops += sums;
 }
 
 // Adds tensor parallelism's bytes per step on one rank of the stage to `g`.
-void add_tp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, const PlanBasis& b,
+void add_tp_traffic(Traffic& g, const plan::Config& c, const plan::Layout& l, const PlanBasis& b,
                     const RankEstimate& r, const models::StagePart& part) {
   const auto& t = c.training;
   const auto& m = b.m;
@@ -57,8 +59,8 @@ void add_tp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
   const double ends = (part.first ? 1 : 0) + (part.last ? 1 : 0);
   const double row = tok * h * w;
   const double u = sp ? 2 : 1;
-  const double full = t.recompute == Recompute::kFull ? 1 : 0,
-               selective = t.recompute == Recompute::kSelective ? 1 : 0;
+  const double full = t.recompute == plan::Recompute::kFull ? 1 : 0,
+               selective = t.recompute == plan::Recompute::kSelective ? 1 : 0;
   const double layers = static_cast<double>(r.layers);
   const double moe = static_cast<double>(moe_layers_in(m, part));
   const double mlps = layers - moe + (m.moe.shared > 0 ? moe : 0);
@@ -74,9 +76,10 @@ void add_tp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
   // experts, and gpt2's position table (first stage) are among them.
   if (sp)
     replicated +=
-        (m.arch == ModelArch::kLlama ? 2.0 : 6.0) * h * layers +
-        (part.last ? (m.arch == ModelArch::kLlama ? 1 : 2) * h : 0) +
-        (part.first && m.arch == ModelArch::kGpt2 ? static_cast<double>(m.max_seq_len) * h : 0) +
+        (m.arch == plan::ModelArch::kLlama ? 2.0 : 6.0) * h * layers +
+        (part.last ? (m.arch == plan::ModelArch::kLlama ? 1 : 2) * h : 0) +
+        (part.first && m.arch == plan::ModelArch::kGpt2 ? static_cast<double>(m.max_seq_len) * h
+                                                        : 0) +
         experts + moe * static_cast<double>(m.moe.experts) * h;
   if (m.kv_heads < l.tp) replicated += 2 * h * kvd * r.layers;
   // Under ZeRO each data rank sums only the gradients it owns (its shard of the flat buffer, the
@@ -90,13 +93,14 @@ void add_tp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
 }
 
 // Adds context parallelism's bytes per step to `g`: the keys and values (and their gradients).
-void add_cp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, const PlanBasis& b,
+void add_cp_traffic(Traffic& g, const plan::Config& c, const plan::Layout& l, const PlanBasis& b,
                     const RankEstimate& r) {
   const auto& t = c.training;
   const double mb = static_cast<double>(b.mbs);
   const double kv_bytes = static_cast<double>(t.micro_batch * t.seq_len) * 2 * b.kvd / b.tp * b.w;
-  const double full = t.recompute == Recompute::kFull ? 1 : 0;
-  if (c.parallel.context_method == CpMethod::kAllGather) {  // keys/values gathered, grads scattered
+  const double full = t.recompute == plan::Recompute::kFull ? 1 : 0;
+  if (c.parallel.context_method ==
+      plan::CpMethod::kAllGather) {  // keys/values gathered, grads scattered
     // (the gradients in fp32: reduced before they are rounded)
     g.gather_scatter += mb * r.layers * kv_bytes * (1 + full + 4 / b.w);
     g.ops += mb * r.layers * (2 + full);
@@ -135,7 +139,7 @@ void add_cp_traffic(Traffic& g, const Config& c, const parallel::Layout& l, cons
 struct Blocks {
   double params = 0, last = 0, count = 0;
 };
-Blocks stage_blocks(const PlanBasis& b, const parallel::Layout& l, const models::StagePart& part,
+Blocks stage_blocks(const PlanBasis& b, const plan::Layout& l, const models::StagePart& part,
                     bool experts) {
   const auto& m = b.m;
   Blocks k;
@@ -157,7 +161,7 @@ Blocks stage_blocks(const PlanBasis& b, const parallel::Layout& l, const models:
 
 // Adds the bytes per step of a data group (dp×cp, or the experts' own) to `d`: gradients reduced,
 // and under ZeRO weights gathered; `n` parameters, in `blocks` (and the rest at the stage's ends).
-void add_data_traffic(Traffic& d, const Config& c, const PlanBasis& b, double n,
+void add_data_traffic(Traffic& d, const plan::Config& c, const PlanBasis& b, double n,
                       const Blocks& blocks) {
   const double mb = static_cast<double>(b.mbs), w = b.w;
   const double buckets = std::ceil(4 * n / std::max(1.0, c.parallel.ddp_bucket_mb * (1 << 20)));
@@ -177,7 +181,7 @@ void add_data_traffic(Traffic& d, const Config& c, const PlanBasis& b, double n,
 
 }  // namespace
 
-std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::Layout& l,
+std::map<std::string, Traffic> stage_traffic(const plan::Config& c, const plan::Layout& l,
                                              const PlanBasis& b, const RankEstimate& r,
                                              const models::StagePart& part) {
   std::map<std::string, Traffic> g;
@@ -191,7 +195,7 @@ std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::La
   }
   if (l.pp > 1) {  // activations forward, gradients backward, at every chunk boundary
     // zbv: the V turns on pipeline rank pp − 1 (stages pp − 1 and pp), a hand-over, not a send.
-    const bool v = c.parallel.pipeline_schedule == PipelineSchedule::kZbv;
+    const bool v = c.parallel.pipeline_schedule == plan::PipelineSchedule::kZbv;
     const double turn = v && r.stage == l.pp - 1 ? 1 : 0;
     const double sends_fwd = own_chunks - (part.last ? 1 : 0) - turn;
     const double sends_bwd = own_chunks - (part.first ? 1 : 0) - turn;
@@ -216,7 +220,7 @@ std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::La
     // token choices (every choice counted, its own included: dropless), recomputation rerunning
     // the forward's pair; and the forward's exchange of counts (int64 per expert).
     const double moe = static_cast<double>(moe_layers_in(b.m, part));
-    const double reruns = c.training.recompute == Recompute::kNone ? 0 : 1;
+    const double reruns = c.training.recompute == plan::Recompute::kNone ? 0 : 1;
     const double rows = b.tok / (b.sp ? b.tp : 1.0) * static_cast<double>(b.m.moe.top_k);
     g["ep"].gather_scatter += mb * moe *
                               ((4 + 2 * reruns) * rows * b.h * b.w +
@@ -236,4 +240,4 @@ std::map<std::string, Traffic> stage_traffic(const Config& c, const parallel::La
   }
   return g;
 }
-}  // namespace tessel::planning
+}  // namespace tessel::planner

@@ -14,23 +14,24 @@
 #include "engine/run/startup.h"
 #include "parallel/cp/attention.h"
 
-namespace tessel {
+namespace tessel::run {
 
-torch::Device resolve_device(TrainDevice device, const parallel::WorldInfo& w, std::string* why) {
-  if (device == TrainDevice::kCpu) {  // LibTorch's CUDA half is never loaded
+torch::Device resolve_device(plan::TrainDevice device, const parallel::WorldInfo& w,
+                             std::string* why) {
+  if (device == plan::TrainDevice::kCpu) {  // LibTorch's CUDA half is never loaded
     if (why) *why = "training.device cpu";
     return torch::kCPU;
   }
   const bool cuda = device::cuda_available();
-  if (device == TrainDevice::kCuda && !cuda)
-    throw UserError("training.device is cuda but no CUDA device can be used: " +
+  if (device == plan::TrainDevice::kCuda && !cuda)
+    throw plan::UserError("training.device is cuda but no CUDA device can be used: " +
                     device::cuda_unavailable_reason());
   if (!cuda) {
     if (why) *why = "training.device auto, no CUDA device: " + device::cuda_unavailable_reason();
     return torch::kCPU;
   }
   const auto choice =
-      parallel::choose_cuda_device(static_cast<int>(device::cuda_device_count()), w.local_rank,
+      plan::choose_cuda_device(static_cast<int>(device::cuda_device_count()), w.local_rank,
                                    w.local_world, std::getenv("CUDA_VISIBLE_DEVICES"));
   if (why) *why = choice.why;
   return {torch::kCUDA, static_cast<c10::DeviceIndex>(choice.index)};
@@ -41,15 +42,16 @@ torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device) 
 }
 
 void load_weights_file(models::Decoder& model, const std::string& path) {
-  models::load_weights(model, read_safetensors(path).tensors, path);
+  models::load_weights(model, io::read_safetensors(path).tensors, path);
 }
 
-models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
-                           parallel::Group* tp, const models::StagePart& stages,
-                           parallel::Group* cp, parallel::Group* ep) {
-  auto model =
-      models::build_model(model_shape(c.model), c.run.seed, tp, c.parallel.sequence_parallel,
-                          stages, cp, c.parallel.context_method.name(), ep);
+models::Decoder make_model(const plan::Config& c, const torch::Device& device,
+                           torch::ScalarType dtype, parallel::Group* tp,
+                           const models::StagePart& stages, parallel::Group* cp,
+                           parallel::Group* ep) {
+  auto model = models::build_model(planner::model_shape(c.model), c.run.seed, tp,
+                                   c.parallel.sequence_parallel, stages, cp,
+                                   c.parallel.context_method.name(), ep);
   if (!c.model.init_from.empty()) load_weights_file(model, init_weights_file(c.model.init_from));
   model->set_recompute(c.training.recompute.name());
   model->set_kernels(c.training.kernels.name());
@@ -61,7 +63,7 @@ models::Decoder make_model(const Config& c, const torch::Device& device, torch::
   return model;
 }
 
-void configure_device(const Config& c, const torch::Device& on) {
+void configure_device(const plan::Config& c, const torch::Device& on) {
   if (c.training.threads > 0) torch::set_num_threads(static_cast<int>(c.training.threads));
   if (on.is_cuda()) device::set_tf32(c.training.tf32);
   device::set_deterministic(c.training.deterministic);
@@ -73,11 +75,11 @@ void configure_device(const Config& c, const torch::Device& on) {
   if (!on.is_cuda()) observe::CpuAllocationCounter::get();  // counts the state from its first byte
 }
 
-std::string attention_kernel(const Config& c, const torch::Device& device,
+std::string attention_kernel(const plan::Config& c, const torch::Device& device,
                              torch::ScalarType dtype) {
-  const auto m = model_shape(c.model);
+  const auto m = planner::model_shape(c.model);
   const auto& par = c.parallel;
-  const bool alltoall = par.cp > 1 && par.context_method == CpMethod::kAllToAll;
+  const bool alltoall = par.cp > 1 && par.context_method == plan::CpMethod::kAllToAll;
   if (par.cp > 1 && !alltoall) {  // allgather and ring run their own block kernels
     return fmt::format("context parallel ({}): {} block kernels", par.context_method.name(),
                        device.is_cuda() ? "memory-efficient" : "flash (CPU)");
@@ -90,7 +92,7 @@ std::string attention_kernel(const Config& c, const torch::Device& device,
   if (device.is_cuda()) kernels::pin_sdpa_order(dtype, c.training.deterministic);
   const auto kernel =
       kernels::planned_attention_kernel(heads, kv, c.training.seq_len, m.head_dim(), dtype, device,
-                                        !alltoall && c.training.kernels == Kernels::kTessel);
+                                        !alltoall && c.training.kernels == plan::Kernels::kTessel);
   auto line = fmt::format(
       "{}{} ({} heads, {} key/value heads of {} per rank, {}){}",
       alltoall ? "context parallel (alltoall): " : "",
@@ -101,7 +103,7 @@ std::string attention_kernel(const Config& c, const torch::Device& device,
                                      per_tp, carried / per_tp, par.cp)
                        : "");
   if (device.is_cuda() && kernel == "math")
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "{}: attention would run SDPA's math kernel on CUDA, which holds a [{}, {}] score matrix "
         "per head: {} heads of size {} ({} key/value heads per rank) in {} have no fused kernel "
         "here (flash: bf16/fp16, head size a multiple of 8 up to 256; memory-efficient: any float "
@@ -111,4 +113,4 @@ std::string attention_kernel(const Config& c, const torch::Device& device,
   return line;
 }
 
-}  // namespace tessel
+}  // namespace tessel::run

@@ -12,17 +12,17 @@
 #include "models/registry.h"
 #include "parallel/mesh.h"
 
-namespace tessel {
+namespace tessel::run {
 
 /// training.device resolved: auto -> cuda when available; the CUDA index by
-/// parallel::choose_cuda_device (`why`, when given, receives its reason). Throws UserError for
+/// plan::choose_cuda_device (`why`, when given, receives its reason). Throws UserError for
 /// cuda without one, or for too few devices for the processes on this node.
-torch::Device resolve_device(TrainDevice device, const parallel::WorldInfo& w = {},
+torch::Device resolve_device(plan::TrainDevice device, const parallel::WorldInfo& w = {},
                              std::string* why = nullptr);
 
 /// The process-wide settings of the plan's device: intra-op threads, TF32, deterministic kernels;
 /// on CPU the allocation counter, counting the state from its first byte.
-void configure_device(const Config& c, const torch::Device& device);
+void configure_device(const plan::Config& c, const torch::Device& device);
 
 /// Host rows (data, evaluation, scoring) onto the run's device: on CUDA through pinned memory and
 /// queued without waiting (the copy goes behind the work already queued); on CPU as they are.
@@ -31,15 +31,17 @@ torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device);
 /// Builds the plan's model on `device` in `dtype`: seeded init, or model.init_from.
 /// `tp`: the tensor-parallel group (null: one process holds the whole model); `stages`: the
 /// pipeline stages this rank holds (default: all); `cp`: the context-parallel group.
-models::Decoder make_model(const Config& c, const torch::Device& device, torch::ScalarType dtype,
-                           parallel::Group* tp = nullptr, const models::StagePart& stages = {},
-                           parallel::Group* cp = nullptr, parallel::Group* ep = nullptr);
+models::Decoder make_model(const plan::Config& c, const torch::Device& device,
+                           torch::ScalarType dtype, parallel::Group* tp = nullptr,
+                           const models::StagePart& stages = {}, parallel::Group* cp = nullptr,
+                           parallel::Group* ep = nullptr);
 
 /// Loads a safetensors file of Tessel or Hugging Face names into `model` (models/registry.h).
 void load_weights_file(models::Decoder& model, const std::string& path);
 
 /// The attention kernel the plan runs on `device`, in words for the start-up log (on CUDA it also
 /// pins SDPA's kernel order). Throws UserError where it would be SDPA's math kernel on CUDA.
-std::string attention_kernel(const Config& c, const torch::Device& device, torch::ScalarType dtype);
+std::string attention_kernel(const plan::Config& c, const torch::Device& device,
+                             torch::ScalarType dtype);
 
-}  // namespace tessel
+}  // namespace tessel::run

@@ -6,13 +6,13 @@
 #include "engine/planner/model_plan.h"
 #include "engine/run/build.h"
 
-namespace tessel {
+namespace tessel::run {
 namespace {
 
 // Data parallelism's flat buffers: ZeRO shards over the data group (dp×cp), an MoE layer's
 // experts over the expert data group; a tied table under pp gets a bucket of its own, so the first
 // and last stage hold the same piece of it and can sum its gradient.
-std::unique_ptr<optim::FlatAdamW> make_optimizer(const Config& c, parallel::Mesh& mesh,
+std::unique_ptr<optim::FlatAdamW> make_optimizer(const plan::Config& c, parallel::Mesh& mesh,
                                                  std::vector<optim::NamedParam>& params) {
   const auto& l = mesh.layout();
   auto& data_group = mesh.dp_cp();
@@ -33,7 +33,7 @@ std::unique_ptr<optim::FlatAdamW> make_optimizer(const Config& c, parallel::Mesh
 
 // The gradients summed outside data parallelism after backward: tp-replicated parameters' and a
 // tied table's held on two stages (under ZeRO its whole aligned piece, a bucket of its own).
-void replicated_grads(const Config& c, const parallel::Layout& l, TrainState& s) {
+void replicated_grads(const plan::Config& c, const plan::Layout& l, TrainState& s) {
   const bool table_copies = parallel::table_on_two_stages(c, l);
   for (const auto& slot : s.opt->layout().slots()) {
     auto views = slot.name == "embed.weight" && table_copies && c.parallel.zero > 0
@@ -48,22 +48,22 @@ void replicated_grads(const Config& c, const parallel::Layout& l, TrainState& s)
 
 }  // namespace
 
-TrainState parallelize(const Config& c, parallel::Mesh& mesh, const torch::Device& device,
+TrainState parallelize(const plan::Config& c, parallel::Mesh& mesh, const torch::Device& device,
                        torch::ScalarType dtype) {
   const auto& l = mesh.layout();
   TrainState s;
   // Tensor parallelism, this rank's pipeline stages, context parallelism and its experts: each
   // layer is built holding this rank's part of the same global model.
   s.model = make_model(c, device, dtype, &mesh.group(parallel::GroupKind::kTp),
-                       stage_part(c, l.pp, mesh.coord().pp), &mesh.group(parallel::GroupKind::kCp),
-                       &mesh.ep());
+                       planner::stage_part(c, l.pp, mesh.coord().pp),
+                       &mesh.group(parallel::GroupKind::kCp), &mesh.ep());
   // Data parallelism's state: the flat optimizer over this rank's pieces, the fp16 loss scale.
   auto params = models::named_params(s.model);
   s.opt = make_optimizer(c, mesh, params);
   s.scaler = std::make_unique<optim::LossScaler>(c.training, device);
   // A resumed run's state, into the pieces this layout holds (whatever layout saved it).
-  if (auto dir = checkpoint_to_resume(c); !dir.empty()) {
-    s.resumed = load_checkpoint(dir, s.model, *s.opt, s.scaler.get());
+  if (auto dir = checkpoint::checkpoint_to_resume(c); !dir.empty()) {
+    s.resumed = checkpoint::load_checkpoint(dir, s.model, *s.opt, s.scaler.get());
     s.resumed_from = dir;
     spdlog::info("resumed from {} (step {}, {} samples consumed)", dir, s.resumed.step,
                  s.resumed.consumed_samples);
@@ -77,4 +77,4 @@ TrainState parallelize(const Config& c, parallel::Mesh& mesh, const torch::Devic
   return s;
 }
 
-}  // namespace tessel
+}  // namespace tessel::run

@@ -21,7 +21,7 @@
 #include "parallel/dp/grad_sync.h"
 #include "parallel/mesh.h"
 
-namespace tessel {
+namespace tessel::run {
 
 struct TrainState {
   models::Decoder model{nullptr};
@@ -32,10 +32,10 @@ struct TrainState {
   // is summed over tp, and a tied token table on the first or last stage (summed over both).
   std::vector<torch::Tensor> tp_summed_grads, embedding_grads;
   std::string resumed_from;       // the checkpoint folder; empty when starting afresh
-  CheckpointState resumed{0, 0};  // its step and data position
+  checkpoint::CheckpointState resumed{0, 0};  // its step and data position
 };
 
-TrainState parallelize(const Config& c, parallel::Mesh& mesh, const torch::Device& device,
+TrainState parallelize(const plan::Config& c, parallel::Mesh& mesh, const torch::Device& device,
                        torch::ScalarType dtype);
 
-}  // namespace tessel
+}  // namespace tessel::run

@@ -10,13 +10,13 @@
 #include "core/optim/optim.h"
 #include "engine/checkpoint/index.h"
 
-namespace tessel {
+namespace tessel::run {
 namespace {
 
 // training.steps shapes the LR only under a decay that runs to the last step.
-bool steps_shape_the_lr(const Config& a, const Config& b) {
-  return a.training.schedule.decay != Decay::kConstant ||
-         b.training.schedule.decay != Decay::kConstant;
+bool steps_shape_the_lr(const plan::Config& a, const plan::Config& b) {
+  return a.training.schedule.decay != plan::Decay::kConstant ||
+         b.training.schedule.decay != plan::Decay::kConstant;
 }
 
 int64_t saved_step(const std::string& step_dir) {
@@ -25,9 +25,10 @@ int64_t saved_step(const std::string& step_dir) {
 
 }  // namespace
 
-std::vector<PlanChange> plan_changes(const Config& checkpoint_plan, const Config& plan) {
-  Config before = checkpoint_plan, after = plan;
-  const auto fb = bind_fields(before), fa = bind_fields(after);
+std::vector<PlanChange> plan_changes(const plan::Config& checkpoint_plan,
+                                     const plan::Config& plan) {
+  plan::Config before = checkpoint_plan, after = plan;
+  const auto fb = plan::bind_fields(before), fa = plan::bind_fields(after);
   std::vector<PlanChange> out;
   for (size_t i = 0; i < fa.size(); ++i) {
     const std::string b = fb[i].value_text(), a = fa[i].value_text();
@@ -41,18 +42,18 @@ std::vector<PlanChange> plan_changes(const Config& checkpoint_plan, const Config
   return out;
 }
 
-void check_resume_plan(const Config& plan, const std::string& step_dir, bool log) {
+void check_resume_plan(const plan::Config& plan, const std::string& step_dir, bool log) {
   const std::string saved = (std::filesystem::path(step_dir) / "config.yaml").string();
   // Without the plan it was saved under, nothing says whether this plan trains the same run
   // (seq_len, seed, data, model): resuming would silently continue another run.
   if (!std::filesystem::exists(saved))
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "{}: resuming from {}: it has no config.yaml, the plan it was saved under (every "
         "checkpoint Tessel writes has one: a damaged or hand-made copy), so this plan cannot be "
         "checked against it. To start from its weights only: tessel-train export {} --out DIR, "
         "then model.init_from: DIR/model.safetensors with checkpoint.resume: never",
         plan.source, step_dir, step_dir));
-  const Config then = load_config(saved);
+  const plan::Config then = plan::load_config(saved);
   const auto changes = plan_changes(then, plan);
   if (changes.empty()) return;
   const int64_t next = saved_step(step_dir) + 1;
@@ -83,7 +84,7 @@ void check_resume_plan(const Config& plan, const std::string& step_dir, bool log
     }
   }
   if (!refused.empty())
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "{}: resuming from {}, this plan changes what the run trains (the checkpoint was saved "
         "under {}):{}\nTo go on with these changes, name them in checkpoint.accept_changes (e.g. "
         "--set 'checkpoint.accept_changes=[{}]'): the step count and the data position "
@@ -102,4 +103,4 @@ void check_resume_plan(const Config& plan, const std::string& step_dir, bool log
         saved, changes.size(), changes.size() == 1 ? "" : "s", lines);
 }
 
-}  // namespace tessel
+}  // namespace tessel::run

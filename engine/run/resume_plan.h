@@ -13,7 +13,7 @@
 
 #include "core/plan/config.h"
 
-namespace tessel {
+namespace tessel::run {
 
 struct PlanChange {
   std::string key, before, after;
@@ -22,11 +22,11 @@ struct PlanChange {
 };
 
 /// Every key whose value differs between the checkpoint's plan and this one, in table order.
-std::vector<PlanChange> plan_changes(const Config& checkpoint_plan, const Config& plan);
+std::vector<PlanChange> plan_changes(const plan::Config& checkpoint_plan, const plan::Config& plan);
 
 /// Start-up, when the run resumes from `step_dir`: compares the plan with the
 /// checkpoint's config.yaml; logs every difference (when `log`), and throws UserError naming
 /// every change that alters the run and is not accepted, with the LR figures at the next step.
-void check_resume_plan(const Config& plan, const std::string& step_dir, bool log);
+void check_resume_plan(const plan::Config& plan, const std::string& step_dir, bool log);
 
-}  // namespace tessel
+}  // namespace tessel::run

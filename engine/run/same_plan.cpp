@@ -7,7 +7,7 @@
 #include <thread>
 #include <vector>
 
-namespace tessel {
+namespace tessel::run {
 namespace {
 
 std::string text(const std::vector<uint8_t>& v) { return {v.begin(), v.end()}; }
@@ -44,10 +44,10 @@ std::string first_difference(const std::string& mine, const std::string& theirs,
 
 }  // namespace
 
-void check_same_plan(const Config& c, const parallel::Mesh& mesh) {
+void check_same_plan(const plan::Config& c, const parallel::Mesh& mesh) {
   auto* store = mesh.store();
   if (!store) return;
-  const std::string mine = dump_config(c);
+  const std::string mine = plan::dump_config(c);
   if (mesh.rank() == 0) store->set("tessel/plan", bytes(mine));
   store->wait({"tessel/plan"});
   const std::string diff = first_difference(mine, text(store->get("tessel/plan")), mesh.rank());
@@ -60,7 +60,7 @@ void check_same_plan(const Config& c, const parallel::Mesh& mesh) {
       std::chrono::milliseconds(static_cast<int64_t>(c.parallel.timeout_s * 1000));
   while (store->add("tessel/plan_checked", 0) < mesh.world()) {
     if (std::chrono::steady_clock::now() > deadline)
-      throw UserError(fmt::format(
+      throw plan::UserError(fmt::format(
           "rank {}: waited parallel.timeout_s ({} s) for every rank to compare its plan with rank "
           "0's; {} of {} did",
           mesh.rank(), c.parallel.timeout_s, store->add("tessel/plan_checked", 0), mesh.world()));
@@ -68,17 +68,17 @@ void check_same_plan(const Config& c, const parallel::Mesh& mesh) {
   }
   if (store->add("tessel/plan_bad", 0) == 0) return;
   if (!diff.empty())
-    throw UserError(
+    throw plan::UserError(
         fmt::format("{}: this rank's plan differs from rank 0's at {}", c.source, diff));
   std::string ranks;
   for (int64_t r = 1; r < mesh.world(); ++r)
     if (store->check({fmt::format("tessel/plan_differs/{}", r)}))
       ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  throw UserError(fmt::format(
+  throw plan::UserError(fmt::format(
       "the ranks were started with different plans: rank{} {} differ{} from rank 0 (each names "
       "the key); start every rank with the same plan and --set overrides",
       ranks.find(',') == std::string::npos ? "" : "s", ranks,
       ranks.find(',') == std::string::npos ? "s" : ""));
 }
 
-}  // namespace tessel
+}  // namespace tessel::run

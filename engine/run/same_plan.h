@@ -7,9 +7,9 @@
 #include "core/plan/config.h"
 #include "parallel/mesh.h"
 
-namespace tessel {
+namespace tessel::run {
 
 /// Throws UserError on every rank when any rank's resolved plan differs from rank 0's.
-void check_same_plan(const Config& c, const parallel::Mesh& mesh);
+void check_same_plan(const plan::Config& c, const parallel::Mesh& mesh);
 
-}  // namespace tessel
+}  // namespace tessel::run

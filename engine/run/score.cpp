@@ -16,20 +16,20 @@
 #include "engine/io/tokenizer.h"
 #include "engine/run/build.h"
 
-namespace tessel {
+namespace tessel::run {
 namespace {
 
 void check_ids(const torch::Tensor& tokens, int64_t vocab, const std::string& source) {
   auto bad = ((tokens < 0) | (tokens >= vocab)).nonzero();
   if (bad.size(0) == 0) return;
   int64_t r = bad[0][0].item<int64_t>(), k = bad[0][1].item<int64_t>();
-  throw UserError(source + ": token id " + std::to_string(tokens[r][k].item<int64_t>()) +
+  throw plan::UserError(source + ": token id " + std::to_string(tokens[r][k].item<int64_t>()) +
                   " at row " + std::to_string(r) + ", column " + std::to_string(k) +
                   " is outside model.vocab_size " + std::to_string(vocab));
 }
 
 // Mean loss of rows [B, T+1] (int64) in micro-batches of training.micro_batch.
-ScoreResult score_rows(const Config& c, const std::string& weights, const torch::Tensor& rows,
+ScoreResult score_rows(const plan::Config& c, const std::string& weights, const torch::Tensor& rows,
                        const std::string& logits_out = "") {
   auto model = load_for_inference(c, weights);
   torch::NoGradGuard no_grad;
@@ -48,7 +48,7 @@ ScoreResult score_rows(const Config& c, const std::string& weights, const torch:
                            .cpu());
   }
   if (!logits_out.empty())
-    write_safetensors(logits_out, {{"logits", torch::cat(logits).contiguous()}}, {});
+    io::write_safetensors(logits_out, {{"logits", torch::cat(logits).contiguous()}}, {});
   return {total / static_cast<double>(b * t), b * t, b};
 }
 
@@ -57,7 +57,7 @@ ScoreResult score_rows(const Config& c, const std::string& weights, const torch:
 std::string moe_keys(const nlohmann::json& j, const std::string& path, bool mixtral) {
   auto key = [&](const char* name) -> const nlohmann::json& {
     if (!j.contains(name))
-      throw UserError(path + ": no \"" + std::string(name) + "\" (model_type " +
+      throw plan::UserError(path + ": no \"" + std::string(name) + "\" (model_type " +
                       (mixtral ? "mixtral" : "qwen3_moe") + ")");
     return j.at(name);
   };
@@ -70,12 +70,12 @@ std::string moe_keys(const nlohmann::json& j, const std::string& path, bool mixt
   const auto heads = key("num_attention_heads").get<int64_t>();
   const auto hidden = key("hidden_size").get<int64_t>();
   if (j.contains("head_dim") && j["head_dim"].get<int64_t>() * heads != hidden)
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "{}: head_dim {} x num_attention_heads {} != hidden_size {}: Tessel's heads split the "
         "hidden size",
         path, j["head_dim"].get<int64_t>(), heads, hidden));
   if (!j.value("mlp_only_layers", nlohmann::json::array()).empty())
-    throw UserError(path + ": mlp_only_layers " + j["mlp_only_layers"].dump() +
+    throw plan::UserError(path + ": mlp_only_layers " + j["mlp_only_layers"].dump() +
                     ": Tessel places MoE layers every decoder_sparse_step only");
   moe += ", every: " + j.value("decoder_sparse_step", nlohmann::json(1)).dump() +
          ", router: {norm_topk: " + j.value("norm_topk_prob", nlohmann::json(false)).dump() + "}";
@@ -84,24 +84,25 @@ std::string moe_keys(const nlohmann::json& j, const std::string& path, bool mixt
 
 }  // namespace
 
-Config plan_from_hf_config(const std::string& path, const std::vector<std::string>& sets) {
+plan::Config plan_from_hf_config(const std::string& path, const std::vector<std::string>& sets) {
   std::ifstream f(path);
-  if (!f) throw UserError(path + ": cannot open (no plan given: the model comes from config.json)");
+  if (!f)
+    throw plan::UserError(path + ": cannot open (no plan given: the model comes from config.json)");
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(f);
   } catch (const std::exception& e) {
-    throw UserError(path + ": not valid JSON (" + e.what() + ")");
+    throw plan::UserError(path + ": not valid JSON (" + e.what() + ")");
   }
   const std::string type = j.value("model_type", "");
   const bool mixtral = type == "mixtral", qwen3_moe = type == "qwen3_moe";
   if (type != "gpt2" && type != "llama" && !mixtral && !qwen3_moe)
-    throw UserError(path + ": model_type '" + type +
+    throw plan::UserError(path + ": model_type '" + type +
                     "' is not one Tessel builds (gpt2, llama, mixtral, qwen3_moe); give a plan "
                     "instead");
   auto key = [&](const char* name) -> const nlohmann::json& {
     if (!j.contains(name))
-      throw UserError(path + ": no \"" + std::string(name) + "\" (model_type " + type + ")");
+      throw plan::UserError(path + ": no \"" + std::string(name) + "\" (model_type " + type + ")");
     return j.at(name);
   };
   // The model section as YAML, so that the plan's own checks validate it.
@@ -126,16 +127,17 @@ Config plan_from_hf_config(const std::string& path, const std::vector<std::strin
   put("tie_embeddings", nlohmann::json(j.value("tie_word_embeddings", gpt2)));
   // seq_len: the model's whole context (score's windows, generate's limit).
   const auto ctx = key(gpt2 ? "n_positions" : "max_position_embeddings").dump();
-  return load_config_text("model: {" + m + "}\ntraining: {seq_len: " + ctx +
+  return plan::load_config_text("model: {" + m + "}\ntraining: {seq_len: " + ctx +
                               ", micro_batch: 1, global_batch: 1}\ndata: {path: [unused]}\n",
                           path, sets);
 }
 
-models::Decoder load_for_inference(const Config& c, const std::string& weights) {
+models::Decoder load_for_inference(const plan::Config& c, const std::string& weights) {
   // --weights replaces every parameter, so the plan's init_from is not read first.
-  Config plan = c;
+  plan::Config plan = c;
   plan.model.init_from.clear();
-  auto model = make_model(plan, resolve_device(c.training.device), resolve_dtype(c.training.dtype));
+  auto model =
+      make_model(plan, resolve_device(c.training.device), planner::resolve_dtype(c.training.dtype));
   namespace fs = std::filesystem;
   if (!fs::is_directory(weights)) {
     load_weights_file(model, weights);
@@ -144,28 +146,28 @@ models::Decoder load_for_inference(const Config& c, const std::string& weights) 
   } else {  // a checkpoint: a step_<N> folder, or a checkpoint.dir (its latest)
     std::string dir;
     try {
-      dir = resolve_checkpoint(weights);
-    } catch (const UserError& e) {
-      throw UserError("--weights " + weights +
+      dir = checkpoint::resolve_checkpoint(weights);
+    } catch (const plan::UserError& e) {
+      throw plan::UserError("--weights " + weights +
                       ": a folder with no model.safetensors (an export's folder) that is not a "
                       "complete checkpoint either (" +
                       e.what() + ")");
     }
-    models::assign_weights(model, checkpoint_model_weights(dir), dir);
+    models::assign_weights(model, checkpoint::checkpoint_model_weights(dir), dir);
   }
   model->eval();
   return model;
 }
 
-ScoreResult score(const Config& c, const std::string& weights, const std::string& tokens_path,
+ScoreResult score(const plan::Config& c, const std::string& weights, const std::string& tokens_path,
                   const std::string& token_dtype, const std::string& logits_out) {
   const int64_t row = c.training.seq_len + 1;
   const int64_t elem = token_dtype == "uint16" ? 2 : 4;
   std::ifstream f(tokens_path, std::ios::binary | std::ios::ate);
-  if (!f) throw UserError(tokens_path + ": cannot open the tokens file");
+  if (!f) throw plan::UserError(tokens_path + ": cannot open the tokens file");
   const int64_t bytes = f.tellg();
   if (bytes == 0 || bytes % (elem * row) != 0)
-    throw UserError(tokens_path + ": " + std::to_string(bytes) +
+    throw plan::UserError(tokens_path + ": " + std::to_string(bytes) +
                     " bytes is not a whole number of rows of training.seq_len+1 = " +
                     std::to_string(row) + " " + token_dtype + " tokens (" +
                     std::to_string(elem * row) + " bytes; --token-dtype says which type)");
@@ -180,15 +182,15 @@ ScoreResult score(const Config& c, const std::string& weights, const std::string
   return score_rows(c, weights, rows, logits_out);
 }
 
-ScoreResult score_data(const Config& c, const std::string& weights, const std::string& data,
+ScoreResult score_data(const plan::Config& c, const std::string& weights, const std::string& data,
                        const std::string& tokenizer, int64_t max_rows) {
   data::TokenStream stream;
   std::vector<int64_t> ids;
   if (std::filesystem::exists(data + ".idx")) {
     data::add_megatron(stream, data);
   } else if (!tokenizer.empty()) {  // text files, one document each, ended by the tokenizer's eos
-    auto eos = special_tokens(tokenizer).eos;
-    TokenizerProcess tok(tokenizer);
+    auto eos = io::special_tokens(tokenizer).eos;
+    io::TokenizerProcess tok(tokenizer);
     for (const auto& file : data::expand(data)) {
       std::ifstream f(file, std::ios::binary);
       std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -197,8 +199,8 @@ ScoreResult score_data(const Config& c, const std::string& weights, const std::s
       if (eos) ids.push_back(*eos);
     }
   } else {
-    DataConfig d;
-    d.format = DataFormat::kText;
+    plan::DataConfig d;
+    d.format = plan::DataFormat::kText;
     d.path = {data};
     stream = data::open_stream(d);
   }
@@ -212,7 +214,7 @@ ScoreResult score_data(const Config& c, const std::string& weights, const std::s
   int64_t b = n > t ? (n - 1) / t : 0;
   if (max_rows > 0) b = std::min(b, max_rows);
   if (b == 0)
-    throw UserError(data + ": " + std::to_string(n) + " tokens do not fill one window of " +
+    throw plan::UserError(data + ": " + std::to_string(n) + " tokens do not fill one window of " +
                     "training.seq_len+1 = " + std::to_string(t + 1) + " tokens");
   auto all = torch::from_blob(ids.data(), {n}, torch::kInt64);
   auto rows = all.as_strided({b, t + 1}, {t, 1}).clone();  // window i starts at token i·T
@@ -220,18 +222,18 @@ ScoreResult score_data(const Config& c, const std::string& weights, const std::s
   return score_rows(c, weights, rows);
 }
 
-std::vector<int64_t> generate(models::Decoder& model, const Config& c,
+std::vector<int64_t> generate(models::Decoder& model, const plan::Config& c,
                               const std::vector<int64_t>& prompt, const SampleOptions& o) {
-  if (prompt.empty()) throw UserError("generate: the prompt has no tokens");
+  if (prompt.empty()) throw plan::UserError("generate: the prompt has no tokens");
   const int64_t limit = c.model.max_seq_len;
   // Compared as room left, not as a sum: --max-new-tokens near INT64_MAX would overflow it.
   if (o.max_new_tokens > limit - static_cast<int64_t>(prompt.size()))
-    throw UserError("generate: the prompt's " + std::to_string(prompt.size()) +
+    throw plan::UserError("generate: the prompt's " + std::to_string(prompt.size()) +
                     " tokens + --max-new-tokens " + std::to_string(o.max_new_tokens) +
                     " exceed model.max_seq_len " + std::to_string(limit));
   for (auto id : prompt)
     if (id < 0 || id >= c.model.vocab_size)
-      throw UserError("generate: prompt token " + std::to_string(id) +
+      throw plan::UserError("generate: prompt token " + std::to_string(id) +
                       " is outside model.vocab_size " + std::to_string(c.model.vocab_size));
   torch::NoGradGuard no_grad;
   const auto device = model->parameters().front().device();
@@ -240,7 +242,7 @@ std::vector<int64_t> generate(models::Decoder& model, const Config& c,
   int64_t start = 0;
   auto next_input = torch::tensor(prompt, torch::kInt64).view({1, -1});
   if (!std::isfinite(o.temperature) || o.temperature < 0 || o.top_k < 0)
-    throw UserError("generate: --temperature must be a finite number >= 0 and --top-k >= 0");
+    throw plan::UserError("generate: --temperature must be a finite number >= 0 and --top-k >= 0");
   for (int64_t i = 0; i < o.max_new_tokens; ++i) {
     // The prompt once, then one token per step over the cached keys and values.
     auto all = model->decode(next_input.to(device), start);
@@ -268,4 +270,4 @@ std::vector<int64_t> generate(models::Decoder& model, const Config& c,
   return out;
 }
 
-}  // namespace tessel
+}  // namespace tessel::run

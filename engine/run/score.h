@@ -10,7 +10,7 @@
 #include "core/plan/config.h"
 #include "models/layers.h"
 
-namespace tessel {
+namespace tessel::run {
 
 struct ScoreResult {
   double loss;     // mean next-token loss over all B·T targets
@@ -23,22 +23,23 @@ struct ScoreResult {
 /// `token_dtype`: int32, uint16 or uint32 — data.format tokens files are uint16 or uint32).
 /// `logits_out` (optional): also writes the logits of every row, {"logits": [B, T, vocab]} fp32,
 /// to that safetensors file (parity checks against other implementations).
-ScoreResult score(const Config& c, const std::string& weights, const std::string& tokens_path,
+ScoreResult score(const plan::Config& c, const std::string& weights, const std::string& tokens_path,
                   const std::string& token_dtype = "int32", const std::string& logits_out = "");
 
 /// Scores a token stream (a Megatron prefix or text files, as `data` describes them; text is
 /// tokenized with `tokenizer` when given, else byte tokens) cut into windows of seq_len+1 tokens
 /// (stride seq_len, as training reads it); at most `max_rows` windows (0: all).
-ScoreResult score_data(const Config& c, const std::string& weights, const std::string& data,
+ScoreResult score_data(const plan::Config& c, const std::string& weights, const std::string& data,
                        const std::string& tokenizer, int64_t max_rows);
 
 /// A plan for inference from a Hugging Face config.json (gpt2 or llama model_type), for
 /// `generate` and `score` when no plan is given: the model keys from the file, the rest defaults.
 /// UserError names the file and the key that is missing or of another architecture.
-Config plan_from_hf_config(const std::string& config_json, const std::vector<std::string>& sets);
+plan::Config plan_from_hf_config(const std::string& config_json,
+                                 const std::vector<std::string>& sets);
 
 /// The plan's model on its device with `weights` loaded, in eval mode (one process, no groups).
-models::Decoder load_for_inference(const Config& c, const std::string& weights);
+models::Decoder load_for_inference(const plan::Config& c, const std::string& weights);
 
 struct SampleOptions {
   int64_t max_new_tokens = 32;
@@ -50,7 +51,7 @@ struct SampleOptions {
 
 /// Continues `prompt` (token ids); returns only the new tokens. The prompt runs once, then each
 /// new token attends over cached keys and values (DecoderImpl::decode).
-std::vector<int64_t> generate(models::Decoder& model, const Config& c,
+std::vector<int64_t> generate(models::Decoder& model, const plan::Config& c,
                               const std::vector<int64_t>& prompt, const SampleOptions& o);
 
-}  // namespace tessel
+}  // namespace tessel::run

@@ -28,7 +28,7 @@
 #include "parallel/comm.h"
 #include "parallel/mesh.h"
 
-namespace tessel {
+namespace tessel::run {
 
 std::string init_weights_file(const std::string& init_from) {
   namespace fs = std::filesystem;
@@ -36,14 +36,14 @@ std::string init_weights_file(const std::string& init_from) {
   if (fs::is_directory(init_from, ec)) {
     const auto inside = fs::path(init_from) / "model.safetensors";
     if (fs::is_regular_file(inside, ec)) return inside.string();
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "model.init_from: {} is a folder without model.safetensors; name the safetensors file "
         "(a Hugging Face save_pretrained folder or a `tessel-train export` folder holds "
         "model.safetensors)",
         init_from));
   }
   if (!fs::is_regular_file(init_from, ec))
-    throw UserError(fmt::format("model.init_from: {}: no such file", init_from));
+    throw plan::UserError(fmt::format("model.init_from: {}: no such file", init_from));
   return init_from;
 }
 
@@ -69,29 +69,30 @@ std::string list(const std::vector<int64_t>& ranks) {
 }
 
 // This rank's checks of the plan against its node, before any communicator.
-RunLock check_start(const Config& c, const parallel::WorldInfo& w) {
+RunLock check_start(const plan::Config& c, const parallel::WorldInfo& w) {
   if (const int64_t cores = std::thread::hardware_concurrency(); c.training.threads > cores)
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "{}: training.threads ({}) is more than this machine's {} hardware threads; set it to "
         "at most {} (or auto)",
         c.source, c.training.threads, cores, cores));
   const auto device = resolve_device(c.training.device, w);  // enough devices for the local ranks
-  const auto layout = parallel::check_layout(c, w.world, w.local_world);
+  const auto layout = plan::check_layout(c, w.world, w.local_world);
   // The current device is this rank's before any CUDA or NCCL work (allocations, streams and
   // communicators would otherwise land on device 0 from every rank).
   if (device.is_cuda()) c10::cuda::set_device(device.index());
   data::check_token_ids(c, w.rank, w.world);  // this rank's share of the data
   if (!c.model.init_from.empty()) init_weights_file(c.model.init_from);
-  if (const auto dir = checkpoint_to_resume(c); !dir.empty()) {
-    Config resolved = c;  // as the checkpoint recorded it: dp resolved
+  if (const auto dir = checkpoint::checkpoint_to_resume(c); !dir.empty()) {
+    plan::Config resolved = c;  // as the checkpoint recorded it: dp resolved
     resolved.parallel.dp = layout.dp;
     check_resume_plan(resolved, dir, w.rank == 0);
   }
   if (w.rank != 0) return RunLock();
   RunLock lock(c.run.output_dir, c.checkpoint_dir());
-  check_room_for_checkpoint(c);
+  checkpoint::check_room_for_checkpoint(c);
   if (!c.checkpoint.export_hf.empty())
-    check_export_folder(c.checkpoint.export_hf, c.checkpoint_dir(), "checkpoint.export_hf");
+    checkpoint::check_export_folder(c.checkpoint.export_hf, c.checkpoint_dir(),
+                                    "checkpoint.export_hf");
   return lock;
 }
 
@@ -130,7 +131,7 @@ RunLock::RunLock(const std::string& output_dir, const std::string& checkpoint_di
   name.push_back('\0');
   const int tmp = ::mkstemp(name.data());
   if (tmp < 0)
-    throw UserError(fmt::format("checkpoint.dir {}: cannot write there ({})", checkpoint_dir,
+    throw plan::UserError(fmt::format("checkpoint.dir {}: cannot write there ({})", checkpoint_dir,
                                 ec ? ec.message() : std::strerror(errno)));
   ::close(tmp);
   ::unlink(name.data());
@@ -139,7 +140,7 @@ RunLock::RunLock(const std::string& output_dir, const std::string& checkpoint_di
     const int err = errno;
     if (fd >= 0) ::close(fd);
     if (err == EWOULDBLOCK)
-      throw UserError(fmt::format(
+      throw plan::UserError(fmt::format(
           "checkpoint.dir {} is in use by another run (a trainer whose checkpoints go there, "
           "named as its checkpoint.dir or as its default <run.output_dir>/checkpoints): two "
           "runs would overwrite each other's checkpoints, and a resume would load the other "
@@ -160,17 +161,17 @@ void RunLock::lock(const std::string& key, const std::string& folder) {
   const std::string path = (std::filesystem::path(folder) / ".lock").string();
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0)
-    throw UserError(fmt::format("{}: cannot create {}: {}", key, path, std::strerror(errno)));
+    throw plan::UserError(fmt::format("{}: cannot create {}: {}", key, path, std::strerror(errno)));
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     char holder[512] = {0};
     const ssize_t n = pread(fd, holder, sizeof holder - 1, 0);
     ::close(fd);
     if (err != EWOULDBLOCK)
-      throw UserError(fmt::format("{}: cannot lock {}: {}", key, path, std::strerror(err)));
+      throw plan::UserError(fmt::format("{}: cannot lock {}: {}", key, path, std::strerror(err)));
     std::string who = n > 0 ? std::string(holder, static_cast<size_t>(n)) : "another process";
     while (!who.empty() && who.back() == '\n') who.pop_back();
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "{} {} is in use by another run ({}): two trainers would overwrite each other's "
         "checkpoints and metrics; wait for it to end, or set {} to another folder",
         key, folder, who, key));
@@ -236,7 +237,7 @@ void Peers::agree_on_start(const std::string& my_error) {
       std::vector<int64_t> missing;
       for (int64_t r = 0; r < world_; ++r)
         if (!store_->check({key("start", r)})) missing.push_back(r);
-      throw UserError(fmt::format(
+      throw plan::UserError(fmt::format(
           "rank {}: waited parallel.timeout_s ({} s) at {} for every rank to start; {} did not "
           "(it failed before reaching the rendezvous, or was never started: see its output)",
           rank_, timeout_s_, where_, list(missing)));
@@ -251,9 +252,10 @@ void Peers::agree_on_start(const std::string& my_error) {
     while (store_->add("tessel/start_read", 0) < world_ && Clock::now() < read_until)
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  if (!my_error.empty()) throw UserError(my_error);
-  throw UserError(fmt::format("{} of {} ranks failed their start-up checks, so none starts; {}",
-                              errors, world_, text(store_->get("tessel/start_error"))));
+  if (!my_error.empty()) throw plan::UserError(my_error);
+  throw plan::UserError(
+      fmt::format("{} of {} ranks failed their start-up checks, so none starts; {}", errors, world_,
+                  text(store_->get("tessel/start_error"))));
 }
 
 void Peers::start_heartbeat() {
@@ -382,7 +384,7 @@ Start start_run(const std::string& plan, const std::vector<std::string>& sets,
                 const parallel::WorldInfo& world) {
   Start s;
   if (world.world == 1) {
-    s.config = load_config(plan, sets);
+    s.config = plan::load_config(plan, sets);
     watch_stop_signals(s.config.checkpoint.on_signal);
     s.lock = check_start(s.config, world);
     return s;
@@ -391,16 +393,16 @@ Start start_run(const std::string& plan, const std::vector<std::string>& sets,
   std::string error;
   bool loaded = false;
   try {
-    s.config = load_config(plan, sets);
+    s.config = plan::load_config(plan, sets);
     watch_stop_signals(s.config.checkpoint.on_signal);
     loaded = true;
-  } catch (const UserError& e) {
+  } catch (const plan::UserError& e) {
     error = e.what();
   }
   double timeout_s = s.config.parallel.timeout_s;
   if (!loaded) {  // the plan's default
-    Config defaults;
-    for (const auto& f : bind_fields(defaults))
+    plan::Config defaults;
+    for (const auto& f : plan::bind_fields(defaults))
       if (f.key == "parallel.timeout_s") timeout_s = std::get<double>(f.def);
   }
   s.store = parallel::rendezvous(world, timeout_s);
@@ -409,7 +411,7 @@ Start start_run(const std::string& plan, const std::vector<std::string>& sets,
   if (loaded) {
     try {
       s.lock = check_start(s.config, world);
-    } catch (const UserError& e) {
+    } catch (const plan::UserError& e) {
       error = e.what();
     }
   }
@@ -440,4 +442,4 @@ void fail_run(Peers* peers, std::exception_ptr error) {
   }
 }
 
-}  // namespace tessel
+}  // namespace tessel::run

@@ -26,7 +26,7 @@
 #include "core/plan/config.h"
 #include "parallel/world.h"
 
-namespace tessel {
+namespace tessel::run {
 
 /// Exclusive locks held while the process lives, so that two trainers never write one run: on
 /// <run.output_dir>/.lock (flock; the file names its holder, host, pid and start time, for the
@@ -105,7 +105,7 @@ class Peers {
 
 /// A started run: its plan, and with several ranks the rendezvous store and the peers watch.
 struct Start {
-  Config config;
+  plan::Config config;
   c10::intrusive_ptr<c10d::Store> store;  // null for one process
   std::shared_ptr<Peers> peers;           // null for one process
   RunLock lock;                           // held by rank 0
@@ -120,4 +120,4 @@ Start start_run(const std::string& plan, const std::vector<std::string>& sets,
 /// the failure is posted for the other ranks. Rethrows with the same category (UserError or not).
 [[noreturn]] void fail_run(Peers* peers, std::exception_ptr error);
 
-}  // namespace tessel
+}  // namespace tessel::run

@@ -8,7 +8,7 @@
 
 #include "core/observe/host_reads.h"
 
-namespace tessel {
+namespace tessel::run {
 namespace {
 
 int cuda_index(const torch::Device& d) { return d.index() < 0 ? 0 : d.index(); }
@@ -75,4 +75,4 @@ std::map<std::string, double> StepCounters::comm_bytes_per_step() const {
   return out;
 }
 
-}  // namespace tessel
+}  // namespace tessel::run

@@ -13,7 +13,7 @@
 #include "core/observe/counters.h"
 #include "parallel/mesh.h"
 
-namespace tessel {
+namespace tessel::run {
 
 class StepCounters {
  public:
@@ -48,4 +48,4 @@ class StepCounters {
   int64_t reads_at_begin_ = 0, reads_ = 0;
 };
 
-}  // namespace tessel
+}  // namespace tessel::run

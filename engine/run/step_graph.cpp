@@ -5,12 +5,12 @@
 
 #include "core/plan/user_error.h"
 
-namespace tessel {
+namespace tessel::run {
 
 std::unique_ptr<GraphBackend> make_cuda_graph_backend() {
   const auto* cuda = device::cuda_module();
   if (!cuda)
-    throw UserError("training.cuda_graph needs CUDA: " + device::cuda_unavailable_reason());
+    throw plan::UserError("training.cuda_graph needs CUDA: " + device::cuda_unavailable_reason());
   return cuda->make_graph();
 }
 
@@ -49,4 +49,4 @@ StepGraph::Ran StepGraph::run(bool eager_only, const std::function<void()>& step
   return Ran::kCaptured;
 }
 
-}  // namespace tessel
+}  // namespace tessel::run

@@ -23,7 +23,7 @@
 
 #include "core/device/cuda.h"
 
-namespace tessel {
+namespace tessel::run {
 
 /// Eager steps before the capture (training.cuda_graph's documented 3).
 constexpr int64_t kGraphWarmupSteps = 3;
@@ -64,4 +64,4 @@ class StepGraph {
   std::string failure_;
 };
 
-}  // namespace tessel
+}  // namespace tessel::run

@@ -10,7 +10,7 @@
 
 #include "core/plan/config.h"
 
-namespace tessel {
+namespace tessel::run {
 namespace {
 
 volatile std::sig_atomic_t g_signal = 0;
@@ -21,7 +21,7 @@ int signal_number(const std::string& name) {
       {"SIGTERM", SIGTERM}, {"SIGUSR1", SIGUSR1}, {"SIGUSR2", SIGUSR2}, {"SIGINT", SIGINT}};
   auto it = known.find(name);
   if (it == known.end())
-    throw UserError("checkpoint.on_signal: unknown signal '" + name +
+    throw plan::UserError("checkpoint.on_signal: unknown signal '" + name +
                     "' (SIGTERM, SIGUSR1, SIGUSR2 or SIGINT)");
   return it->second;
 }
@@ -101,4 +101,4 @@ bool StopOnSignal::stop_after(const torch::Tensor& votes) {
   return stop;
 }
 
-}  // namespace tessel
+}  // namespace tessel::run

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-namespace tessel {
+namespace tessel::run {
 
 /// Exit code of a run stopped by a signal after saving a checkpoint (sysexits' EX_TEMPFAIL: run
 /// the same command again to resume).
@@ -59,4 +59,4 @@ class StopOnSignal {
   std::unique_ptr<Readback> previous_;
 };
 
-}  // namespace tessel
+}  // namespace tessel::run

@@ -20,14 +20,14 @@
 #include "parallel/dp/grad_sync.h"
 #include "parallel/pp/executor.h"
 
-namespace tessel {
+namespace tessel::run {
 
 Trainer::Trainer(Start start, const parallel::WorldInfo& world)
     : c_(std::move(start.config)),
       peers_(std::move(start.peers)),
       lock_(std::move(start.lock)),
       device_(resolve_device(c_.training.device, world, &device_why_)),
-      dtype_(resolve_dtype(c_.training.dtype)) {
+      dtype_(planner::resolve_dtype(c_.training.dtype)) {
   // start_run() checked the plan against this node and agreed with every rank.
   configure_device(c_, device_);
   attention_ = attention_kernel(c_, device_, dtype_);
@@ -37,8 +37,8 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   check_same_plan(c_, *mesh_);
   if (mesh_->rank() == 0) {
     std::filesystem::create_directories(c_.run.output_dir);
-    write_file_atomic((std::filesystem::path(c_.run.output_dir) / "config.yaml").string(),
-                      dump_config(c_));
+    io::write_file_atomic((std::filesystem::path(c_.run.output_dir) / "config.yaml").string(),
+                      plan::dump_config(c_));
   } else {
     spdlog::set_level(spdlog::level::warn);  // rank 0 reports for everyone
   }
@@ -61,10 +61,10 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   const bool sp = c_.parallel.sequence_parallel && l.tp > 1;
   // One micro-batch between stages: this cp rank's tokens (SP: its tp share of them).
   activation_shape_ = {t.micro_batch, t.seq_len / l.cp / (sp ? l.tp : 1), c_.model.hidden};
-  executor_ = make_executor(parallel::pp::make_schedule(c_.parallel.pipeline_schedule.name(), l.pp,
+  executor_ = make_executor(parallel::pp::make_schedule(c_.parallel.pipeline_schedule, l.pp,
                                                         t.global_batch / (l.dp * t.micro_batch),
                                                         c_.parallel.virtual_stages));
-  if (pairs_microbatches(c_, mesh_->world(), device_.is_cuda(), at::get_num_threads())) {
+  if (plan::pairs_microbatches(c_, mesh_->world(), device_.is_cuda(), at::get_num_threads())) {
     std::vector<torch::Tensor> weights;
     for (const auto& p : models::named_params(model_)) weights.push_back(p.tensor);
     executor_->pair_microbatches(std::move(weights));
@@ -75,7 +75,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   log_state();
   stop_ = std::make_unique<StopOnSignal>(c_.checkpoint.on_signal, device_);
   counters_ = std::make_unique<StepCounters>(*mesh_, device_);
-  if (const auto [a, b] = profile_steps(c_, first_step_); b >= a)
+  if (const auto [a, b] = plan::profile_steps(c_, first_step_); b >= a)
     profiler_ = std::make_unique<observe::StepProfiler>(
         a, b, (std::filesystem::path(c_.run.output_dir) / "profile").string(), mesh_->rank(),
         device_.is_cuda());
@@ -277,7 +277,7 @@ void Trainer::sync_replicated_grads() {
 
 void Trainer::check_finite() const {
   if (const int64_t bad = scaler_->first_non_finite_step())
-    throw UserError(fmt::format(
+    throw plan::UserError(fmt::format(
         "step {}: the loss or the gradient norm is not finite (training.dtype {}); that step's "
         "update was skipped and training stops here, saving nothing from step {} on. Lower "
         "training.optimizer.lr, set training.grad_clip, or check the data; the last checkpoint "
@@ -320,7 +320,8 @@ int Trainer::train() {
       auto t0 = std::chrono::steady_clock::now();
       check_finite();  // a non-finite step is never saved
       sync_->weights_ready();
-      auto dir = save_checkpoint(c_, *mesh_, model_, *opt_, *scaler_, {step, consumed_});
+      auto dir =
+          checkpoint::save_checkpoint(c_, *mesh_, model_, *opt_, *scaler_, {step, consumed_});
       spdlog::info("checkpoint {}", dir);
       last_log_time_ += std::chrono::steady_clock::now() - t0;
     }
@@ -338,7 +339,7 @@ int Trainer::train() {
   // The last checkpoint is complete on every rank (its save ends with a world barrier).
   shut_down();  // before rank 0's export: the others need not wait for it
   if (!c_.checkpoint.export_hf.empty() && mesh_->rank() == 0)
-    export_hf(c_.checkpoint_dir(), c_.checkpoint.export_hf, "", "checkpoint.export_hf");
+    checkpoint::export_hf(c_.checkpoint_dir(), c_.checkpoint.export_hf, "", "checkpoint.export_hf");
   return 0;
 }
 
@@ -350,4 +351,4 @@ void Trainer::shut_down() {
     spdlog::info("every rank reached the end; {} communicators of this rank shut down", n);
 }
 
-}  // namespace tessel
+}  // namespace tessel::run

@@ -37,7 +37,7 @@ struct StepStats;
 struct Schedule;
 }  // namespace tessel::parallel::pp
 
-namespace tessel {
+namespace tessel::run {
 class StepCounters;
 
 class Trainer {
@@ -84,7 +84,7 @@ class Trainer {
   void shut_down();   // the end every rank reaches together: parallel::Mesh::shutdown
   void report_end();  // the figures printed and written when the run is done
 
-  Config c_;
+  plan::Config c_;
   std::shared_ptr<Peers> peers_;  // several ranks: heartbeat and failures (startup.h)
   RunLock lock_;                  // rank 0: the run folder is ours
   std::unique_ptr<parallel::Mesh> mesh_;
@@ -120,7 +120,7 @@ class Trainer {
   std::unique_ptr<data::Dataset> data_;
   std::unique_ptr<observe::MetricsLog> metrics_;
   double flops_per_token_ = 0;
-  Peak peak_;
+  planner::Peak peak_;
   // Timing between logged steps: the loss read at a log step is the only host sync.
   std::chrono::steady_clock::time_point last_log_time_, start_time_;
   int64_t last_log_step_ = 0;
@@ -131,4 +131,4 @@ class Trainer {
   int64_t setup_rss_ = 0;          // peak resident set before the first step
 };
 
-}  // namespace tessel
+}  // namespace tessel::run

@@ -26,7 +26,7 @@
 #include "parallel/dp/grad_sync.h"
 #include "parallel/pp/executor.h"
 
-namespace tessel {
+namespace tessel::run {
 
 void Trainer::log_layout(const parallel::WorldInfo& world) const {
   const auto& l = mesh_->layout();
@@ -81,7 +81,7 @@ void Trainer::log_state() const {
   spdlog::info("device {}: {}", device_.str(), device_why_);
   spdlog::info("attention: {}", attention_);
   spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
-               kFlopsConvention, peak_.tflops, peak_.source);
+               planner::kFlopsConvention, peak_.tflops, peak_.source);
 }
 
 void Trainer::log_step(int64_t step, StepOut& out) {
@@ -177,7 +177,7 @@ torch::Tensor Trainer::gather_figures(const std::vector<double>& mine) const {
 }
 
 void Trainer::write_report(const std::string& file, const nlohmann::json& report) const {
-  write_file_atomic((std::filesystem::path(c_.run.output_dir) / file).string(),
+  io::write_file_atomic((std::filesystem::path(c_.run.output_dir) / file).string(),
                     report.dump(1) + "\n");
 }
 
@@ -224,11 +224,12 @@ void Trainer::report_memory() {
   for (const auto& [_, v] : comm) mine.push_back(v);
   const auto all = gather_figures(mine);
   if (!all.defined()) return;
-  nlohmann::json out = {{"zero", c_.parallel.zero},
-                        {"dtype", c_.training.dtype.name()},
-                        {"data_ranks", mesh_->dp_cp().size()},
-                        {"predicted", predicted_bytes(c_, mesh_->layout())},  // --dry-run's
-                        {"ranks", nlohmann::json::array()}};
+  nlohmann::json out = {
+      {"zero", c_.parallel.zero},
+      {"dtype", c_.training.dtype.name()},
+      {"data_ranks", mesh_->dp_cp().size()},
+      {"predicted", planner::predicted_bytes(c_, mesh_->layout())},  // --dry-run's
+      {"ranks", nlohmann::json::array()}};
   for (int64_t r = 0; r < all.size(0); ++r) {
     nlohmann::json row = {{"rank", r}};
     int64_t k = 0;
@@ -286,12 +287,12 @@ void Trainer::report_pipeline() {
 
 void Trainer::measure_flops() {
   // N sums over pipeline stages (each rank counts its own stages' parameters).
-  auto n = torch::full({}, flops_parameters(model_),
+  auto n = torch::full({}, planner::flops_parameters(model_),
                        torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   if (mesh_->layout().pp > 1) mesh_->group(parallel::GroupKind::kPp).all_reduce(n).wait();
   flops_per_token_ =
-      flops_per_token(model_->options().model, n.item<double>(), c_.training.seq_len);
-  peak_ = device_peak(c_, device_, dtype_);
+      planner::flops_per_token(model_->options().model, n.item<double>(), c_.training.seq_len);
+  peak_ = planner::device_peak(c_, device_, dtype_);
 }
 
 double Trainer::take_exposed_comm_ms() {
@@ -302,4 +303,4 @@ double Trainer::take_exposed_comm_ms() {
   return carried + sync_->take_wait_ms();
 }
 
-}  // namespace tessel
+}  // namespace tessel::run

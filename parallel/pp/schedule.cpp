@@ -8,10 +8,12 @@
 #include <map>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <tuple>
 
 #include <c10/util/Exception.h>
 #include "core/plan/config.h"
+#include "core/plan/layout.h"
 
 namespace tessel::parallel::pp {
 namespace {
@@ -223,18 +225,22 @@ Schedule zero_bubble_v(int64_t p, int64_t m) {
   return list_scheduled(std::move(s), most, most);
 }
 
-double theory_bubble(const std::string& name, int64_t p, int64_t m, int64_t v) {
+double theory_bubble(plan::PipelineSchedule schedule, int64_t p, int64_t m, int64_t v) {
   const double base = static_cast<double>(p - 1) / static_cast<double>(m);
-  if (name == "interleaved") return base / static_cast<double>(v);
-  if (name == "zb-h1") return base / 3;
-  if (name == "zbv") return base / 6;
+  switch (schedule) {
+    case plan::PipelineSchedule::kInterleaved: return base / static_cast<double>(v);
+    case plan::PipelineSchedule::kZbH1: return base / 3;
+    case plan::PipelineSchedule::kZbv: return base / 6;
+    case plan::PipelineSchedule::kGpipe:
+    case plan::PipelineSchedule::k1F1B: break;
+  }
   return base;
 }
 
-int64_t stage_of(const std::string& schedule, int64_t p, int64_t rank, int64_t chunk) {
+int64_t stage_of(plan::PipelineSchedule schedule, int64_t p, int64_t rank, int64_t chunk) {
   Schedule s;
   s.stages = p;
-  s.v_shape = schedule == "zbv";
+  s.v_shape = schedule == plan::PipelineSchedule::kZbv;
   return s.stage_of(rank, chunk);
 }
 
@@ -268,36 +274,18 @@ Schedule forward_only(int64_t p, int64_t m, int64_t v, bool v_shape) {
   return lockstep(s);
 }
 
-Schedule make_schedule(const std::string& name, int64_t p, int64_t m, int64_t v) {
-  if (name == "gpipe") return gpipe(p, m);
-  if (m < p)
-    throw UserError(fmt::format(
-        "parallel.pipeline.schedule {} needs at least parallel.pp ({}) micro-batches per "
-        "step, got {} (training.global_batch / (parallel.dp·training.micro_batch))",
-        name, p, m));
-  if (name == "1f1b") return one_f_one_b(p, m);
-  if (name == "interleaved") {
-    if (v < 2)
-      throw UserError(fmt::format(
-          "parallel.pipeline.schedule interleaved needs parallel.pipeline.virtual_stages >= 2, "
-          "got {}",
-          v));
-    if (m % p != 0)
-      throw UserError(fmt::format(
-          "parallel.pipeline.schedule interleaved needs micro-batches per step ({}) divisible "
-          "by parallel.pp ({})",
-          m, p));
-    return interleaved(p, m, v);
+Schedule make_schedule(plan::PipelineSchedule schedule, int64_t p, int64_t m, int64_t v) {
+  if (auto problem = plan::schedule_problem(schedule, p, m, v); !problem.empty())
+    throw plan::UserError(problem);
+  switch (schedule) {
+    case plan::PipelineSchedule::kGpipe: return gpipe(p, m);
+    case plan::PipelineSchedule::k1F1B: return one_f_one_b(p, m);
+    case plan::PipelineSchedule::kInterleaved: return interleaved(p, m, v);
+    case plan::PipelineSchedule::kZbH1: return zero_bubble_h1(p, m);
+    case plan::PipelineSchedule::kZbv: return zero_bubble_v(p, m);
   }
-  if (name == "zb-h1") return zero_bubble_h1(p, m);
-  if (name == "zbv") {
-    if (v != 2)
-      throw UserError(fmt::format(
-          "parallel.pipeline.schedule zbv needs parallel.pipeline.virtual_stages: 2, got {}", v));
-    return zero_bubble_v(p, m);
-  }
-  throw UserError("parallel.pipeline.schedule: unknown schedule '" + name +
-                  "' (gpipe, 1f1b, interleaved, zb-h1, zbv)");
+  throw std::logic_error(fmt::format("make_schedule: schedule {} has no builder",
+                                     static_cast<int>(schedule)));
 }
 
 }  // namespace tessel::parallel::pp

@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/plan/config.h"
+
 namespace tessel::parallel::pp {
 
 /// kBackward: a whole backward. Zero-bubble schedules split it (weight_grad.h): kBackwardInput
@@ -58,7 +60,7 @@ struct Schedule {
 };
 
 /// Chunk c of rank r's pipeline stage under the named schedule's placement (see Schedule).
-int64_t stage_of(const std::string& schedule, int64_t p, int64_t rank, int64_t chunk);
+int64_t stage_of(plan::PipelineSchedule schedule, int64_t p, int64_t rank, int64_t chunk);
 
 /// Global layer range [begin, end) of each of the `stages` (p·v) pipeline stages: `per_stage`
 /// when given (already checked against the plan), else an even split in which the first
@@ -90,17 +92,16 @@ Schedule zero_bubble_h1(int64_t p, int64_t m);
 /// memory (2p half-stage chunks per rank, from F to W). With F, B and W alike: (p−1)/(6m), half
 /// of ZB-H1's bubble.
 Schedule zero_bubble_v(int64_t p, int64_t m);
-/// The papers' bubble of schedule `name` with backward = 2 forwards (B = W = 1), as a share of the
+/// The papers' bubble of `schedule` with backward = 2 forwards (B = W = 1), as a share of the
 /// ideal step m·(F + B + W): gpipe and 1f1b (p−1)/m, interleaved (p−1)/(v·m), zb-h1 (p−1)/(3m),
 /// zbv (p−1)/(6m).
-double theory_bubble(const std::string& name, int64_t p, int64_t m, int64_t v);
+double theory_bubble(plan::PipelineSchedule schedule, int64_t p, int64_t m, int64_t v);
 /// Forward passes only (evaluation): each rank runs its chunks in order, every micro-batch
 /// through chunk 0, then through chunk 1, ..., placed as `like` places them.
 Schedule forward_only(int64_t p, int64_t m, int64_t v, bool v_shape = false);
-/// By name (gpipe | 1f1b | interleaved | zb-h1 | zbv), after checking the schedule's needs;
-/// throws UserError naming the values (all but gpipe need m >= p; interleaved also m % p == 0
-/// and v >= 2; zbv v == 2).
-Schedule make_schedule(const std::string& name, int64_t p, int64_t m, int64_t v);
+/// The plan's schedule, after checking its needs (schedule_problem, core/plan/layout.h): throws
+/// UserError naming the values.
+Schedule make_schedule(plan::PipelineSchedule schedule, int64_t p, int64_t m, int64_t v);
 
 struct Simulation {
   bool deadlock = false;

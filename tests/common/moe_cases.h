@@ -14,7 +14,7 @@ namespace tessel::testing {
 inline void check_moe_on(const torch::Device& device, torch::ScalarType dtype, double tol) {
   parallel::Group solo{"solo", {0}, 0, nullptr}, solo_ep{"solo", {0}, 0, nullptr};
   models::DecoderOptions o;
-  o.model.arch = tessel::ModelArch::kLlama;
+  o.model.arch = tessel::plan::ModelArch::kLlama;
   o.model.layers = 1, o.model.hidden = 64, o.model.heads = 4, o.model.kv_heads = 4;
   o.model.moe.experts = 8, o.model.moe.top_k = 2, o.model.moe.ffn_hidden = 32;
   o.model.moe.shared = 1, o.model.moe.aux_loss_coef = 0.1;

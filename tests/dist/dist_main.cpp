@@ -21,14 +21,14 @@ int main(int argc, char** argv) {
   tessel::device::reproducible_cpu_blas();
   ::testing::InitGoogleTest(&argc, argv);
   auto world = tessel::parallel::discover_world();
-  auto c = tessel::load_config_text(
+  auto c = tessel::plan::load_config_text(
       "data: {path: none}\nmodel: {heads: 4}\ntraining: {global_batch: 1, micro_batch: 1, device: "
       "cpu}\n"
       "parallel: {timeout_s: 60, tp: " +
           std::to_string(world.world) + "}\n",
       "collectives_test");
   tessel::parallel::g_mesh = tessel::parallel::Mesh::create(c, world, torch::kCPU);
-  auto cp = tessel::load_config_text(
+  auto cp = tessel::plan::load_config_text(
       "data: {path: none}\nmodel: {heads: 4, max_seq_len: 16}\ntraining: {global_batch: 1, "
       "micro_batch: 1, seq_len: 16, device: cpu}\nparallel: {timeout_s: 60, cp: " +
           std::to_string(world.world) + ", context: {method: hybrid, alltoall_size: 2}}\n",

@@ -15,10 +15,10 @@ namespace {
 
 TEST(WeightGather, EachUnitIsWholeOnceItsHookHasWaited) {
   auto& g = test_group();
-  const Config c = load_config_text(
+  const plan::Config c = plan::load_config_text(
       "data: {path: x}\nmodel: {arch: llama, layers: 3, hidden: 16, heads: 2, vocab_size: 301}\n",
       "t");
-  auto model = models::build_model(model_shape(c.model), 3);
+  auto model = models::build_model(planner::model_shape(c.model), 3);
   const auto params = models::named_params(model);
   for (int64_t zero : {1, 2}) {
     // Buckets of 1,000 elements: several units' parameters share buckets.

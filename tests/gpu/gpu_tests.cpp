@@ -279,8 +279,8 @@ TEST(CudaCheckpoint, HostCopiesAreWhatTheDeviceHeld) {
       {"empty", torch::empty({0, 3}, o)},
       {"late", big.matmul(big)}};  // still computing when the copies are queued
   const auto path = std::filesystem::temp_directory_path() / "tessel_gpu_host_copies.safetensors";
-  write_safetensors(path.string(), t, {});
-  const auto back = read_safetensors(path.string());
+  io::write_safetensors(path.string(), t, {});
+  const auto back = io::read_safetensors(path.string());
   for (const auto& [name, x] : t) {
     const auto& y = back.tensors.at(name);
     EXPECT_EQ(y.scalar_type(), x.scalar_type()) << name;
@@ -292,10 +292,10 @@ TEST(CudaCheckpoint, HostCopiesAreWhatTheDeviceHeld) {
 // Rows reach the device through pinned memory without waiting, and are the rows.
 TEST(CudaData, RowsOnTheDevice) {
   auto rows = torch::randint(0, 50000, {8, 129}, torch::kInt64);
-  auto d = to_device(rows, g_device);
+  auto d = run::to_device(rows, g_device);
   EXPECT_TRUE(d.is_cuda());
   EXPECT_TRUE(torch::equal(d.cpu(), rows));
-  EXPECT_FALSE(to_device(rows, torch::kCPU).is_cuda());
+  EXPECT_FALSE(run::to_device(rows, torch::kCPU).is_cuda());
 }
 
 // NCCL: every typed collective, on CUDA tensors, over all ranks (skipped at world size 1: two
@@ -396,7 +396,7 @@ TEST(Nccl, SideChannelBesideTheGroup) {
 TEST(Nccl, PipelineChannelsOneWayEach) {
   if (!g_mesh) GTEST_SKIP() << "world size 1: NCCL needs one GPU per rank";
   const int64_t world = g_mesh->world_group().size();
-  auto c = load_config_text(
+  auto c = plan::load_config_text(
       "data: {path: none}\nmodel: {heads: 4, layers: " + std::to_string(2 * world) +
           "}\ntraining: {global_batch: " + std::to_string(world) +
           ", micro_batch: 1, device: cuda}\nparallel: {timeout_s: 120, backend: nccl, pp: " +
@@ -449,14 +449,14 @@ int main(int argc, char** argv) {
                                           at::Float32Precision::IEEE);
   const auto world = tessel::parallel::discover_world();
   if (world.world > 1) {
-    auto c = tessel::load_config_text(
+    auto c = tessel::plan::load_config_text(
         "data: {path: none}\nmodel: {heads: 4}\ntraining: {global_batch: " +
             std::to_string(world.world) +
             ", micro_batch: 1, device: cuda}\nparallel: {timeout_s: 120, backend: nccl, zero: 3, "
             "dp: " +
             std::to_string(world.world) + "}\n",
         "gpu_tests");
-    const auto device = tessel::resolve_device(tessel::TrainDevice::kCuda, world);
+    const auto device = tessel::run::resolve_device(tessel::plan::TrainDevice::kCuda, world);
     c10::cuda::set_device(device.index());
     tessel::testing::g_device = device;
     tessel::testing::g_mesh = tessel::parallel::Mesh::create(c, world, device);

@@ -1,5 +1,5 @@
 """The code's structure, held for the whole tree: the layer order of LAYERS for every #include
-(check_layers.py), and no function over 60 lines in the engine's folders (check_functions.py).
+(check_layers.py), namespaces that follow folders (check_namespaces.py), and no function over 60 lines in the engine's folders (check_functions.py).
 Each check is also shown to fail, naming what is wrong, on a made-up tree."""
 import os
 import subprocess
@@ -91,6 +91,30 @@ class Choices(unittest.TestCase):
             self.assertNotIn("rules.cpp", out)
             self.assertIn("1 comparison(s) of a typed plan choice with a string outside core/plan/ (typed: "
                           "pipeline_schedule; enumerated keys still held as strings: 1: model.arch)", out)
+
+
+class Namespaces(unittest.TestCase):
+    def test_namespaces_follow_folders(self):
+        rc, out = check("check_namespaces.py", ROOT)
+        self.assertEqual(rc, 0, out)
+        self.assertIn("0 namespace(s) against their folder", out)
+
+    def test_stray_namespace_is_named(self):
+        with tempfile.TemporaryDirectory() as d:
+            write = tree_writer(d)
+            write("engine/run/train.h", "namespace tessel::parallel::dp {\nclass GradSync;\n}  // fwd\n"
+                                        "namespace tessel::run {\nint a;\n}  // namespace tessel::run\n")
+            write("engine/run/bad.cpp", "namespace tessel {\nint b;\n}  // namespace tessel\n")
+            write("core/kernels/k.cpp", "namespace tessel::kernels::cpu {\nint c;\n}\n")
+            write("parallel/pp/s.cpp", "namespace tessel::parallel {\nint d;\n}\n")
+            rc, out = check("check_namespaces.py", d)
+            self.assertEqual(rc, 1, out)
+            self.assertIn("engine/run/bad.cpp:1: opens namespace tessel; its folder's is tessel::run", out)
+            self.assertIn("parallel/pp/s.cpp:1: opens namespace tessel::parallel; its folder's is "
+                          "tessel::parallel::pp", out)
+            self.assertNotIn("train.h", out)
+            self.assertNotIn("k.cpp", out)
+            self.assertIn("2 namespace(s) against their folder in 4 files", out)
 
 
 class Functions(unittest.TestCase):

@@ -21,25 +21,27 @@ data: {format: text, path: [a.txt]}
 )";
 
 TEST(Config, DefaultsResolveAndOverride) {
-  Config c = load_config_text(kGood, "good.yaml", {"training.optimizer.lr=0.01", "model.layers=3"});
-  EXPECT_EQ(c.model.arch, ModelArch::kLlama);
+  plan::Config c =
+      plan::load_config_text(kGood, "good.yaml", {"training.optimizer.lr=0.01", "model.layers=3"});
+  EXPECT_EQ(c.model.arch, plan::ModelArch::kLlama);
   EXPECT_EQ(c.model.kv_heads, 2);
-  EXPECT_EQ(c.model.tie_embeddings, TieEmbeddings::kFalse);  // auto resolves by arch
+  EXPECT_EQ(c.model.tie_embeddings, plan::TieEmbeddings::kFalse);  // auto resolves by arch
   EXPECT_EQ(c.model.ffn_hidden, 192);                        // 8/3·64 = 170.7 -> 192
   EXPECT_DOUBLE_EQ(c.training.optimizer.lr, 0.01);
   EXPECT_EQ(c.model.layers, 3);
-  EXPECT_EQ(c.parallel.dp, 0);  // auto: resolved against the world by parallel::check_layout
-  Config g = load_config_text("data: {path: x}\n", "g.yaml");
-  EXPECT_EQ(g.model.tie_embeddings, TieEmbeddings::kTrue);
+  EXPECT_EQ(c.parallel.dp, 0);  // auto: resolved against the world by plan::check_layout
+  plan::Config g = plan::load_config_text("data: {path: x}\n", "g.yaml");
+  EXPECT_EQ(g.model.tie_embeddings, plan::TieEmbeddings::kTrue);
   EXPECT_EQ(g.model.ffn_hidden, 4 * g.model.hidden);
   EXPECT_EQ(g.data.path, std::vector<std::string>{"x"});  // a scalar is a one-element list
 }
 
 TEST(Config, DumpReloadsToTheSamePlan) {
-  Config c = load_config_text(kGood, "good.yaml", {"training.optimizer.betas=[0.8, 0.99]"});
-  std::string dumped = dump_config(c);
-  Config again = load_config_text(dumped, "dumped.yaml");
-  EXPECT_EQ(dump_config(again), dumped);
+  plan::Config c =
+      plan::load_config_text(kGood, "good.yaml", {"training.optimizer.betas=[0.8, 0.99]"});
+  std::string dumped = plan::dump_config(c);
+  plan::Config again = plan::load_config_text(dumped, "dumped.yaml");
+  EXPECT_EQ(plan::dump_config(again), dumped);
   EXPECT_EQ(again.training.optimizer.betas, (std::vector<double>{0.8, 0.99}));
 }
 
@@ -49,16 +51,17 @@ const std::string kData = "data: {path: a.txt}\n";
 // either wins over the plan's other name, and the resolved plan carries both.
 TEST(Config, RecomputeAliases) {
   const std::string plan = kData + "training: {activation_checkpointing: full}\n";
-  Config c = load_config_text(plan, "p.yaml", {"training.recompute=none"});
+  plan::Config c = plan::load_config_text(plan, "p.yaml", {"training.recompute=none"});
   EXPECT_EQ(c.training.recompute.name(), "none");
   EXPECT_EQ(c.training.activation_checkpointing.name(), "none");
-  c = load_config_text(plan, "p.yaml");
+  c = plan::load_config_text(plan, "p.yaml");
   EXPECT_EQ(c.training.recompute.name(), "full");
-  c = load_config_text(kData + "training: {recompute: selective}\n", "p.yaml",
+  c = plan::load_config_text(kData + "training: {recompute: selective}\n", "p.yaml",
                        {"training.activation_checkpointing=full"});
   EXPECT_EQ(c.training.recompute.name(), "full");
   EXPECT_EQ(c.training.activation_checkpointing.name(), "full");
-  Config again = load_config_text(dump_config(c), "dumped.yaml");  // both keys, agreeing
+  plan::Config again =
+      plan::load_config_text(plan::dump_config(c), "dumped.yaml");  // both keys, agreeing
   EXPECT_EQ(again.training.recompute.name(), "full");
 }
 
@@ -76,9 +79,9 @@ class BadPlans : public ::testing::TestWithParam<BadPlan> {};
 TEST_P(BadPlans, FailWithTheirMessage) {
   const auto& p = GetParam();
   try {
-    load_config_text(p.yaml, "plan.yaml", p.overrides);
+    plan::load_config_text(p.yaml, "plan.yaml", p.overrides);
     FAIL() << "accepted: " << p.name;
-  } catch (const UserError& e) {
+  } catch (const plan::UserError& e) {
     EXPECT_NE(std::string(e.what()).find(p.expected), std::string::npos)
         << p.name << "\n  got:      " << e.what() << "\n  expected: " << p.expected;
   }
@@ -210,11 +213,11 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(Config, ReportsEveryCrossFieldError) {
   try {
-    load_config_text(
+    plan::load_config_text(
         kData + "model: {hidden: 100, heads: 12}\ntraining: {global_batch: 10, micro_batch: 4}\n",
         "plan.yaml");
     FAIL();
-  } catch (const UserError& e) {
+  } catch (const plan::UserError& e) {
     std::string m = e.what();
     EXPECT_NE(m.find("plan.yaml:2: model.hidden (100)"), std::string::npos) << m;
     EXPECT_NE(m.find("plan.yaml:3: training.global_batch (10)"), std::string::npos) << m;
@@ -222,8 +225,8 @@ TEST(Config, ReportsEveryCrossFieldError) {
 }
 
 TEST(Config, NearestKey) {
-  EXPECT_EQ(nearest_key("training.optimizer.weightdecay"), "training.optimizer.weight_decay");
-  EXPECT_EQ(nearest_key("model.vocab"), "model.vocab_size");
+  EXPECT_EQ(plan::nearest_key("training.optimizer.weightdecay"), "training.optimizer.weight_decay");
+  EXPECT_EQ(plan::nearest_key("model.vocab"), "model.vocab_size");
 }
 
 TEST(Config, GeneratedReferenceIsCurrent) {
@@ -233,7 +236,7 @@ TEST(Config, GeneratedReferenceIsCurrent) {
   ASSERT_TRUE(f) << "docs/configuration.md is missing: run `make docs`";
   std::stringstream s;
   s << f.rdbuf();
-  EXPECT_EQ(s.str(), config_reference()) << "docs/configuration.md is stale: run `make docs`";
+  EXPECT_EQ(s.str(), plan::config_reference()) << "docs/configuration.md is stale: run `make docs`";
 }
 
 }  // namespace

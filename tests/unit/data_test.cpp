@@ -28,8 +28,8 @@ class DataTest : public ::testing::Test {
     std::ofstream(dir_ / name, std::ios::binary) << bytes;
     return (dir_ / name).string();
   }
-  Config plan(const std::string& format, std::vector<std::string> path, int64_t seq_len = 8) {
-    Config c = load_config_text("data: {path: x}\n", "t.yaml");
+  plan::Config plan(const std::string& format, std::vector<std::string> path, int64_t seq_len = 8) {
+    plan::Config c = plan::load_config_text("data: {path: x}\n", "t.yaml");
     if (!c.data.format.set_name(format)) throw std::invalid_argument("data.format " + format);
     c.data.path = std::move(path);
     c.data.shuffle = false;
@@ -40,7 +40,7 @@ class DataTest : public ::testing::Test {
     try {
       f();
       FAIL() << "no error; expected: " << part;
-    } catch (const UserError& e) {
+    } catch (const plan::UserError& e) {
       EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
     }
   }
@@ -83,7 +83,7 @@ TEST_F(DataTest, OrderIsAPureFunctionOfSeedAndEpoch) {
   for (int64_t i = 0; i < 1000; ++i) ASSERT_EQ(sorted[i], i);
   // Positions past one epoch wrap into the next epoch's order.
   write("a.txt", std::string(400, 'x'));
-  Config c = plan("text", {(dir_ / "a.txt").string()});
+  plan::Config c = plan("text", {(dir_ / "a.txt").string()});
   c.data.shuffle = true;
   Dataset d(c);
   const int64_t n = d.train_samples();
@@ -95,7 +95,7 @@ TEST_F(DataTest, ValidationSplitIsTheEndOfTheStream) {
   std::string s;
   for (int i = 0; i < 200; ++i) s += static_cast<char>('a' + i % 26);
   write("a.txt", s);
-  Config c = plan("text", {(dir_ / "a.txt").string()});
+  plan::Config c = plan("text", {(dir_ / "a.txt").string()});
   c.data.val_fraction = 0.25;
   Dataset d(c);
   EXPECT_EQ(d.train_tokens(), 201 - 50);
@@ -134,7 +134,7 @@ TEST_F(DataTest, OutOfRangeTokenNamesFileAndSample) {
   std::vector<uint16_t> toks(40, 7);
   toks[21] = 300;
   write("t.u16", std::string(reinterpret_cast<const char*>(toks.data()), toks.size() * 2));
-  Config c = plan("tokens", {(dir_ / "t.u16").string()});
+  plan::Config c = plan("tokens", {(dir_ / "t.u16").string()});
   Dataset d(c);
   EXPECT_NO_THROW(d.train_batch(0, 2));  // tokens 0..16
   expect_error([&] { d.train_batch(2, 1); },
@@ -151,7 +151,7 @@ TEST_F(DataTest, StartUpScanFindsEveryBadIdAndOnlyThose) {
     a[pos] = 300;
     write("a.u16", std::string(reinterpret_cast<const char*>(a.data()), a.size() * 2));
     write("b.u16", std::string(reinterpret_cast<const char*>(b.data()), b.size() * 2));
-    Config c = plan("tokens", {(dir_ / "*.u16").string()});
+    plan::Config c = plan("tokens", {(dir_ / "*.u16").string()});
     c.model.vocab_size = 300;
     const auto s = open_stream(c.data);
     EXPECT_EQ(s.first_outside(0, s.size(), 300), pos);
@@ -161,7 +161,7 @@ TEST_F(DataTest, StartUpScanFindsEveryBadIdAndOnlyThose) {
       int failed = 0;
       for (int64_t r = 0; r < world; ++r) try {
           check_token_ids(c, r, world);
-        } catch (const UserError& e) {
+        } catch (const plan::UserError& e) {
           ++failed;
           EXPECT_NE(std::string(e.what()).find("a.u16 (token " + std::to_string(pos) +
                                                "): token id 300 is outside model.vocab_size 300"),
@@ -176,7 +176,7 @@ TEST_F(DataTest, StartUpScanFindsEveryBadIdAndOnlyThose) {
   b[6999] = 65535;
   write("a.u16", std::string(reinterpret_cast<const char*>(a.data()), a.size() * 2));
   write("b.u16", std::string(reinterpret_cast<const char*>(b.data()), b.size() * 2));
-  Config c = plan("tokens", {(dir_ / "*.u16").string()});
+  plan::Config c = plan("tokens", {(dir_ / "*.u16").string()});
   c.model.vocab_size = 300;
   expect_error([&] { check_token_ids(c, 0, 1); },
                "b.u16 (token 6999): token id 65535 is outside model.vocab_size 300");
@@ -195,7 +195,7 @@ TEST_F(DataTest, StartUpScanFindsEveryBadIdAndOnlyThose) {
     const int32_t toks[2] = {7, -5};
     write("neg.bin", std::string(reinterpret_cast<const char*>(toks), 8));
   }
-  Config m = plan("megatron", {(dir_ / "neg").string()}, 1);
+  plan::Config m = plan("megatron", {(dir_ / "neg").string()}, 1);
   m.model.vocab_size = 300;
   expect_error([&] { check_token_ids(m, 0, 1); },
                "neg.bin (token 1): token id -5 is outside model.vocab_size 300");

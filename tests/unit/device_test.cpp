@@ -32,7 +32,8 @@ TEST(CudaModule, LoadedOnlyWhenAskedForThenWhole) {
   // A binary of Tessel's starts without it, and a CPU plan's device does not load it.
   ASSERT_FALSE(tessel::device::cuda_loaded());
   std::string why;
-  EXPECT_TRUE(tessel::resolve_device(tessel::TrainDevice::kCpu, tessel::parallel::WorldInfo{}, &why)
+  EXPECT_TRUE(tessel::run::resolve_device(tessel::plan::TrainDevice::kCpu,
+                                          tessel::parallel::WorldInfo{}, &why)
                   .is_cpu());
   EXPECT_EQ(why, "training.device cpu");
   EXPECT_FALSE(tessel::device::cuda_loaded());
@@ -67,13 +68,13 @@ TEST(CudaModule, LoadedOnlyWhenAskedForThenWhole) {
     EXPECT_NE(runtime.find("LibTorch's CUDA runtime is 13."), std::string::npos) << runtime;
   // Without a device, auto resolves to the CPU and says why.
   if (!available) {
-    EXPECT_TRUE(
-        tessel::resolve_device(tessel::TrainDevice::kAuto, tessel::parallel::WorldInfo{}, &why)
-            .is_cpu());
+    EXPECT_TRUE(tessel::run::resolve_device(tessel::plan::TrainDevice::kAuto,
+                                            tessel::parallel::WorldInfo{}, &why)
+                    .is_cpu());
     EXPECT_NE(why.find("no CUDA device"), std::string::npos) << why;
-    EXPECT_THROW(
-        tessel::resolve_device(tessel::TrainDevice::kCuda, tessel::parallel::WorldInfo{}, &why),
-        tessel::UserError);
+    EXPECT_THROW(tessel::run::resolve_device(tessel::plan::TrainDevice::kCuda,
+                                             tessel::parallel::WorldInfo{}, &why),
+                 tessel::plan::UserError);
   }
 }
 

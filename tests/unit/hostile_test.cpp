@@ -40,7 +40,7 @@ void spit(const fs::path& p, const std::string& text) {
 }
 
 std::string checksum_of(const std::string& bytes) {
-  Checksum c;
+  io::Checksum c;
   c.update(bytes.data(), bytes.size());
   return c.hex();
 }
@@ -125,11 +125,11 @@ class Crafted {
   }
 
   // The checkpoint's tensors as the loader assembles them.
-  models::Weights load() const { return read_checkpoint_tensors(dir_.string()); }
+  models::Weights load() const { return checkpoint::read_checkpoint_tensors(dir_.string()); }
 
  private:
   void write_file(int r, const std::vector<std::pair<std::string, torch::Tensor>>& t) {
-    const auto w = write_safetensors((dir_ / file_name(r)).string(), t, {{"format", "tessel"}});
+    const auto w = io::write_safetensors((dir_ / file_name(r)).string(), t, {{"format", "tessel"}});
     files_[file_name(r)] = {{"bytes", w.bytes}, {"checksum", w.checksum}};
   }
 
@@ -142,7 +142,7 @@ template <class F>
 std::string user_error(F&& f) {
   try {
     f();
-  } catch (const UserError& e) {
+  } catch (const plan::UserError& e) {
     return e.what();
   }
   return "";
@@ -179,9 +179,10 @@ TEST(HostileCheckpoint, ShardNamesStayInsideTheFolder) {
   EXPECT_NE(user_error([&] { c.load(); }).find("outside the checkpoint folder"), std::string::npos);
   // `latest` naming a folder elsewhere.
   spit(c.root() / "latest", "../../etc\n");
-  EXPECT_NE(
-      user_error([&] { resolve_checkpoint(c.root().string()); }).find("not a plain file name"),
-      std::string::npos);
+  EXPECT_NE(user_error([&] {
+              checkpoint::resolve_checkpoint(c.root().string());
+            }).find("not a plain file name"),
+            std::string::npos);
 }
 
 TEST(HostileCheckpoint, ShardTensorsMatchTheIndexBeforeAnyCopy) {
@@ -267,8 +268,8 @@ TEST(HostileCheckpoint, IndexValuesAreValidated) {
 TEST(HostileCheckpoint, AStepFolderWithoutItsPlanIsNotResumed) {
   // It used to resume with a warning, even when seq_len and seed had changed.
   Crafted c("noplan");
-  const Config plan = load_config_text("data: {path: [a.txt]}\n", "p.yaml");
-  const auto err = user_error([&] { check_resume_plan(plan, c.dir().string(), false); });
+  const plan::Config plan = plan::load_config_text("data: {path: [a.txt]}\n", "p.yaml");
+  const auto err = user_error([&] { run::check_resume_plan(plan, c.dir().string(), false); });
   EXPECT_NE(err.find("it has no config.yaml, the plan it was saved under"), std::string::npos)
       << err;
   EXPECT_NE(err.find("tessel-train export"), std::string::npos) << err;
@@ -347,7 +348,7 @@ bool refused_or_exact(const Crafted& c, const std::string& what) {
   models::Weights got;
   try {
     got = c.load();
-  } catch (const UserError&) {
+  } catch (const plan::UserError&) {
     return true;
   } catch (const std::exception& e) {
     ADD_FAILURE() << what << ": not a UserError: " << e.what();
@@ -421,38 +422,39 @@ TEST(HostilePlan, IntegerKeysAreBoundedWithTheReason) {
       sets.push_back("training.seq_len=2048");
     if (k.set.rfind("training.global_batch=4194304", 0) == 0)
       sets.push_back("model.max_seq_len=2048");
-    const auto err = user_error([&] { load_config_text(kPlan, "p.yaml", sets); });
+    const auto err = user_error([&] { plan::load_config_text(kPlan, "p.yaml", sets); });
     EXPECT_NE(err.find(k.says), std::string::npos) << k.set << ": " << err;
   }
   // The bound and its reason are in the reference too.
-  EXPECT_NE(config_reference().find("Range: [1, 1024] (far above published models"),
+  EXPECT_NE(plan::config_reference().find("Range: [1, 1024] (far above published models"),
             std::string::npos);
   // A schedule of more micro-batches than it can hold is refused before it is built.
-  const Config c = load_config_text(
+  const plan::Config c = plan::load_config_text(
       kPlan, "p.yaml",
       {"training.global_batch=131072", "training.micro_batch=1", "training.seq_len=16"});
   EXPECT_NE(user_error([&] {
-              parallel::check_layout(c, 1, 1);
+              plan::check_layout(c, 1, 1);
             }).find("131072 micro-batches per step: at most 65536"),
             std::string::npos);
 }
 
 TEST(HostilePlan, PartialCasesAreRefusedClearly) {
   EXPECT_NE(user_error([&] {
-              load_config_text(std::string(kPlan) + "---\nmodel: {layers: 9}\n", "p.yaml");
+              plan::load_config_text(std::string(kPlan) + "---\nmodel: {layers: 9}\n", "p.yaml");
             }).find("p.yaml: holds 2 YAML documents"),
             std::string::npos);
   EXPECT_NE(user_error([&] {
-              load_config(fs::temp_directory_path().string());
+              plan::load_config(fs::temp_directory_path().string());
             }).find(": a folder, not a plan file"),
             std::string::npos);
-  EXPECT_NE(
-      user_error([&] {
-        load_config_text(kPlan, "p.yaml", {"parallel.zero3.keep_gathered=true", "parallel.zero=1"});
-      }).find("parallel.zero3.keep_gathered is a ZeRO-3 setting"),
-      std::string::npos);
+  EXPECT_NE(user_error([&] {
+              plan::load_config_text(kPlan, "p.yaml",
+                                     {"parallel.zero3.keep_gathered=true", "parallel.zero=1"});
+            }).find("parallel.zero3.keep_gathered is a ZeRO-3 setting"),
+            std::string::npos);
   const auto self = user_error([&] {
-    load_config_text(kPlan, "p.yaml", {"checkpoint.accept_changes=[checkpoint.accept_changes]"});
+    plan::load_config_text(kPlan, "p.yaml",
+                           {"checkpoint.accept_changes=[checkpoint.accept_changes]"});
   });
   EXPECT_NE(self.find("'checkpoint.accept_changes' needs no acceptance"), std::string::npos)
       << self;
@@ -461,29 +463,30 @@ TEST(HostilePlan, PartialCasesAreRefusedClearly) {
 
 TEST(HostilePlan, FilesAndStagesAreNamed) {
   // A layers_per_stage entry of 0 used to be refused without saying which.
-  const Config c = load_config_text(
+  const plan::Config c = plan::load_config_text(
       "data: {path: [a.txt]}\nmodel: {layers: 4}\nparallel: {pp: 2, pipeline: "
       "{layers_per_stage: [4, 0]}}\n",
       "p.yaml");
-  EXPECT_NE(user_error([&] { parallel::check_layout(c, 2, 2); }).find("(entry 1 is 0: every stage"),
+  EXPECT_NE(user_error([&] { plan::check_layout(c, 2, 2); }).find("(entry 1 is 0: every stage"),
             std::string::npos);
   // model.init_from at a folder used to end in "cannot map: No such device".
   const auto dir = fs::temp_directory_path() / ("tessel_init_" + std::to_string(::getpid()));
   fs::create_directories(dir);
   EXPECT_NE(user_error([&] {
-              init_weights_file(dir.string());
+              run::init_weights_file(dir.string());
             }).find("model.init_from: " + dir.string() + " is a folder without model.safetensors"),
             std::string::npos);
   spit(dir / "model.safetensors", "");
-  EXPECT_EQ(init_weights_file(dir.string()), (dir / "model.safetensors").string());
-  EXPECT_NE(user_error([&] { init_weights_file((dir / "nothing").string()); }).find("no such file"),
-            std::string::npos);
+  EXPECT_EQ(run::init_weights_file(dir.string()), (dir / "model.safetensors").string());
+  EXPECT_NE(
+      user_error([&] { run::init_weights_file((dir / "nothing").string()); }).find("no such file"),
+      std::string::npos);
   fs::remove_all(dir);
 }
 
 TEST(HostilePlan, FuzzedPlansLoadOrAreRefused) {
-  Config scratch;
-  const auto fields = bind_fields(scratch);
+  plan::Config scratch;
+  const auto fields = plan::bind_fields(scratch);
   const std::vector<std::string> values = {"-1",
                                            "0",
                                            "1",
@@ -506,7 +509,7 @@ TEST(HostilePlan, FuzzedPlansLoadOrAreRefused) {
                                            "/",
                                            "../../x"};
   std::mt19937_64 rng(1127);
-  const auto profile = device_profile("h100", {});
+  const auto profile = planner::device_profile("h100", {});
   int refused = 0, planned = 0;
   for (int i = 0; i < 400; ++i) {
     std::vector<std::string> sets;
@@ -515,15 +518,15 @@ TEST(HostilePlan, FuzzedPlansLoadOrAreRefused) {
     std::string what;
     for (const auto& s : sets) what += " --set " + s;
     try {
-      const Config c = load_config_text(kPlan, "p.yaml", sets);
-      const auto layout = parallel::check_layout(c, 1, 1);
-      const auto e = estimate(c, layout, profile);
+      const plan::Config c = plan::load_config_text(kPlan, "p.yaml", sets);
+      const auto layout = plan::check_layout(c, 1, 1);
+      const auto e = planner::estimate(c, layout, profile);
       // What --dry-run prints: finite, non-negative figures.
       for (const auto& r : e.ranks)
         EXPECT_TRUE(std::isfinite(r.total()) && r.weights >= 0 && r.activations >= 0) << what;
       EXPECT_TRUE(std::isfinite(e.step_s) && e.step_s >= 0 && e.params_total > 0) << what;
       ++planned;
-    } catch (const UserError&) {
+    } catch (const plan::UserError&) {
       ++refused;
     } catch (const std::exception& e) {
       ADD_FAILURE() << what << ": not a UserError: " << e.what();
@@ -538,7 +541,7 @@ TEST(HostilePlan, FuzzedPlansLoadOrAreRefused) {
 // about 24% or 16% lower, PCIe between its pairs), and an unknown name is refused by name.
 TEST(DeviceProfiles, TheGpusOwnProfile) {
   auto of = [](const std::string& name) {
-    const auto* p = profile_of_gpu(name);
+    const auto* p = planner::profile_of_gpu(name);
     return p ? p->name : std::string("none");
   };
   EXPECT_EQ(of("NVIDIA H100 80GB HBM3"), "h100");
@@ -547,12 +550,12 @@ TEST(DeviceProfiles, TheGpusOwnProfile) {
   EXPECT_EQ(of("NVIDIA H200"), "h200");
   EXPECT_EQ(of("NVIDIA A100-SXM4-80GB"), "a100");
   EXPECT_EQ(of("NVIDIA GeForce RTX 4090"), "none");
-  EXPECT_EQ(device_profile("h100-pcie", {}).peak_tflops, 756);
-  EXPECT_EQ(device_profile("h100-nvl", {}).memory_gib, 94);
+  EXPECT_EQ(planner::device_profile("h100-pcie", {}).peak_tflops, 756);
+  EXPECT_EQ(planner::device_profile("h100-nvl", {}).memory_gib, 94);
   try {
-    device_profile("h100-sxm5", {});
+    planner::device_profile("h100-sxm5", {});
     ADD_FAILURE() << "an unknown profile was accepted";
-  } catch (const UserError& e) {
+  } catch (const plan::UserError& e) {
     EXPECT_NE(std::string(e.what()).find("h100-nvl, h100-pcie, h200, cpu"), std::string::npos)
         << e.what();
   }

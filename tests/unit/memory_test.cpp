@@ -77,12 +77,12 @@ TEST(Memory, CrossEntropyKeepsOneFp32CopyOfTheLogits) {
 
 TEST(Memory, RopeTablesAreComputedOncePerShapeDeviceAndDtype) {
   auto c =
-      load_config_text(
+      plan::load_config_text(
           "data: {path: x, format: tokens}\nmodel: {arch: llama, layers: 1, hidden: 32, heads: 4, "
           "kv_heads: 2, ffn_hidden: 64, vocab_size: 100, max_seq_len: 128}\n",
           "t")
           .model;
-  auto model = models::build_model(model_shape(c), 1);
+  auto model = models::build_model(planner::model_shape(c), 1);
   const auto& a = model->rope(16, torch::kCPU, torch::kFloat32);
   const auto& b = model->rope(16, torch::kCPU, torch::kFloat32);
   EXPECT_EQ(a.first.data_ptr(), b.first.data_ptr());  // the same tables, not recomputed

@@ -12,7 +12,7 @@ namespace {
 using Ranks = std::vector<std::vector<int64_t>>;
 
 TEST(Mesh, RankOrderIsTpCpDpPp) {
-  Layout l{2, 1, 2, 2};  // tp, cp, dp, pp
+  plan::Layout l{2, 1, 2, 2};  // tp, cp, dp, pp
   for (int64_t r = 0; r < l.world(); ++r) EXPECT_EQ(rank_of(coord_of(r, l), l), r);
   Coord c = coord_of(5, l);  // 5 = tp 1 + 2·(dp 0) + 4·(pp 1)... check each coordinate
   EXPECT_EQ(c.tp, 1);
@@ -27,24 +27,24 @@ TEST(Mesh, RankOrderIsTpCpDpPp) {
 }
 
 TEST(Mesh, ContextAndDataShareTheGradientGroup) {
-  Layout l{1, 2, 2, 1};
+  plan::Layout l{1, 2, 2, 1};
   EXPECT_EQ(group_ranks(GroupKind::kCp, l), (Ranks{{0, 1}, {2, 3}}));
   EXPECT_EQ(group_ranks(GroupKind::kDpCp, l), (Ranks{{0, 1, 2, 3}}));
   EXPECT_TRUE(group_ranks(GroupKind::kEmbedding, l).empty());  // pp == 1: no embedding group
-  Layout deep{1, 1, 1, 4};
+  plan::Layout deep{1, 1, 1, 4};
   EXPECT_EQ(group_ranks(GroupKind::kEmbedding, deep), (Ranks{{0, 3}}));  // first and last stage
 }
 
-Config plan(const std::string& extra) {
-  return load_config_text("data: {path: x}\nmodel: {layers: 4, hidden: 64, heads: 4}\n" + extra,
-                          "p.yaml");
+plan::Config plan(const std::string& extra) {
+  return plan::load_config_text(
+      "data: {path: x}\nmodel: {layers: 4, hidden: 64, heads: 4}\n" + extra, "p.yaml");
 }
 
-void expect_layout_error(const Config& c, int64_t world, const std::string& part) {
+void expect_layout_error(const plan::Config& c, int64_t world, const std::string& part) {
   try {
-    check_layout(c, world, world);
+    plan::check_layout(c, world, world);
     FAIL() << "accepted; expected: " << part;
-  } catch (const UserError& e) {
+  } catch (const plan::UserError& e) {
     EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
   }
 }
@@ -58,11 +58,12 @@ std::vector<std::string> communicators(const std::string& model, const std::stri
   w.local_world = world;
   std::vector<std::string> out;
   const bool batch = extra.find("training:") != std::string::npos;
-  auto mesh = Mesh::plan(
-      load_config_text("data: {path: x}\nmodel: {layers: 4, hidden: 64, heads: 4" + model + "}\n" +
-                           extra + (batch ? "" : "training: {global_batch: 8, micro_batch: 1}\n"),
-                       "p.yaml"),
-      w);
+  auto mesh =
+      Mesh::plan(plan::load_config_text(
+                     "data: {path: x}\nmodel: {layers: 4, hidden: 64, heads: 4" + model + "}\n" +
+                         extra + (batch ? "" : "training: {global_batch: 8, micro_batch: 1}\n"),
+                     "p.yaml"),
+                 w);
   for (const auto& m : mesh->communicators()) {
     std::string s = m.name + " [" + fmt::format("{}", fmt::join(m.ranks, ",")) + "]";
     if (!m.shared_by.empty())
@@ -108,7 +109,7 @@ TEST(Mesh, OneCommunicatorPerMemberSet) {
 }
 
 TEST(Mesh, PlanChecksNameTheValues) {
-  EXPECT_EQ(check_layout(plan("training: {global_batch: 8, micro_batch: 2}\n"), 4, 4).dp, 4);
+  EXPECT_EQ(plan::check_layout(plan("training: {global_batch: 8, micro_batch: 2}\n"), 4, 4).dp, 4);
   expect_layout_error(plan("parallel: {dp: 2, tp: 2}\n"), 8,
                       "world size (8) must equal parallel.tp·cp·dp·pp (2·1·2·1 = 4)");
   expect_layout_error(plan("parallel: {tp: 3}\n"), 3,
@@ -195,7 +196,7 @@ TEST(World, DiscoveryPrefersTorchrunThenSlurmThenOpenMpi) {
   EXPECT_EQ(w.source, "torchrun-style environment");
   EXPECT_EQ(w.master_port, 1234);
   setenv("RANK", "2", 1);
-  EXPECT_THROW(discover_world(), UserError);  // rank 2 of 2
+  EXPECT_THROW(discover_world(), plan::UserError);  // rank 2 of 2
   clear_world_env();
 }
 
@@ -208,10 +209,10 @@ TEST(World, SlurmTaskCountsInEveryForm) {
   EXPECT_EQ(slurm_tasks_per_node("4,3,4", "V"), (std::vector<int>{4, 3, 4}));
   EXPECT_EQ(slurm_tasks_per_node("16", "V"), (std::vector<int>{16}));
   for (const char* bad : {"", "x", "2(x", "2(x0)", "0", "2;3", "2(x2)3"})
-    EXPECT_THROW(slurm_tasks_per_node(bad, "SLURM_TASKS_PER_NODE"), UserError) << bad;
+    EXPECT_THROW(slurm_tasks_per_node(bad, "SLURM_TASKS_PER_NODE"), plan::UserError) << bad;
   try {
     slurm_tasks_per_node("2(x", "SLURM_TASKS_PER_NODE");
-  } catch (const UserError& e) {
+  } catch (const plan::UserError& e) {
     EXPECT_NE(std::string(e.what()).find("SLURM_TASKS_PER_NODE='2(x'"), std::string::npos)
         << e.what();
   }
@@ -240,9 +241,9 @@ TEST(World, SlurmTaskCountsInEveryForm) {
   setenv("SLURM_NODEID", "1", 1);
   EXPECT_EQ(discover_world().local_world, 1);
   setenv("SLURM_NODEID", "2", 1);
-  EXPECT_THROW(discover_world(), UserError);  // no third node
+  EXPECT_THROW(discover_world(), plan::UserError);  // no third node
   unsetenv("SLURM_NODEID");
-  EXPECT_THROW(discover_world(), UserError);  // which node's count? not knowable
+  EXPECT_THROW(discover_world(), plan::UserError);  // which node's count? not knowable
   // --ntasks-per-node given: the step's own count still wins.
   setenv("SLURM_NODEID", "0", 1);
   setenv("SLURM_NTASKS_PER_NODE", "2", 1);
@@ -264,24 +265,25 @@ TEST(Device, OneVisibleDeviceEachIsDeviceZero) {
   setenv("SLURM_JOB_NODELIST", "n1", 1);
   setenv("CUDA_VISIBLE_DEVICES", "3", 1);
   auto w = discover_world();
-  auto d = choose_cuda_device(1, w.local_rank, w.local_world, std::getenv("CUDA_VISIBLE_DEVICES"));
+  auto d =
+      plan::choose_cuda_device(1, w.local_rank, w.local_world, std::getenv("CUDA_VISIBLE_DEVICES"));
   EXPECT_EQ(d.index, 0);
   EXPECT_NE(d.why.find("CUDA_VISIBLE_DEVICES=3"), std::string::npos) << d.why;
   // Every GPU visible to every task: the local rank's.
   setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3", 1);
-  d = choose_cuda_device(4, w.local_rank, w.local_world, std::getenv("CUDA_VISIBLE_DEVICES"));
+  d = plan::choose_cuda_device(4, w.local_rank, w.local_world, std::getenv("CUDA_VISIBLE_DEVICES"));
   EXPECT_EQ(d.index, 3);
-  d = choose_cuda_device(8, w.local_rank, w.local_world, nullptr);
+  d = plan::choose_cuda_device(8, w.local_rank, w.local_world, nullptr);
   EXPECT_EQ(d.index, 3);
   // Two devices for four processes: they would share; the message names both counts.
   try {
-    choose_cuda_device(2, w.local_rank, w.local_world, "0,1");
+    plan::choose_cuda_device(2, w.local_rank, w.local_world, "0,1");
     ADD_FAILURE() << "2 devices for 4 local processes was accepted";
-  } catch (const UserError& e) {
+  } catch (const plan::UserError& e) {
     EXPECT_NE(std::string(e.what()).find("4 processes"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("sees 2 CUDA devices"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(choose_cuda_device(0, 0, 1, ""), UserError);
+  EXPECT_THROW(plan::choose_cuda_device(0, 0, 1, ""), plan::UserError);
   unsetenv("CUDA_VISIBLE_DEVICES");
   clear_world_env();
 }

@@ -10,7 +10,8 @@ namespace tessel::models {
 namespace {
 
 ModelShape model(const std::string& yaml) {
-  return model_shape(load_config_text("data: {path: x}\nmodel: " + yaml + "\n", "t").model);
+  return planner::model_shape(
+      plan::load_config_text("data: {path: x}\nmodel: " + yaml + "\n", "t").model);
 }
 
 TEST(Init, KeyedBySeedAndGlobalName) {
@@ -168,13 +169,13 @@ TEST(HfNames, RoundTripBothArchitectures) {
       model("{arch: llama, layers: 2, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 300}");
   Weights hf3;
   for (auto& [k, t] :
-       arch(ModelArch::kLlama)
+       arch(plan::ModelArch::kLlama)
            .to_hf(model_weights(*std::make_unique<Decoder>(build_model(deep, 1))), deep))
     hf3[k] = t;
   try {
-    arch(ModelArch::kLlama).from_hf(hf3, shallow, "deep.safetensors");
+    arch(plan::ModelArch::kLlama).from_hf(hf3, shallow, "deep.safetensors");
     FAIL();
-  } catch (const UserError& e) {
+  } catch (const plan::UserError& e) {
     EXPECT_NE(
         std::string(e.what()).find("deep.safetensors: tensors the plan's model does not have"),
         std::string::npos);
@@ -184,9 +185,9 @@ TEST(HfNames, RoundTripBothArchitectures) {
   auto m = model("{arch: gpt2, layers: 1, hidden: 16, heads: 2, vocab_size: 300}");
   Weights partial;
   try {
-    arch(ModelArch::kGpt2).from_hf(partial, m, "x.safetensors");
+    arch(plan::ModelArch::kGpt2).from_hf(partial, m, "x.safetensors");
     FAIL();
-  } catch (const UserError& e) {
+  } catch (const plan::UserError& e) {
     EXPECT_NE(std::string(e.what()).find("x.safetensors: missing Hugging Face tensor 'wte.weight'"),
               std::string::npos);
   }

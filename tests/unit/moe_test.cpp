@@ -22,7 +22,7 @@ struct Fixture {
 
   explicit Fixture(models::MoeShape shape) {
     models::DecoderOptions o;
-    o.model.arch = ModelArch::kLlama;
+    o.model.arch = plan::ModelArch::kLlama;
     o.model.layers = 1, o.model.hidden = 16, o.model.heads = 2, o.model.kv_heads = 2;
     o.model.ffn_hidden = 24;
     o.model.moe = shape;

@@ -9,7 +9,7 @@ namespace tessel {
 namespace {
 
 TEST(LrSchedule, WarmupThenDecay) {
-  Config c = load_config_text(
+  plan::Config c = plan::load_config_text(
       "data: {path: x}\ntraining: {steps: 10, optimizer: {lr: 1.0}, schedule: {warmup_steps: 2, "
       "min_lr: 0.1}}\n",
       "t");
@@ -18,9 +18,9 @@ TEST(LrSchedule, WarmupThenDecay) {
   EXPECT_DOUBLE_EQ(optim::lr_at(t, 2), 1.0);
   EXPECT_DOUBLE_EQ(optim::lr_at(t, 6), 0.1 + 0.9 * 0.5);  // cosine halfway
   EXPECT_DOUBLE_EQ(optim::lr_at(t, 10), 0.1);
-  t.schedule.decay = Decay::kLinear;
+  t.schedule.decay = plan::Decay::kLinear;
   EXPECT_DOUBLE_EQ(optim::lr_at(t, 4), 0.1 + 0.9 * 0.75);
-  t.schedule.decay = Decay::kConstant;
+  t.schedule.decay = plan::Decay::kConstant;
   EXPECT_DOUBLE_EQ(optim::lr_at(t, 9), 1.0);
 }
 
@@ -36,11 +36,11 @@ TEST(WeightDecay, ChosenByName) {
 
 // The flat fused AdamW equals the textbook AdamW applied per parameter.
 TEST(FlatAdamW, MatchesReferenceAdamWAndClipping) {
-  Config c = load_config_text(
+  plan::Config c = plan::load_config_text(
       "data: {path: x}\nmodel: {arch: llama, layers: 1, hidden: 16, heads: 2, vocab_size: 300}\n"
       "training: {optimizer: {lr: 0.01, weight_decay: 0.1}}\n",
       "t");
-  auto model = models::build_model(model_shape(c.model), 3);
+  auto model = models::build_model(planner::model_shape(c.model), 3);
   std::map<std::string, torch::Tensor> w0;
   for (const auto& p : model->named_parameters()) w0[p.key()] = p.value().detach().clone();
   optim::FlatAdamW opt(models::named_params(model), c.training);
@@ -84,14 +84,14 @@ TEST(FlatAdamW, MatchesReferenceAdamWAndClipping) {
 // nothing communicates while they are laid out) are what --dry-run predicts from the plan, up to
 // the alignment padding of each slot and bucket.
 TEST(FlatAdamW, StateBytesAsPlanned) {
-  Config c = load_config_text(
+  plan::Config c = plan::load_config_text(
       "data: {path: x}\nmodel: {arch: llama, layers: 2, hidden: 16, heads: 2, vocab_size: 301}\n",
       "t");
   for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kHalf})
     for (int64_t shards : {1, 2, 3})
       for (int64_t zero = 0; zero <= 3; ++zero) {
         if (zero == 0 && shards > 1) continue;
-        auto model = models::build_model(model_shape(c.model), 3);
+        auto model = models::build_model(planner::model_shape(c.model), 3);
         model->to(dtype);
         const auto params = models::named_params(model);
         optim::FlatAdamW opt(params, c.training,
@@ -118,7 +118,7 @@ TEST(FlatAdamW, StateBytesAsPlanned) {
 // 3 and 6 ranks (an odd factor used to shift later slots), without ZeRO and at stages 1-3, with
 // experts, in fp32 and bf16, on a model whose sizes are no multiple of 64 (hidden 40).
 TEST(FlatAdamW, EveryViewIsAligned) {
-  Config c = load_config_text(
+  plan::Config c = plan::load_config_text(
       "data: {path: x}\nmodel: {arch: llama, layers: 2, hidden: 40, heads: 2, vocab_size: 301, "
       "moe: {experts: 3, top_k: 2, ffn_hidden: 28, every: 1, shared_experts: 1}}\n",
       "t");
@@ -130,7 +130,7 @@ TEST(FlatAdamW, EveryViewIsAligned) {
     for (int64_t shards : {1, 2, 3, 6})
       for (int64_t zero = 0; zero <= 3; ++zero) {
         if (zero == 0 && shards > 1) continue;  // without ZeRO nothing is split
-        auto model = models::build_model(model_shape(c.model), 3);
+        auto model = models::build_model(planner::model_shape(c.model), 3);
         model->to(dtype);
         const auto params = models::named_params(model);
         bool experts = false;

@@ -41,7 +41,8 @@ Result step(int64_t m, bool pairs, bool matmul, int64_t fail_at = -1) {
   auto net = make_net();
   auto data = torch::randn({m * 6, 16}, torch::TensorOptions().dtype(torch::kFloat32));
   Group solo("pp", {0}, 0, {});
-  Executor ex(solo, make_schedule("1f1b", 1, m, 1), {6, 16}, torch::TensorOptions());
+  Executor ex(solo, make_schedule(plan::PipelineSchedule::k1F1B, 1, m, 1), {6, 16},
+              torch::TensorOptions());
   if (pairs) ex.pair_microbatches(net.all());
   Result r;
   r.losses.resize(static_cast<size_t>(m));
@@ -131,7 +132,8 @@ TEST_F(Pairs, EitherLaneFailingRaisesHere) {
 
 TEST_F(Pairs, OnlyOneStageSchedulesPair) {
   Group solo("pp", {0}, 0, {});
-  Executor zb(solo, make_schedule("zb-h1", 1, 2, 1), {6, 16}, torch::TensorOptions());
+  Executor zb(solo, make_schedule(plan::PipelineSchedule::kZbH1, 1, 2, 1), {6, 16},
+              torch::TensorOptions());
   EXPECT_THROW(zb.pair_microbatches({}), c10::Error);
 }
 

@@ -80,22 +80,23 @@ TEST(Profiler, ProfilesItsWindowAndWritesTraceAndTable) {
 }
 
 TEST(Profiler, StepsFromThePlan) {
-  Config c =
-      load_config_text("training: {steps: 20}\ndata: {path: x}\n", "p.yaml", {"logging.profile=5"});
-  EXPECT_EQ(profile_steps(c), std::make_pair(int64_t{4}, int64_t{8}));  // after 3 warm-up steps
+  plan::Config c = plan::load_config_text("training: {steps: 20}\ndata: {path: x}\n", "p.yaml",
+                                          {"logging.profile=5"});
+  EXPECT_EQ(plan::profile_steps(c),
+            std::make_pair(int64_t{4}, int64_t{8}));  // after 3 warm-up steps
   c.logging.profile = "3";  // resumed at 17: 4 steps left, 1 of them warm-up
-  EXPECT_EQ(profile_steps(c, 17), std::make_pair(int64_t{18}, int64_t{20}));
+  EXPECT_EQ(plan::profile_steps(c, 17), std::make_pair(int64_t{18}, int64_t{20}));
   c.logging.profile = "5";
-  EXPECT_THROW(profile_steps(c, 17), UserError);  // 5 steps asked, 4 left
+  EXPECT_THROW(plan::profile_steps(c, 17), plan::UserError);  // 5 steps asked, 4 left
   c.logging.profile = "10-14";
-  EXPECT_EQ(profile_steps(c), std::make_pair(int64_t{10}, int64_t{14}));
+  EXPECT_EQ(plan::profile_steps(c), std::make_pair(int64_t{10}, int64_t{14}));
   c.logging.profile = "";
-  EXPECT_LT(profile_steps(c).second, profile_steps(c).first);
+  EXPECT_LT(plan::profile_steps(c).second, plan::profile_steps(c).first);
   try {
-    load_config_text("training: {steps: 20}\ndata: {path: x}\nlogging: {profile: 15-30}\n",
+    plan::load_config_text("training: {steps: 20}\ndata: {path: x}\nlogging: {profile: 15-30}\n",
                      "p.yaml");
     ADD_FAILURE() << "a window past training.steps was accepted";
-  } catch (const UserError& e) {
+  } catch (const plan::UserError& e) {
     EXPECT_NE(std::string(e.what()).find("p.yaml:3: logging.profile ('15-30') names steps 15 to "
                                          "30: they must lie in 1..20"),
               std::string::npos)
@@ -103,7 +104,7 @@ TEST(Profiler, StepsFromThePlan) {
   }
   for (const char* bad : {"x", "0", "3-", "-3", "4-2"}) {
     c.logging.profile = bad;
-    EXPECT_THROW(profile_steps(c), UserError) << bad;
+    EXPECT_THROW(plan::profile_steps(c), plan::UserError) << bad;
   }
 }
 

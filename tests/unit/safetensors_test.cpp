@@ -31,9 +31,9 @@ std::string raw_file(const std::string& name, const std::string& header, size_t 
 
 void expect_refused(const std::string& path, const std::string& part) {
   try {
-    read_safetensors(path);
+    io::read_safetensors(path);
     FAIL() << "accepted " << path;
-  } catch (const UserError& e) {
+  } catch (const plan::UserError& e) {
     EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
   }
   fs::remove(path);
@@ -48,8 +48,8 @@ TEST(Safetensors, RoundTripsEveryDtype) {
       {"e", torch::empty({0, 4})},
       {"f.strided", torch::randn({4, 6}).t()}};  // written in its logical (row-major) order
   std::string path = tmp_path("rt.safetensors");
-  const auto written = write_safetensors(path, ts, {{"format", "pt"}});
-  auto back = read_safetensors(path);
+  const auto written = io::write_safetensors(path, ts, {{"format", "pt"}});
+  auto back = io::read_safetensors(path);
   EXPECT_EQ(back.metadata.at("format"), "pt");
   // The checksum of what was written is the checksum of the file read back.
   EXPECT_EQ(written.bytes, fs::file_size(path));
@@ -64,10 +64,10 @@ TEST(Safetensors, RoundTripsEveryDtype) {
 TEST(Checksum, DependsOnTheBytesOnlyAndSeesEveryFlip) {
   std::vector<uint8_t> data(1000);
   for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + 7);
-  Checksum whole;
+  io::Checksum whole;
   whole.update(data.data(), data.size());
   for (size_t split : {0, 1, 7, 31, 32, 33, 500, 999, 1000}) {  // any split: the same value
-    Checksum parts;
+    io::Checksum parts;
     parts.update(data.data(), split);
     parts.update(data.data() + split, data.size() - split);
     EXPECT_EQ(parts.hex(), whole.hex()) << split;
@@ -75,11 +75,11 @@ TEST(Checksum, DependsOnTheBytesOnlyAndSeesEveryFlip) {
   for (size_t at : {0, 13, 31, 32, 500, 990, 999}) {  // any single bit flip: another value
     auto flipped = data;
     flipped[at] ^= 4;
-    Checksum c;
+    io::Checksum c;
     c.update(flipped.data(), flipped.size());
     EXPECT_NE(c.hex(), whole.hex()) << at;
   }
-  Checksum shorter;  // a truncated file: another value
+  io::Checksum shorter;  // a truncated file: another value
   shorter.update(data.data(), data.size() - 1);
   EXPECT_NE(shorter.hex(), whole.hex());
   EXPECT_EQ(whole.hex().size(), 16u);

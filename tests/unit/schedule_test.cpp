@@ -10,6 +10,13 @@
 namespace tessel::parallel::pp {
 namespace {
 
+// A schedule by its plan name, as the YAML reader parses it.
+plan::PipelineSchedule schedule(const std::string& name) {
+  plan::Choice<plan::PipelineSchedule> c;
+  if (!c.set_name(name)) throw std::invalid_argument("no schedule " + name);
+  return c;
+}
+
 struct Case {
   std::string name;
   int64_t p, m, v;
@@ -32,7 +39,7 @@ class Schedules : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Schedules, RunWithoutDeadlockAndMatchTheBubbleTheory) {
   const auto& c = GetParam();
-  auto s = make_schedule(c.name, c.p, c.m, c.v);
+  auto s = make_schedule(schedule(c.name), c.p, c.m, c.v);
   for (double backward : {1.0, 2.0}) {
     auto sim = simulate(s, 1.0, backward);
     ASSERT_FALSE(sim.deadlock) << sim.problem;
@@ -111,7 +118,7 @@ TEST(Schedules, ZeroBubbleMatchTheTheory) {
     for (int64_t m : {p, 2 * p, 3 * p + 1})
       for (const std::string name : {"zb-h1", "zbv"}) {
         const int64_t v = name == "zbv" ? 2 : 1;
-        const auto s = make_schedule(name, p, m, v);
+        const auto s = make_schedule(schedule(name), p, m, v);
         const auto sim = simulate(s, 1.0, 2.0);
         const std::string what = fmt::format("{} p={} m={}", name, p, m);
         ASSERT_TRUE(sim.problem.empty()) << what << ": " << sim.problem;
@@ -146,8 +153,8 @@ TEST(Schedules, ZbvPlacesChunksInAV) {
   EXPECT_EQ(s.stage_of(3, 0), 3);
   EXPECT_EQ(s.stage_of(3, 1), 4);
   for (int64_t st = 0; st < 8; ++st) EXPECT_EQ(s.stage_of(s.rank_of(st), s.chunk_of(st)), st);
-  EXPECT_EQ(stage_of("zbv", 4, 1, 1), 6);
-  EXPECT_EQ(stage_of("interleaved", 4, 1, 1), 5);
+  EXPECT_EQ(stage_of(plan::PipelineSchedule::kZbv, 4, 1, 1), 6);
+  EXPECT_EQ(stage_of(plan::PipelineSchedule::kInterleaved, 4, 1, 1), 5);
 }
 
 TEST(Schedules, MessageOrderMismatchIsFound) {
@@ -192,18 +199,19 @@ TEST(Schedules, NeedsAreCheckedWithValues) {
     try {
       f();
       FAIL() << "accepted";
-    } catch (const UserError& e) {
+    } catch (const plan::UserError& e) {
       EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
     }
   };
-  expect([] { make_schedule("1f1b", 4, 3, 1); },
+  expect([] { make_schedule(schedule("1f1b"), 4, 3, 1); },
          "needs at least parallel.pp (4) micro-batches per step, got 3");
-  expect([] { make_schedule("interleaved", 4, 6, 2); },
+  expect([] { make_schedule(schedule("interleaved"), 4, 6, 2); },
          "micro-batches per step (6) divisible by parallel.pp (4)");
-  expect([] { make_schedule("interleaved", 2, 4, 1); }, "virtual_stages >= 2, got 1");
-  expect([] { make_schedule("zbv", 2, 4, 1); },
+  expect([] { make_schedule(schedule("interleaved"), 2, 4, 1); }, "virtual_stages >= 2, got 1");
+  expect([] { make_schedule(schedule("zbv"), 2, 4, 1); },
          "zbv needs parallel.pipeline.virtual_stages: 2, got 1");
-  expect([] { make_schedule("zb-h1", 4, 2, 1); }, "needs at least parallel.pp (4) micro-batches");
+  expect([] { make_schedule(schedule("zb-h1"), 4, 2, 1); },
+         "needs at least parallel.pp (4) micro-batches");
 }
 
 TEST(Schedules, GridShowsEveryPass) {

@@ -10,7 +10,7 @@
 
 #include "engine/run/step_graph.h"
 
-namespace tessel {
+namespace tessel::run {
 namespace {
 
 struct Calls {
@@ -100,4 +100,4 @@ TEST(StepGraph, AFailedCaptureIsUndoneRunsEagerlyAndIsNotRetried) {
 }
 
 }  // namespace
-}  // namespace tessel
+}  // namespace tessel::run

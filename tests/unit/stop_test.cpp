@@ -13,7 +13,7 @@ torch::Tensor sum_of(double v) { return torch::full({}, v); }
 // The summed votes of step t decide after step t+1: every rank passes the same sums, so every
 // rank stops after the same step, one step after any rank saw a signal.
 TEST(StopOnSignal, StopsOneStepAfterTheVotesTurnPositive) {
-  StopOnSignal stop({"SIGUSR2"}, torch::kCPU);
+  run::StopOnSignal stop({"SIGUSR2"}, torch::kCPU);
   EXPECT_FALSE(stop.stop_after(sum_of(0)));  // step 1
   EXPECT_FALSE(stop.stop_after(sum_of(0)));  // step 2
   EXPECT_FALSE(stop.stop_after(sum_of(1)));  // step 3: one rank (not necessarily this) saw one
@@ -23,7 +23,7 @@ TEST(StopOnSignal, StopsOneStepAfterTheVotesTurnPositive) {
 }
 
 TEST(StopOnSignal, ASignalTurnsThisRanksVoteOn) {
-  StopOnSignal stop({"SIGUSR2"}, torch::kCPU);
+  run::StopOnSignal stop({"SIGUSR2"}, torch::kCPU);
   EXPECT_EQ(stop.vote().item<float>(), 0.0f);
   std::raise(SIGUSR2);
   EXPECT_EQ(stop.signal(), SIGUSR2);
@@ -32,7 +32,7 @@ TEST(StopOnSignal, ASignalTurnsThisRanksVoteOn) {
 }
 
 TEST(StopOnSignal, WithoutSignalsNeverStops) {
-  StopOnSignal stop({}, torch::kCPU);
+  run::StopOnSignal stop({}, torch::kCPU);
   EXPECT_FALSE(stop.stop_after(sum_of(3)));
   EXPECT_FALSE(stop.stop_after(sum_of(3)));
 }

@@ -1,26 +1,30 @@
 // The plan checked against the world before any communicator: the layout with dp auto resolved,
-// every broken rule named with its values in one error, and the rank grid for --dry-run.
+// every broken rule named with its values in one error, each schedule's needs, and the CUDA
+// device each process of a node uses.
+#include "core/plan/layout.h"
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <map>
-#include <sstream>
+#include <cmath>
+#include <cstdlib>
+#include <vector>
 
 #include "core/device/cuda.h"
-#include "parallel/mesh.h"
-#include "parallel/pp/schedule.h"
+#include "core/plan/user_error.h"
 
-namespace tessel::parallel {
+namespace tessel::plan {
 namespace {
 
-// Every broken rule of the plan against the world, each prefixed with the plan's source, so that
-// one error names them all.
 class Problems {
  public:
   explicit Problems(const std::string& source) : source_(source) {}
   void require(bool ok, const std::string& msg) {
     if (!ok) add(msg);
+  }
+  void require_empty(const std::string& problem) {
+    if (!problem.empty()) add(problem);
   }
   void add(const std::string& msg) { errors_.push_back(source_ + ": " + msg); }
   void throw_if_any() const {
@@ -131,15 +135,10 @@ void check_schedule(const Config& c, const Layout& l, Problems& problems) {
   problems.require(!chunked || p.pp > 1,
                    fmt::format("parallel.pipeline.schedule {} needs parallel.pp > 1 (pp is 1)",
                                p.pipeline_schedule.name()));
-  if (p.pp > 1) {  // the schedule's own needs (m >= p; interleaved: m % p == 0, v >= 2)
-    try {
-      pp::make_schedule(p.pipeline_schedule.name(), p.pp,
-                        t.global_batch / std::max<int64_t>(1, l.dp * t.micro_batch),
-                        p.virtual_stages);
-    } catch (const UserError& e) {
-      problems.add(e.what());
-    }
-  }
+  if (p.pp > 1)
+    problems.require_empty(schedule_problem(
+        p.pipeline_schedule, p.pp, t.global_batch / std::max<int64_t>(1, l.dp * t.micro_batch),
+        p.virtual_stages));
 }
 
 // alltoall and hybrid context parallelism split each tp rank's query heads over cp ranks (hybrid:
@@ -223,22 +222,48 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
   return l;
 }
 
-std::string describe_grid(const Layout& l) {
-  std::ostringstream s;
-  s << fmt::format("rank grid: world {} = tp {} x cp {} x dp {} x pp {} (order tp-cp-dp-pp)\n",
-                   l.world(), l.tp, l.cp, l.dp, l.pp);
-  std::map<GroupKind, std::vector<std::vector<int64_t>>> groups;
-  for (auto k : all_group_kinds()) groups[k] = group_ranks(k, l);
-  for (int64_t r = 0; r < l.world(); ++r) {
-    Coord c = coord_of(r, l);
-    s << fmt::format("  rank {:>3}: tp {} cp {} dp {} pp {} |", r, c.tp, c.cp, c.dp, c.pp);
-    for (auto k : all_group_kinds())
-      for (const auto& g : groups[k])
-        if (std::find(g.begin(), g.end(), r) != g.end())
-          s << fmt::format(" {} [{}]", group_name(k), fmt::join(g, ","));
-    s << "\n";
-  }
-  return s.str();
+std::string schedule_problem(PipelineSchedule schedule, int64_t p, int64_t m, int64_t v) {
+  const std::string& name = name_of(schedule);
+  if (schedule == PipelineSchedule::kGpipe) return "";
+  if (m < p)
+    return fmt::format(
+        "parallel.pipeline.schedule {} needs at least parallel.pp ({}) micro-batches per "
+        "step, got {} (training.global_batch / (parallel.dp·training.micro_batch))",
+        name, p, m);
+  if (schedule == PipelineSchedule::kInterleaved && v < 2)
+    return fmt::format(
+        "parallel.pipeline.schedule interleaved needs parallel.pipeline.virtual_stages >= 2, "
+        "got {}",
+        v);
+  if (schedule == PipelineSchedule::kInterleaved && m % p != 0)
+    return fmt::format(
+        "parallel.pipeline.schedule interleaved needs micro-batches per step ({}) divisible "
+        "by parallel.pp ({})",
+        m, p);
+  if (schedule == PipelineSchedule::kZbv && v != 2)
+    return fmt::format(
+        "parallel.pipeline.schedule zbv needs parallel.pipeline.virtual_stages: 2, got {}", v);
+  return "";
 }
 
-}  // namespace tessel::parallel
+DeviceChoice choose_cuda_device(int visible, int local_rank, int local_world,
+                                const char* visible_env) {
+  const std::string seen = visible_env ? fmt::format("CUDA_VISIBLE_DEVICES={}", visible_env)
+                                       : "CUDA_VISIBLE_DEVICES unset";
+  if (visible < 1)
+    throw UserError(
+        fmt::format("training.device cuda: this process sees no CUDA device ({})", seen));
+  if (visible == 1)
+    return {0, fmt::format("the only device this process sees ({}; local rank {} of {})", seen,
+                           local_rank, local_world)};
+  if (visible >= local_world)
+    return {local_rank, fmt::format("local rank {} of {} on {} visible devices ({})", local_rank,
+                                    local_world, visible, seen)};
+  throw UserError(fmt::format(
+      "{} processes on this node but each sees {} CUDA devices ({}): give every process its own "
+      "device (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES of one device per process), or "
+      "make at least {} devices visible to all of them",
+      local_world, visible, seen, local_world));
+}
+
+}  // namespace tessel::plan

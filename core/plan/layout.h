@@ -1,0 +1,44 @@
+// The plan against the world: the layout it resolves to for a number of processes (dp auto
+// resolved), every rule it breaks against that world, the needs of each pipeline schedule, and
+// which CUDA device a process uses. Runs before any communicator (and for --dry-run, with none).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/plan/config.h"
+
+namespace tessel::plan {
+
+/// The parallel layout of a run: the rank grid's factors, order tp-cp-dp-pp (parallel/mesh.h).
+struct Layout {
+  int64_t tp = 1, cp = 1, dp = 1, pp = 1;
+  int64_t ep = 1;  // expert parallelism: blocks of ep consecutive dp ranks (not a world factor)
+  int64_t world() const { return tp * cp * dp * pp; }
+};
+
+/// The plan's layout for `world` processes (dp auto resolved), with every check of the plan
+/// against the world in one UserError; messages name the keys and their values.
+/// `local_world`: processes on this node, checked against its CUDA devices (0: not checked).
+Layout check_layout(const Config& c, int64_t world, int64_t local_world);
+
+/// Why `schedule` cannot run `p` stages over `m` micro-batches per step with `v` chunks per rank,
+/// naming the keys and values; empty when it can (all but gpipe need m >= p; interleaved also
+/// m % p == 0 and v >= 2; zbv v == 2). The one statement of each schedule's needs: the plan's
+/// check and parallel::pp::make_schedule both read it.
+std::string schedule_problem(PipelineSchedule schedule, int64_t p, int64_t m, int64_t v);
+
+/// Which CUDA device a process uses, and why (for the start-up log).
+struct DeviceChoice {
+  int index = 0;
+  std::string why;
+};
+/// From the number of devices this process sees (after CUDA_VISIBLE_DEVICES, which Slurm's
+/// --gpus-per-task or a site's binding sets per task): exactly one -> device 0 whatever the local
+/// rank (each process was given its own); at least local_world -> the local rank's; otherwise a
+/// UserError naming both counts (several processes would share, or miss, a device).
+/// `visible_env`: CUDA_VISIBLE_DEVICES as set (null: unset), named in the reason.
+DeviceChoice choose_cuda_device(int visible, int local_rank, int local_world,
+                                const char* visible_env);
+
+}  // namespace tessel::plan
