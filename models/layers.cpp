@@ -53,7 +53,7 @@ AttentionImpl::AttentionImpl(const DecoderOptions& opt)
     : tp_(opt.tp),
       sp_(opt.sequence_parallel),
       cp_(opt.cp && opt.cp->size() > 1 ? opt.cp : nullptr),
-      cp_method_(static_cast<int>(parallel::cp::method_of(opt.cp_method))) {
+      cp_method_(opt.cp_method) {
   const auto& m = opt.model;
   const int64_t t = tp_->size(), h = m.hidden, hd = m.head_dim();
   heads_ = m.heads / t;
@@ -128,10 +128,9 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   // Causal within the new tokens; one new token after cached ones sees them all.
   TORCH_CHECK(qh.size(2) == kh.size(2) || qh.size(2) == 1,
               "cached attention takes a whole prompt or one token at a time");
-  auto y =
-      cp_ ? parallel::cp::attention(*cp_, static_cast<parallel::cp::Method>(cp_method_), qh, kh, vh)
-          : kernels::dense_attention(qh, kh, vh, /*causal=*/qh.size(2) == kh.size(2),
-                                     tessel_kernels);
+  auto y = cp_ ? parallel::cp::attention(*cp_, cp_method_, qh, kh, vh)
+               : kernels::dense_attention(qh, kh, vh, /*causal=*/qh.size(2) == kh.size(2),
+                                          tessel_kernels);
   return o(y.transpose(1, 2).reshape({b, s, heads_ * head_dim_}));
 }
 

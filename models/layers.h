@@ -48,7 +48,7 @@ struct DecoderOptions {
   bool sequence_parallel = false;
   StagePart stages;
   parallel::Group* cp = nullptr;  // context parallelism (parallel/cp): null or size 1: none
-  std::string cp_method = "allgather";
+  plan::CpMethod cp_method = plan::CpMethod::kAllGather;
   parallel::Group* ep = nullptr;  // expert parallelism (parallel/ep): null: the group of one
 };
 
@@ -116,7 +116,7 @@ class AttentionImpl : public torch::nn::Module, public parallel::tp::Placed {
   bool sp_;
   int64_t heads_, kv_heads_, head_dim_, kv_index_ = 0;  // local counts
   parallel::Group* cp_;                                 // null: no context parallelism
-  int cp_method_;                                       // parallel::cp::Method
+  plan::CpMethod cp_method_;
 };
 TORCH_MODULE(Attention);
 

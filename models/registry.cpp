@@ -40,7 +40,7 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
 }
 
 Decoder build_model(const ModelShape& m, int64_t seed, parallel::Group* tp, bool sequence_parallel,
-                    const StagePart& stages, parallel::Group* cp, const std::string& cp_method,
+                    const StagePart& stages, parallel::Group* cp, plan::CpMethod cp_method,
                     parallel::Group* ep) {
   auto o = arch(m.arch).options(m);
   o.tp = tp;

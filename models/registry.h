@@ -39,10 +39,11 @@ void check_all_used(const Weights& hf, const std::set<std::string>& used,
 /// (seed, global parameter name): the same global model whatever the layout.
 /// `tp` (optional) is the tensor-parallel group: the model then holds this rank's shards;
 /// `stages` the pipeline stages this rank holds (default: all); `cp` (optional) the
-/// context-parallel group, whose attention runs by `cp_method` (allgather | ring).
+/// context-parallel group, whose attention runs by `cp_method`.
 Decoder build_model(const ModelShape& m, int64_t seed, parallel::Group* tp = nullptr,
                     bool sequence_parallel = false, const StagePart& stages = {},
-                    parallel::Group* cp = nullptr, const std::string& cp_method = "allgather",
+                    parallel::Group* cp = nullptr,
+                    plan::CpMethod cp_method = plan::CpMethod::kAllGather,
                     parallel::Group* ep = nullptr);
 
 /// Elements of transformer block `layer` on a tensor-parallel rank (an MoE layer: E/ep experts),

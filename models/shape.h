@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "core/plan/model_arch.h"
+#include "core/plan/choices.h"
 
 namespace tessel::models {
 

@@ -337,7 +337,7 @@ void log_communicators(const Mesh& mesh) {
 }  // namespace
 
 bool table_on_two_stages(const plan::Config& c, const plan::Layout& l) {
-  return l.pp > 1 && c.model.tied() && c.parallel.pipeline_schedule != plan::PipelineSchedule::kZbv;
+  return l.pp > 1 && c.model.tied() && !plan::schedule_shape(c.parallel.pipeline_schedule).v_shape;
 }
 
 bool group_used(GroupKind k, const plan::Config& c, const plan::Layout& l) {

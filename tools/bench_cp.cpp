@@ -107,37 +107,39 @@ void bench_dense(const Args& a, const Inputs& in) {
 // n-1 K/V blocks and n dK/dV blocks backward, each block 2·kv_all/n; alltoall: forward sends this
 // rank's q, k, v (key/value heads repeated to a multiple of n) and the output, backward their
 // gradients: 2·(2·q + 2·kv carried)/n, q_all being one Q of the whole sequence.
-double theory_bytes(cp::Method method, int64_t n, double q_all, double kv_all, const Args& a) {
+double theory_bytes(tessel::plan::CpMethod method, int64_t n, double q_all, double kv_all,
+                    const Args& a) {
   const double ranks = static_cast<double>(n);
-  if (method == cp::Method::kAllGather) return 4 * kv_all;
-  if (method == cp::Method::kRing) return (3.0 * ranks - 2) * 2 * kv_all / ranks;
-  const int64_t group = method == cp::Method::kHybrid ? 2 : n;  // ranks of one all-to-all
+  if (method == tessel::plan::CpMethod::kAllGather) return 4 * kv_all;
+  if (method == tessel::plan::CpMethod::kRing) return (3.0 * ranks - 2) * 2 * kv_all / ranks;
+  const int64_t group =
+      method == tessel::plan::CpMethod::kHybrid ? 2 : n;  // ranks of one all-to-all
   const double repeat = static_cast<double>(cp::alltoall_kv_heads(a.kv_heads, group)) /
                         static_cast<double>(a.kv_heads);
   const double exchanged = 2 * (2 * q_all + 2 * kv_all * repeat) / ranks;
-  if (method == cp::Method::kAllToAll) return exchanged;
+  if (method == tessel::plan::CpMethod::kAllToAll) return exchanged;
   // hybrid: plus ring's blocks (the pair's tokens of its heads) across the pairs
   const double ring = ranks / static_cast<double>(group);
   return exchanged + (3 * ring - 2) * 2 * kv_all * repeat / ranks;
 }
 
-const char* method_name(cp::Method m) {
+const char* method_name(tessel::plan::CpMethod m) {
   switch (m) {
-    case cp::Method::kAllGather:
+    case tessel::plan::CpMethod::kAllGather:
       return "allgather";
-    case cp::Method::kRing:
+    case tessel::plan::CpMethod::kRing:
       return "ring";
-    case cp::Method::kAllToAll:
+    case tessel::plan::CpMethod::kAllToAll:
       return "alltoall";
-    case cp::Method::kHybrid:
+    case tessel::plan::CpMethod::kHybrid:
       return "hybrid (pairs)";
   }
   return "?";
 }
 
 // One cp method over `g` (n ranks): time and bytes from the group's counters; rank 0 prints.
-void bench_method(const Args& a, tessel::parallel::Group& g, cp::Method method, const Inputs& in,
-                  int64_t n, bool print) {
+void bench_method(const Args& a, tessel::parallel::Group& g, tessel::plan::CpMethod method,
+                  const Inputs& in, int64_t n, bool print) {
   auto local = [&](const torch::Tensor& t) {
     return cp::local_chunks(t, 2, n, g.rank()).contiguous().requires_grad_();
   };
@@ -176,10 +178,11 @@ void bench(const Args& a) {
     print_header(a, n, mesh->backend());
     bench_dense(a, in);
   }
-  for (auto method :
-       {cp::Method::kAllGather, cp::Method::kRing, cp::Method::kAllToAll, cp::Method::kHybrid}) {
-    if (method == cp::Method::kAllToAll && a.heads % n != 0) continue;  // heads must split
-    if (method == cp::Method::kHybrid && !hybrid_ranks(a, n)) continue;
+  for (auto method : {tessel::plan::CpMethod::kAllGather, tessel::plan::CpMethod::kRing,
+                      tessel::plan::CpMethod::kAllToAll, tessel::plan::CpMethod::kHybrid}) {
+    if (method == tessel::plan::CpMethod::kAllToAll && a.heads % n != 0)
+      continue;  // heads must split
+    if (method == tessel::plan::CpMethod::kHybrid && !hybrid_ranks(a, n)) continue;
     bench_method(a, g, method, in, n, world.rank == 0);
   }
   std::fflush(stdout);

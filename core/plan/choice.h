@@ -1,6 +1,6 @@
 // A plan key with a fixed set of values, held as an enum: `Choice<PipelineSchedule>` compares with
 // `PipelineSchedule::kZbv`, never with a string, so a new value is found by the compiler at every
-// use. Each enum's names are declared once (choice_names, core/plan/config.cpp): the YAML reader,
+// use. Each enum's names are declared once (choice_names, core/plan/choices.h): the YAML reader,
 // the errors, --help-config, docs/configuration.md and the resolved-plan dump all read them there.
 #pragma once
 

@@ -292,58 +292,6 @@ Config load(const std::string& source, const std::function<YAML::Node()>& parse,
 
 }  // namespace
 
-const std::vector<std::string>& choice_names(PipelineSchedule) {
-  static const std::vector<std::string> n{"gpipe", "1f1b", "interleaved", "zb-h1", "zbv"};
-  return n;
-}
-const std::vector<std::string>& choice_names(CpMethod) {
-  static const std::vector<std::string> n{"allgather", "ring", "alltoall", "hybrid"};
-  return n;
-}
-const std::vector<std::string>& choice_names(Backend) {
-  static const std::vector<std::string> n{"auto", "gloo", "nccl"};
-  return n;
-}
-const std::vector<std::string>& choice_names(TieEmbeddings) {
-  static const std::vector<std::string> n{"auto", "true", "false"};
-  return n;
-}
-const std::vector<std::string>& choice_names(RankOrder) {
-  static const std::vector<std::string> n{"tp-cp-dp-pp"};
-  return n;
-}
-const std::vector<std::string>& choice_names(TrainDevice) {
-  static const std::vector<std::string> n{"auto", "cpu", "cuda"};
-  return n;
-}
-const std::vector<std::string>& choice_names(Dtype) {
-  static const std::vector<std::string> n{"auto", "fp32", "bf16", "fp16"};
-  return n;
-}
-const std::vector<std::string>& choice_names(Recompute) {
-  static const std::vector<std::string> n{"none", "selective", "full"};
-  return n;
-}
-const std::vector<std::string>& choice_names(Kernels) {
-  static const std::vector<std::string> n{"tessel", "torch"};
-  return n;
-}
-const std::vector<std::string>& choice_names(Decay) {
-  static const std::vector<std::string> n{"cosine", "linear", "constant"};
-  return n;
-}
-const std::vector<std::string>& choice_names(DataFormat) {
-  static const std::vector<std::string> n{"text", "megatron", "tokens"};
-  return n;
-}
-const std::vector<std::string>& choice_names(TokenDtype) {
-  static const std::vector<std::string> n{"uint16", "uint32"};
-  return n;
-}
-const std::vector<std::string>& choice_names(RouterScore) {
-  static const std::vector<std::string> n{"softmax", "sigmoid"};
-  return n;
-}
 
 std::string fmt_double(double v) {
   // The shortest of %.15g..%.17g that reads back to the same double: 0.9, not 0.90000000000000002.

@@ -13,48 +13,10 @@
 #include <vector>
 
 #include "core/plan/choice.h"
-#include "core/plan/model_arch.h"
+#include "core/plan/choices.h"
 #include "core/plan/user_error.h"
 
 namespace tessel::plan {
-
-// The enumerated plan keys (core/plan/choice.h); each enum's names, in its order, are declared
-// once in config.cpp (choice_names).
-// parallel.pipeline.schedule, parallel.context.method, parallel.backend, training.recompute,
-// training.kernels, training.schedule.decay, data.format, data.token_dtype,
-// model.moe.router.score, model.arch (model_arch.h), model.tie_embeddings, parallel.order,
-// training.device, training.dtype:
-enum class PipelineSchedule { kGpipe, k1F1B, kInterleaved, kZbH1, kZbv };
-enum class CpMethod { kAllGather, kRing, kAllToAll, kHybrid };
-enum class Backend { kAuto, kGloo, kNccl };
-enum class Recompute { kNone, kSelective, kFull };
-enum class Kernels { kTessel, kTorch };
-enum class Decay { kCosine, kLinear, kConstant };
-enum class DataFormat { kText, kMegatron, kTokens };
-enum class TokenDtype { kUint16, kUint32 };
-enum class RouterScore { kSoftmax, kSigmoid };
-enum class TieEmbeddings { kAuto, kTrue, kFalse };  // kAuto resolved at load, by arch
-enum class TrainDevice { kAuto, kCpu, kCuda };
-enum class RankOrder { kTpCpDpPp };               // the one order the mesh builds (parallel/mesh.h)
-enum class Dtype { kAuto, kFp32, kBf16, kFp16 };  // kAuto resolved at load
-const std::vector<std::string>& choice_names(PipelineSchedule);
-const std::vector<std::string>& choice_names(CpMethod);
-const std::vector<std::string>& choice_names(Backend);
-const std::vector<std::string>& choice_names(Recompute);
-const std::vector<std::string>& choice_names(Kernels);
-const std::vector<std::string>& choice_names(Decay);
-const std::vector<std::string>& choice_names(DataFormat);
-const std::vector<std::string>& choice_names(TokenDtype);
-const std::vector<std::string>& choice_names(RouterScore);
-const std::vector<std::string>& choice_names(TieEmbeddings);
-const std::vector<std::string>& choice_names(TrainDevice);
-const std::vector<std::string>& choice_names(RankOrder);
-const std::vector<std::string>& choice_names(Dtype);
-/// The plan's name of a value ("zb-h1" for PipelineSchedule::kZbH1).
-template <class E>
-const std::string& name_of(E e) {
-  return choice_names(e)[static_cast<size_t>(e)];
-}
 
 struct RunConfig {
   std::string name;

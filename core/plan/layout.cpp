@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <stdexcept>
 #include <vector>
 
 #include "core/device/cuda.h"
@@ -126,8 +127,7 @@ void check_stage_layers(const Config& c, Problems& problems) {
 void check_schedule(const Config& c, const Layout& l, Problems& problems) {
   const auto& p = c.parallel;
   const auto& t = c.training;
-  const bool chunked = p.pipeline_schedule == PipelineSchedule::kInterleaved ||
-                       p.pipeline_schedule == PipelineSchedule::kZbv;
+  const bool chunked = schedule_shape(p.pipeline_schedule).chunked;
   problems.require(p.virtual_stages == 1 || (chunked && p.pp > 1),
                    fmt::format("parallel.pipeline.virtual_stages ({}) > 1 needs schedule "
                                "interleaved or zbv and parallel.pp > 1 (schedule {}, pp {})",
@@ -220,6 +220,21 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
   if (local_world > 0) check_devices(c, local_world, problems);
   problems.throw_if_any();
   return l;
+}
+
+ScheduleShape schedule_shape(PipelineSchedule schedule) {
+  switch (schedule) {
+    case PipelineSchedule::kGpipe:
+    case PipelineSchedule::k1F1B:
+    case PipelineSchedule::kZbH1:
+      return {false, false};
+    case PipelineSchedule::kInterleaved:
+      return {true, false};
+    case PipelineSchedule::kZbv:
+      return {true, true};
+  }
+  throw std::logic_error(
+      fmt::format("schedule_shape: schedule {} has no shape", static_cast<int>(schedule)));
 }
 
 std::string schedule_problem(PipelineSchedule schedule, int64_t p, int64_t m, int64_t v) {

@@ -28,6 +28,15 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world);
 /// check and parallel::pp::make_schedule both read it.
 std::string schedule_problem(PipelineSchedule schedule, int64_t p, int64_t m, int64_t v);
 
+/// What the rest of a run needs to know of a pipeline schedule beyond its action lists, declared
+/// once per schedule (a switch: a new schedule is flagged by the compiler).
+struct ScheduleShape {
+  bool chunked = false;  // several model chunks per rank (parallel.pipeline.virtual_stages > 1)
+  bool v_shape = false;  // a rank's second chunk runs the stages back up, so rank 0 holds both
+                         // ends of the model (the token table and the head)
+};
+ScheduleShape schedule_shape(PipelineSchedule schedule);
+
 /// Which CUDA device a process uses, and why (for the start-up log).
 struct DeviceChoice {
   int index = 0;

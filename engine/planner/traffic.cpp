@@ -195,7 +195,7 @@ std::map<std::string, Traffic> stage_traffic(const plan::Config& c, const plan::
   }
   if (l.pp > 1) {  // activations forward, gradients backward, at every chunk boundary
     // zbv: the V turns on pipeline rank pp − 1 (stages pp − 1 and pp), a hand-over, not a send.
-    const bool v = c.parallel.pipeline_schedule == plan::PipelineSchedule::kZbv;
+    const bool v = plan::schedule_shape(c.parallel.pipeline_schedule).v_shape;
     const double turn = v && r.stage == l.pp - 1 ? 1 : 0;
     const double sends_fwd = own_chunks - (part.last ? 1 : 0) - turn;
     const double sends_bwd = own_chunks - (part.first ? 1 : 0) - turn;

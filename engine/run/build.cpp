@@ -49,9 +49,9 @@ models::Decoder make_model(const plan::Config& c, const torch::Device& device,
                            torch::ScalarType dtype, parallel::Group* tp,
                            const models::StagePart& stages, parallel::Group* cp,
                            parallel::Group* ep) {
-  auto model = models::build_model(planner::model_shape(c.model), c.run.seed, tp,
-                                   c.parallel.sequence_parallel, stages, cp,
-                                   c.parallel.context_method.name(), ep);
+  auto model =
+      models::build_model(planner::model_shape(c.model), c.run.seed, tp,
+                          c.parallel.sequence_parallel, stages, cp, c.parallel.context_method, ep);
   if (!c.model.init_from.empty()) load_weights_file(model, init_weights_file(c.model.init_from));
   model->set_recompute(c.training.recompute.name());
   model->set_kernels(c.training.kernels.name());

@@ -286,15 +286,6 @@ int64_t alltoall_kv_heads(int64_t kv_heads, int64_t cp) {
   return kv_heads % cp == 0 ? kv_heads : std::lcm(kv_heads, cp);
 }
 
-Method method_of(const std::string& name) {
-  if (name == "allgather") return Method::kAllGather;
-  if (name == "ring") return Method::kRing;
-  if (name == "alltoall") return Method::kAllToAll;
-  if (name == "hybrid") return Method::kHybrid;
-  throw std::invalid_argument("parallel.context.method: '" + name +
-                              "' (allgather, ring, alltoall or hybrid)");
-}
-
 torch::Tensor local_positions(int64_t seq, int64_t cp, int64_t rank, const torch::Device& device) {
   const int64_t c = seq / (2 * cp);
   auto opts = torch::TensorOptions().dtype(torch::kInt64).device(device);
@@ -310,12 +301,19 @@ torch::Tensor local_chunks(const torch::Tensor& x, int64_t dim, int64_t cp, int6
   return torch::cat({x.narrow(dim, mine[0] * c, c), x.narrow(dim, mine[1] * c, c)}, dim);
 }
 
-torch::Tensor attention(Group& cp, Method method, const torch::Tensor& q, const torch::Tensor& k,
-                        const torch::Tensor& v) {
-  if (method == Method::kAllGather) return AllGatherAttention::apply(q, k, v, pack_group(cp));
-  if (method == Method::kAllToAll) return alltoall_attention(cp, q, k, v);
-  if (method == Method::kHybrid) return hybrid_attention(cp, q, k, v);
-  return RingAttention::apply(q, k, v, pack_group(cp), 1);
+torch::Tensor attention(Group& cp, plan::CpMethod method, const torch::Tensor& q,
+                        const torch::Tensor& k, const torch::Tensor& v) {
+  switch (method) {
+    case plan::CpMethod::kAllGather:
+      return AllGatherAttention::apply(q, k, v, pack_group(cp));
+    case plan::CpMethod::kRing:
+      return RingAttention::apply(q, k, v, pack_group(cp), 1);
+    case plan::CpMethod::kAllToAll:
+      return alltoall_attention(cp, q, k, v);
+    case plan::CpMethod::kHybrid:
+      return hybrid_attention(cp, q, k, v);
+  }
+  throw std::logic_error("parallel::cp::attention: a method without its attention");
 }
 
 }  // namespace tessel::parallel::cp

@@ -27,13 +27,10 @@
 
 #include <string>
 
+#include "core/plan/choices.h"
 #include "parallel/comm.h"
 
 namespace tessel::parallel::cp {
-
-enum class Method { kAllGather, kRing, kAllToAll, kHybrid };
-/// "allgather" | "ring" | "alltoall" | "hybrid" (parallel.context.method).
-Method method_of(const std::string& name);
 
 /// The global positions of cp rank `rank`'s tokens of a `seq`-token sequence: chunk `rank`, then
 /// chunk 2·cp−1−rank. int64 [seq / cp].
@@ -50,7 +47,7 @@ int64_t alltoall_kv_heads(int64_t kv_heads, int64_t cp);
 /// Causal attention of this rank's queries against the whole sequence's keys and values.
 /// q: [b, heads, 2c, d], k, v: [b, kv_heads, 2c, d] (this rank's two chunks, c = seq / (2·cp);
 /// heads a multiple of kv_heads: grouped-query) -> [b, heads, 2c, d]. Differentiable.
-torch::Tensor attention(Group& cp, Method method, const torch::Tensor& q, const torch::Tensor& k,
-                        const torch::Tensor& v);
+torch::Tensor attention(Group& cp, plan::CpMethod method, const torch::Tensor& q,
+                        const torch::Tensor& k, const torch::Tensor& v);
 
 }  // namespace tessel::parallel::cp

@@ -240,7 +240,7 @@ double theory_bubble(plan::PipelineSchedule schedule, int64_t p, int64_t m, int6
 int64_t stage_of(plan::PipelineSchedule schedule, int64_t p, int64_t rank, int64_t chunk) {
   Schedule s;
   s.stages = p;
-  s.v_shape = schedule == plan::PipelineSchedule::kZbv;
+  s.v_shape = plan::schedule_shape(schedule).v_shape;
   return s.stage_of(rank, chunk);
 }
 

@@ -21,11 +21,11 @@ bool close(const torch::Tensor& a, const torch::Tensor& b) {
 }
 
 // param: method, key/value heads (query heads: 4)
-class CpAttention : public ::testing::TestWithParam<std::tuple<Method, int64_t>> {};
+class CpAttention : public ::testing::TestWithParam<std::tuple<plan::CpMethod, int64_t>> {};
 
 TEST_P(CpAttention, MatchesDenseCausalAttention) {
   const auto [method, kv_heads] = GetParam();
-  auto& g = method == Method::kHybrid ? test_hybrid_group() : test_group();
+  auto& g = method == plan::CpMethod::kHybrid ? test_hybrid_group() : test_group();
   const int64_t n = g.size(), b = 2, heads = 4, c = 3, d = 8, seq = 2 * n * c;
   torch::manual_seed(77);
   auto q = torch::randn({b, heads, seq, d}), k = torch::randn({b, kv_heads, seq, d}),
@@ -54,10 +54,11 @@ TEST_P(CpAttention, MatchesDenseCausalAttention) {
   EXPECT_TRUE(torch::equal(mine(torch::arange(seq).view({1, 1, seq, 1})).flatten(), want));
 }
 
-INSTANTIATE_TEST_SUITE_P(Methods, CpAttention,
-                         ::testing::Combine(::testing::Values(Method::kAllGather, Method::kRing,
-                                                              Method::kAllToAll, Method::kHybrid),
-                                            ::testing::Values(int64_t{4}, int64_t{2}, int64_t{1})));
+INSTANTIATE_TEST_SUITE_P(
+    Methods, CpAttention,
+    ::testing::Combine(::testing::Values(plan::CpMethod::kAllGather, plan::CpMethod::kRing,
+                                         plan::CpMethod::kAllToAll, plan::CpMethod::kHybrid),
+                       ::testing::Values(int64_t{4}, int64_t{2}, int64_t{1})));
 
 // alltoall repeats key/value heads to the least multiple of cp when cp does not divide them.
 TEST(CpAllToAll, KeyValueHeadsCarried) {
@@ -89,11 +90,11 @@ TEST(CpAttentionBf16, BothMethodsHoldOneErrorBound) {
       .backward();
   auto mine = [&](const torch::Tensor& t) { return local_chunks(t, 2, n, g.rank()).contiguous(); };
   std::map<std::string, double> err;  // "allgather dk" -> relative error
-  for (auto method : {Method::kAllGather, Method::kRing}) {
+  for (auto method : {plan::CpMethod::kAllGather, plan::CpMethod::kRing}) {
     auto ql = mine(q).requires_grad_(), kl = mine(k).requires_grad_(),
          vl = mine(v).requires_grad_();
     (attention(g, method, ql, kl, vl) * mine(w)).sum().backward();
-    const std::string name = method == Method::kRing ? "ring" : "allgather";
+    const std::string name = method == plan::CpMethod::kRing ? "ring" : "allgather";
     for (auto [what, got, want] : {std::tuple{"dk", kl.grad(), mine(kd.grad())},
                                    std::tuple{"dv", vl.grad(), mine(vd.grad())}}) {
       const double e = (got.to(f64) - want).norm().item<double>() / want.norm().item<double>();
