@@ -34,7 +34,9 @@ const Pair kTop[] = {{"embed.weight", "wte.weight", false},
                      {"norm.weight", "ln_f.weight", false},
                      {"norm.bias", "ln_f.bias", false}};
 
-Weights gpt2_from_hf(const Weights& hf_in, const ModelShape& m, const std::string& source) {
+// Every tensor a view of its file (`keep` unread: nothing here copies).
+Weights gpt2_from_hf(const Weights& hf_in, const ModelShape& m, const std::string& source,
+                     const std::set<std::string>* /*keep*/) {
   // save_pretrained of GPT2LMHeadModel prefixes "transformer."; the hub's gpt2 files do not.
   Weights hf;
   for (const auto& [k, v] : hf_in) hf[k.rfind("transformer.", 0) == 0 ? k.substr(12) : k] = v;
@@ -51,13 +53,13 @@ Weights gpt2_from_hf(const Weights& hf_in, const ModelShape& m, const std::strin
   for (int64_t i = 0; i < m.layers; ++i) {
     std::string t = "layers." + std::to_string(i) + ".", h = "h." + std::to_string(i) + ".";
     for (const auto& p : kBlock)
-      w[t + p.tessel] = p.transpose ? get(h + p.hf).t().contiguous() : get(h + p.hf);
+      w[t + p.tessel] = p.transpose ? get(h + p.hf).t() : get(h + p.hf);
     auto qkv_w = get(h + "attn.c_attn.weight").t().chunk(3, 0);  // [3h, h] -> q, k, v
     auto qkv_b = get(h + "attn.c_attn.bias").chunk(3, 0);
     const char* names[] = {"q", "k", "v"};
     for (int j = 0; j < 3; ++j) {
-      w[t + "attn." + names[j] + ".weight"] = qkv_w[j].contiguous();
-      w[t + "attn." + names[j] + ".bias"] = qkv_b[j].contiguous();
+      w[t + "attn." + names[j] + ".weight"] = qkv_w[j];  // views: copied where a rank keeps them
+      w[t + "attn." + names[j] + ".bias"] = qkv_b[j];
     }
   }
   if (!m.tied()) w["head.weight"] = get("lm_head.weight");

@@ -95,7 +95,9 @@ std::vector<std::pair<std::string, std::vector<std::string>>> expert_pairs(const
   return out;
 }
 
-Weights llama_from_hf(const Weights& hf, const ModelShape& m, const std::string& source) {
+Weights llama_from_hf(const Weights& hf, const ModelShape& m, const std::string& source,
+                      const std::set<std::string>* keep) {
+  auto kept = [keep](const std::string& t) { return !keep || keep->count(t) > 0; };
   Weights w;
   std::set<std::string> used;
   auto take = [&](const std::string& h) {
@@ -109,16 +111,16 @@ Weights llama_from_hf(const Weights& hf, const ModelShape& m, const std::string&
     used.insert(h);
     return it->second;
   };
-  for (const auto& [t, h] : name_pairs(m)) w[t] = take(h);
+  for (const auto& [t, h] : name_pairs(m)) w[t] = take(h);  // views of the files
   for (const auto& [t, names] : expert_pairs(m)) {
     std::vector<torch::Tensor> experts;
     for (const auto& h : names) experts.push_back(take(h));
-    w[t] = torch::stack(experts);
+    if (kept(t)) w[t] = torch::stack(experts);  // a copy: only for a layer this rank holds
   }
   // Auxiliary-loss-free balancing starts from no bias (Mixtral and Qwen3-MoE have none).
   if (m.moe.bias_update_rate > 0)
     for (int64_t i = 0; i < m.layers; ++i)
-      if (m.moe.is_moe(i))
+      if (m.moe.is_moe(i) && kept("layers." + std::to_string(i) + ".mlp.router.bias"))
         w["layers." + std::to_string(i) + ".mlp.router.bias"] = torch::zeros({m.moe.experts});
   check_all_used(hf, used, source);
   return w;

@@ -156,7 +156,9 @@ void load_weights(Decoder& model, const Weights& tensors, const std::string& sou
       if (!optim::is_optimizer_state(name)) w[name] = t;
     assign_weights(model, w, source);
   } else {
-    assign_weights(model, arch(m.arch).from_hf(tensors, m, source), source);
+    std::set<std::string> keep;  // this rank's parameters: nothing else is copied
+    for (const auto& p : model->named_parameters()) keep.insert(p.key());
+    assign_weights(model, arch(m.arch).from_hf(tensors, m, source, &keep), source);
   }
 }
 

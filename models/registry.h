@@ -20,8 +20,12 @@ using Weights = std::map<std::string, torch::Tensor>;  // global name -> global 
 struct Arch {
   std::string name;
   DecoderOptions (*options)(const ModelShape&);
-  /// Hugging Face names and layouts -> Tessel names; throws UserError naming missing keys.
-  Weights (*from_hf)(const Weights& hf, const ModelShape&, const std::string& source);
+  /// Hugging Face names and layouts -> Tessel names; throws UserError naming missing keys. The
+  /// tensors are views of the files where the names map one to one; `keep`
+  /// (null: every one) the names wanted, so that what must be copied (stacked experts) is copied
+  /// only for the parameters a rank holds. Every Hugging Face name must be used either way.
+  Weights (*from_hf)(const Weights& hf, const ModelShape&, const std::string& source,
+                     const std::set<std::string>* keep);
   /// Tessel -> Hugging Face names and layouts (what save_pretrained writes).
   std::vector<std::pair<std::string, torch::Tensor>> (*to_hf)(const Weights&, const ModelShape&);
   /// config.json for transformers' from_pretrained.

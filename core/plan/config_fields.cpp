@@ -60,10 +60,12 @@ void add_model_fields(FieldAdder& add, Config& c) {
   add("model.rope_theta", &c.model.rope_theta, 10000.0, "RoPE base (llama).").range(1);
   add("model.init_std", &c.model.init_std, 0.02, "Std of the normal initial weights.").range(0);
   add("model.init_from", &c.model.init_from, S(""),
-      "Start from these weights: one safetensors file holding the whole model, with Hugging Face "
-      "names (save_pretrained of GPT2LMHeadModel / LlamaForCausalLM) or Tessel names, or a folder "
-      "holding model.safetensors (a save_pretrained or `tessel-train export` folder). Sharded "
-      "files (model-0000K-of-0000N.safetensors) are not read. Empty = seeded init.");
+      "Start from these weights, Hugging Face names (save_pretrained of GPT2LMHeadModel / "
+      "LlamaForCausalLM / Mixtral / Qwen3-MoE) or Tessel names: one safetensors file, or a folder "
+      "holding model.safetensors.index.json and its shards (what save_pretrained writes above "
+      "its max_shard_size, as released models ship) or model.safetensors (a `tessel-train "
+      "export` folder). The files are memory-mapped: each rank reads only the slices it keeps. "
+      "Empty = seeded init.");
   add("model.qk_norm", &c.model.qk_norm, false,
       "RMSNorm of every query and key head before RoPE, as Qwen3 (llama).");
 }

@@ -22,6 +22,7 @@
 #include "core/optim/state_names.h"
 #include "engine/checkpoint/index.h"
 #include "engine/io/safetensors.h"
+#include "engine/io/weights.h"
 
 namespace fs = std::filesystem;
 
@@ -308,7 +309,7 @@ std::string resolve_checkpoint(const std::string& dir) {
   if (!fs::exists(p / "index.json") && fs::exists(p / "latest")) {
     std::string name = read_text(p / "latest");
     name.erase(name.find_last_not_of(" \n\r\t") + 1);
-    checkpoint::check_plain_name(name, (p / "latest").string());
+    io::check_plain_name(name, (p / "latest").string());
     p /= name;
   }
   if (!fs::exists(p / kMarker))

@@ -59,13 +59,23 @@ std::string checkpoint_to_resume(const plan::Config& c);
 CheckpointState load_checkpoint(const std::string& step_dir, models::Decoder& model,
                                 optim::FlatAdamW& opt, optim::LossScaler* scaler = nullptr);
 
-/// `tessel-train export`: Hugging Face-named model.safetensors + config.json into out_dir.
+/// save_pretrained's default max_shard_size, "5GB": 5·10^9 bytes.
+inline constexpr int64_t kDefaultMaxShardBytes = 5'000'000'000;
+
+/// A shard size as save_pretrained's max_shard_size takes it: bytes, or a number with KB, MB, GB
+/// (powers of 10) or KiB, MiB, GiB (powers of 2): "5GB", "200MiB". UserError naming `what`.
+int64_t parse_shard_size(const std::string& text, const std::string& what);
+
+/// `tessel-train export`: Hugging Face-named weights + config.json into out_dir: one
+/// model.safetensors, or above `max_shard_bytes` the shards model-0000K-of-0000N.safetensors and
+/// model.safetensors.index.json, as save_pretrained writes them.
 /// `tokenizer` (a tokenizer.json or its folder; empty: none): copied beside the weights with
 /// tokenizer_config.json and special_tokens_map.json (written when the source has none), and its
 /// bos/eos ids go into config.json and generation_config.json.
 /// `what` names the setting in errors (export --out, checkpoint.export_hf).
 void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
-               const std::string& tokenizer = "", const std::string& what = "export --out");
+               const std::string& tokenizer = "", const std::string& what = "export --out",
+               int64_t max_shard_bytes = kDefaultMaxShardBytes);
 
 /// The checks export_hf makes of out_dir before writing, made at start-up for
 /// checkpoint.export_hf: a UserError when out_dir lies inside checkpoint_dir or holds files an

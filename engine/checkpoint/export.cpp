@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <map>
+#include <regex>
 #include <set>
 #include <string>
 #include <vector>
@@ -17,6 +19,7 @@
 #include "engine/checkpoint/checkpoint.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/tokenizer.h"
+#include "engine/io/weights.h"
 
 namespace fs = std::filesystem;
 
@@ -76,7 +79,40 @@ namespace {
 // The files an export writes: a folder holding only these is a previous export.
 const std::set<std::string> kExportFiles = {"model.safetensors",      "config.json",
                                             "generation_config.json", "tokenizer.json",
-                                            "tokenizer_config.json",  "special_tokens_map.json"};
+                                            "tokenizer_config.json",  "special_tokens_map.json",
+                                            io::kShardIndex};
+
+bool export_file(const std::string& name) {  // one of kExportFiles, or a shard
+  static const std::regex shard(R"(model-\d{5}-of-\d{5}\.safetensors)");
+  return kExportFiles.count(name) > 0 || std::regex_match(name, shard);
+}
+
+// The weights as save_pretrained writes them: one model.safetensors, or shards filled in order up
+// to `max_bytes` (a tensor larger than that alone in its own) and the index naming each tensor's.
+void write_hf_weights(const fs::path& out,
+                      const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
+                      int64_t max_bytes) {
+  std::vector<std::vector<std::pair<std::string, torch::Tensor>>> shards(1);
+  int64_t size = 0, total = 0;
+  for (const auto& [name, t] : tensors) {
+    const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+    if (!shards.back().empty() && size + bytes > max_bytes) shards.emplace_back(), size = 0;
+    shards.back().emplace_back(name, t);
+    size += bytes, total += bytes;
+  }
+  if (shards.size() == 1) {
+    io::write_safetensors((out / "model.safetensors").string(), tensors, {{"format", "pt"}});
+    return;
+  }
+  nlohmann::json map = nlohmann::json::object();
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const auto file = fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
+    io::write_safetensors((out / file).string(), shards[k], {{"format", "pt"}});
+    for (const auto& [name, t] : shards[k]) map[name] = file;
+  }
+  const nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", map}};
+  io::write_file_atomic((out / io::kShardIndex).string(), index.dump(2) + "\n");
+}
 
 // The files of out_dir an export would replace (a previous export's), in name order. An export
 // never writes into a checkpoint (`guarded`: a step folder or a checkpoint folder, and the folder
@@ -99,7 +135,7 @@ std::vector<std::string> export_folder_previous(const std::string& out_dir,
   std::vector<std::string> previous, other;
   if (!fs::is_directory(out_dir, ec)) return previous;
   for (const auto& e : fs::directory_iterator(out_dir, ec))
-    (kExportFiles.count(e.path().filename().string()) && e.is_regular_file() ? previous : other)
+    (export_file(e.path().filename().string()) && e.is_regular_file() ? previous : other)
         .push_back(e.path().filename().string());
   std::sort(other.begin(), other.end());
   if (!other.empty())
@@ -147,16 +183,33 @@ void check_export_folder(const std::string& out_dir, const std::string& checkpoi
   export_folder_previous(out_dir, (fs::path(checkpoint_dir) / "step_0").string(), what);
 }
 
+int64_t parse_shard_size(const std::string& text, const std::string& what) {
+  static const std::regex form(R"(\s*([0-9]+(?:\.[0-9]+)?)\s*(|B|KB|MB|GB|KiB|MiB|GiB)\s*)");
+  std::smatch m;
+  double bytes = 0;
+  if (std::regex_match(text, m, form)) {
+    static const std::map<std::string, double> unit = {
+        {"", 1},     {"B", 1},           {"KB", 1e3},        {"MB", 1e6},
+        {"GB", 1e9}, {"KiB", 1 << 10},   {"MiB", 1 << 20},   {"GiB", double(1 << 30)}};
+    bytes = std::stod(m[1].str()) * unit.at(m[2].str());
+  }
+  if (!(bytes >= 1 && bytes <= 1e15))
+    throw plan::UserError(fmt::format(
+        "{}: '{}' is not a shard size: bytes, or a number with KB, MB, GB (powers of 10) or "
+        "KiB, MiB, GiB (powers of 2), from 1 byte to 1 PB, as save_pretrained's max_shard_size",
+        what, text));
+  return static_cast<int64_t>(bytes);
+}
+
 void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
-               const std::string& tokenizer, const std::string& what) {
+               const std::string& tokenizer, const std::string& what, int64_t max_shard_bytes) {
   const std::string dir = resolve_checkpoint(checkpoint_dir);
   plan::Config c = plan::load_config((fs::path(dir) / "config.yaml").string());
   const auto w = checkpoint_model_weights(dir);
   const auto& arch = models::arch(c.model.arch);
   prepare_export_folder(out_dir, dir, what);  // once the checkpoint has been read
   fs::create_directories(out_dir);
-  io::write_safetensors((fs::path(out_dir) / "model.safetensors").string(),
-                    arch.to_hf(w, planner::model_shape(c.model)), {{"format", "pt"}});
+  write_hf_weights(out_dir, arch.to_hf(w, planner::model_shape(c.model)), max_shard_bytes);
   auto config = arch.hf_config(planner::model_shape(c.model));
   if (!tokenizer.empty()) {
     auto s = export_tokenizer(tokenizer, out_dir, c.model);

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "core/plan/user_error.h"
+#include "engine/io/weights.h"
 
 namespace fs = std::filesystem;
 
@@ -71,7 +72,7 @@ class IndexCheck {
 
   void file_entry(const std::string& name, const nlohmann::json& f) const {
     const std::string key = "files." + name;
-    check_plain_name(name, path_.string() + ": " + key);
+    io::check_plain_name(name, path_.string() + ": " + key);
     integer(at(f, key + ".", "bytes"), key + ".bytes", 0);
     if (!at(f, key + ".", "checksum").is_string()) fail(key + ".checksum", "expected a string");
   }
@@ -99,7 +100,7 @@ class IndexCheck {
       const std::string s = fmt::format("{}.shards[{}]", key, i);
       const auto& file = at(shards[i], s + ".", "file");
       if (!file.is_string()) fail(s + ".file", "expected a file name, got " + file.dump());
-      check_plain_name(file.get<std::string>(), path_.string() + ": " + s + ".file");
+      io::check_plain_name(file.get<std::string>(), path_.string() + ": " + s + ".file");
       if (!files.contains(file.get<std::string>()))
         throw plan::UserError(fmt::format(
             "{}: index.json records no size and checksum for {}, so it cannot be verified (a "
@@ -131,17 +132,6 @@ std::string read_text(const fs::path& p) {
   std::stringstream s;
   s << f.rdbuf();
   return s.str();
-}
-
-void check_plain_name(const std::string& name, const std::string& where) {
-  const bool control = std::any_of(name.begin(), name.end(),
-                                   [](char ch) { return static_cast<unsigned char>(ch) < 0x20; });
-  if (name.empty() || name == "." || name == ".." || name.size() > 255 ||
-      name.find('/') != std::string::npos || control)
-    throw plan::UserError(fmt::format(
-        "{}: '{}' is not a plain file name inside the checkpoint folder (a name with '/' or "
-        "'..' would make Tessel read outside it); the checkpoint is not loaded",
-        where, name));
 }
 
 nlohmann::json read_index(const fs::path& dir) {
@@ -182,7 +172,7 @@ nlohmann::json read_index(const fs::path& dir) {
 std::unique_ptr<io::MappedSafetensors> open_verified(const fs::path& dir,
                                                      const nlohmann::json& index,
                                                      const std::string& file) {
-  check_plain_name(file, (dir / "index.json").string());
+  io::check_plain_name(file, (dir / "index.json").string());
   const fs::path path = dir / file;
   std::error_code ec;
   const auto real = fs::canonical(path, ec);

@@ -20,12 +20,6 @@ constexpr int64_t kMaxIndexInteger = int64_t{1} << 53;
 /// UserError naming it when it cannot be read.
 std::string read_text(const std::filesystem::path& p);
 
-/// `name` (of a rank file or a `latest` pointer) as a plain file name inside its folder: not
-/// empty, no '/', not "." or "..", no control character, at most 255 bytes. A name such as
-/// "../../x.safetensors" or "/etc/x" would make a crafted checkpoint read outside its folder.
-/// `where` names the file the name was read from.
-void check_plain_name(const std::string& name, const std::string& where);
-
 /// index.json of a step folder, parsed and checked: format, step and consumed_samples (integers
 /// in [0, 2^53]; step also matches a step_<N> folder name), world_size, every rank file (a plain
 /// name, its size and checksum), every tensor (shape, dtype) and each shard (a listed file, a

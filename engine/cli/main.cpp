@@ -313,7 +313,7 @@ int run_generate(int argc, char** argv) {
 int run_export(int argc, char** argv) {
   CLI::App app{"tessel-train export: a checkpoint as Hugging Face safetensors + config.json",
                "tessel-train export"};
-  std::string dir, format = "hf", out, tokenizer;
+  std::string dir, format = "hf", out, tokenizer, shard = "5GB";
   app.add_option("checkpoint", dir, "step_<N> folder, or a checkpoint.dir (its latest)")
       ->required();
   app.add_option("--format", format, "Output format")->check(CLI::IsMember({"hf"}));
@@ -321,8 +321,15 @@ int run_export(int argc, char** argv) {
   app.add_option("--tokenizer", tokenizer,
                  "tokenizer.json (or its folder) to write beside the weights, with its bos/eos "
                  "ids in config.json and generation_config.json");
+  app.add_option("--max-shard-size", shard,
+                 "Above this, the weights go into shards model-0000K-of-0000N.safetensors with "
+                 "model.safetensors.index.json, as save_pretrained's max_shard_size (5GB, 200MB, "
+                 "2GiB or bytes)")
+      ->capture_default_str();
   TESSEL_CLI_PARSE(app, argc, argv);
-  tessel::checkpoint::export_hf(dir, out, tokenizer);
+  tessel::checkpoint::export_hf(
+      dir, out, tokenizer, "export --out",
+      tessel::checkpoint::parse_shard_size(shard, "export --max-shard-size"));
   return 0;
 }
 

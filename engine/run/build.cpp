@@ -11,6 +11,7 @@
 #include "core/kernels/attention_kernels.h"
 #include "core/observe/counters.h"
 #include "engine/io/safetensors.h"
+#include "engine/io/weights.h"
 #include "engine/run/startup.h"
 #include "parallel/cp/attention.h"
 
@@ -41,8 +42,9 @@ torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device) 
   return device.is_cuda() ? host.pin_memory().to(device, /*non_blocking=*/true) : host;
 }
 
-void load_weights_file(models::Decoder& model, const std::string& path) {
-  models::load_weights(model, io::read_safetensors(path).tensors, path);
+void load_weights_file(models::Decoder& model, const std::string& path, const std::string& key) {
+  const io::MappedWeights weights(path, key);  // views: only what this rank keeps is read
+  models::load_weights(model, weights.tensors(), weights.source());
 }
 
 models::Decoder make_model(const plan::Config& c, const torch::Device& device,
@@ -52,7 +54,7 @@ models::Decoder make_model(const plan::Config& c, const torch::Device& device,
   auto model =
       models::build_model(planner::model_shape(c.model), c.run.seed, tp,
                           c.parallel.sequence_parallel, stages, cp, c.parallel.context_method, ep);
-  if (!c.model.init_from.empty()) load_weights_file(model, init_weights_file(c.model.init_from));
+  if (!c.model.init_from.empty()) load_weights_file(model, c.model.init_from, "model.init_from");
   model->set_recompute(c.training.recompute.name());
   model->set_kernels(c.training.kernels.name());
   model->set_lean_logits(c.training.lean_logits, c.training.lean_logits_chunk);

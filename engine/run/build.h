@@ -36,8 +36,11 @@ models::Decoder make_model(const plan::Config& c, const torch::Device& device,
                            const models::StagePart& stages = {}, parallel::Group* cp = nullptr,
                            parallel::Group* ep = nullptr);
 
-/// Loads a safetensors file of Tessel or Hugging Face names into `model` (models/registry.h).
-void load_weights_file(models::Decoder& model, const std::string& path);
+/// Loads weights of Tessel or Hugging Face names into `model` (models/registry.h): a safetensors
+/// file, or a folder of one or of Hugging Face shards (io::MappedWeights). The files are mapped,
+/// not read: this rank copies only the slices it keeps. `key` (model.init_from, --weights) is
+/// named in errors.
+void load_weights_file(models::Decoder& model, const std::string& path, const std::string& key);
 
 /// The attention kernel the plan runs on `device`, in words for the start-up log (on CUDA it also
 /// pins SDPA's kernel order). Throws UserError where it would be SDPA's math kernel on CUDA.

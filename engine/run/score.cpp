@@ -14,6 +14,7 @@
 #include "engine/data/data.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/tokenizer.h"
+#include "engine/io/weights.h"
 #include "engine/run/build.h"
 
 namespace tessel::run {
@@ -139,10 +140,9 @@ models::Decoder load_for_inference(const plan::Config& c, const std::string& wei
   auto model =
       make_model(plan, resolve_device(c.training.device), planner::resolve_dtype(c.training.dtype));
   namespace fs = std::filesystem;
-  if (!fs::is_directory(weights)) {
-    load_weights_file(model, weights);
-  } else if (fs::exists(fs::path(weights) / "model.safetensors")) {  // an export's folder
-    load_weights_file(model, (fs::path(weights) / "model.safetensors").string());
+  if (!fs::is_directory(weights) || fs::exists(fs::path(weights) / io::kShardIndex) ||
+      fs::exists(fs::path(weights) / "model.safetensors")) {  // a file, an export or HF folder
+    load_weights_file(model, weights, "--weights");
   } else {  // a checkpoint: a step_<N> folder, or a checkpoint.dir (its latest)
     std::string dir;
     try {

@@ -22,6 +22,7 @@
 
 #include "engine/checkpoint/checkpoint.h"
 #include "engine/data/data.h"
+#include "engine/io/weights.h"
 #include "engine/run/build.h"
 #include "engine/run/resume_plan.h"
 #include "engine/run/stop.h"
@@ -31,20 +32,7 @@
 namespace tessel::run {
 
 std::string init_weights_file(const std::string& init_from) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (fs::is_directory(init_from, ec)) {
-    const auto inside = fs::path(init_from) / "model.safetensors";
-    if (fs::is_regular_file(inside, ec)) return inside.string();
-    throw plan::UserError(fmt::format(
-        "model.init_from: {} is a folder without model.safetensors; name the safetensors file "
-        "(a Hugging Face save_pretrained folder or a `tessel-train export` folder holds "
-        "model.safetensors)",
-        init_from));
-  }
-  if (!fs::is_regular_file(init_from, ec))
-    throw plan::UserError(fmt::format("model.init_from: {}: no such file", init_from));
-  return init_from;
+  return io::weights_entry(init_from, "model.init_from");
 }
 
 namespace {

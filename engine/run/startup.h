@@ -50,8 +50,9 @@ class RunLock {
   std::vector<int> fds_;
 };
 
-/// The safetensors file model.init_from names: the file itself, or model.safetensors inside a
-/// folder (a save_pretrained or `tessel-train export` folder). UserError naming the key otherwise.
+/// The file model.init_from opens (io::weights_entry): the file itself, or inside a folder
+/// model.safetensors.index.json (Hugging Face's shards) or model.safetensors (a save_pretrained
+/// or `tessel-train export` folder). UserError naming the key otherwise.
 std::string init_weights_file(const std::string& init_from);
 
 class Peers {

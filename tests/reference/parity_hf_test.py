@@ -79,6 +79,53 @@ class HfParity(TmpDirTest):
         self.check_tessel_to_hf("llama", tied=True)
         self.assertTrue(AutoModelForCausalLM.from_pretrained(self.path("export")).config.tie_word_embeddings)
 
+    def test_sharded_folders(self):
+        # As released models ship: save_pretrained above max_shard_size writes shards and
+        # model.safetensors.index.json; Tessel maps the shards and reads the same weights as from
+        # one file (the same loss, bitwise), for both architectures.
+        rows = random_rows(4, seed=5)
+        write_rows(self.path("rows.bin"), rows)
+        data = write_tokens(self.path("data.u16"), 2000)
+        for arch in ("gpt2", "llama"):
+            model = hf_model(arch)
+            model.save_pretrained(self.path(arch, "one"), safe_serialization=True)
+            model.save_pretrained(self.path(arch, "shards"), safe_serialization=True, max_shard_size="20KB")
+            shards = [f for f in os.listdir(self.path(arch, "shards")) if f.endswith(".safetensors")]
+            self.assertGreater(len(shards), 2, shards)
+            self.assertTrue(os.path.exists(self.path(arch, "shards", "model.safetensors.index.json")))
+            plan = self.plan(arch, data)
+            one = score(plan, self.path(arch, "one"), self.path("rows.bin"))
+            sharded = score(plan, self.path(arch, "shards"), self.path("rows.bin"))
+            self.assertEqual(sharded["loss"], one["loss"], arch)
+            self.assertLess(rel(sharded["loss"], hf_loss(model, rows)), TOL, arch)
+
+    def test_sharded_export(self):
+        # export above --max-shard-size writes save_pretrained's shards and index: transformers
+        # and Tessel read them back; a later export into the folder replaces them whole.
+        data = write_tokens(self.path("data.u16"), 2000)
+        plan = self.plan("llama", data, steps=2)
+        run("tessel-train", plan)
+        ckpt = self.path("run", "checkpoints")
+        run("tessel-train", "export", ckpt, "--out", self.path("export"), "--max-shard-size", "20KB")
+        files = sorted(os.listdir(self.path("export")))
+        shards = [f for f in files if f.startswith("model-")]
+        self.assertGreater(len(shards), 2, files)
+        self.assertIn("model.safetensors.index.json", files)
+        self.assertNotIn("model.safetensors", files)
+        model = AutoModelForCausalLM.from_pretrained(self.path("export"), attn_implementation="eager").float().eval()
+        rows = random_rows(3, seed=4)
+        write_rows(self.path("rows.bin"), rows)
+        got = score(plan, self.path("export"), self.path("rows.bin"))
+        want = score(plan, self.path("run", "checkpoints", "step_2", "rank_00000.safetensors"), self.path("rows.bin"))
+        self.assertEqual(got["loss"], want["loss"])
+        self.assertLess(rel(got["loss"], hf_loss(model, rows)), TOL)
+        run("tessel-train", "export", ckpt, "--out", self.path("export"))  # default 5GB: one file
+        self.assertEqual(sorted(os.listdir(self.path("export"))), ["config.json", "model.safetensors"])
+        bad = run("tessel-train", "export", ckpt, "--out", self.path("export"), "--max-shard-size", "5XB",
+                  check=False)
+        self.assertEqual(bad.returncode, 2, bad.stderr)
+        self.assertIn("export --max-shard-size: '5XB' is not a shard size", bad.stderr)
+
     def test_hub_style_gpt2_names(self):
         # The hub's gpt2 files have no "transformer." prefix and carry attn.bias buffers.
         model = hf_model("gpt2")

@@ -159,7 +159,7 @@ TEST(HfNames, RoundTripBothArchitectures) {
     auto w = model_weights(*std::make_unique<Decoder>(build_model(m, 9)));
     Weights hf;
     for (auto& [k, t] : arch(m.arch).to_hf(w, m)) hf[k] = t;
-    auto back = arch(m.arch).from_hf(hf, m, "mem");
+    auto back = arch(m.arch).from_hf(hf, m, "mem", nullptr);
     ASSERT_EQ(back.size(), w.size()) << yaml;
     for (const auto& [k, t] : w) EXPECT_TRUE(torch::equal(t, back.at(k))) << k;
   }
@@ -173,7 +173,7 @@ TEST(HfNames, RoundTripBothArchitectures) {
            .to_hf(model_weights(*std::make_unique<Decoder>(build_model(deep, 1))), deep))
     hf3[k] = t;
   try {
-    arch(plan::ModelArch::kLlama).from_hf(hf3, shallow, "deep.safetensors");
+    arch(plan::ModelArch::kLlama).from_hf(hf3, shallow, "deep.safetensors", nullptr);
     FAIL();
   } catch (const plan::UserError& e) {
     EXPECT_NE(
@@ -185,7 +185,7 @@ TEST(HfNames, RoundTripBothArchitectures) {
   auto m = model("{arch: gpt2, layers: 1, hidden: 16, heads: 2, vocab_size: 300}");
   Weights partial;
   try {
-    arch(plan::ModelArch::kGpt2).from_hf(partial, m, "x.safetensors");
+    arch(plan::ModelArch::kGpt2).from_hf(partial, m, "x.safetensors", nullptr);
     FAIL();
   } catch (const plan::UserError& e) {
     EXPECT_NE(std::string(e.what()).find("x.safetensors: missing Hugging Face tensor 'wte.weight'"),

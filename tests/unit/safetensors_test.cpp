@@ -8,6 +8,7 @@
 #include "core/plan/config.h"
 #include "engine/io/checksum.h"
 #include "engine/io/safetensors.h"
+#include "engine/io/weights.h"
 
 namespace fs = std::filesystem;
 
@@ -118,6 +119,68 @@ TEST(Safetensors, RefusesBadFiles) {
   std::string tiny = tmp_path("tiny");
   std::ofstream(tiny) << "abc";
   expect_refused(tiny, "shorter than its 8-byte header length");
+}
+
+// A Hugging Face folder of two shards and its index: every tensor a view of its shard; and every
+// crafted index refused with the file and the key named, before anything is loaded.
+TEST(MappedWeights, ReadsShardedFoldersAndRefusesCraftedIndexes) {
+  const fs::path dir = tmp_path("shards");
+  fs::create_directories(dir);
+  const auto a = torch::arange(12, torch::kFloat32).view({3, 4}), b = torch::ones({5});
+  io::write_safetensors((dir / "model-00001-of-00002.safetensors").string(), {{"a", a}});
+  io::write_safetensors((dir / "model-00002-of-00002.safetensors").string(), {{"b", b}});
+  auto index = [&](const std::string& weight_map) {
+    std::ofstream(dir / io::kShardIndex) << R"({"metadata": {"total_size": 68}, "weight_map": )"
+                                         << weight_map << "}";
+  };
+  index(R"({"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"})");
+  {
+    const io::MappedWeights w(dir.string(), "model.init_from");
+    EXPECT_EQ(w.files(), 2u);
+    EXPECT_EQ(w.source(), (dir / io::kShardIndex).string());
+    EXPECT_TRUE(torch::equal(w.tensors().at("a"), a));
+    EXPECT_TRUE(torch::equal(w.tensors().at("b"), b));
+  }
+  auto refused = [&](const std::string& weight_map, const std::string& part) {
+    index(weight_map);
+    try {
+      io::MappedWeights w(dir.string(), "model.init_from");
+      ADD_FAILURE() << weight_map << ": loaded";
+    } catch (const plan::UserError& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  const std::string where = (dir / io::kShardIndex).string() + ": weight_map.";
+  refused(R"({"a": "../../etc/x.safetensors", "b": "model-00002-of-00002.safetensors"})",
+          where + "a: '../../etc/x.safetensors' is not a plain file name inside the model folder");
+  refused(R"({"a": "/etc/x.safetensors"})", "is not a plain file name inside the model folder");
+  refused(R"({"a": "model-00001-of-00002.safetensors", "b": "gone.safetensors"})",
+          where + "b: shard " + (dir / "gone.safetensors").string() + " does not exist");
+  refused(R"({"a": "model-00002-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"})",
+          where + "a names shard " + (dir / "model-00002-of-00002.safetensors").string() +
+              ", which holds no such tensor");
+  refused(R"({"b": "model-00002-of-00002.safetensors", "a": "model-00001-of-00002.safetensors",
+             "c": "model-00001-of-00002.safetensors"})",
+          "weight_map.c names shard");
+  index(R"({"a": "model-00001-of-00002.safetensors"})");  // a shard the map never names: unread
+  EXPECT_EQ(io::MappedWeights(dir.string(), "model.init_from").tensors().size(), 1u);
+  refused(R"({})", "weight_map: expected an object of tensor names to shard files");
+  refused(R"({"a": 3})", where + "a: expected a shard file name, got 3");
+  refused(R"(["a"])", "weight_map: expected an object");
+  // A shard holding a tensor the map gives to another shard.
+  io::write_safetensors((dir / "model-00002-of-00002.safetensors").string(), {{"b", b}, {"a", a}});
+  refused(R"({"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"})",
+          "holds tensor 'a', which the weight_map gives to model-00001-of-00002.safetensors");
+  fs::remove(dir / io::kShardIndex);
+  try {
+    io::MappedWeights w(dir.string(), "--weights");
+    ADD_FAILURE() << "a folder without an index or model.safetensors loaded";
+  } catch (const plan::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("--weights: " + dir.string() + " is a folder with neither"),
+              std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(dir);
 }
 
 }  // namespace
