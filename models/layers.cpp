@@ -6,6 +6,8 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+
 #include "core/kernels/attention_kernels.h"
 #include "parallel/autograd_comm.h"
 #include "parallel/cp/attention.h"
@@ -16,13 +18,18 @@ namespace tessel::models {
 namespace tp = parallel::tp;
 
 torch::Tensor ParamSpec::local_of(const torch::Tensor& global) const {
-  auto g = global;
-  if (padded_rows > g.size(0)) {
-    auto pad_shape = g.sizes().vec();
-    pad_shape[0] = padded_rows - g.size(0);
-    g = torch::cat({g, torch::zeros(pad_shape, g.options())});
-  }
-  return shard.of(g);
+  if (padded_rows <= global.size(0)) return shard.of(global);
+  // A padded vocabulary: this rank's rows of the padded table, its real rows then zeros, so that
+  // only they are read (the table may be a view of a mapped file).
+  const bool split = shard.dim == 0 && shard.parts > 1;
+  const int64_t rows = split ? padded_rows / shard.parts : padded_rows;
+  const int64_t begin = split ? rows * shard.index : 0;
+  const int64_t real = std::clamp<int64_t>(global.size(0) - begin, 0, rows);
+  auto pad_shape = global.sizes().vec();
+  pad_shape[0] = rows - real;
+  auto mine = torch::cat({global.narrow(0, std::min(begin, global.size(0)), real),
+                          torch::zeros(pad_shape, global.options())});
+  return split ? mine : shard.of(mine);
 }
 
 std::vector<std::pair<int64_t, int64_t>> ParamSpec::global_ranges() const {
