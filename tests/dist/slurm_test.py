@@ -90,6 +90,33 @@ class Slurm(TmpDirTest):
         self.assertIn("2 processes (Slurm", out)
         self.assertEqual(len(self.losses("n2")), 6)
 
+    def test_gpu_examples_cpu_variant(self):
+        # examples/slurm/gpu_srun.sbatch and gpu_launcher.sbatch as written, less their GPU
+        # requests (#SBATCH --gpus-per-*; GPUS_PER_TASK= for srun's), on CPU ranks: both train
+        # the same run, one task per rank or one launcher per node.
+        losses = {}
+        for example, env in (("gpu_srun.sbatch", dict(GPUS_PER_TASK="")), ("gpu_launcher.sbatch", dict(WORKERS="2"))):
+            with open(os.path.join(EXAMPLES, example)) as f:
+                lines = f.read().splitlines(keepends=True)
+            cpu = "".join(l for l in lines if not l.startswith("#SBATCH --gpus-per-"))
+            self.assertEqual(len(lines) - len(cpu.splitlines()), 1, f"{example}: one GPU request to drop")
+            name = example.split(".")[0]
+            script = self.path(name + "_cpu.sbatch")
+            with open(script, "w") as f:
+                f.write(cpu)
+            exports = dict(TESSEL_BIN=os.path.abspath(BIN), MASTER_PORT=str(free_port()), MASTER_ADDR="127.0.0.1",
+                           OMP_NUM_THREADS="1", LOG_DIR=self.path(name + "_logs"), **env)
+            per_node = "2" if example == "gpu_srun.sbatch" else "1"
+            job = self.cluster.submit(script, ["--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items()),
+                                               "-D", self.tmp, "-o", self.path("job-%j.out"), "--nodes=1",
+                                               f"--ntasks-per-node={per_node}", "--cpus-per-task=1"],
+                                      [self.plan(name, 8)])
+            state = self.cluster.wait(job)
+            self.assertEqual(state["JobState"], "COMPLETED", f"{self.output(job)}\n{state}\n{self.cluster.logs()}")
+            losses[name] = self.losses(name)
+            self.assertEqual(len(losses[name]), 8, example)
+        self.assertEqual(losses["gpu_srun"], losses["gpu_launcher"])
+
     def test_single_node_multi_node_and_preemption(self):
         # One node, two workers: trains to completion.
         job = self.submit("single_node.sbatch", self.plan("full"), WORKERS="2")

@@ -117,6 +117,11 @@ class Bundle(unittest.TestCase):
                                  capture_output=True, text=True, check=True).stdout
             paths = re.findall(r"R(?:UN)?PATH\)\s+Library r(?:un)?path: \[(.*)\]", dyn)
             self.assertEqual(paths, ["$ORIGIN/../../lib/tessel"], f"{tool}: {paths}")
+        share = os.path.join(self.prefix, "share", "tessel")
+        for example in os.listdir(os.path.join(ROOT, "examples", "slurm")):  # what README and docs point to
+            self.assertTrue(os.path.isfile(os.path.join(share, "examples", "slurm", example)), example)
+        for doc in ("gpu.md", "parallelism.md", "configuration.md"):
+            self.assertTrue(os.path.isfile(os.path.join(share, "docs", doc)), doc)
         libs = sorted(os.listdir(os.path.join(self.prefix, "lib", "tessel")))
         for want in ("libyaml-cpp", "libspdlog", "libfmt"):
             self.assertTrue(any(lib.startswith(want) for lib in libs), f"{want} missing from {libs}")

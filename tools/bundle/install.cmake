@@ -4,7 +4,8 @@
 #   P/libexec/tessel/<tool>   the binaries; RUNPATH $ORIGIN/../../lib/tessel only
 #   P/lib/tessel/             their libraries that neither the system's C library nor torch's
 #                             wheel provides: yaml-cpp, spdlog, fmt, and the C++ runtime
-#   P/share/tessel/           plans, Python helpers, the GPU suite's scripts, bench drivers
+#   P/share/tessel/           plans, docs, examples/slurm, Python helpers, the GPU suite's
+#                             scripts, bench drivers
 # No installed file carries a path into this machine's build tree, home or caches (a test checks).
 include(GNUInstallDirs)
 set(TESSEL_TOOLS tessel-train tessel-launch tessel-data tessel-bench-comm tessel-bench-cp)
@@ -27,6 +28,8 @@ install(CODE "execute_process(COMMAND git -C \"${CMAKE_SOURCE_DIR}\" rev-parse -
 # What configs/default.yaml trains on (this project's own text), so that it runs from share/tessel.
 install(FILES README.md DESTINATION share/tessel)
 install(DIRECTORY docs DESTINATION share/tessel FILES_MATCHING PATTERN "*.md")
+# The Slurm job scripts README and docs point to (TESSEL_BIN=<prefix>/bin runs them on the bundle).
+install(DIRECTORY examples DESTINATION share/tessel)
 foreach(dir engine core models tools tests/unit)
   install(DIRECTORY ${dir}/ DESTINATION share/tessel/${dir} FILES_MATCHING PATTERN "*.cpp" PATTERN "*.h"
           PATTERN "bundle" EXCLUDE)
