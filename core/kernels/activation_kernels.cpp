@@ -6,7 +6,6 @@
 // here, because ATen's at::parallel_for runs serially in a file compiled without it.
 #include "core/kernels/activation_kernels.h"
 
-#include <immintrin.h>
 #include <cstdint>
 #include <cstring>
 
@@ -14,6 +13,7 @@
 
 namespace tessel::kernels::cpu {
 
+#if TESSEL_AVX2_LOOPS
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
@@ -95,6 +95,7 @@ void swiglu_backward_vec(const float* dy, const float* g, const float* u, float*
 
 }  // namespace avx2
 #pragma GCC pop_options
+#endif
 
 namespace baseline {
 #include "core/kernels/activation_kernels_impl.h"
@@ -104,14 +105,18 @@ namespace {
 using simd::has_avx2_fma;
 
 void forward_serial(const float* x, float* y, int64_t n) {
+#if TESSEL_AVX2_LOOPS
   if (has_avx2_fma()) return avx2::gelu_tanh_forward_vec(x, y, n);
+#endif
   baseline::gelu_tanh_forward(x, y, n);
 }
 
 void forward_slope_serial(const float* x, const float* bias, float* y, float* slope, int64_t n) {
+#if TESSEL_AVX2_LOOPS
   if (has_avx2_fma())
     return bias ? avx2::gelu_tanh_forward_slope_vec<true>(x, bias, y, slope, n)
                 : avx2::gelu_tanh_forward_slope_vec<false>(x, nullptr, y, slope, n);
+#endif
   baseline::gelu_tanh_forward_slope(x, bias, y, slope, n);
 }
 
@@ -128,7 +133,9 @@ void over_threads(int64_t n, const F& f) {
 
 void swiglu_forward(const float* g, const float* u, float* y, int64_t n) {
   over_threads(n, [&](int64_t b, int64_t e) {
+#if TESSEL_AVX2_LOOPS
     if (has_avx2_fma()) return avx2::swiglu_forward_vec(g + b, u + b, y + b, e - b);
+#endif
     baseline::swiglu_forward(g + b, u + b, y + b, e - b);
   });
 }
@@ -136,8 +143,10 @@ void swiglu_forward(const float* g, const float* u, float* y, int64_t n) {
 void swiglu_backward(const float* dy, const float* g, const float* u, float* dg, float* du,
                      int64_t n) {
   over_threads(n, [&](int64_t b, int64_t e) {
+#if TESSEL_AVX2_LOOPS
     if (has_avx2_fma())
       return avx2::swiglu_backward_vec(dy + b, g + b, u + b, dg + b, du + b, e - b);
+#endif
     baseline::swiglu_backward(dy + b, g + b, u + b, dg + b, du + b, e - b);
   });
 }

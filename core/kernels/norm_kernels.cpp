@@ -15,7 +15,11 @@ namespace {
 // Rows of a block whose weight-gradient share is summed together (and rows per thread at least).
 constexpr int64_t kBlockRows = 32;
 
+#if TESSEL_AVX2_LOOPS  // built for AVX2 and the baseline, picked at load (core/kernels/simd.h)
 #define TESSEL_CLONES __attribute__((target_clones("avx2", "default")))
+#else  // one build, vectorised for the target's own SIMD
+#define TESSEL_CLONES
+#endif
 
 TESSEL_CLONES void norm_rows(const float* x, const float* w, float* y, float* rstd, int64_t first,
                              int64_t end, int64_t h, float eps) {

@@ -1,11 +1,20 @@
 // What Tessel's own CPU loops share (core/kernels/activation_kernels.cpp,
-// core/kernels/softmax_kernels.cpp): an 8-lane e^x in AVX2+FMA intrinsics, the CPU check that picks
-// those loops, and the split of a loop over LibTorch's intra-op threads. Include it only from files
-// built with -fopenmp (their CMake properties say so): ATen's at::parallel_for runs serially in
-// files built without it.
+// core/kernels/softmax_kernels.cpp): whether this build carries AVX2+FMA loops, an 8-lane e^x in
+// those intrinsics, the CPU check that picks them, and the split of a loop over LibTorch's
+// intra-op threads. Include it only from files built with -fopenmp (their CMake properties say
+// so): ATen's at::parallel_for runs serially in files built without it.
 #pragma once
 
+// The one place that says which loops a build carries. x86-64: the AVX2+FMA intrinsics beside the
+// portable loops, one picked at run time by has_avx2_fma(). Any other architecture (aarch64:
+// Grace): the portable loops alone, plain C++ that the compiler vectorises for the target's own
+// SIMD (NEON/ASIMD, the aarch64 baseline), and has_avx2_fma() false.
+#if defined(__x86_64__)
+#define TESSEL_AVX2_LOOPS 1
 #include <immintrin.h>
+#else
+#define TESSEL_AVX2_LOOPS 0
+#endif
 #include <omp.h>
 
 #include <algorithm>
@@ -14,6 +23,7 @@
 
 namespace tessel::kernels::simd {
 
+#if TESSEL_AVX2_LOOPS
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 /// e^x in eight lanes for x in any range: clamped to [-87, 88] first (e^-87 is still a normal
@@ -34,11 +44,16 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
 }
 #pragma GCC pop_options
+#endif
 
-/// Whether this CPU runs the AVX2+FMA loops (checked once).
+/// Whether this CPU runs the AVX2+FMA loops (checked once); false where the build carries none.
 inline bool has_avx2_fma() {
+#if TESSEL_AVX2_LOOPS
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
+#else
+  return false;
+#endif
 }
 
 /// f(begin, end) over [0, n) split into contiguous ranges, one per thread of the OpenMP team that

@@ -5,12 +5,11 @@
 // the thread count.
 #include "core/kernels/softmax_kernels.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <stdexcept>
 #include <vector>
 
 #include "core/kernels/simd.h"
@@ -30,6 +29,7 @@ struct HeadShape {
   float scale;
 };
 
+#if TESSEL_AVX2_LOOPS
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
@@ -380,6 +380,7 @@ void backward_group(const AttentionDims& a, const HeadShape& h, int64_t b, int64
 }
 }  // namespace avx2
 #pragma GCC pop_options
+#endif
 
 namespace baseline {
 
@@ -405,6 +406,7 @@ void softmax_backward_row(const float* p, float* dp, int64_t len, int64_t n, flo
 // Rows per thread at least: a row is up to a few hundred elements, a fork costs microseconds.
 constexpr int64_t kGrainRows = 64;
 
+#if TESSEL_AVX2_LOOPS
 HeadShape head_shape(const AttentionDims& a) {
   return {a.m, a.n, a.d, padded_keys(a.n), (a.m + 7) / 8 * 8, a.causal, a.scale};
 }
@@ -418,6 +420,7 @@ void over_groups(const AttentionDims& a, const F& f) {
     for (int64_t t = first; t < end; ++t) f(h, t / a.kv_heads, t % a.kv_heads, sc);
   });
 }
+#endif
 
 }  // namespace
 
@@ -425,6 +428,7 @@ int64_t padded_keys(int64_t n) { return (n + 7) / 8 * 8; }
 
 bool head_loops_apply(int64_t d) { return simd::has_avx2_fma() && d % 8 == 0; }
 
+#if TESSEL_AVX2_LOOPS
 void attention_forward(const AttentionDims& a, const HeadsConst& q, const HeadsConst& k,
                        const HeadsConst& v, const HeadsOut& out, float* probs) {
   over_groups(a, [&](const HeadShape& h, int64_t b, int64_t kv, avx2::Scratch& sc) {
@@ -439,29 +443,48 @@ void attention_backward(const AttentionDims& a, const HeadsConst& dout, const He
     avx2::backward_group(a, h, b, kv, dout, q, k, v, probs, dq, dk, dv, sc);
   });
 }
+#else
+// Reached only where head_loops_apply() is true, which it never is in a build without them.
+void attention_forward(const AttentionDims&, const HeadsConst&, const HeadsConst&,
+                       const HeadsConst&, const HeadsOut&, float*) {
+  throw std::logic_error("attention_forward: head loops called where head_loops_apply() is false");
+}
+
+void attention_backward(const AttentionDims&, const HeadsConst&, const HeadsConst&,
+                        const HeadsConst&, const HeadsConst&, const float*, const HeadsOut&,
+                        const HeadsOut&, const HeadsOut&) {
+  throw std::logic_error("attention_backward: head loops called where head_loops_apply() is false");
+}
+#endif
 
 void softmax_rows(float* s, const ScoreRows& rows) {
-  const bool vec = simd::has_avx2_fma();
+  [[maybe_unused]] const bool vec = simd::has_avx2_fma();
   simd::over_threads(rows.count, kGrainRows, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       float* x = s + r * rows.n;
-      if (vec)
+#if TESSEL_AVX2_LOOPS
+      if (vec) {
         avx2::softmax_row(x, keys(rows, r), rows.n, rows.scale);
-      else
-        baseline::softmax_row(x, keys(rows, r), rows.n, rows.scale);
+        continue;
+      }
+#endif
+      baseline::softmax_row(x, keys(rows, r), rows.n, rows.scale);
     }
   });
 }
 
 void softmax_backward_rows(const float* p, float* dp, const ScoreRows& rows) {
-  const bool vec = simd::has_avx2_fma();
+  [[maybe_unused]] const bool vec = simd::has_avx2_fma();
   simd::over_threads(rows.count, kGrainRows, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const int64_t off = r * rows.n;
-      if (vec)
+#if TESSEL_AVX2_LOOPS
+      if (vec) {
         avx2::softmax_backward_row(p + off, dp + off, keys(rows, r), rows.n, rows.scale);
-      else
-        baseline::softmax_backward_row(p + off, dp + off, keys(rows, r), rows.n, rows.scale);
+        continue;
+      }
+#endif
+      baseline::softmax_backward_row(p + off, dp + off, keys(rows, r), rows.n, rows.scale);
     }
   });
 }
