@@ -161,6 +161,59 @@ cd '{share}'
         print(f"\nbundle as uid {'65534' if os.getuid() == 0 else os.getuid()}: {STEPS} steps within {worst:.1e} "
               f"of the build tree's; gpu-check.sh ran its CPU dry path", file=sys.stderr)
 
+    def fake_install(self, name, floor=None, cuda=None):
+        """A copy of the bundle's launcher (run.sh, one tool, share/tessel's records), with its glibc
+        floor or its torch's CUDA version replaced: what run.sh checks before anything starts."""
+        root = os.path.join(self.tmp, name)
+        share = os.path.join(root, "share", "tessel")
+        os.makedirs(share)
+        os.makedirs(os.path.join(root, "libexec", "tessel"))
+        os.makedirs(os.path.join(root, "bin"))
+        real = os.path.join(self.prefix, "share", "tessel")
+        for f in ("TORCH_VERSION", "TORCH_CUDA", "GLIBC_FLOOR"):
+            shutil.copy(os.path.join(real, f), share)
+        if floor:
+            with open(os.path.join(share, "GLIBC_FLOOR"), "w") as f:
+                f.write(floor + "\n")
+        shutil.copy(os.path.join(self.prefix, "libexec", "tessel", "run.sh"), os.path.join(root, "libexec", "tessel"))
+        os.symlink(os.path.join(self.prefix, "libexec", "tessel", "tessel-train"),
+                   os.path.join(root, "libexec", "tessel", "tessel-train"))
+        os.symlink("../libexec/tessel/run.sh", os.path.join(root, "bin", "tessel-train"))
+        env = dict(os.environ, TESSEL_PYTHON=PYTHON)
+        env.pop("TESSEL_TORCH_LIBS", None)
+        if cuda is not None:  # a torch of another build: its metadata and version.py only
+            site = os.path.join(root, "site")
+            os.makedirs(os.path.join(site, "torch"))
+            os.makedirs(os.path.join(site, "torch-2.11.0.dist-info"))
+            open(os.path.join(site, "torch", "__init__.py"), "w").close()
+            with open(os.path.join(site, "torch", "version.py"), "w") as f:
+                f.write(f"__version__ = '2.11.0'\ncuda: Optional[str] = {cuda!r}\n" if cuda else "cuda = None\n")
+            with open(os.path.join(site, "torch-2.11.0.dist-info", "METADATA"), "w") as f:
+                f.write("Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0\n")
+            env["PYTHONPATH"] = site
+        return subprocess.run([os.path.join(root, "bin", "tessel-train"), "--help"], capture_output=True, text=True,
+                              env=env, timeout=120)
+
+    def test_start_up_checks_glibc_and_the_torch_build(self):
+        with open(os.path.join(self.prefix, "share", "tessel", "GLIBC_FLOOR")) as f:
+            floor = f.read().strip()
+        with open(os.path.join(self.prefix, "share", "tessel", "TORCH_CUDA")) as f:
+            self.assertEqual(f.read().strip(), "13.0")
+        have = os.confstr("CS_GNU_LIBC_VERSION").split()[1]
+        ok = self.fake_install("same")
+        self.assertEqual(ok.returncode, 0, ok.stderr)
+        newer = self.fake_install("newer_glibc", floor="9.99")
+        self.assertEqual(newer.returncode, 127)
+        self.assertIn(f"this bundle needs glibc 9.99 or newer", newer.stderr)
+        self.assertIn(f"this system has glibc {have}", newer.stderr)
+        for cuda, what in (("12.8", "the CUDA 12.8 build"), ("", "a CPU-only build")):
+            other = self.fake_install("torch_" + (cuda or "cpu"), cuda=cuda)
+            self.assertEqual(other.returncode, 127, other.stderr)
+            self.assertIn(f"built against torch 2.11.0, the CUDA 13.0 build", other.stderr)
+            self.assertIn(f"has torch 2.11.0, {what}", other.stderr)
+        print(f"\nbundle: glibc floor {floor} (this system {have}); a newer floor and torch builds of CUDA 12.8 "
+              f"and CPU only refused at start-up", file=sys.stderr)
+
 
 class SetupWithoutRoot(unittest.TestCase):
     def test_uses_what_cmake_finds_instead_of_apt(self):
