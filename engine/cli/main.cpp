@@ -161,8 +161,9 @@ int run_score(int argc, char** argv) {
   std::vector<std::string> sets;
   app.add_option("config", config, "YAML plan (model and training.seq_len)")->required();
   app.add_option("--weights", weights,
-                 "model.safetensors (Hugging Face or Tessel names), an export's folder, or a "
-                 "checkpoint (a step_<N> folder, or a checkpoint.dir: its latest)")
+                 "model.safetensors (Hugging Face or Tessel names), a folder of one or of "
+                 "Hugging Face shards (model.safetensors.index.json), or a checkpoint (a "
+                 "step_<N> folder, or a checkpoint.dir: its latest)")
       ->required();
   auto* t = app.add_option("--tokens", tokens,
                            "raw little-endian rows of training.seq_len+1 tokens (--token-dtype)");
@@ -223,8 +224,9 @@ void add_generate_options(CLI::App& app, GenerateArgs& a) {
                  "YAML plan (the model); default: the Hugging Face config.json beside --weights "
                  "(as export writes it)");
   app.add_option("--weights", a.weights,
-                 "model.safetensors (Hugging Face or Tessel names), an export's folder, or a "
-                 "checkpoint (a step_<N> folder, or a checkpoint.dir: its latest)")
+                 "model.safetensors (Hugging Face or Tessel names), a folder of one or of "
+                 "Hugging Face shards (model.safetensors.index.json), or a checkpoint (a "
+                 "step_<N> folder, or a checkpoint.dir: its latest)")
       ->required();
   app.add_option("--tokenizer", a.tokenizer,
                  "tokenizer.json (default: the one beside --weights, as export writes it)");
