@@ -18,6 +18,7 @@
 #include "core/plan/config.h"
 #include "engine/checkpoint/checkpoint.h"
 #include "engine/cli/cli_checks.h"
+#include "engine/data/data.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/tokenizer.h"
 #include "engine/planner/cpu_profile.h"
@@ -79,7 +80,9 @@ void add_train_options(CLI::App& app, TrainArgs& a) {
       "PREFIX|FILES)\n"
       "  tessel-train generate [CONFIG] --weights W.safetensors|EXPORT_DIR|CHECKPOINT --prompt "
       "TEXT\n"
-      "  tessel-train export CHECKPOINT_DIR --format hf --out DIR [--tokenizer tokenizer.json]");
+      "  tessel-train export CHECKPOINT_DIR --format hf --out DIR [--tokenizer tokenizer.json] "
+      "[--max-shard-size 5GB]\n"
+      "  tessel-train samples CONFIG --out FILE [--split train|valid] [--count N] [--skip K]");
 }
 
 int run_training(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
@@ -335,6 +338,39 @@ int run_export(int argc, char** argv) {
   return 0;
 }
 
+// `samples`: what a plan trains on, written out before any GPU hour is spent.
+int run_samples(int argc, char** argv) {
+  CLI::App app{"tessel-train samples: the token ids of a plan's samples, in the order a run "
+               "consumes them (the global batch order, before any rank's share)",
+               "tessel-train samples"};
+  std::string config, out, split = "train";
+  int64_t count = 1, skip = 0;
+  std::vector<std::string> sets;
+  app.add_option("config", config, "YAML plan (data.*, run.seed, training.seq_len)")->required();
+  app.add_option("--split", split, "train, or valid (the rows evaluation reads)")
+      ->check(CLI::IsMember({"train", "valid"}))
+      ->capture_default_str();
+  app.add_option("--count", count, "Samples to write")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 32))
+      ->capture_default_str();
+  app.add_option("--skip", skip, "Samples to skip first (global batch b starts at b·global_batch)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 53))
+      ->capture_default_str();
+  app.add_option("--out", out,
+                 "Output file: little-endian int32, training.seq_len+1 tokens per sample (the "
+                 "inputs and the next-token labels; score --tokens reads it)")
+      ->required();
+  app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")->take_all();
+  TESSEL_CLI_PARSE(app, argc, argv);
+  const auto c = tessel::plan::load_config(config, sets);
+  const auto which =
+      split == "train" ? tessel::data::SampleSplit::kTrain : tessel::data::SampleSplit::kValid;
+  tessel::data::write_samples(c, which, skip, count, out);
+  spdlog::info("samples {}..{} of the {} split ({} int32 tokens each) written to {}", skip,
+               skip + count - 1, split, c.training.seq_len + 1, out);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -351,6 +387,7 @@ int main(int argc, char** argv) {
     if (cmd == "score") return run_score(argc - 1, argv + 1);
     if (cmd == "export") return run_export(argc - 1, argv + 1);
     if (cmd == "generate") return run_generate(argc - 1, argv + 1);
+    if (cmd == "samples") return run_samples(argc - 1, argv + 1);
     return run_train(argc, argv);
   } catch (const tessel::plan::UserError& e) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());

@@ -410,4 +410,34 @@ torch::Tensor Dataset::val_batch(int64_t first, int64_t count) const {
   return windows(starts, first);
 }
 
+int64_t write_samples(const plan::Config& c, SampleSplit split, int64_t skip, int64_t count,
+                      const std::string& out) {
+  Dataset data(c);
+  if (split == SampleSplit::kValid && data.val_samples() == 0)
+    throw plan::UserError(c.source + ": data.val_fraction is " +
+                          std::to_string(c.data.val_fraction) +
+                          ": the plan holds no validation samples");
+  const std::string tmp = out + ".tmp";
+  std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+  if (!f) throw plan::UserError(out + ": cannot write: " + std::strerror(errno));
+  constexpr int64_t kRows = 1024;  // read and written a block at a time, whatever `count`
+  for (int64_t done = 0; done < count;) {
+    const int64_t n = std::min(kRows, count - done);
+    const auto rows = (split == SampleSplit::kTrain ? data.train_batch(skip + done, n)
+                                                    : data.val_batch(skip + done, n))
+                          .to(torch::kInt32)
+                          .contiguous();
+    f.write(reinterpret_cast<const char*>(rows.data_ptr<int32_t>()),
+            static_cast<std::streamsize>(rows.numel() * 4));
+    done += n;
+  }
+  f.close();
+  if (!f) {
+    std::filesystem::remove(tmp);
+    throw plan::UserError(out + ": cannot write: " + std::strerror(errno));
+  }
+  std::filesystem::rename(tmp, out);
+  return count;
+}
+
 }  // namespace tessel::data

@@ -129,6 +129,17 @@ class Dataset {
   std::vector<int64_t> perm_;
 };
 
+/// Which samples `tessel-train samples` writes: the training order, or the validation rows.
+enum class SampleSplit { kTrain, kValid };
+
+/// Writes samples [skip, skip + count) of `split`, in the order a run of plan `c` consumes them
+/// (the global batch order, before any rank's share; validation from its first row at every
+/// evaluation), to `out` as little-endian int32, seq_len + 1 tokens per sample (the inputs and
+/// the next-token labels). Written beside and renamed, never half-written. Returns the samples
+/// written. UserError for a split the plan has none of, naming the key.
+int64_t write_samples(const plan::Config& c, SampleSplit split, int64_t skip, int64_t count,
+                      const std::string& out);
+
 /// The sample order of one epoch: a Fisher-Yates shuffle of [0, n) driven by splitmix64 seeded
 /// from (seed, epoch). Our own generator, so the order never changes with the torch version.
 std::vector<int64_t> epoch_permutation(int64_t n, int64_t seed, int64_t epoch);

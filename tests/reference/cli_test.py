@@ -5,8 +5,13 @@ import os
 import time
 import unittest
 
-from common import (TmpDirTest, base_plan, random_rows, read_json, read_metrics, read_text, run, write_plan,
+from common import (BIN, TmpDirTest, base_plan, random_rows, read_json, read_metrics, read_text, run, write_plan,
                     write_rows, write_tokens)
+
+def read_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "ms_per_step", "tokens_per_s", "tflops_per_device", "mfu",
                "mem_bytes", "comm_exposed_ms"}
@@ -88,6 +93,39 @@ class Cli(TmpDirTest):
         p = run("tessel-train", write_plan(self.path("p.yaml"), plan), check=False)
         self.assertEqual(p.returncode, 2)
         self.assertIn("nothing-*.u16' matches no file", p.stderr)
+
+    def test_samples_are_what_training_reads(self):
+        # `tessel-train samples` writes the global batch a run consumes: scored with the run's
+        # initial weights, the first batch gives the first step's loss, and the validation rows
+        # the first evaluation's loss (shuffled order, two data ranks).
+        from common import hf_model
+        model = hf_model("gpt2")
+        model.save_pretrained(self.path("hf"), safe_serialization=True)
+        plan = self.plan(steps=1, global_batch=4, micro_batch=1, eval_every=1, eval_batches=1)
+        plan["model"]["init_from"] = self.path("hf")
+        plan["data"].update(shuffle=True, val_fraction=0.2)
+        plan["parallel"] = {"dp": 2}
+        path = write_plan(self.path("plan.yaml"), plan)
+        run("tessel-launch", "--nproc-per-node", "2", "--", os.path.join(BIN, "tessel-train"), path)
+        metrics = read_metrics(self.path("run", "metrics.jsonl"))
+        step = next(m for m in metrics if "loss" in m)
+        val = next(m for m in metrics if "val_loss" in m)
+        run("tessel-train", "samples", path, "--count", 4, "--out", self.path("train.i32"))
+        run("tessel-train", "samples", path, "--split", "valid", "--count", 4, "--out", self.path("valid.i32"))
+        score = lambda f: json.loads(run("tessel-train", "score", path, "--weights", self.path("hf"), "--tokens", f)
+                                     .stdout.strip().splitlines()[-1])
+        self.assertLess(abs(score(self.path("train.i32"))["loss"] - step["loss"]) / step["loss"], 1e-6)
+        self.assertLess(abs(score(self.path("valid.i32"))["loss"] - val["val_loss"]) / val["val_loss"], 1e-6)
+        # --skip K --count N is samples K..K+N-1 of the same order; each sample seq_len + 1 tokens.
+        run("tessel-train", "samples", path, "--skip", 2, "--count", 2, "--out", self.path("tail.i32"))
+        whole, tail = read_bytes(self.path("train.i32")), read_bytes(self.path("tail.i32"))
+        self.assertEqual(len(whole), 4 * (plan["training"]["seq_len"] + 1) * 4)
+        self.assertEqual(whole[len(whole) // 2:], tail)
+        bad = run("tessel-train", "samples", path, "--split", "valid", "--set", "data.val_fraction=0",
+                  "--set", "training.eval_every=0", "--out", self.path("none.i32"), check=False)
+        self.assertEqual(bad.returncode, 2, bad.stderr)
+        self.assertIn("the plan holds no validation samples", bad.stderr)
+        self.assertFalse(os.path.exists(self.path("none.i32")))
 
     def test_dry_run_starts_nothing(self):
         p = run("tessel-train", write_plan(self.path("p.yaml"), self.plan()), "--dry-run",
