@@ -52,8 +52,7 @@ Weights gpt2_from_hf(const Weights& hf_in, const ModelShape& m, const std::strin
   for (const auto& p : kTop) w[p.tessel] = get(p.hf);
   for (int64_t i = 0; i < m.layers; ++i) {
     std::string t = "layers." + std::to_string(i) + ".", h = "h." + std::to_string(i) + ".";
-    for (const auto& p : kBlock)
-      w[t + p.tessel] = p.transpose ? get(h + p.hf).t() : get(h + p.hf);
+    for (const auto& p : kBlock) w[t + p.tessel] = p.transpose ? get(h + p.hf).t() : get(h + p.hf);
     auto qkv_w = get(h + "attn.c_attn.weight").t().chunk(3, 0);  // [3h, h] -> q, k, v
     auto qkv_b = get(h + "attn.c_attn.bias").chunk(3, 0);
     const char* names[] = {"q", "k", "v"};

@@ -270,8 +270,9 @@ void FlatAdamW::load_slot(int kind, const std::string& name, const torch::Tensor
 void FlatAdamW::finish_load(const torch::Tensor& step, const std::string& source) {
   for (const auto& s : layout_.slots())
     if (loaded_[s.name] != 7)
-      throw plan::UserError(source + ": optimizer state of " + s.name +
-                      " is missing (optim.master, optim.exp_avg and optim.exp_avg_sq are needed)");
+      throw plan::UserError(
+          source + ": optimizer state of " + s.name +
+          " is missing (optim.master, optim.exp_avg and optim.exp_avg_sq are needed)");
   loaded_.clear();
   torch::NoGradGuard no_grad;
   step_count_.copy_(step);

@@ -292,7 +292,6 @@ Config load(const std::string& source, const std::function<YAML::Node()>& parse,
 
 }  // namespace
 
-
 std::string fmt_double(double v) {
   // The shortest of %.15g..%.17g that reads back to the same double: 0.9, not 0.90000000000000002.
   char buf[32];

@@ -252,7 +252,7 @@ std::string save_checkpoint(const plan::Config& c, const parallel::Mesh& mesh,
     const auto written =
         io::write_safetensors((tmp / file).string(), tensors, {{"format", "tessel"}});
     io::write_file_atomic((tmp / fmt::format("index.{:05d}.json", mesh.rank())).string(),
-                      index_fragment(mine, file, written).dump());
+                          index_fragment(mine, file, written).dump());
   }
   world.barrier();
   if (mesh.rank() == 0) {
@@ -314,7 +314,7 @@ std::string resolve_checkpoint(const std::string& dir) {
   }
   if (!fs::exists(p / kMarker))
     throw plan::UserError(p.string() + ": not a complete checkpoint (no " + std::string(kMarker) +
-                    " marker: the save was interrupted or this is not a step folder)");
+                          " marker: the save was interrupted or this is not a step folder)");
   return p.string();
 }
 
@@ -363,8 +363,8 @@ void place_shard(const fs::path& path, const std::string& name, const nlohmann::
   const int64_t b = shard.at("flat")[0].get<int64_t>(), en = shard.at("flat")[1].get<int64_t>();
   if (b < 0 || en > view.numel() || en - b != part.numel())
     throw plan::UserError(path.string() + ": '" + name + "' piece [" + std::to_string(b) + ", " +
-                    std::to_string(en) + ") does not fit its slice of " +
-                    std::to_string(view.numel()) + " elements");
+                          std::to_string(en) + ") does not fit its slice of " +
+                          std::to_string(view.numel()) + " elements");
   auto write_flat = [&](torch::Tensor target, const torch::Tensor& values) {
     auto whole = target.contiguous();
     whole.view(-1).narrow(0, b, en - b).copy_(values);
@@ -380,9 +380,9 @@ void place_shard(const fs::path& path, const std::string& name, const nlohmann::
 void check_covered(const fs::path& dir, const std::string& name, const torch::Tensor& covered) {
   if (const int64_t missing = covered.numel() - covered.sum().item<int64_t>(); missing > 0)
     throw plan::UserError((dir / "index.json").string() + ": the shards of '" + name + "' cover " +
-                    std::to_string(covered.numel() - missing) + " of its " +
-                    std::to_string(covered.numel()) +
-                    " elements; the checkpoint is incomplete and cannot be resumed");
+                          std::to_string(covered.numel() - missing) + " of its " +
+                          std::to_string(covered.numel()) +
+                          " elements; the checkpoint is incomplete and cannot be resumed");
 }
 
 // The global tensors of a complete checkpoint that `want` accepts, assembled one at a time from
@@ -404,7 +404,7 @@ void for_each_tensor(const fs::path& dir, const nlohmann::json& index,
       auto part = files[file]->view(name);
       if (!part.defined())
         throw plan::UserError((dir / file).string() + ": missing tensor '" + name +
-                        "' listed in index.json");
+                              "' listed in index.json");
       checkpoint::check_shard_tensor(dir / file, name, e, shard, part);
       if (!global.defined()) {
         global = torch::empty(shape, part.options());
@@ -446,11 +446,12 @@ std::string checkpoint_to_resume(const plan::Config& c) {
       std::string names;
       for (const auto& [step, path] : done)
         names += (names.empty() ? "" : ", ") + path.filename().string();
-      throw plan::UserError(c.source + ": checkpoint.resume auto: " + c.checkpoint_dir() +
-                      " holds complete checkpoints (" + names +
-                      ") but no 'latest' file; set "
-                      "checkpoint.resume to one of them to continue, or to never to start over "
-                      "(their folders are then overwritten as the new run saves)");
+      throw plan::UserError(
+          c.source + ": checkpoint.resume auto: " + c.checkpoint_dir() +
+          " holds complete checkpoints (" + names +
+          ") but no 'latest' file; set "
+          "checkpoint.resume to one of them to continue, or to never to start over "
+          "(their folders are then overwritten as the new run saves)");
     }
     return "";
   }

@@ -8,8 +8,8 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <nlohmann/json.hpp>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
 #include <string>
@@ -29,7 +29,7 @@ namespace {
 
 // Copies the tokenizer files into `out` and returns its special tokens.
 io::SpecialTokens export_tokenizer(const std::string& tokenizer, const fs::path& out,
-                               const plan::ModelConfig& m) {
+                                   const plan::ModelConfig& m) {
   fs::path src = tokenizer;
   if (fs::is_directory(src)) src /= "tokenizer.json";
   if (!fs::is_regular_file(src))
@@ -37,8 +37,8 @@ io::SpecialTokens export_tokenizer(const std::string& tokenizer, const fs::path&
   auto s = io::special_tokens(src.string());
   if (s.vocab_size > m.vocab_size)
     throw plan::UserError("--tokenizer " + src.string() + " has " + std::to_string(s.vocab_size) +
-                    " ids but the model's vocabulary (model.vocab_size) is " +
-                    std::to_string(m.vocab_size));
+                          " ids but the model's vocabulary (model.vocab_size) is " +
+                          std::to_string(m.vocab_size));
   fs::copy_file(src, out / "tokenizer.json", fs::copy_options::overwrite_existing);
   for (const char* extra : {"tokenizer_config.json", "special_tokens_map.json"})
     if (fs::exists(src.parent_path() / extra))
@@ -189,8 +189,8 @@ int64_t parse_shard_size(const std::string& text, const std::string& what) {
   double bytes = 0;
   if (std::regex_match(text, m, form)) {
     static const std::map<std::string, double> unit = {
-        {"", 1},     {"B", 1},           {"KB", 1e3},        {"MB", 1e6},
-        {"GB", 1e9}, {"KiB", 1 << 10},   {"MiB", 1 << 20},   {"GiB", double(1 << 30)}};
+        {"", 1},     {"B", 1},         {"KB", 1e3},      {"MB", 1e6},
+        {"GB", 1e9}, {"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", double(1 << 30)}};
     bytes = std::stod(m[1].str()) * unit.at(m[2].str());
   }
   if (!(bytes >= 1 && bytes <= 1e15))

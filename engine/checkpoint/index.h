@@ -30,8 +30,8 @@ nlohmann::json read_index(const std::filesystem::path& dir);
 /// A rank file of a checked index, mapped and verified against the size and checksum the index
 /// records; a path that leaves the folder (a symbolic link pointing elsewhere) is refused.
 std::unique_ptr<io::MappedSafetensors> open_verified(const std::filesystem::path& dir,
-                                                 const nlohmann::json& index,
-                                                 const std::string& file);
+                                                     const nlohmann::json& index,
+                                                     const std::string& file);
 
 /// The shape one shard's tensor has in its file: the slice's extents, or [end - begin] for a
 /// ZeRO piece ("flat").

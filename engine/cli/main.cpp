@@ -126,8 +126,7 @@ int plan_dry_run(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
   const int64_t n = a.world_size > 0 ? a.world_size : world.world;
   // --world-size plans for another machine (a GPU cluster from a laptop): this node's devices
   // are not checked.
-  const auto layout =
-      tessel::plan::check_layout(c, n, a.world_size > 0 ? 0 : world.local_world);
+  const auto layout = tessel::plan::check_layout(c, n, a.world_size > 0 ? 0 : world.local_world);
   c.parallel.dp = layout.dp;
   const auto device = dry_run_device(a, c, n);
   const auto estimate = tessel::planner::estimate(c, layout, device);
@@ -208,7 +207,7 @@ std::vector<int64_t> parse_ids(const std::string& s) {
       ids.push_back(std::stoll(s.substr(pos, end - pos)));
     } catch (const std::exception&) {
       throw tessel::plan::UserError("--prompt-ids: '" + s.substr(pos, end - pos) +
-                              "' is not a token id (expected e.g. 15496,995)");
+                                    "' is not a token id (expected e.g. 15496,995)");
     }
     pos = end + 1;
   }
@@ -340,9 +339,10 @@ int run_export(int argc, char** argv) {
 
 // `samples`: what a plan trains on, written out before any GPU hour is spent.
 int run_samples(int argc, char** argv) {
-  CLI::App app{"tessel-train samples: the token ids of a plan's samples, in the order a run "
-               "consumes them (the global batch order, before any rank's share)",
-               "tessel-train samples"};
+  CLI::App app{
+      "tessel-train samples: the token ids of a plan's samples, in the order a run "
+      "consumes them (the global batch order, before any rank's share)",
+      "tessel-train samples"};
   std::string config, out, split = "train";
   int64_t count = 1, skip = 0;
   std::vector<std::string> sets;

@@ -285,7 +285,7 @@ TokenStream open_stream(const plan::DataConfig& d) {
         add_megatron(s, prefix);
       } catch (const plan::UserError& e) {  // the key, and the likely slip
         throw plan::UserError("data.path (format megatron): " + std::string(e.what()) +
-                        megatron_hint(prefix));
+                              megatron_hint(prefix));
       }
     }
   }
@@ -363,12 +363,13 @@ Dataset::Dataset(const plan::Config& c)
                                                 : std::to_string(stream_.files.size()) + " files";
   if (train_n_ < 1)
     throw plan::UserError("data.path: " + files + " hold " + std::to_string(val_begin_) +
-                    " training tokens: not one sample of training.seq_len+1 = " +
-                    std::to_string(seq_len_ + 1) + " tokens");
+                          " training tokens: not one sample of training.seq_len+1 = " +
+                          std::to_string(seq_len_ + 1) + " tokens");
   if (c.data.val_fraction > 0 && val_n_ < 1)
-    throw plan::UserError("data.val_fraction: the " + std::to_string(n - val_begin_) +
-                    " held-out tokens of " + files + " hold no sample of training.seq_len+1 = " +
-                    std::to_string(seq_len_ + 1) + " tokens");
+    throw plan::UserError(
+        "data.val_fraction: the " + std::to_string(n - val_begin_) + " held-out tokens of " +
+        files + " hold no sample of training.seq_len+1 = " + std::to_string(seq_len_ + 1) +
+        " tokens");
 }
 
 int64_t Dataset::sample_at(int64_t pos) {

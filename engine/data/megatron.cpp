@@ -105,8 +105,8 @@ void add_megatron(TokenStream& s, const std::string& prefix) {
     uint64_t end = static_cast<uint64_t>(ptr) + static_cast<uint64_t>(len) * elem;
     if (end > bm->size)
       throw plan::UserError(bin + ": truncated: sequence " + std::to_string(i) + " of " + idx +
-                      " needs bytes up to " + std::to_string(end) + ", the file has " +
-                      std::to_string(bm->size));
+                            " needs bytes up to " + std::to_string(end) + ", the file has " +
+                            std::to_string(bm->size));
     if (len)
       s.add(Span{static_cast<const uint8_t*>(bm->ptr) + ptr, len, elem, h.is_signed, file,
                  ptr / elem});

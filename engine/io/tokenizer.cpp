@@ -230,8 +230,9 @@ TokenizerProcess::TokenizerProcess(const std::string& tokenizer_json, const std:
   if (rc != 0) {
     pid_ = -1;
     shutdown();
-    throw plan::UserError("cannot start " + py + " for the tokenizer helper: " + std::strerror(rc) +
-                    " (set TESSEL_PYTHON or --python to a python with the `tokenizers` package)");
+    throw plan::UserError(
+        "cannot start " + py + " for the tokenizer helper: " + std::strerror(rc) +
+        " (set TESSEL_PYTHON or --python to a python with the `tokenizers` package)");
   }
   try {
     check_ok();
@@ -273,8 +274,8 @@ std::string TokenizerProcess::receive(size_t n) {
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0)
       throw plan::UserError("the tokenizer helper for " + path_ +
-                      " exited without answering (is the `tokenizers` package installed? "
-                      "third_party/setup.sh installs it)");
+                            " exited without answering (is the `tokenizers` package installed? "
+                            "third_party/setup.sh installs it)");
     done += static_cast<size_t>(r);
   }
   return b;

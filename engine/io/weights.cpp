@@ -88,17 +88,18 @@ MappedWeights::MappedWeights(const std::string& path, const std::string& key)
     const auto shard = (folder / file).string();
     std::error_code ec;
     if (!fs::is_regular_file(shard, ec))
-      throw plan::UserError(fmt::format("{}: weight_map.{}: shard {} does not exist", source_,
-                                        name, shard));
+      throw plan::UserError(
+          fmt::format("{}: weight_map.{}: shard {} does not exist", source_, name, shard));
     files_.push_back(std::make_unique<MappedSafetensors>(shard));
     shards[file] = files_.back().get();
   }
   for (const auto& [name, file] : map) {
     views_[name] = shards.at(file)->view(name);
     if (!views_[name].defined())
-      throw plan::UserError(fmt::format("{}: weight_map.{} names shard {}, which holds no such "
-                                        "tensor",
-                                        source_, name, (folder / file).string()));
+      throw plan::UserError(
+          fmt::format("{}: weight_map.{} names shard {}, which holds no such "
+                      "tensor",
+                      source_, name, (folder / file).string()));
   }
   for (const auto& [file, shard] : shards)
     for (const auto& name : shard->names())

@@ -152,7 +152,7 @@ DeviceProfile device_profile(const std::string& spec, const std::vector<std::str
   } else if (!spec.empty()) {
     if (!std::filesystem::is_regular_file(spec))
       throw plan::UserError("--device-profile '" + spec + "': neither a built-in profile (" +
-                      builtin_profile_names() + ", cpu) nor a YAML file");
+                            builtin_profile_names() + ", cpu) nor a YAML file");
     YAML::Node y;
     try {
       y = YAML::LoadFile(spec);
@@ -163,7 +163,7 @@ DeviceProfile device_profile(const std::string& spec, const std::vector<std::str
       const auto base = y["base"].as<std::string>();
       if (!builtin.count(base))
         throw plan::UserError(spec + ": base '" + base + "' is not a built-in profile (" +
-                        builtin_profile_names() + ")");
+                              builtin_profile_names() + ")");
       d = builtin.at(base);
     }
     d.name = std::filesystem::path(spec).stem().string();
@@ -226,7 +226,7 @@ PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
   b.cpu = cpu;
   b.own_kernels = cpu && t.kernels == plan::Kernels::kTessel && b.dtype == torch::kFloat32;
   b.lanes = plan::pairs_microbatches(c, l.world(), !cpu,
-                               t.threads > 0 ? t.threads : int64_t{at::get_num_threads()})
+                                     t.threads > 0 ? t.threads : int64_t{at::get_num_threads()})
                 ? 2
                 : 1;
   const auto& a = b.a = activation_model(m, t.recompute, b.own_kernels, b.cpu);

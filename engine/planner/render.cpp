@@ -86,8 +86,8 @@ std::string pipeline_lines(const plan::Config& c, const plan::Layout& layout) {
   namespace pp = parallel::pp;
   const auto& t = c.training;
   const int64_t m = t.global_batch / (layout.dp * t.micro_batch);
-  auto schedule = pp::make_schedule(c.parallel.pipeline_schedule, layout.pp, m,
-                                    c.parallel.virtual_stages);
+  auto schedule =
+      pp::make_schedule(c.parallel.pipeline_schedule, layout.pp, m, c.parallel.virtual_stages);
   auto sim = pp::simulate(schedule);
   out += fmt::sprintf("%s", pp::render(schedule, sim).c_str());
   out += fmt::sprintf(

@@ -26,14 +26,14 @@ torch::Device resolve_device(plan::TrainDevice device, const parallel::WorldInfo
   const bool cuda = device::cuda_available();
   if (device == plan::TrainDevice::kCuda && !cuda)
     throw plan::UserError("training.device is cuda but no CUDA device can be used: " +
-                    device::cuda_unavailable_reason());
+                          device::cuda_unavailable_reason());
   if (!cuda) {
     if (why) *why = "training.device auto, no CUDA device: " + device::cuda_unavailable_reason();
     return torch::kCPU;
   }
   const auto choice =
       plan::choose_cuda_device(static_cast<int>(device::cuda_device_count()), w.local_rank,
-                                   w.local_world, std::getenv("CUDA_VISIBLE_DEVICES"));
+                               w.local_world, std::getenv("CUDA_VISIBLE_DEVICES"));
   if (why) *why = choice.why;
   return {torch::kCUDA, static_cast<c10::DeviceIndex>(choice.index)};
 }

@@ -31,7 +31,7 @@ struct TrainState {
   // Views of the reduced gradient this rank holds (its ZeRO pieces): parameters whose gradient
   // is summed over tp, and a tied token table on the first or last stage (summed over both).
   std::vector<torch::Tensor> tp_summed_grads, embedding_grads;
-  std::string resumed_from;       // the checkpoint folder; empty when starting afresh
+  std::string resumed_from;                   // the checkpoint folder; empty when starting afresh
   checkpoint::CheckpointState resumed{0, 0};  // its step and data position
 };
 

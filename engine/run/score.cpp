@@ -25,8 +25,8 @@ void check_ids(const torch::Tensor& tokens, int64_t vocab, const std::string& so
   if (bad.size(0) == 0) return;
   int64_t r = bad[0][0].item<int64_t>(), k = bad[0][1].item<int64_t>();
   throw plan::UserError(source + ": token id " + std::to_string(tokens[r][k].item<int64_t>()) +
-                  " at row " + std::to_string(r) + ", column " + std::to_string(k) +
-                  " is outside model.vocab_size " + std::to_string(vocab));
+                        " at row " + std::to_string(r) + ", column " + std::to_string(k) +
+                        " is outside model.vocab_size " + std::to_string(vocab));
 }
 
 // Mean loss of rows [B, T+1] (int64) in micro-batches of training.micro_batch.
@@ -59,7 +59,7 @@ std::string moe_keys(const nlohmann::json& j, const std::string& path, bool mixt
   auto key = [&](const char* name) -> const nlohmann::json& {
     if (!j.contains(name))
       throw plan::UserError(path + ": no \"" + std::string(name) + "\" (model_type " +
-                      (mixtral ? "mixtral" : "qwen3_moe") + ")");
+                            (mixtral ? "mixtral" : "qwen3_moe") + ")");
     return j.at(name);
   };
   std::string moe =
@@ -77,7 +77,7 @@ std::string moe_keys(const nlohmann::json& j, const std::string& path, bool mixt
         path, j["head_dim"].get<int64_t>(), heads, hidden));
   if (!j.value("mlp_only_layers", nlohmann::json::array()).empty())
     throw plan::UserError(path + ": mlp_only_layers " + j["mlp_only_layers"].dump() +
-                    ": Tessel places MoE layers every decoder_sparse_step only");
+                          ": Tessel places MoE layers every decoder_sparse_step only");
   moe += ", every: " + j.value("decoder_sparse_step", nlohmann::json(1)).dump() +
          ", router: {norm_topk: " + j.value("norm_topk_prob", nlohmann::json(false)).dump() + "}";
   return ", qk_norm: true, moe: " + moe + "}";
@@ -98,9 +98,10 @@ plan::Config plan_from_hf_config(const std::string& path, const std::vector<std:
   const std::string type = j.value("model_type", "");
   const bool mixtral = type == "mixtral", qwen3_moe = type == "qwen3_moe";
   if (type != "gpt2" && type != "llama" && !mixtral && !qwen3_moe)
-    throw plan::UserError(path + ": model_type '" + type +
-                    "' is not one Tessel builds (gpt2, llama, mixtral, qwen3_moe); give a plan "
-                    "instead");
+    throw plan::UserError(
+        path + ": model_type '" + type +
+        "' is not one Tessel builds (gpt2, llama, mixtral, qwen3_moe); give a plan "
+        "instead");
   auto key = [&](const char* name) -> const nlohmann::json& {
     if (!j.contains(name))
       throw plan::UserError(path + ": no \"" + std::string(name) + "\" (model_type " + type + ")");
@@ -129,8 +130,8 @@ plan::Config plan_from_hf_config(const std::string& path, const std::vector<std:
   // seq_len: the model's whole context (score's windows, generate's limit).
   const auto ctx = key(gpt2 ? "n_positions" : "max_position_embeddings").dump();
   return plan::load_config_text("model: {" + m + "}\ntraining: {seq_len: " + ctx +
-                              ", micro_batch: 1, global_batch: 1}\ndata: {path: [unused]}\n",
-                          path, sets);
+                                    ", micro_batch: 1, global_batch: 1}\ndata: {path: [unused]}\n",
+                                path, sets);
 }
 
 models::Decoder load_for_inference(const plan::Config& c, const std::string& weights) {
@@ -148,10 +149,11 @@ models::Decoder load_for_inference(const plan::Config& c, const std::string& wei
     try {
       dir = checkpoint::resolve_checkpoint(weights);
     } catch (const plan::UserError& e) {
-      throw plan::UserError("--weights " + weights +
-                      ": a folder with no model.safetensors (an export's folder) that is not a "
-                      "complete checkpoint either (" +
-                      e.what() + ")");
+      throw plan::UserError(
+          "--weights " + weights +
+          ": a folder with no model.safetensors (an export's folder) that is not a "
+          "complete checkpoint either (" +
+          e.what() + ")");
     }
     models::assign_weights(model, checkpoint::checkpoint_model_weights(dir), dir);
   }
@@ -168,9 +170,9 @@ ScoreResult score(const plan::Config& c, const std::string& weights, const std::
   const int64_t bytes = f.tellg();
   if (bytes == 0 || bytes % (elem * row) != 0)
     throw plan::UserError(tokens_path + ": " + std::to_string(bytes) +
-                    " bytes is not a whole number of rows of training.seq_len+1 = " +
-                    std::to_string(row) + " " + token_dtype + " tokens (" +
-                    std::to_string(elem * row) + " bytes; --token-dtype says which type)");
+                          " bytes is not a whole number of rows of training.seq_len+1 = " +
+                          std::to_string(row) + " " + token_dtype + " tokens (" +
+                          std::to_string(elem * row) + " bytes; --token-dtype says which type)");
   const int64_t b = bytes / (elem * row);
   auto tokens = torch::empty({b, row}, token_dtype == "uint16"   ? torch::kUInt16
                                        : token_dtype == "uint32" ? torch::kUInt32
@@ -215,7 +217,7 @@ ScoreResult score_data(const plan::Config& c, const std::string& weights, const 
   if (max_rows > 0) b = std::min(b, max_rows);
   if (b == 0)
     throw plan::UserError(data + ": " + std::to_string(n) + " tokens do not fill one window of " +
-                    "training.seq_len+1 = " + std::to_string(t + 1) + " tokens");
+                          "training.seq_len+1 = " + std::to_string(t + 1) + " tokens");
   auto all = torch::from_blob(ids.data(), {n}, torch::kInt64);
   auto rows = all.as_strided({b, t + 1}, {t, 1}).clone();  // window i starts at token i·T
   check_ids(rows, c.model.vocab_size, data);
@@ -229,12 +231,12 @@ std::vector<int64_t> generate(models::Decoder& model, const plan::Config& c,
   // Compared as room left, not as a sum: --max-new-tokens near INT64_MAX would overflow it.
   if (o.max_new_tokens > limit - static_cast<int64_t>(prompt.size()))
     throw plan::UserError("generate: the prompt's " + std::to_string(prompt.size()) +
-                    " tokens + --max-new-tokens " + std::to_string(o.max_new_tokens) +
-                    " exceed model.max_seq_len " + std::to_string(limit));
+                          " tokens + --max-new-tokens " + std::to_string(o.max_new_tokens) +
+                          " exceed model.max_seq_len " + std::to_string(limit));
   for (auto id : prompt)
     if (id < 0 || id >= c.model.vocab_size)
       throw plan::UserError("generate: prompt token " + std::to_string(id) +
-                      " is outside model.vocab_size " + std::to_string(c.model.vocab_size));
+                            " is outside model.vocab_size " + std::to_string(c.model.vocab_size));
   torch::NoGradGuard no_grad;
   const auto device = model->parameters().front().device();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);

@@ -120,7 +120,7 @@ RunLock::RunLock(const std::string& output_dir, const std::string& checkpoint_di
   const int tmp = ::mkstemp(name.data());
   if (tmp < 0)
     throw plan::UserError(fmt::format("checkpoint.dir {}: cannot write there ({})", checkpoint_dir,
-                                ec ? ec.message() : std::strerror(errno)));
+                                      ec ? ec.message() : std::strerror(errno)));
   ::close(tmp);
   ::unlink(name.data());
   const int fd = ::open(checkpoint_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);

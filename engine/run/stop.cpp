@@ -22,7 +22,7 @@ int signal_number(const std::string& name) {
   auto it = known.find(name);
   if (it == known.end())
     throw plan::UserError("checkpoint.on_signal: unknown signal '" + name +
-                    "' (SIGTERM, SIGUSR1, SIGUSR2 or SIGINT)");
+                          "' (SIGTERM, SIGUSR1, SIGUSR2 or SIGINT)");
   return it->second;
 }
 

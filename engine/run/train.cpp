@@ -38,7 +38,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   if (mesh_->rank() == 0) {
     std::filesystem::create_directories(c_.run.output_dir);
     io::write_file_atomic((std::filesystem::path(c_.run.output_dir) / "config.yaml").string(),
-                      plan::dump_config(c_));
+                          plan::dump_config(c_));
   } else {
     spdlog::set_level(spdlog::level::warn);  // rank 0 reports for everyone
   }

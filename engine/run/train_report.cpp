@@ -178,7 +178,7 @@ torch::Tensor Trainer::gather_figures(const std::vector<double>& mine) const {
 
 void Trainer::write_report(const std::string& file, const nlohmann::json& report) const {
   io::write_file_atomic((std::filesystem::path(c_.run.output_dir) / file).string(),
-                    report.dump(1) + "\n");
+                        report.dump(1) + "\n");
 }
 
 void Trainer::report_memory() {
