@@ -104,10 +104,10 @@ Weights llama_from_hf(const Weights& hf, const ModelShape& m, const std::string&
     auto it = hf.find(h);
     if (it == hf.end())
       throw plan::UserError(source + ": missing Hugging Face tensor '" + h + "' (" +
-                      (m.moe.experts == 0 ? "llama"
-                       : mixtral_names(m) ? "Mixtral-style MoE"
-                                          : "Qwen3-MoE-style MoE") +
-                      ")");
+                            (m.moe.experts == 0 ? "llama"
+                             : mixtral_names(m) ? "Mixtral-style MoE"
+                                                : "Qwen3-MoE-style MoE") +
+                            ")");
     used.insert(h);
     return it->second;
   };

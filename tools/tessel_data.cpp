@@ -301,8 +301,8 @@ Vocabulary vocabulary_of(const Options& o) {
   if (o.eod.empty()) {
     if (!s.eos)
       throw tessel::plan::UserError(o.tokenizer +
-                              ": no end-of-document token found (none of <|endoftext|>, "
-                              "<|end_of_text|>, </s>, <eos>); name one with --eod TOKEN");
+                                    ": no end-of-document token found (none of <|endoftext|>, "
+                                    "<|end_of_text|>, </s>, <eos>); name one with --eod TOKEN");
     v.eod = static_cast<uint32_t>(*s.eos), v.eod_text = s.eos_text;
   } else {
     auto id = probe.token_to_id(o.eod);

@@ -228,11 +228,15 @@ Schedule zero_bubble_v(int64_t p, int64_t m) {
 double theory_bubble(plan::PipelineSchedule schedule, int64_t p, int64_t m, int64_t v) {
   const double base = static_cast<double>(p - 1) / static_cast<double>(m);
   switch (schedule) {
-    case plan::PipelineSchedule::kInterleaved: return base / static_cast<double>(v);
-    case plan::PipelineSchedule::kZbH1: return base / 3;
-    case plan::PipelineSchedule::kZbv: return base / 6;
+    case plan::PipelineSchedule::kInterleaved:
+      return base / static_cast<double>(v);
+    case plan::PipelineSchedule::kZbH1:
+      return base / 3;
+    case plan::PipelineSchedule::kZbv:
+      return base / 6;
     case plan::PipelineSchedule::kGpipe:
-    case plan::PipelineSchedule::k1F1B: break;
+    case plan::PipelineSchedule::k1F1B:
+      break;
   }
   return base;
 }
@@ -278,14 +282,19 @@ Schedule make_schedule(plan::PipelineSchedule schedule, int64_t p, int64_t m, in
   if (auto problem = plan::schedule_problem(schedule, p, m, v); !problem.empty())
     throw plan::UserError(problem);
   switch (schedule) {
-    case plan::PipelineSchedule::kGpipe: return gpipe(p, m);
-    case plan::PipelineSchedule::k1F1B: return one_f_one_b(p, m);
-    case plan::PipelineSchedule::kInterleaved: return interleaved(p, m, v);
-    case plan::PipelineSchedule::kZbH1: return zero_bubble_h1(p, m);
-    case plan::PipelineSchedule::kZbv: return zero_bubble_v(p, m);
+    case plan::PipelineSchedule::kGpipe:
+      return gpipe(p, m);
+    case plan::PipelineSchedule::k1F1B:
+      return one_f_one_b(p, m);
+    case plan::PipelineSchedule::kInterleaved:
+      return interleaved(p, m, v);
+    case plan::PipelineSchedule::kZbH1:
+      return zero_bubble_h1(p, m);
+    case plan::PipelineSchedule::kZbv:
+      return zero_bubble_v(p, m);
   }
-  throw std::logic_error(fmt::format("make_schedule: schedule {} has no builder",
-                                     static_cast<int>(schedule)));
+  throw std::logic_error(
+      fmt::format("make_schedule: schedule {} has no builder", static_cast<int>(schedule)));
 }
 
 }  // namespace tessel::parallel::pp

@@ -26,7 +26,7 @@ TEST(Config, DefaultsResolveAndOverride) {
   EXPECT_EQ(c.model.arch, plan::ModelArch::kLlama);
   EXPECT_EQ(c.model.kv_heads, 2);
   EXPECT_EQ(c.model.tie_embeddings, plan::TieEmbeddings::kFalse);  // auto resolves by arch
-  EXPECT_EQ(c.model.ffn_hidden, 192);                        // 8/3·64 = 170.7 -> 192
+  EXPECT_EQ(c.model.ffn_hidden, 192);                              // 8/3·64 = 170.7 -> 192
   EXPECT_DOUBLE_EQ(c.training.optimizer.lr, 0.01);
   EXPECT_EQ(c.model.layers, 3);
   EXPECT_EQ(c.parallel.dp, 0);  // auto: resolved against the world by plan::check_layout
@@ -57,7 +57,7 @@ TEST(Config, RecomputeAliases) {
   c = plan::load_config_text(plan, "p.yaml");
   EXPECT_EQ(c.training.recompute.name(), "full");
   c = plan::load_config_text(kData + "training: {recompute: selective}\n", "p.yaml",
-                       {"training.activation_checkpointing=full"});
+                             {"training.activation_checkpointing=full"});
   EXPECT_EQ(c.training.recompute.name(), "full");
   EXPECT_EQ(c.training.activation_checkpointing.name(), "full");
   plan::Config again =

@@ -94,7 +94,7 @@ TEST(Profiler, StepsFromThePlan) {
   EXPECT_LT(plan::profile_steps(c).second, plan::profile_steps(c).first);
   try {
     plan::load_config_text("training: {steps: 20}\ndata: {path: x}\nlogging: {profile: 15-30}\n",
-                     "p.yaml");
+                           "p.yaml");
     ADD_FAILURE() << "a window past training.steps was accepted";
   } catch (const plan::UserError& e) {
     EXPECT_NE(std::string(e.what()).find("p.yaml:3: logging.profile ('15-30') names steps 15 to "

@@ -130,8 +130,8 @@ TEST(MappedWeights, ReadsShardedFoldersAndRefusesCraftedIndexes) {
   io::write_safetensors((dir / "model-00001-of-00002.safetensors").string(), {{"a", a}});
   io::write_safetensors((dir / "model-00002-of-00002.safetensors").string(), {{"b", b}});
   auto index = [&](const std::string& weight_map) {
-    std::ofstream(dir / io::kShardIndex) << R"({"metadata": {"total_size": 68}, "weight_map": )"
-                                         << weight_map << "}";
+    std::ofstream(dir / io::kShardIndex)
+        << R"({"metadata": {"total_size": 68}, "weight_map": )" << weight_map << "}";
   };
   index(R"({"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"})");
   {
@@ -176,8 +176,9 @@ TEST(MappedWeights, ReadsShardedFoldersAndRefusesCraftedIndexes) {
     io::MappedWeights w(dir.string(), "--weights");
     ADD_FAILURE() << "a folder without an index or model.safetensors loaded";
   } catch (const plan::UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("--weights: " + dir.string() + " is a folder with neither"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("--weights: " + dir.string() + " is a folder with neither"),
+        std::string::npos)
         << e.what();
   }
   fs::remove_all(dir);
