@@ -56,13 +56,20 @@ void check_plain_name(const std::string& name, const std::string& where, const s
         where, name, what, what));
 }
 
+std::string weights_in_folder(const std::string& folder) {
+  std::error_code ec;
+  if (!fs::is_directory(folder, ec)) return "";
+  for (const char* name : {kShardIndex, "model.safetensors"}) {
+    const auto inside = fs::path(folder) / name;
+    if (fs::is_regular_file(inside, ec)) return inside.string();
+  }
+  return "";
+}
+
 std::string weights_entry(const std::string& path, const std::string& key) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
-    for (const char* name : {kShardIndex, "model.safetensors"}) {
-      const auto inside = fs::path(path) / name;
-      if (fs::is_regular_file(inside, ec)) return inside.string();
-    }
+    if (auto inside = weights_in_folder(path); !inside.empty()) return inside;
     throw plan::UserError(fmt::format(
         "{}: {} is a folder with neither {} nor model.safetensors; name the safetensors file (a "
         "Hugging Face save_pretrained folder holds one of them, a `tessel-train export` folder "

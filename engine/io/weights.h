@@ -27,6 +27,10 @@ inline constexpr const char* kShardIndex = "model.safetensors.index.json";
 void check_plain_name(const std::string& name, const std::string& where,
                       const std::string& what = "checkpoint");
 
+/// The weights file of a folder: its model.safetensors.index.json, else its model.safetensors;
+/// empty when it holds neither (or `folder` is not a folder).
+std::string weights_in_folder(const std::string& folder);
+
 /// The file a weights path opens: the path itself when it is a file, else the folder's
 /// model.safetensors.index.json, else its model.safetensors. UserError naming `key` (the plan key
 /// or option that gave the path) and what was looked for otherwise.

@@ -141,8 +141,8 @@ models::Decoder load_for_inference(const plan::Config& c, const std::string& wei
   auto model =
       make_model(plan, resolve_device(c.training.device), planner::resolve_dtype(c.training.dtype));
   namespace fs = std::filesystem;
-  if (!fs::is_directory(weights) || fs::exists(fs::path(weights) / io::kShardIndex) ||
-      fs::exists(fs::path(weights) / "model.safetensors")) {  // a file, an export or HF folder
+  // A file, or an export's or a Hugging Face folder; else a checkpoint.
+  if (!fs::is_directory(weights) || !io::weights_in_folder(weights).empty()) {
     load_weights_file(model, weights, "--weights");
   } else {  // a checkpoint: a step_<N> folder, or a checkpoint.dir (its latest)
     std::string dir;
