@@ -54,52 +54,102 @@ Decoder build_model(const ModelShape& m, int64_t seed, parallel::Group* tp, bool
   return model;
 }
 
-int64_t block_parameters(const ModelShape& m, int64_t tp, int64_t layer, int64_t ep) {
+std::vector<optim::ParamEntry> param_entries(const ModelShape& m, int64_t tp,
+                                             const StagePart& stages, int64_t ep) {
   const auto o = arch(m.arch).options(m);
-  const int64_t h = m.hidden, f = m.ffn_hidden, kv = m.kv_heads * m.head_dim();
-  const int64_t bias = o.linear_bias ? 1 : 0;
-  const int64_t norm = o.layer_norm ? 2 * h : h;
-  // Column-parallel: weight and bias split over tp; row-parallel: weight split, bias whole. Key
-  // and value projections are whole on every rank when tp > kv_heads (AttentionImpl).
-  const int64_t q = (h * h + bias * h) / tp;
-  const int64_t kv_one = m.kv_heads % tp == 0 ? (h * kv + bias * kv) / tp : h * kv + bias * kv;
-  const int64_t attn = q + 2 * kv_one + h * h / tp + bias * h;
-  const int64_t qk_norm = m.qk_norm ? 2 * m.head_dim() : 0;
-  auto dense = [&](int64_t f) {
-    return (o.swiglu ? 2 : 1) * (h * f + bias * f) / tp + f / tp * h + bias * h;
+  const int64_t h = m.hidden, kv = m.kv_heads * m.head_dim();
+  const bool bias = o.linear_bias;
+  StagePart part = stages;
+  if (part.chunks.empty()) part.chunks = {{0, m.layers}};
+  const int64_t last = static_cast<int64_t>(part.chunks.size()) - 1;
+  std::vector<optim::ParamEntry> out;
+  auto add = [&](const std::string& name, int64_t numel, int64_t chunk, bool expert = false) {
+    out.push_back({name, numel, chunk, expert});
   };
-  const auto& moe = m.moe;
-  const int64_t mlp = !moe.is_moe(layer)
-                          ? dense(f)
-                          : moe.experts * h + moe.experts / ep * 3 * moe.ffn_hidden * h +
-                                (moe.shared > 0 ? dense(moe.shared * moe.ffn_hidden) : 0);
-  return 2 * norm + attn + qk_norm + mlp;
+  auto norm = [&](const std::string& name, int64_t dim, int64_t chunk, bool layer_norm) {
+    add(name + ".weight", dim, chunk);
+    if (layer_norm) add(name + ".bias", dim, chunk);
+  };
+  // Column-parallel: weight and bias split over tp; row-parallel: weight split, bias whole
+  // (parallel/tp/layers.h).
+  auto column = [&](const std::string& name, int64_t in, int64_t out_features, int64_t chunk) {
+    add(name + ".weight", out_features / tp * in, chunk);
+    if (bias) add(name + ".bias", out_features / tp, chunk);
+  };
+  auto row = [&](const std::string& name, int64_t in, int64_t out_features, int64_t chunk) {
+    add(name + ".weight", out_features * (in / tp), chunk);
+    if (bias) add(name + ".bias", out_features, chunk);
+  };
+  auto mlp = [&](const std::string& name, int64_t f, int64_t chunk) {
+    column(name + ".up", h, f, chunk);
+    if (o.swiglu) column(name + ".gate", h, f, chunk);
+    row(name + ".down", f, h, chunk);
+  };
+  const int64_t table = parallel::tp::padded_vocab(m.vocab_size, tp) / tp * h;
+  if (part.first) {
+    add("embed.weight", table, 0);
+    if (o.learned_pos) add("pos_embed.weight", m.max_seq_len * h, 0);
+  }
+  for (int64_t c = 0; c <= last; ++c)
+    for (int64_t i = part.chunks[c].first; i < part.chunks[c].second; ++i) {
+      const std::string l = "layers." + std::to_string(i) + ".";
+      norm(l + "attn_norm", h, c, o.layer_norm);
+      column(l + "attn.q", h, h, c);
+      if (m.kv_heads % tp == 0) {
+        column(l + "attn.k", h, kv, c);
+        column(l + "attn.v", h, kv, c);
+      } else {  // tp > kv_heads: every rank holds every key/value projection (AttentionImpl)
+        for (const char* kv_name : {"attn.k", "attn.v"}) {
+          add(l + kv_name + ".weight", kv * h, c);
+          if (bias) add(l + kv_name + ".bias", kv, c);
+        }
+      }
+      row(l + "attn.o", h, h, c);
+      if (m.qk_norm) {
+        norm(l + "attn.q_norm", m.head_dim(), c, false);
+        norm(l + "attn.k_norm", m.head_dim(), c, false);
+      }
+      norm(l + "mlp_norm", h, c, o.layer_norm);
+      if (!m.moe.is_moe(i)) {
+        mlp(l + "mlp", m.ffn_hidden, c);
+        continue;
+      }
+      // The router's balance bias is state, not trained (MoeImpl): not among them.
+      add(l + "mlp.router.weight", m.moe.experts * h, c);
+      const int64_t experts = m.moe.experts / ep * m.moe.ffn_hidden * h;
+      for (const char* e : {"gate", "up", "down"})
+        add(l + "mlp.experts." + e, experts, c, /*expert=*/true);
+      if (m.moe.shared > 0) mlp(l + "mlp.shared", m.moe.shared * m.moe.ffn_hidden, c);
+    }
+  if (part.last) {
+    norm("norm", h, last, o.layer_norm);
+    if (!m.tied())
+      add("head.weight", table, last);
+    else if (!part.first)  // the last stage's copy of a tied token table
+      add("embed.weight", table, last);
+  }
+  return out;
+}
+
+namespace {
+int64_t sum(const std::vector<optim::ParamEntry>& entries, bool experts_only = false) {
+  int64_t n = 0;
+  for (const auto& e : entries)
+    if (!experts_only || e.expert) n += e.numel;
+  return n;
+}
+}  // namespace
+
+int64_t block_parameters(const ModelShape& m, int64_t tp, int64_t layer, int64_t ep) {
+  return sum(param_entries(m, tp, {{{layer, layer + 1}}, false, false}, ep));
 }
 
 int64_t expert_parameters_on_rank(const ModelShape& m, const StagePart& stages, int64_t ep) {
-  auto chunks = stages.chunks;
-  if (chunks.empty()) chunks = {{0, m.layers}};
-  int64_t n = 0;
-  for (const auto& [b, e] : chunks)
-    for (int64_t i = b; i < e; ++i)
-      if (m.moe.is_moe(i)) n += m.moe.experts / ep * 3 * m.moe.ffn_hidden * m.hidden;
-  return n;
+  return sum(param_entries(m, 1, stages, ep), /*experts_only=*/true);
 }
 
 int64_t parameters_on_rank(const ModelShape& m, int64_t tp, const StagePart& stages, int64_t ep) {
-  const auto o = arch(m.arch).options(m);
-  const int64_t table = parallel::tp::padded_vocab(m.vocab_size, tp) / tp * m.hidden;
-  int64_t n = 0;
-  auto chunks = stages.chunks;
-  if (chunks.empty()) chunks = {{0, m.layers}};
-  for (const auto& [b, e] : chunks)
-    for (int64_t i = b; i < e; ++i) n += block_parameters(m, tp, i, ep);
-  if (stages.first) n += table + (o.learned_pos ? m.max_seq_len * m.hidden : 0);
-  if (stages.last) {
-    n += o.layer_norm ? 2 * m.hidden : m.hidden;
-    if (!m.tied() || !stages.first) n += table;  // the head, or the tied table's copy
-  }
-  return n;
+  return sum(param_entries(m, tp, stages, ep));
 }
 
 Weights model_weights(Decoder& model) {

@@ -50,6 +50,12 @@ Decoder build_model(const ModelShape& m, int64_t seed, parallel::Group* tp = nul
                     plan::CpMethod cp_method = plan::CpMethod::kAllGather,
                     parallel::Group* ep = nullptr);
 
+/// Every trained parameter a rank holds (its tensor-parallel shards of the stages in `stages`, E/ep
+/// experts of each MoE layer), in registration order, with its pipeline chunk and whether it is
+/// an expert's: named_params' names, sizes, chunks and flags, from the plan alone (--dry-run lays
+/// out ZeRO's buckets with it; tests/unit/model_test.cpp checks it against built models).
+std::vector<optim::ParamEntry> param_entries(const ModelShape& m, int64_t tp,
+                                             const StagePart& stages = {}, int64_t ep = 1);
 /// Elements of transformer block `layer` on a tensor-parallel rank (an MoE layer: E/ep experts),
 /// from the plan alone.
 int64_t block_parameters(const ModelShape& m, int64_t tp, int64_t layer = 0, int64_t ep = 1);

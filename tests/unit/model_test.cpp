@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <numeric>
+
 #include "engine/planner/model_plan.h"
 #include "models/registry.h"
 #include "tests/common/recompute_cases.h"
@@ -149,6 +151,45 @@ TEST(Models, ParameterCountFromThePlan) {
       EXPECT_EQ(block_parameters(m, 1), block) << arch;
     }
   }
+}
+
+// The plan's parameter list (what --dry-run lays ZeRO's buckets out from) is the built model's:
+// names, sizes, chunks and expert flags in registration order, under tp, ep, qk-norm, shared
+// experts, untied heads and every kind of stage.
+TEST(Models, ParameterEntriesFromThePlan) {
+  const std::vector<std::string> shapes = {
+      "{arch: gpt2, layers: 5, hidden: 16, heads: 4, vocab_size: 301, max_seq_len: 160}",
+      "{arch: llama, layers: 5, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 301}",
+      "{arch: llama, layers: 5, hidden: 16, heads: 4, kv_heads: 1, vocab_size: 301, "
+      "tie_embeddings: true, qk_norm: true, moe: {experts: 4, top_k: 2, ffn_hidden: 8, "
+      "shared_experts: 1, "
+      "every: 2, bias_update_rate: 0.001}}"};
+  for (const auto& yaml : shapes)
+    for (int64_t tp : {1, 2})
+      for (int64_t ep : {1, 2})
+        for (const StagePart& part :
+             {StagePart{}, StagePart{{{0, 2}, {3, 4}}, true, false},
+              StagePart{{{2, 3}, {4, 5}}, false, true}, StagePart{{{0, 1}, {4, 5}}, true, true}}) {
+          auto m = model(yaml);
+          std::vector<int64_t> tp_ranks(static_cast<size_t>(tp)), ep_ranks(static_cast<size_t>(ep));
+          std::iota(tp_ranks.begin(), tp_ranks.end(), 0);
+          std::iota(ep_ranks.begin(), ep_ranks.end(), 0);
+          parallel::Group tp_group("tp", tp_ranks, 0, nullptr),
+              ep_group("ep", ep_ranks, 0, nullptr);
+          auto d = build_model(m, 3, &tp_group, false, part, nullptr, plan::CpMethod::kAllGather,
+                               &ep_group);
+          const auto built = named_params(d);
+          const auto planned = param_entries(m, tp, part, ep);
+          const std::string what =
+              fmt::format("{} tp {} ep {} chunks {}", yaml, tp, ep, part.chunks.size());
+          ASSERT_EQ(planned.size(), built.size()) << what;
+          for (size_t i = 0; i < built.size(); ++i) {
+            EXPECT_EQ(planned[i].name, built[i].name) << what;
+            EXPECT_EQ(planned[i].numel, built[i].tensor.numel()) << what << " " << built[i].name;
+            EXPECT_EQ(planned[i].chunk, built[i].chunk) << what << " " << built[i].name;
+            EXPECT_EQ(planned[i].expert, built[i].expert) << what << " " << built[i].name;
+          }
+        }
 }
 
 TEST(HfNames, RoundTripBothArchitectures) {
