@@ -54,81 +54,90 @@ Decoder build_model(const ModelShape& m, int64_t seed, parallel::Group* tp, bool
   return model;
 }
 
+namespace {
+
+// param_entries' writer: the parameters of each module kind as the modules register them.
+struct EntryWriter {
+  const ModelShape& m;
+  DecoderOptions o;
+  int64_t tp, ep;
+  std::vector<optim::ParamEntry> out;
+
+  void add(const std::string& name, int64_t numel, int64_t chunk, bool expert = false) {
+    out.push_back({name, numel, chunk, expert});
+  }
+  void norm(const std::string& name, int64_t dim, int64_t chunk, bool layer_norm) {
+    add(name + ".weight", dim, chunk);
+    if (layer_norm) add(name + ".bias", dim, chunk);
+  }
+  // Column-parallel: weight and bias split over tp; row-parallel: weight split, bias whole
+  // (parallel/tp/layers.h).
+  void column(const std::string& name, int64_t in, int64_t out_features, int64_t chunk) {
+    add(name + ".weight", out_features / tp * in, chunk);
+    if (o.linear_bias) add(name + ".bias", out_features / tp, chunk);
+  }
+  void row(const std::string& name, int64_t in, int64_t out_features, int64_t chunk) {
+    add(name + ".weight", out_features * (in / tp), chunk);
+    if (o.linear_bias) add(name + ".bias", out_features, chunk);
+  }
+  void mlp(const std::string& name, int64_t f, int64_t chunk) {
+    column(name + ".up", m.hidden, f, chunk);
+    if (o.swiglu) column(name + ".gate", m.hidden, f, chunk);
+    row(name + ".down", f, m.hidden, chunk);
+  }
+  void block(int64_t i, int64_t c) {
+    const int64_t h = m.hidden, kv = m.kv_heads * m.head_dim();
+    const std::string l = "layers." + std::to_string(i) + ".";
+    norm(l + "attn_norm", h, c, o.layer_norm);
+    column(l + "attn.q", h, h, c);
+    if (m.kv_heads % tp == 0) {
+      column(l + "attn.k", h, kv, c);
+      column(l + "attn.v", h, kv, c);
+    } else {  // tp > kv_heads: every rank holds every key/value projection (AttentionImpl)
+      for (const char* kv_name : {"attn.k", "attn.v"}) {
+        add(l + kv_name + ".weight", kv * h, c);
+        if (o.linear_bias) add(l + kv_name + ".bias", kv, c);
+      }
+    }
+    row(l + "attn.o", h, h, c);
+    if (m.qk_norm) {
+      norm(l + "attn.q_norm", m.head_dim(), c, false);
+      norm(l + "attn.k_norm", m.head_dim(), c, false);
+    }
+    norm(l + "mlp_norm", h, c, o.layer_norm);
+    if (!m.moe.is_moe(i)) return mlp(l + "mlp", m.ffn_hidden, c);
+    // The router's balance bias is state, not trained (MoeImpl): not among them.
+    add(l + "mlp.router.weight", m.moe.experts * h, c);
+    const int64_t experts = m.moe.experts / ep * m.moe.ffn_hidden * h;
+    for (const char* e : {"gate", "up", "down"})
+      add(l + "mlp.experts." + e, experts, c, /*expert=*/true);
+    if (m.moe.shared > 0) mlp(l + "mlp.shared", m.moe.shared * m.moe.ffn_hidden, c);
+  }
+};
+
+}  // namespace
+
 std::vector<optim::ParamEntry> param_entries(const ModelShape& m, int64_t tp,
                                              const StagePart& stages, int64_t ep) {
-  const auto o = arch(m.arch).options(m);
-  const int64_t h = m.hidden, kv = m.kv_heads * m.head_dim();
-  const bool bias = o.linear_bias;
+  EntryWriter w{m, arch(m.arch).options(m), tp, ep, {}};
   StagePart part = stages;
   if (part.chunks.empty()) part.chunks = {{0, m.layers}};
   const int64_t last = static_cast<int64_t>(part.chunks.size()) - 1;
-  std::vector<optim::ParamEntry> out;
-  auto add = [&](const std::string& name, int64_t numel, int64_t chunk, bool expert = false) {
-    out.push_back({name, numel, chunk, expert});
-  };
-  auto norm = [&](const std::string& name, int64_t dim, int64_t chunk, bool layer_norm) {
-    add(name + ".weight", dim, chunk);
-    if (layer_norm) add(name + ".bias", dim, chunk);
-  };
-  // Column-parallel: weight and bias split over tp; row-parallel: weight split, bias whole
-  // (parallel/tp/layers.h).
-  auto column = [&](const std::string& name, int64_t in, int64_t out_features, int64_t chunk) {
-    add(name + ".weight", out_features / tp * in, chunk);
-    if (bias) add(name + ".bias", out_features / tp, chunk);
-  };
-  auto row = [&](const std::string& name, int64_t in, int64_t out_features, int64_t chunk) {
-    add(name + ".weight", out_features * (in / tp), chunk);
-    if (bias) add(name + ".bias", out_features, chunk);
-  };
-  auto mlp = [&](const std::string& name, int64_t f, int64_t chunk) {
-    column(name + ".up", h, f, chunk);
-    if (o.swiglu) column(name + ".gate", h, f, chunk);
-    row(name + ".down", f, h, chunk);
-  };
-  const int64_t table = parallel::tp::padded_vocab(m.vocab_size, tp) / tp * h;
+  const int64_t table = parallel::tp::padded_vocab(m.vocab_size, tp) / tp * m.hidden;
   if (part.first) {
-    add("embed.weight", table, 0);
-    if (o.learned_pos) add("pos_embed.weight", m.max_seq_len * h, 0);
+    w.add("embed.weight", table, 0);
+    if (w.o.learned_pos) w.add("pos_embed.weight", m.max_seq_len * m.hidden, 0);
   }
   for (int64_t c = 0; c <= last; ++c)
-    for (int64_t i = part.chunks[c].first; i < part.chunks[c].second; ++i) {
-      const std::string l = "layers." + std::to_string(i) + ".";
-      norm(l + "attn_norm", h, c, o.layer_norm);
-      column(l + "attn.q", h, h, c);
-      if (m.kv_heads % tp == 0) {
-        column(l + "attn.k", h, kv, c);
-        column(l + "attn.v", h, kv, c);
-      } else {  // tp > kv_heads: every rank holds every key/value projection (AttentionImpl)
-        for (const char* kv_name : {"attn.k", "attn.v"}) {
-          add(l + kv_name + ".weight", kv * h, c);
-          if (bias) add(l + kv_name + ".bias", kv, c);
-        }
-      }
-      row(l + "attn.o", h, h, c);
-      if (m.qk_norm) {
-        norm(l + "attn.q_norm", m.head_dim(), c, false);
-        norm(l + "attn.k_norm", m.head_dim(), c, false);
-      }
-      norm(l + "mlp_norm", h, c, o.layer_norm);
-      if (!m.moe.is_moe(i)) {
-        mlp(l + "mlp", m.ffn_hidden, c);
-        continue;
-      }
-      // The router's balance bias is state, not trained (MoeImpl): not among them.
-      add(l + "mlp.router.weight", m.moe.experts * h, c);
-      const int64_t experts = m.moe.experts / ep * m.moe.ffn_hidden * h;
-      for (const char* e : {"gate", "up", "down"})
-        add(l + "mlp.experts." + e, experts, c, /*expert=*/true);
-      if (m.moe.shared > 0) mlp(l + "mlp.shared", m.moe.shared * m.moe.ffn_hidden, c);
-    }
+    for (int64_t i = part.chunks[c].first; i < part.chunks[c].second; ++i) w.block(i, c);
   if (part.last) {
-    norm("norm", h, last, o.layer_norm);
+    w.norm("norm", m.hidden, last, w.o.layer_norm);
     if (!m.tied())
-      add("head.weight", table, last);
+      w.add("head.weight", table, last);
     else if (!part.first)  // the last stage's copy of a tied token table
-      add("embed.weight", table, last);
+      w.add("embed.weight", table, last);
   }
-  return out;
+  return w.out;
 }
 
 namespace {

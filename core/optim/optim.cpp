@@ -34,13 +34,28 @@ bool exempt_from_decay(const std::string& name, const std::vector<std::string>& 
   return false;
 }
 
+optim::FlatLayout layout_of(std::vector<optim::ParamEntry> registered,
+                            const optim::LayoutOptions& o) {
+  std::reverse(registered.begin(), registered.end());
+  return optim::FlatLayout(registered, o);
+}
+
 optim::FlatLayout layout_of(const std::vector<NamedParam>& params, const optim::LayoutOptions& o) {
-  // Reverse registration order: roughly the order backward produces gradients in, so gradient
-  // buckets (contiguous ranges) fill one after another.
   std::vector<optim::ParamEntry> entries;
-  for (auto it = params.rbegin(); it != params.rend(); ++it)
-    entries.push_back({it->name, it->tensor.numel(), it->chunk, it->expert});
-  return optim::FlatLayout(entries, o);
+  for (const auto& p : params) entries.push_back({p.name, p.tensor.numel(), p.chunk, p.expert});
+  return layout_of(std::move(entries), o);
+}
+
+optim::LayoutOptions layout_options(const plan::Config& c, int64_t data_ranks, int64_t data_rank,
+                                    int64_t expert_ranks, int64_t expert_rank, int64_t pp) {
+  const int64_t zero = c.parallel.zero;
+  return {std::max<int64_t>(1, static_cast<int64_t>(c.parallel.ddp_bucket_mb * (1 << 20) / 4)),
+          zero > 0 ? data_ranks : 1,
+          zero > 0 ? data_rank : 0,
+          zero,
+          zero > 0 && pp > 1 && c.model.tied(),
+          zero > 0 ? expert_ranks : 1,
+          zero > 0 ? expert_rank : 0};
 }
 
 FlatAdamW::FlatAdamW(const std::vector<NamedParam>& params, const plan::TrainingConfig& t)

@@ -42,8 +42,16 @@ struct NamedParam {
   bool expert = false;  // an MoE layer's experts (reduced over the expert data group)
 };
 
-/// The flat layout of `params` (reverse registration order).
+/// The flat layout of parameters given in registration order: reversed, roughly the order backward
+/// produces gradients in, so that gradient buckets (contiguous ranges) fill one after another.
+optim::FlatLayout layout_of(std::vector<optim::ParamEntry> registered,
+                            const optim::LayoutOptions& o);
 optim::FlatLayout layout_of(const std::vector<NamedParam>& params, const optim::LayoutOptions& o);
+/// The plan's layout options for a rank: buckets of parallel.ddp.bucket_mb, ZeRO over the data
+/// group (`data_ranks`, this rank `data_rank`) and the experts' over the expert data group, the
+/// tied token table in a bucket of its own where a pipeline holds it twice under ZeRO.
+optim::LayoutOptions layout_options(const plan::Config& c, int64_t data_ranks, int64_t data_rank,
+                                    int64_t expert_ranks, int64_t expert_rank, int64_t pp);
 
 /// This rank's part of one parameter's optimizer state: `numel` elements starting at element
 /// `param_offset` of the flattened (tensor-parallel local) parameter. 1-D views.

@@ -13,40 +13,32 @@
 namespace tessel::planner {
 namespace {
 
-// ZeRO-2's and ZeRO-3's buffers at a stage's peak, added to its activations.
-void add_zero_buffers(RankEstimate& r, const plan::Config& c, const PlanBasis& b) {
-  const auto& t = c.training;
-  const double w = b.w, block = b.block;
-  const double one_microbatch =
-      r.inflight > 1 ? r.activations / static_cast<double>(r.inflight) : 0.0;
-  if (b.zero == 2)  // gradient buckets being reduced (half the fp32 gradient at the peak, as
-                    // measured; at most three buckets exist at once)
-    r.activations += 0.5 * std::min(4.0 * static_cast<double>(r.params),
-                                    3 * c.parallel.ddp_bucket_mb * (1 << 20));
-  // and the parameters' accumulated gradients, from the stage's first backward on: by then one
-  // held micro-batch's activations are being freed (measured at pp 2: stage 0, holding two,
-  // peaks before its first backward; the last stage, holding one, with the gradients).
-  if (reduce_once(b))
-    r.activations += std::max(0.0, 4.0 * static_cast<double>(r.params) - one_microbatch);
-  if (b.zero == 3 && b.keep_gathered) {  // the stage's whole weights, for the whole step
-    r.gathered = w * static_cast<double>(r.params);
-    r.activations += r.gathered;
-    if (!reduce_once(b))  // bf16/fp16: buckets reduced per micro-batch, as below
-      r.activations += 4.0 * std::min(static_cast<double>(r.params), 2 * block);
-  } else if (b.zero == 3) {
+// ZeRO-3's gathered units at a stage's peak, added to its activations (its gradient buckets are
+// in the walk of backward: backward_walk).
+void add_gathered(RankEstimate& r, const plan::Config& c, const plan::Layout& l, const PlanBasis& b,
+                  const models::StagePart& part) {
+  if (b.zero != 3) return;
+  if (b.keep_gathered) {  // the stage's whole weights, for the whole step
+    r.gathered = b.w * static_cast<double>(r.params);
+  } else {
     // At the peak, the root unit and blocks: without recomputation the peak is where backward
     // begins (the last block gathered); with it, the saved activations are smaller and the
     // peak moves into backward, where the block being differentiated and its prefetched
     // neighbour are gathered at once (2 blocks, measured once Gloo's all-gather stopped staging
-    // its output, 2026-11-27; 3 before).
-    const double blocks = std::min<double>(static_cast<double>(r.layers),
-                                           t.recompute == plan::Recompute::kNone ? 1.0 : 2.0);
-    r.gathered = w * (static_cast<double>(r.params) - r.layers * block + blocks * block);
-    // Plus the gradient buckets in flight: two units' fp32 gradients wait for their
-    // reduce-scatter (parallel/dp/grad_reducer.h; fitted on the parity table's ZeRO-3 rows,
-    // 2026-11-27).
-    r.activations += r.gathered + 4.0 * std::min(static_cast<double>(r.params), 2 * block);
+    // its output, 2026-11-27; 3 before). A block as this rank holds it (an MoE layer: E/ep
+    // experts).
+    double blocks = 0, largest = 0;
+    for (const auto& [begin, end] : part.chunks)
+      for (int64_t i = begin; i < end; ++i) {
+        const auto n = static_cast<double>(models::block_parameters(b.m, l.tp, i, l.ep));
+        blocks += n;
+        largest = std::max(largest, n);
+      }
+    const double gathered_blocks = std::min<double>(
+        static_cast<double>(r.layers), c.training.recompute == plan::Recompute::kNone ? 1.0 : 2.0);
+    r.gathered = b.w * (static_cast<double>(r.params) - blocks + gathered_blocks * largest);
   }
+  r.activations += r.gathered;
 }
 
 // One stage's bytes: its parameters' state between steps and what a step adds at its peak.
@@ -80,19 +72,114 @@ double rerun_bytes(const plan::Config& c, const PlanBasis& b) {
   return b.w * b.tok * floats;
 }
 
-// A pipeline rank: the most it holds over the simulated run of its schedule. A micro-batch chunk
-// holds its saved activations from F to B (the first chunk also the embedding's output, a chunk
-// that receives its input that input, the leaf its gradient goes back from; the last chunk
-// `last_kept`, the head's). Zero-bubble schedules: past B, until its W, each linear layer's input
-// and output gradient (q/k/v share an input, as up/gate do) and the gradients B computed for
-// every other parameter of the chunk (norms, biases, embeddings, the head, the router and
-// experts), which W hands over with the linear weights' (parallel/pp/weight_grad.h). Over Gloo
-// (CPU) every tensor sent stays until the step's end, where its send is waited for. A backward
-// works on about half a block's activations more (and a recomputed block or MLP, `rerun`, whole).
-double pipeline_held(const plan::Layout& l, const PlanBasis& b, int64_t stage,
-                     const models::StagePart& part, double last_kept, double rerun) {
+// A chunk's gradient buckets (parallel/dp/grad_reducer.h) in the order its gradient passes fill
+// them (the flat layout's, from the plan's parameter list): each one's fp32 buffer, its
+// parameters' elements, and the parameter that opens it.
+struct Bucket {
+  double bytes, params;
+  std::string opens;
+};
+std::vector<Bucket> chunk_buckets(const optim::FlatLayout& layout, int64_t chunk) {
+  std::vector<Bucket> out;
+  int64_t last = -1;
+  for (const auto& s : layout.slots()) {
+    const auto& bucket = layout.buckets()[static_cast<size_t>(s.bucket)];
+    if (bucket.chunk != chunk) continue;
+    if (s.bucket != last)
+      out.push_back({4.0 * static_cast<double>(bucket.end - bucket.begin), 0.0, s.name});
+    last = s.bucket;
+    out.back().params += static_cast<double>(s.numel);
+  }
+  return out;
+}
+
+// A gradient pass walked bucket by bucket, `held[k]` being what the pass still holds of its
+// micro-batch (and works on) when bucket k opens: ZeRO-2/3 hold bucket k's buffer and the two
+// before it still reducing. Where the gradients accumulate in the parameters (reduce_once), the
+// chunk's first pass makes them (4 bytes each, held to its last), a middle pass adds to them, and
+// the last copies them into the buckets, dropping each parameter's as it goes. `plain`: the
+// pass's calibrated peak where buckets add less.
+parallel::pp::GradPass walk(const std::vector<Bucket>& buckets, const std::vector<double>& held,
+                            bool once, double plain) {
+  parallel::pp::GradPass g{plain, plain, plain, plain};
+  double produced = 0, dropped = 0;
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    double live = 0;
+    for (size_t j = k >= 2 ? k - 2 : 0; j <= k; ++j) live += buckets[j].bytes;
+    produced += 4 * buckets[k].params;
+    if (k >= 3) dropped += 4 * buckets[k - 3].params;
+    g.during = std::max(g.during, held[k] + live);
+    if (once) {
+      g.during_first = std::max(g.during_first, held[k] + produced);
+      g.during_last = std::max(g.during_last, held[k] + buckets[k].bytes - dropped);
+    }
+  }
+  return g;
+}
+
+// What a chunk's backward still holds when each of its buckets opens: the blocks after the
+// opening parameter's are differentiated (their activations freed; a block's backward runs its
+// MLP or experts half first), the block of it works on `transient` more; past the head its kept
+// tensors are released (but for a tied table's gradient, `table_grad`, which the embedding's
+// backward adds to before its bucket opens); at the embedding every block is freed. ZeRO-3 gathers
+// the block before while one is differentiated (`neighbour` above the gathered units add_gathered
+// counts). Relative to what is held once the micro-batch's `whole` is freed, as peak_held adds it.
+std::vector<double> backward_held(const std::vector<Bucket>& buckets, const PlanBasis& b,
+                                  std::pair<int64_t, int64_t> layers, bool first_chunk,
+                                  double whole, double transient, double head_kept,
+                                  double table_grad, double neighbour) {
   const auto& m = b.m;
-  const double h = b.h, tp = b.tp, kvd = b.kvd, w = b.w, tok = b.tok;
+  const auto& a = b.a;
+  auto acts = [&](int64_t i) { return m.moe.is_moe(i) ? b.per_moe_layer : b.per_layer; };
+  const double attention_half =
+      b.per_layer - b.w * b.tok *
+                        (a.ffn * static_cast<double>(m.ffn_hidden) / b.tp +
+                         0.5 * a.replicated * b.h / (b.sp ? b.tp : 1.0));
+  auto freed_in_block = [&](int64_t i, const std::string& suffix) {
+    const double mlp = acts(i) - attention_half;
+    auto starts = [&](const char* p) { return suffix.rfind(p, 0) == 0; };
+    if (starts("mlp.")) return suffix.find("down") != std::string::npos ? 0.0 : 0.5 * mlp;
+    if (starts("mlp_norm") || starts("attn.o.")) return mlp;
+    if (starts("attn.")) return mlp + 0.5 * attention_half;
+    return acts(i);  // attn_norm
+  };
+  std::vector<double> held;
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    const auto& name = buckets[k].opens;
+    double freed = head_kept - table_grad, working = 0;
+    if (name.rfind("layers.", 0) == 0) {
+      const auto dot = name.find('.', 7);
+      const int64_t at = std::stoll(name.substr(7, dot - 7));
+      freed += freed_in_block(at, name.substr(dot + 1));
+      for (int64_t i = at + 1; i < layers.second; ++i) freed += acts(i);
+      working = transient + neighbour;
+    } else if (name == "pos_embed.weight" ||
+               (name == "embed.weight" && first_chunk && k + 1 == buckets.size())) {
+      freed += table_grad;
+      for (int64_t i = layers.first; i < layers.second; ++i) freed += acts(i);
+    }
+    held.push_back(whole - freed + working);
+  }
+  return held;
+}
+
+// What a W (zero-bubble schedules) still holds when each bucket opens: the deferred bytes of the
+// parameters it has not handed their gradients yet (W hands every gradient of the chunk over).
+std::vector<double> weight_held(const std::vector<Bucket>& buckets, double deferred) {
+  double total = 0, done = 0;
+  for (const auto& bucket : buckets) total += bucket.params;
+  std::vector<double> held;
+  for (const auto& bucket : buckets) {
+    held.push_back(deferred * (1 - done / std::max(total, 1.0)));
+    done += bucket.params;
+  }
+  return held;
+}
+
+// Zero-bubble schedules: what a micro-batch chunk holds past B until its W (see held_peak).
+double deferred_bytes(const plan::Layout& l, const PlanBasis& b, const models::StagePart& one) {
+  const auto& m = b.m;
+  const double h = b.h, tp = b.tp, kvd = b.kvd;
   const double f = static_cast<double>(m.ffn_hidden) / tp;
   const double kept =
       3 * h + f + (h + 2 * kvd) / tp + 2 * h + (m.arch == plan::ModelArch::kLlama ? 2 : 1) * f;
@@ -101,24 +188,93 @@ double pipeline_held(const plan::Layout& l, const PlanBasis& b, int64_t stage,
   const double mlp_weights = mlp_mats * h * f;
   const double shared_weights =
       mlp_mats * h * static_cast<double>(m.moe.shared * m.moe.ffn_hidden) / tp;
+  double layers = 0;
+  for (const auto& [begin, end] : one.chunks) layers += static_cast<double>(end - begin);
+  const double moe = static_cast<double>(moe_layers_in(m, one));
+  const double linear = layers * attention_weights + (layers - moe) * mlp_weights +
+                        moe * shared_weights;  // the weights W computes
+  const double params = static_cast<double>(models::parameters_on_rank(m, l.tp, one, l.ep));
+  return layers * b.w * b.tok * kept + b.w * std::max(0.0, params - linear);
+}
+
+// One stage: each micro-batch's forward and backward in turn (pairs: two forwards, two
+// backwards).
+std::vector<parallel::pp::Simulation::Slot> one_stage_turns(const PlanBasis& b) {
+  std::vector<parallel::pp::Simulation::Slot> turns;
+  for (int64_t i = 0; i < b.mbs; i += b.lanes) {
+    const int64_t n = std::min(b.lanes, b.mbs - i);
+    for (int64_t j = 0; j < n; ++j) turns.push_back({0, 0, {parallel::pp::Op::kForward, i + j, 0}});
+    for (int64_t j = 0; j < n; ++j)
+      turns.push_back({0, 0, {parallel::pp::Op::kBackward, i + j, 0}});
+  }
+  return turns;
+}
+
+// A rank's peak over its schedule (the simulated pipeline's, or one stage's micro-batches in
+// turn, two at once where pairs run): a micro-batch chunk holds its saved activations from F to B
+// (the first chunk also the embedding's output, a chunk that receives its input that input, the
+// leaf its gradient goes back from; the last chunk `last_kept`, the head's). Zero-bubble
+// schedules: past B, until its W, each linear layer's input and output gradient (q/k/v share an
+// input, as up/gate do) and the gradients B computed for every other parameter of the chunk
+// (norms, biases, embeddings, the head, the router and experts), which W hands over with the
+// linear weights' (parallel/pp/weight_grad.h). Over Gloo (CPU) every tensor sent stays until the
+// step's end, where its send is waited for. A pipeline's backward works on about half a block's
+// activations more (and a recomputed block or MLP, `rerun`, whole); without pipelining the peak
+// of backward is calibrated as the held activations and `rerun`.
+double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& b, int64_t stage,
+                 const models::StagePart& part, double last_kept, double rerun) {
+  const auto& m = b.m;
+  const double h = b.h, w = b.w, tok = b.tok;
+  const bool buckets = b.zero >= 2;  // ZeRO-2/3: fp32 bucket buffers in every backward
+  // ZeRO-3 without kept units and pipelining: the prefetched block beside the one add_gathered
+  // counts (which counts two already under recomputation; inside a pipeline, measured, one).
+  const double neighbour =
+      b.zero == 3 && !b.keep_gathered && l.pp == 1 && c.training.recompute == plan::Recompute::kNone
+          ? b.w * b.block
+          : 0.0;
+  const auto layout =
+      optim::layout_of(models::param_entries(m, l.tp, part, l.ep),
+                       optim::layout_options(c, b.data_ranks, 0, b.data_ranks / l.ep, 0, l.pp));
   std::vector<parallel::pp::ChunkBytes> bytes;
   for (const auto& [begin, end] : part.chunks) {
     const models::StagePart one{
         {{begin, end}}, part.first && begin == 0, part.last && end == m.layers};
     const double layers = static_cast<double>(end - begin);
     const double moe = static_cast<double>(moe_layers_in(m, one));
-    const double linear = layers * attention_weights + (layers - moe) * mlp_weights +
-                          moe * shared_weights;  // the weights W computes
-    const double params = static_cast<double>(models::parameters_on_rank(m, l.tp, one, l.ep));
-    parallel::pp::ChunkBytes c;
-    c.whole = (layers - moe) * b.per_layer + moe * b.per_moe_layer +
-              (one.first ? tok * h * w : b.act_row) + (one.last ? last_kept : 0.0);
-    c.deferred = layers * w * tok * kept + w * std::max(0.0, params - linear);
-    c.sent_forward = b.cpu && !one.last ? b.act_row : 0.0;
-    c.sent_backward = b.cpu && !one.first ? b.act_row : 0.0;
-    bytes.push_back(c);
+    parallel::pp::ChunkBytes cb;
+    cb.whole = (layers - moe) * b.per_layer + moe * b.per_moe_layer +
+               (one.first ? tok * h * w : b.act_row) + (one.last ? last_kept : 0.0);
+    const double transient = l.pp > 1 ? 0.5 * b.per_layer + rerun : rerun;
+    if (b.pp > 1) {
+      cb.deferred = deferred_bytes(l, b, one);
+      cb.sent_forward = b.cpu && !one.last ? b.act_row : 0.0;
+      cb.sent_backward = b.cpu && !one.first ? b.act_row : 0.0;
+    }
+    // A pipeline's backward: its calibrated transient; without pipelining, the held
+    // micro-batch and it. W: nothing above what it frees.
+    const double plain = l.pp > 1 ? transient : cb.whole + transient;
+    cb.during_input = plain;
+    cb.backward = {plain, plain, plain, plain};
+    // Lean logits keep the head's fp32 weight gradient from forward and hand it to the table in
+    // the weights' dtype; a tied table on this chunk holds that until the embedding's backward.
+    const double table_grad =
+        one.last && one.first && m.tied() && c.training.lean_logits ? b.vocab_local * h * w : 0.0;
+    if (buckets) {
+      const auto list = chunk_buckets(layout, static_cast<int64_t>(bytes.size()));
+      const bool once = reduce_once(b);
+      for (const auto& bucket : list) cb.grads += once ? 4 * bucket.params : 0.0;
+      cb.backward = walk(list,
+                         backward_held(list, b, {begin, end}, one.first, cb.whole, transient,
+                                       one.last ? last_kept : 0.0, table_grad, neighbour),
+                         once, plain);
+      cb.backward.during_middle = plain;
+      cb.weight = walk(list, weight_held(list, cb.deferred), once, 0.0);
+      cb.weight.during_middle = 0;
+    }
+    bytes.push_back(cb);
   }
-  return parallel::pp::peak_held(b.sim, stage, bytes, 0.5 * b.per_layer + rerun);
+  return parallel::pp::peak_held(
+      l.pp > 1 ? b.sim.timeline[static_cast<size_t>(stage)] : one_stage_turns(b), bytes);
 }
 
 }  // namespace
@@ -163,33 +319,22 @@ RankEstimate stage_memory(const plan::Config& c, const plan::Layout& l, const Pl
   r.weights = static_cast<double>(state.params + expert_state.params);
   r.grads = static_cast<double>(state.grads + expert_state.grads);
   r.optimizer = static_cast<double>(state.optimizer + expert_state.optimizer);
-  const int64_t chunks = std::max<int64_t>(1, static_cast<int64_t>(part.chunks.size()));
   r.inflight = l.pp > 1 ? b.sim.peak_activations[static_cast<size_t>(stage)] : b.lanes;
-  const double moe_layers = static_cast<double>(moe_layers_in(m, part));
-  r.activations =
-      static_cast<double>(r.inflight) *
-      ((static_cast<double>(r.layers) - moe_layers) * b.per_layer + moe_layers * b.per_moe_layer) /
-      static_cast<double>(chunks);
   const auto head = head_bytes(t, b);
   const double last_kept = head.kept + (a.outside - 1) * tok * h * w;
-  if (l.pp > 1)
-    r.activations = pipeline_held(l, b, stage, part, last_kept, 0.0);
-  else
-    r.activations += static_cast<double>(r.inflight) * (tok * h * w + (part.last ? last_kept : 0));
+  // Recomputation: one block (full) or MLP (selective) rerun in backward. Without pipelining,
+  // about half of it at the step's peak (calibrated with the head's); a pipeline rank's peak is
+  // a backward holding other micro-batches, where the rerun is whole (measured on
+  // recompute_pp2_full_gpt2: 426 and 499 KB above the held activations on its two stages).
+  // The rerun block's attention probabilities are live whole until its backward.
+  double rerun = 0;
   if (t.recompute != plan::Recompute::kNone && r.layers > 0) {
-    // One block (full) or MLP (selective) rerun in backward. Without pipelining, about half of
-    // it at the step's peak (calibrated with the head's); a pipeline rank's peak is a backward
-    // holding other micro-batches, where the rerun is whole (measured on recompute_pp2_full_gpt2:
-    // 426 and 499 KB above the held activations on its two stages).
-    // The rerun block's attention probabilities are live whole until its backward.
     const double probs = t.recompute == plan::Recompute::kFull ? b.short_attention * tok : 0.0;
-    if (l.pp > 1)
-      r.activations = pipeline_held(l, b, stage, part, last_kept, rerun_bytes(c, b) + probs);
-    else
-      r.activations += a.rerun * rerun_bytes(c, b) + probs;
+    rerun = (l.pp > 1 ? 1.0 : a.rerun) * rerun_bytes(c, b) + probs;
   }
+  r.activations = held_peak(c, l, b, stage, part, last_kept, rerun);
   if (part.last) r.activations += static_cast<double>(b.lanes) * head.transient;
-  add_zero_buffers(r, c, b);
+  add_gathered(r, c, l, b, part);
   // After backward, the gradient norm (core/optim/optim.cpp clip_grad_norm): on the CPU each of
   // its chunks of at most 2^14 elements is copied to fp64 in turn, the step's peak when the
   // activations are smaller (CUDA reads each chunk in its own dtype).

@@ -24,11 +24,8 @@ std::unique_ptr<optim::FlatAdamW> make_optimizer(const plan::Config& c, parallel
     for (auto& p : params) p.replicas *= (p.expert ? experts : data_group).size();
   return std::make_unique<optim::FlatAdamW>(
       params, c.training,
-      optim::layout_of(params, {std::max<int64_t>(1, static_cast<int64_t>(c.parallel.ddp_bucket_mb *
-                                                                          (1 << 20) / 4)),
-                                zero > 0 ? data_group.size() : 1, zero > 0 ? data_group.rank() : 0,
-                                zero, zero > 0 && l.pp > 1 && c.model.tied(),
-                                zero > 0 ? experts.size() : 1, zero > 0 ? experts.rank() : 0}));
+      optim::layout_of(params, optim::layout_options(c, data_group.size(), data_group.rank(),
+                                                     experts.size(), experts.rank(), l.pp)));
 }
 
 // The gradients summed outside data parallelism after backward: tp-replicated parameters' and a

@@ -123,17 +123,31 @@ struct Simulation {
   bool ordered_messages = true;
 };
 
-/// What one micro-batch of a rank's local chunk holds: `whole` from its forward to its backward
-/// (or B), `deferred` from its B to its W; what its forward and backward send (kept to the step's
-/// end, when sends are waited for only then).
-struct ChunkBytes {
-  double whole = 0, deferred = 0, sent_forward = 0, sent_backward = 0;
+/// A gradient pass's peak (a backward, or a W: the passes that hand parameters their gradients)
+/// above what is held once the micro-batch's bytes it frees are freed. Where the chunk's
+/// gradients accumulate in its parameters and are reduced at its last pass of the step
+/// (ChunkBytes::grads > 0), its first, middle and last passes differ; a chunk with one pass
+/// reduces at once, as `during`.
+struct GradPass {
+  double during = 0, during_first = 0, during_middle = 0, during_last = 0;
 };
 
-/// The most rank `rank` holds at once in the simulated run, chunks[c] being its local chunk c's
-/// bytes and `backward_transient` what a backward (or B) works on above what is held.
-double peak_held(const Simulation& sim, int64_t rank, const std::vector<ChunkBytes>& chunks,
-                 double backward_transient);
+/// What one micro-batch of a rank's local chunk holds: `whole` from its forward to its backward
+/// (or B), `deferred` from its B to its W; what its forward and backward send (kept to the step's
+/// end, when sends are waited for only then); what a B works on above what is held once `whole`
+/// is freed (`during_input`), and the peaks of its gradient passes. `grads`: held from the end of
+/// the chunk's first gradient pass of the step to the end of its last, where they accumulate in
+/// the parameters.
+struct ChunkBytes {
+  double whole = 0, deferred = 0, sent_forward = 0, sent_backward = 0;
+  double during_input = 0, grads = 0;
+  GradPass backward, weight;
+};
+
+/// The most rank `rank` holds at once in `timeline` (a simulated run's, or any list of a rank's
+/// actions in order), chunks[c] being its local chunk c's bytes.
+double peak_held(const std::vector<Simulation::Slot>& timeline,
+                 const std::vector<ChunkBytes>& chunks);
 
 /// Runs the lists with the given unit times as the executor runs them over Gloo: sends never
 /// block, a receive is posted where it stands, and a pass waits for its inputs: a forward for its

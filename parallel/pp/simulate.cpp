@@ -241,22 +241,26 @@ Simulation simulate(const Schedule& s, double forward_time, double backward_time
   return sim;
 }
 
-double peak_held(const Simulation& sim, int64_t rank, const std::vector<ChunkBytes>& chunks,
-                 double backward_transient) {
+double peak_held(const std::vector<Simulation::Slot>& timeline,
+                 const std::vector<ChunkBytes>& chunks) {
+  auto grad_pass = [](Op op) { return op == Op::kBackward || op == Op::kBackwardWeight; };
+  std::vector<int64_t> passes(chunks.size(), 0), seen(chunks.size(), 0);
+  for (const auto& slot : timeline)
+    if (grad_pass(slot.action.op)) ++passes.at(static_cast<size_t>(slot.action.chunk));
   double now = 0, peak = 0;
-  for (const auto& slot : sim.timeline[static_cast<size_t>(rank)]) {
-    const auto& c = chunks.at(static_cast<size_t>(slot.action.chunk));
-    double during = 0;
+  for (const auto& slot : timeline) {
+    const auto chunk = static_cast<size_t>(slot.action.chunk);
+    const auto& c = chunks.at(chunk);
+    double during = 0, after = 0;
     switch (slot.action.op) {
       case Op::kForward:
         now += c.whole + c.sent_forward;
         break;
       case Op::kBackward:
-        during = backward_transient;
         now += c.sent_backward - c.whole;
         break;
       case Op::kBackwardInput:
-        during = backward_transient;
+        during = c.during_input;
         now += c.sent_backward + c.deferred - c.whole;
         break;
       case Op::kBackwardWeight:
@@ -265,7 +269,19 @@ double peak_held(const Simulation& sim, int64_t rank, const std::vector<ChunkByt
       default:
         break;
     }
+    if (grad_pass(slot.action.op)) {
+      const auto& g = slot.action.op == Op::kBackward ? c.backward : c.weight;
+      const int64_t k = seen[chunk]++, n = passes[chunk];
+      const bool accumulate = c.grads > 0 && n > 1;
+      during = !accumulate  ? g.during
+               : k == 0     ? g.during_first
+               : k == n - 1 ? g.during_last
+                            : g.during_middle;
+      if (accumulate && k == 0) after = c.grads;
+      if (accumulate && k == n - 1) after = -c.grads;
+    }
     peak = std::max(peak, now + during);
+    now += after;
   }
   return peak;
 }

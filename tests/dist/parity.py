@@ -126,32 +126,26 @@ PLANNER_KNOWN_MISSES = {
 # The step's activation peak (the most a step allocates above the state held between steps) as
 # --dry-run predicts it, against the counting allocator's measurement, on every row: within
 # PLANNER_ACTIVATION_TOL, or, for the rows below where the planner is known to miss, within the
-# row's bound in percent (its miss when listed, measured 2026-11-27, plus 3 points), so
-# that no miss grows unseen and no new schedule, method or row lands with the planner unchecked.
+# row's bound in percent (its miss when listed, measured 2026-11-27, ZeRO's 2026-11-28, plus 3
+# points), so that no miss grows unseen and no new schedule, method or row lands with the planner unchecked.
 # Each entry is a planner defect to fix, not a tolerance.
 PLANNER_ACTIVATION_TOL = 0.10
 PLANNER_ACTIVATION_MISSES = {
-    # ZeRO-2/3: the peak lies inside backward, where buckets reduce while the blocks not yet
-    # differentiated keep their activations; the planner adds a fixed bucket term to all of them:
-    # low on pipelines, high on shallow or bf16 plans. Traced on zero2_dp2_gpt2 and
-    # zero3_dp2_bf16_gpt2; a timeline of backward is the fix. (Bounds of the bf16 rows cover
-    # both CPUs measured: see bf16/fp16 below.)
-    "zero3_dp2_pp2_zb-h1_keep_gpt2": 27,  # -23.7%
-    "zero3_dp2_pp2_1f1b_keep_gpt2": 25,  # -21.9%
-    "zero2_dp2_pp2_1f1b_gpt2": 25,  # -21.5%
-    "zero3_dp2_pp2_1f1b_keep_llama": 25,  # -21.5%
-    "moe_zero2_ep2_pp2_llama": 24,  # -20.7%
-    "zero2_dp2_pp2_1f1b_llama": 23,  # -19.6%
-    "zero3_dp2_pp2_1f1b_free_gpt2": 14,  # +11.0%
-    "zero3_dp2_pp2_1f1b_keep_bf16_gpt2": 34,  # +17.8%
-    "zero3_dp2_pp2_1f1b_free_llama": 23,  # +19.8%
-    "zero3_dp2_pp2_1f1b_free_bf16_llama": 34,  # +20.1%
-    "moe_bias_zero3_ep2_pp2_llama": 27,  # +23.9%
-    "zero3_dp2_pp2_interleaved_free_llama": 28,  # +24.6%
-    "zero3_dp2_bf16_gpt2": 40,  # +28.4%
-    "moe_zero2_ep2_dp2_llama": 35,  # +31.9%
-    "zero3_dp2_fp16_gpt2": 40,  # +37.0%
-    "moe_zero2_dp3_llama": 46,  # +42.9%
+    # ZeRO-3 without kept units inside a pipeline: backward is walked bucket by bucket
+    # (engine/planner/memory.cpp: gradient buffers, freed blocks, the gathered units), but the
+    # gathered units' timing in a pipeline rank's interleaved passes is not modelled: measured
+    # two blocks gathered where the planner counts one, on some ranks and not others.
+    "zero3_dp2_pp2_zbv_free_gpt2": 21,  # -17.9%
+    "zero3_dp2_pp2_interleaved_free_llama": 18,  # +14.8%
+    "zero3_dp2_pp2_1f1b_free_bf16_llama": 18,  # +14.5%
+    "zero3_dp2_pp2_1f1b_free_llama": 16,  # +12.5%
+    "zero3_dp2_pp2_1f1b_free_gpt2": 14,  # -10.9%
+    "zero3_dp2_pp2_1f1b_keep_bf16_gpt2": 14,  # -10.8%
+    "moe_bias_zero3_ep2_pp2_llama": 13,  # -10.0%
+    # ZeRO-3 in bf16/fp16 without pipelining: the walk counts the prefetched block beside the one
+    # differentiated (measured: two gathered), and the low-precision paths below keep less.
+    "zero3_dp2_bf16_gpt2": 29,  # +16.9%
+    "zero3_dp2_fp16_gpt2": 28,  # +24.8%
     # Recomputation inside a pipeline: the first stage peaks in a rerun block's backward (traced
     # on recompute_pp2_full_gpt2: its attention probabilities, ffn-wide tensors and their
     # gradients, about 480 KB above the held inputs, where the planner counts about 400 KB).
@@ -170,7 +164,7 @@ PLANNER_ACTIVATION_MISSES = {
     # norms also keep fp32 tensors the planner does not count.
     "moe_ep2_bf16_llama": 31,  # -27.7%
     "moe_ep2_fp16_llama": 22,  # -19.0%
-    "zero2_dp2_pp2_zbv_bf16_gpt2": 19,  # -16.0%
+    "zero2_dp2_pp2_zbv_bf16_gpt2": 19,  # -14.2%
     # Pipelines with cp, or interleaved with tp and sp: not traced yet.
     "dp2_pp2_cp2_alltoall_llama": 18,  # -15.1%
     "zero1_dp2_tp2_pp2_interleaved_sp_gpt2": 17,  # -13.6%
