@@ -123,6 +123,7 @@ void MetricsLog::step(const StepLine& s) {
                       {"loss_scale", s.loss_scale},
                       {"skipped_steps", s.skipped_steps}};
   add_moe_figures(s, j, tb_.get());
+  if (!s.blend_samples.empty()) j["blend_samples"] = s.blend_samples;
   write_line(j.dump());
   if (tb_)
     tb_->scalars(s.step, {{"train/loss", s.loss},

@@ -41,6 +41,7 @@ struct StepLine {
   int64_t tokens;          // target tokens consumed (samples × seq_len)
   double elapsed_s;        // since this process started training
   MoeFigures moe;
+  std::vector<int64_t> blend_samples;  // data.blend: samples each dataset gave so far (else empty)
 };
 
 /// Appends to <output_dir>/<metrics_file> (one JSON object per line) and prints the console line.

@@ -1,4 +1,5 @@
 #include "core/plan/config.h"
+#include "core/plan/blend_field.h"
 
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
@@ -93,6 +94,8 @@ std::string assign(Field& f, const YAML::Node& n) {
           return "";
         } else if constexpr (std::is_same_v<T, ChoiceBase>) {
           return n.IsScalar() && p->set_name(n.Scalar()) ? "" : not_a_choice(*p, n);
+        } else if constexpr (std::is_same_v<T, std::vector<BlendSource>>) {
+          return assign_blend(*p, n);
         } else {
           using E = typename T::value_type;
           const char* what = std::is_same_v<E, double> ? "a list of numbers" : "a list of strings";
@@ -161,6 +164,7 @@ std::string check_field(const Field& f) {
       return "";
     return std::string(what) + "must be one of " + choices_text(f.choices) + ", got '" + v + "'";
   };
+  if (auto* p = std::get_if<std::vector<BlendSource>*>(&f.ref)) return check_blend(**p);
   if (auto* p = std::get_if<std::string*>(&f.ref)) return check_choice(**p, "");
   if (auto* p = std::get_if<std::vector<std::string>*>(&f.ref))
     for (const auto& v : **p)
@@ -322,6 +326,7 @@ std::string Field::type_name() const {
           return choices.empty() ? "string" : choices_text(choices);
         }
         if constexpr (std::is_same_v<T, std::vector<double>>) return "list of float";
+        if constexpr (std::is_same_v<T, std::vector<BlendSource>>) return "list of {weight, path}";
         return "list of string";
       },
       ref);
@@ -345,6 +350,8 @@ std::string Field::value_text() const {
           std::string s;
           for (double v : *p) s += (s.empty() ? "" : ", ") + fmt_double(v);
           return "[" + s + "]";
+        } else if constexpr (std::is_same_v<T, std::vector<BlendSource>>) {
+          return blend_text(*p);
         } else {
           std::string s;
           for (const auto& v : *p) s += (s.empty() ? "" : ", ") + quote_if_needed(v);

@@ -110,9 +110,17 @@ struct TrainingConfig {
   LossScaleConfig loss_scale;
 };
 
+/// One dataset of a weighted blend (data.blend): its weight and its files, globs or prefixes.
+struct BlendSource {
+  double weight = 0;
+  std::vector<std::string> path;
+  bool operator==(const BlendSource& o) const { return weight == o.weight && path == o.path; }
+};
+
 struct DataConfig {
-  Choice<DataFormat> format;      // data.format
-  std::vector<std::string> path;  // files or globs; megatron: prefixes (without .bin/.idx)
+  Choice<DataFormat> format;       // data.format
+  std::vector<std::string> path;   // files or globs; megatron: prefixes (without .bin/.idx)
+  std::vector<BlendSource> blend;  // data.blend: weighted datasets instead of data.path
   double val_fraction;
   bool shuffle;
   Choice<TokenDtype> token_dtype;  // data.token_dtype (tokens files)
@@ -150,9 +158,9 @@ struct Config {
 // ---- the field table -----------------------------------------------------------------------
 
 using FieldRef = std::variant<int64_t*, double*, bool*, std::string*, std::vector<std::string>*,
-                              std::vector<double>*, ChoiceBase*>;
-using FieldValue =
-    std::variant<int64_t, double, bool, std::string, std::vector<std::string>, std::vector<double>>;
+                              std::vector<double>*, ChoiceBase*, std::vector<BlendSource>*>;
+using FieldValue = std::variant<int64_t, double, bool, std::string, std::vector<std::string>,
+                                std::vector<double>, std::vector<BlendSource>>;
 
 struct Field {
   std::string key;  // dotted: "training.optimizer.lr"

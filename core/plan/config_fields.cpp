@@ -337,6 +337,12 @@ void add_data_fields(FieldAdder& add, Config& c) {
       "indexed datasets (path = prefix); tokens: flat little-endian token files.");
   add("data.path", &c.data.path, Strings{},
       "Files, globs (text, tokens) or prefixes (megatron); relative to the working directory.");
+  add("data.blend", &c.data.blend, std::vector<BlendSource>{},
+      "Weighted datasets instead of data.path: a list of {weight, path} (path: files, globs or "
+      "prefixes of data.format, a string or a list; weights normalised). Each global sample comes "
+      "from the dataset whose share so far lags its weight most (Megatron-Core's BlendedDataset "
+      "rule), each dataset's samples in its own order; validation holds out data.val_fraction of "
+      "each.");
   add("data.val_fraction", &c.data.val_fraction, 0.0,
       "Share of the token stream (its end) held out for validation.")
       .range(0, 0.5);

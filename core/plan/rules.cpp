@@ -178,7 +178,11 @@ class Validator {
     require(c_.data.format != DataFormat::kText || m.vocab_size >= 257, "model.vocab_size",
             q("text data has 257 token ids (bytes and end-of-document): model.vocab_size",
               m.vocab_size, "must be >=", "257", 257));
-    require(!c_.data.path.empty(), "data.path", "data.path is empty: name the training data");
+    require(!c_.data.path.empty() || !c_.data.blend.empty(), "data.path",
+            "data.path is empty: name the training data (or data.blend, weighted datasets)");
+    require(c_.data.path.empty() || c_.data.blend.empty(), "data.blend",
+            "data.path and data.blend both name training data: give one (a blend lists every "
+            "dataset with its weight)");
     try {
       profile_steps(c_);
     } catch (const UserError& e) {

@@ -292,10 +292,54 @@ TokenStream open_stream(const plan::DataConfig& d) {
   return s;
 }
 
+namespace {
+
+// The plan's datasets: data.path as one, or each entry of data.blend.
+std::vector<plan::BlendSource> datasets_of(const plan::DataConfig& d) {
+  if (d.blend.empty()) return {{1.0, d.path}};
+  return d.blend;
+}
+
+std::vector<double> weights_of(const plan::DataConfig& d) {
+  std::vector<double> w;
+  for (const auto& b : datasets_of(d)) w.push_back(b.weight);
+  return w;
+}
+
+// Dataset i's data config (data.path of its own) and the key its errors name.
+plan::DataConfig one_dataset(const plan::DataConfig& d, size_t i) {
+  plan::DataConfig one = d;
+  one.path = datasets_of(d)[i].path;
+  one.blend.clear();
+  return one;
+}
+
+std::string key_of(const plan::DataConfig& d, size_t i) {
+  return d.blend.empty() ? "data.path" : fmt::format("data.blend item {}", i + 1);
+}
+
+// An error of data.path's, said of dataset i.
+plan::UserError keyed(const plan::DataConfig& d, size_t i, const plan::UserError& e) {
+  const std::string what = e.what();
+  if (d.blend.empty()) return e;
+  return plan::UserError(
+      key_of(d, i) + ": " +
+      (what.rfind("data.path", 0) == 0 ? what.substr(what.find(':') + 2) : what));
+}
+
+}  // namespace
+
 void check_token_ids(const plan::Config& c, int64_t rank, int64_t world) {
   if (c.data.format == plan::DataFormat::kText) return;
+  for (size_t i = 0; i < datasets_of(c.data).size(); ++i) try {
+      check_stream_ids(c, open_stream(one_dataset(c.data, i)), rank, world);
+    } catch (const plan::UserError& e) {
+      throw keyed(c.data, i, e);
+    }
+}
+
+void check_stream_ids(const plan::Config& c, const TokenStream& s, int64_t rank, int64_t world) {
   const auto t0 = std::chrono::steady_clock::now();
-  const TokenStream s = open_stream(c.data);
   const int64_t n = s.size(), begin = n * rank / world, end = n * (rank + 1) / world;
   const int64_t vocab = c.model.vocab_size;
   // Spans are scanned a share at a time on this rank's threads.
@@ -350,47 +394,84 @@ std::vector<int64_t> epoch_permutation(int64_t n, int64_t seed, int64_t epoch) {
 }
 
 Dataset::Dataset(const plan::Config& c)
-    : stream_(open_stream(c.data)),
+    : blend_(weights_of(c.data)),
       seq_len_(c.training.seq_len),
       vocab_(c.model.vocab_size),
       seed_(c.run.seed),
       shuffle_(c.data.shuffle) {
-  const int64_t n = stream_.size();
-  val_begin_ = n - static_cast<int64_t>(static_cast<double>(n) * c.data.val_fraction);
-  train_n_ = std::max<int64_t>(0, (val_begin_ - 1) / seq_len_);
-  val_n_ = c.data.val_fraction > 0 ? std::max<int64_t>(0, (n - val_begin_ - 1) / seq_len_) : 0;
-  std::string files = stream_.files.size() == 1 ? stream_.files[0]
-                                                : std::to_string(stream_.files.size()) + " files";
-  if (train_n_ < 1)
-    throw plan::UserError("data.path: " + files + " hold " + std::to_string(val_begin_) +
-                          " training tokens: not one sample of training.seq_len+1 = " +
-                          std::to_string(seq_len_ + 1) + " tokens");
-  if (c.data.val_fraction > 0 && val_n_ < 1)
-    throw plan::UserError(
-        "data.val_fraction: the " + std::to_string(n - val_begin_) + " held-out tokens of " +
-        files + " hold no sample of training.seq_len+1 = " + std::to_string(seq_len_ + 1) +
-        " tokens");
-}
-
-int64_t Dataset::sample_at(int64_t pos) {
-  const int64_t epoch = pos / train_n_, i = pos % train_n_;
-  if (!shuffle_) return i;
-  if (epoch != perm_epoch_) {
-    perm_ = epoch_permutation(train_n_, seed_, epoch);
-    perm_epoch_ = epoch;
+  const auto sets = datasets_of(c.data);
+  for (size_t i = 0; i < sets.size(); ++i) {
+    const std::string key = key_of(c.data, i);
+    Source src;
+    try {
+      src.stream = open_stream(one_dataset(c.data, i));
+    } catch (const plan::UserError& e) {
+      throw keyed(c.data, i, e);
+    }
+    const int64_t n = src.stream.size();
+    src.val_begin = n - static_cast<int64_t>(static_cast<double>(n) * c.data.val_fraction);
+    src.train_n = std::max<int64_t>(0, (src.val_begin - 1) / seq_len_);
+    src.val_n =
+        c.data.val_fraction > 0 ? std::max<int64_t>(0, (n - src.val_begin - 1) / seq_len_) : 0;
+    src.name = src.stream.files.size() == 1 ? src.stream.files[0]
+                                            : std::to_string(src.stream.files.size()) + " files";
+    if (src.train_n < 1)
+      throw plan::UserError(key + ": " + src.name + " hold " + std::to_string(src.val_begin) +
+                            " training tokens: not one sample of training.seq_len+1 = " +
+                            std::to_string(seq_len_ + 1) + " tokens");
+    if (c.data.val_fraction > 0 && src.val_n < 1)
+      throw plan::UserError(
+          "data.val_fraction: the " + std::to_string(n - src.val_begin) + " held-out tokens of " +
+          src.name + (sets.size() > 1 ? " (" + key + ")" : "") +
+          " hold no sample of training.seq_len+1 = " + std::to_string(seq_len_ + 1) + " tokens");
+    sources_.push_back(std::move(src));
   }
-  return perm_[static_cast<size_t>(i)];
 }
 
-torch::Tensor Dataset::windows(const std::vector<int64_t>& starts, int64_t first_label) const {
+int64_t Dataset::train_samples() const {
+  int64_t n = 0;
+  for (const auto& s : sources_) n += s.train_n;
+  return n;
+}
+
+int64_t Dataset::val_samples() const {
+  int64_t n = 0;
+  for (const auto& s : sources_) n += s.val_n;
+  return n;
+}
+
+int64_t Dataset::train_tokens() const {
+  int64_t n = 0;
+  for (const auto& s : sources_) n += s.val_begin;
+  return n;
+}
+
+std::pair<int64_t, int64_t> Dataset::window_at(int64_t pos) {
+  const auto [d, k] = blend_.at(pos);
+  auto& s = sources_[static_cast<size_t>(d)];
+  const int64_t epoch = k / s.train_n, i = k % s.train_n;
+  if (!shuffle_) return {d, i};
+  if (epoch != s.perm_epoch) {
+    // Each dataset its own order: the plan's only one (and a blend's first) by the run's seed.
+    const uint64_t salt = static_cast<uint64_t>(d) * 0x9e3779b97f4a7c15ull;
+    s.perm = epoch_permutation(s.train_n, static_cast<int64_t>(static_cast<uint64_t>(seed_) ^ salt),
+                               epoch);
+    s.perm_epoch = epoch;
+  }
+  return {d, s.perm[static_cast<size_t>(i)]};
+}
+
+torch::Tensor Dataset::windows(const std::vector<std::pair<int64_t, int64_t>>& starts,
+                               int64_t first_label) const {
   auto out = torch::empty({static_cast<int64_t>(starts.size()), seq_len_ + 1}, torch::kInt64);
   int64_t* p = out.data_ptr<int64_t>();
   for (size_t r = 0; r < starts.size(); ++r) {
+    const auto& stream = sources_[static_cast<size_t>(starts[r].first)].stream;
     int64_t* row = p + r * (seq_len_ + 1);
-    stream_.read(starts[r], seq_len_ + 1, row);
+    stream.read(starts[r].second, seq_len_ + 1, row);
     for (int64_t j = 0; j <= seq_len_; ++j)
       if (row[j] < 0 || row[j] >= vocab_)
-        throw plan::UserError(stream_.where(starts[r] + j) + ": token id " +
+        throw plan::UserError(stream.where(starts[r].second + j) + ": token id " +
                               std::to_string(row[j]) + " is outside model.vocab_size " +
                               std::to_string(vocab_) + " (sample " +
                               std::to_string(first_label + static_cast<int64_t>(r)) + ")");
@@ -399,15 +480,23 @@ torch::Tensor Dataset::windows(const std::vector<int64_t>& starts, int64_t first
 }
 
 torch::Tensor Dataset::train_batch(int64_t first, int64_t count) {
-  std::vector<int64_t> starts;
-  for (int64_t i = 0; i < count; ++i) starts.push_back(sample_at(first + i) * seq_len_);
+  std::vector<std::pair<int64_t, int64_t>> starts;
+  for (int64_t i = 0; i < count; ++i) {
+    const auto [d, window] = window_at(first + i);
+    starts.push_back({d, window * seq_len_});
+  }
   return windows(starts, first);
 }
 
 torch::Tensor Dataset::val_batch(int64_t first, int64_t count) const {
-  std::vector<int64_t> starts;
-  for (int64_t i = 0; i < count; ++i)
-    starts.push_back(val_begin_ + ((first + i) % val_n_) * seq_len_);
+  const int64_t total = val_samples();
+  std::vector<std::pair<int64_t, int64_t>> starts;
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t row = (first + i) % total, d = 0;
+    while (row >= sources_[static_cast<size_t>(d)].val_n)
+      row -= sources_[static_cast<size_t>(d++)].val_n;
+    starts.push_back({d, sources_[static_cast<size_t>(d)].val_begin + row * seq_len_});
+  }
   return windows(starts, first);
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/plan/config.h"
+#include "engine/data/blend.h"
 
 namespace tessel::data {
 
@@ -69,6 +70,8 @@ TokenStream open_stream(const plan::DataConfig& d);
 /// token's index in it and the value. Text data needs no scan (its 257 ids are checked with the
 /// plan). Logs the share scanned and its speed.
 void check_token_ids(const plan::Config& c, int64_t rank, int64_t world);
+/// The same scan of one stream (one dataset of a blend).
+void check_stream_ids(const plan::Config& c, const TokenStream& s, int64_t rank, int64_t world);
 
 /// Megatron-LM MMapIndexedDataset: prefix.idx + prefix.bin. Errors name the file and what is wrong.
 void add_megatron(TokenStream& s, const std::string& prefix);
@@ -103,30 +106,48 @@ class MegatronWriter {
 /// Writes prefix.bin / prefix.idx (uint16 tokens, version 1) with one sequence per document.
 void write_megatron(const std::string& prefix, const std::vector<std::vector<uint16_t>>& docs);
 
+/// One dataset: the plan's data.path, or one entry of data.blend. Its stream's end is held out
+/// for validation; its training windows are read in its own order.
+struct Source {
+  std::string name;  // its path(s), for messages and the log
+  TokenStream stream;
+  int64_t val_begin = 0, train_n = 0, val_n = 0;
+  int64_t perm_epoch = -1;
+  std::vector<int64_t> perm;
+};
+
 class Dataset {
  public:
   Dataset(const plan::Config& c);
-  int64_t train_samples() const { return train_n_; }
-  int64_t val_samples() const { return val_n_; }
-  int64_t train_tokens() const { return val_begin_; }
+  int64_t train_samples() const;
+  int64_t val_samples() const;
+  int64_t train_tokens() const;
+  /// The datasets (one without data.blend) and their normalised weights.
+  const std::vector<Source>& sources() const { return sources_; }
+  const std::vector<double>& weights() const { return blend_.weights(); }
 
   /// Rows at global positions [first, first+count) of the training order: [count, seq_len+1].
   torch::Tensor train_batch(int64_t first, int64_t count);
-  /// Validation rows [first, first+count) (in stream order, wrapping): [count, seq_len+1].
+  /// Validation rows [first, first+count) (each dataset's in stream order, one after another,
+  /// wrapping): [count, seq_len+1].
   torch::Tensor val_batch(int64_t first, int64_t count) const;
 
-  /// Which window the global position `pos` reads (pure in seed, epoch; exposed for tests).
-  int64_t sample_at(int64_t pos);
+  /// Which window of the plan's only dataset the global position `pos` reads (pure in seed,
+  /// epoch; exposed for tests).
+  int64_t sample_at(int64_t pos) { return window_at(pos).second; }
+  /// Global position `pos`: {dataset, the window of its stream it reads}.
+  std::pair<int64_t, int64_t> window_at(int64_t pos);
+  /// Samples each dataset gave to global positions [0, pos).
+  std::vector<int64_t> taken(int64_t pos) { return blend_.taken(pos); }
 
  private:
-  torch::Tensor windows(const std::vector<int64_t>& starts, int64_t first_label) const;
+  torch::Tensor windows(const std::vector<std::pair<int64_t, int64_t>>& starts,
+                        int64_t first_label) const;
 
-  TokenStream stream_;
+  std::vector<Source> sources_;
+  Blend blend_;
   int64_t seq_len_, vocab_, seed_;
   bool shuffle_;
-  int64_t val_begin_, train_n_, val_n_;
-  int64_t perm_epoch_ = -1;
-  std::vector<int64_t> perm_;
 };
 
 /// Which samples `tessel-train samples` writes: the training order, or the validation rows.

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/data/blend.h"
 #include "engine/planner/model_plan.h"
 #include "engine/planner/planner.h"
 #include "models/registry.h"
@@ -258,6 +259,28 @@ nlohmann::json predicted_bytes(const plan::Config& c, const plan::Layout& l) {
   return stages;
 }
 
+// data.blend: each dataset's weight and the samples the run's steps take from it (the blend's
+// rule is a function of the weights alone, so no file is read).
+std::string blend_lines(const plan::Config& c) {
+  if (c.data.blend.empty()) return "";
+  std::vector<double> weights;
+  for (const auto& b : c.data.blend) weights.push_back(b.weight);
+  data::Blend blend(weights);
+  const int64_t samples = c.training.steps * c.training.global_batch;
+  const auto taken = blend.taken(samples);
+  std::string out = fmt::format(
+      "# data: a blend of {} datasets; of the run's {} samples (Megatron-Core's rule: each from "
+      "the dataset lagging its weight most):\n",
+      weights.size(), samples);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    std::string paths;
+    for (const auto& p : c.data.blend[i].path) paths += (paths.empty() ? "" : ", ") + p;
+    out += fmt::format("#   item {}: weight {:.4g}, {} samples: {}\n", i + 1, blend.weights()[i],
+                       taken[i], paths);
+  }
+  return out;
+}
+
 std::string dry_run_report(const DryRun& r) {
   const auto& c = r.plan;
   const auto& l = r.layout;
@@ -274,6 +297,7 @@ std::string dry_run_report(const DryRun& r) {
   out += state_bytes(c, l, r.estimate);
   if (l.pp > 1) out += pipeline_lines(c, l);
   if (l.cp > 1) out += context_parallel_lines(c, l);
+  out += blend_lines(c);
   if (r.details)
     out += plan::dump_config(c) + parallel::describe_grid(l);
   else

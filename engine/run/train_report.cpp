@@ -78,6 +78,19 @@ void Trainer::log_state() const {
   spdlog::info("data {} | {} training samples ({} tokens), {} validation samples",
                c_.data.format.name(), data_->train_samples(), data_->train_tokens(),
                data_->val_samples());
+  if (!c_.data.blend.empty()) {
+    // Each dataset's share, and what the run asks of it (an epoch is its training samples).
+    const auto run = data_->taken(c_.training.steps * c_.training.global_batch);
+    const auto so_far = data_->taken(consumed_);
+    for (size_t i = 0; i < data_->sources().size(); ++i) {
+      const auto& s = data_->sources()[i];
+      spdlog::info(
+          "data.blend item {}: weight {:.4g} | {} | {} training samples, {} validation | the run "
+          "takes {} ({:.3g} epochs), {} taken so far",
+          i + 1, data_->weights()[i], s.name, s.train_n, s.val_n, run[i],
+          static_cast<double>(run[i]) / static_cast<double>(s.train_n), so_far[i]);
+    }
+  }
   spdlog::info("device {}: {}", device_.str(), device_why_);
   spdlog::info("attention: {}", attention_);
   spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
@@ -121,11 +134,26 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   const double eta = elapsed / static_cast<double>(step - first_step_ + 1) *
                      static_cast<double>(c_.training.steps - step);
   metrics_->step(
-      {step, c_.training.steps, loss, optim::lr_at(c_.training, step), norm, ms, tokens_per_s,
-       tflops, peak_.tflops > 0 ? tflops / peak_.tflops : 0.0,
-       device_.is_cuda() ? counters_->take_peak_since_log() : observe::memory_bytes(device_), eta,
-       exposed_ms, scaler_->scale_value(), scaler_->skipped_steps(), mesh_->world(), consumed_,
-       consumed_ * c_.training.seq_len, elapsed, moe});
+      {step,
+       c_.training.steps,
+       loss,
+       optim::lr_at(c_.training, step),
+       norm,
+       ms,
+       tokens_per_s,
+       tflops,
+       peak_.tflops > 0 ? tflops / peak_.tflops : 0.0,
+       device_.is_cuda() ? counters_->take_peak_since_log() : observe::memory_bytes(device_),
+       eta,
+       exposed_ms,
+       scaler_->scale_value(),
+       scaler_->skipped_steps(),
+       mesh_->world(),
+       consumed_,
+       consumed_ * c_.training.seq_len,
+       elapsed,
+       moe,
+       c_.data.blend.empty() ? std::vector<int64_t>{} : data_->taken(consumed_)});
 }
 
 observe::MoeFigures Trainer::moe_figures() {

@@ -5,7 +5,7 @@ import unittest
 
 import numpy as np
 
-from common import TmpDirTest, read_metrics, run, write_plan
+from common import BIN, TmpDirTest, read_metrics, run, write_plan
 
 
 def text_plan(tmp, fmt, path, out):
@@ -127,6 +127,77 @@ class DataCli(TmpDirTest):
         p = run("tessel-train", write_plan(self.path("c.yaml"), plan))
         self.assertRegex(p.stdout + p.stderr, r"data: token ids checked against model.vocab_size 257: 4000 tokens "
                                               r"\(0.008 MB\) in [0-9.]+ s \([0-9.]+ GB/s\)")
+
+class Blend(TmpDirTest):
+    """data.blend: weighted datasets with Megatron-Core's blending rule, resumable anywhere."""
+
+    def blend_rule(self, weights, n):  # Megatron-Core's build_blending_indices, restated
+        w = [x / sum(weights) for x in weights]
+        taken, picks = [0] * len(w), []
+        for i in range(n):
+            err = [w[d] * max(i, 1) - taken[d] for d in range(len(w))]
+            d = max(range(len(w)), key=lambda k: (err[k], -k))
+            picks.append(d)
+            taken[d] += 1
+        return picks, taken
+
+    def plan(self, out, **training):
+        # Two token files whose ids name their dataset: 0-99 and 100-199.
+        rng = np.random.default_rng(0)
+        for name, lo, n in (("a.bin", 0, 4000), ("b.bin", 100, 9000)):
+            if not os.path.exists(self.path(name)):
+                rng.integers(lo, lo + 100, size=n).astype("<u2").tofile(self.path(name))
+        return {"run": {"seed": 3, "output_dir": self.path(out)},
+                "model": {"arch": "gpt2", "layers": 2, "hidden": 32, "heads": 2, "vocab_size": 256, "max_seq_len": 32},
+                "training": {"device": "cpu", "steps": 6, "global_batch": 4, "micro_batch": 1, "seq_len": 16,
+                             "threads": 1, **training},
+                "data": {"format": "tokens", "val_fraction": 0.1,
+                         "blend": [{"weight": 1, "path": self.path("a.bin")}, {"weight": 3, "path": [self.path("b.bin")]}]},
+                "logging": {"every": 1}, "checkpoint": {"every": 3}}
+
+    def test_samples_follow_the_rule_and_resume_anywhere(self):
+        path = write_plan(self.path("p.yaml"), self.plan("run"))
+        run("tessel-train", "samples", path, "--count", 40, "--out", self.path("s.i32"))
+        rows = np.fromfile(self.path("s.i32"), dtype="<i4").reshape(40, 17)
+        picks, taken = self.blend_rule([1, 3], 40)
+        self.assertEqual([int(r[0] >= 100) for r in rows], picks)
+        self.assertTrue(all((r >= 100).all() == (r[0] >= 100) for r in rows))  # one dataset per sample
+        p = run("tessel-train", path, "--dry-run", "--world-size", 1)
+        self.assertIn("item 1: weight 0.25, 6 samples", p.stdout)
+        self.assertIn("item 2: weight 0.75, 18 samples", p.stdout)
+        # The run: its metrics count each dataset's samples; resumed from step 3 under another
+        # layout (two data ranks), every loss is the uninterrupted run's.
+        run("tessel-train", path)
+        whole = [m for m in read_metrics(self.path("run", "metrics.jsonl")) if "loss" in m]
+        self.assertEqual([m["blend_samples"] for m in whole],
+                         [self.blend_rule([1, 3], 4 * s)[1] for s in range(1, 7)])
+        # An interrupted run: the checkpoint at step 3, resumed on two data ranks.
+        os.makedirs(self.path("cut", "checkpoints"))
+        shutil.copytree(self.path("run", "checkpoints", "step_3"), self.path("cut", "checkpoints", "step_3"))
+        with open(self.path("cut", "checkpoints", "latest"), "w") as f:
+            f.write("step_3\n")
+        resumed = self.plan("cut")
+        resumed["parallel"] = {"dp": 2}
+        again = write_plan(self.path("r.yaml"), resumed)
+        p = run("tessel-launch", "--nproc-per-node", 2, "--", os.path.join(BIN, "tessel-train"), again)
+        self.assertIn("resumed from", p.stderr + p.stdout)
+        tail = [m for m in read_metrics(self.path("cut", "metrics.jsonl")) if "loss" in m]
+        self.assertEqual([m["step"] for m in tail], [4, 5, 6])
+        for a, b in zip(whole[3:], tail, strict=True):
+            self.assertLess(abs(a["loss"] - b["loss"]), 1e-5 * abs(a["loss"]), (whole, tail))
+            self.assertEqual(a["blend_samples"], b["blend_samples"])
+
+    def test_bad_blends_name_the_item(self):
+        plan = self.plan("x")
+        plan["data"]["blend"][1]["path"] = [self.path("missing.bin")]
+        p = run("tessel-train", write_plan(self.path("p.yaml"), plan), check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("data.blend item 2", p.stderr)
+        plan["data"]["path"] = [self.path("a.bin")]
+        p = run("tessel-train", write_plan(self.path("q.yaml"), plan), "--dry-run", check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("data.path and data.blend both name training data", p.stderr)
+
 
 if __name__ == "__main__":
     unittest.main()
