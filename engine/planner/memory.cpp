@@ -72,62 +72,66 @@ double rerun_bytes(const plan::Config& c, const PlanBasis& b) {
   return b.w * b.tok * floats;
 }
 
-// A chunk's gradient buckets (parallel/dp/grad_reducer.h) in the order its gradient passes fill
-// them (the flat layout's, from the plan's parameter list): each one's fp32 buffer, its
-// parameters' elements, and the parameter that opens it.
-struct Bucket {
-  double bytes, params;
-  std::string opens;
+// A chunk's parameters in the order its gradient passes hand them their gradients (the flat
+// layout's, from the plan's parameter list), each with its gradient bucket
+// (parallel/dp/grad_reducer.h): its elements, its bucket's index and fp32 buffer.
+struct Slot {
+  double params;
+  size_t bucket;
+  double bucket_bytes;
+  std::string name;
 };
-std::vector<Bucket> chunk_buckets(const optim::FlatLayout& layout, int64_t chunk) {
-  std::vector<Bucket> out;
-  int64_t last = -1;
+std::vector<Slot> chunk_slots(const optim::FlatLayout& layout, int64_t chunk) {
+  std::vector<Slot> out;
   for (const auto& s : layout.slots()) {
     const auto& bucket = layout.buckets()[static_cast<size_t>(s.bucket)];
     if (bucket.chunk != chunk) continue;
-    if (s.bucket != last)
-      out.push_back({4.0 * static_cast<double>(bucket.end - bucket.begin), 0.0, s.name});
-    last = s.bucket;
-    out.back().params += static_cast<double>(s.numel);
+    out.push_back({static_cast<double>(s.numel), static_cast<size_t>(s.bucket),
+                   4.0 * static_cast<double>(bucket.end - bucket.begin), s.name});
   }
   return out;
 }
 
-// A gradient pass walked bucket by bucket, `held[k]` being what the pass still holds of its
-// micro-batch (and works on) when bucket k opens: ZeRO-2/3 hold bucket k's buffer and the two
-// before it still reducing. Where the gradients accumulate in the parameters (reduce_once), the
+// A gradient pass walked parameter by parameter, `held[s]` being what the pass still holds of
+// its micro-batch (and works on) when parameter s gets its gradient: ZeRO-2/3 hold the fp32
+// buffer of its bucket (allocated whole at the bucket's first parameter) and of the two buckets
+// before it, still reducing. Where the gradients accumulate in the parameters (reduce_once), the
 // chunk's first pass makes them (4 bytes each, held to its last), a middle pass adds to them, and
 // the last copies them into the buckets, dropping each parameter's as it goes. `plain`: the
 // pass's calibrated peak where buckets add less.
-parallel::pp::GradPass walk(const std::vector<Bucket>& buckets, const std::vector<double>& held,
+parallel::pp::GradPass walk(const std::vector<Slot>& slots, const std::vector<double>& held,
                             bool once, double plain) {
   parallel::pp::GradPass g{plain, plain, plain, plain};
-  double produced = 0, dropped = 0;
-  for (size_t k = 0; k < buckets.size(); ++k) {
+  std::vector<double> buffers;  // the buckets opened so far, in order
+  double before = 0;            // elements of the parameters before this one
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (i == 0 || slots[i].bucket != slots[i - 1].bucket) buffers.push_back(slots[i].bucket_bytes);
     double live = 0;
-    for (size_t j = k >= 2 ? k - 2 : 0; j <= k; ++j) live += buckets[j].bytes;
-    produced += 4 * buckets[k].params;
-    if (k >= 3) dropped += 4 * buckets[k - 3].params;
-    g.during = std::max(g.during, held[k] + live);
+    for (size_t j = buffers.size() >= 3 ? buffers.size() - 3 : 0; j < buffers.size(); ++j)
+      live += buffers[j];
+    g.during = std::max(g.during, held[i] + live);
     if (once) {
-      g.during_first = std::max(g.during_first, held[k] + produced);
-      g.during_last = std::max(g.during_last, held[k] + buckets[k].bytes - dropped);
+      g.during_first = std::max(g.during_first, held[i] + 4 * (before + slots[i].params));
+      g.during_last = std::max(g.during_last, held[i] + live - 4 * before);
     }
+    before += slots[i].params;
   }
   return g;
 }
 
-// What a chunk's backward still holds when each of its buckets opens: the blocks after the
-// opening parameter's are differentiated (their activations freed; a block's backward runs its
-// MLP or experts half first), the block of it works on `transient` more; past the head its kept
+// What a chunk's backward still holds when each parameter gets its gradient: the blocks after
+// its own are differentiated (their activations freed; a block's backward runs its
+// MLP or experts half first; the calibrated backward transient is the pass's `plain` peak, not
+// added here: added to a bucket's buffer it over-counted every pipeline stage measured); past the
+// head its kept
 // tensors are released (but for a tied table's gradient, `table_grad`, which the embedding's
 // backward adds to before its bucket opens); at the embedding every block is freed. ZeRO-3 gathers
 // the block before while one is differentiated (`neighbour` above the gathered units add_gathered
 // counts). Relative to what is held once the micro-batch's `whole` is freed, as peak_held adds it.
-std::vector<double> backward_held(const std::vector<Bucket>& buckets, const PlanBasis& b,
+std::vector<double> backward_held(const std::vector<Slot>& slots, const PlanBasis& b,
                                   std::pair<int64_t, int64_t> layers, bool first_chunk,
-                                  double whole, double transient, double head_kept,
-                                  double table_grad, double neighbour) {
+                                  double whole, double head_kept, double table_grad,
+                                  double neighbour) {
   const auto& m = b.m;
   const auto& a = b.a;
   auto acts = [&](int64_t i) { return m.moe.is_moe(i) ? b.per_moe_layer : b.per_layer; };
@@ -144,17 +148,17 @@ std::vector<double> backward_held(const std::vector<Bucket>& buckets, const Plan
     return acts(i);  // attn_norm
   };
   std::vector<double> held;
-  for (size_t k = 0; k < buckets.size(); ++k) {
-    const auto& name = buckets[k].opens;
+  for (size_t k = 0; k < slots.size(); ++k) {
+    const auto& name = slots[k].name;
     double freed = head_kept - table_grad, working = 0;
     if (name.rfind("layers.", 0) == 0) {
       const auto dot = name.find('.', 7);
       const int64_t at = std::stoll(name.substr(7, dot - 7));
       freed += freed_in_block(at, name.substr(dot + 1));
       for (int64_t i = at + 1; i < layers.second; ++i) freed += acts(i);
-      working = transient + neighbour;
+      working = neighbour;
     } else if (name == "pos_embed.weight" ||
-               (name == "embed.weight" && first_chunk && k + 1 == buckets.size())) {
+               (name == "embed.weight" && first_chunk && k + 1 == slots.size())) {
       freed += table_grad;
       for (int64_t i = layers.first; i < layers.second; ++i) freed += acts(i);
     }
@@ -163,15 +167,16 @@ std::vector<double> backward_held(const std::vector<Bucket>& buckets, const Plan
   return held;
 }
 
-// What a W (zero-bubble schedules) still holds when each bucket opens: the deferred bytes of the
-// parameters it has not handed their gradients yet (W hands every gradient of the chunk over).
-std::vector<double> weight_held(const std::vector<Bucket>& buckets, double deferred) {
+// What a W (zero-bubble schedules) still holds when each parameter gets its gradient: the
+// deferred bytes of the parameters it has not handed theirs yet (W hands every gradient of the
+// chunk over).
+std::vector<double> weight_held(const std::vector<Slot>& slots, double deferred) {
   double total = 0, done = 0;
-  for (const auto& bucket : buckets) total += bucket.params;
+  for (const auto& slot : slots) total += slot.params;
   std::vector<double> held;
-  for (const auto& bucket : buckets) {
+  for (const auto& slot : slots) {
     held.push_back(deferred * (1 - done / std::max(total, 1.0)));
-    done += bucket.params;
+    done += slot.params;
   }
   return held;
 }
@@ -260,11 +265,11 @@ double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& 
     const double table_grad =
         one.last && one.first && m.tied() && c.training.lean_logits ? b.vocab_local * h * w : 0.0;
     if (buckets) {
-      const auto list = chunk_buckets(layout, static_cast<int64_t>(bytes.size()));
+      const auto list = chunk_slots(layout, static_cast<int64_t>(bytes.size()));
       const bool once = reduce_once(b);
-      for (const auto& bucket : list) cb.grads += once ? 4 * bucket.params : 0.0;
+      for (const auto& slot : list) cb.grads += once ? 4 * slot.params : 0.0;
       cb.backward = walk(list,
-                         backward_held(list, b, {begin, end}, one.first, cb.whole, transient,
+                         backward_held(list, b, {begin, end}, one.first, cb.whole,
                                        one.last ? last_kept : 0.0, table_grad, neighbour),
                          once, plain);
       cb.backward.during_middle = plain;

@@ -64,13 +64,10 @@ LAYOUTS = {
 }
 MOE_TOL = 0.10
 # Activation peaks the planner is known to miss by more than TOL (a planner defect to fix, not a
-# tolerance; the parity table lists its own in PLANNER_ACTIVATION_MISSES), measured 2026-11-28
-# since the planner walks backward bucket by bucket: ZeRO-2 and ZeRO-3 inside a pipeline with the
-# default 25 MB buckets (one bucket per chunk at these sizes), where the walk places the whole
-# bucket's buffer beside the gradients accumulated in the parameters at the last backward's start:
-# +26.0% on rank 0 (not traced yet; the parity table's rows, with many small buckets, hold), and
-# ZeRO-3's gathered blocks in a pipeline: +21.0% on rank 2.
-ACTIVATION_MISSES = {"zero2_dp2_pp2": 0.29, "zero3_dp2_pp2_free": 0.24}
+# tolerance; the parity table lists its own in PLANNER_ACTIVATION_MISSES): none since the planner
+# walks backward parameter by parameter (2026-11-28: zero2_dp2_pp2 -2.0% and +10.7%,
+# zero3_dp2_pp2_free -7.2% and +6.0%, where ZeRO-3 in a pipeline missed by +16.9% before).
+ACTIVATION_MISSES = {}
 
 
 def plan(tmp, name, par, tr, arch):
