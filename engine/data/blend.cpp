@@ -32,6 +32,7 @@ void Blend::advance_to(int64_t pos) {
 }
 
 std::pair<int64_t, int64_t> Blend::at(int64_t pos) {
+  if (weights_.size() == 1) return {0, pos};  // one dataset: no walk, whatever the position
   advance_to(pos);
   const auto before = taken_;
   advance_to(pos + 1);
@@ -41,6 +42,7 @@ std::pair<int64_t, int64_t> Blend::at(int64_t pos) {
 }
 
 std::vector<int64_t> Blend::taken(int64_t pos) {
+  if (weights_.size() == 1) return {pos};
   advance_to(pos);
   return taken_;
 }
