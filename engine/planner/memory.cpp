@@ -120,14 +120,14 @@ parallel::pp::GradPass walk(const std::vector<Slot>& slots, const std::vector<do
 }
 
 // What a chunk's backward still holds when each parameter gets its gradient: the blocks after
-// its own are differentiated (their activations freed; a block's backward runs its
-// MLP or experts half first; the calibrated backward transient is the pass's `plain` peak, not
-// added here: added to a bucket's buffer it over-counted every pipeline stage measured); past the
-// head its kept
-// tensors are released (but for a tied table's gradient, `table_grad`, which the embedding's
-// backward adds to before its bucket opens); at the embedding every block is freed. ZeRO-3 gathers
-// the block before while one is differentiated (`neighbour` above the gathered units add_gathered
-// counts). Relative to what is held once the micro-batch's `whole` is freed, as peak_held adds it.
+// its own are differentiated (their activations freed; a block's backward runs its MLP or
+// experts half first); past the head its kept tensors are released (but for a tied table's
+// gradient, `table_grad`, which the embedding's backward adds to before its bucket opens); at the
+// embedding every block is freed. ZeRO-3 gathers the block before while one is differentiated
+// (`neighbour` above the gathered units add_gathered counts). The calibrated backward transient
+// is the pass's `plain` peak, not added here (added to the buckets' buffers it over-counted
+// every pipeline stage measured). Relative to what is held once the micro-batch's `whole` is
+// freed, as peak_held adds it.
 std::vector<double> backward_held(const std::vector<Slot>& slots, const PlanBasis& b,
                                   std::pair<int64_t, int64_t> layers, bool first_chunk,
                                   double whole, double head_kept, double table_grad,
