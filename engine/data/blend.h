@@ -26,6 +26,7 @@ class Blend {
   std::vector<int64_t> taken(int64_t pos);
 
  private:
+  size_t next() const;  // the dataset position pos_ takes
   void advance_to(int64_t pos);
   std::vector<double> weights_;
   int64_t pos_ = 0;             // the walk's position

@@ -300,12 +300,6 @@ std::vector<plan::BlendSource> datasets_of(const plan::DataConfig& d) {
   return d.blend;
 }
 
-std::vector<double> weights_of(const plan::DataConfig& d) {
-  std::vector<double> w;
-  for (const auto& b : datasets_of(d)) w.push_back(b.weight);
-  return w;
-}
-
 // Dataset i's data config (data.path of its own) and the key its errors name.
 plan::DataConfig one_dataset(const plan::DataConfig& d, size_t i) {
   plan::DataConfig one = d;
@@ -328,6 +322,12 @@ plan::UserError keyed(const plan::DataConfig& d, size_t i, const plan::UserError
 }
 
 }  // namespace
+
+std::vector<double> blend_weights(const plan::DataConfig& d) {
+  std::vector<double> w;
+  for (const auto& b : datasets_of(d)) w.push_back(b.weight);
+  return w;
+}
 
 void check_token_ids(const plan::Config& c, int64_t rank, int64_t world) {
   if (c.data.format == plan::DataFormat::kText) return;
@@ -394,7 +394,7 @@ std::vector<int64_t> epoch_permutation(int64_t n, int64_t seed, int64_t epoch) {
 }
 
 Dataset::Dataset(const plan::Config& c)
-    : blend_(weights_of(c.data)),
+    : blend_(blend_weights(c.data)),
       seq_len_(c.training.seq_len),
       vocab_(c.model.vocab_size),
       seed_(c.run.seed),

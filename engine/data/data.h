@@ -116,6 +116,9 @@ struct Source {
   std::vector<int64_t> perm;
 };
 
+/// The plan's dataset weights, as given (data.blend's; one dataset of weight 1 for data.path).
+std::vector<double> blend_weights(const plan::DataConfig& d);
+
 class Dataset {
  public:
   Dataset(const plan::Config& c);

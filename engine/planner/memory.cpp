@@ -3,6 +3,7 @@
 // and loss, ZeRO's gathered units and buckets, the gradient norm) beside its state between steps.
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "core/optim/optim.h"
 #include "engine/planner/basis.h"
@@ -237,9 +238,12 @@ double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& 
       b.zero == 3 && !b.keep_gathered && l.pp == 1 && c.training.recompute == plan::Recompute::kNone
           ? b.w * b.block
           : 0.0;
-  const auto layout =
-      optim::layout_of(models::param_entries(m, l.tp, part, l.ep),
-                       optim::layout_options(c, b.data_ranks, 0, b.data_ranks / l.ep, 0, l.pp));
+  // The buckets as the rank lays them out, from the plan's parameter list (ZeRO-2/3 only).
+  std::optional<optim::FlatLayout> layout;
+  if (buckets)
+    layout =
+        optim::layout_of(models::param_entries(m, l.tp, part, l.ep),
+                         optim::layout_options(c, b.data_ranks, 0, b.data_ranks / l.ep, 0, l.pp));
   std::vector<parallel::pp::ChunkBytes> bytes;
   for (const auto& [begin, end] : part.chunks) {
     const models::StagePart one{
@@ -250,7 +254,7 @@ double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& 
     cb.whole = (layers - moe) * b.per_layer + moe * b.per_moe_layer +
                (one.first ? tok * h * w : b.act_row) + (one.last ? last_kept : 0.0);
     const double transient = l.pp > 1 ? 0.5 * b.per_layer + rerun : rerun;
-    if (b.pp > 1) {
+    if (l.pp > 1) {
       cb.deferred = deferred_bytes(l, b, one);
       cb.sent_forward = b.cpu && !one.last ? b.act_row : 0.0;
       cb.sent_backward = b.cpu && !one.first ? b.act_row : 0.0;
@@ -264,17 +268,15 @@ double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& 
     // the weights' dtype; a tied table on this chunk holds that until the embedding's backward.
     const double table_grad =
         one.last && one.first && m.tied() && c.training.lean_logits ? b.vocab_local * h * w : 0.0;
-    if (buckets) {
-      const auto list = chunk_slots(layout, static_cast<int64_t>(bytes.size()));
+    if (layout) {
+      const auto list = chunk_slots(*layout, static_cast<int64_t>(bytes.size()));
       const bool once = reduce_once(b);
       for (const auto& slot : list) cb.grads += once ? 4 * slot.params : 0.0;
       cb.backward = walk(list,
                          backward_held(list, b, {begin, end}, one.first, cb.whole,
                                        one.last ? last_kept : 0.0, table_grad, neighbour),
                          once, plain);
-      cb.backward.during_middle = plain;
       cb.weight = walk(list, weight_held(list, cb.deferred), once, 0.0);
-      cb.weight.during_middle = 0;
     }
     bytes.push_back(cb);
   }

@@ -6,7 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/data/blend.h"
+#include "engine/data/data.h"
 #include "engine/planner/model_plan.h"
 #include "engine/planner/planner.h"
 #include "models/registry.h"
@@ -263,16 +263,14 @@ nlohmann::json predicted_bytes(const plan::Config& c, const plan::Layout& l) {
 // rule is a function of the weights alone, so no file is read).
 std::string blend_lines(const plan::Config& c) {
   if (c.data.blend.empty()) return "";
-  std::vector<double> weights;
-  for (const auto& b : c.data.blend) weights.push_back(b.weight);
-  data::Blend blend(weights);
+  data::Blend blend(data::blend_weights(c.data));
   const int64_t samples = c.training.steps * c.training.global_batch;
   const auto taken = blend.taken(samples);
   std::string out = fmt::format(
       "# data: a blend of {} datasets; of the run's {} samples (Megatron-Core's rule: each from "
       "the dataset lagging its weight most):\n",
-      weights.size(), samples);
-  for (size_t i = 0; i < weights.size(); ++i) {
+      blend.size(), samples);
+  for (size_t i = 0; i < blend.size(); ++i) {
     std::string paths;
     for (const auto& p : c.data.blend[i].path) paths += (paths.empty() ? "" : ", ") + p;
     out += fmt::format("#   item {}: weight {:.4g}, {} samples: {}\n", i + 1, blend.weights()[i],
