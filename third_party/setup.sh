@@ -19,6 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=2.11.0
 TOKENIZERS_VERSION=0.22.2  # the version transformers==4.57.6 pins
+MEGATRON_CORE_VERSION=0.16.1
 PY_TEST_DEPS=(transformers==4.57.6 safetensors matplotlib==3.10.7 tensorboard==2.20.0)
 cache=${TESSEL_CACHE:-$HOME/.cache/tessel}
 mode=${1:-build}   # build | test (test also needs GoogleTest, Slurm, Open MPI and the parity deps)
@@ -135,6 +136,12 @@ fi
 if [ "$mode" = test ] && ! "$env_dir/bin/python" -c "import importlib.metadata as m; [m.version(p) for p in ('transformers', 'safetensors', 'matplotlib', 'tensorboard')]" 2>/dev/null; then
   echo "setup: installing Python test dependencies: ${PY_TEST_DEPS[*]}"
   "$env_dir/bin/pip" install --no-input -q "${PY_TEST_DEPS[@]}"
+fi
+# Megatron-Core's dataset builder, which data.order megatron is checked against
+# (tests/reference/megatron_samples_test.py); its own needs (torch, numpy, packaging) are there.
+if [ "$mode" = test ] && ! "$env_dir/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '$MEGATRON_CORE_VERSION')" 2>/dev/null; then
+  echo "setup: installing megatron-core==$MEGATRON_CORE_VERSION (a test reference for data.order megatron)"
+  "$env_dir/bin/pip" install --no-input -q --no-deps "megatron-core==$MEGATRON_CORE_VERSION"
 fi
 # 4. A CUDA compiler of torch's CUDA version. Tessel compiles no CUDA code, but the CUDA build of
 # LibTorch's CMake config enables the CUDA language and looks for the toolkit; a machine without

@@ -153,15 +153,29 @@ void MetricsLog::step(const StepLine& s) {
       duration(s.eta_s));
 }
 
-void MetricsLog::eval(int64_t step, double val_loss, double ms, int64_t tokens) {
+void MetricsLog::eval(int64_t step, double val_loss, double ms, int64_t tokens,
+                      const std::vector<std::pair<std::string, double>>& by_dataset) {
   nlohmann::json j = {{"step", step},
                       {"time", unix_time()},
                       {"tokens", tokens},
                       {"val_loss", val_loss},
                       {"eval_ms", ms}};
+  std::string each;
+  if (!by_dataset.empty()) {
+    auto& m = j["val_loss_by_dataset"] = nlohmann::json::object();
+    for (const auto& [key, loss] : by_dataset) {
+      m[key] = loss;
+      each += fmt::format(" | {} {:.4f}", key, loss);
+    }
+  }
   write_line(j.dump());
-  if (tb_) tb_->scalars(step, {{"val/loss", val_loss}});
-  spdlog::info("eval step {} | val_loss {:.4f} | {:.0f} ms", step, val_loss, ms);
+  if (tb_) {
+    std::map<std::string, double> scalars{{"val/loss", val_loss}};
+    for (size_t i = 0; i < by_dataset.size(); ++i)
+      scalars[fmt::format("val/loss_dataset_{}", i + 1)] = by_dataset[i].second;
+    tb_->scalars(step, scalars);
+  }
+  spdlog::info("eval step {} | val_loss {:.4f}{} | {:.0f} ms", step, val_loss, each, ms);
 }
 
 }  // namespace tessel::observe

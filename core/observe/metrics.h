@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <memory>
@@ -52,7 +53,10 @@ class MetricsLog {
   MetricsLog(const plan::Config& c, int64_t resumed_step);
   ~MetricsLog();
   void step(const StepLine& s);
-  void eval(int64_t step, double val_loss, double ms, int64_t tokens);
+  /// `by_dataset`: each validation dataset's loss under its plan key, when there are several
+  /// (val_loss is then their weighted mean).
+  void eval(int64_t step, double val_loss, double ms, int64_t tokens,
+            const std::vector<std::pair<std::string, double>>& by_dataset = {});
 
  private:
   void write_line(const std::string& line);  // throws UserError when the file cannot be written

@@ -68,6 +68,13 @@ inline const Names& choice_names(DataFormat) {
   return n;
 }
 
+// data.order
+enum class DataOrder { kTessel, kMegatron };
+inline const Names& choice_names(DataOrder) {
+  static const Names n{"tessel", "megatron"};
+  return n;
+}
+
 // data.token_dtype
 enum class TokenDtype { kUint16, kUint32 };
 inline const Names& choice_names(TokenDtype) {

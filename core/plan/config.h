@@ -121,6 +121,10 @@ struct DataConfig {
   Choice<DataFormat> format;       // data.format
   std::vector<std::string> path;   // files or globs; megatron: prefixes (without .bin/.idx)
   std::vector<BlendSource> blend;  // data.blend: weighted datasets instead of data.path
+  std::vector<BlendSource> valid;  // data.valid: validation datasets of their own
+  std::vector<BlendSource> test;   // data.test: test datasets of their own
+  std::string split;               // data.split: "969,30,1" (train, valid, test by documents)
+  Choice<DataOrder> order;         // data.order: which samples, in which order
   double val_fraction;
   bool shuffle;
   Choice<TokenDtype> token_dtype;  // data.token_dtype (tokens files)

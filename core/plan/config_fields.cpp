@@ -341,10 +341,28 @@ void add_data_fields(FieldAdder& add, Config& c) {
       "Weighted datasets instead of data.path: a list of {weight, path} (path: files, globs or "
       "prefixes of data.format, a string or a list; weights normalised). Each global sample comes "
       "from the dataset whose share so far lags its weight most (Megatron-Core's BlendedDataset "
-      "rule), each dataset's samples in its own order; validation holds out data.val_fraction of "
-      "each.");
+      "rule), each dataset's samples in its own order; validation and test as data.split or "
+      "data.val_fraction cut each.");
+  add("data.split", &c.data.split, S(""),
+      "Train, validation and test shares of each dataset by documents, as Megatron's --split: "
+      "\"969,30,1\" (1 to 3 non-negative numbers, normalised; missing ones are 0). Documents are "
+      "a megatron index's sequences and text files; a tokens file, which marks none, is split by "
+      "tokens. Empty: all training (or data.val_fraction).");
+  add("data.valid", &c.data.valid, std::vector<BlendSource>{},
+      "Validation datasets of their own (a list of {weight, path} as data.blend): each is "
+      "evaluated alone; the overall validation loss weighs them by weight.");
+  add("data.test", &c.data.test, std::vector<BlendSource>{},
+      "Test datasets of their own (as data.valid), scored by `tessel-train score PLAN --split "
+      "test`.");
+  add("data.order", &c.data.order, S("tessel"),
+      "Which samples a run trains on, in which order. tessel: windows of seq_len+1 tokens cut "
+      "back to back, shuffled per epoch by run.seed (independent of training.steps, so a run "
+      "may be extended). megatron: Megatron-Core's GPTDataset/BlendedDataset samples for the "
+      "same prefixes, weights, split, seed and seq_len, sized for training.steps x "
+      "training.global_batch samples (data.format megatron).");
   add("data.val_fraction", &c.data.val_fraction, 0.0,
-      "Share of the token stream (its end) held out for validation.")
+      "Share of the token stream (its end) held out for validation (data.order tessel, without "
+      "data.split).")
       .range(0, 0.5);
   add("data.shuffle", &c.data.shuffle, true,
       "Shuffle the sample order each epoch (a pure function of run.seed and the epoch).");

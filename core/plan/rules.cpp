@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/device/cuda.h"
+#include "core/plan/data_split.h"
 
 namespace tessel::plan {
 namespace {
@@ -37,6 +38,7 @@ class Validator {
     check_model();
     check_training();
     check_data_and_checkpoint();
+    check_data_splits();
     check_cuda_graph();
     // The layout is checked against the world size by check_layout (layout.h): it needs the world.
     if (!errors_.empty()) {
@@ -169,12 +171,50 @@ class Validator {
               "must be <=", "training.steps", t.steps));
   }
 
+  // Validation and test data (data.split, data.valid, data.test, data.val_fraction) and the
+  // sample order.
+  void check_data_splits() {
+    const auto& d = c_.data;
+    std::array<double, 3> shares{};
+    const std::string bad = parse_split(d.split, shares);
+    require(bad.empty(), "data.split", "data.split '" + d.split + "' does not parse: " + bad);
+    require(d.split.empty() || d.val_fraction == 0, "data.val_fraction",
+            "data.val_fraction (" + fmt_double(d.val_fraction) + ") and data.split ('" + d.split +
+                "') both hold out validation data: give one (data.split cuts each dataset by "
+                "documents)");
+    require(
+        d.valid.empty() || (shares[1] == 0 && d.val_fraction == 0), "data.valid",
+        "data.valid names validation datasets of their own, and " +
+            std::string(d.val_fraction > 0 ? "data.val_fraction" : "data.split '" + d.split + "'") +
+            " also holds validation out of the training data: give one");
+    require(d.test.empty() || shares[2] == 0, "data.test",
+            "data.test names test datasets of their own, and data.split '" + d.split +
+                "' also holds a test share out of the training data: give one");
+    const bool megatron = d.order == DataOrder::kMegatron;
+    require(!megatron || d.format == DataFormat::kMegatron, "data.order",
+            "data.order megatron reads Megatron-Core's samples of Megatron indexed datasets: "
+            "data.format must be megatron (it is " +
+                d.format.name() + ")");
+    require(!megatron || d.val_fraction == 0, "data.val_fraction",
+            "data.val_fraction holds out the end of a token stream (data.order tessel); with "
+            "data.order megatron hold out validation with data.split, as Megatron's --split");
+    require(!megatron || (c_.run.seed >= 0 && c_.run.seed <= 0xffffffffll), "run.seed",
+            "data.order megatron shuffles as numpy's RandomState(run.seed), whose seed runs from "
+            "0 to 4294967295; run.seed is " +
+                std::to_string(c_.run.seed));
+    require(!megatron || d.shuffle, "data.shuffle",
+            "data.order megatron reads Megatron-Core's shuffled samples: data.shuffle false is "
+            "data.order tessel's");
+    const int64_t every = c_.training.eval_every;
+    require(every == 0 || d.val_fraction > 0 || shares[1] > 0 || !d.valid.empty(),
+            "training.eval_every",
+            "training.eval_every (" + std::to_string(every) +
+                ") needs validation data: give data.split (e.g. 969,30,1), data.valid or "
+                "data.val_fraction");
+  }
+
   void check_data_and_checkpoint() {
     const auto& m = c_.model;
-    const auto& t = c_.training;
-    require(t.eval_every == 0 || c_.data.val_fraction > 0, "training.eval_every",
-            "training.eval_every (" + std::to_string(t.eval_every) +
-                ") needs validation data: data.val_fraction is 0");
     require(c_.data.format != DataFormat::kText || m.vocab_size >= 257, "model.vocab_size",
             q("text data has 257 token ids (bytes and end-of-document): model.vocab_size",
               m.vocab_size, "must be >=", "257", 257));

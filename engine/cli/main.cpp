@@ -18,7 +18,7 @@
 #include "core/plan/config.h"
 #include "engine/checkpoint/checkpoint.h"
 #include "engine/cli/cli_checks.h"
-#include "engine/data/data.h"
+#include "engine/data/dataset.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/tokenizer.h"
 #include "engine/planner/cpu_profile.h"
@@ -77,12 +77,12 @@ void add_train_options(CLI::App& app, TrainArgs& a) {
                "Print the reference of every plan key (Markdown) and exit");
   app.footer(
       "Subcommands:\n  tessel-train score CONFIG --weights W.safetensors (--tokens T.bin | --data "
-      "PREFIX|FILES)\n"
+      "PREFIX|FILES | --split test|valid)\n"
       "  tessel-train generate [CONFIG] --weights W.safetensors|EXPORT_DIR|CHECKPOINT --prompt "
       "TEXT\n"
       "  tessel-train export CHECKPOINT_DIR --format hf --out DIR [--tokenizer tokenizer.json] "
       "[--max-shard-size 5GB]\n"
-      "  tessel-train samples CONFIG --out FILE [--split train|valid] [--count N] [--skip K]");
+      "  tessel-train samples CONFIG --out FILE [--split train|valid|test] [--count N] [--skip K]");
 }
 
 int run_training(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
@@ -155,6 +155,24 @@ int run_train(int argc, char** argv) {
   return a.dry_run ? plan_dry_run(a, world) : run_training(a, world);
 }
 
+// `score --split test|valid`: the plan's own split, the loss per dataset and overall.
+int print_split_score(const tessel::plan::Config& c, const std::string& weights,
+                      const std::string& split, int64_t max_rows) {
+  const auto r = tessel::run::score_split(
+      c, weights,
+      split == "test" ? tessel::data::SampleSplit::kTest : tessel::data::SampleSplit::kValid,
+      max_rows);
+  nlohmann::json out = {{"split", split},
+                        {"loss", r.all.loss},
+                        {"tokens", r.all.tokens},
+                        {"rows", r.all.rows},
+                        {"perplexity", std::exp(r.all.loss)}};
+  for (const auto& [key, one] : r.by_dataset)
+    out["by_dataset"][key] = {{"loss", one.loss}, {"rows", one.rows}};
+  std::printf("%s\n", out.dump().c_str());
+  return 0;
+}
+
 int run_score(int argc, char** argv) {
   CLI::App app{"tessel-train score: mean next-token loss and perplexity of given sequences",
                "tessel-train score"};
@@ -176,9 +194,17 @@ int run_score(int argc, char** argv) {
   auto* d = app.add_option("--data", data,
                            "a Megatron prefix (PREFIX.bin/.idx) or text files (one document each), "
                            "cut into windows of training.seq_len+1 tokens");
+  std::string split;
+  auto* sp = app.add_option("--split", split,
+                            "the plan's own test (or valid) split: every sample of each of its "
+                            "datasets (data.split, data.test, data.valid), the loss per dataset")
+                 ->check(CLI::IsMember({"test", "valid"}));
   t->excludes(d);
+  sp->excludes(t);
+  sp->excludes(d);
   app.add_option("--tokenizer", tokenizer, "--data text: tokenizer.json (default: byte tokens)");
-  app.add_option("--max-rows", max_rows, "--data: score at most this many windows (0: all)")
+  app.add_option("--max-rows", max_rows,
+                 "--data: score at most this many windows; --split: of each dataset (0: all)")
       ->check(CLI::NonNegativeNumber);
   std::string logits;
   app.add_option("--logits", logits,
@@ -186,9 +212,10 @@ int run_score(int argc, char** argv) {
                  "fp32) to this safetensors file");
   app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")->take_all();
   TESSEL_CLI_PARSE(app, argc, argv);
-  if (tokens.empty() == data.empty())
-    throw tessel::plan::UserError("score: give --tokens FILE or --data PREFIX|FILES");
+  if (tokens.empty() + data.empty() + split.empty() != 2)
+    throw tessel::plan::UserError("score: give --tokens FILE, --data PREFIX|FILES or --split test");
   const auto c = tessel::plan::load_config(config, sets);
+  if (!split.empty()) return print_split_score(c, weights, split, max_rows);
   auto r = tokens.empty() ? tessel::run::score_data(c, weights, data, tokenizer, max_rows)
                           : tessel::run::score(c, weights, tokens, token_dtype, logits);
   nlohmann::json out = {
@@ -347,8 +374,10 @@ int run_samples(int argc, char** argv) {
   int64_t count = 1, skip = 0;
   std::vector<std::string> sets;
   app.add_option("config", config, "YAML plan (data.*, run.seed, training.seq_len)")->required();
-  app.add_option("--split", split, "train, or valid (the rows evaluation reads)")
-      ->check(CLI::IsMember({"train", "valid"}))
+  app.add_option("--split", split,
+                 "train; valid (the rows each evaluation reads, dataset by dataset); or test "
+                 "(every test sample of each dataset in turn)")
+      ->check(CLI::IsMember({"train", "valid", "test"}))
       ->capture_default_str();
   app.add_option("--count", count, "Samples to write")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 32))
@@ -363,8 +392,9 @@ int run_samples(int argc, char** argv) {
   app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")->take_all();
   TESSEL_CLI_PARSE(app, argc, argv);
   const auto c = tessel::plan::load_config(config, sets);
-  const auto which =
-      split == "train" ? tessel::data::SampleSplit::kTrain : tessel::data::SampleSplit::kValid;
+  const auto which = split == "train"   ? tessel::data::SampleSplit::kTrain
+                     : split == "valid" ? tessel::data::SampleSplit::kValid
+                                        : tessel::data::SampleSplit::kTest;
   tessel::data::write_samples(c, which, skip, count, out);
   spdlog::info("samples {}..{} of the {} split ({} int32 tokens each) written to {}", skip,
                skip + count - 1, split, c.training.seq_len + 1, out);

@@ -1,5 +1,7 @@
 #include "engine/data/blend.h"
 
+#include "engine/data/gpt_index.h"
+
 #include <algorithm>
 #include <numeric>
 #include <stdexcept>
@@ -8,8 +10,7 @@ namespace tessel::data {
 
 Blend::Blend(std::vector<double> weights) : weights_(std::move(weights)) {
   if (weights_.empty()) throw std::invalid_argument("blend: no datasets");
-  const double sum = std::accumulate(weights_.begin(), weights_.end(), 0.0);
-  for (auto& w : weights_) w /= sum;
+  weights_ = numpy_normalize(std::move(weights_));  // as Megatron-Core's BlendedDataset
   taken_.assign(weights_.size(), 0);
 }
 

@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "core/plan/config.h"
-#include "engine/data/blend.h"
 
 namespace tessel::data {
 
@@ -48,6 +47,14 @@ class TokenStream {
 
   std::vector<std::string> files;
   void add(Span s);
+  /// Documents, where the format marks them (a megatron index's sequences, empty ones included;
+  /// text files): the stream position each starts at. Empty for tokens files.
+  std::vector<int64_t> doc_starts;
+  int64_t documents() const { return static_cast<int64_t>(doc_starts.size()); }
+  /// Where document d ends (the next one's start, or the stream's end).
+  int64_t doc_end(int64_t d) const {
+    return d + 1 < documents() ? doc_starts[static_cast<size_t>(d + 1)] : total_;
+  }
   std::vector<std::shared_ptr<void>> storage;  // keeps mappings and buffers alive
 
  private:
@@ -64,13 +71,10 @@ int64_t utf8_error(const uint8_t* p, int64_t n);
 /// Opens the plan's data (text files/globs, megatron prefixes, or token files).
 TokenStream open_stream(const plan::DataConfig& d);
 
-/// The start-up scan of `tokens` and `megatron` data: rank `rank` of `world` checks its share of
-/// the stream (the ranks agree on start-up, so one bad id anywhere stops every rank before any
+/// The start-up scan of one stream of `tokens` and `megatron` data: rank `rank` of `world` checks
+/// its share (the ranks agree on start-up, so one bad id anywhere stops every rank before any
 /// work), and a token id outside [0, model.vocab_size) is a UserError naming the file, the
-/// token's index in it and the value. Text data needs no scan (its 257 ids are checked with the
-/// plan). Logs the share scanned and its speed.
-void check_token_ids(const plan::Config& c, int64_t rank, int64_t world);
-/// The same scan of one stream (one dataset of a blend).
+/// token's index in it and the value. Logs the share scanned and its speed.
 void check_stream_ids(const plan::Config& c, const TokenStream& s, int64_t rank, int64_t world);
 
 /// Megatron-LM MMapIndexedDataset: prefix.idx + prefix.bin. Errors name the file and what is wrong.
@@ -105,67 +109,5 @@ class MegatronWriter {
 
 /// Writes prefix.bin / prefix.idx (uint16 tokens, version 1) with one sequence per document.
 void write_megatron(const std::string& prefix, const std::vector<std::vector<uint16_t>>& docs);
-
-/// One dataset: the plan's data.path, or one entry of data.blend. Its stream's end is held out
-/// for validation; its training windows are read in its own order.
-struct Source {
-  std::string name;  // its path(s), for messages and the log
-  TokenStream stream;
-  int64_t val_begin = 0, train_n = 0, val_n = 0;
-  int64_t perm_epoch = -1;
-  std::vector<int64_t> perm;
-};
-
-/// The plan's dataset weights, as given (data.blend's; one dataset of weight 1 for data.path).
-std::vector<double> blend_weights(const plan::DataConfig& d);
-
-class Dataset {
- public:
-  Dataset(const plan::Config& c);
-  int64_t train_samples() const;
-  int64_t val_samples() const;
-  int64_t train_tokens() const;
-  /// The datasets (one without data.blend) and their normalised weights.
-  const std::vector<Source>& sources() const { return sources_; }
-  const std::vector<double>& weights() const { return blend_.weights(); }
-
-  /// Rows at global positions [first, first+count) of the training order: [count, seq_len+1].
-  torch::Tensor train_batch(int64_t first, int64_t count);
-  /// Validation rows [first, first+count) (each dataset's in stream order, one after another,
-  /// wrapping): [count, seq_len+1].
-  torch::Tensor val_batch(int64_t first, int64_t count) const;
-
-  /// Which window of the plan's only dataset the global position `pos` reads (pure in seed,
-  /// epoch; exposed for tests).
-  int64_t sample_at(int64_t pos) { return window_at(pos).second; }
-  /// Global position `pos`: {dataset, the window of its stream it reads}.
-  std::pair<int64_t, int64_t> window_at(int64_t pos);
-  /// Samples each dataset gave to global positions [0, pos).
-  std::vector<int64_t> taken(int64_t pos) { return blend_.taken(pos); }
-
- private:
-  torch::Tensor windows(const std::vector<std::pair<int64_t, int64_t>>& starts,
-                        int64_t first_label) const;
-
-  std::vector<Source> sources_;
-  Blend blend_;
-  int64_t seq_len_, vocab_, seed_;
-  bool shuffle_;
-};
-
-/// Which samples `tessel-train samples` writes: the training order, or the validation rows.
-enum class SampleSplit { kTrain, kValid };
-
-/// Writes samples [skip, skip + count) of `split`, in the order a run of plan `c` consumes them
-/// (the global batch order, before any rank's share; validation from its first row at every
-/// evaluation), to `out` as little-endian int32, seq_len + 1 tokens per sample (the inputs and
-/// the next-token labels). Written beside and renamed, never half-written. Returns the samples
-/// written. UserError for a split the plan has none of, naming the key.
-int64_t write_samples(const plan::Config& c, SampleSplit split, int64_t skip, int64_t count,
-                      const std::string& out);
-
-/// The sample order of one epoch: a Fisher-Yates shuffle of [0, n) driven by splitmix64 seeded
-/// from (seed, epoch). Our own generator, so the order never changes with the torch version.
-std::vector<int64_t> epoch_permutation(int64_t n, int64_t seed, int64_t epoch);
 
 }  // namespace tessel::data

@@ -107,6 +107,7 @@ void add_megatron(TokenStream& s, const std::string& prefix) {
       throw plan::UserError(bin + ": truncated: sequence " + std::to_string(i) + " of " + idx +
                             " needs bytes up to " + std::to_string(end) + ", the file has " +
                             std::to_string(bm->size));
+    s.doc_starts.push_back(s.size());
     if (len)
       s.add(Span{static_cast<const uint8_t*>(bm->ptr) + ptr, len, elem, h.is_signed, file,
                  ptr / elem});

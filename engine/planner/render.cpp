@@ -6,7 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/data/data.h"
+#include "engine/data/dataset.h"
 #include "engine/planner/model_plan.h"
 #include "engine/planner/planner.h"
 #include "models/registry.h"
@@ -259,20 +259,31 @@ nlohmann::json predicted_bytes(const plan::Config& c, const plan::Layout& l) {
   return stages;
 }
 
-// data.blend: each dataset's weight and the samples the run's steps take from it (the blend's
-// rule is a function of the weights alone, so no file is read).
+// The data's order and split, and for data.blend each dataset's weight and the samples the run's
+// steps take from it (the blend's rule is a function of the weights alone, so no file is read).
 std::string blend_lines(const plan::Config& c) {
-  if (c.data.blend.empty()) return "";
-  data::Blend blend(data::blend_weights(c.data));
+  const auto& d = c.data;
+  std::string out;
+  if (d.order != plan::DataOrder::kTessel || !d.split.empty() || !d.valid.empty() ||
+      !d.test.empty())
+    out +=
+        fmt::format("# data: order {}{}{}{}\n", d.order.name(),
+                    d.split.empty() ? "" : ", split " + d.split + " (train,valid,test)",
+                    d.valid.empty() ? "" : fmt::format(", {} validation datasets", d.valid.size()),
+                    d.test.empty() ? "" : fmt::format(", {} test datasets", d.test.size()));
+  if (d.blend.empty()) return out;
+  // data.order megatron blends as Megatron-Core: its weights normalised twice (builder, blend).
+  const auto given = data::blend_weights(d);
+  data::Blend blend(d.order == plan::DataOrder::kMegatron ? data::numpy_normalize(given) : given);
   const int64_t samples = c.training.steps * c.training.global_batch;
   const auto taken = blend.taken(samples);
-  std::string out = fmt::format(
+  out += fmt::format(
       "# data: a blend of {} datasets; of the run's {} samples (Megatron-Core's rule: each from "
       "the dataset lagging its weight most):\n",
       blend.size(), samples);
   for (size_t i = 0; i < blend.size(); ++i) {
     std::string paths;
-    for (const auto& p : c.data.blend[i].path) paths += (paths.empty() ? "" : ", ") + p;
+    for (const auto& p : d.blend[i].path) paths += (paths.empty() ? "" : ", ") + p;
     out += fmt::format("#   item {}: weight {:.4g}, {} samples: {}\n", i + 1, blend.weights()[i],
                        taken[i], paths);
   }

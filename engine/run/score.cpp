@@ -11,7 +11,7 @@
 #include <fmt/format.h>
 
 #include "engine/checkpoint/checkpoint.h"
-#include "engine/data/data.h"
+#include "engine/data/dataset.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/tokenizer.h"
 #include "engine/io/weights.h"
@@ -30,9 +30,10 @@ void check_ids(const torch::Tensor& tokens, int64_t vocab, const std::string& so
 }
 
 // Mean loss of rows [B, T+1] (int64) in micro-batches of training.micro_batch.
-ScoreResult score_rows(const plan::Config& c, const std::string& weights, const torch::Tensor& rows,
-                       const std::string& logits_out = "") {
-  auto model = load_for_inference(c, weights);
+// The model's mean next-token loss over `rows` (micro-batch by micro-batch); their logits to
+// `logits_out` when given.
+ScoreResult rows_loss(models::Decoder& model, const plan::Config& c, const torch::Tensor& rows,
+                      const std::string& logits_out = "") {
   torch::NoGradGuard no_grad;
   const auto device = model->parameters().front().device();
   const int64_t b = rows.size(0), t = rows.size(1) - 1;
@@ -51,6 +52,12 @@ ScoreResult score_rows(const plan::Config& c, const std::string& weights, const 
   if (!logits_out.empty())
     io::write_safetensors(logits_out, {{"logits", torch::cat(logits).contiguous()}}, {});
   return {total / static_cast<double>(b * t), b * t, b};
+}
+
+ScoreResult score_rows(const plan::Config& c, const std::string& weights, const torch::Tensor& rows,
+                       const std::string& logits_out = "") {
+  auto model = load_for_inference(c, weights);
+  return rows_loss(model, c, rows, logits_out);
 }
 
 // The model keys of a Mixtral or Qwen3-MoE config.json beyond llama's: ", moe: {...}" (and
@@ -268,6 +275,37 @@ std::vector<int64_t> generate(models::Decoder& model, const plan::Config& c,
     next_input = torch::tensor({next}, torch::kInt64).view({1, 1});
     out.push_back(next);
     if (o.stop && next == *o.stop) break;
+  }
+  return out;
+}
+
+SplitScore score_split(const plan::Config& c, const std::string& weights, data::SampleSplit split,
+                       int64_t max_rows) {
+  data::Dataset data(c);
+  const auto& sets = data.sources(split);
+  if (sets.empty())
+    throw plan::UserError(fmt::format(
+        "score --split {}: {} holds no {} data: give data.split (e.g. 969,30,1) or data.{}",
+        data::split_name(split), c.source, data::split_name(split), data::split_name(split)));
+  auto model = load_for_inference(c, weights);
+  SplitScore out;
+  out.all = {0, 0, 0};
+  for (size_t d = 0; d < sets.size(); ++d) {
+    const int64_t n = max_rows > 0 ? std::min(max_rows, sets[d].samples) : sets[d].samples;
+    ScoreResult r{0, 0, 0};
+    for (int64_t first = 0; first < n; first += 1024) {  // a block of rows at a time
+      const auto part = rows_loss(model, c,
+                                  data.split_batch(split, static_cast<int64_t>(d), first,
+                                                   std::min<int64_t>(1024, n - first)));
+      r.loss += part.loss * static_cast<double>(part.tokens);
+      r.tokens += part.tokens;
+      r.rows += part.rows;
+    }
+    r.loss /= static_cast<double>(r.tokens);
+    out.all.loss += data.weights(split)[d] * r.loss;
+    out.all.tokens += r.tokens;
+    out.all.rows += r.rows;
+    out.by_dataset.push_back({sets[d].key, r});
   }
   return out;
 }

@@ -5,9 +5,11 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/plan/config.h"
+#include "engine/data/dataset.h"
 #include "models/layers.h"
 
 namespace tessel::run {
@@ -31,6 +33,16 @@ ScoreResult score(const plan::Config& c, const std::string& weights, const std::
 /// (stride seq_len, as training reads it); at most `max_rows` windows (0: all).
 ScoreResult score_data(const plan::Config& c, const std::string& weights, const std::string& data,
                        const std::string& tokenizer, int64_t max_rows);
+
+/// The plan's test (or validation) split scored: every sample of each of its datasets (at most
+/// `max_rows` of each; 0: all), in stream order; the overall loss weighs the datasets by their
+/// weights, as evaluation does. UserError when the plan holds no such split.
+struct SplitScore {
+  ScoreResult all;
+  std::vector<std::pair<std::string, ScoreResult>> by_dataset;  // by plan key
+};
+SplitScore score_split(const plan::Config& c, const std::string& weights, data::SampleSplit split,
+                       int64_t max_rows);
 
 /// A plan for inference from a Hugging Face config.json (gpt2 or llama model_type), for
 /// `generate` and `score` when no plan is given: the model keys from the file, the rest defaults.

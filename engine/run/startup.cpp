@@ -21,7 +21,7 @@
 #include <optional>
 
 #include "engine/checkpoint/checkpoint.h"
-#include "engine/data/data.h"
+#include "engine/data/dataset.h"
 #include "engine/io/weights.h"
 #include "engine/run/build.h"
 #include "engine/run/resume_plan.h"

@@ -205,21 +205,36 @@ std::pair<torch::Tensor, torch::Tensor> Trainer::clip_and_vote() {
   return {norm, votes};
 }
 
-double Trainer::evaluate() {
+Trainer::Eval Trainer::evaluate() {
   torch::NoGradGuard no_grad;
   sync_->weights_ready();
+  carried_exposed_ms_ += sync_->take_wait_ms();  // the steps' so far
+  Eval e;
+  const auto& sets = data_->sources(data::SampleSplit::kValid);
+  const auto& weights = data_->weights(data::SampleSplit::kValid);
+  for (size_t d = 0; d < sets.size(); ++d) {
+    const double loss = evaluate_dataset(static_cast<int64_t>(d));
+    e.loss += weights[d] * loss;
+    if (sets.size() > 1) e.by_dataset.push_back({sets[d].key, loss});
+  }
+  sync_->take_wait_ms();  // evaluation's gathers are not a step's
+  return e;
+}
+
+// Validation dataset d's mean loss over the rows every evaluation reads.
+double Trainer::evaluate_dataset(int64_t d) {
   const auto& t = c_.training;
   const auto& l = mesh_->layout();
   auto total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   const int64_t rows = t.eval_batches * t.global_batch, mine = rows / l.dp;
-  carried_exposed_ms_ += sync_->take_wait_ms();  // the steps' so far
   auto last = std::chrono::steady_clock::now();
   parallel::pp::StageFns fns{[&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
     const int64_t first = mb * t.micro_batch;
     torch::Tensor rows_mb;  // read only by the stages that embed tokens or score targets
     if (model_->needs_rows(chunk))
-      rows_mb =
-          to_device(data_->val_batch(mesh_->coord().dp * mine + first, t.micro_batch), device_);
+      rows_mb = to_device(data_->split_batch(data::SampleSplit::kValid, d,
+                                             mesh_->coord().dp * mine + first, t.micro_batch),
+                          device_);
     auto out = model_->stage_forward(chunk, input, rows_mb);
     if (model_->is_last_stage(chunk)) total += out.to(torch::kFloat64);
     if (chunk == 0 && std::chrono::steady_clock::now() - last > std::chrono::seconds(2)) {
@@ -232,7 +247,6 @@ double Trainer::evaluate() {
                                            executor_->schedule().virtual_stages,
                                            executor_->schedule().v_shape))
       ->run(fns);
-  sync_->take_wait_ms();  // evaluation's gathers are not a step's
   mesh_->group(parallel::GroupKind::kPp).all_reduce(total).wait();  // the last stage's sum
   mesh_->dp_cp().all_reduce(total).wait();
   return total.item<double>() / static_cast<double>(rows * t.seq_len);
@@ -307,13 +321,13 @@ int Trainer::train() {
     if (step % c_.logging.every == 0 || last || stop) log_step(step, out);
     if (t.eval_every > 0 && (step % t.eval_every == 0 || last)) {
       auto t0 = std::chrono::steady_clock::now();
-      double val = evaluate();
+      const auto val = evaluate();
       if (metrics_)
         metrics_->eval(
-            step, val,
+            step, val.loss,
             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
                 .count(),
-            consumed_ * t.seq_len);
+            consumed_ * t.seq_len, val.by_dataset);
       last_log_time_ += std::chrono::steady_clock::now() - t0;  // keep evaluation out of ms/step
     }
     if ((c_.checkpoint.every > 0 && step % c_.checkpoint.every == 0) || last || stop) {

@@ -14,7 +14,7 @@
 #include "core/optim/loss_scale.h"
 #include "core/optim/optim.h"
 #include "core/plan/config.h"
-#include "engine/data/data.h"
+#include "engine/data/dataset.h"
 #include "engine/planner/figures.h"
 #include "engine/planner/model_plan.h"
 #include "engine/run/build.h"
@@ -66,7 +66,13 @@ class Trainer {
   StepOut device_step(bool overflow);
   parallel::pp::StageFns step_fns(double scale, bool overflow, std::vector<torch::Tensor>& losses);
   std::pair<torch::Tensor, torch::Tensor> clip_and_vote();  // the clipped norm, the stop votes
-  double evaluate();
+  /// The validation loss: each validation dataset's (when several) and their weighted mean.
+  struct Eval {
+    double loss = 0;
+    std::vector<std::pair<std::string, double>> by_dataset;
+  };
+  Eval evaluate();
+  double evaluate_dataset(int64_t d);
   void sync_replicated_grads();
   void check_finite() const;  // host sync: throws UserError naming the first non-finite step
   void log_step(int64_t step, StepOut& out);

@@ -75,22 +75,25 @@ void Trainer::log_state() const {
       sync_->unit_gatherer() ? fmt::format(" (+ gathered units, the largest {:.2f} MiB)",
                                            sync_->unit_gatherer()->largest_unit_bytes() / 1048576.0)
                              : "");
-  spdlog::info("data {} | {} training samples ({} tokens), {} validation samples",
-               c_.data.format.name(), data_->train_samples(), data_->train_tokens(),
-               data_->val_samples());
-  if (!c_.data.blend.empty()) {
+  spdlog::info("data {} ({} order{}) | {} training samples ({} tokens), {} validation samples",
+               c_.data.format.name(), c_.data.order.name(),
+               c_.data.split.empty() ? "" : ", split " + c_.data.split, data_->train_samples(),
+               data_->train_tokens(), data_->val_samples());
+  const auto& train = data_->sources();
+  if (train.size() > 1) {
     // Each dataset's share, and what the run asks of it (an epoch is its training samples).
     const auto run = data_->taken(c_.training.steps * c_.training.global_batch);
     const auto so_far = data_->taken(consumed_);
-    for (size_t i = 0; i < data_->sources().size(); ++i) {
-      const auto& s = data_->sources()[i];
+    for (size_t i = 0; i < train.size(); ++i)
       spdlog::info(
-          "data.blend item {}: weight {:.4g} | {} | {} training samples, {} validation | the run "
-          "takes {} ({:.3g} epochs), {} taken so far",
-          i + 1, data_->weights()[i], s.name, s.train_n, s.val_n, run[i],
-          static_cast<double>(run[i]) / static_cast<double>(s.train_n), so_far[i]);
-    }
+          "{}: weight {:.4g} | {} | {} training samples | the run takes {} ({:.3g} epochs), {} "
+          "taken so far",
+          train[i].key, data_->weights()[i], train[i].name, train[i].samples, run[i],
+          static_cast<double>(run[i]) / static_cast<double>(train[i].samples), so_far[i]);
   }
+  for (auto s : {data::SampleSplit::kValid, data::SampleSplit::kTest})
+    for (const auto& src : data_->sources(s))
+      spdlog::info("{} {}: {} | {} samples", data::split_name(s), src.key, src.name, src.samples);
   spdlog::info("device {}: {}", device_.str(), device_why_);
   spdlog::info("attention: {}", attention_);
   spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
@@ -153,7 +156,7 @@ void Trainer::log_step(int64_t step, StepOut& out) {
        consumed_ * c_.training.seq_len,
        elapsed,
        moe,
-       c_.data.blend.empty() ? std::vector<int64_t>{} : data_->taken(consumed_)});
+       data_->sources().size() == 1 ? std::vector<int64_t>{} : data_->taken(consumed_)});
 }
 
 observe::MoeFigures Trainer::moe_figures() {

@@ -6,7 +6,7 @@
 #include <fstream>
 
 #include "engine/data/blend.h"
-#include "engine/data/data.h"
+#include "engine/data/dataset.h"
 
 namespace fs = std::filesystem;
 

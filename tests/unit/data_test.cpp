@@ -7,7 +7,7 @@
 #include <fstream>
 
 #include "core/observe/tensorboard.h"
-#include "engine/data/data.h"
+#include "engine/data/dataset.h"
 
 namespace fs = std::filesystem;
 
@@ -100,7 +100,7 @@ TEST_F(DataTest, ValidationSplitIsTheEndOfTheStream) {
   Dataset d(c);
   EXPECT_EQ(d.train_tokens(), 201 - 50);
   EXPECT_EQ(d.val_samples(), (50 - 1) / 8);
-  auto v = d.val_batch(0, 1);
+  auto v = d.split_batch(SampleSplit::kValid, 0, 0, 1);
   EXPECT_EQ(v[0][0].item<int64_t>(), 'a' + (151 % 26));
 }
 

@@ -1,0 +1,85 @@
+// Megatron-Core's index pieces restated in engine/data/gpt_index.h, against figures numpy and
+// megatron-core 0.16.1 give (the whole samples are checked against megatron-core itself in
+// tests/reference/megatron_samples_test.py).
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "engine/data/gpt_index.h"
+
+namespace tessel::data {
+namespace {
+
+// numpy.random.RandomState(1234).shuffle of arange(10), then of arange(7) from the same state;
+// RandomState(0).randint(0, 2**40, dtype=uint64) (the 64-bit masked path).
+TEST(GptIndex, NumpyRandomStateShuffles) {
+  NumpyRandomState rs(1234);
+  std::vector<int32_t> a(10);
+  std::iota(a.begin(), a.end(), 0);
+  rs.shuffle(a);
+  EXPECT_EQ(a, (std::vector<int32_t>{7, 2, 9, 1, 0, 8, 4, 5, 6, 3}));
+  std::vector<int64_t> b(7);
+  std::iota(b.begin(), b.end(), 0);
+  rs.shuffle(b);
+  EXPECT_EQ(b, (std::vector<int64_t>{6, 4, 0, 5, 3, 2, 1}));
+  NumpyRandomState zero(0);
+  EXPECT_EQ(zero.interval((uint64_t{1} << 40) - 1), uint64_t{741280623151});
+}
+
+// convert_split_vector_to_split_matrix and the builder's round(): halves to even.
+TEST(GptIndex, SplitMatrixAsMegatron) {
+  using R = std::optional<std::pair<int64_t, int64_t>>;
+  auto docs = split_documents({969, 30, 1}, 1000);
+  EXPECT_EQ(docs[0], R({0, 969}));
+  EXPECT_EQ(docs[1], R({969, 999}));
+  EXPECT_EQ(docs[2], R({999, 1000}));
+  docs = split_documents({1, 1, 1}, 10);
+  EXPECT_EQ(docs[1], R({3, 7}));
+  docs = split_documents({0.5, 0.5, 0}, 5);
+  EXPECT_EQ(docs[0], R({0, 2}));
+  EXPECT_EQ(docs[2], std::nullopt);
+}
+
+// numpy's pairwise float64 sum (differs from a running sum from 8 values on).
+TEST(GptIndex, NumpySum) {
+  std::vector<double> v;
+  for (int i = 0; i < 9; ++i) v.push_back(0.1 * (i + 1) * (i % 2 ? 1e-8 : 1.0));
+  double running = 0;
+  for (double x : v) running += x;
+  double pairwise = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+  pairwise += v[8];
+  EXPECT_EQ(numpy_sum(v), pairwise);
+  EXPECT_EQ(numpy_sum({0.3, 0.5, 0.2}), (0.0 + 0.3 + 0.5) + 0.2);
+  (void)running;
+}
+
+// Each sample holds seq_len+1 tokens; consecutive samples (before the shuffle) share one token;
+// documents come every epoch; a final epoch under 80% of one is shuffled on its own.
+TEST(GptIndex, SamplesCoverTheDocumentsEpochByEpoch) {
+  const std::vector<int32_t> sizes = {5, 9, 3, 12, 7, 1, 8, 6, 10, 4};  // 65 tokens
+  const int64_t seq = 8;
+  const auto one = build_gpt_index(sizes, 2, 9, std::nullopt, seq, 3);  // documents 2..8: 47
+  EXPECT_EQ(one.epochs, 1);
+  EXPECT_EQ(one.size(), (47 - 1) / seq);
+  std::vector<DocPiece> pieces;
+  for (int64_t k = 0; k < one.size(); ++k) {
+    gpt_sample(one, sizes, k, pieces);
+    int64_t tokens = 0;
+    for (const auto& p : pieces) {
+      EXPECT_GE(p.document, 2);
+      EXPECT_LT(p.document, 9);
+      EXPECT_LE(p.offset + p.tokens, sizes[static_cast<size_t>(p.document)]);
+      tokens += p.tokens;
+    }
+    EXPECT_EQ(tokens, seq + 1);
+  }
+  const auto three = build_gpt_index(sizes, 2, 9, 13, seq, 3);  // 13 samples: 2 epochs + 1/5
+  EXPECT_EQ(three.epochs, 3);
+  EXPECT_EQ(three.documents.size(), 21u);
+  const int64_t before_last = (2 * 47 - 1) / seq;  // 11: shuffled apart from the last epoch's
+  for (int64_t k = 0; k < before_last; ++k) EXPECT_LT(three.order[static_cast<size_t>(k)], 11);
+  EXPECT_THROW(build_gpt_index(sizes, 5, 6, 4, seq, 3), std::invalid_argument);  // 1 token
+}
+
+}  // namespace
+}  // namespace tessel::data
