@@ -34,8 +34,15 @@ std::vector<PlanChange> plan_changes(const plan::Config& checkpoint_plan,
     const std::string b = fb[i].value_text(), a = fa[i].value_text();
     if (a == b) continue;
     PlanChange ch{fa[i].key, b, a, fa[i].free_on_resume};
-    if (ch.key == "training.steps" && !steps_shape_the_lr(before, after))
+    // data.order megatron sizes its sample indices by steps x global_batch: a new length is a
+    // new sample order from the resumed step on, never free.
+    if (ch.key == "training.steps" && !steps_shape_the_lr(before, after) &&
+        after.data.order != plan::DataOrder::kMegatron)
       ch.why_free = "the run's length: the constant decay does not depend on it";
+    if (ch.key == "training.steps" && after.data.order == plan::DataOrder::kMegatron)
+      ch.note =
+          " [data.order megatron sizes its sample indices by training.steps x global_batch: "
+          "from here on the samples are those of the new length]";
     for (const auto& k : plan.checkpoint.accept_changes) ch.accepted |= k == ch.key;
     out.push_back(std::move(ch));
   }
@@ -71,7 +78,7 @@ void check_resume_plan(const plan::Config& plan, const std::string& step_dir, bo
                     next, lr_then, lr_now);
   std::string lines, refused;
   for (const auto& ch : changes) {
-    std::string line = fmt::format("\n  {}: {} -> {}", ch.key, ch.before, ch.after);
+    auto line = fmt::format("\n  {}: {} -> {}{}", ch.key, ch.before, ch.after, ch.note);
     const bool shapes_lr = ch.key.rfind("training.schedule.", 0) == 0 ||
                            ch.key == "training.optimizer.lr" || ch.key == "training.steps";
     if (!ch.why_free.empty()) {

@@ -19,6 +19,7 @@ struct PlanChange {
   std::string key, before, after;
   std::string why_free;   // non-empty: the change keeps the run what it was
   bool accepted = false;  // named in checkpoint.accept_changes
+  std::string note;       // what else the change does, for the message
 };
 
 /// Every key whose value differs between the checkpoint's plan and this one, in table order.

@@ -1,4 +1,5 @@
 """tessel-data and the three data formats through tessel-train."""
+import json
 import os
 import shutil
 import unittest
@@ -197,6 +198,51 @@ class Blend(TmpDirTest):
         p = run("tessel-train", write_plan(self.path("q.yaml"), plan), "--dry-run", check=False)
         self.assertEqual(p.returncode, 2, p.stderr)
         self.assertIn("data.path and data.blend both name training data", p.stderr)
+
+
+class Splits(TmpDirTest):
+    """data.valid / data.test: datasets of their own, evaluated and scored dataset by dataset."""
+
+    def test_validation_per_dataset_and_the_test_split(self):
+        rng = np.random.default_rng(1)
+        for name, lo, n in (("a.bin", 0, 3000), ("va.bin", 0, 700), ("vb.bin", 100, 900), ("t.bin", 100, 600)):
+            rng.integers(lo, lo + 100, size=n).astype("<u2").tofile(self.path(name))
+        plan = {"run": {"seed": 3, "output_dir": self.path("run")},
+                "model": {"arch": "gpt2", "layers": 1, "hidden": 32, "heads": 2, "vocab_size": 256, "max_seq_len": 16},
+                "training": {"device": "cpu", "steps": 4, "global_batch": 4, "micro_batch": 2, "seq_len": 16,
+                             "threads": 1, "eval_every": 2, "eval_batches": 2},
+                "data": {"format": "tokens", "path": [self.path("a.bin")],
+                         "valid": [{"weight": 1, "path": self.path("va.bin")}, {"weight": 3, "path": self.path("vb.bin")}],
+                         "test": [{"weight": 1, "path": self.path("t.bin")}]},
+                "logging": {"every": 1}}
+        path = write_plan(self.path("p.yaml"), plan)
+        run("tessel-train", path)
+        evals = [m for m in read_metrics(self.path("run", "metrics.jsonl")) if "val_loss" in m]
+        self.assertEqual([m["step"] for m in evals], [2, 4])
+        for m in evals:
+            each = m["val_loss_by_dataset"]
+            self.assertEqual(sorted(each), ["data.valid item 1", "data.valid item 2"])
+            self.assertAlmostEqual(m["val_loss"], 0.25 * each["data.valid item 1"] + 0.75 * each["data.valid item 2"],
+                                   places=12)
+        # What each evaluation reads: 2 x 4 rows of each validation dataset in turn.
+        run("tessel-train", "samples", path, "--split", "valid", "--count", 16, "--out", self.path("v.i32"))
+        rows = np.fromfile(self.path("v.i32"), dtype="<i4").reshape(16, 17)
+        self.assertTrue((rows[:8] < 100).all() and (rows[8:] >= 100).all())
+        # The test split scored, and the same rows written by `samples` scored as tokens.
+        weights = self.path("run", "checkpoints")
+        p = run("tessel-train", "score", path, "--weights", weights, "--split", "test")
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        n = (600 - 1) // 16
+        self.assertEqual(got["by_dataset"]["data.test item 1"]["rows"], n)
+        run("tessel-train", "samples", path, "--split", "test", "--count", n, "--out", self.path("t.i32"))
+        p = run("tessel-train", "score", path, "--weights", weights, "--tokens", self.path("t.i32"))
+        self.assertAlmostEqual(json.loads(p.stdout.strip().splitlines()[-1])["loss"], got["loss"], places=6)
+        # A plan without a test split says so.
+        del plan["data"]["test"]
+        p = run("tessel-train", "score", write_plan(self.path("q.yaml"), plan), "--weights", weights, "--split",
+                "test", check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("holds no test data: give data.split", p.stderr)
 
 
 if __name__ == "__main__":

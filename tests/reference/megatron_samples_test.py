@@ -5,12 +5,13 @@ BlendedDataset from the same .bin/.idx prefixes, weights, split, seed, sequence 
 of samples; `tessel-train samples` writes what a Tessel run of the same plan reads."""
 import logging
 import os
+import shutil
 import unittest
 import warnings
 
 import numpy as np
 
-from common import TmpDirTest, run, write_plan
+from common import BIN, TmpDirTest, read_metrics, run, write_plan
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -84,10 +85,18 @@ class MegatronSamples(TmpDirTest):
 
     def test_one_prefix_with_partial_final_epochs_and_its_splits(self):
         a = self.prefix("a", 60, 1)  # about 2,700 tokens: a few epochs of 16-token samples
-        for steps, gb in ((30, 8), (45, 8), (13, 8)):  # final epochs cut short, long and partial
+        regimes = set()
+        for steps, gb in ((30, 8), (44, 8), (13, 8)):
             theirs = self.megatron(([a], None), "98,2,0", 5, 16, [steps * gb, 10, None])
             mine = self.tessel({"path": [a], "split": "98,2,0"}, 5, 16, steps, gb, tag=f"one{steps}")
             self.same(mine, [theirs[0][i] for i in range(steps * gb)], f"train, {steps * gb} samples")
+            # Which of Megatron-Core's epoch regimes this was: one epoch; a final partial epoch
+            # under 80% of one, shuffled on its own; or one joined to the global shuffle.
+            per_epoch = int(theirs[0].dataset.sequence_lengths[theirs[0].indices].sum())
+            epochs = -(-(steps * gb * 16 + 1) // per_epoch)
+            final = steps * gb - ((epochs - 1) * per_epoch - 1) // 16
+            regimes.add("one" if epochs == 1 else "apart" if final < int(0.8 * ((per_epoch - 1) // 16)) else "joined")
+        self.assertEqual(regimes, {"one", "apart", "joined"})
         # Validation: Megatron-Core's valid GPTDataset sized for one evaluation's rows.
         mine = self.tessel({"path": [a], "split": "90,10,0"}, 5, 16, 4, 5, split="valid", count=20, tag="valid")
         plan_eval_rows = 4 * 5  # training.eval_batches (4 by default) x global_batch
@@ -111,6 +120,41 @@ class MegatronSamples(TmpDirTest):
             check=False)
         self.assertEqual(p.returncode, 2, p.stderr)
         self.assertIn("never repeated", p.stderr)
+
+    def test_resume_under_another_layout_reads_the_same_samples(self):
+        a, b = self.prefix("a", 300, 1), self.prefix("b", 200, 2)
+
+        def plan(out, **parallel):
+            return {"run": {"seed": 21, "output_dir": self.path(out)},
+                    "model": {"arch": "gpt2", "layers": 2, "hidden": 32, "heads": 2, "vocab_size": 300,
+                              "max_seq_len": 16},
+                    "parallel": parallel,
+                    "training": {"device": "cpu", "steps": 6, "global_batch": 4, "micro_batch": 1, "seq_len": 16,
+                                 "threads": 1},
+                    "data": {"format": "megatron", "order": "megatron", "split": "95,5",
+                             "blend": [{"weight": 1, "path": a}, {"weight": 2, "path": b}]},
+                    "logging": {"every": 1}, "checkpoint": {"every": 3}}
+        run("tessel-train", write_plan(self.path("p.yaml"), plan("run")))
+        whole = [m for m in read_metrics(self.path("run", "metrics.jsonl")) if "loss" in m]
+        os.makedirs(self.path("cut", "checkpoints"))
+        shutil.copytree(self.path("run", "checkpoints", "step_3"), self.path("cut", "checkpoints", "step_3"))
+        with open(self.path("cut", "checkpoints", "latest"), "w") as f:
+            f.write("step_3\n")
+        again = write_plan(self.path("r.yaml"), plan("cut", dp=2))
+        p = run("tessel-launch", "--nproc-per-node", 2, "--", os.path.join(BIN, "tessel-train"), again)
+        self.assertIn("resumed from", p.stderr + p.stdout)
+        tail = [m for m in read_metrics(self.path("cut", "metrics.jsonl")) if "loss" in m]
+        self.assertEqual([m["step"] for m in tail], [4, 5, 6])
+        for x, y in zip(whole[3:], tail, strict=True):
+            self.assertLess(abs(x["loss"] - y["loss"]), 1e-5 * abs(x["loss"]), (whole, tail))
+            self.assertEqual(x["blend_samples"], y["blend_samples"])
+        # A new length is a new sample order (Megatron sizes its indices by it): never silent.
+        longer = plan("cut")
+        longer["training"]["steps"] = 8
+        longer["training"]["schedule"] = {"decay": "constant"}
+        p = run("tessel-train", write_plan(self.path("l.yaml"), longer), check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("data.order megatron sizes its sample indices", p.stderr)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,36 @@ TEST_F(DataTest, ValidationSplitIsTheEndOfTheStream) {
   EXPECT_EQ(v[0][0].item<int64_t>(), 'a' + (151 % 26));
 }
 
+// data.split cuts each dataset by documents (text: files; megatron: sequences) and a tokens file
+// by tokens, as Megatron's split matrix; each split reads its own documents only.
+TEST_F(DataTest, SplitCutsByDocuments) {
+  for (char f : {'a', 'b', 'c', 'd'}) write(std::string(1, f) + ".txt", std::string(40, f));
+  plan::Config c = plan("text", {(dir_ / "*.txt").string()});
+  c.data.split = "2,1,1";  // 4 files: train a, b; validation c; test d
+  Dataset d(c);
+  EXPECT_EQ(d.train_tokens(), 2 * 41);
+  EXPECT_EQ(d.train_samples(), (82 - 1) / 8);
+  ASSERT_EQ(d.sources(SampleSplit::kValid).size(), 1u);
+  auto v = d.split_batch(SampleSplit::kValid, 0, 0, d.val_samples());
+  EXPECT_TRUE(((v == 'c') | (v == kTextEod)).all().item<bool>());
+  auto t = d.split_batch(SampleSplit::kTest, 0, 0, d.sources(SampleSplit::kTest)[0].samples);
+  EXPECT_TRUE(((t == 'd') | (t == kTextEod)).all().item<bool>());
+  auto x = d.train_batch(0, d.train_samples());
+  EXPECT_TRUE(((x == 'a') | (x == 'b') | (x == kTextEod)).all().item<bool>());
+  // A split share whose documents hold no sample is refused, naming the key and the split.
+  c.data.split = "97,2,1";
+  expect_error([&] { Dataset e(c); }, "data.path: the valid split of 4 files holds 0 tokens");
+  // A tokens file marks no documents: cut by tokens.
+  std::vector<uint16_t> toks(1000);
+  for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<uint16_t>(i % 200);
+  write("t.u16", std::string(reinterpret_cast<const char*>(toks.data()), toks.size() * 2));
+  plan::Config k = plan("tokens", {(dir_ / "t.u16").string()});
+  k.data.split = "90,10";
+  Dataset e(k);
+  EXPECT_EQ(e.train_tokens(), 900);
+  EXPECT_EQ(e.split_batch(SampleSplit::kValid, 0, 0, 1)[0][0].item<int64_t>(), 900 % 200);
+}
+
 TEST_F(DataTest, CorruptIndexGivesClearErrors) {
   write_megatron((dir_ / "ds").string(), {{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}});
   std::string idx;
