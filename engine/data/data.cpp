@@ -64,11 +64,13 @@ void add_text_files(TokenStream& s, const std::vector<std::string>& patterns) {
   int base = static_cast<int>(s.files.size());
   s.files.insert(s.files.end(), files.begin(), files.end());
   int64_t offset = 0;
+  std::vector<int64_t> docs;
   for (auto [f, n] : bounds) {
-    s.doc_starts.push_back(s.size());
+    docs.push_back(s.size());
     s.add(Span{buf->data() + offset, n, 2, false, base + f, 0});
     offset += n;
   }
+  s.add_docs(std::move(docs));
   s.storage.push_back(buf);
 }
 
@@ -150,6 +152,45 @@ int64_t utf8_error(const uint8_t* p, int64_t n) {
     i += len;
   }
   return -1;
+}
+
+void TokenStream::add_docs(std::vector<int64_t> starts, const uint8_t* lens) {
+  DocRun r;
+  r.lens = lens;
+  r.first = docs_;
+  r.n = static_cast<int64_t>(starts.size());
+  r.starts = std::move(starts);
+  docs_ += r.n;
+  doc_runs_.push_back(std::move(r));
+}
+
+void TokenStream::add_megatron_docs(int64_t n, int64_t base, const uint8_t* ptrs,
+                                    const uint8_t* lens, int elem) {
+  DocRun r;
+  r.first = docs_;
+  r.n = n;
+  r.base = base;
+  r.ptrs = ptrs;
+  r.lens = lens;
+  r.elem = elem;
+  docs_ += n;
+  doc_runs_.push_back(std::move(r));
+}
+
+int64_t TokenStream::doc_start(int64_t d) const {
+  auto it = std::upper_bound(doc_runs_.begin(), doc_runs_.end(), d,
+                             [](int64_t x, const DocRun& r) { return x < r.first; });
+  const DocRun& r = *(it - 1);
+  if (!r.ptrs) return r.starts[static_cast<size_t>(d - r.first)];  // owned
+  int64_t ptr;
+  std::memcpy(&ptr, r.ptrs + 8 * (d - r.first), 8);
+  return r.base + ptr / r.elem;
+}
+
+DocSizes TokenStream::megatron_sizes() const {
+  if (doc_runs_.size() != 1 || !doc_runs_[0].lens)
+    throw std::logic_error("megatron_sizes: not a stream of one megatron prefix");
+  return {doc_runs_[0].lens, doc_runs_[0].n};
 }
 
 void TokenStream::add(Span s) {

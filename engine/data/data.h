@@ -9,11 +9,13 @@
 #include <torch/types.h>
 
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "core/plan/config.h"
+#include "engine/data/gpt_index.h"
 
 namespace tessel::data {
 
@@ -48,19 +50,34 @@ class TokenStream {
   std::vector<std::string> files;
   void add(Span s);
   /// Documents, where the format marks them (a megatron index's sequences, empty ones included;
-  /// text files): the stream position each starts at. Empty for tokens files.
-  std::vector<int64_t> doc_starts;
-  int64_t documents() const { return static_cast<int64_t>(doc_starts.size()); }
-  /// Where document d ends (the next one's start, or the stream's end).
-  int64_t doc_end(int64_t d) const {
-    return d + 1 < documents() ? doc_starts[static_cast<size_t>(d + 1)] : total_;
-  }
+  /// text files); none in tokens files. A megatron file's are read from its mapped index, never
+  /// copied: a trillion-token dataset costs no memory per document.
+  int64_t documents() const { return docs_; }
+  int64_t doc_start(int64_t d) const;  // its stream position
+  int64_t doc_end(int64_t d) const { return d + 1 < docs_ ? doc_start(d + 1) : total_; }
+  /// The documents' lengths as a megatron index holds them (int32, mapped): a stream of exactly
+  /// one megatron prefix. std::logic_error otherwise.
+  DocSizes megatron_sizes() const;
+  /// Documents [docs, docs+n) begin at `starts` (owned), or for a megatron prefix at `base` plus
+  /// its mapped pointers (bytes, `elem` bytes a token) with `lens` its mapped lengths.
+  void add_docs(std::vector<int64_t> starts, const uint8_t* lens = nullptr);
+  void add_megatron_docs(int64_t n, int64_t base, const uint8_t* ptrs, const uint8_t* lens, int elem);
   std::vector<std::shared_ptr<void>> storage;  // keeps mappings and buffers alive
 
  private:
   std::vector<Span> spans_;
   std::vector<int64_t> starts_;  // stream position of each span
   int64_t total_ = 0;
+  // Runs of documents: owned starts, or a megatron index's mapped pointers and lengths.
+  struct DocRun {
+    int64_t first = 0, n = 0, base = 0;
+    std::vector<int64_t> starts;
+    const uint8_t* ptrs = nullptr;
+    const uint8_t* lens = nullptr;
+    int elem = 1;
+  };
+  std::vector<DocRun> doc_runs_;
+  int64_t docs_ = 0;
 };
 
 /// The files a path or glob names, sorted; UserError when none.

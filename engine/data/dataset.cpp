@@ -64,14 +64,7 @@ std::string name_of(const TokenStream& s) {
 // The stream position of document-or-token `u` (a stream without documents is split by tokens).
 int64_t unit_start(const TokenStream& s, int64_t u) {
   if (s.documents() == 0) return u;
-  return u < s.documents() ? s.doc_starts[static_cast<size_t>(u)] : s.size();
-}
-
-std::shared_ptr<const std::vector<int32_t>> doc_sizes(const TokenStream& s) {
-  auto sizes = std::make_shared<std::vector<int32_t>>();
-  for (int64_t d = 0; d < s.documents(); ++d)
-    sizes->push_back(static_cast<int32_t>(s.doc_end(d) - s.doc_starts[static_cast<size_t>(d)]));
-  return sizes;
+  return u < s.documents() ? s.doc_start(u) : s.size();
 }
 
 // A dataset's samples of one split in data.order tessel: the windows of stream positions
@@ -91,8 +84,7 @@ Source tessel_source(const Named& n, std::shared_ptr<const TokenStream> stream, 
 
 // A dataset's samples of one split in data.order megatron: Megatron-Core's GPTDataset over
 // documents [begin, end), `samples` of them (nullopt: one epoch).
-Source megatron_source(const Named& n, std::shared_ptr<const TokenStream> stream,
-                       std::shared_ptr<const std::vector<int32_t>> sizes, SampleSplit s,
+Source megatron_source(const Named& n, std::shared_ptr<const TokenStream> stream, SampleSplit s,
                        int64_t begin, int64_t end, std::optional<int64_t> samples,
                        const plan::Config& c) {
   Source src;
@@ -102,10 +94,10 @@ Source megatron_source(const Named& n, std::shared_ptr<const TokenStream> stream
   src.begin = unit_start(*src.stream, begin);
   src.end = unit_start(*src.stream, end);
   src.seq_len = c.training.seq_len;
-  src.sizes = std::move(sizes);
+  src.sizes = src.stream->megatron_sizes();
   try {
     src.index = std::make_shared<const GptIndex>(build_gpt_index(
-        *src.sizes, begin, end, samples, src.seq_len, static_cast<uint32_t>(c.run.seed)));
+        src.sizes, begin, end, samples, src.seq_len, static_cast<uint32_t>(c.run.seed)));
   } catch (const std::invalid_argument& e) {
     throw plan::UserError(
         fmt::format("{}: the {} split of {} (documents {} to {} of {}{}): {}", n.key, split_name(s),
@@ -196,9 +188,8 @@ void Source::pieces(int64_t k, std::vector<Piece>& out) {
     out.push_back({begin + window(k) * seq_len, seq_len + 1});
     return;
   }
-  gpt_sample(*index, *sizes, k, doc_pieces_);
-  for (const auto& p : doc_pieces_)
-    out.push_back({stream->doc_starts[static_cast<size_t>(p.document)] + p.offset, p.tokens});
+  gpt_sample(*index, sizes, k, doc_pieces_);
+  for (const auto& p : doc_pieces_) out.push_back({stream->doc_start(p.document) + p.offset, p.tokens});
 }
 
 }  // namespace tessel::data
@@ -238,7 +229,6 @@ Dataset::Dataset(const plan::Config& c)
   const SampleSplit all[] = {SampleSplit::kTrain, SampleSplit::kValid, SampleSplit::kTest};
   for (size_t i = 0; i < train.size(); ++i) {
     const auto stream = open_named(d, train[i]);
-    const auto sizes = megatron ? doc_sizes(*stream) : nullptr;
     for (auto s : all) {
       if (s != SampleSplit::kTrain && !named(d, s).empty()) continue;  // its own datasets
       const auto r = cut(d, *stream, s, megatron);
@@ -249,7 +239,7 @@ Dataset::Dataset(const plan::Config& c)
         if (s == SampleSplit::kTrain && !d.blend.empty()) want = built[i];
         if (s == SampleSplit::kTrain && train.size() == 1 && d.blend.empty()) want = run;
         if (s == SampleSplit::kValid) want = c.training.eval_batches * c.training.global_batch;
-        src = megatron_source(train[i], stream, sizes, s, r->first, r->second, want, c);
+        src = megatron_source(train[i], stream, s, r->first, r->second, want, c);
       } else {
         src = tessel_source(train[i], stream, r->first, r->second, c);
         // Each dataset its own order: the plan's only one (and a blend's first) by the run's seed.
@@ -265,7 +255,7 @@ Dataset::Dataset(const plan::Config& c)
     std::vector<double> own;
     for (const auto& n : named(d, s)) {
       const auto stream = open_named(d, n);
-      auto src = megatron ? megatron_source(n, stream, doc_sizes(*stream), s, 0,
+      auto src = megatron ? megatron_source(n, stream, s, 0,
                                             stream->documents(), std::nullopt, c)
                           : tessel_source(n, stream, 0, stream->size(), c);
       require_samples(src, s, d, true);

@@ -50,7 +50,7 @@ class Source {
   int64_t seed = 0, seq_len = 0;
   // megatron order
   std::shared_ptr<const GptIndex> index;
-  std::shared_ptr<const std::vector<int32_t>> sizes;  // the stream's document sizes
+  DocSizes sizes;  // its stream's document lengths (mapped)
 
  private:
   int64_t perm_epoch_ = -1;

@@ -48,7 +48,7 @@ std::vector<int32_t> document_index(int64_t begin, int64_t end, int64_t epochs,
 }
 
 // Megatron-Core's build_sample_idx (the last partial sample dropped, one extra token per sample).
-std::vector<int64_t> sample_index(const std::vector<int32_t>& sizes,
+std::vector<int64_t> sample_index(const DocSizes& sizes,
                                   const std::vector<int32_t>& docs, int64_t seq_len, int64_t epochs,
                                   int64_t tokens_per_epoch) {
   const int64_t samples = (epochs * tokens_per_epoch - 1) / seq_len;
@@ -58,13 +58,13 @@ std::vector<int64_t> sample_index(const std::vector<int32_t>& sizes,
   for (int64_t s = 1; s <= samples; ++s) {
     int64_t remaining = seq_len + 1;
     while (remaining != 0) {
-      const int64_t length = sizes[static_cast<size_t>(docs[static_cast<size_t>(at)])] - offset;
+      const int64_t length = sizes[docs[static_cast<size_t>(at)]] - offset;
       remaining -= length;
       if (remaining <= 0) {
         offset += remaining + length - 1;
         remaining = 0;
       } else if (at == last) {
-        offset = sizes[static_cast<size_t>(docs[static_cast<size_t>(at)])] - 1;
+        offset = sizes[docs[static_cast<size_t>(at)]] - 1;
         break;
       } else {
         ++at;
@@ -146,10 +146,10 @@ std::vector<int64_t> blend_dataset_sizes(const std::vector<double>& weights, int
   return sizes;
 }
 
-GptIndex build_gpt_index(const std::vector<int32_t>& sizes, int64_t begin, int64_t end,
+GptIndex build_gpt_index(const DocSizes& sizes, int64_t begin, int64_t end,
                          std::optional<int64_t> samples, int64_t seq_len, uint32_t seed) {
   int64_t per_epoch = 0;
-  for (int64_t d = begin; d < end; ++d) per_epoch += sizes[static_cast<size_t>(d)];
+  for (int64_t d = begin; d < end; ++d) per_epoch += sizes[d];
   if (per_epoch < seq_len + 1)
     throw std::invalid_argument(
         std::to_string(end - begin) + " documents hold " + std::to_string(per_epoch) +
@@ -175,7 +175,7 @@ GptIndex build_gpt_index(const std::vector<int32_t>& sizes, int64_t begin, int64
   return ix;
 }
 
-void gpt_sample(const GptIndex& ix, const std::vector<int32_t>& sizes, int64_t k,
+void gpt_sample(const GptIndex& ix, const DocSizes& sizes, int64_t k,
                 std::vector<DocPiece>& out) {
   out.clear();
   const auto s = static_cast<size_t>(ix.order[static_cast<size_t>(k)]);
@@ -184,7 +184,7 @@ void gpt_sample(const GptIndex& ix, const std::vector<int32_t>& sizes, int64_t k
   for (int64_t i = d0; i <= d1; ++i) {
     const int64_t doc = ix.documents[static_cast<size_t>(i)];
     const int64_t offset = i == d0 ? o0 : 0;
-    const int64_t tokens = i < d1 ? sizes[static_cast<size_t>(doc)] - offset : o1 + 1 - offset;
+    const int64_t tokens = i < d1 ? sizes[doc] - offset : o1 + 1 - offset;
     out.push_back({doc, offset, tokens});
   }
 }

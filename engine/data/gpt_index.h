@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <cstring>
 #include <cstdint>
 #include <optional>
 #include <random>
@@ -12,6 +13,19 @@
 #include <vector>
 
 namespace tessel::data {
+
+/// A dataset's document lengths as a megatron index holds them: int32, read in place (a mapped
+/// array need not be aligned).
+struct DocSizes {
+  const uint8_t* lens = nullptr;
+  int64_t n = 0;
+  int32_t operator[](int64_t i) const {
+    int32_t v;
+    std::memcpy(&v, lens + 4 * i, 4);
+    return v;
+  }
+  int64_t size() const { return n; }
+};
 
 /// numpy's float64 sum of a contiguous array (pairwise, in blocks of 8) and its normalisation
 /// (each value over that sum), bit for bit.
@@ -59,14 +73,14 @@ struct GptIndex {
 
 /// Sizes: document d's tokens. Throws std::invalid_argument when the documents hold fewer than
 /// seq_len+1 tokens (Megatron-Core loops forever there; callers say which split and dataset).
-GptIndex build_gpt_index(const std::vector<int32_t>& sizes, int64_t begin, int64_t end,
+GptIndex build_gpt_index(const DocSizes& sizes, int64_t begin, int64_t end,
                          std::optional<int64_t> samples, int64_t seq_len, uint32_t seed);
 
 /// Sample k's pieces: (document, offset, tokens) in reading order, seq_len+1 tokens in all.
 struct DocPiece {
   int64_t document, offset, tokens;
 };
-void gpt_sample(const GptIndex& ix, const std::vector<int32_t>& sizes, int64_t k,
+void gpt_sample(const GptIndex& ix, const DocSizes& sizes, int64_t k,
                 std::vector<DocPiece>& out);
 
 }  // namespace tessel::data

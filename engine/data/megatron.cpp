@@ -94,6 +94,10 @@ void add_megatron(TokenStream& s, const std::string& prefix) {
   const auto* ptrs = reinterpret_cast<const int64_t*>(p + kIdxHead + 4 * h.n_seq);
   s.files.push_back(bin);
   const int file = static_cast<int>(s.files.size()) - 1;
+  // Every sequence checked; a .bin whose sequences lie back to back from byte 0 (what Megatron's
+  // and Tessel's writers make) is one span, its documents read from the mapped index in place.
+  bool contiguous = true;
+  uint64_t next = 0;
   for (uint64_t i = 0; i < h.n_seq; ++i) {
     int32_t len;
     int64_t ptr;
@@ -107,10 +111,27 @@ void add_megatron(TokenStream& s, const std::string& prefix) {
       throw plan::UserError(bin + ": truncated: sequence " + std::to_string(i) + " of " + idx +
                             " needs bytes up to " + std::to_string(end) + ", the file has " +
                             std::to_string(bm->size));
-    s.doc_starts.push_back(s.size());
-    if (len)
-      s.add(Span{static_cast<const uint8_t*>(bm->ptr) + ptr, len, elem, h.is_signed, file,
-                 ptr / elem});
+    contiguous &= static_cast<uint64_t>(ptr) == next;
+    next = end;
+  }
+  const auto* bytes = static_cast<const uint8_t*>(bm->ptr);
+  if (contiguous) {
+    const int64_t base = s.size();
+    if (next) s.add(Span{bytes, static_cast<int64_t>(next) / elem, elem, h.is_signed, file, 0});
+    s.add_megatron_docs(static_cast<int64_t>(h.n_seq), base,
+                        reinterpret_cast<const uint8_t*>(ptrs),
+                        reinterpret_cast<const uint8_t*>(lens), elem);
+  } else {  // sequences anywhere in the file: a span each
+    std::vector<int64_t> starts;
+    for (uint64_t i = 0; i < h.n_seq; ++i) {
+      int32_t len;
+      int64_t ptr;
+      std::memcpy(&len, lens + i, 4);
+      std::memcpy(&ptr, ptrs + i, 8);
+      starts.push_back(s.size());
+      if (len) s.add(Span{bytes + ptr, len, elem, h.is_signed, file, ptr / elem});
+    }
+    s.add_docs(std::move(starts), reinterpret_cast<const uint8_t*>(lens));
   }
   s.storage.push_back(im);
   s.storage.push_back(bm);

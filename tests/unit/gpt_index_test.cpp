@@ -56,7 +56,8 @@ TEST(GptIndex, NumpySum) {
 // Each sample holds seq_len+1 tokens; consecutive samples (before the shuffle) share one token;
 // documents come every epoch; a final epoch under 80% of one is shuffled on its own.
 TEST(GptIndex, SamplesCoverTheDocumentsEpochByEpoch) {
-  const std::vector<int32_t> sizes = {5, 9, 3, 12, 7, 1, 8, 6, 10, 4};  // 65 tokens
+  const std::vector<int32_t> lens = {5, 9, 3, 12, 7, 1, 8, 6, 10, 4};  // 65 tokens
+  const DocSizes sizes{reinterpret_cast<const uint8_t*>(lens.data()), 10};
   const int64_t seq = 8;
   const auto one = build_gpt_index(sizes, 2, 9, std::nullopt, seq, 3);  // documents 2..8: 47
   EXPECT_EQ(one.epochs, 1);
@@ -68,7 +69,7 @@ TEST(GptIndex, SamplesCoverTheDocumentsEpochByEpoch) {
     for (const auto& p : pieces) {
       EXPECT_GE(p.document, 2);
       EXPECT_LT(p.document, 9);
-      EXPECT_LE(p.offset + p.tokens, sizes[static_cast<size_t>(p.document)]);
+      EXPECT_LE(p.offset + p.tokens, sizes[p.document]);
       tokens += p.tokens;
     }
     EXPECT_EQ(tokens, seq + 1);
