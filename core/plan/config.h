@@ -125,6 +125,7 @@ struct DataConfig {
   std::vector<BlendSource> test;   // data.test: test datasets of their own
   std::string split;               // data.split: "969,30,1" (train, valid, test by documents)
   Choice<DataOrder> order;         // data.order: which samples, in which order
+  std::string index_cache;         // data.index_cache: folder of data.order megatron's indices
   double val_fraction;
   bool shuffle;
   Choice<TokenDtype> token_dtype;  // data.token_dtype (tokens files)

@@ -360,6 +360,10 @@ void add_data_fields(FieldAdder& add, Config& c) {
       "may be extended). megatron: Megatron-Core's GPTDataset/BlendedDataset samples for the "
       "same prefixes, weights, split, seed and seq_len, sized for training.steps x "
       "training.global_batch samples (data.format megatron).");
+  add("data.index_cache", &c.data.index_cache, S(""),
+      "Folder of data.order megatron's sample indices, built once and mapped by every rank "
+      "(keyed by the data, split, samples, seq_len and seed; checked on reuse). Empty: beside "
+      "each dataset, in <its folder>/cache/tessel-indices (as Megatron-Core keeps its own).");
   add("data.val_fraction", &c.data.val_fraction, 0.0,
       "Share of the token stream (its end) held out for validation (data.order tessel, without "
       "data.split).")
@@ -443,6 +447,7 @@ void mark_free_on_resume(std::vector<Field>& f) {
       {"training.eval_", "evaluation only"},
       {"training.loss_scale.", "fp16 loss scaling: its state carries over in the checkpoint"},
       {"checkpoint.", "checkpointing"},
+      {"data.index_cache", "where the sample indices are kept: the same indices"},
       {"logging.", "logging"},
   };
   for (auto& field : f)

@@ -61,7 +61,8 @@ class TokenStream {
   /// Documents [docs, docs+n) begin at `starts` (owned), or for a megatron prefix at `base` plus
   /// its mapped pointers (bytes, `elem` bytes a token) with `lens` its mapped lengths.
   void add_docs(std::vector<int64_t> starts, const uint8_t* lens = nullptr);
-  void add_megatron_docs(int64_t n, int64_t base, const uint8_t* ptrs, const uint8_t* lens, int elem);
+  void add_megatron_docs(int64_t n, int64_t base, const uint8_t* ptrs, const uint8_t* lens,
+                         int elem);
   std::vector<std::shared_ptr<void>> storage;  // keeps mappings and buffers alive
 
  private:

@@ -9,7 +9,15 @@
 #include <fstream>
 #include <stdexcept>
 
+#include <sys/stat.h>
+
+#include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+
 #include "core/plan/data_split.h"
+#include "engine/data/index_cache.h"
 
 namespace tessel::data {
 namespace {
@@ -67,6 +75,31 @@ int64_t unit_start(const TokenStream& s, int64_t u) {
   return u < s.documents() ? s.doc_start(u) : s.size();
 }
 
+// Where a megatron stream's indices are kept: data.index_cache, or beside its data.
+std::string index_folder(const plan::DataConfig& d, const TokenStream& s) {
+  if (!d.index_cache.empty()) return d.index_cache;
+  return (std::filesystem::path(s.files[0]).parent_path() / "cache" / "tessel-indices").string();
+}
+
+// Everything that determines a GPTDataset's indices: the index file (path, size, time), the
+// documents, the samples, seq_len and seed.
+std::string index_description(const TokenStream& s, int64_t begin, int64_t end,
+                              std::optional<int64_t> samples, int64_t seq_len, uint32_t seed) {
+  const std::string bin = s.files[0], idx = bin.substr(0, bin.size() - 4) + ".idx";
+  struct stat st {};
+  ::stat(idx.c_str(), &st);
+  nlohmann::json j = {
+      {"tessel_gpt_index", 1},
+      {"idx", std::filesystem::weakly_canonical(idx).string()},
+      {"idx_bytes", static_cast<int64_t>(st.st_size)},
+      {"idx_mtime_ns", static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec},
+      {"documents", {begin, end}},
+      {"samples", samples ? nlohmann::json(*samples) : nlohmann::json()},
+      {"seq_len", seq_len},
+      {"seed", seed}};
+  return j.dump();
+}
+
 // A dataset's samples of one split in data.order tessel: the windows of stream positions
 // [begin, end).
 Source tessel_source(const Named& n, std::shared_ptr<const TokenStream> stream, int64_t begin,
@@ -95,16 +128,24 @@ Source megatron_source(const Named& n, std::shared_ptr<const TokenStream> stream
   src.end = unit_start(*src.stream, end);
   src.seq_len = c.training.seq_len;
   src.sizes = src.stream->megatron_sizes();
+  const auto t0 = std::chrono::steady_clock::now();
   try {
-    src.index = std::make_shared<const GptIndex>(build_gpt_index(
-        src.sizes, begin, end, samples, src.seq_len, static_cast<uint32_t>(c.run.seed)));
+    const auto seed = static_cast<uint32_t>(c.run.seed);
+    src.index = std::make_shared<const MappedIndex>(cached_index(
+        index_folder(c.data, *src.stream),
+        index_description(*src.stream, begin, end, samples, src.seq_len, seed),
+        [&] { return build_gpt_index(src.sizes, begin, end, samples, src.seq_len, seed); }));
   } catch (const std::invalid_argument& e) {
     throw plan::UserError(
         fmt::format("{}: the {} split of {} (documents {} to {} of {}{}): {}", n.key, split_name(s),
                     src.name, begin, end, src.stream->documents(),
                     c.data.split.empty() ? "" : ", data.split " + c.data.split, e.what()));
   }
-  src.samples = src.index->size();
+  src.samples = src.index->view.size();
+  spdlog::info("data: {} {} split: {} samples, indices {} in {:.2f} s: {}", n.key, split_name(s),
+               src.samples, src.index->built ? "built" : "mapped",
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+               src.index->path);
   return src;
 }
 
@@ -188,8 +229,9 @@ void Source::pieces(int64_t k, std::vector<Piece>& out) {
     out.push_back({begin + window(k) * seq_len, seq_len + 1});
     return;
   }
-  gpt_sample(*index, sizes, k, doc_pieces_);
-  for (const auto& p : doc_pieces_) out.push_back({stream->doc_start(p.document) + p.offset, p.tokens});
+  gpt_sample(index->view, sizes, k, doc_pieces_);
+  for (const auto& p : doc_pieces_)
+    out.push_back({stream->doc_start(p.document) + p.offset, p.tokens});
 }
 
 }  // namespace tessel::data
@@ -255,8 +297,7 @@ Dataset::Dataset(const plan::Config& c)
     std::vector<double> own;
     for (const auto& n : named(d, s)) {
       const auto stream = open_named(d, n);
-      auto src = megatron ? megatron_source(n, stream, s, 0,
-                                            stream->documents(), std::nullopt, c)
+      auto src = megatron ? megatron_source(n, stream, s, 0, stream->documents(), std::nullopt, c)
                           : tessel_source(n, stream, 0, stream->size(), c);
       require_samples(src, s, d, true);
       split_[index(s)].push_back(std::move(src));

@@ -21,6 +21,7 @@
 #include "engine/data/blend.h"
 #include "engine/data/data.h"
 #include "engine/data/gpt_index.h"
+#include "engine/data/index_cache.h"
 
 namespace tessel::data {
 
@@ -49,7 +50,7 @@ class Source {
   bool shuffle = false;
   int64_t seed = 0, seq_len = 0;
   // megatron order
-  std::shared_ptr<const GptIndex> index;
+  std::shared_ptr<const MappedIndex> index;
   DocSizes sizes;  // its stream's document lengths (mapped)
 
  private:

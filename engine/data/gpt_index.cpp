@@ -48,9 +48,8 @@ std::vector<int32_t> document_index(int64_t begin, int64_t end, int64_t epochs,
 }
 
 // Megatron-Core's build_sample_idx (the last partial sample dropped, one extra token per sample).
-std::vector<int64_t> sample_index(const DocSizes& sizes,
-                                  const std::vector<int32_t>& docs, int64_t seq_len, int64_t epochs,
-                                  int64_t tokens_per_epoch) {
+std::vector<int64_t> sample_index(const DocSizes& sizes, const std::vector<int32_t>& docs,
+                                  int64_t seq_len, int64_t epochs, int64_t tokens_per_epoch) {
   const int64_t samples = (epochs * tokens_per_epoch - 1) / seq_len;
   std::vector<int64_t> starts(static_cast<size_t>(2 * (samples + 1)));
   int64_t at = 0, offset = 0;
@@ -175,14 +174,19 @@ GptIndex build_gpt_index(const DocSizes& sizes, int64_t begin, int64_t end,
   return ix;
 }
 
-void gpt_sample(const GptIndex& ix, const DocSizes& sizes, int64_t k,
-                std::vector<DocPiece>& out) {
+GptView view_of(const GptIndex& ix) {
+  return {ix.documents.data(), ix.starts.data(),
+          ix.order.data(),     static_cast<int64_t>(ix.documents.size()),
+          ix.size(),           ix.epochs};
+}
+
+void gpt_sample(const GptView& ix, const DocSizes& sizes, int64_t k, std::vector<DocPiece>& out) {
   out.clear();
-  const auto s = static_cast<size_t>(ix.order[static_cast<size_t>(k)]);
+  const auto s = ix.order[k];
   const int64_t d0 = ix.starts[2 * s], o0 = ix.starts[2 * s + 1];
   const int64_t d1 = ix.starts[2 * s + 2], o1 = ix.starts[2 * s + 3];
   for (int64_t i = d0; i <= d1; ++i) {
-    const int64_t doc = ix.documents[static_cast<size_t>(i)];
+    const int64_t doc = ix.documents[i];
     const int64_t offset = i == d0 ? o0 : 0;
     const int64_t tokens = i < d1 ? sizes[doc] - offset : o1 + 1 - offset;
     out.push_back({doc, offset, tokens});

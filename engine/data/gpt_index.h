@@ -5,8 +5,8 @@
 #pragma once
 
 #include <array>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <random>
 #include <utility>
@@ -76,11 +76,20 @@ struct GptIndex {
 GptIndex build_gpt_index(const DocSizes& sizes, int64_t begin, int64_t end,
                          std::optional<int64_t> samples, int64_t seq_len, uint32_t seed);
 
+/// The same indices read in place (built, or mapped from the cache: engine/data/index_cache.h).
+struct GptView {
+  const int32_t* documents = nullptr;
+  const int64_t* starts = nullptr;
+  const int64_t* order = nullptr;
+  int64_t n_documents = 0, n_samples = 0, epochs = 0;
+  int64_t size() const { return n_samples; }
+};
+GptView view_of(const GptIndex& ix);
+
 /// Sample k's pieces: (document, offset, tokens) in reading order, seq_len+1 tokens in all.
 struct DocPiece {
   int64_t document, offset, tokens;
 };
-void gpt_sample(const GptIndex& ix, const DocSizes& sizes, int64_t k,
-                std::vector<DocPiece>& out);
+void gpt_sample(const GptView& ix, const DocSizes& sizes, int64_t k, std::vector<DocPiece>& out);
 
 }  // namespace tessel::data

@@ -118,8 +118,7 @@ void add_megatron(TokenStream& s, const std::string& prefix) {
   if (contiguous) {
     const int64_t base = s.size();
     if (next) s.add(Span{bytes, static_cast<int64_t>(next) / elem, elem, h.is_signed, file, 0});
-    s.add_megatron_docs(static_cast<int64_t>(h.n_seq), base,
-                        reinterpret_cast<const uint8_t*>(ptrs),
+    s.add_megatron_docs(static_cast<int64_t>(h.n_seq), base, reinterpret_cast<const uint8_t*>(ptrs),
                         reinterpret_cast<const uint8_t*>(lens), elem);
   } else {  // sequences anywhere in the file: a span each
     std::vector<int64_t> starts;

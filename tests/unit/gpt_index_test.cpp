@@ -3,9 +3,14 @@
 // tests/reference/megatron_samples_test.py).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <numeric>
 
 #include "engine/data/gpt_index.h"
+#include "engine/data/index_cache.h"
 
 namespace tessel::data {
 namespace {
@@ -64,7 +69,7 @@ TEST(GptIndex, SamplesCoverTheDocumentsEpochByEpoch) {
   EXPECT_EQ(one.size(), (47 - 1) / seq);
   std::vector<DocPiece> pieces;
   for (int64_t k = 0; k < one.size(); ++k) {
-    gpt_sample(one, sizes, k, pieces);
+    gpt_sample(view_of(one), sizes, k, pieces);
     int64_t tokens = 0;
     for (const auto& p : pieces) {
       EXPECT_GE(p.document, 2);
@@ -80,6 +85,49 @@ TEST(GptIndex, SamplesCoverTheDocumentsEpochByEpoch) {
   const int64_t before_last = (2 * 47 - 1) / seq;  // 11: shuffled apart from the last epoch's
   for (int64_t k = 0; k < before_last; ++k) EXPECT_LT(three.order[static_cast<size_t>(k)], 11);
   EXPECT_THROW(build_gpt_index(sizes, 5, 6, 4, seq, 3), std::invalid_argument);  // 1 token
+}
+
+// Built once, mapped after; a damaged, truncated or foreign file is rebuilt, never trusted.
+TEST(GptIndex, CacheBuildsOnceAndChecksOnReuse) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("tessel-index-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const std::vector<int32_t> lens = {5, 9, 3, 12, 7, 1, 8, 6, 10, 4};
+  const DocSizes sizes{reinterpret_cast<const uint8_t*>(lens.data()), 10};
+  int builds = 0;
+  auto build = [&] {
+    ++builds;
+    return build_gpt_index(sizes, 0, 10, 20, 8, 7);
+  };
+  const auto want = build_gpt_index(sizes, 0, 10, 20, 8, 7);
+  auto same = [&](const MappedIndex& m) {
+    ASSERT_EQ(m.view.size(), want.size());
+    for (int64_t k = 0; k < want.size(); ++k) EXPECT_EQ(m.view.order[k], want.order[k]);
+    for (size_t i = 0; i < want.starts.size(); ++i) EXPECT_EQ(m.view.starts[i], want.starts[i]);
+    for (size_t i = 0; i < want.documents.size(); ++i)
+      EXPECT_EQ(m.view.documents[i], want.documents[i]);
+  };
+  const auto a = cached_index(dir.string(), "{\"x\": 1}", build);
+  EXPECT_TRUE(a.built);
+  same(a);
+  const auto b = cached_index(dir.string(), "{\"x\": 1}", build);
+  EXPECT_FALSE(b.built);
+  same(b);
+  EXPECT_EQ(builds, 1);
+  // One flipped byte in the arrays, then a truncated file: each rebuilt.
+  const std::string path = a.path;
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');
+  }
+  EXPECT_TRUE(cached_index(dir.string(), "{\"x\": 1}", build).built);
+  std::filesystem::resize_file(path, std::filesystem::file_size(path) - 8);
+  same(cached_index(dir.string(), "{\"x\": 1}", build));
+  EXPECT_EQ(builds, 3);
+  // Other settings: another file.
+  EXPECT_NE(cached_index(dir.string(), "{\"x\": 2}", build).path, path);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

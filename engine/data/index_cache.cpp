@@ -1,0 +1,182 @@
+#include "engine/data/index_cache.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "core/plan/user_error.h"
+#include "engine/data/files.h"
+
+namespace tessel::data {
+namespace {
+
+constexpr char kMagic[9] = "TSLGPTX1";
+struct Header {
+  char magic[8];
+  int64_t desc_bytes, n_documents, n_samples, epochs;
+  uint64_t checksum;
+};
+
+int64_t pad8(int64_t n) { return (n + 7) / 8 * 8; }
+
+// Byte offsets of the arrays after the header and description.
+struct Layout {
+  int64_t documents, starts, order, end;
+};
+Layout layout_of(const Header& h) {
+  Layout l{};
+  l.documents = static_cast<int64_t>(sizeof(Header)) + pad8(h.desc_bytes);
+  l.starts = l.documents + pad8(4 * h.n_documents);
+  l.order = l.starts + 16 * (h.n_samples + 1);
+  l.end = l.order + 8 * h.n_samples;
+  return l;
+}
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// The three arrays' checksums, combined (each read where it lies: no copy to write or check).
+uint64_t arrays_checksum(const void* documents, int64_t n_documents, const void* starts,
+                         const void* order, int64_t n_samples) {
+  const uint64_t a = index_checksum(documents, static_cast<size_t>(4 * n_documents));
+  const uint64_t b = index_checksum(starts, static_cast<size_t>(16 * (n_samples + 1)));
+  const uint64_t c = index_checksum(order, static_cast<size_t>(8 * n_samples));
+  return a ^ (b << 1 | b >> 63) ^ (c << 2 | c >> 62);
+}
+
+// The mapped file `path` if it holds `description` whole and intact; else "" and why.
+MappedIndex try_map(const std::string& path, const std::string& description, std::string& why) {
+  MappedIndex m;
+  std::shared_ptr<Mapping> map;
+  try {
+    map = map_file(path);
+  } catch (const plan::UserError& e) {
+    why = e.what();
+    return m;
+  }
+  Header h{};
+  if (map->size < sizeof(Header)) return why = "shorter than its header", m;
+  std::memcpy(&h, map->ptr, sizeof(Header));
+  const auto* base = static_cast<const uint8_t*>(map->ptr);
+  if (std::memcmp(h.magic, kMagic, 8) != 0) return why = "not a Tessel index file", m;
+  const Layout l = layout_of(h);
+  if (h.desc_bytes < 0 || h.n_documents < 0 || h.n_samples < 0 ||
+      static_cast<uint64_t>(l.end) != map->size)
+    return why = fmt::format("{} bytes where its header says {}", map->size, l.end), m;
+  if (std::string(reinterpret_cast<const char*>(base + sizeof(Header)),
+                  static_cast<size_t>(h.desc_bytes)) != description)
+    return why = "made for other data or settings (its description differs)", m;
+  if (arrays_checksum(base + l.documents, h.n_documents, base + l.starts, base + l.order,
+                      h.n_samples) != h.checksum)
+    return why = "its arrays fail their checksum (damaged)", m;
+  m.view = {reinterpret_cast<const int32_t*>(base + l.documents),
+            reinterpret_cast<const int64_t*>(base + l.starts),
+            reinterpret_cast<const int64_t*>(base + l.order),
+            h.n_documents,
+            h.n_samples,
+            h.epochs};
+  m.storage = map;
+  return m;
+}
+
+void write_index(const std::string& path, const std::string& description, const GptIndex& ix) {
+  Header h{};
+  std::memcpy(h.magic, kMagic, 8);
+  h.desc_bytes = static_cast<int64_t>(description.size());
+  h.n_documents = static_cast<int64_t>(ix.documents.size());
+  h.n_samples = ix.size();
+  h.epochs = ix.epochs;
+  h.checksum = arrays_checksum(ix.documents.data(), h.n_documents, ix.starts.data(),
+                               ix.order.data(), h.n_samples);
+  const std::string tmp = fmt::format("{}.tmp.{}.{}", path, ::getpid(), std::random_device{}());
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    const std::vector<char> zeros(8, 0);
+    auto put = [&](const void* p, int64_t n) {
+      f.write(static_cast<const char*>(p), static_cast<std::streamsize>(n));
+      f.write(zeros.data(), static_cast<std::streamsize>(pad8(n) - n));
+    };
+    f.write(reinterpret_cast<const char*>(&h), sizeof(h));
+    put(description.data(), h.desc_bytes);
+    put(ix.documents.data(), 4 * h.n_documents);
+    put(ix.starts.data(), 8 * static_cast<int64_t>(ix.starts.size()));
+    put(ix.order.data(), 8 * h.n_samples);
+    f.close();
+    if (!f) {
+      std::filesystem::remove(tmp);
+      throw plan::UserError(
+          fmt::format("data.index_cache: cannot write {}: {}", tmp, std::strerror(errno)));
+    }
+  }
+  std::filesystem::rename(tmp, path);  // whole, or not there
+}
+
+}  // namespace
+
+uint64_t index_checksum(const void* p, size_t n) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  uint64_t h[4] = {0x9e3779b97f4a7c15ull, 0xbf58476d1ce4e5b9ull, 0x94d049bb133111ebull, 1};
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32)  // four independent lanes
+    for (int k = 0; k < 4; ++k) {
+      uint64_t w;
+      std::memcpy(&w, b + i + 8 * k, 8);
+      h[k] = (h[k] ^ w) * 0x100000001b3ull;
+    }
+  uint64_t out = h[0] ^ (h[1] << 1) ^ (h[2] << 2) ^ (h[3] << 3);
+  for (; i < n; ++i) out = (out ^ b[i]) * 0x100000001b3ull;
+  return out ^ n;
+}
+
+MappedIndex cached_index(const std::string& folder, const std::string& description,
+                         const std::function<GptIndex()>& build) {
+  std::error_code ec;
+  std::filesystem::create_directories(folder, ec);
+  if (ec || ::access(folder.c_str(), W_OK) != 0)
+    throw plan::UserError(fmt::format(
+        "data.index_cache: cannot write the sample indices to {} ({}): set data.index_cache to "
+        "a writable folder (it is shared by runs over the same data)",
+        folder, ec ? ec.message() : std::strerror(errno)));
+  const std::string path = fmt::format("{}/gpt-{:016x}.tix", folder, fnv1a(description));
+  std::string why = "not built yet";
+  if (auto m = try_map(path, description, why); m.storage) {
+    m.path = path;
+    return m;
+  }
+  // One builder at a time where the file system locks (a node's ranks): the others wait, then
+  // find the file. Where it does not, each builds and renames the same bytes into place.
+  struct Lock {
+    int fd;
+    ~Lock() {
+      if (fd >= 0) ::close(fd);  // releases it
+    }
+  } lock{::open((path + ".lock").c_str(), O_CREAT | O_RDWR, 0644)};
+  if (lock.fd >= 0) ::flock(lock.fd, LOCK_EX);
+  MappedIndex m = try_map(path, description, why);
+  if (!m.storage) {
+    if (why.find("No such file") == std::string::npos && why != "not built yet")
+      spdlog::warn("data.index_cache: {}: {}; rebuilding it", path, why);
+    write_index(path, description, build());
+    m = try_map(path, description, why);
+    m.built = true;
+  }
+  if (!m.storage) throw std::runtime_error(path + ": written and unreadable: " + why);
+  m.path = path;
+  return m;
+}
+
+}  // namespace tessel::data
