@@ -191,6 +191,20 @@ class Validator {
             "data.test names test datasets of their own, and data.split '" + d.split +
                 "' also holds a test share out of the training data: give one");
     const bool megatron = d.order == DataOrder::kMegatron;
+    require(shares[0] > 0, "data.split",
+            "data.split '" + d.split +
+                "' gives training no share: its first number is the "
+                "training data's");
+    for (const auto* list : {&d.blend, &d.valid, &d.test})
+      for (size_t i = 0; megatron && i < list->size(); ++i)
+        require((*list)[i].path.size() == 1, "data.order",
+                fmt::format("{} item {} lists {} prefixes: data.order megatron reads one prefix "
+                            "per dataset, as Megatron's --data-path (give each its own item "
+                            "and weight)",
+                            list == &d.blend   ? "data.blend"
+                            : list == &d.valid ? "data.valid"
+                                               : "data.test",
+                            i + 1, (*list)[i].path.size()));
     require(!megatron || d.format == DataFormat::kMegatron, "data.order",
             "data.order megatron reads Megatron-Core's samples of Megatron indexed datasets: "
             "data.format must be megatron (it is " +

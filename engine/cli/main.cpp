@@ -375,8 +375,8 @@ int run_samples(int argc, char** argv) {
   std::vector<std::string> sets;
   app.add_option("config", config, "YAML plan (data.*, run.seed, training.seq_len)")->required();
   app.add_option("--split", split,
-                 "train; valid (the rows each evaluation reads, dataset by dataset); or test "
-                 "(every test sample of each dataset in turn)")
+                 "train; valid or test: each of the split's datasets' samples in turn (an "
+                 "evaluation reads the first eval_batches x global_batch of each)")
       ->check(CLI::IsMember({"train", "valid", "test"}))
       ->capture_default_str();
   app.add_option("--count", count, "Samples to write")

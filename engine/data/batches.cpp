@@ -88,7 +88,7 @@ torch::Tensor Dataset::split_batch(SampleSplit s, int64_t d, int64_t first, int6
 
 int64_t write_samples(const plan::Config& c, SampleSplit split, int64_t skip, int64_t count,
                       const std::string& out) {
-  Dataset data(c);
+  Dataset data(c, {split});
   const auto& sets = data.sources(split);
   if (split != SampleSplit::kTrain && sets.empty())
     throw plan::UserError(fmt::format(
@@ -96,22 +96,16 @@ int64_t write_samples(const plan::Config& c, SampleSplit split, int64_t skip, in
         split == SampleSplit::kValid ? "validation" : "test",
         split == SampleSplit::kValid ? "valid" : "test",
         split == SampleSplit::kValid ? " (or data.val_fraction)" : ""));
-  // Validation: what each evaluation reads, dataset by dataset; test: each dataset's samples.
-  const int64_t eval_rows = c.training.eval_batches * c.training.global_batch;
-  int64_t test_total = 0;
-  for (const auto& s : sets) test_total += s.samples;
+  // Validation and test: each dataset's samples in turn, wrapping (an evaluation reads the first
+  // eval_batches x global_batch of each validation dataset).
+  int64_t total = 0;
+  for (const auto& s : sets) total += s.samples;
   auto batch = [&](int64_t first, int64_t n) {
     if (split == SampleSplit::kTrain) return data.train_batch(first, n);
     std::vector<torch::Tensor> parts;
     for (int64_t p = first; p < first + n; ++p) {
-      int64_t d = 0, r = 0;
-      if (split == SampleSplit::kValid) {
-        d = (p / eval_rows) % static_cast<int64_t>(sets.size()), r = p % eval_rows;
-      } else {
-        r = p % test_total;
-        while (r >= sets[static_cast<size_t>(d)].samples)
-          r -= sets[static_cast<size_t>(d++)].samples;
-      }
+      int64_t d = 0, r = p % total;
+      while (r >= sets[static_cast<size_t>(d)].samples) r -= sets[static_cast<size_t>(d++)].samples;
       parts.push_back(data.split_batch(split, d, r, 1));
     }
     return torch::cat(parts);

@@ -8,9 +8,14 @@
 
 namespace tessel::data {
 
-Blend::Blend(std::vector<double> weights) : weights_(std::move(weights)) {
+Blend::Blend(std::vector<double> weights, bool numpy_sum) : weights_(std::move(weights)) {
   if (weights_.empty()) throw std::invalid_argument("blend: no datasets");
-  weights_ = numpy_normalize(std::move(weights_));  // as Megatron-Core's BlendedDataset
+  if (numpy_sum) {
+    weights_ = numpy_normalize(std::move(weights_));
+  } else {
+    const double sum = std::accumulate(weights_.begin(), weights_.end(), 0.0);
+    for (auto& w : weights_) w /= sum;
+  }
   taken_.assign(weights_.size(), 0);
 }
 

@@ -14,8 +14,9 @@ namespace tessel::data {
 
 class Blend {
  public:
-  /// `weights`: positive, normalised here.
-  explicit Blend(std::vector<double> weights);
+  /// `weights`: positive, normalised here (by their running sum; by numpy's pairwise sum, as
+  /// Megatron-Core's BlendedDataset, when `numpy_sum`).
+  explicit Blend(std::vector<double> weights, bool numpy_sum = false);
   size_t size() const { return weights_.size(); }
   const std::vector<double>& weights() const { return weights_; }
   /// Global sample `pos`: {dataset, that dataset's sample index}. Sequential positions cost O(1)

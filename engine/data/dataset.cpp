@@ -14,6 +14,7 @@
 #include <spdlog/spdlog.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 
 #include "core/plan/data_split.h"
@@ -189,7 +190,9 @@ void check_token_ids(const plan::Config& c, int64_t rank, int64_t world) {
       } catch (const plan::UserError& e) {
         const std::string what = e.what();
         if (n.key == "data.path") throw;
-        throw plan::UserError(n.key + what.substr(what.find(':')));
+        const size_t colon = what.find(':');
+        throw plan::UserError(n.key +
+                              (colon == std::string::npos ? ": " + what : what.substr(colon)));
       }
     }
 }
@@ -229,6 +232,8 @@ void Source::pieces(int64_t k, std::vector<Piece>& out) {
     out.push_back({begin + window(k) * seq_len, seq_len + 1});
     return;
   }
+  if (k < 0 || k >= samples)
+    throw std::logic_error(fmt::format("{}: sample {} of {} indexed", name, k, samples));
   gpt_sample(index->view, sizes, k, doc_pieces_);
   for (const auto& p : doc_pieces_)
     out.push_back({stream->doc_start(p.document) + p.offset, p.tokens});
@@ -259,7 +264,7 @@ void require_samples(const Source& src, SampleSplit s, const plan::DataConfig& d
 
 }  // namespace
 
-Dataset::Dataset(const plan::Config& c)
+Dataset::Dataset(const plan::Config& c, const std::vector<SampleSplit>& splits)
     : blend_(std::vector<double>{1.0}), seq_len_(c.training.seq_len), vocab_(c.model.vocab_size) {
   const auto& d = c.data;
   const bool megatron = d.order == plan::DataOrder::kMegatron;
@@ -269,10 +274,14 @@ Dataset::Dataset(const plan::Config& c)
   // Megatron-Core builds each dataset of a weighted blend for its share of the run, plus 0.5%.
   const auto built = blend_dataset_sizes(normal, run, /*surplus=*/true);
   const SampleSplit all[] = {SampleSplit::kTrain, SampleSplit::kValid, SampleSplit::kTest};
+  auto wanted = [&](SampleSplit s) {
+    return std::find(splits.begin(), splits.end(), s) != splits.end();
+  };
   for (size_t i = 0; i < train.size(); ++i) {
     const auto stream = open_named(d, train[i]);
     for (auto s : all) {
       if (s != SampleSplit::kTrain && !named(d, s).empty()) continue;  // its own datasets
+      if (s != SampleSplit::kTrain && !wanted(s)) continue;
       const auto r = cut(d, *stream, s, megatron);
       if (!r) continue;
       Source src;
@@ -296,8 +305,14 @@ Dataset::Dataset(const plan::Config& c)
   for (auto s : {SampleSplit::kValid, SampleSplit::kTest}) {
     std::vector<double> own;
     for (const auto& n : named(d, s)) {
+      if (!wanted(s)) break;
       const auto stream = open_named(d, n);
-      auto src = megatron ? megatron_source(n, stream, s, 0, stream->documents(), std::nullopt, c)
+      // Validation sized for one evaluation's rows, as data.split's; test one epoch.
+      const std::optional<int64_t> want =
+          s == SampleSplit::kValid
+              ? std::optional<int64_t>(c.training.eval_batches * c.training.global_batch)
+              : std::nullopt;
+      auto src = megatron ? megatron_source(n, stream, s, 0, stream->documents(), want, c)
                           : tessel_source(n, stream, 0, stream->size(), c);
       require_samples(src, s, d, true);
       split_[index(s)].push_back(std::move(src));
@@ -318,9 +333,10 @@ void Dataset::set_blend(const plan::Config& c, const std::vector<double>& normal
     return;
   }
   if (!c.data.blend.empty()) {  // Megatron-Core's BlendedDataset: of the run's size per weight
-    blend_ = Blend(normal);     // normalised again, as BlendedDataset does
+    blend_ = Blend(normal, /*numpy_sum=*/true);  // normalised again, as BlendedDataset does
     train_limit_ = 0;
     for (int64_t n : blend_dataset_sizes(normal, run, /*surplus=*/false)) train_limit_ += n;
+    check_blend_fits(train);
     return;
   }
   if (train.size() == 1) {
@@ -339,9 +355,22 @@ void Dataset::set_blend(const plan::Config& c, const std::vector<double>& normal
         "training.steps {} x training.global_batch {} = {} are needed; give data.blend weights "
         "(each dataset is then repeated as its share needs) or fewer steps",
         train.size(), total, c.training.steps, c.training.global_batch, run));
-  blend_ = Blend(by_size);
+  blend_ = Blend(by_size, /*numpy_sum=*/true);
   weights_[index(SampleSplit::kTrain)] = blend_.weights();
   train_limit_ = run;
+  check_blend_fits(train);
+}
+
+// Megatron-Core's BlendedDataset refuses a blend that asks a dataset for more samples than it
+// built (its surplus makes room); so does Tessel, before any work.
+void Dataset::check_blend_fits(const std::vector<Source>& train) {
+  const auto taken = blend_.taken(train_limit_);
+  for (size_t d = 0; d < train.size(); ++d)
+    if (taken[d] > train[d].samples)
+      throw plan::UserError(fmt::format(
+          "{}: the blend asks {} samples of {}, which holds {} (Megatron-Core refuses this "
+          "too: its 0.5% surplus was not enough)",
+          train[d].key, taken[d], train[d].name, train[d].samples));
 }
 
 }  // namespace tessel::data

@@ -68,7 +68,10 @@ void check_token_ids(const plan::Config& c, int64_t rank, int64_t world);
 
 class Dataset {
  public:
-  explicit Dataset(const plan::Config& c);
+  /// The training samples and those of `splits` (a split no one reads is not built: a plan whose
+  /// test share is too small to hold a sample still trains).
+  explicit Dataset(const plan::Config& c, const std::vector<SampleSplit>& splits = {
+                                              SampleSplit::kValid, SampleSplit::kTest});
   /// A split's datasets (none for a split the plan holds no data for) and their normalised
   /// weights.
   const std::vector<Source>& sources(SampleSplit s) const { return split_[index(s)]; }
@@ -97,6 +100,7 @@ class Dataset {
  private:
   static size_t index(SampleSplit s) { return static_cast<size_t>(s); }
   void set_blend(const plan::Config& c, const std::vector<double>& normal);
+  void check_blend_fits(const std::vector<Source>& train);
   torch::Tensor rows(const std::vector<std::pair<Source*, int64_t>>& at, int64_t first_label);
 
   std::vector<Source> split_[3];
@@ -108,9 +112,9 @@ class Dataset {
 
 /// Writes samples [skip, skip + count) of `split`, in the order a run of plan `c` consumes them,
 /// to `out` as little-endian int32, seq_len + 1 tokens per sample (the inputs and the next-token
-/// labels). Training: the global batch order, before any rank's share. Validation: what every
-/// evaluation reads, dataset by dataset (training.eval_batches × global_batch rows of each).
-/// Test: every test sample of each dataset in turn. Written beside and renamed, never
+/// labels). Training: the global batch order, before any rank's share. Validation and test: each
+/// dataset's samples in turn (an evaluation reads the first training.eval_batches ×
+/// global_batch of each validation dataset). Written beside and renamed, never
 /// half-written. Returns the samples written. UserError for a split the plan has none of, naming
 /// the keys.
 int64_t write_samples(const plan::Config& c, SampleSplit split, int64_t skip, int64_t count,

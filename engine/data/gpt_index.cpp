@@ -149,7 +149,9 @@ GptIndex build_gpt_index(const DocSizes& sizes, int64_t begin, int64_t end,
                          std::optional<int64_t> samples, int64_t seq_len, uint32_t seed) {
   int64_t per_epoch = 0;
   for (int64_t d = begin; d < end; ++d) per_epoch += sizes[d];
-  if (per_epoch < seq_len + 1)
+  // Megatron-Core repeats a short split as many epochs as the samples need; with no sample count
+  // (one epoch), or no tokens at all (where it loops forever), there is nothing to read.
+  if (per_epoch < 2 || (!samples && per_epoch < seq_len + 1))
     throw std::invalid_argument(
         std::to_string(end - begin) + " documents hold " + std::to_string(per_epoch) +
         " tokens: not one sample of training.seq_len+1 = " + std::to_string(seq_len + 1) +

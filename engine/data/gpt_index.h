@@ -71,8 +71,9 @@ struct GptIndex {
   int64_t size() const { return static_cast<int64_t>(order.size()); }
 };
 
-/// Sizes: document d's tokens. Throws std::invalid_argument when the documents hold fewer than
-/// seq_len+1 tokens (Megatron-Core loops forever there; callers say which split and dataset).
+/// Sizes: document d's tokens. Throws std::invalid_argument when the documents hold under 2
+/// tokens (Megatron-Core loops forever there), or, for one epoch, under seq_len+1 (no sample);
+/// callers say which split and dataset.
 GptIndex build_gpt_index(const DocSizes& sizes, int64_t begin, int64_t end,
                          std::optional<int64_t> samples, int64_t seq_len, uint32_t seed);
 

@@ -73,9 +73,12 @@ MappedIndex try_map(const std::string& path, const std::string& description, std
   std::memcpy(&h, map->ptr, sizeof(Header));
   const auto* base = static_cast<const uint8_t*>(map->ptr);
   if (std::memcmp(h.magic, kMagic, 8) != 0) return why = "not a Tessel index file", m;
+  const auto size = static_cast<int64_t>(map->size);  // bounds each count before any product
+  if (h.desc_bytes < 0 || h.n_documents < 0 || h.n_samples < 0 || h.desc_bytes > size ||
+      h.n_documents > size / 4 || h.n_samples > size / 16)
+    return why = "a damaged header", m;
   const Layout l = layout_of(h);
-  if (h.desc_bytes < 0 || h.n_documents < 0 || h.n_samples < 0 ||
-      static_cast<uint64_t>(l.end) != map->size)
+  if (static_cast<uint64_t>(l.end) != map->size)
     return why = fmt::format("{} bytes where its header says {}", map->size, l.end), m;
   if (std::string(reinterpret_cast<const char*>(base + sizeof(Header)),
                   static_cast<size_t>(h.desc_bytes)) != description)
@@ -122,7 +125,13 @@ void write_index(const std::string& path, const std::string& description, const 
           fmt::format("data.index_cache: cannot write {}: {}", tmp, std::strerror(errno)));
     }
   }
-  std::filesystem::rename(tmp, path);  // whole, or not there
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);  // whole, or not there
+  if (ec) {
+    std::filesystem::remove(tmp);
+    throw plan::UserError(
+        fmt::format("data.index_cache: cannot rename {} to {}: {}", tmp, path, ec.message()));
+  }
 }
 
 }  // namespace
@@ -174,7 +183,9 @@ MappedIndex cached_index(const std::string& folder, const std::string& descripti
     m = try_map(path, description, why);
     m.built = true;
   }
-  if (!m.storage) throw std::runtime_error(path + ": written and unreadable: " + why);
+  if (!m.storage)
+    throw plan::UserError(
+        fmt::format("data.index_cache: {} was written and reads back wrong: {}", path, why));
   m.path = path;
   return m;
 }

@@ -274,7 +274,8 @@ std::string blend_lines(const plan::Config& c) {
   if (d.blend.empty()) return out;
   // data.order megatron blends as Megatron-Core: its weights normalised twice (builder, blend).
   const auto given = data::blend_weights(d);
-  data::Blend blend(d.order == plan::DataOrder::kMegatron ? data::numpy_normalize(given) : given);
+  const bool megatron = d.order == plan::DataOrder::kMegatron;
+  data::Blend blend(megatron ? data::numpy_normalize(given) : given, megatron);
   const int64_t samples = c.training.steps * c.training.global_batch;
   const auto taken = blend.taken(samples);
   out += fmt::format(

@@ -281,7 +281,7 @@ std::vector<int64_t> generate(models::Decoder& model, const plan::Config& c,
 
 SplitScore score_split(const plan::Config& c, const std::string& weights, data::SampleSplit split,
                        int64_t max_rows) {
-  data::Dataset data(c);
+  data::Dataset data(c, {split});
   const auto& sets = data.sources(split);
   if (sets.empty())
     throw plan::UserError(fmt::format(

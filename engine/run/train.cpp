@@ -42,7 +42,9 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   } else {
     spdlog::set_level(spdlog::level::warn);  // rank 0 reports for everyone
   }
-  data_ = std::make_unique<data::Dataset>(c_);
+  // The test split is score's: a run never reads it.
+  data_ = std::make_unique<data::Dataset>(
+      c_, std::vector<data::SampleSplit>{data::SampleSplit::kValid});
   {
     auto st = parallelize(c_, *mesh_, device_, dtype_);
     model_ = std::move(st.model);

@@ -156,7 +156,8 @@ void Trainer::log_step(int64_t step, StepOut& out) {
        consumed_ * c_.training.seq_len,
        elapsed,
        moe,
-       data_->sources().size() == 1 ? std::vector<int64_t>{} : data_->taken(consumed_)});
+       c_.data.blend.empty() && data_->sources().size() == 1 ? std::vector<int64_t>{}
+                                                             : data_->taken(consumed_)});
 }
 
 observe::MoeFigures Trainer::moe_figures() {

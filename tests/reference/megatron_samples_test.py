@@ -70,7 +70,7 @@ class MegatronSamples(TmpDirTest):
         # it is asked samples of; Tessel refuses it, naming the dataset).
         a, b, c = (self.prefix(n, d, k) for n, d, k in (("a", 1500, 1), ("b", 900, 2), ("c", 700, 3)))
         cases = [  # weights, split, seed, seq_len, steps x global_batch
-            ([0.3, 0.5, 0.2], "94,5,1", 1234, 32, (25, 8)),
+            ([0.3, 0.5, 0.2], "969,30,1", 1234, 32, (25, 8)),
             ([1, 3], "90,8,2", 7, 16, (300, 16)),  # 4,800 samples: b's share runs past one epoch
             ([2, 1, 1], "", 99, 64, (10, 12)),
         ]

@@ -154,6 +154,15 @@ INSTANTIATE_TEST_SUITE_P(
                 "more than 3 shares"},
         BadPlan{
             "split of nothing", "data: {path: a.txt, split: '0,0'}\n", {}, "the shares sum to 0"},
+        BadPlan{"split without training",
+                "data: {path: a.txt, split: '0,1,0'}\n",
+                {},
+                "data.split '0,1,0' gives training no share"},
+        BadPlan{"megatron order's item of two prefixes",
+                "data: {format: megatron, order: megatron, blend: [{weight: 1, path: [p, q]}]}\n",
+                {},
+                "data.blend item 1 lists 2 prefixes: data.order megatron reads one prefix per "
+                "dataset"},
         BadPlan{"split and val_fraction",
                 "data: {path: a.txt, split: '98,2', val_fraction: 0.1}\n",
                 {},
