@@ -134,6 +134,33 @@ TEST_F(DataTest, SplitCutsByDocuments) {
   EXPECT_EQ(e.split_batch(SampleSplit::kValid, 0, 0, 1)[0][0].item<int64_t>(), 900 % 200);
 }
 
+// A .bin whose sequences lie back to back is one span, its documents read from the mapped index;
+// one whose sequences lie anywhere (here in reverse) is read sequence by sequence, the same way.
+TEST_F(DataTest, MegatronSequencesAnywhereInTheBin) {
+  write_megatron((dir_ / "ds").string(), {{10, 11, 12}, {13, 14}});
+  plan::Config c = plan("megatron", {(dir_ / "ds").string()}, 2);
+  const auto back_to_back = open_stream(c.data);
+  ASSERT_EQ(back_to_back.documents(), 2);
+  EXPECT_EQ(back_to_back.doc_start(1), 3);
+  EXPECT_EQ(back_to_back.megatron_sizes()[1], 2);
+  std::string idx;
+  {
+    std::ifstream in(dir_ / "ds.idx", std::ios::binary);
+    idx.assign((std::istreambuf_iterator<char>(in)), {});
+  }
+  // Pointers (after the 34-byte header and two int32 lengths): sequence 0 at byte 4 (its tokens
+  // 2..4 of the .bin), sequence 1 at byte 0; lengths 3 and 2.
+  const int64_t ptrs[2] = {4, 0};
+  idx.replace(34 + 8, 16, std::string(reinterpret_cast<const char*>(ptrs), 16));
+  write("ds.idx", idx);
+  const auto anywhere = open_stream(c.data);
+  std::vector<int64_t> got(5);
+  anywhere.read(0, 5, got.data());
+  EXPECT_EQ(got, (std::vector<int64_t>{12, 13, 14, 10, 11}));
+  EXPECT_EQ(anywhere.doc_start(1), 3);
+  EXPECT_EQ(anywhere.megatron_sizes()[0], 3);
+}
+
 TEST_F(DataTest, CorruptIndexGivesClearErrors) {
   write_megatron((dir_ / "ds").string(), {{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}});
   std::string idx;
