@@ -76,16 +76,13 @@ std::vector<int64_t> sample_index(const DocSizes& sizes, const std::vector<int32
   return starts;
 }
 
-// Megatron-Core's _build_shuffle_index: [0, first) shuffled, then [first, total) shuffled.
+// Megatron-Core's _build_shuffle_index: [0, first) shuffled, then [first, total) shuffled (in
+// place: at a trillion tokens the index is gigabytes).
 std::vector<int64_t> shuffle_index(int64_t first, int64_t total, NumpyRandomState& rs) {
-  std::vector<int64_t> a(static_cast<size_t>(first));
+  std::vector<int64_t> a(static_cast<size_t>(total));
   std::iota(a.begin(), a.end(), int64_t{0});
-  rs.shuffle(a);
-  if (first == total) return a;
-  std::vector<int64_t> b(static_cast<size_t>(total - first));
-  std::iota(b.begin(), b.end(), first);
-  rs.shuffle(b);
-  a.insert(a.end(), b.begin(), b.end());
+  rs.shuffle(a.data(), first);
+  if (first < total) rs.shuffle(a.data() + first, total - first);
   return a;
 }
 

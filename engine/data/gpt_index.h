@@ -40,10 +40,13 @@ class NumpyRandomState {
   /// A uniform integer in [0, max] (numpy's masked rejection).
   uint64_t interval(uint64_t max);
   template <class T>
+  void shuffle(T* a, int64_t n) {
+    for (int64_t i = n - 1; i > 0; --i)
+      std::swap(a[i], a[static_cast<int64_t>(interval(static_cast<uint64_t>(i)))]);
+  }
+  template <class T>
   void shuffle(std::vector<T>& a) {
-    for (int64_t i = static_cast<int64_t>(a.size()) - 1; i > 0; --i)
-      std::swap(a[static_cast<size_t>(i)],
-                a[static_cast<size_t>(interval(static_cast<uint64_t>(i)))]);
+    shuffle(a.data(), static_cast<int64_t>(a.size()));
   }
 
  private:
