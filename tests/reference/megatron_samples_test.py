@@ -130,7 +130,7 @@ class MegatronSamples(TmpDirTest):
                               "max_seq_len": 16},
                     "parallel": parallel,
                     "training": {"device": "cpu", "steps": 6, "global_batch": 4, "micro_batch": 1, "seq_len": 16,
-                                 "threads": 1},
+                                 "threads": 1, "eval_every": 3, "eval_batches": 2},
                     "data": {"format": "megatron", "order": "megatron", "split": "95,5",
                              "blend": [{"weight": 1, "path": a}, {"weight": 2, "path": b}]},
                     "logging": {"every": 1}, "checkpoint": {"every": 3}}
@@ -148,6 +148,15 @@ class MegatronSamples(TmpDirTest):
         for x, y in zip(whole[3:], tail, strict=True):
             self.assertLess(abs(x["loss"] - y["loss"]), 1e-5 * abs(x["loss"]), (whole, tail))
             self.assertEqual(x["blend_samples"], y["blend_samples"])
+        # Evaluation per dataset (data.split's validation of each) on two data ranks: the
+        # uninterrupted run's.
+        evals = [[m for m in read_metrics(self.path(r, "metrics.jsonl")) if m.get("step") == 6 and "val_loss" in m]
+                 for r in ("run", "cut")]
+        (x,), (y,) = evals
+        self.assertEqual(sorted(y["val_loss_by_dataset"]), ["data.blend item 1", "data.blend item 2"])
+        for key, loss in x["val_loss_by_dataset"].items():
+            self.assertLess(abs(loss - y["val_loss_by_dataset"][key]), 1e-5 * loss, (x, y))
+        self.assertLess(abs(x["val_loss"] - y["val_loss"]), 1e-5 * x["val_loss"])
         # A new length is a new sample order (Megatron sizes its indices by it): never silent.
         longer = plan("cut")
         longer["training"]["steps"] = 8
