@@ -6,7 +6,7 @@ import unittest
 
 import numpy as np
 
-from common import BIN, TmpDirTest, read_metrics, run, write_plan
+from common import TmpDirTest, read_metrics, resume_on_two_ranks, run, write_plan
 
 
 def text_plan(tmp, fmt, path, out):
@@ -173,20 +173,9 @@ class Blend(TmpDirTest):
         self.assertEqual([m["blend_samples"] for m in whole],
                          [self.blend_rule([1, 3], 4 * s)[1] for s in range(1, 7)])
         # An interrupted run: the checkpoint at step 3, resumed on two data ranks.
-        os.makedirs(self.path("cut", "checkpoints"))
-        shutil.copytree(self.path("run", "checkpoints", "step_3"), self.path("cut", "checkpoints", "step_3"))
-        with open(self.path("cut", "checkpoints", "latest"), "w") as f:
-            f.write("step_3\n")
         resumed = self.plan("cut")
         resumed["parallel"] = {"dp": 2}
-        again = write_plan(self.path("r.yaml"), resumed)
-        p = run("tessel-launch", "--nproc-per-node", 2, "--", os.path.join(BIN, "tessel-train"), again)
-        self.assertIn("resumed from", p.stderr + p.stdout)
-        tail = [m for m in read_metrics(self.path("cut", "metrics.jsonl")) if "loss" in m]
-        self.assertEqual([m["step"] for m in tail], [4, 5, 6])
-        for a, b in zip(whole[3:], tail, strict=True):
-            self.assertLess(abs(a["loss"] - b["loss"]), 1e-5 * abs(a["loss"]), (whole, tail))
-            self.assertEqual(a["blend_samples"], b["blend_samples"])
+        resume_on_two_ranks(self, self.path("run"), self.path("cut"), write_plan(self.path("r.yaml"), resumed), 3)
 
     def test_bad_blends_name_the_item(self):
         plan = self.plan("x")

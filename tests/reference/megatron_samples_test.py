@@ -5,13 +5,12 @@ BlendedDataset from the same .bin/.idx prefixes, weights, split, seed, sequence 
 of samples; `tessel-train samples` writes what a Tessel run of the same plan reads."""
 import logging
 import os
-import shutil
 import unittest
 import warnings
 
 import numpy as np
 
-from common import BIN, TmpDirTest, read_metrics, run, write_plan
+from common import TmpDirTest, read_metrics, resume_on_two_ranks, run, write_plan
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -135,19 +134,8 @@ class MegatronSamples(TmpDirTest):
                              "blend": [{"weight": 1, "path": a}, {"weight": 2, "path": b}]},
                     "logging": {"every": 1}, "checkpoint": {"every": 3}}
         run("tessel-train", write_plan(self.path("p.yaml"), plan("run")))
-        whole = [m for m in read_metrics(self.path("run", "metrics.jsonl")) if "loss" in m]
-        os.makedirs(self.path("cut", "checkpoints"))
-        shutil.copytree(self.path("run", "checkpoints", "step_3"), self.path("cut", "checkpoints", "step_3"))
-        with open(self.path("cut", "checkpoints", "latest"), "w") as f:
-            f.write("step_3\n")
-        again = write_plan(self.path("r.yaml"), plan("cut", dp=2))
-        p = run("tessel-launch", "--nproc-per-node", 2, "--", os.path.join(BIN, "tessel-train"), again)
-        self.assertIn("resumed from", p.stderr + p.stdout)
-        tail = [m for m in read_metrics(self.path("cut", "metrics.jsonl")) if "loss" in m]
-        self.assertEqual([m["step"] for m in tail], [4, 5, 6])
-        for x, y in zip(whole[3:], tail, strict=True):
-            self.assertLess(abs(x["loss"] - y["loss"]), 1e-5 * abs(x["loss"]), (whole, tail))
-            self.assertEqual(x["blend_samples"], y["blend_samples"])
+        resume_on_two_ranks(self, self.path("run"), self.path("cut"),
+                            write_plan(self.path("r.yaml"), plan("cut", dp=2)), 3)
         # Evaluation per dataset (data.split's validation of each) on two data ranks: the
         # uninterrupted run's.
         evals = [[m for m in read_metrics(self.path(r, "metrics.jsonl")) if m.get("step") == 6 and "val_loss" in m]

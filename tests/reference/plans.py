@@ -48,6 +48,27 @@ def read_metrics(path):
     return rows
 
 
+def resume_on_two_ranks(test, run_dir, cut_dir, plan_path, step):
+    """An interrupted run: run_dir's checkpoint at `step` as cut_dir's only one, resumed by
+    `plan_path` (which writes to cut_dir) on two processes; every later step's loss and blend
+    counts must be the uninterrupted run's (losses within 1e-5). Returns the resumed metrics."""
+    import shutil
+    os.makedirs(os.path.join(cut_dir, "checkpoints"))
+    shutil.copytree(os.path.join(run_dir, "checkpoints", f"step_{step}"),
+                    os.path.join(cut_dir, "checkpoints", f"step_{step}"))
+    with open(os.path.join(cut_dir, "checkpoints", "latest"), "w") as f:
+        f.write(f"step_{step}\n")
+    p = run("tessel-launch", "--nproc-per-node", 2, "--", os.path.join(BIN, "tessel-train"), plan_path)
+    test.assertIn("resumed from", p.stderr + p.stdout)
+    whole = [m for m in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "loss" in m]
+    tail = [m for m in read_metrics(os.path.join(cut_dir, "metrics.jsonl")) if "loss" in m]
+    test.assertEqual([m["step"] for m in tail], [m["step"] for m in whole[step:]])
+    for a, b in zip(whole[step:], tail, strict=True):
+        test.assertLess(abs(a["loss"] - b["loss"]), 1e-5 * abs(a["loss"]), (whole, tail))
+        test.assertEqual(a.get("blend_samples"), b.get("blend_samples"))
+    return tail
+
+
 def free_port():
     """A loopback port that is free now, and the next one too (for MASTER_PORT: tessel-launch's
     nodes meet at MASTER_PORT + 1; a busy neighbour failed a Slurm test with EADDRINUSE)."""
