@@ -55,7 +55,8 @@ class Source {
 
  private:
   int64_t perm_epoch_ = -1;
-  std::vector<int64_t> perm_;
+  std::vector<int64_t> perm_;    // the epoch's order, or
+  std::vector<int32_t> perm32_;  // it in 32 bits where the windows allow
   std::vector<DocPiece> doc_pieces_;
 };
 
