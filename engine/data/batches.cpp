@@ -30,12 +30,16 @@ int64_t Dataset::train_tokens() const {
   return n;
 }
 
-std::pair<int64_t, int64_t> Dataset::window_at(int64_t pos) {
+void Dataset::check_limit(int64_t pos) const {
   if (train_limit_ >= 0 && pos >= train_limit_)
     throw plan::UserError(fmt::format(
         "training sample {}: data.order megatron holds {} training samples (Megatron-Core sizes "
         "its indices for training.steps x training.global_batch samples)",
         pos, train_limit_));
+}
+
+std::pair<int64_t, int64_t> Dataset::window_at(int64_t pos) {
+  check_limit(pos);
   const auto [d, k] = blend_.at(pos);
   auto& s = split_[index(SampleSplit::kTrain)][static_cast<size_t>(d)];
   return {d, s.index ? k : s.window(k)};
@@ -72,7 +76,7 @@ torch::Tensor Dataset::train_batch(int64_t first, int64_t count) {
   std::vector<std::pair<Source*, int64_t>> at;
   auto& train = split_[index(SampleSplit::kTrain)];
   for (int64_t i = 0; i < count; ++i) {
-    if (train_limit_ >= 0) window_at(first + i);  // the bound, said as a UserError
+    check_limit(first + i);
     const auto [d, k] = blend_.at(first + i);
     at.push_back({&train[static_cast<size_t>(d)], k});
   }

@@ -54,6 +54,16 @@ std::vector<Named> named(const plan::DataConfig& d, SampleSplit s) {
   return out;
 }
 
+// An error said of data.path (what reading one dataset's files says), said of dataset `n`.
+plan::UserError rekeyed(const Named& n, const plan::UserError& e) {
+  const std::string what = e.what();
+  if (n.key == "data.path") return e;
+  const size_t colon = what.find(':');
+  return plan::UserError(n.key + (what.rfind("data.path", 0) == 0 && colon != std::string::npos
+                                      ? what.substr(colon)
+                                      : ": " + what));
+}
+
 // Dataset `n`'s stream; its errors name its key.
 std::shared_ptr<const TokenStream> open_named(const plan::DataConfig& d, const Named& n) {
   plan::DataConfig one = d;
@@ -61,10 +71,7 @@ std::shared_ptr<const TokenStream> open_named(const plan::DataConfig& d, const N
   try {
     return std::make_shared<const TokenStream>(open_stream(one));
   } catch (const plan::UserError& e) {
-    const std::string what = e.what();
-    if (n.key == "data.path") throw;
-    throw plan::UserError(
-        n.key + ": " + (what.rfind("data.path", 0) == 0 ? what.substr(what.find(':') + 2) : what));
+    throw rekeyed(n, e);
   }
 }
 
@@ -190,11 +197,7 @@ void check_token_ids(const plan::Config& c, int64_t rank, int64_t world) {
       try {
         check_stream_ids(c, *stream, rank, world);
       } catch (const plan::UserError& e) {
-        const std::string what = e.what();
-        if (n.key == "data.path") throw;
-        const size_t colon = what.find(':');
-        throw plan::UserError(n.key +
-                              (colon == std::string::npos ? ": " + what : what.substr(colon)));
+        throw rekeyed(n, e);
       }
     }
 }

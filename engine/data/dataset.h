@@ -102,6 +102,7 @@ class Dataset {
   static size_t index(SampleSplit s) { return static_cast<size_t>(s); }
   void set_blend(const plan::Config& c, const std::vector<double>& normal);
   void check_blend_fits(const std::vector<Source>& train);
+  void check_limit(int64_t pos) const;  // data.order megatron's bound, as a UserError
   torch::Tensor rows(const std::vector<std::pair<Source*, int64_t>>& at, int64_t first_label);
 
   std::vector<Source> split_[3];
