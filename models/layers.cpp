@@ -107,7 +107,7 @@ std::vector<std::pair<std::string, tp::Placement>> AttentionImpl::placements() c
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                     const torch::Tensor& sin) {
+                                     const torch::Tensor& sin, const kernels::Documents* docs) {
   auto xf = tp::enter(*tp_, x, sp_);  // [b, s, h]: one gather (SP) or copy shared by q, k, v
   const int64_t b = xf.size(0), s = xf.size(1);
   // [b, s, heads·d] -> [b, heads, s, d]
@@ -135,9 +135,10 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   // Causal within the new tokens; one new token after cached ones sees them all.
   TORCH_CHECK(qh.size(2) == kh.size(2) || qh.size(2) == 1,
               "cached attention takes a whole prompt or one token at a time");
-  auto y = cp_ ? parallel::cp::attention(*cp_, cp_method_, qh, kh, vh)
-               : kernels::dense_attention(qh, kh, vh, /*causal=*/qh.size(2) == kh.size(2),
-                                          tessel_kernels);
+  auto y = cp_    ? parallel::cp::attention(*cp_, cp_method_, qh, kh, vh, docs)
+           : docs ? kernels::document_attention(qh, kh, vh, *docs, tessel_kernels)
+                  : kernels::dense_attention(qh, kh, vh, /*causal=*/qh.size(2) == kh.size(2),
+                                             tessel_kernels);
   return o(y.transpose(1, 2).reshape({b, s, heads_ * head_dim_}));
 }
 
@@ -174,8 +175,8 @@ BlockImpl::BlockImpl(const DecoderOptions& o, int64_t layer, MoeState* moe_state
 torch::Tensor BlockImpl::ffn(const torch::Tensor& x) { return moe ? moe->forward(x) : mlp(x); }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                 const torch::Tensor& sin) {
-  auto h = x + attn(attn_norm(x), cos, sin);
+                                 const torch::Tensor& sin, const kernels::Documents* docs) {
+  auto h = x + attn(attn_norm(x), cos, sin, docs);
   if (recompute_mlp)
     return h + recompute([this](const torch::Tensor& t) { return ffn(mlp_norm(t)); }, h);
   return h + ffn(mlp_norm(h));
@@ -363,7 +364,13 @@ void DecoderImpl::build_specs() {
   }
 }
 
-torch::Tensor DecoderImpl::positions(int64_t seq, const torch::Device& device) const {
+torch::Tensor DecoderImpl::positions(int64_t seq, const torch::Device& device,
+                                     const kernels::Documents* docs) const {
+  if (docs) {
+    TORCH_CHECK(docs->tokens == seq, "documents of ", docs->tokens, "-token rows for a ", seq,
+                "-token sequence");
+    return parallel::cp::local_chunks(docs->positions, 1, cp_size(), cp_size() > 1 ? o_.cp->rank() : 0);
+  }
   if (cp_size() == 1)
     return torch::arange(seq, torch::TensorOptions().dtype(torch::kInt64).device(device));
   return parallel::cp::local_positions(seq, cp_size(), o_.cp->rank(), device);
@@ -383,28 +390,42 @@ const std::pair<torch::Tensor, torch::Tensor>& DecoderImpl::rope(int64_t seq,
   return rope_[key] = {emb.cos().to(dtype), emb.sin().to(dtype)};
 }
 
+std::pair<torch::Tensor, torch::Tensor> DecoderImpl::rope_of(const torch::Tensor& positions,
+                                                             torch::ScalarType dtype) const {
+  // The angles as rope() computes them (each position's product in fp32), per token.
+  torch::NoGradGuard no_grad;
+  auto freqs = positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq_.to(positions.device());
+  auto emb = torch::cat({freqs, freqs}, -1);  // [b, T, d]
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+}
+
 torch::Tensor DecoderImpl::embed_tokens(const torch::Tensor& tokens,
                                         const torch::Tensor& positions) {
   auto x = embed(tokens);  // [b, s, h]; SP: [b, s/t, h], this rank's sequence chunk
   if (!pos_embed) return x;
   const int64_t local = x.size(1), first = (tokens.size(1) == local) ? 0 : local * o_.tp->rank();
-  return x + pos_embed(positions.narrow(0, first, local));
+  return x + pos_embed(positions.narrow(-1, first, local));  // [T] or per row [b, T]
 }
 
 torch::Tensor DecoderImpl::run_blocks(int64_t chunk, torch::Tensor x,
-                                      const torch::Tensor& positions) {
+                                      const torch::Tensor& positions,
+                                      const kernels::Documents* docs) {
   torch::Tensor cos, sin;  // attention sees all local tokens (CP: positions of its two chunks)
-  if (!o_.learned_pos)
+  if (!o_.learned_pos && docs)  // each token's place in its document
+    std::tie(cos, sin) = rope_of(positions, x.scalar_type());
+  else if (!o_.learned_pos)
     std::tie(cos, sin) = rope(positions.size(0) * cp_size(), x.device(), x.scalar_type());
   int64_t layer = o_.stages.chunks[static_cast<size_t>(chunk)].first;  // global index
   for (auto& block : blocks_[static_cast<size_t>(chunk)]) {
     if (hooks_) x = hooks_->before_block(layer, x);
-    if (recompute_blocks_)  // cos/sin and the block by value: backward reruns it later
-      x = recompute(
-          [block, cos, sin](const torch::Tensor& t) mutable { return block->forward(t, cos, sin); },
+    if (recompute_blocks_)  // cos/sin and the block by value: backward reruns it later (in the
+      x = recompute(        // same step, while the step's documents are held)
+          [block, cos, sin, docs](const torch::Tensor& t) mutable {
+            return block->forward(t, cos, sin, docs);
+          },
           x);
     else
-      x = block->forward(x, cos, sin);
+      x = block->forward(x, cos, sin, docs);
     if (hooks_) x = hooks_->after_block(layer, x);
     ++layer;
   }
@@ -419,18 +440,19 @@ torch::Tensor DecoderImpl::logits(const torch::Tensor& x) {
 }
 
 torch::Tensor DecoderImpl::stage_forward(int64_t chunk, const torch::Tensor& input,
-                                         const torch::Tensor& rows) {
+                                         const torch::Tensor& rows,
+                                         const kernels::Documents* docs) {
   // The sequence length: from the rows on the first stage, else from the activation.
   if (hooks_) hooks_->before_stage();
   const bool first = is_first_stage(chunk), sp = o_.sequence_parallel;
   const int64_t cp = cp_size(), cp_rank = cp > 1 ? o_.cp->rank() : 0;
   const int64_t t = first ? rows.size(1) - 1 : input.size(1) * (sp ? o_.tp->size() : 1) * cp;
-  const auto pos = positions(t, first ? rows.device() : input.device());
+  const auto pos = positions(t, first ? rows.device() : input.device(), docs);
   auto x = run_blocks(
       chunk,
       first ? embed_tokens(parallel::cp::local_chunks(rows.narrow(1, 0, t), 1, cp, cp_rank), pos)
             : input,
-      pos);
+      pos, docs);
   if (!is_last_stage(chunk)) return x;
   auto targets = parallel::cp::local_chunks(rows.narrow(1, 1, t), 1, cp, cp_rank);
   return head_loss_sum(x, targets.reshape({-1}));
@@ -447,12 +469,12 @@ torch::Tensor DecoderImpl::head_loss_sum(const torch::Tensor& x, const torch::Te
       lean_chunk_ > 0 ? lean_chunk_ : tp::default_head_chunk_rows(w.size(0), w.is_cuda()));
 }
 
-torch::Tensor DecoderImpl::forward(const torch::Tensor& tokens) {
+torch::Tensor DecoderImpl::forward(const torch::Tensor& tokens, const kernels::Documents* docs) {
   TORCH_CHECK(chunks() == 1 && o_.stages.first && o_.stages.last,
               "DecoderImpl::forward needs the whole model on this rank");
   TORCH_CHECK(cp_size() == 1, "DecoderImpl::forward runs without context parallelism");
-  const auto pos = positions(tokens.size(1), tokens.device());
-  return logits(run_blocks(0, embed_tokens(tokens, pos), pos));
+  const auto pos = positions(tokens.size(1), tokens.device(), docs);
+  return logits(run_blocks(0, embed_tokens(tokens, pos), pos, docs));
 }
 
 torch::Tensor DecoderImpl::decode(const torch::Tensor& tokens, int64_t start) {
@@ -491,10 +513,10 @@ torch::Tensor DecoderImpl::decode(const torch::Tensor& tokens, int64_t start) {
   return logits(x);
 }
 
-torch::Tensor DecoderImpl::loss_sum(const torch::Tensor& rows) {
+torch::Tensor DecoderImpl::loss_sum(const torch::Tensor& rows, const kernels::Documents* docs) {
   TORCH_CHECK(chunks() == 1 && o_.stages.first && o_.stages.last,
               "DecoderImpl::loss_sum needs the whole model on this rank");
-  return stage_forward(0, {}, rows);
+  return stage_forward(0, {}, rows, docs);
 }
 
 torch::Tensor DecoderImpl::token_loss_sum(const torch::Tensor& logits,

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/kernels/document_attention.h"
 #include "core/plan/user_error.h"
 #include "models/shape.h"
 #include "parallel/block_hooks.h"
@@ -96,7 +97,10 @@ class AttentionImpl : public torch::nn::Module, public parallel::tp::Placed {
   /// q, k, v, o declare their own; here what the tp layers do not: key/value projections held
   /// whole by every rank (tp > kv_heads) and the per-head norms, whose gradients are partial.
   std::vector<std::pair<std::string, parallel::tp::Placement>> placements() const override;
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  /// docs: the micro-batch's documents (data.document_mask; every token of the sequence, as the
+  /// cp rank's all-to-all sees them), attention kept inside each; null: one causal sequence.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const kernels::Documents* docs = nullptr);
   parallel::tp::ColumnParallelLinear q{nullptr}, k{nullptr}, v{nullptr};
   torch::nn::Linear k_all{nullptr}, v_all{nullptr};  // registered as k, v when replicated
   parallel::tp::RowParallelLinear o{nullptr};
@@ -142,7 +146,8 @@ struct MoeState;
 class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(const DecoderOptions& o, int64_t layer, MoeState* moe_state);
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const kernels::Documents* docs = nullptr);
   /// training.recompute selective: the MLP half (its norm and its ffn-wide activations) is rerun
   /// in backward; attention keeps its activations.
   bool recompute_mlp = false;
@@ -164,19 +169,21 @@ class DecoderImpl : public torch::nn::Module {
   explicit DecoderImpl(DecoderOptions o);
   /// The whole model (one chunk holding every stage): tokens [b, s] int64 -> this rank's
   /// vocabulary slice of the logits [b, s, Vp/t].
-  torch::Tensor forward(const torch::Tensor& tokens);
+  torch::Tensor forward(const torch::Tensor& tokens, const kernels::Documents* docs = nullptr);
   /// Generation with a key/value cache (whole model, one process): the logits [b, n, Vp] of
   /// `tokens` [b, n] at positions [start, start+n), attending over the positions before `start`
   /// given by earlier calls. start 0 begins a new sequence.
   torch::Tensor decode(const torch::Tensor& tokens, int64_t start);
   /// Sum of next-token losses (fp32) of rows [b, T+1]: inputs row[:-1], targets row[1:].
-  torch::Tensor loss_sum(const torch::Tensor& rows);
+  torch::Tensor loss_sum(const torch::Tensor& rows, const kernels::Documents* docs = nullptr);
   /// One chunk's forward of micro-batch rows [b, T+1]. `input`: the previous stage's activation
   /// [b, T, h] (SP: [b, T/t, h]; CP: T/cp tokens, this cp rank's two chunks), ignored by the
   /// first stage (which embeds rows[:, :-1]). Returns the activation for the next stage, or on
   /// the last stage the loss sum over rows[:, 1:] (CP: over this rank's chunks). Only the first
-  /// and last stage read `rows` (needs_rows()).
-  torch::Tensor stage_forward(int64_t chunk, const torch::Tensor& input, const torch::Tensor& rows);
+  /// and last stage read `rows` (needs_rows()). `docs` (data.document_mask; every stage): the
+  /// documents of rows[:, :-1], attention kept inside each and positions restarted at each.
+  torch::Tensor stage_forward(int64_t chunk, const torch::Tensor& input, const torch::Tensor& rows,
+                              const kernels::Documents* docs = nullptr);
   int64_t chunks() const { return static_cast<int64_t>(o_.stages.chunks.size()); }
   bool is_first_stage(int64_t chunk) const { return o_.stages.first && chunk == 0; }
   bool is_last_stage(int64_t chunk) const { return o_.stages.last && chunk == chunks() - 1; }
@@ -220,10 +227,16 @@ class DecoderImpl : public torch::nn::Module {
 
  private:
   int64_t cp_size() const { return o_.cp ? o_.cp->size() : 1; }
-  /// Global positions of this rank's tokens of a `seq`-token sequence (CP: its two chunks).
-  torch::Tensor positions(int64_t seq, const torch::Device& device) const;
+  /// Global positions of this rank's tokens of a `seq`-token sequence (CP: its two chunks), [T];
+  /// with documents, each token's place in its document, [b, T].
+  torch::Tensor positions(int64_t seq, const torch::Device& device,
+                          const kernels::Documents* docs = nullptr) const;
   torch::Tensor embed_tokens(const torch::Tensor& tokens, const torch::Tensor& positions);
-  torch::Tensor run_blocks(int64_t chunk, torch::Tensor x, const torch::Tensor& positions);
+  torch::Tensor run_blocks(int64_t chunk, torch::Tensor x, const torch::Tensor& positions,
+                           const kernels::Documents* docs = nullptr);
+  /// RoPE's cos and sin of each token's own position: positions [b, T] -> [b, T, head_dim].
+  std::pair<torch::Tensor, torch::Tensor> rope_of(const torch::Tensor& positions,
+                                                  torch::ScalarType dtype) const;
   torch::Tensor logits(const torch::Tensor& x);
   torch::Tensor token_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets);
   /// The last stage's loss sum from its final activation x [b, T, h] (SP: [b, T/t, h]).

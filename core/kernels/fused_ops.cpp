@@ -77,10 +77,15 @@ torch::Tensor rope_cpu(const torch::Tensor& x_in, const torch::Tensor& cos,
                        const torch::Tensor& sin, bool backward) {
   auto x = x_in.stride(3) == 1 ? x_in : x_in.contiguous();
   auto out = torch::empty_like(x);
-  const cpu::RopeRows rows{x.size(0),   x.size(1),   x.size(2),     x.size(3),     x.stride(0),
-                           x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2)};
+  // Tables [s, d] shared by every row, or [b, s, d] (positions restarting per document).
+  const bool per_row = cos.dim() == 3;
+  const cpu::RopeRows rows{x.size(0),     x.size(1),     x.size(2),
+                           x.size(3),     x.stride(0),   x.stride(1),
+                           x.stride(2),   out.stride(0), out.stride(1),
+                           out.stride(2), per_row ? x.size(2) * x.size(3) : 0};
   TORCH_CHECK(out.stride(3) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.size(0) == x.size(2) && cos.size(1) == x.size(3),
+                  cos.sizes() == sin.sizes() && (!per_row || cos.size(0) == x.size(0)) &&
+                  cos.size(-2) == x.size(2) && cos.size(-1) == x.size(3),
               "rope: x ", x.sizes(), " against tables ", cos.sizes());
   cpu::rope(floats(x), floats(cos), floats(sin), floats(out), rows, backward);
   return out;
@@ -136,6 +141,7 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
     return RopeFn::apply(x, cos.contiguous(), sin.contiguous());
   auto halves = x.chunk(2, -1);
   auto rotated = torch::cat({-halves[1], halves[0]}, -1);
+  if (cos.dim() == 3) return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);  // per row
   return x * cos + rotated * sin;
 }
 

@@ -22,7 +22,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up, bool fused);
 
 /// Rotate-half rotary embedding (GPT-NeoX / Hugging Face Llama): x [b, heads, s, d] (any layout
-/// whose last dimension is contiguous), cos and sin [s, d]. The result has x's memory layout.
+/// whose last dimension is contiguous), cos and sin [s, d], or [b, s, d] (each row's own
+/// positions: data.document_mask). The result has x's memory layout.
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                    bool fused);
 

@@ -115,7 +115,8 @@ void rope(const float* x, const float* cos, const float* sin, float* out, const 
   simd::over_threads(r.b * per_b, 64, 1, [&](int64_t first, int64_t end) {
     for (int64_t i = first; i < end; ++i) {
       const int64_t bi = i / per_b, hi = (i / r.s) % r.heads, si = i % r.s;
-      rope_row(x + bi * r.in_b + hi * r.in_h + si * r.in_s, cos + si * r.d, sin + si * r.d,
+      const int64_t table = bi * r.table_b + si * r.d;
+      rope_row(x + bi * r.in_b + hi * r.in_h + si * r.in_s, cos + table, sin + table,
                out + bi * r.out_b + hi * r.out_h + si * r.out_s, r.d, backward);
     }
   });

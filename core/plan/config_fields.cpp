@@ -371,6 +371,13 @@ void add_data_fields(FieldAdder& add, Config& c) {
   add("data.shuffle", &c.data.shuffle, true,
       "Shuffle the sample order each epoch (a pure function of run.seed and the epoch).");
   add("data.token_dtype", &c.data.token_dtype, S("uint16"), "Element type of `tokens` files.");
+  add("data.document_mask", &c.data.document_mask, false,
+      "Keep attention inside each document of a packed sample (block-diagonal causal, cut after "
+      "every data.eod_token) and restart positions (RoPE, learned) at each document.");
+  add("data.eod_token", &c.data.eod_token, int64_t{-1},
+      "The end-of-document token id data.document_mask cuts after. -1: the text format's (256); "
+      "tokens and megatron data name their tokenizer's (e.g. 50256 for GPT-2, 128001 Llama 3).")
+      .range(-1, 1e12);
 }
 
 // checkpoint.*

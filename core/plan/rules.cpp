@@ -39,6 +39,7 @@ class Validator {
     check_training();
     check_data_and_checkpoint();
     check_data_splits();
+    check_document_mask();
     check_cuda_graph();
     // The layout is checked against the world size by check_layout (layout.h): it needs the world.
     if (!errors_.empty()) {
@@ -225,6 +226,33 @@ class Validator {
             "training.eval_every (" + std::to_string(every) +
                 ") needs validation data: give data.split (e.g. 969,30,1), data.valid or "
                 "data.val_fraction");
+  }
+
+  // data.document_mask: which end-of-document id, and the layouts that keep documents apart.
+  void check_document_mask() {
+    const auto& d = c_.data;
+    const auto& p = c_.parallel;
+    if (!d.document_mask) return;
+    const bool text = d.format == DataFormat::kText;
+    require(!text || d.eod_token < 0 || d.eod_token == 256, "data.eod_token",
+            "text data ends each document with id 256: data.eod_token " +
+                std::to_string(d.eod_token) + " names another (leave it -1)");
+    require(text || d.eod_token >= 0, "data.eod_token",
+            "data.document_mask cuts documents after their end-of-document token; " +
+                d.format.name() +
+                " data does not say which id that is: give data.eod_token (the tokenizer's, "
+                "e.g. 50256 for GPT-2, 128001 for Llama 3)");
+    require(d.eod() < c_.model.vocab_size, "data.eod_token",
+            q("data.eod_token", d.eod(), "must be below", "model.vocab_size", c_.model.vocab_size));
+    require(p.cp == 1 || p.context_method == CpMethod::kAllToAll, "parallel.context.method",
+            "data.document_mask with parallel.cp " + std::to_string(p.cp) +
+                " needs parallel.context.method alltoall (it is " + p.context_method.name() +
+                "): alltoall gives each rank every token of its heads, so attention sees whole "
+                "documents; allgather, ring and hybrid attend in blocks cut by position, which "
+                "a document mask would split into a block per document piece");
+    require(!c_.training.cuda_graph, "training.cuda_graph",
+            "data.document_mask: every step packs other documents, and training.cuda_graph "
+            "replays one step's shapes (set it false)");
   }
 
   void check_data_and_checkpoint() {

@@ -42,6 +42,18 @@ torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device) 
   return device.is_cuda() ? host.pin_memory().to(device, /*non_blocking=*/true) : host;
 }
 
+std::vector<kernels::Documents> micro_batch_documents(const plan::Config& c,
+                                                      const torch::Tensor& host_rows,
+                                                      const torch::Device& device) {
+  std::vector<kernels::Documents> docs;
+  if (!c.data.document_mask) return docs;
+  const int64_t b = host_rows.size(0), t = host_rows.size(1) - 1, mb = c.training.micro_batch;
+  for (int64_t first = 0; first < b; first += mb)
+    docs.push_back(kernels::find_documents(
+        host_rows.narrow(0, first, std::min(mb, b - first)).narrow(1, 0, t), c.data.eod(), device));
+  return docs;
+}
+
 void load_weights_file(models::Decoder& model, const std::string& path, const std::string& key) {
   const io::MappedWeights weights(path, key);  // views: only what this rank keeps is read
   models::load_weights(model, weights.tensors(), weights.source());

@@ -6,7 +6,9 @@
 #include <torch/types.h>
 
 #include <string>
+#include <vector>
 
+#include "core/kernels/document_attention.h"
 #include "core/plan/config.h"
 #include "engine/planner/model_plan.h"
 #include "models/registry.h"
@@ -27,6 +29,13 @@ void configure_device(const plan::Config& c, const torch::Device& device);
 /// Host rows (data, evaluation, scoring) onto the run's device: on CUDA through pinned memory and
 /// queued without waiting (the copy goes behind the work already queued); on CPU as they are.
 torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device);
+
+/// data.document_mask: the documents of host rows [B, T+1] (their inputs rows[:, :T]), one set
+/// per micro-batch of training.micro_batch rows, their positions and bounds queued to `device`.
+/// Without the mask: none (an empty list).
+std::vector<kernels::Documents> micro_batch_documents(const plan::Config& c,
+                                                      const torch::Tensor& host_rows,
+                                                      const torch::Device& device);
 
 /// Builds the plan's model on `device` in `dtype`: seeded init, or model.init_from.
 /// `tp`: the tensor-parallel group (null: one process holds the whole model); `stages`: the

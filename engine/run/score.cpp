@@ -40,11 +40,14 @@ ScoreResult rows_loss(models::Decoder& model, const plan::Config& c, const torch
   double total = 0;
   std::vector<torch::Tensor> logits;
   for (int64_t first = 0; first < b; first += c.training.micro_batch) {
-    auto part =
-        to_device(rows.narrow(0, first, std::min(c.training.micro_batch, b - first)), device);
-    total += model->loss_sum(part).to(torch::kFloat64).item<double>();
+    const auto host = rows.narrow(0, first, std::min(c.training.micro_batch, b - first));
+    const auto docs = micro_batch_documents(c, host, device);  // data.document_mask
+    auto part = to_device(host, device);
+    total += model->loss_sum(part, docs.empty() ? nullptr : &docs[0])
+                 .to(torch::kFloat64)
+                 .item<double>();
     if (!logits_out.empty())
-      logits.push_back(model->forward(part.narrow(1, 0, t))
+      logits.push_back(model->forward(part.narrow(1, 0, t), docs.empty() ? nullptr : &docs[0])
                            .narrow(-1, 0, c.model.vocab_size)
                            .to(torch::kFloat32)
                            .cpu());

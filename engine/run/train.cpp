@@ -94,7 +94,9 @@ void Trainer::stage_inputs(int64_t step) {
   const auto& t = c_.training;
   // This data rank's rows of the global batch (the next B positions of the global order).
   const int64_t rows = t.global_batch / mesh_->layout().dp;
-  auto batch = to_device(data_->train_batch(consumed_ + mesh_->coord().dp * rows, rows), device_);
+  const auto host = data_->train_batch(consumed_ + mesh_->coord().dp * rows, rows);
+  in_.docs = micro_batch_documents(c_, host, device_);  // found on the host, before the copy
+  auto batch = to_device(host, device_);
   consumed_ += t.global_batch;
   if (!in_.lr.defined()) {  // a host double, but a float32 device scalar for a captured step
     in_.lr = graph_ ? torch::zeros({}, torch::dtype(torch::kFloat32).device(device_))
@@ -119,6 +121,7 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   if (!graph_) {
     auto out = device_step(overflow);
     in_.batch = torch::Tensor();  // not held into the next step's figures
+    in_.docs.clear();
     return out;
   }
   StepOut out;
@@ -174,8 +177,9 @@ parallel::pp::StageFns Trainer::step_fns(double scale, bool overflow,
   const auto& t = c_.training;
   return {
       [this, &t, &losses, scale, overflow](int64_t mb, int64_t chunk, const torch::Tensor& input) {
-        auto out = model_->stage_forward(chunk, input,
-                                         in_.batch.narrow(0, mb * t.micro_batch, t.micro_batch));
+        auto out = model_->stage_forward(
+            chunk, input, in_.batch.narrow(0, mb * t.micro_batch, t.micro_batch),
+            in_.docs.empty() ? nullptr : &in_.docs[static_cast<size_t>(mb)]);
         if (!model_->is_last_stage(chunk)) return out;
         out = out * scale;
         losses[static_cast<size_t>(mb)] = out.detach();
@@ -232,12 +236,15 @@ double Trainer::evaluate_dataset(int64_t d) {
   auto last = std::chrono::steady_clock::now();
   parallel::pp::StageFns fns{[&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
     const int64_t first = mb * t.micro_batch;
-    torch::Tensor rows_mb;  // read only by the stages that embed tokens or score targets
-    if (model_->needs_rows(chunk))
-      rows_mb = to_device(data_->split_batch(data::SampleSplit::kValid, d,
-                                             mesh_->coord().dp * mine + first, t.micro_batch),
-                          device_);
-    auto out = model_->stage_forward(chunk, input, rows_mb);
+    torch::Tensor rows_mb;  // read by the stages that embed tokens or score targets, and by
+    std::vector<kernels::Documents> docs;  // every stage for its documents
+    if (model_->needs_rows(chunk) || c_.data.document_mask) {
+      const auto host = data_->split_batch(data::SampleSplit::kValid, d,
+                                           mesh_->coord().dp * mine + first, t.micro_batch);
+      docs = micro_batch_documents(c_, host, device_);
+      rows_mb = to_device(host, device_);
+    }
+    auto out = model_->stage_forward(chunk, input, rows_mb, docs.empty() ? nullptr : &docs[0]);
     if (model_->is_last_stage(chunk)) total += out.to(torch::kFloat64);
     if (chunk == 0 && std::chrono::steady_clock::now() - last > std::chrono::seconds(2)) {
       last = std::chrono::steady_clock::now();

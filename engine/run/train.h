@@ -118,6 +118,7 @@ class Trainer {
   // number and this rank's stop vote (scalars on the device; the rate float64 on the CPU).
   struct StepInputs {
     torch::Tensor batch, lr, step, vote;
+    std::vector<kernels::Documents> docs;  // data.document_mask: each micro-batch's
   } in_;
   std::unique_ptr<StepGraph> graph_;  // training.cuda_graph; null otherwise
   StepOut graph_out_;                 // the captured step's outputs, rewritten by each replay

@@ -254,14 +254,15 @@ torch::Tensor tokens_for_heads(Group& g, const torch::Tensor& y) {
 // Ulysses: dense causal attention on every token (in global order) of 1/n of the heads, through
 // SDPA's kernels (as the block methods: context parallelism is for sequences long past Tessel's
 // short-sequence kernel).
+// With documents (the whole sequence's), attention inside each of them.
 torch::Tensor alltoall_attention(Group& g, const torch::Tensor& q, const torch::Tensor& k,
-                                 const torch::Tensor& v) {
+                                 const torch::Tensor& v, const kernels::Documents* docs) {
   const int64_t n = g.size(), c = q.size(2) / 2, hq = q.size(1) / n;
   const int64_t hk = alltoall_kv_heads(k.size(1), n) / n;
   auto seq = to_global_order(heads_for_tokens(g, q, k, v), 2, n, c);
-  auto y = kernels::dense_attention(seq.narrow(1, 0, hq), seq.narrow(1, hq, hk),
-                                    seq.narrow(1, hq + hk, hk),
-                                    /*causal=*/true, /*tessel_kernels=*/false);
+  const auto qs = seq.narrow(1, 0, hq), ks = seq.narrow(1, hq, hk), vs = seq.narrow(1, hq + hk, hk);
+  auto y = docs ? kernels::document_attention(qs, ks, vs, *docs, /*tessel_kernels=*/false)
+                : kernels::dense_attention(qs, ks, vs, /*causal=*/true, /*tessel_kernels=*/false);
   return tokens_for_heads(g, to_rank_order(y, 2, n, c));
 }
 
@@ -302,14 +303,18 @@ torch::Tensor local_chunks(const torch::Tensor& x, int64_t dim, int64_t cp, int6
 }
 
 torch::Tensor attention(Group& cp, plan::CpMethod method, const torch::Tensor& q,
-                        const torch::Tensor& k, const torch::Tensor& v) {
+                        const torch::Tensor& k, const torch::Tensor& v,
+                        const kernels::Documents* docs) {
+  // The plan's rules refuse a document mask with the block methods (core/plan/rules.cpp).
+  TORCH_CHECK(!docs || method == plan::CpMethod::kAllToAll,
+              "context parallelism keeps attention inside documents with the alltoall method only");
   switch (method) {
     case plan::CpMethod::kAllGather:
       return AllGatherAttention::apply(q, k, v, pack_group(cp));
     case plan::CpMethod::kRing:
       return RingAttention::apply(q, k, v, pack_group(cp), 1);
     case plan::CpMethod::kAllToAll:
-      return alltoall_attention(cp, q, k, v);
+      return alltoall_attention(cp, q, k, v, docs);
     case plan::CpMethod::kHybrid:
       return hybrid_attention(cp, q, k, v);
   }

@@ -27,6 +27,7 @@
 
 #include <string>
 
+#include "core/kernels/document_attention.h"
 #include "core/plan/choices.h"
 #include "parallel/comm.h"
 
@@ -46,8 +47,10 @@ int64_t alltoall_kv_heads(int64_t kv_heads, int64_t cp);
 
 /// Causal attention of this rank's queries against the whole sequence's keys and values.
 /// q: [b, heads, 2c, d], k, v: [b, kv_heads, 2c, d] (this rank's two chunks, c = seq / (2·cp);
-/// heads a multiple of kv_heads: grouped-query) -> [b, heads, 2c, d]. Differentiable.
+/// heads a multiple of kv_heads: grouped-query) -> [b, heads, 2c, d]. Differentiable. `docs`
+/// (the whole sequence's documents; alltoall only): attention kept inside each document.
 torch::Tensor attention(Group& cp, plan::CpMethod method, const torch::Tensor& q,
-                        const torch::Tensor& k, const torch::Tensor& v);
+                        const torch::Tensor& k, const torch::Tensor& v,
+                        const kernels::Documents* docs = nullptr);
 
 }  // namespace tessel::parallel::cp

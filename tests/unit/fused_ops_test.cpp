@@ -114,6 +114,23 @@ TEST(FusedOps, RopeMatchesTheCompositeInTheModelsLayout) {
   // The result keeps x's memory layout (no copy for the attention's reshape to make twice).
   auto y = kernels::rope(x, cos, sin, true);
   EXPECT_EQ(y.strides(), x.strides());
+  // One table per row (data.document_mask: positions restart at each document): each row as
+  // the shared-table rope of its own table.
+  auto row_angles = torch::rand({b, s, d / 2}) * 6;
+  auto row_emb = torch::cat({row_angles, row_angles}, -1);
+  auto rc = row_emb.cos(), rs = row_emb.sin();
+  check_against_composite(
+      {x},
+      [&](const std::vector<torch::Tensor>& t, bool fused) {
+        const auto dtype = t[0].scalar_type();
+        return kernels::rope(t[0], rc.to(dtype), rs.to(dtype), fused);
+      },
+      1e-6);
+  auto per_row = kernels::rope(x, rc, rs, true);
+  for (int64_t r = 0; r < b; ++r)
+    EXPECT_TRUE(torch::equal(per_row[r],
+                             kernels::rope(x.narrow(0, r, 1), rc[r], rs[r], true)[0]))
+        << "row " << r;
 }
 
 TEST(FusedOps, OffOrNotFp32CpuRunsTheComposite) {
