@@ -13,6 +13,7 @@
 #include "core/kernels/attention_cpu.h"
 #include "core/optim/optim.h"
 #include "engine/planner/basis.h"
+#include "engine/planner/documents.h"
 #include "engine/planner/figures.h"
 #include "engine/planner/model_plan.h"
 #include "models/registry.h"
@@ -222,6 +223,8 @@ PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
       static_cast<double>(t.micro_batch * t.seq_len) / static_cast<double>(l.cp);
   const double h = b.h = static_cast<double>(m.hidden), tp = b.tp = static_cast<double>(l.tp);
   const double kvd = b.kvd = static_cast<double>(m.kv_heads * m.head_dim());
+  const auto docs = document_figures(c);
+  b.attention_share = docs.share, b.documents = docs.per_sample;
   b.vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
   b.cpu = cpu;
   b.own_kernels = cpu && t.kernels == plan::Kernels::kTessel && b.dtype == torch::kFloat32;
@@ -295,6 +298,11 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const plan::TrainingCon
   else if (t.recompute == plan::Recompute::kSelective)
     rerun_per_token = 2.0 * layers * mlp_weights;
   e.recompute_flops_per_step = rerun_per_token * static_cast<double>(t.global_batch * t.seq_len);
+  // The convention's attention term, 12·L·H·Q·T per token, of which a document mask keeps a share.
+  e.attention_share = b.attention_share;
+  e.attention_flops_saved_per_step = (1 - b.attention_share) * 12 * layers * h *
+                                     static_cast<double>(t.seq_len) *
+                                     static_cast<double>(t.global_batch * t.seq_len);
 }
 
 // CPU step constants (cpu_compute_s): host operators per block and micro-batch, forward and
@@ -306,6 +314,9 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const plan::TrainingCon
 constexpr double kGpt2BlockOps = 115, kLlamaBlockOps = 107;
 constexpr double kGpt2TorchBlockOps = 100, kLlamaTorchBlockOps = 200;
 constexpr double kBlockPasses = 20, kHeadPasses = 8, kOptimizerPasses = 12;
+// Operators one more document adds to a block's attention (narrows, the call, the join; forward
+// and backward), from CPU fp32 runs of 32-token samples cut into ~5 documents (2026-11-28).
+constexpr double kDocumentOps = 8;
 
 parallel::GroupKind group_kind(const std::string& name) {
   return name == "tp"       ? parallel::GroupKind::kTp
@@ -371,7 +382,7 @@ std::map<std::string, double> cpu_compute_s(const plan::Config& c, const PlanBas
                         (d.peak_tflops * 1e12 * d.efficiency);
   const double attention = 12 * layers * static_cast<double>(m.heads) / tp *
                            static_cast<double>(m.head_dim() * t.seq_len) * tokens *
-                           (full ? 4.0 / 3 : 1.0) /
+                           (full ? 4.0 / 3 : 1.0) * b.attention_share /
                            // never faster than the matmul peak MFU is measured against (a pinned
                            // peak below the measured attention rate would put MFU over 100%)
                            (std::min(d.attention_tflops, d.peak_tflops * d.efficiency) * 1e12);
@@ -379,7 +390,10 @@ std::map<std::string, double> cpu_compute_s(const plan::Config& c, const PlanBas
                             d.activation_ns * 1e-9 * (rerun > 0 ? 1.5 : 1.0);
   const double block_ops = b.own_kernels ? (llama ? kLlamaBlockOps : kGpt2BlockOps)
                                          : (llama ? kLlamaTorchBlockOps : kGpt2TorchBlockOps);
-  const double ops = block_ops * layers * micro * (full ? 1.4 : 1.0);
+  // A document mask's CPU attention is a call per document: about kDocumentOps operators more
+  // for each document after a sample's first, forward and backward.
+  const double doc_ops = kDocumentOps * (b.documents - 1) * static_cast<double>(t.micro_batch);
+  const double ops = (block_ops * (full ? 1.4 : 1.0) + doc_ops) * layers * micro;
   const double state =
       static_cast<double>(r.params) / static_cast<double>(b.zero >= 1 ? b.data_ranks : 1);
   const double bytes = kBlockPasses * layers * tokens * h * b.w / (b.sp ? tp : 1.0) +
@@ -411,8 +425,9 @@ PlanEstimate estimate(const plan::Config& c, const plan::Layout& l, const Device
     const double peak = matmul_peak_tflops(dev, t) * 1e12 * dev.efficiency;
     std::map<std::string, double> parts;
     if (dev.cpu) parts = cpu_compute_s(c, b, r, part, dev);
-    double compute =
-        (e.flops_per_step + e.recompute_flops_per_step) / static_cast<double>(e.world) / peak;
+    double compute = (e.flops_per_step + e.recompute_flops_per_step -
+                      e.attention_flops_saved_per_step) /
+                     static_cast<double>(e.world) / peak;
     if (dev.cpu) {
       compute = 0;
       for (const auto& [what, s] : parts) compute += s;

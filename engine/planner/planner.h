@@ -70,6 +70,10 @@ struct PlanEstimate {
   int64_t world = 0, params_total = 0;
   double flops_per_step = 0;  // model FLOPs of the global batch (PaLM convention, as metrics)
   double recompute_flops_per_step = 0;  // the forward work recomputation reruns (not in MFU)
+  // data.document_mask: the share of causal attention work kept (measured on the first training
+  // samples), and the model FLOPs' attention term it saves (still counted in flops_per_step and
+  // MFU, by the convention; not in the compute time).
+  double attention_share = 1, attention_flops_saved_per_step = 0;
   std::vector<RankEstimate> ranks;      // one per pipeline stage (tp/dp/cp peers are alike)
   // Step time on the device profile (seconds): compute, exposed communication, bubble.
   double compute_s = 0, comm_exposed_s = 0, bubble_s = 0, step_s = 0;

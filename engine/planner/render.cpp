@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/data/dataset.h"
+#include "engine/planner/documents.h"
 #include "engine/planner/model_plan.h"
 #include "engine/planner/planner.h"
 #include "models/registry.h"
@@ -156,6 +157,13 @@ std::string render(const PlanEstimate& e, const plan::Config& c, const DevicePro
       static_cast<double>(e.params_total) / 1e9, e.flops_per_step / 1e12,
       c.training.global_batch * c.training.seq_len, c.training.recompute.name(),
       c.training.dtype.name());
+  if (c.data.document_mask)
+    s += fmt::format(
+        "# document mask (data.eod_token {}): attention inside documents does {:.1f}% of a "
+        "causal sequence's attention work on (up to) the first {} training samples, {:.4g} TFLOP per "
+        "step fewer (the model FLOPs above and MFU count the whole, by the convention)\n",
+        c.data.eod(), 100 * e.attention_share, kDocumentShareSamples,
+        e.attention_flops_saved_per_step / 1e12);
   for (const auto& r : e.ranks) {
     s += fmt::format(
         "#   {}{} parameters, {} blocks: weights {}, gradients {}, optimizer {}, activations {} "
@@ -203,6 +211,8 @@ std::string to_json(const PlanEstimate& e, const DeviceProfile& d) {
                       {"params_total", e.params_total},
                       {"flops_per_step", e.flops_per_step},
                       {"recompute_flops_per_step", e.recompute_flops_per_step},
+                      {"attention_share", e.attention_share},
+                      {"attention_flops_saved_per_step", e.attention_flops_saved_per_step},
                       {"device",
                        {{"name", d.name},
                         {"peak_tflops", d.peak_tflops},

@@ -71,6 +71,13 @@ BASES = {
                                           "router": {"score": "sigmoid"}}),
                          ("moe_bias", {"experts": 4, "top_k": 2, "ffn_hidden": 32, "router": {"score": "sigmoid"},
                                        "aux_loss_coef": 0.0, "bias_update_rate": 0.01}))},
+    # document masking: one document ends after 1 token in 8 (data.eod_token 300), evaluated
+    **{name: {"data": {"n": 8000, "vocab": 301, "period": 41, "eod": 300, "val_fraction": 0.1},
+              "model": {"vocab_size": 301, "layers": 4, **model},
+              "training": {"steps": STEPS, "global_batch": 8, "micro_batch": 1, "seq_len": 32,
+                           "optimizer": {"lr": 3e-3}, "schedule": {"warmup_steps": 3, "min_lr": MIN_LR},
+                           "grad_clip": 0.5, "eval_every": 4, "eval_batches": 1}}
+       for name, model in (("docmask", {}), ("docmask_moe", {"moe": {"experts": 4, "top_k": 2, "ffn_hidden": 32}}))},
 }
 
 SP = {"sequence_parallel": True}
@@ -198,6 +205,18 @@ LAYOUTS = [
     *[Row(f"torch_kernels_{arch}", "dp", arch, 1, {}, {"kernels": "torch"}) for arch in ("gpt2", "llama")],
     *[Row(f"lean_chunk24_tp2_sp_{arch}", "tp", arch, 2, {"tp": 2, **SP}, {"lean_logits_chunk": 24})
       for arch in ("gpt2", "llama")],
+    # document masking (data.document_mask) through every parallelism: attention inside each
+    # document and positions restarted (RoPE and learned), against one process with the mask
+    *[Row(f"docmask_{name}_{arch}", "docmask", arch, world, par, train)
+      for name, arch, world, par, train in (
+          ("dp2", "gpt2", 2, {"dp": 2}, {}), ("tp2_sp", "gpt2", 2, {"tp": 2, **SP}, {}),
+          ("tp2_sp", "llama", 2, {"tp": 2, **SP}, {}), ("pp2_1f1b", "llama", 2, pipe(2, "1f1b"), {}),
+          ("pp2_zbv", "gpt2", 2, pipe(2, "zbv", 2), {}), ("zero3_dp2", "llama", 2, {"dp": 2, "zero": 3}, {}),
+          ("recompute_full", "llama", 1, {}, {"recompute": "full"}),
+          ("cp2_alltoall", "llama", 2, {"cp": 2, "context": {"method": "alltoall"}}, {}),
+          ("cp2_alltoall", "gpt2", 2, {"cp": 2, "context": {"method": "alltoall"}}, {}),
+          ("dp2_pp2_cp2_alltoall", "llama", 8, {"cp": 2, "dp": 2, "pp": 2, "context": {"method": "alltoall"}}, {}))],
+    Row("docmask_moe_ep2_llama", "docmask_moe", "llama", 2, {"dp": 2, "ep": 2}),
     # one process on two threads: four micro-batches run two at a time (training.microbatch_pairs)
     # against the reference's one at a time on one thread
     *[Row(f"microbatch_pairs_{arch}", "dp", arch, 1, {}, {"threads": 2}) for arch in ("gpt2", "llama")],

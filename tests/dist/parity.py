@@ -51,7 +51,7 @@ class Runs:
         path = os.path.join(self.root, f"{base}.u16")
         if not os.path.exists(path):  # rows starting at once may both write it: each its own temp
             tmp = f"{path}.{os.getpid()}.tmp"
-            write_tokens(tmp, d["n"], vocab=d["vocab"], period=d["period"])
+            write_tokens(tmp, d["n"], vocab=d["vocab"], period=d["period"], eod=d.get("eod"))
             os.replace(tmp, path)
         return path
 
@@ -64,6 +64,8 @@ class Runs:
                          **merge(copy.deepcopy(base["training"]), training))
         merge(plan["model"], base.get("model", {}))
         plan["data"].update(shuffle=True, val_fraction=base["data"].get("val_fraction", 0.0))
+        if "eod" in base["data"]:  # documents kept apart in attention (the reference's too)
+            plan["data"].update(document_mask=True, eod_token=base["data"]["eod"])
         plan["parallel"] = merge(merge({"timeout_s": 120}, base.get("parallel", {})), parallel)
         plan["checkpoint"] = {"resume": "never"}
         return plan

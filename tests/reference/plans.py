@@ -133,14 +133,18 @@ def base_plan(tmp, arch, data_path, **training):
             "logging": {"every": 1, "peak_tflops": 1.0}}
 
 
-def write_tokens(path, n, vocab=300, seed=2, period=None):
-    """Random uint16 tokens; with `period`, a repeated random pattern (learnable: the loss falls)."""
+def write_tokens(path, n, vocab=300, seed=2, period=None, eod=None):
+    """Random uint16 tokens; with `period`, a repeated random pattern (learnable: the loss falls);
+    with `eod`, that id ends a document after one token in eight on average (documents of 1 to
+    dozens of tokens)."""
     import numpy as np  # here, not at the top: the GPU suite runs where numpy may be missing
     g = np.random.default_rng(seed)
     if period:
         toks = np.tile(g.integers(0, vocab, size=period), n // period + 1)[:n]
     else:
         toks = g.integers(0, vocab, size=n)
+    if eod is not None:
+        toks[np.random.default_rng(seed + 1).random(n) < 1 / 8] = eod
     toks.astype("<u2").tofile(path)
     return path
 

@@ -1,0 +1,21 @@
+// data.document_mask in the planner's figures: the share of a causal sequence's attention work
+// that attention inside documents keeps, measured on the run's own first training samples.
+#pragma once
+
+#include "core/plan/config.h"
+
+namespace tessel::planner {
+
+/// Samples the share is measured on (the first of the training order, before any rank split).
+constexpr int64_t kDocumentShareSamples = 256;
+
+/// The documents of the first kDocumentShareSamples training samples.
+struct DocumentFigures {
+  double share = 1;          // Σ l(l+1) over samples·T(T+1) (kernels::Documents::attention_share)
+  double per_sample = 1;     // documents (pieces of documents) per sample
+};
+/// Those figures; share 1 and one document per sample without data.document_mask. Reads the
+/// data once per data section and sequence length (the layout search asks for every candidate).
+DocumentFigures document_figures(const plan::Config& c);
+
+}  // namespace tessel::planner
