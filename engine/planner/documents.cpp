@@ -36,8 +36,8 @@ DocumentFigures document_figures(const plan::Config& c) {
   const auto rows = ds.train_batch(0, n);
   const auto docs = kernels::find_documents(rows.narrow(1, 0, c.training.seq_len), c.data.eod(),
                                             torch::kCPU);
-  return known[key] = {docs.attention_share(),
-                       static_cast<double>(docs.count()) / static_cast<double>(std::max<int64_t>(1, n))};
+  const double samples = static_cast<double>(std::max<int64_t>(1, n));
+  return known[key] = {docs.attention_share(), static_cast<double>(docs.count()) / samples};
 }
 
 }  // namespace tessel::planner

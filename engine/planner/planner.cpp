@@ -205,6 +205,8 @@ double short_attention_bytes(const plan::Config& c, const plan::Layout& l,
   const auto& t = c.training;
   if (!own_kernels || l.cp > 1) return 0;
   if (!kernels::short_attention_applies(torch::kCPU, dtype, t.seq_len)) return 0;
+  // Under a document mask too: a sample that is one document holds them all (the peak any
+  // step may meet, not the first samples' mean).
   return 4.0 * static_cast<double>(m.heads / l.tp) *
          static_cast<double>((t.seq_len + 7) / 8 * 8);  // rows padded to 8 keys
 }

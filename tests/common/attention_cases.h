@@ -1,6 +1,7 @@
 // Checks of core/kernels/attention_kernels.h shared by the unit tests (CPU) and the GPU suite
-// (CUDA): the log-sum-exp block kernels, forward and backward, against autograd through plain
-// attention written out in fp64 (softmax(q·kᵀ/√d + causal mask)·v) from the same rounded inputs.
+// (CUDA): the log-sum-exp block kernels, forward and backward, and attention inside documents
+// (core/kernels/document_attention.h), against autograd through plain attention written out in
+// fp64 (softmax(q·kᵀ/√d + mask)·v) from the same rounded inputs.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "core/kernels/attention_kernels.h"
+#include "core/kernels/document_attention.h"
 
 namespace tessel::testing {
 
@@ -110,6 +112,50 @@ inline std::vector<BlockCase> block_cases(const torch::Device& device) {
       for (int64_t kv : {4, 2, 1})
         for (int64_t d : {16, 40, 72}) out.push_back({device, dtype, causal, kv, d});
   return out;
+}
+
+// Attention inside documents on `device` in `dtype` (fp32: CPU per-document calls, CUDA's
+// memory-efficient variable-length kernel; bf16: CUDA's flash variable-length kernel), grouped-
+// query heads, two rows of 48 tokens cut into documents of 1 to 30 tokens, against plain
+// attention with the block-diagonal causal mask in fp64: output and the three gradients.
+inline void check_document_attention(const torch::Device& device, torch::ScalarType dtype,
+                                     bool tessel_kernels) {
+  SCOPED_TRACE(device.str() + (dtype == torch::kFloat32 ? " fp32" : " bf16"));
+  torch::manual_seed(11);
+  const int64_t b = 2, t = 48, heads = 4, kv = 2, d = 32, eod = 7;
+  auto tokens = torch::randint(8, 100, {b, t}, torch::kInt64);
+  for (int64_t at : {0, 4, 34}) tokens[0][at] = eod;  // row 0: documents of 1, 4, 30, 13 tokens
+  tokens[1][20] = eod;                                   // row 1: 21 and 27
+  const auto docs = kernels::find_documents(tokens, eod, device);
+  ASSERT_EQ(docs.count(), 6);
+  const auto o = torch::TensorOptions().dtype(dtype).device(device);
+  // [b, s, heads, d] memory viewed [b, heads, s, d], as the projections make them.
+  auto q = torch::randn({b, t, heads, d}, o).transpose(1, 2).requires_grad_();
+  auto k = torch::randn({b, t, kv, d}, o).transpose(1, 2).requires_grad_();
+  auto v = torch::randn({b, t, kv, d}, o).transpose(1, 2).requires_grad_();
+  auto y = kernels::document_attention(q, k, v, docs, tessel_kernels);
+  auto dy = torch::randn_like(y);
+  auto grads = torch::autograd::grad({y}, {q, k, v}, {dy});
+  // The reference: key j visible to query i when j <= i in the same document.
+  auto q64 = q.detach().to(torch::kFloat64).requires_grad_(),
+       k64 = k.detach().to(torch::kFloat64).requires_grad_(),
+       v64 = v.detach().to(torch::kFloat64).requires_grad_();
+  auto doc = torch::cumsum((tokens == eod).to(torch::kInt64), 1) - (tokens == eod).to(torch::kInt64);
+  doc = doc.to(device);
+  auto pos = torch::arange(t, torch::TensorOptions().dtype(torch::kInt64).device(device));
+  auto allowed = (pos.view({1, 1, t}) <= pos.view({1, t, 1})) &
+                 (doc.unsqueeze(2) == doc.unsqueeze(1));  // [b, t(query), t(key)]
+  auto s = torch::matmul(q64, k64.repeat_interleave(heads / kv, 1).transpose(-2, -1)) /
+           std::sqrt(static_cast<double>(d));
+  s = s.masked_fill(allowed.unsqueeze(1).logical_not(), -INFINITY);
+  auto ref = torch::matmul(torch::softmax(s, -1), v64.repeat_interleave(heads / kv, 1));
+  auto ref_grads = torch::autograd::grad({ref}, {q64, k64, v64}, {dy.to(torch::kFloat64)});
+  const double tol = dtype == torch::kFloat32 ? 2e-5 : 3e-2;
+  EXPECT_LT((y.to(torch::kFloat64) - ref).abs().max().item<double>(), tol) << "output";
+  const char* names[] = {"dq", "dk", "dv"};
+  for (size_t i = 0; i < 3; ++i)
+    EXPECT_LT((grads[i].to(torch::kFloat64) - ref_grads[i]).abs().max().item<double>(), 4 * tol)
+        << names[i];
 }
 
 }  // namespace tessel::testing

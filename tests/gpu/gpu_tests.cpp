@@ -63,6 +63,17 @@ TEST(CudaDenseAttention, NeverTheMathKernel) {
     }
 }
 
+// Attention inside documents through the variable-length kernels: fp32 memory-efficient, bf16
+// flash, one call for the micro-batch, against plain attention under the block-diagonal mask.
+TEST(CudaDocumentAttention, VarlenMatchesTheBlockDiagonalMask) {
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    check_document_attention(g_device, dtype, /*tessel_kernels=*/true);
+    const auto q = torch::zeros({1}, torch::TensorOptions().dtype(dtype).device(g_device));
+    EXPECT_EQ(kernels::document_attention_kernel(q),
+              dtype == torch::kFloat32 ? "efficient-varlen" : "flash-varlen");
+  }
+}
+
 // The kernel start-up names (and refuses when it is math) for the shipped plans' attention:
 // a fused one, flash (or cuDNN's, where SDPA prefers it) in bf16, memory-efficient in fp32,
 // grouped heads or not.

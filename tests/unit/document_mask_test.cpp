@@ -6,6 +6,7 @@
 #include "core/kernels/document_attention.h"
 #include "engine/planner/model_plan.h"
 #include "models/registry.h"
+#include "tests/common/attention_cases.h"
 
 namespace tessel::models {
 namespace {
@@ -15,6 +16,13 @@ constexpr int64_t kEod = 299;
 ModelShape model(const std::string& yaml) {
   return planner::model_shape(
       plan::load_config_text("data: {path: x}\nmodel: " + yaml + "\n", "t").model);
+}
+
+TEST(DocumentMask, AttentionMatchesTheBlockDiagonalMask) {
+  // Per-document calls on the CPU: Tessel's short kernel and LibTorch's flash kernel.
+  testing::check_document_attention(torch::kCPU, torch::kFloat32, /*tessel_kernels=*/true);
+  testing::check_document_attention(torch::kCPU, torch::kFloat32, /*tessel_kernels=*/false);
+  EXPECT_EQ(kernels::document_attention_kernel(torch::zeros({1})), "per-document");
 }
 
 TEST(DocumentMask, FindsDocumentsAfterEachEndOfDocument) {
