@@ -180,6 +180,27 @@ INSTANTIATE_TEST_SUITE_P(
                 "run: {seed: 5000000000}\ndata: {path: p, format: megatron, order: megatron}\n",
                 {},
                 "seed runs from 0 to 4294967295; run.seed is 5000000000"},
+        BadPlan{"document mask without its id",
+                "data: {path: p, format: tokens, document_mask: true}\n",
+                {},
+                "data.document_mask cuts documents after their end-of-document "
+                "token; tokens data does not say which id that is"},
+        BadPlan{"document mask's id outside the vocabulary",
+                "model: {vocab_size: 1000}\ndata: {path: p, format: megatron, document_mask: true, "
+                "eod_token: 50256}\n",
+                {},
+                "data.eod_token (50256) must be below model.vocab_size (1000)"},
+        BadPlan{"document mask with ring attention",
+                "data: {path: a.txt, document_mask: true}\nparallel: {cp: 2, context: {method: "
+                "ring}}\n",
+                {},
+                "needs parallel.context.method alltoall (it is ring)"},
+        BadPlan{"document mask in a captured step",
+                "data: {path: a.txt, document_mask: true}\ntraining: {device: cuda, cuda_graph: "
+                "true}\n",
+                {},
+                "every step packs other documents, and training.cuda_graph replays one step's "
+                "shapes"},
         BadPlan{"no data", "training: {steps: 3}\n", {}, "data.path is empty"},
         BadPlan{"betas",
                 kData + "training:\n  optimizer: {betas: [0.9]}\n",
