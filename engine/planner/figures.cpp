@@ -27,8 +27,10 @@ double flops_parameters(models::Decoder& model) {
   return n;
 }
 
-double flops_per_token(const models::ModelShape& m, double n, int64_t seq_len) {
-  return 6.0 * n + 12.0 * m.layers * m.heads * m.head_dim() * static_cast<double>(seq_len);
+double flops_per_token(const models::ModelShape& m, double n, int64_t seq_len,
+                       double attention_share) {
+  return 6.0 * n + 12.0 * m.layers * m.heads * m.head_dim() * static_cast<double>(seq_len) *
+                       attention_share;
 }
 
 Peak device_peak(const plan::Config& c, const torch::Device& device, torch::ScalarType dtype) {

@@ -286,7 +286,8 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const plan::TrainingCon
   n_flops -= static_cast<double>(m.vocab_size) * h * (m.tied() ? 0 : 1);  // input embeddings
   if (m.arch == plan::ModelArch::kGpt2) n_flops -= static_cast<double>(m.max_seq_len) * h;
   e.flops_per_step =
-      flops_per_token(m, n_flops, t.seq_len) * static_cast<double>(t.global_batch * t.seq_len);
+      flops_per_token(m, n_flops, t.seq_len, b.attention_share) *
+      static_cast<double>(t.global_batch * t.seq_len);
   // The work the device does: recomputation reruns forward work the model FLOPs (and so MFU)
   // do not count. Full: every block's forward again (2 per block weight, and attention's
   // 4·L·H·Q·T, a third of its 12); selective: each block's MLP forward (2 per MLP weight).
@@ -427,9 +428,8 @@ PlanEstimate estimate(const plan::Config& c, const plan::Layout& l, const Device
     const double peak = matmul_peak_tflops(dev, t) * 1e12 * dev.efficiency;
     std::map<std::string, double> parts;
     if (dev.cpu) parts = cpu_compute_s(c, b, r, part, dev);
-    double compute = (e.flops_per_step + e.recompute_flops_per_step -
-                      e.attention_flops_saved_per_step) /
-                     static_cast<double>(e.world) / peak;
+    double compute =
+        (e.flops_per_step + e.recompute_flops_per_step) / static_cast<double>(e.world) / peak;
     if (dev.cpu) {
       compute = 0;
       for (const auto& [what, s] : parts) compute += s;

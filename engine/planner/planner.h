@@ -71,8 +71,7 @@ struct PlanEstimate {
   double flops_per_step = 0;  // model FLOPs of the global batch (PaLM convention, as metrics)
   double recompute_flops_per_step = 0;  // the forward work recomputation reruns (not in MFU)
   // data.document_mask: the share of causal attention work kept (measured on the first training
-  // samples), and the model FLOPs' attention term it saves (still counted in flops_per_step and
-  // MFU, by the convention; not in the compute time).
+  // samples; flops_per_step counts that share of the attention term), and the FLOPs it saves.
   double attention_share = 1, attention_flops_saved_per_step = 0;
   std::vector<RankEstimate> ranks;      // one per pipeline stage (tp/dp/cp peers are alike)
   // Step time on the device profile (seconds): compute, exposed communication, bubble.

@@ -161,7 +161,7 @@ std::string render(const PlanEstimate& e, const plan::Config& c, const DevicePro
     s += fmt::format(
         "# document mask (data.eod_token {}): attention inside documents does {:.1f}% of a "
         "causal sequence's attention work on (up to) the first {} training samples, {:.4g} TFLOP per "
-        "step fewer (the model FLOPs above and MFU count the whole, by the convention)\n",
+        "step fewer (not in the model FLOPs above, nor in MFU)\n",
         c.data.eod(), 100 * e.attention_share, kDocumentShareSamples,
         e.attention_flops_saved_per_step / 1e12);
   for (const auto& r : e.ranks) {

@@ -17,6 +17,7 @@
 #include "core/observe/profiler.h"
 #include "engine/checkpoint/checkpoint.h"
 #include "engine/io/safetensors.h"
+#include "engine/planner/documents.h"
 #include "engine/planner/planner.h"
 #include "engine/run/same_plan.h"
 #include "engine/run/step_counters.h"
@@ -325,8 +326,9 @@ void Trainer::measure_flops() {
   auto n = torch::full({}, planner::flops_parameters(model_),
                        torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   if (mesh_->layout().pp > 1) mesh_->group(parallel::GroupKind::kPp).all_reduce(n).wait();
-  flops_per_token_ =
-      planner::flops_per_token(model_->options().model, n.item<double>(), c_.training.seq_len);
+  flops_per_token_ = planner::flops_per_token(model_->options().model, n.item<double>(),
+                                              c_.training.seq_len,
+                                              planner::document_figures(c_).share);
   peak_ = planner::device_peak(c_, device_, dtype_);
 }
 
