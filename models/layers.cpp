@@ -369,7 +369,8 @@ torch::Tensor DecoderImpl::positions(int64_t seq, const torch::Device& device,
   if (docs) {
     TORCH_CHECK(docs->tokens == seq, "documents of ", docs->tokens, "-token rows for a ", seq,
                 "-token sequence");
-    return parallel::cp::local_chunks(docs->positions, 1, cp_size(), cp_size() > 1 ? o_.cp->rank() : 0);
+    return parallel::cp::local_chunks(docs->positions, 1, cp_size(),
+                                      cp_size() > 1 ? o_.cp->rank() : 0);
   }
   if (cp_size() == 1)
     return torch::arange(seq, torch::TensorOptions().dtype(torch::kInt64).device(device));
@@ -410,7 +411,7 @@ torch::Tensor DecoderImpl::embed_tokens(const torch::Tensor& tokens,
 torch::Tensor DecoderImpl::run_blocks(int64_t chunk, torch::Tensor x,
                                       const torch::Tensor& positions,
                                       const kernels::Documents* docs) {
-  torch::Tensor cos, sin;  // attention sees all local tokens (CP: positions of its two chunks)
+  torch::Tensor cos, sin;       // attention sees all local tokens (CP: positions of its two chunks)
   if (!o_.learned_pos && docs)  // each token's place in its document
     std::tie(cos, sin) = rope_of(positions, x.scalar_type());
   else if (!o_.learned_pos)

@@ -106,8 +106,8 @@ Documents find_documents(const torch::Tensor& tokens, int64_t eod, const torch::
     d.positions = pos.to(device);
     return d;
   }
-  auto bounds = torch::tensor(std::vector<int32_t>(d.bounds.begin(), d.bounds.end()),
-                              torch::kInt32);
+  auto bounds =
+      torch::tensor(std::vector<int32_t>(d.bounds.begin(), d.bounds.end()), torch::kInt32);
   d.positions = pos.pin_memory().to(device, /*non_blocking=*/true);
   d.cu_seqlens = bounds.pin_memory().to(device, /*non_blocking=*/true);
   return d;

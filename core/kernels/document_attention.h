@@ -26,10 +26,10 @@ struct Documents {
   /// Document bounds over the rows' tokens flattened (row r's token i is r·tokens + i):
   /// 0 = b_0 < b_1 < ... < b_n = rows·tokens; every row's first token starts a document.
   std::vector<int64_t> bounds;
-  int64_t longest = 0;         // the longest document's tokens
-  torch::Tensor cu_seqlens;    // the bounds as int32 on the device (CUDA only; else undefined)
-  torch::Tensor positions;     // int64 [rows, tokens] on the device: each token's place in its
-                               // document (0 at its first token)
+  int64_t longest = 0;       // the longest document's tokens
+  torch::Tensor cu_seqlens;  // the bounds as int32 on the device (CUDA only; else undefined)
+  torch::Tensor positions;   // int64 [rows, tokens] on the device: each token's place in its
+                             // document (0 at its first token)
   int64_t count() const { return static_cast<int64_t>(bounds.size()) - 1; }
   /// Attention's share of a causal sequence's: Σ l(l+1) over documents / rows·T(T+1).
   double attention_share() const;

@@ -79,10 +79,17 @@ torch::Tensor rope_cpu(const torch::Tensor& x_in, const torch::Tensor& cos,
   auto out = torch::empty_like(x);
   // Tables [s, d] shared by every row, or [b, s, d] (positions restarting per document).
   const bool per_row = cos.dim() == 3;
-  const cpu::RopeRows rows{x.size(0),     x.size(1),     x.size(2),
-                           x.size(3),     x.stride(0),   x.stride(1),
-                           x.stride(2),   out.stride(0), out.stride(1),
-                           out.stride(2), per_row ? x.size(2) * x.size(3) : 0};
+  const cpu::RopeRows rows{x.size(0),
+                           x.size(1),
+                           x.size(2),
+                           x.size(3),
+                           x.stride(0),
+                           x.stride(1),
+                           x.stride(2),
+                           out.stride(0),
+                           out.stride(1),
+                           out.stride(2),
+                           per_row ? x.size(2) * x.size(3) : 0};
   TORCH_CHECK(out.stride(3) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.sizes() == sin.sizes() && (!per_row || cos.size(0) == x.size(0)) &&
                   cos.size(-2) == x.size(2) && cos.size(-1) == x.size(3),

@@ -24,9 +24,10 @@ struct RopeRows {
   int64_t out_b, out_h, out_s;  // strides of the output
   int64_t table_b = 0;          // elements between rows' tables (0: one [s, d] table for all)
 };
-/// Rotate-half rotary embedding with tables cos, sin [s, d] (or one per row, table_b apart): forward o = x·cos + rotate_half(x)·sin
-/// (rotate_half(x) = [-x2, x1]); backward (the transpose) dx = dy·cos + [dy2·sin2, -dy1·sin1]
-/// rearranged: dx1 = dy1·cos1 + dy2·sin2, dx2 = dy2·cos2 - dy1·sin1.
+/// Rotate-half rotary embedding with tables cos, sin [s, d] (or one per row, table_b apart):
+/// forward o = x·cos + rotate_half(x)·sin (rotate_half(x) = [-x2, x1]); backward (the transpose) dx
+/// = dy·cos + [dy2·sin2, -dy1·sin1] rearranged: dx1 = dy1·cos1 + dy2·sin2, dx2 = dy2·cos2 -
+/// dy1·sin1.
 void rope(const float* x, const float* cos, const float* sin, float* out, const RopeRows& rows,
           bool backward);
 

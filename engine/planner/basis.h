@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/plan/config.h"
+#include "engine/planner/documents.h"
 #include "engine/planner/planner.h"
 #include "models/layers.h"
 #include "models/shape.h"
@@ -50,8 +51,7 @@ struct PlanBasis {
   bool keep_gathered;        // ZeRO-3: units gathered once per step (parallel.zero3.keep_gathered)
   double block;              // one layer's parameters on one tp rank
   double per_moe_layer = 0;  // per_layer for an MoE layer (its experts instead of the MLP)
-  double attention_share = 1;  // data.document_mask: the causal attention work it keeps
-  double documents = 1;        // ... and the documents of a sample (one attention call each)
+  DocumentFigures docs;      // data.document_mask: attention kept, documents per sample
 };
 
 struct Traffic {  // one group's bytes on one rank per step, by how a ring moves them

@@ -17,11 +17,10 @@ DocumentFigures document_figures(const plan::Config& c) {
   // What decides the first samples: the data, the seed, the sequence length and (megatron
   // order) the samples the run asks for.
   const auto& d = c.data;
-  std::string key = fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", d.format.name(),
-                                d.order.name(), d.split, d.val_fraction, d.eod(), c.run.seed,
-                                c.training.seq_len,
-                                c.training.steps * c.training.global_batch, d.shuffle,
-                                d.token_dtype.name());
+  std::string key =
+      fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", d.format.name(), d.order.name(), d.split,
+                  d.val_fraction, d.eod(), c.run.seed, c.training.seq_len,
+                  c.training.steps * c.training.global_batch, d.shuffle, d.token_dtype.name());
   for (const auto& p : d.path) key += "|" + p;
   for (const auto& b : d.blend) {
     key += fmt::format("|{}:", b.weight);
@@ -34,8 +33,8 @@ DocumentFigures document_figures(const plan::Config& c) {
   data::Dataset ds(c, {});
   const int64_t n = std::min(kDocumentShareSamples, ds.train_samples());
   const auto rows = ds.train_batch(0, n);
-  const auto docs = kernels::find_documents(rows.narrow(1, 0, c.training.seq_len), c.data.eod(),
-                                            torch::kCPU);
+  const auto docs =
+      kernels::find_documents(rows.narrow(1, 0, c.training.seq_len), c.data.eod(), torch::kCPU);
   const double samples = static_cast<double>(std::max<int64_t>(1, n));
   return known[key] = {docs.attention_share(), static_cast<double>(docs.count()) / samples};
 }

@@ -11,8 +11,8 @@ constexpr int64_t kDocumentShareSamples = 256;
 
 /// The documents of the first kDocumentShareSamples training samples.
 struct DocumentFigures {
-  double share = 1;          // Σ l(l+1) over samples·T(T+1) (kernels::Documents::attention_share)
-  double per_sample = 1;     // documents (pieces of documents) per sample
+  double share = 1;       // Σ l(l+1) over samples·T(T+1) (kernels::Documents::attention_share)
+  double per_sample = 1;  // documents (pieces of documents) per sample
 };
 /// Those figures; share 1 and one document per sample without data.document_mask. Reads the
 /// data once per data section and sequence length (the layout search asks for every candidate).

@@ -29,8 +29,8 @@ double flops_parameters(models::Decoder& model) {
 
 double flops_per_token(const models::ModelShape& m, double n, int64_t seq_len,
                        double attention_share) {
-  return 6.0 * n + 12.0 * m.layers * m.heads * m.head_dim() * static_cast<double>(seq_len) *
-                       attention_share;
+  return 6.0 * n +
+         12.0 * m.layers * m.heads * m.head_dim() * static_cast<double>(seq_len) * attention_share;
 }
 
 Peak device_peak(const plan::Config& c, const torch::Device& device, torch::ScalarType dtype) {

@@ -13,7 +13,6 @@
 #include "core/kernels/attention_cpu.h"
 #include "core/optim/optim.h"
 #include "engine/planner/basis.h"
-#include "engine/planner/documents.h"
 #include "engine/planner/figures.h"
 #include "engine/planner/model_plan.h"
 #include "models/registry.h"
@@ -225,8 +224,7 @@ PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
       static_cast<double>(t.micro_batch * t.seq_len) / static_cast<double>(l.cp);
   const double h = b.h = static_cast<double>(m.hidden), tp = b.tp = static_cast<double>(l.tp);
   const double kvd = b.kvd = static_cast<double>(m.kv_heads * m.head_dim());
-  const auto docs = document_figures(c);
-  b.attention_share = docs.share, b.documents = docs.per_sample;
+  b.docs = document_figures(c);
   b.vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
   b.cpu = cpu;
   b.own_kernels = cpu && t.kernels == plan::Kernels::kTessel && b.dtype == torch::kFloat32;
@@ -285,9 +283,8 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const plan::TrainingCon
              static_cast<double>(std::max<int64_t>(1, m.moe.experts));    // active experts only
   n_flops -= static_cast<double>(m.vocab_size) * h * (m.tied() ? 0 : 1);  // input embeddings
   if (m.arch == plan::ModelArch::kGpt2) n_flops -= static_cast<double>(m.max_seq_len) * h;
-  e.flops_per_step =
-      flops_per_token(m, n_flops, t.seq_len, b.attention_share) *
-      static_cast<double>(t.global_batch * t.seq_len);
+  e.flops_per_step = flops_per_token(m, n_flops, t.seq_len, b.docs.share) *
+                     static_cast<double>(t.global_batch * t.seq_len);
   // The work the device does: recomputation reruns forward work the model FLOPs (and so MFU)
   // do not count. Full: every block's forward again (2 per block weight, and attention's
   // 4·L·H·Q·T, a third of its 12); selective: each block's MLP forward (2 per MLP weight).
@@ -302,8 +299,8 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const plan::TrainingCon
     rerun_per_token = 2.0 * layers * mlp_weights;
   e.recompute_flops_per_step = rerun_per_token * static_cast<double>(t.global_batch * t.seq_len);
   // The convention's attention term, 12·L·H·Q·T per token, of which a document mask keeps a share.
-  e.attention_share = b.attention_share;
-  e.attention_flops_saved_per_step = (1 - b.attention_share) * 12 * layers * h *
+  e.attention_share = b.docs.share;
+  e.attention_flops_saved_per_step = (1 - b.docs.share) * 12 * layers * h *
                                      static_cast<double>(t.seq_len) *
                                      static_cast<double>(t.global_batch * t.seq_len);
 }
@@ -385,7 +382,7 @@ std::map<std::string, double> cpu_compute_s(const plan::Config& c, const PlanBas
                         (d.peak_tflops * 1e12 * d.efficiency);
   const double attention = 12 * layers * static_cast<double>(m.heads) / tp *
                            static_cast<double>(m.head_dim() * t.seq_len) * tokens *
-                           (full ? 4.0 / 3 : 1.0) * b.attention_share /
+                           (full ? 4.0 / 3 : 1.0) * b.docs.share /
                            // never faster than the matmul peak MFU is measured against (a pinned
                            // peak below the measured attention rate would put MFU over 100%)
                            (std::min(d.attention_tflops, d.peak_tflops * d.efficiency) * 1e12);
@@ -395,7 +392,8 @@ std::map<std::string, double> cpu_compute_s(const plan::Config& c, const PlanBas
                                          : (llama ? kLlamaTorchBlockOps : kGpt2TorchBlockOps);
   // A document mask's CPU attention is a call per document: about kDocumentOps operators more
   // for each document after a sample's first, forward and backward.
-  const double doc_ops = kDocumentOps * (b.documents - 1) * static_cast<double>(t.micro_batch);
+  const double doc_ops =
+      kDocumentOps * (b.docs.per_sample - 1) * static_cast<double>(t.micro_batch);
   const double ops = (block_ops * (full ? 1.4 : 1.0) + doc_ops) * layers * micro;
   const double state =
       static_cast<double>(r.params) / static_cast<double>(b.zero >= 1 ? b.data_ranks : 1);

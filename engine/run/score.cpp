@@ -43,9 +43,8 @@ ScoreResult rows_loss(models::Decoder& model, const plan::Config& c, const torch
     const auto host = rows.narrow(0, first, std::min(c.training.micro_batch, b - first));
     const auto docs = micro_batch_documents(c, host, device);  // data.document_mask
     auto part = to_device(host, device);
-    total += model->loss_sum(part, docs.empty() ? nullptr : &docs[0])
-                 .to(torch::kFloat64)
-                 .item<double>();
+    total +=
+        model->loss_sum(part, docs.empty() ? nullptr : &docs[0]).to(torch::kFloat64).item<double>();
     if (!logits_out.empty())
       logits.push_back(model->forward(part.narrow(1, 0, t), docs.empty() ? nullptr : &docs[0])
                            .narrow(-1, 0, c.model.vocab_size)

@@ -76,13 +76,11 @@ void Trainer::log_state() const {
       sync_->unit_gatherer() ? fmt::format(" (+ gathered units, the largest {:.2f} MiB)",
                                            sync_->unit_gatherer()->largest_unit_bytes() / 1048576.0)
                              : "");
-  spdlog::info("data {} | {} training samples ({} tokens), {} validation samples | order {}{}{}",
-               c_.data.format.name(), data_->train_samples(), data_->train_tokens(),
-               data_->val_samples(), c_.data.order.name(),
-               c_.data.split.empty() ? "" : ", split " + c_.data.split,
-               c_.data.document_mask
-                   ? fmt::format(" | document mask after id {}", c_.data.eod())
-                   : "");
+  spdlog::info(
+      "data {} | {} training samples ({} tokens), {} validation samples | order {}{}{}",
+      c_.data.format.name(), data_->train_samples(), data_->train_tokens(), data_->val_samples(),
+      c_.data.order.name(), c_.data.split.empty() ? "" : ", split " + c_.data.split,
+      c_.data.document_mask ? fmt::format(" | document mask after id {}", c_.data.eod()) : "");
   const auto& train = data_->sources();
   if (train.size() > 1) {
     // Each dataset's share, and what the run asks of it (an epoch is its training samples).
@@ -326,9 +324,9 @@ void Trainer::measure_flops() {
   auto n = torch::full({}, planner::flops_parameters(model_),
                        torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   if (mesh_->layout().pp > 1) mesh_->group(parallel::GroupKind::kPp).all_reduce(n).wait();
-  flops_per_token_ = planner::flops_per_token(model_->options().model, n.item<double>(),
-                                              c_.training.seq_len,
-                                              planner::document_figures(c_).share);
+  flops_per_token_ =
+      planner::flops_per_token(model_->options().model, n.item<double>(), c_.training.seq_len,
+                               planner::document_figures(c_).share);
   peak_ = planner::device_peak(c_, device_, dtype_);
 }
 

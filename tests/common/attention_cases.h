@@ -125,7 +125,7 @@ inline void check_document_attention(const torch::Device& device, torch::ScalarT
   const int64_t b = 2, t = 48, heads = 4, kv = 2, d = 32, eod = 7;
   auto tokens = torch::randint(8, 100, {b, t}, torch::kInt64);
   for (int64_t at : {0, 4, 34}) tokens[0][at] = eod;  // row 0: documents of 1, 4, 30, 13 tokens
-  tokens[1][20] = eod;                                   // row 1: 21 and 27
+  tokens[1][20] = eod;                                // row 1: 21 and 27
   const auto docs = kernels::find_documents(tokens, eod, device);
   ASSERT_EQ(docs.count(), 6);
   const auto o = torch::TensorOptions().dtype(dtype).device(device);
@@ -140,7 +140,8 @@ inline void check_document_attention(const torch::Device& device, torch::ScalarT
   auto q64 = q.detach().to(torch::kFloat64).requires_grad_(),
        k64 = k.detach().to(torch::kFloat64).requires_grad_(),
        v64 = v.detach().to(torch::kFloat64).requires_grad_();
-  auto doc = torch::cumsum((tokens == eod).to(torch::kInt64), 1) - (tokens == eod).to(torch::kInt64);
+  auto doc =
+      torch::cumsum((tokens == eod).to(torch::kInt64), 1) - (tokens == eod).to(torch::kInt64);
   doc = doc.to(device);
   auto pos = torch::arange(t, torch::TensorOptions().dtype(torch::kInt64).device(device));
   auto allowed = (pos.view({1, 1, t}) <= pos.view({1, t, 1})) &

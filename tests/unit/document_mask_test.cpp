@@ -27,10 +27,10 @@ TEST(DocumentMask, AttentionMatchesTheBlockDiagonalMask) {
 
 TEST(DocumentMask, FindsDocumentsAfterEachEndOfDocument) {
   // Row 0: a document ends after position 2 and after 5; row 1 ends one at its last token only.
-  auto tokens = torch::tensor(std::vector<int64_t>{3, 4, kEod, 5, 6, kEod, 7, 8, 1, 2, 3, 4, 5,
-                                                   6, 7, kEod})
-                    .to(torch::kInt32)  // any integer dtype
-                    .view({2, 8});
+  auto tokens =
+      torch::tensor(std::vector<int64_t>{3, 4, kEod, 5, 6, kEod, 7, 8, 1, 2, 3, 4, 5, 6, 7, kEod})
+          .to(torch::kInt32)  // any integer dtype
+          .view({2, 8});
   const auto d = kernels::find_documents(tokens, kEod, torch::kCPU);
   EXPECT_EQ(d.bounds, (std::vector<int64_t>{0, 3, 6, 8, 16}));
   EXPECT_EQ(d.count(), 4);
@@ -43,8 +43,7 @@ TEST(DocumentMask, FindsDocumentsAfterEachEndOfDocument) {
 }
 
 // Per-token losses of rows [1, T+1] (the logits of the model's whole vocabulary).
-torch::Tensor token_losses(Decoder& m, const torch::Tensor& row,
-                           const kernels::Documents* docs) {
+torch::Tensor token_losses(Decoder& m, const torch::Tensor& row, const kernels::Documents* docs) {
   const int64_t t = row.size(1) - 1;
   auto logits = m->forward(row.narrow(1, 0, t), docs)[0];
   return torch::nn::functional::cross_entropy(

@@ -128,8 +128,7 @@ TEST(FusedOps, RopeMatchesTheCompositeInTheModelsLayout) {
       1e-6);
   auto per_row = kernels::rope(x, rc, rs, true);
   for (int64_t r = 0; r < b; ++r)
-    EXPECT_TRUE(torch::equal(per_row[r],
-                             kernels::rope(x.narrow(0, r, 1), rc[r], rs[r], true)[0]))
+    EXPECT_TRUE(torch::equal(per_row[r], kernels::rope(x.narrow(0, r, 1), rc[r], rs[r], true)[0]))
         << "row " << r;
 }
 
