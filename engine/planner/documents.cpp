@@ -36,7 +36,7 @@ DocumentFigures document_figures(const plan::Config& c) {
   const auto docs =
       kernels::find_documents(rows.narrow(1, 0, c.training.seq_len), c.data.eod(), torch::kCPU);
   const double samples = static_cast<double>(std::max<int64_t>(1, n));
-  return known[key] = {docs.attention_share(), static_cast<double>(docs.count()) / samples};
+  return known[key] = {docs.attention_share(), static_cast<double>(docs.count()) / samples, n};
 }
 
 }  // namespace tessel::planner

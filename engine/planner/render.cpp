@@ -160,10 +160,10 @@ std::string render(const PlanEstimate& e, const plan::Config& c, const DevicePro
   if (c.data.document_mask)
     s += fmt::format(
         "# document mask (data.eod_token {}): attention inside documents does {:.1f}% of a "
-        "causal sequence's attention work on (up to) the first {} training samples, {:.4g} TFLOP "
+        "causal sequence's attention work on the first {} training samples, {:.4g} TFLOP "
         "per "
         "step fewer (not in the model FLOPs above, nor in MFU)\n",
-        c.data.eod(), 100 * e.attention_share, kDocumentShareSamples,
+        c.data.eod(), 100 * e.attention_share, e.document_samples,
         e.attention_flops_saved_per_step / 1e12);
   for (const auto& r : e.ranks) {
     s += fmt::format(
