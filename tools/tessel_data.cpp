@@ -26,6 +26,7 @@
 #include "core/plan/config.h"
 #include "engine/cli/cli_checks.h"
 #include "engine/data/data.h"
+#include "engine/data/vocabulary.h"
 #include "engine/io/tokenizer.h"
 
 namespace {
@@ -430,9 +431,15 @@ int run(const Options& o) {
   }
   p.rethrow();
   out.finish();
+  // What a plan checks the dataset against (engine/data/vocabulary.h).
+  const bool bytes = o.tokenizer.empty();
+  tessel::data::write_vocabulary(
+      o.out, {v.size, v.eod, v.eod_text, bytes ? "bytes" : o.tokenizer,
+              bytes ? "bytes" : tessel::data::tokenizer_fingerprint(o.tokenizer)});
   if (!progress.tty()) progress.report(true);
   spdlog::info(
-      "wrote {0}.bin / {0}.idx: {1} documents, {2} tokens ({3}-bit, vocabulary {4}){5} "
+      "wrote {0}.bin / {0}.idx (and {0}.tessel.json): {1} documents, {2} tokens ({3}-bit, "
+      "vocabulary {4}){5} "
       "in {6:.1f} s",
       o.out, out.documents(), out.tokens(), 8 * out.elem_size(), v.size,
       skipped ? fmt::format(", {} empty documents skipped", skipped.load()) : "",

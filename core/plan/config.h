@@ -130,9 +130,7 @@ struct DataConfig {
   bool shuffle;
   Choice<TokenDtype> token_dtype;  // data.token_dtype (tokens files)
   bool document_mask;              // data.document_mask: attention inside each document
-  int64_t eod_token;               // data.eod_token: -1 = the text format's end of document
-  /// The end-of-document id data.document_mask cuts after (text: 256).
-  int64_t eod() const { return eod_token >= 0 ? eod_token : 256; }
+  int64_t eod_token;               // data.eod_token: -1 = the data's own (engine/data/vocabulary.h)
 };
 
 struct CheckpointConfig {

@@ -375,8 +375,10 @@ void add_data_fields(FieldAdder& add, Config& c) {
       "Keep attention inside each document of a packed sample (block-diagonal causal, cut after "
       "every data.eod_token) and restart positions (RoPE, learned) at each document.");
   add("data.eod_token", &c.data.eod_token, int64_t{-1},
-      "The end-of-document token id data.document_mask cuts after. -1: the text format's (256); "
-      "tokens and megatron data name their tokenizer's (e.g. 50256 for GPT-2, 128001 Llama 3).")
+      "The end-of-document token id data.document_mask cuts after. -1: the data's own: the text "
+      "format's 256, or what tessel-data recorded beside each megatron dataset "
+      "(PREFIX.tessel.json); tokens data names its tokenizer's (e.g. 50256 for GPT-2, 128001 for "
+      "Llama 3).")
       .range(-1, 1e12);
 }
 

@@ -237,13 +237,13 @@ class Validator {
     require(!text || d.eod_token < 0 || d.eod_token == 256, "data.eod_token",
             "text data ends each document with id 256: data.eod_token " +
                 std::to_string(d.eod_token) + " names another (leave it -1)");
-    require(text || d.eod_token >= 0, "data.eod_token",
-            "data.document_mask cuts documents after their end-of-document token; " +
-                d.format.name() +
-                " data does not say which id that is: give data.eod_token (the tokenizer's, "
-                "e.g. 50256 for GPT-2, 128001 for Llama 3)");
-    require(d.eod() < c_.model.vocab_size, "data.eod_token",
-            q("data.eod_token", d.eod(), "must be below", "model.vocab_size", c_.model.vocab_size));
+    require(d.format != DataFormat::kTokens || d.eod_token >= 0, "data.eod_token",
+            "data.document_mask cuts documents after their end-of-document token; tokens data "
+            "does not say which id that is: give data.eod_token (the tokenizer's, e.g. 50256 for "
+            "GPT-2, 128001 for Llama 3)");
+    require(
+        d.eod_token < c_.model.vocab_size, "data.eod_token",
+        q("data.eod_token", d.eod_token, "must be below", "model.vocab_size", c_.model.vocab_size));
     require(p.cp == 1 || p.context_method == CpMethod::kAllToAll, "parallel.context.method",
             "data.document_mask with parallel.cp " + std::to_string(p.cp) +
                 " needs parallel.context.method alltoall (it is " + p.context_method.name() +

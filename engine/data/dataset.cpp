@@ -189,6 +189,14 @@ std::vector<double> blend_weights(const plan::DataConfig& d) {
   return w;
 }
 
+std::vector<std::pair<std::string, std::vector<std::string>>> named_datasets(
+    const plan::DataConfig& d) {
+  std::vector<std::pair<std::string, std::vector<std::string>>> out;
+  for (auto s : {SampleSplit::kTrain, SampleSplit::kValid, SampleSplit::kTest})
+    for (const auto& n : named(d, s)) out.emplace_back(n.key, n.item.path);
+  return out;
+}
+
 void check_token_ids(const plan::Config& c, int64_t rank, int64_t world) {
   if (c.data.format == plan::DataFormat::kText) return;
   for (auto s : {SampleSplit::kTrain, SampleSplit::kValid, SampleSplit::kTest})

@@ -67,6 +67,11 @@ std::vector<double> blend_weights(const plan::DataConfig& d);
 /// outside [0, model.vocab_size) (check_stream_ids); text data needs none.
 void check_token_ids(const plan::Config& c, int64_t rank, int64_t world);
 
+/// Every dataset the plan names (training, data.valid, data.test) as (its plan key, its paths):
+/// ("data.path", ...), ("data.blend item 2", ...), ("data.valid item 1", ...).
+std::vector<std::pair<std::string, std::vector<std::string>>> named_datasets(
+    const plan::DataConfig& d);
+
 class Dataset {
  public:
   /// The training samples and those of `splits` (a split no one reads is not built: a plan whose

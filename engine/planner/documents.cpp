@@ -9,6 +9,7 @@
 
 #include "core/kernels/document_attention.h"
 #include "engine/data/dataset.h"
+#include "engine/data/vocabulary.h"
 
 namespace tessel::planner {
 
@@ -19,7 +20,7 @@ DocumentFigures document_figures(const plan::Config& c) {
   const auto& d = c.data;
   std::string key =
       fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", d.format.name(), d.order.name(), d.split,
-                  d.val_fraction, d.eod(), c.run.seed, c.training.seq_len,
+                  d.val_fraction, d.eod_token, c.run.seed, c.training.seq_len,
                   c.training.steps * c.training.global_batch, d.shuffle, d.token_dtype.name());
   for (const auto& p : d.path) key += "|" + p;
   for (const auto& b : d.blend) {
@@ -30,13 +31,14 @@ DocumentFigures document_figures(const plan::Config& c) {
   static std::map<std::string, DocumentFigures> known;
   std::lock_guard<std::mutex> lock(mu);
   if (const auto it = known.find(key); it != known.end()) return it->second;
+  const int64_t eod = data::document_eod(c);
   data::Dataset ds(c, {});
   const int64_t n = std::min(kDocumentShareSamples, ds.train_samples());
   const auto rows = ds.train_batch(0, n);
   const auto docs =
-      kernels::find_documents(rows.narrow(1, 0, c.training.seq_len), c.data.eod(), torch::kCPU);
+      kernels::find_documents(rows.narrow(1, 0, c.training.seq_len), eod, torch::kCPU);
   const double samples = static_cast<double>(std::max<int64_t>(1, n));
-  return known[key] = {docs.attention_share(), static_cast<double>(docs.count()) / samples, n};
+  return known[key] = {docs.attention_share(), static_cast<double>(docs.count()) / samples, n, eod};
 }
 
 }  // namespace tessel::planner

@@ -14,6 +14,7 @@ struct DocumentFigures {
   double share = 1;       // Σ l(l+1) over samples·T(T+1) (kernels::Documents::attention_share)
   double per_sample = 1;  // documents (pieces of documents) per sample
   int64_t samples = 0;    // the samples measured (0: no mask)
+  int64_t eod = -1;       // the id documents end with (data::document_eod)
 };
 /// Those figures; share 1 and one document per sample without data.document_mask. Reads the
 /// data once per data section and sequence length (the layout search asks for every candidate).

@@ -163,7 +163,7 @@ std::string render(const PlanEstimate& e, const plan::Config& c, const DevicePro
         "causal sequence's attention work on the first {} training samples, {:.4g} TFLOP "
         "per "
         "step fewer (not in the model FLOPs above, nor in MFU)\n",
-        c.data.eod(), 100 * e.attention_share, e.document_samples,
+        e.document_eod, 100 * e.attention_share, e.document_samples,
         e.attention_flops_saved_per_step / 1e12);
   for (const auto& r : e.ranks) {
     s += fmt::format(

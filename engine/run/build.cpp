@@ -42,15 +42,15 @@ torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device) 
   return device.is_cuda() ? host.pin_memory().to(device, /*non_blocking=*/true) : host;
 }
 
-std::vector<kernels::Documents> micro_batch_documents(const plan::Config& c,
+std::vector<kernels::Documents> micro_batch_documents(const plan::Config& c, int64_t eod,
                                                       const torch::Tensor& host_rows,
                                                       const torch::Device& device) {
   std::vector<kernels::Documents> docs;
-  if (!c.data.document_mask) return docs;
+  if (eod < 0) return docs;
   const int64_t b = host_rows.size(0), t = host_rows.size(1) - 1, mb = c.training.micro_batch;
   for (int64_t first = 0; first < b; first += mb)
     docs.push_back(kernels::find_documents(
-        host_rows.narrow(0, first, std::min(mb, b - first)).narrow(1, 0, t), c.data.eod(), device));
+        host_rows.narrow(0, first, std::min(mb, b - first)).narrow(1, 0, t), eod, device));
   return docs;
 }
 

@@ -30,10 +30,10 @@ void configure_device(const plan::Config& c, const torch::Device& device);
 /// queued without waiting (the copy goes behind the work already queued); on CPU as they are.
 torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device);
 
-/// data.document_mask: the documents of host rows [B, T+1] (their inputs rows[:, :T]), one set
-/// per micro-batch of training.micro_batch rows, their positions and bounds queued to `device`.
-/// Without the mask: none (an empty list).
-std::vector<kernels::Documents> micro_batch_documents(const plan::Config& c,
+/// data.document_mask: the documents of host rows [B, T+1] (their inputs rows[:, :T]) cut after
+/// each `eod` (data::document_eod), one set per micro-batch of training.micro_batch rows, their
+/// positions and bounds queued to `device`. eod < 0 (no mask): none (an empty list).
+std::vector<kernels::Documents> micro_batch_documents(const plan::Config& c, int64_t eod,
                                                       const torch::Tensor& host_rows,
                                                       const torch::Device& device);
 

@@ -12,6 +12,7 @@
 
 #include "engine/checkpoint/checkpoint.h"
 #include "engine/data/dataset.h"
+#include "engine/data/vocabulary.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/tokenizer.h"
 #include "engine/io/weights.h"
@@ -37,11 +38,12 @@ ScoreResult rows_loss(models::Decoder& model, const plan::Config& c, const torch
   torch::NoGradGuard no_grad;
   const auto device = model->parameters().front().device();
   const int64_t b = rows.size(0), t = rows.size(1) - 1;
+  const int64_t eod = data::document_eod(c);  // -1: no document mask
   double total = 0;
   std::vector<torch::Tensor> logits;
   for (int64_t first = 0; first < b; first += c.training.micro_batch) {
     const auto host = rows.narrow(0, first, std::min(c.training.micro_batch, b - first));
-    const auto docs = micro_batch_documents(c, host, device);  // data.document_mask
+    const auto docs = micro_batch_documents(c, eod, host, device);  // data.document_mask
     auto part = to_device(host, device);
     total +=
         model->loss_sum(part, docs.empty() ? nullptr : &docs[0]).to(torch::kFloat64).item<double>();

@@ -22,6 +22,7 @@
 
 #include "engine/checkpoint/checkpoint.h"
 #include "engine/data/dataset.h"
+#include "engine/data/vocabulary.h"
 #include "engine/io/weights.h"
 #include "engine/run/build.h"
 #include "engine/run/resume_plan.h"
@@ -68,6 +69,7 @@ RunLock check_start(const plan::Config& c, const parallel::WorldInfo& w) {
   // The current device is this rank's before any CUDA or NCCL work (allocations, streams and
   // communicators would otherwise land on device 0 from every rank).
   if (device.is_cuda()) c10::cuda::set_device(device.index());
+  data::check_vocabularies(c);                // what tessel-data recorded of each dataset
   data::check_token_ids(c, w.rank, w.world);  // this rank's share of the data
   if (!c.model.init_from.empty()) init_weights_file(c.model.init_from);
   if (const auto dir = checkpoint::checkpoint_to_resume(c); !dir.empty()) {

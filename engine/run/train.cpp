@@ -45,6 +45,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   // The test split is score's: a run never reads it.
   data_ = std::make_unique<data::Dataset>(
       c_, std::vector<data::SampleSplit>{data::SampleSplit::kValid});
+  doc_eod_ = data::document_eod(c_);
   {
     auto st = parallelize(c_, *mesh_, device_, dtype_);
     model_ = std::move(st.model);
@@ -95,7 +96,8 @@ void Trainer::stage_inputs(int64_t step) {
   // This data rank's rows of the global batch (the next B positions of the global order).
   const int64_t rows = t.global_batch / mesh_->layout().dp;
   const auto host = data_->train_batch(consumed_ + mesh_->coord().dp * rows, rows);
-  in_.docs = micro_batch_documents(c_, host, device_);  // found on the host, before the copy
+  in_.docs =
+      micro_batch_documents(c_, doc_eod_, host, device_);  // found on the host, before the copy
   auto batch = to_device(host, device_);
   consumed_ += t.global_batch;
   if (!in_.lr.defined()) {  // a host double, but a float32 device scalar for a captured step
@@ -241,7 +243,7 @@ double Trainer::evaluate_dataset(int64_t d) {
     if (model_->needs_rows(chunk) || c_.data.document_mask) {
       const auto host = data_->split_batch(data::SampleSplit::kValid, d,
                                            mesh_->coord().dp * mine + first, t.micro_batch);
-      docs = micro_batch_documents(c_, host, device_);
+      docs = micro_batch_documents(c_, doc_eod_, host, device_);
       rows_mb = to_device(host, device_);
     }
     auto out = model_->stage_forward(chunk, input, rows_mb, docs.empty() ? nullptr : &docs[0]);

@@ -15,6 +15,7 @@
 #include "core/optim/optim.h"
 #include "core/plan/config.h"
 #include "engine/data/dataset.h"
+#include "engine/data/vocabulary.h"
 #include "engine/planner/figures.h"
 #include "engine/planner/model_plan.h"
 #include "engine/run/build.h"
@@ -120,6 +121,7 @@ class Trainer {
     torch::Tensor batch, lr, step, vote;
     std::vector<kernels::Documents> docs;  // data.document_mask: each micro-batch's
   } in_;
+  int64_t doc_eod_ = -1;              // data.document_mask: the id documents end with (-1: no mask)
   std::unique_ptr<StepGraph> graph_;  // training.cuda_graph; null otherwise
   StepOut graph_out_;                 // the captured step's outputs, rewritten by each replay
   bool graph_failure_logged_ = false;

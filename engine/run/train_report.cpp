@@ -76,11 +76,11 @@ void Trainer::log_state() const {
       sync_->unit_gatherer() ? fmt::format(" (+ gathered units, the largest {:.2f} MiB)",
                                            sync_->unit_gatherer()->largest_unit_bytes() / 1048576.0)
                              : "");
-  spdlog::info(
-      "data {} | {} training samples ({} tokens), {} validation samples | order {}{}{}",
-      c_.data.format.name(), data_->train_samples(), data_->train_tokens(), data_->val_samples(),
-      c_.data.order.name(), c_.data.split.empty() ? "" : ", split " + c_.data.split,
-      c_.data.document_mask ? fmt::format(" | document mask after id {}", c_.data.eod()) : "");
+  spdlog::info("data {} | {} training samples ({} tokens), {} validation samples | order {}{}{}",
+               c_.data.format.name(), data_->train_samples(), data_->train_tokens(),
+               data_->val_samples(), c_.data.order.name(),
+               c_.data.split.empty() ? "" : ", split " + c_.data.split,
+               c_.data.document_mask ? fmt::format(" | document mask after id {}", doc_eod_) : "");
   const auto& train = data_->sources();
   if (train.size() > 1) {
     // Each dataset's share, and what the run asks of it (an epoch is its training samples).

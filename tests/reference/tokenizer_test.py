@@ -81,6 +81,38 @@ class Tokenize(TmpDirTest):
         got = np.fromfile(self.path("big.bin"), dtype=np.int32).tolist()
         self.assertEqual(got, [1, 69999, 65536, 70000, 7, 70001])
 
+    def test_vocabulary_record_refuses_a_mixed_blend_and_gives_the_eod(self):
+        """tessel-data records each dataset's tokenizer and end-of-document id (PREFIX.tessel.json):
+        a blend of two tokenizers' datasets is refused before any work naming the item, and
+        data.document_mask needs no data.eod_token."""
+        run("tessel-data", self.path("corpus.jsonl"), "--tokenizer", self.path("tokenizer.json"),
+            "--out", self.path("w"))
+        with open(self.path("w.tessel.json")) as f:
+            rec = json.load(f)
+        eod = self.tok.token_to_id("<|endoftext|>")
+        self.assertEqual((rec["eod"], rec["eod_token"], rec["vocab_size"]),
+                         (eod, "<|endoftext|>", self.tok.get_vocab_size()))
+        other = bpe_tokenizer(self.path("other.json"), corpus(50, seed=9), vocab=280)
+        self.assertNotEqual(other.get_vocab(), self.tok.get_vocab())
+        run("tessel-data", self.path("corpus.jsonl"), "--tokenizer", self.path("other.json"),
+            "--out", self.path("o"))
+        plan = {"run": {"seed": 5, "output_dir": self.path("run")},
+                "model": {"arch": "llama", "layers": 1, "hidden": 32, "heads": 2, "kv_heads": 2,
+                          "vocab_size": 300, "max_seq_len": 64},
+                "training": {"device": "cpu", "steps": 2, "global_batch": 2, "micro_batch": 1, "seq_len": 64,
+                             "threads": 1},
+                "data": {"format": "megatron", "blend": [{"weight": 1, "path": [self.path("w")]},
+                                                         {"weight": 1, "path": [self.path("o")]}]},
+                "logging": {"every": 1}}
+        p = run("tessel-train", write_plan(self.path("mixed.yaml"), plan), check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn(f"data.blend item 2 ({self.path('o')}) was tokenized by tokenizer "
+                      f"{self.path('other.json')} [", p.stderr)
+        self.assertFalse(os.path.exists(self.path("run", "metrics.jsonl")))
+        plan["data"] = {"format": "megatron", "path": [self.path("w")], "document_mask": True}
+        p = run("tessel-train", write_plan(self.path("masked.yaml"), plan))
+        self.assertIn(f"| document mask after id {eod}", p.stderr + p.stdout)
+
     def test_bad_input_names_file_and_line(self):
         with open(self.path("bad.jsonl"), "w") as f:
             f.write('{"text": "fine"}\n{"body": "no text key"}\n')

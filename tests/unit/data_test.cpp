@@ -8,6 +8,7 @@
 
 #include "core/observe/tensorboard.h"
 #include "engine/data/dataset.h"
+#include "engine/data/vocabulary.h"
 
 namespace fs = std::filesystem;
 
@@ -272,6 +273,50 @@ TEST_F(DataTest, BadFilesAreNamed) {
 }
 
 // The validator accepts exactly what Python's strict UTF-8 decoder (the tokenizer helper) accepts.
+// What tessel-data records beside a dataset: another tokenizer, a larger vocabulary, another
+// end-of-document id are refused naming the dataset; data.document_mask takes the recorded id.
+TEST_F(DataTest, VocabularyRecordsCheckedPerDataset) {
+  std::vector<std::string> prefixes;
+  for (const char* name : {"web", "code", "books"}) {
+    const std::string prefix = (dir_ / name).string();
+    data::MegatronWriter w(prefix, 300);
+    const std::vector<uint32_t> doc{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17};
+    w.add(doc.data(), static_cast<int64_t>(doc.size()));
+    w.finish();
+    prefixes.push_back(prefix);
+  }
+  write_vocabulary(prefixes[0], {300, 299, "<eos>", "tok.json", "00aa"});
+  write_vocabulary(prefixes[1], {300, 299, "<eos>", "copy/tok.json", "00aa"});
+  auto c = plan("megatron", {});
+  c.model.vocab_size = 300;
+  c.data.blend = {{0.5, {prefixes[0]}}, {0.5, {prefixes[1]}}, {0.5, {prefixes[2]}}};
+  EXPECT_NO_THROW(check_vocabularies(c));  // the same tokenizer; books has no record
+  EXPECT_EQ(document_eod(c), -1) << "no document mask";
+  c.data.document_mask = true;
+  EXPECT_EQ(document_eod(c), 299) << "the records' id";
+  c.data.eod_token = 7;
+  expect_error([&] { document_eod(c); },
+               "data.eod_token: data.blend item 1 (" + prefixes[0] +
+                   ") ends its documents with id 299 (<eos>), not data.eod_token 7");
+  c.data.eod_token = -1;
+  write_vocabulary(prefixes[1], {300, 0, "<s>", "other.json", "00bb"});
+  expect_error([&] { check_vocabularies(c); },
+               "data.blend item 2 (" + prefixes[1] +
+                   ") was tokenized by tokenizer other.json [00bb], and data.blend item 1 (" +
+                   prefixes[0] + ") by tokenizer tok.json [00aa]");
+  write_vocabulary(prefixes[1], {300, 299, "<eos>", "tok.json", "00aa"});
+  c.model.vocab_size = 280;
+  expect_error([&] { check_vocabularies(c); },
+               "data.blend item 1 (" + prefixes[0] +
+                   ") was tokenized with a vocabulary of 300 ids (tokenizer tok.json [00aa]); "
+                   "model.vocab_size is 280");
+  // No record anywhere: the mask needs data.eod_token.
+  c.data.blend = {{1.0, {prefixes[2]}}};
+  expect_error([&] { document_eod(c); }, "data.eod_token: data.document_mask cuts documents");
+  write(std::string("books.tessel.json"), "{\"format\": 3}");
+  expect_error([&] { document_eod(c); }, "books.tessel.json: not a vocabulary record");
+}
+
 TEST(Utf8, WellFormedOnly) {
   struct Case {
     std::string bytes;

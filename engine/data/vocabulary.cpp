@@ -1,0 +1,128 @@
+#include "engine/data/vocabulary.h"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "engine/data/dataset.h"
+#include "engine/io/checksum.h"
+
+namespace tessel::data {
+namespace {
+
+constexpr const char* kFormat = "tessel-data vocabulary 1";
+
+// One Megatron dataset with a record: its key, its prefix, the record.
+struct Recorded {
+  std::string key, prefix;
+  DataVocabulary v;
+  std::string who() const { return fmt::format("{} ({})", key, prefix); }
+  std::string tokens() const {
+    return v.fingerprint == "bytes" ? "byte tokens"
+                                    : fmt::format("tokenizer {} [{}]", v.tokenizer, v.fingerprint);
+  }
+};
+
+std::vector<Recorded> recorded(const plan::DataConfig& d) {
+  std::vector<Recorded> out;
+  if (d.format != plan::DataFormat::kMegatron) return out;
+  for (const auto& [key, prefixes] : named_datasets(d))
+    for (const auto& prefix : prefixes)
+      if (auto v = read_vocabulary(prefix)) out.push_back({key, prefix, *v});
+  return out;
+}
+
+}  // namespace
+
+std::string vocabulary_path(const std::string& prefix) { return prefix + ".tessel.json"; }
+
+void write_vocabulary(const std::string& prefix, const DataVocabulary& v) {
+  const std::string path = vocabulary_path(prefix), tmp = path + ".tmp";
+  const nlohmann::json j = {
+      {"format", kFormat},       {"vocab_size", v.size},     {"eod", v.eod},
+      {"eod_token", v.eod_text}, {"tokenizer", v.tokenizer}, {"tokenizer_checksum", v.fingerprint}};
+  {
+    std::ofstream f(tmp);
+    f << j.dump(1) << "\n";
+    if (!f.flush())
+      throw plan::UserError(fmt::format("{}: cannot write the dataset's vocabulary", tmp));
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+std::optional<DataVocabulary> read_vocabulary(const std::string& prefix) {
+  const std::string path = vocabulary_path(prefix);
+  std::ifstream f(path);
+  if (!f) return std::nullopt;
+  try {
+    const auto j = nlohmann::json::parse(f);
+    if (j.at("format").get<std::string>() != kFormat)
+      throw std::runtime_error("format '" + j.at("format").get<std::string>() + "'");
+    return DataVocabulary{j.at("vocab_size").get<int64_t>(), j.at("eod").get<int64_t>(),
+                          j.at("eod_token").get<std::string>(),
+                          j.at("tokenizer").get<std::string>(),
+                          j.at("tokenizer_checksum").get<std::string>()};
+  } catch (const std::exception& e) {
+    throw plan::UserError(fmt::format(
+        "{}: not a vocabulary record tessel-data wrote ({}); remake the dataset with tessel-data, "
+        "or remove the file to check the dataset by its token ids alone",
+        path, e.what()));
+  }
+}
+
+std::string tokenizer_fingerprint(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw plan::UserError(path + ": cannot read the tokenizer");
+  io::Checksum sum;
+  std::vector<char> buf(1 << 20);
+  while (f.read(buf.data(), static_cast<std::streamsize>(buf.size())) || f.gcount() > 0)
+    sum.update(buf.data(), static_cast<size_t>(f.gcount()));
+  return fmt::format("{:016x}", sum.digest());
+}
+
+void check_vocabularies(const plan::Config& c) {
+  const auto all = recorded(c.data);
+  for (const auto& r : all) {
+    if (r.v.size > c.model.vocab_size)
+      throw plan::UserError(fmt::format(
+          "{} was tokenized with a vocabulary of {} ids ({}); model.vocab_size is {}: the model "
+          "has no embedding for the ids above it",
+          r.who(), r.v.size, r.tokens(), c.model.vocab_size));
+    if (r.v.fingerprint != all[0].v.fingerprint)
+      throw plan::UserError(fmt::format(
+          "{} was tokenized by {}, and {} by {}: their ids name other tokens, and one model "
+          "reads one vocabulary (remake one with the other's tokenizer)",
+          r.who(), r.tokens(), all[0].who(), all[0].tokens()));
+  }
+  document_eod(c);
+}
+
+int64_t document_eod(const plan::Config& c) {
+  const auto& d = c.data;
+  if (!d.document_mask) return -1;
+  const auto all = recorded(d);
+  for (const auto& r : all) {
+    const int64_t want = d.eod_token >= 0 ? d.eod_token : all[0].v.eod;
+    if (r.v.eod != want)
+      throw plan::UserError(fmt::format(
+          "data.eod_token: {} ends its documents with id {} ({}), {}", r.who(), r.v.eod,
+          r.v.eod_text,
+          d.eod_token >= 0
+              ? fmt::format("not data.eod_token {}", d.eod_token)
+              : fmt::format("{} with id {}: give data.eod_token", all[0].who(), all[0].v.eod)));
+  }
+  if (d.eod_token >= 0) return d.eod_token;
+  if (d.format == plan::DataFormat::kText) return kTextEod;
+  if (!all.empty()) return all[0].v.eod;
+  throw plan::UserError(
+      "data.eod_token: data.document_mask cuts documents after their end-of-document token, and "
+      "no dataset records which id that is (tessel-data writes PREFIX.tessel.json; these "
+      "datasets have none): give data.eod_token (the tokenizer's, e.g. 50256 for GPT-2, 128001 "
+      "for Llama 3)");
+}
+
+}  // namespace tessel::data
