@@ -245,13 +245,14 @@ std::string human(double v, const char* unit) {
   return *unit ? fmt::format("{:.1f} {}{}", v, p[i], unit) : fmt::format("{:.1f}{}", v, p[i]);
 }
 
-// The inputs, never this run's own output: a glob that matches PREFIX.bin / .idx (a previous run
+// The inputs, never this run's own output: a glob that matches PREFIX.bin / .idx / .tessel.json (a
+// previous run
 // with the same --out) skips them, saying so; an input named outright that --out would
 // overwrite is refused before anything is written.
 std::vector<std::string> input_files(const Options& o) {
   std::error_code ec;
   std::set<fs::path> outputs;
-  for (const char* ext : {".bin", ".idx", ".bin.tmp"})
+  for (const char* ext : {".bin", ".idx", ".bin.tmp", ".tessel.json", ".tessel.json.tmp"})
     outputs.insert(fs::weakly_canonical(o.out + ext, ec));
   std::vector<std::string> files;
   for (const auto& in : o.inputs) {
@@ -262,10 +263,11 @@ std::vector<std::string> input_files(const Options& o) {
       } else if (glob) {
         spdlog::info("{}: skipped: it is this run's output (--out {}), not an input", f, o.out);
       } else {
-        throw tessel::plan::UserError(fmt::format(
-            "{}: is an input and also what --out {} writes (PREFIX.bin and PREFIX.idx); "
-            "choose another --out, or the input would be overwritten",
-            f, o.out));
+        throw tessel::plan::UserError(
+            fmt::format("{}: is an input and also what --out {} writes (PREFIX.bin, PREFIX.idx and "
+                        "PREFIX.tessel.json); "
+                        "choose another --out, or the input would be overwritten",
+                        f, o.out));
       }
     }
   }

@@ -12,8 +12,11 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <ATen/core/Tensor.h>
+
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,9 +56,15 @@ struct CudaModule {
   std::string (*why_no_device)() = nullptr;
   /// CUDA device `index`'s compute capability, 10·major + minor (90 on an H100).
   int (*compute_capability)(int index) = nullptr;
+  /// dst[i] (host, pinned) <- src[i] (this device) on a side stream that first waits for the
+  /// current stream's work; the current stream then waits on the device for the copies, so no
+  /// later kernel changes a source before it is read, and the host is not held. Returns what
+  /// blocks the host until the copies are done (call it before reading dst).
+  std::function<void()> (*copy_to_host)(const std::vector<at::Tensor>& dst,
+                                        const std::vector<at::Tensor>& src) = nullptr;
 };
 /// Bumped whenever CudaModule changes: a module of another build is refused.
-constexpr int kCudaModuleVersion = 3;
+constexpr int kCudaModuleVersion = 4;
 
 /// NVIDIA GPUs the operating system shows, whether or not CUDA can use them.
 struct GpuHardware {

@@ -147,8 +147,29 @@ std::string why_no_device() {
   return why;
 }
 
-const CudaModule kModule{kCudaModuleVersion, &make_nccl,     &make_graph,
-                         &device_name,       &why_no_device, &compute_capability};
+std::function<void()> copy_to_host(const std::vector<at::Tensor>& dst,
+                                   const std::vector<at::Tensor>& src) {
+  const auto current = c10::cuda::getCurrentCUDAStream();
+  const auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, current.device_index());
+  at::cuda::CUDAEvent ready;
+  ready.record(current);
+  ready.block(side);
+  {
+    c10::cuda::CUDAStreamGuard guard(side);
+    for (size_t i = 0; i < dst.size(); ++i) {
+      dst[i].copy_(src[i], /*non_blocking=*/true);
+      // A source freed meanwhile (a view's storage) is not reused before the side stream read it.
+      c10::cuda::CUDACachingAllocator::recordStream(src[i].storage().data_ptr(), side);
+    }
+  }
+  auto done = std::make_shared<at::cuda::CUDAEvent>();
+  done->record(side);
+  done->block(current);
+  return [done] { done->synchronize(); };
+}
+
+const CudaModule kModule{kCudaModuleVersion, &make_nccl,          &make_graph,  &device_name,
+                         &why_no_device,     &compute_capability, &copy_to_host};
 
 }  // namespace
 }  // namespace tessel::device

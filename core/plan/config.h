@@ -140,6 +140,7 @@ struct CheckpointConfig {
   std::vector<std::string> on_signal;       // SIGTERM | SIGUSR1 | SIGUSR2 | SIGINT: save and stop
   std::vector<std::string> accept_changes;  // plan keys that may differ from the checkpoint's
   std::string export_hf;                    // folder for the last checkpoint as HF safetensors
+  bool async;                               // checkpoint.async: written in the background
 };
 
 struct LoggingConfig {

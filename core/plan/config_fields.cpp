@@ -406,6 +406,11 @@ void add_checkpoint_fields(FieldAdder& add, Config& c) {
       "[training.steps]. A resume under any other such change is refused, naming it. The step "
       "count and the data position (samples consumed) carry over; the LR of each later step is "
       "the new plan's.");
+  add("checkpoint.async", &c.checkpoint.async, false,
+      "Save in the background: at the step boundary each rank copies its part of the state to "
+      "host memory (pinned, on a side stream on CUDA) and training goes on while a thread writes "
+      "the same files, checksums and marker. At most one save in flight; a stop and the end of "
+      "training wait for it. Costs host memory: each rank's part of the checkpoint.");
   add("checkpoint.export_hf", &c.checkpoint.export_hf, S(""),
       "At the end of training (not on a stop), also write the last checkpoint in Hugging Face "
       "form into this folder, as `tessel-train export CHECKPOINT --out DIR` would, without a "

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <fmt/printf.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "engine/data/dataset.h"
@@ -148,6 +149,33 @@ std::string faster_layout_lines(const std::string& config, int64_t n, const Layo
 
 }  // namespace
 
+namespace {
+
+// What the data and checkpoint keys add: a document mask's attention saved, and what an
+// asynchronous save holds in host memory.
+std::string plan_notes(const PlanEstimate& e, const plan::Config& c) {
+  std::string s;
+  if (c.data.document_mask)
+    s += fmt::format(
+        "# document mask (data.eod_token {}): attention inside documents does {:.1f}% of a "
+        "causal sequence's attention work on the first {} training samples, {:.4g} TFLOP per "
+        "step fewer (not in the model FLOPs above, nor in MFU)\n",
+        e.document_eod, 100 * e.attention_share, e.document_samples,
+        e.attention_flops_saved_per_step / 1e12);
+  if (c.checkpoint.async) {
+    double held = 0;  // a rank's part of a checkpoint: its weights, master copy and moments
+    for (const auto& r : e.ranks) held = std::max(held, r.weights + r.optimizer);
+    s += fmt::format(
+        "# checkpoint.async: a save holds up to {:.2f} GiB of host memory per rank (its part of "
+        "the checkpoint{}) from the step it is taken until it is written\n",
+        held / (1024.0 * 1024 * 1024),
+        c.training.device == plan::TrainDevice::kCpu ? "" : ", pinned");
+  }
+  return s;
+}
+
+}  // namespace
+
 std::string render(const PlanEstimate& e, const plan::Config& c, const DeviceProfile& d) {
   auto gib = [](double b) { return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024)); };
   auto mib = [](double b) { return fmt::format("{:.1f} MiB", b / (1024.0 * 1024)); };
@@ -157,14 +185,7 @@ std::string render(const PlanEstimate& e, const plan::Config& c, const DevicePro
       static_cast<double>(e.params_total) / 1e9, e.flops_per_step / 1e12,
       c.training.global_batch * c.training.seq_len, c.training.recompute.name(),
       c.training.dtype.name());
-  if (c.data.document_mask)
-    s += fmt::format(
-        "# document mask (data.eod_token {}): attention inside documents does {:.1f}% of a "
-        "causal sequence's attention work on the first {} training samples, {:.4g} TFLOP "
-        "per "
-        "step fewer (not in the model FLOPs above, nor in MFU)\n",
-        e.document_eod, 100 * e.attention_share, e.document_samples,
-        e.attention_flops_saved_per_step / 1e12);
+  s += plan_notes(e, c);
   for (const auto& r : e.ranks) {
     s += fmt::format(
         "#   {}{} parameters, {} blocks: weights {}, gradients {}, optimizer {}, activations {} "

@@ -46,6 +46,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   data_ = std::make_unique<data::Dataset>(
       c_, std::vector<data::SampleSplit>{data::SampleSplit::kValid});
   doc_eod_ = data::document_eod(c_);
+  if (c_.checkpoint.async) saver_ = std::make_unique<checkpoint::AsyncSaver>(c_, *mesh_);
   {
     auto st = parallelize(c_, *mesh_, device_, dtype_);
     model_ = std::move(st.model);
@@ -345,9 +346,7 @@ int Trainer::train() {
       auto t0 = std::chrono::steady_clock::now();
       check_finite();  // a non-finite step is never saved
       sync_->weights_ready();
-      auto dir =
-          checkpoint::save_checkpoint(c_, *mesh_, model_, *opt_, *scaler_, {step, consumed_});
-      spdlog::info("checkpoint {}", dir);
+      save(step, last || stop);
       last_log_time_ += std::chrono::steady_clock::now() - t0;
     }
     if (stop && !last) {
@@ -368,7 +367,29 @@ int Trainer::train() {
   return 0;
 }
 
+// Step `step`'s checkpoint: written now, or (checkpoint.async) copied to host memory and written
+// in the background; a `final` one (the last step, a stop) is waited for.
+void Trainer::save(int64_t step, bool final) {
+  if (!saver_) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto dir =
+        checkpoint::save_checkpoint(c_, *mesh_, model_, *opt_, *scaler_, {step, consumed_});
+    spdlog::info(
+        "checkpoint {} (held training {:.0f} ms)", dir,
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    return;
+  }
+  const double held_ms = saver_->save(model_, *opt_, *scaler_, {step, consumed_});
+  spdlog::info(
+      "checkpoint step {}: held training {:.0f} ms to copy it to host memory; written in "
+      "the background",
+      step, held_ms);
+  if (final) saver_->wait();
+}
+
 void Trainer::shut_down() {
+  if (saver_) saver_->wait();  // the save in flight published first
+  saver_.reset();
   graph_.reset();
   if (sync_) sync_->weights_ready();
   const int64_t n = mesh_->shutdown();

@@ -14,6 +14,7 @@
 #include "core/optim/loss_scale.h"
 #include "core/optim/optim.h"
 #include "core/plan/config.h"
+#include "engine/checkpoint/save.h"
 #include "engine/data/dataset.h"
 #include "engine/data/vocabulary.h"
 #include "engine/planner/figures.h"
@@ -123,7 +124,9 @@ class Trainer {
   } in_;
   int64_t doc_eod_ = -1;              // data.document_mask: the id documents end with (-1: no mask)
   std::unique_ptr<StepGraph> graph_;  // training.cuda_graph; null otherwise
-  StepOut graph_out_;                 // the captured step's outputs, rewritten by each replay
+  std::unique_ptr<checkpoint::AsyncSaver> saver_;  // checkpoint.async; null otherwise
+  void save(int64_t step, bool final);
+  StepOut graph_out_;  // the captured step's outputs, rewritten by each replay
   bool graph_failure_logged_ = false;
   bool replayed_ = false;  // the last step was a replay: its host code did not run
   std::unique_ptr<data::Dataset> data_;

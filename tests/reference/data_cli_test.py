@@ -49,6 +49,7 @@ class DataCli(TmpDirTest):
         first = open(self.path("txt", "ds.bin"), "rb").read()
         p = run("tessel-data", self.path("txt", "*"), "--out", self.path("txt", "ds"))
         self.assertIn("ds.bin: skipped: it is this run's output", p.stderr + p.stdout)
+        self.assertIn("ds.tessel.json: skipped: it is this run's output", p.stderr + p.stdout)
         self.assertEqual(open(self.path("txt", "ds.bin"), "rb").read(), first, "the second run read its own output")
         shutil.copy(self.path("txt", "doc0.txt"), self.path("in.bin"))
         p = run("tessel-data", self.path("in.bin"), "--out", self.path("in"), check=False)

@@ -1,0 +1,65 @@
+// Saving a checkpoint, at once or in the background (checkpoint.async).
+//
+// A save has four parts: the folder prepared (rank 0 clears what an interrupted save left and
+// makes step_<N>.tmp; every rank meets at a barrier), this rank's tensors chosen (what it writes
+// of the weights, master copy and moments), its file and index fragment written, and the
+// checkpoint published (rank 0: index.json from the fragments, config.yaml, the COMPLETE marker,
+// the rename to step_<N>, `latest`, pruning). save_checkpoint (checkpoint.h) runs them in turn.
+//
+// AsyncSaver runs the first two at the step boundary and copies the chosen tensors to host memory
+// (on CUDA into pinned memory on a side stream, which later kernels on the training stream wait
+// for on the device, so the host does not), then writes and publishes on a thread of its own while
+// training goes on. Its ranks meet through the rendezvous store, never the training's process
+// groups, whose collectives must stay in the same order on every rank: each writer reports its
+// file written (or its error), rank 0's writer waits for every report before it publishes, and the
+// others wait for its word. The files, checksums and marker are save_checkpoint's. At most one
+// save is in flight: a second waits for the first, saying so. A process killed mid-write leaves a
+// step_<N>.tmp without its marker, which is never read, and `latest` at the previous checkpoint.
+#pragma once
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/checkpoint/checkpoint.h"
+
+namespace tessel::checkpoint {
+
+struct SavePart;
+
+class AsyncSaver {
+ public:
+  AsyncSaver(const plan::Config& c, const parallel::Mesh& mesh);
+  ~AsyncSaver();  // abandons the save in flight unless it was waited for (a failing run)
+  AsyncSaver(const AsyncSaver&) = delete;
+  AsyncSaver& operator=(const AsyncSaver&) = delete;
+
+  /// Every rank at the same step: waits for the save in flight, then copies this rank's part of
+  /// the checkpoint at `st` to host memory and starts writing it. Returns the milliseconds
+  /// training was held (the wait included).
+  double save(models::Decoder& model, const optim::FlatAdamW& opt, const optim::LossScaler& scaler,
+              const CheckpointState& st);
+  /// Waits for the save in flight to be published on every rank; rethrows its error. Returns its
+  /// folder ("" when none was in flight).
+  std::string wait();
+
+ private:
+  void write(std::shared_ptr<SavePart> part);
+  void wait_keys(c10d::Store& store, const std::vector<std::string>& keys) const;
+  std::atomic<bool> abandon_{false};
+  const plan::Config& c_;
+  const parallel::Mesh& mesh_;
+  std::thread writer_;
+  std::exception_ptr error_;
+  std::string dir_;  // the save in flight's folder
+  int64_t step_ = -1;
+};
+
+}  // namespace tessel::checkpoint
