@@ -234,20 +234,26 @@ std::shared_ptr<SavePart> prepare(const plan::Config& c, const parallel::Mesh& m
   return p;
 }
 
-// This rank's tensors copied out of the live state: into pinned host memory on a side stream
-// (CUDA), or cloned (CPU).
-void snapshot(SavePart& p) {
+// This rank's tensors copied out of the live state into host buffers: the previous save's when
+// they fit (the same shapes every save: no allocation, no first-touch page faults), pinned for
+// CUDA, where the copies run on a side stream.
+void snapshot(SavePart& p, std::vector<torch::Tensor>& buffers) {
   std::vector<torch::Tensor> dst, src;
-  for (auto& w : p.mine) {
+  if (buffers.size() != p.mine.size()) buffers.assign(p.mine.size(), torch::Tensor());
+  for (size_t i = 0; i < p.mine.size(); ++i) {
+    auto& w = p.mine[i];
+    auto& host = buffers[i];
     w.entry.local = torch::Tensor();
-    if (!w.tensor.is_cuda()) {
-      w.tensor = w.tensor.clone(at::MemoryFormat::Contiguous);
-      continue;
+    if (!host.defined() || host.sizes() != w.tensor.sizes() ||
+        host.scalar_type() != w.tensor.scalar_type())
+      host = torch::empty(w.tensor.sizes(),
+                          w.tensor.options().device(torch::kCPU).pinned_memory(w.tensor.is_cuda()));
+    if (w.tensor.is_cuda()) {
+      src.push_back(w.tensor), dst.push_back(host);
+    } else {
+      host.copy_(w.tensor);
     }
-    src.push_back(w.tensor);
-    w.tensor =
-        torch::empty(w.tensor.sizes(), w.tensor.options().device(torch::kCPU).pinned_memory(true));
-    dst.push_back(w.tensor);
+    w.tensor = host;
   }
   if (!src.empty()) p.copied = device::cuda_module()->copy_to_host(dst, src);
 }
@@ -313,16 +319,22 @@ void AsyncSaver::wait_keys(c10d::Store& store, const std::vector<std::string>& k
   }
 }
 
-double AsyncSaver::save(models::Decoder& model, const optim::FlatAdamW& opt,
-                        const optim::LossScaler& scaler, const CheckpointState& st) {
-  const auto t0 = std::chrono::steady_clock::now();
+AsyncSaver::Held AsyncSaver::save(models::Decoder& model, const optim::FlatAdamW& opt,
+                                  const optim::LossScaler& scaler, const CheckpointState& st) {
+  auto ms_since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+  };
+  Held held;
+  auto t0 = std::chrono::steady_clock::now();
   if (writer_.joinable()) {
     spdlog::info("checkpoint.async: step {} waits for step {}'s save, still being written", st.step,
                  step_);
     wait();
+    held.wait_ms = ms_since(t0);
+    t0 = std::chrono::steady_clock::now();
   }
   auto part = prepare(c_, mesh_, model, opt, scaler, st);
-  snapshot(*part);
+  snapshot(*part, buffers_);
   dir_ = part->dir.string(), step_ = st.step;
   writer_ = std::thread([this, part] {
     try {
@@ -331,7 +343,8 @@ double AsyncSaver::save(models::Decoder& model, const optim::FlatAdamW& opt,
       error_ = std::current_exception();
     }
   });
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  held.copy_ms = ms_since(t0);
+  return held;
 }
 
 std::string AsyncSaver::wait() {

@@ -41,11 +41,14 @@ class AsyncSaver {
   AsyncSaver(const AsyncSaver&) = delete;
   AsyncSaver& operator=(const AsyncSaver&) = delete;
 
+  /// Milliseconds a save held training: waiting for the save before it, copying.
+  struct Held {
+    double wait_ms = 0, copy_ms = 0;
+  };
   /// Every rank at the same step: waits for the save in flight, then copies this rank's part of
-  /// the checkpoint at `st` to host memory and starts writing it. Returns the milliseconds
-  /// training was held (the wait included).
-  double save(models::Decoder& model, const optim::FlatAdamW& opt, const optim::LossScaler& scaler,
-              const CheckpointState& st);
+  /// the checkpoint at `st` to host memory and starts writing it.
+  Held save(models::Decoder& model, const optim::FlatAdamW& opt, const optim::LossScaler& scaler,
+            const CheckpointState& st);
   /// Waits for the save in flight to be published on every rank; rethrows its error. Returns its
   /// folder ("" when none was in flight).
   std::string wait();
@@ -54,6 +57,7 @@ class AsyncSaver {
   void write(std::shared_ptr<SavePart> part);
   void wait_keys(c10d::Store& store, const std::vector<std::string>& keys) const;
   std::atomic<bool> abandon_{false};
+  std::vector<torch::Tensor> buffers_;  // host copies, kept for the next save (same shapes)
   const plan::Config& c_;
   const parallel::Mesh& mesh_;
   std::thread writer_;

@@ -163,13 +163,17 @@ std::string plan_notes(const PlanEstimate& e, const plan::Config& c) {
         e.document_eod, 100 * e.attention_share, e.document_samples,
         e.attention_flops_saved_per_step / 1e12);
   if (c.checkpoint.async) {
-    double held = 0;  // a rank's part of a checkpoint: its weights, master copy and moments
-    for (const auto& r : e.ranks) held = std::max(held, r.weights + r.optimizer);
+    // A rank's part of a checkpoint: its weights, master copy and moments. In fp32 the optimizer
+    // holds the moments only (the weights are the master), yet the checkpoint writes a master
+    // copy too: half the moments' bytes more, sharded as they are.
+    const bool fp32 = resolve_dtype(c.training.dtype) == c10::kFloat;
+    double held = 0;
+    for (const auto& r : e.ranks)
+      held = std::max(held, r.weights + r.optimizer * (fp32 ? 1.5 : 1.0));
     s += fmt::format(
-        "# checkpoint.async: a save holds up to {:.2f} GiB of host memory per rank (its part of "
+        "# checkpoint.async: a save holds up to {:.2f} MiB of host memory per rank (its part of "
         "the checkpoint{}) from the step it is taken until it is written\n",
-        held / (1024.0 * 1024 * 1024),
-        c.training.device == plan::TrainDevice::kCpu ? "" : ", pinned");
+        held / (1024.0 * 1024), c.training.device == plan::TrainDevice::kCpu ? "" : ", pinned");
   }
   return s;
 }

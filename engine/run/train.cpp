@@ -379,11 +379,13 @@ void Trainer::save(int64_t step, bool final) {
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     return;
   }
-  const double held_ms = saver_->save(model_, *opt_, *scaler_, {step, consumed_});
+  const auto held = saver_->save(model_, *opt_, *scaler_, {step, consumed_});
   spdlog::info(
-      "checkpoint step {}: held training {:.0f} ms to copy it to host memory; written in "
-      "the background",
-      step, held_ms);
+      "checkpoint step {}: held training {:.0f} ms to copy it to host memory{}; written "
+      "in the background",
+      step, held.copy_ms,
+      held.wait_ms > 0 ? fmt::format(" (after {:.0f} ms waiting for the save before)", held.wait_ms)
+                       : "");
   if (final) saver_->wait();
 }
 

@@ -56,6 +56,11 @@ class AsyncCheckpoint(TmpDirTest):
 
     def test_a_save_in_flight_is_waited_for_and_a_kill_keeps_the_previous(self):
         run(*self.launch(self.plan("whole", False), 1))
+        # --dry-run's host memory per save: the rank file's bytes (its header aside) within 2%.
+        p = run("tessel-train", self.plan("cut", True), "--dry-run")
+        mib = float(re.search(r"checkpoint.async: a save holds up to ([0-9.]+) MiB", p.stdout).group(1))
+        size = os.path.getsize(self.path("whole", "checkpoints", "step_12", "rank_00000.safetensors"))
+        self.assertLess(abs(mib * 2**20 - size) / size, 0.02, (mib, size))
         # Every write held 1.5 s: step 8's save waits for step 4's, saying so; killed while step
         # 8's is being written, the run keeps step 4 as its latest and never reads step_8.tmp.
         p = subprocess.Popen(self.launch(self.plan("cut", True), 1), stdout=subprocess.PIPE,
