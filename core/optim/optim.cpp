@@ -98,7 +98,6 @@ void FlatAdamW::allocate_buffers(const torch::Tensor& front) {
     if (low_precision_ || z == 3) master_ = torch::zeros({s}, f32);  // fp32 stages 0-2: the weights
     observe::HeldAs grads(observe::Held::kGrads);
     if (z < 2) grad_ = torch::zeros({n}, f32);
-    if (z < 2 && low_precision_) grads16_ = torch::zeros({n}, w16);
     if (z >= 2) grad_shard_ = torch::zeros({s}, f32);
     observe::HeldAs optimizer(observe::Held::kOptimizer);
     exp_avg_ = torch::zeros({s}, f32);
@@ -121,9 +120,11 @@ void FlatAdamW::seat_param(const optim::Slot& slot, torch::Tensor p) {
       !exempt_from_decay(slot.name, t_.optimizer.no_decay) && t_.optimizer.weight_decay > 0;
   for (const auto& piece : layout_.pieces(slot)) add_piece(slot.name, piece, values, decay);
   p.set_data(full.view(p.sizes()));
-  if (z < 2)
-    p.mutable_grad() =
-        (low_precision_ ? grads16_ : grad_).narrow(0, slot.offset, slot.numel).view(p.sizes());
+  // fp32: backward accumulates into the flat gradient itself. bf16/fp16: each micro-batch's
+  // gradient of a parameter is folded into it in fp32 as soon as backward produces it
+  // (fold_grad), so no second full-size gradient is kept.
+  if (z < 2 && !low_precision_)
+    p.mutable_grad() = grad_.narrow(0, slot.offset, slot.numel).view(p.sizes());
 }
 
 void FlatAdamW::add_piece(const std::string& name, const optim::Piece& piece,
@@ -218,7 +219,7 @@ StateBytes FlatAdamW::bytes() const {
   auto b = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; };
   StateBytes out;
   out.params = zero() < 3 ? b(params_) : (low_precision_ ? b(shard16_) : b(master_));
-  out.grads = b(grad_) + b(grads16_) + b(grad_shard_);
+  out.grads = b(grad_) + b(grad_shard_);
   out.optimizer =
       b(exp_avg_) + b(exp_avg_sq_) + ((zero() == 3 && !low_precision_) ? 0 : b(master_));
   return out;
@@ -251,7 +252,7 @@ StateBytes planned_state_bytes(int64_t numel, int64_t zero, int64_t data_ranks,
   const int64_t n = numel, s = zero > 0 ? (numel + data_ranks - 1) / data_ranks : numel;
   StateBytes b;
   b.params = zero < 3 ? w * n : w * s;
-  b.grads = zero < 2 ? 4 * n + (low ? w * n : 0) : 4 * s;
+  b.grads = zero < 2 ? 4 * n : 4 * s;  // fp32 only: a 16-bit gradient is folded in as it comes
   // The fp32 master is the weights themselves in fp32 runs (and, at stage 3, counted there).
   b.optimizer = 8 * s + (low ? 4 * s : 0);
   return b;
@@ -294,10 +295,11 @@ void FlatAdamW::finish_load(const torch::Tensor& step, const std::string& source
   refresh_weights();
 }
 
-void FlatAdamW::fold_microbatch(int64_t begin, int64_t end) {
-  if (!grads16_.defined() || end <= begin) return;
-  kernels::add_widened(grad_.narrow(0, begin, end - begin), grads16_.narrow(0, begin, end - begin));
-  grads16_.narrow(0, begin, end - begin).zero_();
+void FlatAdamW::fold_grad(const optim::Slot& slot, torch::Tensor& grad) {
+  TORCH_CHECK(grad_.defined() && low_precision_ && grad.numel() == slot.numel,
+              "fold_grad: ", slot.name, "'s gradient of ", grad.numel(), " elements");
+  kernels::add_widened(grad_.narrow(0, slot.offset, slot.numel), grad.reshape({-1}));
+  grad = torch::Tensor();
 }
 
 torch::Tensor FlatAdamW::clip_grad_norm(double max_norm,

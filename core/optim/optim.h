@@ -82,9 +82,10 @@ class FlatAdamW {
   /// One process, no ZeRO, one bucket.
   FlatAdamW(const std::vector<NamedParam>& params, const plan::TrainingConfig& t);
 
-  /// Stages 0-1, bf16/fp16: adds this micro-batch's gradients of the flat range [begin, end) (a
-  /// gradient bucket or a pipeline chunk) into the fp32 accumulator and clears them.
-  void fold_microbatch(int64_t begin, int64_t end);
+  /// Stages 0-1, bf16/fp16: adds a micro-batch's gradient of `slot`'s parameter (its .grad, in
+  /// the model's dtype) into the fp32 gradient and drops it (`grad` left undefined), as
+  /// Megatron's main_grad: the gradient is held once, in fp32 (4 bytes per parameter, not 6).
+  void fold_grad(const optim::Slot& slot, torch::Tensor& grad);
   /// Global L2 norm of this rank's reduced gradient (before clipping), clipped to max_norm in
   /// place when > 0. `sum_over_shards` sums the squared norm over ranks that hold other parts;
   /// `unscale` (fp16) multiplies the gradient first. Returns a device scalar: no host sync.
@@ -157,7 +158,7 @@ class FlatAdamW {
   optim::FlatLayout layout_;
   bool low_precision_;
   torch::ScalarType dtype_ = torch::kFloat32;  // the model's (the weights') dtype
-  torch::Tensor params_, grads16_, grad_, grad_shard_, master_, shard16_;
+  torch::Tensor params_, grad_, grad_shard_, master_, shard16_;
   torch::Tensor exp_avg_, exp_avg_sq_, step_count_;
   std::vector<torch::Tensor> units_;
   std::vector<StatePiece> pieces_;

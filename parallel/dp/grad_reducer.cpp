@@ -25,6 +25,7 @@ GradReducer::GradReducer(const Mesh& mesh, const std::vector<optim::NamedParam>&
     : mesh_(mesh),
       opt_(opt),
       reduce_(mesh.dp_cp().size() > 1 || opt.zero() >= 2),
+      fold_(opt.low_precision() && opt.zero() < 2),
       once_(((opt.zero() == 2 && mesh.layout().pp > 1) || (opt.zero() == 3 && keep_gathered)) &&
             !opt.low_precision()),
       wait_(observe::time_on_device(mesh.device(), mesh.dp_cp().backend_name())) {
@@ -48,9 +49,10 @@ GradReducer::GradReducer(const Mesh& mesh, const std::vector<optim::NamedParam>&
     e = s.offset + s.numel;
   }
   state_.resize(layout.buckets().size());
-  if (!reduce_) return;
+  if (!reduce_ && !fold_) return;
   for (const auto& s : layout.slots()) {
     auto p = by_name.at(s.name)->tensor;
+    if (fold_) folded_.emplace_back(p, &s);
     const auto index = static_cast<size_t>(s.bucket);
     const Slot* slot = &s;
     torch::autograd::impl::set_post_acc_grad_hooks(
@@ -111,10 +113,13 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
     }
     return;
   }
-  if (!final_[static_cast<size_t>(b.chunk)]) return;
+  if (fold_) {  // bf16/fp16: into the fp32 gradient at once, the 16-bit one dropped
+    torch::NoGradGuard no_grad;
+    opt_.fold_grad(slot, const_cast<torch::autograd::Variable&>(p).mutable_grad());
+  }
+  if (!reduce_ || !final_[static_cast<size_t>(b.chunk)]) return;
   if (++st.ready < b.params) return;
-  // Complete: fold this micro-batch's bf16 gradients in (fp32 accumulation), then reduce.
-  opt_.fold_microbatch(b.begin, b.end);
+  // Complete (its gradients folded in as they came): reduce.
   auto whole = opt_.grad().narrow(0, b.begin, b.end - b.begin);
   if (opt_.zero() == 0) {
     st.work = dp_cp.all_reduce(whole);
@@ -171,9 +176,13 @@ void GradReducer::end_backward(int64_t chunk, bool final) {
       if (opt_.layout().buckets()[i].chunk == chunk) state_[i].reduced = false;
     return;
   }
-  if (reduce_ && final) return;  // its buckets folded themselves before reducing
+  // bf16/fp16: a gradient that reached a parameter without its hook (a second lane's, added
+  // by parallel/pp/pairs.cpp) is folded now.
   const auto [begin, end] = chunk_range_[static_cast<size_t>(chunk)];
-  opt_.fold_microbatch(begin, end);
+  torch::NoGradGuard no_grad;
+  for (auto& [p, slot] : folded_)
+    if (slot->offset >= begin && slot->offset < end && p.grad().defined())
+      opt_.fold_grad(*slot, p.mutable_grad());
 }
 
 void GradReducer::finish() {

@@ -1,6 +1,9 @@
 // Gradient reduction over the data group (dp×cp; an MoE layer's experts over the expert data group,
 // the ranks that hold the same experts) for every ZeRO stage, driven by
-// post-accumulate-grad hooks while backward runs. The buckets are the flat layout's.
+// post-accumulate-grad hooks while backward runs. The buckets are the flat layout's. With bf16/fp16
+// weights at stages 0-1 the same hooks fold each parameter's 16-bit gradient into the fp32
+// gradient the moment backward produces it and drop it (Megatron's main_grad): a gradient is held
+// once, in fp32, with or without data parallelism.
 //   stage 0: on the final micro-batch of a step, each bucket is all-reduced the moment backward
 //            completes it; earlier micro-batches only accumulate (DDP's no_sync).
 //   stage 1: the same, but reduce-scattered: each rank receives the sum of its piece only.
@@ -55,7 +58,7 @@ class GradReducer {
   /// Before each backward of this rank's pipeline chunk `chunk` (0 without pipelining): whether
   /// it is that chunk's last backward of the step (the one that reduces at stages 0-1).
   void begin_backward(int64_t chunk, bool final);
-  /// After it: stages 0-1 fold bf16/fp16 gradients of a micro-batch that is not reduced;
+  /// After it: stages 0-1 in bf16/fp16 fold what reached a parameter without its hook;
   /// stages 2-3 add this micro-batch's reduced pieces into the gradient shard.
   void end_backward(int64_t chunk, bool final);
   /// After the step's last backward: waits for every bucket (orders the stream on NCCL).
@@ -89,6 +92,8 @@ class GradReducer {
   std::vector<std::pair<int64_t, int64_t>> chunk_range_;  // flat range of each chunk's slots
   std::vector<bool> final_;                               // per chunk, during its last backward
   bool reduce_ = false;  // anything to do: dp×cp > 1, or gradients sharded
+  bool fold_ = false;    // stages 0-1 in bf16/fp16: each gradient folded into fp32 as it comes
+  std::vector<std::pair<torch::Tensor, const Slot*>> folded_;  // the parameters fold_ hooks
   bool once_ = false;    // fp32 ZeRO-2 with pp > 1 or ZeRO-3 kept gathered: reduce-scatter at each
                          // chunk's last backward
   observe::SpanTimer wait_;
