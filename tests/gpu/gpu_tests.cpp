@@ -300,6 +300,26 @@ TEST(CudaCheckpoint, HostCopiesAreWhatTheDeviceHeld) {
   std::filesystem::remove(path);
 }
 
+// checkpoint.async's copy to host (libtessel_cuda's copy_to_host): on a side stream after the
+// work already queued (a matmul still running), and before the work queued after it (the
+// sources overwritten at once): the host gets the values of the step boundary.
+TEST(CudaCheckpoint, AsyncCopiesAreTheStepBoundarysValues) {
+  auto o = torch::TensorOptions().device(g_device);
+  auto big = torch::randn({2048, 2048}, o);
+  std::vector<torch::Tensor> src = {big.matmul(big), torch::randn({8, 6}, o).t(),
+                                    torch::randn({64}, o.dtype(torch::kBFloat16))};
+  std::vector<torch::Tensor> want, dst;
+  for (const auto& s : src) {
+    want.push_back(s.cpu());
+    dst.push_back(torch::empty(s.sizes(), s.options().device(torch::kCPU).pinned_memory(true)));
+  }
+  const auto copied = device::cuda_module()->copy_to_host(dst, src);
+  for (auto& s : src) s.fill_(7);  // the next step's update, queued on the training stream
+  copied();
+  for (size_t i = 0; i < src.size(); ++i) EXPECT_TRUE(torch::equal(dst[i], want[i])) << i;
+  EXPECT_TRUE(torch::equal(src[0].cpu(), torch::full_like(want[0], 7)));
+}
+
 // Rows reach the device through pinned memory without waiting, and are the rows.
 TEST(CudaData, RowsOnTheDevice) {
   auto rows = torch::randint(0, 50000, {8, 129}, torch::kInt64);
