@@ -37,6 +37,20 @@ class AsyncCheckpoint(TmpDirTest):
     def losses(self, name):
         return [(m["step"], m["loss"]) for m in read_metrics(self.path(name, "metrics.jsonl")) if "loss" in m]
 
+    def interrupt(self, cmd, pattern, sig, env):
+        """Starts cmd, sends `sig` at the first output line matching `pattern`; returns (exit
+        code, output)."""
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=dict(os.environ, **env))
+        out = []
+        for line in iter(p.stdout.readline, ""):
+            out.append(line)
+            if re.search(pattern, line):
+                p.send_signal(sig)
+                break
+        out.append(p.communicate(timeout=120)[0])
+        return p.returncode, "".join(out)
+
     def files(self, name, step):
         with open(self.path(name, "checkpoints", f"step_{step}", "index.json")) as f:
             return json.load(f)["files"]
@@ -63,16 +77,8 @@ class AsyncCheckpoint(TmpDirTest):
         self.assertLess(abs(mib * 2**20 - size) / size, 0.02, (mib, size))
         # Every write held 1.5 s: step 8's save waits for step 4's, saying so; killed while step
         # 8's is being written, the run keeps step 4 as its latest and never reads step_8.tmp.
-        p = subprocess.Popen(self.launch(self.plan("cut", True), 1), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **{DELAY: "1500"}))
-        out = []
-        for line in iter(p.stdout.readline, ""):
-            out.append(line)
-            if re.search(r"checkpoint step 8: held training", line):
-                p.send_signal(signal.SIGKILL)
-                break
-        p.communicate(timeout=60)
-        log = "".join(out)
+        _, log = self.interrupt(self.launch(self.plan("cut", True), 1), r"checkpoint step 8: held training",
+                                signal.SIGKILL, {DELAY: "1500"})
         self.assertIn("checkpoint.async: step 8 waits for step 4's save, still being written", log)
         ckpt = self.path("cut", "checkpoints")
         with open(os.path.join(ckpt, "latest")) as f:
@@ -88,17 +94,9 @@ class AsyncCheckpoint(TmpDirTest):
 
     def test_a_stop_waits_for_the_save_in_flight(self):
         # SIGTERM while writes are held: the stop's own save is published before exit 75.
-        p = subprocess.Popen(self.launch(self.plan("stop", True, steps=40, every=2), 1),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env=dict(os.environ, **{DELAY: "500"}))
-        out = []
-        for line in iter(p.stdout.readline, ""):
-            out.append(line)
-            if re.search(r"step +5/", line):
-                p.send_signal(signal.SIGTERM)
-                break
-        out.append(p.communicate(timeout=120)[0])
-        self.assertEqual(p.returncode, STOPPED, "".join(out)[-3000:])
+        code, out = self.interrupt(self.launch(self.plan("stop", True, steps=40, every=2), 1), r"step +5/",
+                                   signal.SIGTERM, {DELAY: "500"})
+        self.assertEqual(code, STOPPED, out[-3000:])
         stopped = max(s for s, _ in self.losses("stop"))
         with open(self.path("stop", "checkpoints", "latest")) as f:
             self.assertEqual(f.read().strip(), f"step_{stopped}")
