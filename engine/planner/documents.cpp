@@ -13,6 +13,17 @@
 
 namespace tessel::planner {
 
+DocumentFigures document_figures(const plan::Config& c, data::Dataset& ds) {
+  if (!c.data.document_mask) return {};
+  const int64_t eod = data::document_eod(c);
+  const int64_t n = std::min(kDocumentShareSamples, ds.train_samples());
+  const auto rows = ds.train_batch(0, n);
+  const auto docs =
+      kernels::find_documents(rows.narrow(1, 0, c.training.seq_len), eod, torch::kCPU);
+  const double samples = static_cast<double>(std::max<int64_t>(1, n));
+  return {docs.attention_share(), static_cast<double>(docs.count()) / samples, n, eod};
+}
+
 DocumentFigures document_figures(const plan::Config& c) {
   if (!c.data.document_mask) return {};
   // What decides the first samples: the data, the seed, the sequence length and (megatron
@@ -31,14 +42,8 @@ DocumentFigures document_figures(const plan::Config& c) {
   static std::map<std::string, DocumentFigures> known;
   std::lock_guard<std::mutex> lock(mu);
   if (const auto it = known.find(key); it != known.end()) return it->second;
-  const int64_t eod = data::document_eod(c);
   data::Dataset ds(c, {});
-  const int64_t n = std::min(kDocumentShareSamples, ds.train_samples());
-  const auto rows = ds.train_batch(0, n);
-  const auto docs =
-      kernels::find_documents(rows.narrow(1, 0, c.training.seq_len), eod, torch::kCPU);
-  const double samples = static_cast<double>(std::max<int64_t>(1, n));
-  return known[key] = {docs.attention_share(), static_cast<double>(docs.count()) / samples, n, eod};
+  return known[key] = document_figures(c, ds);
 }
 
 }  // namespace tessel::planner

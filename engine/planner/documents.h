@@ -3,6 +3,7 @@
 #pragma once
 
 #include "core/plan/config.h"
+#include "engine/data/dataset.h"
 
 namespace tessel::planner {
 
@@ -19,5 +20,7 @@ struct DocumentFigures {
 /// Those figures; share 1 and one document per sample without data.document_mask. Reads the
 /// data once per data section and sequence length (the layout search asks for every candidate).
 DocumentFigures document_figures(const plan::Config& c);
+/// The same from a dataset the caller holds (the trainer's: no second one opened).
+DocumentFigures document_figures(const plan::Config& c, data::Dataset& ds);
 
 }  // namespace tessel::planner

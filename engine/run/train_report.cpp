@@ -326,7 +326,7 @@ void Trainer::measure_flops() {
   if (mesh_->layout().pp > 1) mesh_->group(parallel::GroupKind::kPp).all_reduce(n).wait();
   flops_per_token_ =
       planner::flops_per_token(model_->options().model, n.item<double>(), c_.training.seq_len,
-                               planner::document_figures(c_).share);
+                               planner::document_figures(c_, *data_).share);
   peak_ = planner::device_peak(c_, device_, dtype_);
 }
 
