@@ -42,8 +42,14 @@ DocumentFigures document_figures(const plan::Config& c) {
   static std::map<std::string, DocumentFigures> known;
   std::lock_guard<std::mutex> lock(mu);
   if (const auto it = known.find(key); it != known.end()) return it->second;
-  data::Dataset ds(c, {});
-  return known[key] = document_figures(c, ds);
+  try {
+    data::Dataset ds(c, {});
+    return known[key] = document_figures(c, ds);
+  } catch (const plan::UserError& e) {
+    DocumentFigures none;
+    none.unread = e.what();
+    return known[key] = none;
+  }
 }
 
 }  // namespace tessel::planner

@@ -300,7 +300,7 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const plan::TrainingCon
   e.recompute_flops_per_step = rerun_per_token * static_cast<double>(t.global_batch * t.seq_len);
   // The convention's attention term, 12·L·H·Q·T per token, of which a document mask keeps a share.
   e.attention_share = b.docs.share, e.document_samples = b.docs.samples;
-  e.document_eod = b.docs.eod;
+  e.document_eod = b.docs.eod, e.document_unread = b.docs.unread;
   e.attention_flops_saved_per_step = (1 - b.docs.share) * 12 * layers * h *
                                      static_cast<double>(t.seq_len) *
                                      static_cast<double>(t.global_batch * t.seq_len);

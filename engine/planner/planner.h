@@ -75,6 +75,7 @@ struct PlanEstimate {
   double attention_share = 1, attention_flops_saved_per_step = 0;
   int64_t document_samples = 0;     // the samples the share was measured on
   int64_t document_eod = -1;        // the id documents end with
+  std::string document_unread;      // why the share could not be measured (no data here)
   std::vector<RankEstimate> ranks;  // one per pipeline stage (tp/dp/cp peers are alike)
   // Step time on the device profile (seconds): compute, exposed communication, bubble.
   double compute_s = 0, comm_exposed_s = 0, bubble_s = 0, step_s = 0;

@@ -155,7 +155,12 @@ namespace {
 // asynchronous save holds in host memory.
 std::string plan_notes(const PlanEstimate& e, const plan::Config& c) {
   std::string s;
-  if (c.data.document_mask)
+  if (c.data.document_mask && !e.document_unread.empty())
+    s += fmt::format(
+        "# document mask: its attention share is measured on the data, which cannot be read "
+        "here ({}): the figures below count attention whole, as without the mask\n",
+        e.document_unread);
+  else if (c.data.document_mask)
     s += fmt::format(
         "# document mask (data.eod_token {}): attention inside documents does {:.1f}% of a "
         "causal sequence's attention work on the first {} training samples, {:.4g} TFLOP per "

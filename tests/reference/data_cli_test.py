@@ -269,6 +269,14 @@ class DocumentMask(TmpDirTest):
             kept += sum((b - a) * (b - a + 1) for a, b in zip(cuts, cuts[1:]))
         self.assertAlmostEqual(share, 100 * kept / (len(rows) * 32 * 33), delta=0.05)
         self.assertLess(share, 80)
+        # Sized away from the data (a login node): the dry-run still answers, and says why the
+        # mask's saving is not counted.
+        away = self.plan("away")
+        away["data"]["path"] = [self.path("elsewhere", "*.txt")]
+        p = run("tessel-train", write_plan(self.path("away.yaml"), away), "--dry-run", "--world-size", 1)
+        self.assertIn("# document mask: its attention share is measured on the data, which cannot be read "
+                      "here (data.path: ", p.stdout)
+        self.assertIn("# predicted on", p.stdout)
         p = run("tessel-train", path)
         self.assertIn("| document mask after id 256", p.stderr + p.stdout)
         masked = [m["loss"] for m in read_metrics(self.path("run", "metrics.jsonl")) if "loss" in m]
