@@ -384,8 +384,9 @@ void Trainer::save(int64_t step, bool final) {
       "checkpoint step {}: held training {:.0f} ms to copy it to host memory{}; written "
       "in the background",
       step, held.copy_ms,
-      held.wait_ms >= 1 ? fmt::format(" (after {:.0f} ms waiting for the save before)", held.wait_ms)
-                       : "");
+      held.wait_ms >= 1
+          ? fmt::format(" (after {:.0f} ms waiting for the save before)", held.wait_ms)
+          : "");
   if (final) saver_->wait();
 }
 

@@ -94,8 +94,8 @@ class GradReducer {
   bool reduce_ = false;  // anything to do: dp×cp > 1, or gradients sharded
   bool fold_ = false;    // stages 0-1 in bf16/fp16: each gradient folded into fp32 as it comes
   std::vector<std::pair<torch::Tensor, const Slot*>> folded_;  // the parameters fold_ hooks
-  bool once_ = false;    // fp32 ZeRO-2 with pp > 1 or ZeRO-3 kept gathered: reduce-scatter at each
-                         // chunk's last backward
+  bool once_ = false;  // fp32 ZeRO-2 with pp > 1 or ZeRO-3 kept gathered: reduce-scatter at each
+                       // chunk's last backward
   observe::SpanTimer wait_;
   int64_t live_bucket_bytes_ = 0, peak_bucket_bytes_ = 0;
 };
