@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <map>
 #include <numeric>
+#include <set>
 #include <sstream>
 
 #include "core/device/cuda.h"
@@ -401,6 +402,27 @@ std::unique_ptr<Mesh> Mesh::create(const plan::Config& c, const WorldInfo& w,
 
 std::unique_ptr<Mesh> Mesh::plan(const plan::Config& c, const WorldInfo& w) {
   return build(c, w, torch::Device(torch::kCPU), {}, /*connect=*/false);
+}
+
+std::string node_placement(const plan::Config& c, const plan::Layout& l, int64_t ranks_per_node) {
+  std::vector<std::string> inside, across;
+  for (auto k : all_group_kinds()) {
+    if (!group_used(k, c, l)) continue;
+    size_t most = 0, members = 0;
+    for (const auto& g : group_ranks(k, l)) {
+      std::set<int64_t> nodes;
+      for (int64_t r : g) nodes.insert(r / ranks_per_node);
+      most = std::max(most, nodes.size()), members = std::max(members, g.size());
+    }
+    if (members < 2) continue;
+    if (most <= 1)
+      inside.push_back(group_name(k));
+    else
+      across.push_back(fmt::format("{} ({} nodes)", group_name(k), most));
+  }
+  return fmt::format("inside a node of {} ranks: {}; across nodes: {}", ranks_per_node,
+                     inside.empty() ? "none" : fmt::format("{}", fmt::join(inside, ", ")),
+                     across.empty() ? "none" : fmt::format("{}", fmt::join(across, ", ")));
 }
 
 std::string describe_grid(const plan::Layout& l) {

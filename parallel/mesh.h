@@ -56,6 +56,13 @@ struct Communicator {
 /// Text of the rank grid: every rank's coordinates and its group members (for --dry-run).
 std::string describe_grid(const plan::Layout& l);
 
+/// Which of the plan's groups (those used, of more than one rank) stay inside a node of
+/// `ranks_per_node` consecutive ranks and which cross nodes, with the most nodes one group of
+/// the kind spans: "inside a node of 8 ranks: tp, ep; across nodes: dp (2 nodes), pp (4
+/// nodes)". The rank order (tp innermost, then cp, dp, pp; ep consecutive data ranks) keeps a
+/// group inside a node when the ranks between its members fit in one.
+std::string node_placement(const plan::Config& c, const plan::Layout& l, int64_t ranks_per_node);
+
 /// Under torchrun's elastic agent (TORCHELASTIC_USE_AGENT_STORE=True) MASTER_PORT is the
 /// agent's own store: every rank is its client, and each restart attempt keeps its keys under
 /// this prefix ("/tessel/attempt_<TORCHELASTIC_RESTART_COUNT>"). Empty otherwise.

@@ -349,6 +349,8 @@ std::string dry_run_report(const DryRun& r) {
   if (l.pp > 1) out += pipeline_lines(c, l);
   if (l.cp > 1) out += context_parallel_lines(c, l);
   out += blend_lines(c);
+  if (!r.device.cpu && r.device.gpus_per_node > 0 && r.world > r.device.gpus_per_node)
+    out += "# groups " + parallel::node_placement(c, l, r.device.gpus_per_node) + "\n";
   if (r.details)
     out += plan::dump_config(c) + parallel::describe_grid(l);
   else

@@ -34,6 +34,8 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   mesh_ = parallel::Mesh::create(c_, world, device_, std::move(start.store));
   const auto& l = mesh_->layout();
   c_.parallel.dp = l.dp;
+  if (world.world > world.local_world && world.local_world > 0)  // several nodes
+    spdlog::info("groups {}", parallel::node_placement(c_, l, world.local_world));
   check_same_plan(c_, *mesh_);
   if (mesh_->rank() == 0) {
     std::filesystem::create_directories(c_.run.output_dir);

@@ -112,6 +112,7 @@ class MixtralLayout(unittest.TestCase):
         self.assertEqual(group["ep"], group["dp"])  # ep == dp
         self.assertEqual(group["edp_cp"], [0])  # no expert gradient summed over data ranks
         self.assertEqual(sorted({r // per_node for r in group["ep"]}), [0, 1])  # two nodes, not one
+        self.assertRegex(out, r"(?m)^# groups inside a node of 8 ranks: tp; across nodes: .*\bep \(2 nodes\)")
         moe_md = " ".join(read(os.path.join(ROOT, "docs", "moe.md")).split())
         for claim in ("tp 2, pp 4 (8 layers a stage), dp 8 and ep 8", "ranks 0, 2, ..., 14",
                       "span two 8-GPU nodes"):

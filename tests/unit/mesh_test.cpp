@@ -40,6 +40,26 @@ plan::Config plan(const std::string& extra) {
       "data: {path: x}\nmodel: {layers: 4, hidden: 64, heads: 4}\n" + extra, "p.yaml");
 }
 
+// Which groups stay inside a node: with tp 2 innermost and ep consecutive data ranks, an expert
+// group of 4 fits an 8-rank node (ranks 0, 2, 4, 6) and one of 8 spans two.
+TEST(Mesh, NodePlacementSaysWhichGroupsCrossNodes) {
+  const auto c = plan::load_config_text(
+      "data: {path: x}\nmodel: {arch: llama, layers: 4, hidden: 64, heads: 4, moe: {experts: 8, "
+      "ffn_hidden: "
+      "64}}\nparallel: {tp: 2, pp: 4, ep: 4, sequence_parallel: true}\n",
+      "p.yaml");
+  plan::Layout l{2, 1, 8, 4, 4};
+  EXPECT_EQ(node_placement(c, l, 8),
+            "inside a node of 8 ranks: tp, ep; across nodes: pp (4 nodes), dp_cp (2 nodes), "
+            "edp_cp (2 nodes)");
+  l.ep = 8;
+  EXPECT_EQ(node_placement(c, l, 8),
+            "inside a node of 8 ranks: tp; across nodes: pp (4 nodes), dp_cp (2 nodes), ep (2 "
+            "nodes)");
+  EXPECT_EQ(node_placement(c, l, 64),
+            "inside a node of 64 ranks: tp, pp, dp_cp, ep; across nodes: none");
+}
+
 void expect_layout_error(const plan::Config& c, int64_t world, const std::string& part) {
   try {
     plan::check_layout(c, world, world);
