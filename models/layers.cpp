@@ -383,20 +383,15 @@ const std::pair<torch::Tensor, torch::Tensor>& DecoderImpl::rope(int64_t seq,
   auto key = std::make_tuple(seq, device.str(), static_cast<int>(dtype));
   std::lock_guard<std::mutex> lock(*rope_mutex_);
   if (auto it = rope_.find(key); it != rope_.end()) return it->second;
-  // Angles in fp32 on the device, then cast to the activation dtype (as Hugging Face does).
-  torch::NoGradGuard no_grad;
-  auto freqs = torch::outer(positions(seq, device).to(torch::kFloat32),
-                            inv_freq_.to(device));  // [s, d/2]
-  auto emb = torch::cat({freqs, freqs}, -1);        // [s, d]
-  return rope_[key] = {emb.cos().to(dtype), emb.sin().to(dtype)};
+  return rope_[key] = rope_of(positions(seq, device), dtype);  // [s, d]
 }
 
 std::pair<torch::Tensor, torch::Tensor> DecoderImpl::rope_of(const torch::Tensor& positions,
                                                              torch::ScalarType dtype) const {
-  // The angles as rope() computes them (each position's product in fp32), per token.
+  // Angles in fp32 on the device, then cast to the activation dtype (as Hugging Face does).
   torch::NoGradGuard no_grad;
   auto freqs = positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq_.to(positions.device());
-  auto emb = torch::cat({freqs, freqs}, -1);  // [b, T, d]
+  auto emb = torch::cat({freqs, freqs}, -1);  // [..., d]
   return {emb.cos().to(dtype), emb.sin().to(dtype)};
 }
 

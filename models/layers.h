@@ -234,7 +234,8 @@ class DecoderImpl : public torch::nn::Module {
   torch::Tensor embed_tokens(const torch::Tensor& tokens, const torch::Tensor& positions);
   torch::Tensor run_blocks(int64_t chunk, torch::Tensor x, const torch::Tensor& positions,
                            const kernels::Documents* docs = nullptr);
-  /// RoPE's cos and sin of each token's own position: positions [b, T] -> [b, T, head_dim].
+  /// RoPE's cos and sin of each token's own position: positions [T] or [b, T] -> [..., head_dim]
+  /// (rope() keeps those of [0, seq) per device and dtype).
   std::pair<torch::Tensor, torch::Tensor> rope_of(const torch::Tensor& positions,
                                                   torch::ScalarType dtype) const;
   torch::Tensor logits(const torch::Tensor& x);

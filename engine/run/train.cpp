@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <map>
 #include <thread>
 
 #include "core/observe/profiler.h"
@@ -239,17 +240,22 @@ double Trainer::evaluate_dataset(int64_t d) {
   auto total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   const int64_t rows = t.eval_batches * t.global_batch, mine = rows / l.dp;
   auto last = std::chrono::steady_clock::now();
+  // A micro-batch's rows (and documents), read once for this rank's chunks that need them: the
+  // stages that embed tokens or score targets, and with a document mask every stage.
+  std::map<int64_t, std::pair<torch::Tensor, std::vector<kernels::Documents>>> held;
   parallel::pp::StageFns fns{[&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
     const int64_t first = mb * t.micro_batch;
-    torch::Tensor rows_mb;  // read by the stages that embed tokens or score targets, and by
-    std::vector<kernels::Documents> docs;  // every stage for its documents
-    if (model_->needs_rows(chunk) || c_.data.document_mask) {
+    if ((model_->needs_rows(chunk) || c_.data.document_mask) && !held.count(mb)) {
       const auto host = data_->split_batch(data::SampleSplit::kValid, d,
                                            mesh_->coord().dp * mine + first, t.micro_batch);
-      docs = micro_batch_documents(c_, doc_eod_, host, device_);
-      rows_mb = to_device(host, device_);
+      held[mb] = {to_device(host, device_), micro_batch_documents(c_, doc_eod_, host, device_)};
     }
-    auto out = model_->stage_forward(chunk, input, rows_mb, docs.empty() ? nullptr : &docs[0]);
+    const auto it = held.find(mb);
+    const bool mine_now = it != held.end() && (model_->needs_rows(chunk) || c_.data.document_mask);
+    auto out = model_->stage_forward(
+        chunk, input, mine_now ? it->second.first : torch::Tensor(),
+        mine_now && !it->second.second.empty() ? &it->second.second[0] : nullptr);
+    if (chunk == model_->chunks() - 1 && it != held.end()) held.erase(it);
     if (model_->is_last_stage(chunk)) total += out.to(torch::kFloat64);
     if (chunk == 0 && std::chrono::steady_clock::now() - last > std::chrono::seconds(2)) {
       last = std::chrono::steady_clock::now();
