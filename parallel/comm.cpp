@@ -312,13 +312,13 @@ std::vector<const Group*> Group::parts() const {
 
 int64_t Group::bytes() const {
   int64_t n = bytes_;
-  for (const auto* g : parts()) n += g->bytes_;
+  for (const auto* g : parts()) n += g->bytes();  // a split's side channel too
   return n;
 }
 
 int64_t Group::sent_bytes() const {
   int64_t n = sent_bytes_;
-  for (const auto* g : parts()) n += g->sent_bytes_;
+  for (const auto* g : parts()) n += g->sent_bytes();
   return n;
 }
 

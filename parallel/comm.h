@@ -84,9 +84,9 @@ class Group {
   /// from, global rank of to}.
   void add_channel(int64_t from, int64_t to, std::unique_ptr<Group> channel);
   int64_t channels() const { return static_cast<int64_t>(channels_.size()); }
-  /// A two-level split of this group (hybrid context parallelism): `inner`, the block of
-  /// consecutive ranks this rank belongs to, and `outer`, the ranks at this rank's place in every
-  /// block. Null until set. Their bytes count as this group's.
+  /// A two-level split of this group (hybrid context parallelism, hybrid sharding): `inner`, the
+  /// block of consecutive ranks this rank belongs to, and `outer`, the ranks at this rank's place
+  /// in every block. Null until set. Their bytes count as this group's.
   void set_split(std::unique_ptr<Group> inner, std::unique_ptr<Group> outer);
   Group* inner() const { return inner_.get(); }
   Group* outer() const { return outer_.get(); }

@@ -120,6 +120,26 @@ std::vector<std::vector<int64_t>> group_ranks(GroupKind k, const plan::Layout& l
   return out;
 }
 
+SplitRanks split_ranks(const std::vector<int64_t>& members, int64_t block) {
+  SplitRanks out;
+  const int64_t n = static_cast<int64_t>(members.size());
+  if (block < 1 || n % block != 0) return out;
+  for (int64_t j = 0; j < n / block; ++j)
+    out.inner.emplace_back(members.begin() + j * block, members.begin() + (j + 1) * block);
+  for (int64_t i = 0; i < block; ++i) {
+    out.outer.emplace_back();
+    for (int64_t j = 0; j < n / block; ++j) out.outer.back().push_back(members[j * block + i]);
+  }
+  return out;
+}
+
+Group& Mesh::zero_shards(bool expert) const {
+  Group& data = expert ? expert_data() : dp_cp();
+  return data.inner() ? *data.inner() : data;
+}
+
+Group* Mesh::zero_replicas(bool expert) const { return (expert ? expert_data() : dp_cp()).outer(); }
+
 std::string agent_store_prefix() {
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   if (!agent || std::string(agent) != "True") return "";
@@ -300,22 +320,22 @@ void add_pipeline_channels(GroupMaker& make, Group& pp) {
                           {pp.ranks()[from], pp.ranks()[to]}));
 }
 
-// Hybrid context parallelism's split of the cp group: all-to-all groups of `a` consecutive cp
-// ranks, and rings of the ranks at the same place in every all-to-all group. Every rank of the
-// cp group walks the same list in the same order.
-void add_context_split(GroupMaker& make, Group& cp, int64_t a) {
-  const int64_t n = cp.size(), me = cp.rank();
+// A two-level split of `group` (Group::set_split): blocks of `a` consecutive members named
+// "<group>.<inner>.<j>", and the members at the same place in every block, "<group>.<outer>.<i>".
+// Hybrid context parallelism: all-to-all blocks and rings; hybrid sharding: ZeRO's shard groups
+// and their replicas. Every rank of the group walks the same list in the same order.
+void add_split(GroupMaker& make, Group& group, int64_t a, const char* inner_tag,
+               const char* outer_tag) {
+  const auto blocks = split_ranks(group.ranks(), a);
+  const int64_t me = group.rank();
   std::unique_ptr<Group> inner, outer;
-  for (int64_t j = 0; j < n / a; ++j) {
-    std::vector<int64_t> ranks(cp.ranks().begin() + j * a, cp.ranks().begin() + (j + 1) * a);
-    if (me / a == j) inner = make(fmt::format("{}.a2a.{}", cp.name(), j), ranks);
-  }
-  for (int64_t i = 0; i < a; ++i) {
-    std::vector<int64_t> ranks;
-    for (int64_t j = 0; j < n / a; ++j) ranks.push_back(cp.ranks()[j * a + i]);
-    if (me % a == i) outer = make(fmt::format("{}.ring.{}", cp.name(), i), ranks);
-  }
-  cp.set_split(std::move(inner), std::move(outer));
+  for (size_t j = 0; j < blocks.inner.size(); ++j)
+    if (me / a == static_cast<int64_t>(j))
+      inner = make(fmt::format("{}.{}.{}", group.name(), inner_tag, j), blocks.inner[j]);
+  for (size_t i = 0; i < blocks.outer.size(); ++i)
+    if (me % a == static_cast<int64_t>(i))
+      outer = make(fmt::format("{}.{}.{}", group.name(), outer_tag, i), blocks.outer[i]);
+  group.set_split(std::move(inner), std::move(outer));
 }
 
 // Every communicator exists now, created in this order on every rank; the groups that use one
@@ -376,19 +396,25 @@ std::unique_ptr<Mesh> Mesh::build(const plan::Config& c, const WorldInfo& w,
   mesh->world_ = make("world", all, Lane::kData);
   mesh->store_ = store;
   mesh->groups_ = join_groups(make, c, mesh->layout_, w.rank);
-  // ZeRO-3 gathers weights while backward reduce-scatters gradients, both over the data group:
-  // on a side channel of their own they run beside each other instead of one behind the other.
+  // Hybrid sharding: each data group split into ZeRO's shard groups and their replicas. ZeRO-3
+  // gathers weights while backward reduce-scatters gradients, both over the shard group: on a
+  // side channel of their own they run beside each other instead of one behind the other.
+  const auto split = plan::zero_split(c, mesh->layout_);
   for (auto kind : {GroupKind::kDpCp, GroupKind::kEdpCp}) {  // (edp_cp: the MoE experts')
     auto& data = *mesh->groups_[static_cast<size_t>(kind)];
-    if (c.parallel.zero == 3 && data.size() > 1)
-      data.set_side(make(data.name() + ".gather", data.ranks()));
+    if (split.hybrid() && data.size() > 1)
+      add_split(make, data, kind == GroupKind::kDpCp ? split.shards : split.expert_shards, "shard",
+                "replica");
+    auto& shards = data.inner() ? *data.inner() : data;
+    if (c.parallel.zero == 3 && shards.size() > 1)
+      shards.set_side(make(shards.name() + ".gather", shards.ranks()));
   }
   // Pipeline transfers go one way per channel, so that a stage waits on its receives only.
   auto& pp = *mesh->groups_[static_cast<size_t>(GroupKind::kPp)];
   if (pp.size() > 1) add_pipeline_channels(make, pp);
   auto& cp = *mesh->groups_[static_cast<size_t>(GroupKind::kCp)];
   if (cp.size() > 1 && c.parallel.context_method == plan::CpMethod::kHybrid)
-    add_context_split(make, cp, c.parallel.context_alltoall_size);
+    add_split(make, cp, c.parallel.context_alltoall_size, "a2a", "ring");
   mesh->communicators_ = make.listed();
   if (connect) log_communicators(*mesh);
   return mesh;

@@ -63,6 +63,14 @@ std::string describe_grid(const plan::Layout& l);
 /// group inside a node when the ranks between its members fit in one.
 std::string node_placement(const plan::Config& c, const plan::Layout& l, int64_t ranks_per_node);
 
+/// A two-level split of a group's `members` (in their order): blocks of `block` consecutive
+/// members (`inner`), and the members at the same place in every block (`outer`). Empty when
+/// `block` does not divide them. Hybrid context parallelism and hybrid sharding split so.
+struct SplitRanks {
+  std::vector<std::vector<int64_t>> inner, outer;
+};
+SplitRanks split_ranks(const std::vector<int64_t>& members, int64_t block);
+
 /// Under torchrun's elastic agent (TORCHELASTIC_USE_AGENT_STORE=True) MASTER_PORT is the
 /// agent's own store: every rank is its client, and each restart attempt keeps its keys under
 /// this prefix ("/tessel/attempt_<TORCHELASTIC_RESTART_COUNT>"). Empty otherwise.
@@ -102,6 +110,12 @@ class Mesh {
   Group& ep() const { return group(GroupKind::kEp); }
   /// The ranks that hold the same experts: their gradients are summed over it (dp_cp when ep is 1).
   Group& expert_data() const { return layout_.ep > 1 ? group(GroupKind::kEdpCp) : dp_cp(); }
+  /// The ranks ZeRO shards a bucket over: the data group (expert: the expert data group), or
+  /// under hybrid sharding (parallel.zero_shard) this rank's shard group of it.
+  Group& zero_shards(bool expert) const;
+  /// Under hybrid sharding, the ranks holding the same ZeRO pieces as this one (one per shard
+  /// group): the pieces' gradients are summed over it. Null otherwise.
+  Group* zero_replicas(bool expert) const;
   /// This rank's groups in creation order (world first), the same order on every rank.
   std::vector<const Group*> groups() const;
   /// This rank's communicators in creation order (those that shared ones name their users).

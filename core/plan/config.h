@@ -63,7 +63,8 @@ struct ParallelConfig {
   double timeout_s;         // collectives and rendezvous
   double ddp_bucket_mb;
   int64_t zero;  // 0: DDP; 1: optimizer state sharded over dp×cp; 2: + gradients; 3: + parameters
-  bool zero3_keep_gathered;                    // ZeRO-3: units gathered once per step (not per use)
+  bool zero3_keep_gathered;  // ZeRO-3: units gathered once per step (not per use)
+  int64_t zero_shard;        // hybrid sharding: ZeRO over groups of this many data ranks (1: all)
   Choice<PipelineSchedule> pipeline_schedule;  // parallel.pipeline.schedule
   int64_t virtual_stages;                      // model chunks per pipeline rank (interleaved)
   std::vector<double> layers_per_stage;        // empty: even split

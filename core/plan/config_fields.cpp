@@ -180,6 +180,14 @@ void add_parallel_pipeline_fields(FieldAdder& add, Config& c) {
       "backward); 3 = parameters sharded too (each layer gathered before its forward and "
       "backward, freed after).")
       .range(0, 3);
+  add("parallel.zero_shard", &c.parallel.zero_shard, int64_t{1},
+      "Hybrid sharding (ZeRO 1-3): shard over groups of this many consecutive data ranks (dp×cp) "
+      "and replicate across the groups, as FSDP's HSDP and Megatron's distributed-optimizer "
+      "instances do: each bucket's gradients are reduce-scattered inside a group and the pieces "
+      "all-reduced across groups once per step. 1 (or the whole data group) = shard over the "
+      "whole data group. Must divide dp×cp, and be a multiple of parallel.ep. --dry-run prints "
+      "the memory and bytes of each choice and names the best for the node size.")
+      .range(1);
   add("parallel.zero3.keep_gathered", &c.parallel.zero3_keep_gathered, false,
       "ZeRO-3 with several micro-batches per step (pipelines, gradient accumulation): true keeps "
       "each unit (a block, or the embeddings, norm and head) gathered from its first use to the "
@@ -497,6 +505,7 @@ void mark_upper_bounds(std::vector<Field>& f) {
       {"parallel.ep", 64 * k, ranks},
       {"parallel.cp", 64 * k, ranks},
       {"parallel.context.alltoall_size", 64 * k, ranks},
+      {"parallel.zero_shard", 64 * k, ranks},
       {"parallel.pipeline.virtual_stages", k, "at most model.layers"},
       {"training.steps", k * k * k, "2^30 steps: the token count stays exact in int64"},
       {"training.global_batch", 4 * k * k, "4M sequences per step: every sample's index is held"},

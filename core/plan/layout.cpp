@@ -72,6 +72,38 @@ void check_experts(const Config& c, const Layout& l, Problems& problems) {
                                p.ep * p.tp * p.cp * p.pp == 1 ? "" : "es"));
 }
 
+// Hybrid sharding: groups of parallel.zero_shard data ranks, each holding a whole ZeRO state;
+// the experts' shards are groups of the expert data group with as many replicas.
+void check_zero_shard(const Config& c, const Layout& l, Problems& problems) {
+  const auto& p = c.parallel;
+  const int64_t n = p.zero_shard, data = l.dp * l.cp;
+  if (n == 1 || p.zero == 0) return;  // rules.cpp refuses zero_shard without ZeRO
+  problems.require(data % n == 0,
+                   fmt::format("parallel.zero_shard ({}) must divide the data group, parallel.dp x "
+                               "parallel.cp ({} x {} = {}): each shard group holds a whole copy "
+                               "of the ZeRO state",
+                               n, l.dp, l.cp, data));
+  problems.require(
+      p.ep == 1 || n % p.ep == 0,
+      fmt::format("parallel.zero_shard ({}) must be a multiple of parallel.ep ({}): the experts "
+                  "shard over their own data group (dp/ep x cp = {} ranks) with as many replicas "
+                  "as the rest ({} / {}), which needs ep to divide zero_shard",
+                  n, p.ep, l.dp / p.ep * l.cp, data, n));
+}
+
+}  // namespace
+
+ZeroSplit zero_split(const Config& c, const Layout& l) {
+  const int64_t data = l.dp * l.cp, expert_data = l.dp / std::max<int64_t>(1, l.ep) * l.cp;
+  if (c.parallel.zero == 0) return {};
+  const int64_t n = c.parallel.zero_shard;
+  if (n <= 1 || n >= data || data % n != 0) return {data, expert_data, 1};
+  const int64_t replicas = data / n;
+  return {n, expert_data / replicas, replicas};
+}
+
+namespace {
+
 // The model's dimensions that tensor parallelism (and sequence parallelism) split.
 void check_tensor_split(const Config& c, Problems& problems) {
   const auto& p = c.parallel;
@@ -214,6 +246,7 @@ Layout check_layout(const Config& c, int64_t world, int64_t local_world) {
   const Layout l = resolve_layout(c, world, problems);
   check_tensor_split(c, problems);
   check_experts(c, l, problems);
+  check_zero_shard(c, l, problems);
   check_stage_layers(c, problems);
   check_schedule(c, l, problems);
   check_batch(c, l, problems);

@@ -17,6 +17,17 @@ struct Layout {
   int64_t world() const { return tp * cp * dp * pp; }
 };
 
+/// ZeRO's split of the data groups (hybrid sharding, parallel.zero_shard): each bucket is
+/// sharded over `shards` consecutive ranks of the data group (dp×cp, in rank order) and
+/// replicated over `replicas` such groups; an MoE layer's experts over `expert_shards`
+/// consecutive ranks of the expert data group (dp/ep×cp), with as many replicas. Without ZeRO
+/// the shards are 1; with zero_shard 1 (or the whole group) the replicas are 1.
+struct ZeroSplit {
+  int64_t shards = 1, expert_shards = 1, replicas = 1;
+  bool hybrid() const { return replicas > 1; }
+};
+ZeroSplit zero_split(const Config& c, const Layout& l);
+
 /// The plan's layout for `world` processes (dp auto resolved), with every check of the plan
 /// against the world in one UserError; messages name the keys and their values.
 /// `local_world`: processes on this node, checked against its CUDA devices (0: not checked).

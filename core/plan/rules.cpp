@@ -167,6 +167,11 @@ class Validator {
                         "parameters gathered); parallel.zero is {}, whose parameters are never "
                         "sharded: set parallel.zero 3, or remove keep_gathered",
                         c_.parallel.zero));
+    require(c_.parallel.zero_shard == 1 || c_.parallel.zero > 0, "parallel.zero_shard",
+            fmt::format("parallel.zero_shard ({}) is a ZeRO setting (it chooses how many data "
+                        "ranks share one copy of the sharded state); parallel.zero is 0, which "
+                        "shards nothing: set parallel.zero 1, 2 or 3, or remove zero_shard",
+                        c_.parallel.zero_shard));
     require(t.schedule.warmup_steps <= t.steps, "training.schedule.warmup_steps",
             q("training.schedule.warmup_steps", t.schedule.warmup_steps,
               "must be <=", "training.steps", t.steps));

@@ -204,8 +204,8 @@ namespace {
 // Rank 0 clears what an interrupted save left and makes the folder; every rank meets; this
 // rank's tensors chosen. Data (and context) replicas hold the same tensors, but for ZeRO pieces:
 // the first replica's tensor- and pipeline-parallel ranks write, each its shards and stages
-// (every rank of the dp×cp group its pieces); replicated tensors are written by tp rank 0 only, a
-// tied token table by the first stage only.
+// (every rank of the dp×cp group its pieces; under hybrid sharding, of the first shard group);
+// replicated tensors are written by tp rank 0 only, a tied token table by the first stage only.
 std::shared_ptr<SavePart> prepare(const plan::Config& c, const parallel::Mesh& mesh,
                                   models::Decoder& model, const optim::FlatAdamW& opt,
                                   const optim::LossScaler& scaler, const CheckpointState& st) {
@@ -225,8 +225,11 @@ std::shared_ptr<SavePart> prepare(const plan::Config& c, const parallel::Mesh& m
   for (auto& e : checkpoint_entries(model, opt, scaler)) {
     // Experts: split over ep (the first ep data ranks hold them all), replicated over tp.
     const int64_t replica = e.spec.expert ? me.dp / mesh.layout().ep : me.dp;
+    // Under hybrid sharding the shard groups hold the same pieces: the first group's write.
+    const auto* replicas = mesh.zero_replicas(e.spec.expert);
     if (((e.spec.shard.parts == 1 || e.spec.expert) && me.tp != 0) || e.spec.pipeline_copy ||
-        ((replica != 0 || me.cp != 0) && !e.every_data_rank))
+        ((replica != 0 || me.cp != 0) && !e.every_data_rank) ||
+        (e.every_data_rank && replicas && replicas->rank() != 0))
       continue;
     std::pair<int64_t, int64_t> flat{-1, -1};
     if (auto t = real_part(e, &flat); t.defined()) p->mine.push_back({std::move(e), t, flat});

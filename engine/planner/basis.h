@@ -48,6 +48,9 @@ struct PlanBasis {
   double per_layer;              // one micro-batch's saved activations in one block, bytes
   double act_row;                // one activation between stages, bytes
   int64_t zero, data_ranks, pp;
+  // ZeRO's split (plan::zero_split): the ranks a bucket is sharded over (the experts' too) and
+  // the shard groups holding the same pieces (hybrid sharding; 1 otherwise).
+  plan::ZeroSplit split;
   bool keep_gathered;        // ZeRO-3: units gathered once per step (parallel.zero3.keep_gathered)
   double block;              // one layer's parameters on one tp rank
   double per_moe_layer = 0;  // per_layer for an MoE layer (its experts instead of the MLP)
@@ -56,10 +59,11 @@ struct PlanBasis {
 
 struct Traffic {  // one group's bytes on one rank per step, by how a ring moves them
   double all_reduce = 0, gather_scatter = 0, p2p = 0;
-  double ops = 0;  // collectives and transfers issued (each pays the profile's latency)
-  double bytes() const { return all_reduce + gather_scatter + p2p; }
-  // Seconds those bytes take: at the link's `gbps`, or the profile's own figure for all-gathers
-  // and reduce-scatters, and for send/receive, where it has one.
+  double replica = 0;  // hybrid sharding: all-reduced over the replicas, not the shard group
+  double ops = 0;      // collectives and transfers issued (each pays the profile's latency)
+  double bytes() const { return all_reduce + gather_scatter + p2p + replica; }
+  // Seconds those bytes but `replica` take: at the link's `gbps`, or the profile's own figure
+  // for all-gathers and reduce-scatters, and for send/receive, where it has one.
   double wire(int64_t n, double gbps, const DeviceProfile& d) const {
     const double f = n > 1 ? static_cast<double>(n - 1) / static_cast<double>(n) : 0.0;
     auto at = [gbps](double rate) { return (rate > 0 ? rate : gbps) * 1e9; };

@@ -22,6 +22,7 @@ plan::Config with_layout(const plan::Config& c, const Candidate& k) {
   plan::Config p = c;
   auto& par = p.parallel;
   par.tp = k.tp, par.cp = k.cp, par.pp = k.pp, par.dp = k.dp, par.zero = k.zero;
+  if (k.zero == 0) par.zero_shard = 1;  // (a sharding choice, kept where ZeRO stays)
   par.sequence_parallel = k.tp > 1;
   if (k.cp > 1 && c.parallel.cp == 1) par.context_method = plan::CpMethod::kRing;
   par.pipeline_schedule =
@@ -49,6 +50,7 @@ std::vector<std::string> layout_overrides(const plan::Config& c, const plan::Con
   set("parallel.pp", was.pp, par.pp);
   set("parallel.dp", was.dp, par.dp);
   set("parallel.zero", was.zero, par.zero);
+  set("parallel.zero_shard", was.zero_shard, par.zero_shard);
   set("parallel.sequence_parallel", was.sequence_parallel, par.sequence_parallel);
   if (par.pp > 1) {
     set_choice("parallel.pipeline.schedule", was.pipeline_schedule, par.pipeline_schedule);

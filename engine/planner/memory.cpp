@@ -241,9 +241,9 @@ double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& 
   // The buckets as the rank lays them out, from the plan's parameter list (ZeRO-2/3 only).
   std::optional<optim::FlatLayout> layout;
   if (buckets)
-    layout =
-        optim::layout_of(models::param_entries(m, l.tp, part, l.ep),
-                         optim::layout_options(c, b.data_ranks, 0, b.data_ranks / l.ep, 0, l.pp));
+    layout = optim::layout_of(
+        models::param_entries(m, l.tp, part, l.ep),
+        optim::layout_options(c, b.split.shards, 0, b.split.expert_shards, 0, l.pp));
   std::vector<parallel::pp::ChunkBytes> bytes;
   for (const auto& [begin, end] : part.chunks) {
     const models::StagePart one{
@@ -318,11 +318,13 @@ RankEstimate stage_memory(const plan::Config& c, const plan::Layout& l, const Pl
   r.stage = stage;
   r.params = models::parameters_on_rank(m, l.tp, part, l.ep);
   for (const auto& [first, end] : part.chunks) r.layers += end - first;
-  // ZeRO splits the experts over the ranks holding the same experts (data ranks / ep).
+  // ZeRO splits the experts over the ranks holding the same experts (data ranks / ep); hybrid
+  // sharding each over its shard groups.
   const auto experts = static_cast<int64_t>(expert_params(m, part, l.ep));
-  const auto state = optim::planned_state_bytes(r.params - experts, b.zero, b.data_ranks, b.dtype);
+  const auto state =
+      optim::planned_state_bytes(r.params - experts, b.zero, b.split.shards, b.dtype);
   const auto expert_state =
-      optim::planned_state_bytes(experts, b.zero, b.data_ranks / l.ep, b.dtype);
+      optim::planned_state_bytes(experts, b.zero, b.split.expert_shards, b.dtype);
   r.weights = static_cast<double>(state.params + expert_state.params);
   r.grads = static_cast<double>(state.grads + expert_state.grads);
   r.optimizer = static_cast<double>(state.optimizer + expert_state.optimizer);
@@ -346,8 +348,7 @@ RankEstimate stage_memory(const plan::Config& c, const plan::Layout& l, const Pl
   // its chunks of at most 2^14 elements is copied to fp64 in turn, the step's peak when the
   // activations are smaller (CUDA reads each chunk in its own dtype).
   if (b.cpu) {
-    const double shard =
-        static_cast<double>(r.params) / static_cast<double>(b.zero > 0 ? b.data_ranks : 1);
+    const double shard = static_cast<double>(r.params) / static_cast<double>(b.split.shards);
     r.activations = std::max(r.activations, 8.0 * std::min(16384.0, shard));
   }
   return r;

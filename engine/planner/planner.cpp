@@ -135,11 +135,10 @@ void set_field(DeviceProfile& d, const std::string& key, const std::string& valu
   d.*(it->number) = v;
 }
 
-// The first group of kind k: do its ranks share a node?
-bool within_node(parallel::GroupKind k, const plan::Layout& l, int64_t gpus_per_node) {
-  const auto groups = parallel::group_ranks(k, l);
-  if (groups.empty() || groups[0].size() < 2) return true;
-  return groups[0].front() / gpus_per_node == groups[0].back() / gpus_per_node;
+// Do `ranks` (a group's, ascending) share a node?
+bool within_node(const std::vector<int64_t>& ranks, int64_t gpus_per_node) {
+  if (ranks.size() < 2) return true;
+  return ranks.front() / gpus_per_node == ranks.back() / gpus_per_node;
 }
 
 }  // namespace
@@ -251,7 +250,7 @@ PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
                 (t.recompute == plan::Recompute::kFull ? 0.0 : b.short_attention * tok);
   b.act_row = tok * h * w / (sp ? tp : 1.0);
   b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp, b.pp = l.pp;
-  b.keep_gathered = c.parallel.zero3_keep_gathered;
+  b.keep_gathered = c.parallel.zero3_keep_gathered, b.split = plan::zero_split(c, l);
   b.block = static_cast<double>(models::block_parameters(m, l.tp));
   if (m.moe.experts > 0) {
     // An MoE layer keeps, per token and choice, the row sent to its expert, the expert's
@@ -337,11 +336,26 @@ double exposed_comm_s(const std::map<std::string, Traffic>& g, double compute,
   double exposed = 0;
   for (const auto& [name, traffic] : g) {
     r.comm[name] = traffic.bytes();
+    if (traffic.replica > 0) r.replica_comm[name] = traffic.replica;
     const parallel::GroupKind kind = group_kind(name);
-    const int64_t n = static_cast<int64_t>(parallel::group_ranks(kind, l)[0].size());
+    // The first group of the kind carries its bytes; under hybrid sharding its first shard group
+    // the buckets' and its first replica group the pieces' sums, each on its own link.
+    auto ranks = parallel::group_ranks(kind, l)[0];
+    double replica_s = 0;
+    if (traffic.replica > 0) {
+      auto split = parallel::split_ranks(
+          ranks, kind == parallel::GroupKind::kEdpCp ? b.split.expert_shards : b.split.shards);
+      ranks = split.inner[0];
+      const double n = static_cast<double>(split.outer[0].size());
+      replica_s = 2 * (n - 1) / n * traffic.replica /
+                  ((within_node(split.outer[0], dev.gpus_per_node) ? dev.intra_node_gbps
+                                                                   : dev.inter_node_gbps) *
+                   1e9);
+    }
+    const int64_t n = static_cast<int64_t>(ranks.size());
     const double gbps =
-        within_node(kind, l, dev.gpus_per_node) ? dev.intra_node_gbps : dev.inter_node_gbps;
-    const double s = traffic.ops * dev.latency_us * 1e-6 + traffic.wire(n, gbps, dev);
+        within_node(ranks, dev.gpus_per_node) ? dev.intra_node_gbps : dev.inter_node_gbps;
+    const double s = traffic.ops * dev.latency_us * 1e-6 + traffic.wire(n, gbps, dev) + replica_s;
     e.comm_s[name] = std::max(e.comm_s[name], s);
     if (dev.cpu) {  // every core computes: Gloo's threads take their time from the step
       exposed += s;
@@ -349,9 +363,13 @@ double exposed_comm_s(const std::map<std::string, Traffic>& g, double compute,
     }
     // tp, cp and pipeline transfers sit on the critical path; data-parallel reductions overlap
     // backward (about 2/3 of compute), ZeRO-1/2's weight all-gather after the step does not.
-    if (name == "dp_cp") {
+    if (name == "dp_cp" || name == "edp_cp") {
+      // After backward, and so never hidden: hybrid sharding's sums over the replicas; ZeRO-1/2's
+      // gather of the weights after the step.
       const double after_step =
-          (b.zero == 1 || b.zero == 2) ? b.w * static_cast<double>(r.params) / (gbps * 1e9) : 0;
+          replica_s + ((b.zero == 1 || b.zero == 2) && name == "dp_cp"
+                           ? b.w * static_cast<double>(r.params) / (gbps * 1e9)
+                           : 0);
       exposed +=
           std::max(0.0, s - after_step - (b.zero == 3 ? 1.0 : 2.0 / 3.0) * compute) + after_step;
     } else {
@@ -396,8 +414,7 @@ std::map<std::string, double> cpu_compute_s(const plan::Config& c, const PlanBas
   const double doc_ops =
       kDocumentOps * (b.docs.per_sample - 1) * static_cast<double>(t.micro_batch);
   const double ops = (block_ops * (full ? 1.4 : 1.0) + doc_ops) * layers * micro;
-  const double state =
-      static_cast<double>(r.params) / static_cast<double>(b.zero >= 1 ? b.data_ranks : 1);
+  const double state = static_cast<double>(r.params) / static_cast<double>(b.split.shards);
   const double bytes = kBlockPasses * layers * tokens * h * b.w / (b.sp ? tp : 1.0) +
                        kHeadPasses * tokens * (part.last ? b.vocab_local : 0.0) * 4 +
                        kOptimizerPasses * state * 4;

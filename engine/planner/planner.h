@@ -62,7 +62,8 @@ struct RankEstimate {
   double activations = 0;  // bytes a step adds at its peak (saved activations, logits, buffers)
   double gathered = 0;     // ZeRO-3: gathered units at the peak (part of `activations`' peak)
   int64_t inflight = 0;    // micro-batches whose activations are held at once
-  std::map<std::string, double> comm;  // group -> payload bytes per step (this rank)
+  std::map<std::string, double> comm;          // group -> payload bytes per step (this rank)
+  std::map<std::string, double> replica_comm;  // of comm, hybrid sharding's sums over replicas
   double total() const { return weights + grads + optimizer + activations; }
 };
 
@@ -99,6 +100,22 @@ struct LayoutChoice {
 std::optional<LayoutChoice> faster_layout(const plan::Config& c, int64_t world,
                                           const DeviceProfile& d, const PlanEstimate& current,
                                           double margin = 0.1);
+
+/// One hybrid sharding choice (parallel.zero_shard `shards`; `whole`: the whole data group, as
+/// zero_shard 1): the largest memory per rank of any stage, the data groups' bytes per step on
+/// a rank inside its shard group and across the replicas, the step time, whether a shard group
+/// stays inside a node, whether the memory fits the device (90%), and the best of them.
+struct ShardChoice {
+  int64_t shards = 0;
+  bool whole = false;
+  double peak_bytes = 0, inside_bytes = 0, across_bytes = 0, step_s = 0;
+  bool in_node = false, fits = true, best = false;
+};
+/// Every shard size a ZeRO plan's layout accepts (the divisors of dp·cp from 2 that ep divides),
+/// each estimated on `d`; the best is the fastest that fits (within 1%, the larger shard
+/// group), else the one that holds least. Empty without ZeRO or data parallelism.
+std::vector<ShardChoice> zero_shard_choices(const plan::Config& c, const plan::Layout& l,
+                                            const DeviceProfile& d);
 
 /// Human-readable lines for --dry-run ("# ..."), and the same figures as JSON.
 std::string render(const PlanEstimate& e, const plan::Config& c, const DeviceProfile& d);

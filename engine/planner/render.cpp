@@ -59,10 +59,13 @@ std::string human_bytes(double b) {
 // bytes per stage: nothing is built).
 std::string state_bytes(const plan::Config& c, const plan::Layout& l, const PlanEstimate& e) {
   const int64_t zero = c.parallel.zero, data_ranks = l.dp * l.cp;
+  const auto split = plan::zero_split(c, l);
   const double w = static_cast<double>(c10::elementSize(resolve_dtype(c.training.dtype)));
   std::string out = fmt::sprintf(
-      "# state per rank, ZeRO %lld over %lld data rank%s, %s (activations not included):\n",
-      static_cast<long long>(zero), static_cast<long long>(data_ranks), data_ranks == 1 ? "" : "s",
+      "# state per rank, ZeRO %lld over %lld data rank%s%s, %s (activations not included):\n",
+      static_cast<long long>(zero), static_cast<long long>(zero > 0 ? split.shards : data_ranks),
+      (zero > 0 ? split.shards : data_ranks) == 1 ? "" : "s",
+      split.hybrid() ? fmt::format(" ({} replicas: parallel.zero_shard)", split.replicas) : "",
       c.training.dtype.name().c_str());
   for (const auto& r : e.ranks) {
     std::string units;
@@ -300,6 +303,35 @@ nlohmann::json predicted_bytes(const plan::Config& c, const plan::Layout& l) {
   return stages;
 }
 
+// Hybrid sharding's choices (a GPU plan with ZeRO over more ranks than a node, or one that sets
+// parallel.zero_shard), each with its memory, bytes and step time, and the best named.
+std::string zero_shard_lines(const plan::Config& c, const plan::Layout& l, const DeviceProfile& d) {
+  const auto choices = zero_shard_choices(c, l, d);
+  if (choices.size() < 2) return "";
+  const int64_t data = l.dp * l.cp;
+  const auto split = plan::zero_split(c, l);
+  std::string out = fmt::format(
+      "# hybrid sharding (parallel.zero_shard): ZeRO {} over groups of N of the {} data ranks, "
+      "replicated across the groups; {} GPUs a node:\n",
+      c.parallel.zero, data, d.gpus_per_node);
+  const ShardChoice* best = nullptr;
+  for (const auto& k : choices) {
+    if (k.best) best = &k;
+    out += fmt::format(
+        "#   {:<18} {}, {} replica{}: {} per rank{}; data group per step {} inside a shard "
+        "group, {} across replicas; step {:.4g} ms{}{}\n",
+        k.whole ? fmt::format("N {} (whole group)", k.shards) : fmt::format("N {}", k.shards),
+        k.in_node ? "inside a node" : "across nodes", data / k.shards,
+        data / k.shards == 1 ? "" : "s", human_bytes(k.peak_bytes), k.fits ? "" : " (does not fit)",
+        human_bytes(k.inside_bytes), human_bytes(k.across_bytes), 1e3 * k.step_s,
+        k.shards == split.shards ? "  <- this plan" : "", k.best ? "  <- best" : "");
+  }
+  if (best && best->shards != split.shards)
+    out += fmt::format("# best for {} GPUs a node: --set parallel.zero_shard={}\n", d.gpus_per_node,
+                       best->whole ? 1 : best->shards);
+  return out;
+}
+
 // The data's order and split, and for data.blend each dataset's weight and the samples the run's
 // steps take from it (the blend's rule is a function of the weights alone, so no file is read).
 std::string blend_lines(const plan::Config& c) {
@@ -349,6 +381,9 @@ std::string dry_run_report(const DryRun& r) {
   if (l.pp > 1) out += pipeline_lines(c, l);
   if (l.cp > 1) out += context_parallel_lines(c, l);
   out += blend_lines(c);
+  if ((!r.device.cpu && r.device.gpus_per_node > 0 && r.world > r.device.gpus_per_node) ||
+      c.parallel.zero_shard > 1)
+    out += zero_shard_lines(c, l, r.device);
   if (!r.device.cpu && r.device.gpus_per_node > 0 && r.world > r.device.gpus_per_node)
     out += "# groups " + parallel::node_placement(c, l, r.device.gpus_per_node) + "\n";
   if (r.details)

@@ -86,8 +86,8 @@ void add_tp_traffic(Traffic& g, const plan::Config& c, const plan::Layout& l, co
   // experts' over their own data group): where the replicated ones fall decides each rank's
   // bytes, 1/data ranks of them on average, which is what this predicts.
   if (b.zero > 0 && b.data_ranks > 1)
-    replicated = (replicated - experts) / static_cast<double>(b.data_ranks) +
-                 experts / static_cast<double>(std::max<int64_t>(1, b.data_ranks / l.ep));
+    replicated = (replicated - experts) / static_cast<double>(b.split.shards) +
+                 experts / static_cast<double>(b.split.expert_shards);
   g.all_reduce += 4 * replicated;
   if (replicated > 0) g.ops += 1;
 }
@@ -160,12 +160,16 @@ Blocks stage_blocks(const PlanBasis& b, const plan::Layout& l, const models::Sta
 }
 
 // Adds the bytes per step of a data group (dp×cp, or the experts' own) to `d`: gradients reduced,
-// and under ZeRO weights gathered; `n` parameters, in `blocks` (and the rest at the stage's ends).
+// and under ZeRO weights gathered; `n` parameters, in `blocks` (and the rest at the stage's ends),
+// sharded over `shards` ranks (hybrid sharding: each piece summed over the replicas once a step).
 void add_data_traffic(Traffic& d, const plan::Config& c, const PlanBasis& b, double n,
-                      const Blocks& blocks) {
+                      const Blocks& blocks, int64_t shards) {
   const double mb = static_cast<double>(b.mbs), w = b.w;
   const double buckets = std::ceil(4 * n / std::max(1.0, c.parallel.ddp_bucket_mb * (1 << 20)));
   if (b.zero == 0) d.all_reduce += 4 * n, d.ops += buckets;
+  if (b.zero > 0 && b.split.replicas > 1)
+    d.replica += 4 * n / static_cast<double>(shards), d.ops += buckets;
+  if (b.zero > 0 && shards == 1) return;  // a shard group of one: nothing gathered or scattered
   if (b.zero == 1) d.gather_scatter += 4 * n + w * n, d.ops += 2 * buckets;
   if (reduce_once(b))  // inside a pipeline or kept gathered, fp32: once per step
     d.gather_scatter += 4 * n + w * n, d.ops += 2 * buckets;
@@ -206,9 +210,10 @@ std::map<std::string, Traffic> stage_traffic(const plan::Config& c, const plan::
   const double experts = l.ep > 1 ? expert_params(b.m, part, l.ep) : 0.0;
   if (b.data_ranks > 1)
     add_data_traffic(g["dp_cp"], c, b, static_cast<double>(r.params) - experts,
-                     stage_blocks(b, l, part, false));
+                     stage_blocks(b, l, part, false), b.split.shards);
   if (experts > 0 && b.data_ranks / l.ep > 1)
-    add_data_traffic(g["edp_cp"], c, b, experts, stage_blocks(b, l, part, true));
+    add_data_traffic(g["edp_cp"], c, b, experts, stage_blocks(b, l, part, true),
+                     b.split.expert_shards);
   // zbv: one rank holds the first and the last stage, whose tied token table gets a gradient from
   // each chunk's backward; ZeRO-2/3 reduce each as it comes (parallel/dp/grad_reducer.cpp): twice
   // per micro-batch where the gradients are reduced per micro-batch.
@@ -232,9 +237,9 @@ std::map<std::string, Traffic> stage_traffic(const plan::Config& c, const plan::
     // ZeRO the table is a bucket of its own, padded to kAlignElements per data rank and sharded
     // over them, and each rank sums its whole piece.
     const double table = b.vocab_local * b.h;
-    const double piece = static_cast<double>(optim::kAlignElements * b.data_ranks);
+    const double piece = static_cast<double>(optim::kAlignElements * b.split.shards);
     const double held =
-        b.zero > 0 ? std::ceil(table / piece) * piece / static_cast<double>(b.data_ranks) : table;
+        b.zero > 0 ? std::ceil(table / piece) * piece / static_cast<double>(b.split.shards) : table;
     g["embedding"].all_reduce += 4 * held;
     g["embedding"].ops += 1;
   }

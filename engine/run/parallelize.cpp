@@ -10,8 +10,9 @@ namespace tessel::run {
 namespace {
 
 // Data parallelism's flat buffers: ZeRO shards over the data group (dp×cp), an MoE layer's
-// experts over the expert data group; a tied table under pp gets a bucket of its own, so the first
-// and last stage hold the same piece of it and can sum its gradient.
+// experts over the expert data group, or under hybrid sharding over this rank's shard group of
+// each; a tied table under pp gets a bucket of its own, so the first and last stage hold the
+// same piece of it and can sum its gradient.
 std::unique_ptr<optim::FlatAdamW> make_optimizer(const plan::Config& c, parallel::Mesh& mesh,
                                                  std::vector<optim::NamedParam>& params) {
   const auto& l = mesh.layout();
@@ -22,10 +23,13 @@ std::unique_ptr<optim::FlatAdamW> make_optimizer(const plan::Config& c, parallel
   // the gradient norm: a tensor held by r data ranks counts 1/r on each.
   if (l.ep > 1 && zero == 0)
     for (auto& p : params) p.replicas *= (p.expert ? experts : data_group).size();
+  auto& shards = mesh.zero_shards(false);
+  auto& expert_shards = mesh.zero_shards(true);
   return std::make_unique<optim::FlatAdamW>(
       params, c.training,
-      optim::layout_of(params, optim::layout_options(c, data_group.size(), data_group.rank(),
-                                                     experts.size(), experts.rank(), l.pp)));
+      optim::layout_of(params,
+                       optim::layout_options(c, shards.size(), shards.rank(), expert_shards.size(),
+                                             expert_shards.rank(), l.pp)));
 }
 
 // The gradients summed outside data parallelism after backward: tp-replicated parameters' and a

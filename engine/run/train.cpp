@@ -197,18 +197,22 @@ parallel::pp::StageFns Trainer::step_fns(double scale, bool overflow,
 }
 
 // The gradient norm, clipped, and the ranks' stop votes. The norm sums over every rank: with
-// ZeRO each data rank holds other pieces of the gradient; without, data ranks hold equal
-// gradients and only data rank 0 adds its squares. Every rank joins this all-reduce on every
-// step, so it also carries the stop-on-signal votes.
+// ZeRO each data rank holds other pieces of the gradient (under hybrid sharding each shard group
+// holds all of them: each of its R replicas adds 1/R of its squares, in fp64); without, data
+// ranks hold equal gradients and only data rank 0 adds its squares. Every rank joins this
+// all-reduce on every step, so it also carries the stop-on-signal votes.
 std::pair<torch::Tensor, torch::Tensor> Trainer::clip_and_vote() {
   const bool adds_squares =
       c_.parallel.zero > 0 || mesh_->layout().ep > 1 || mesh_->dp_cp().rank() == 0;
+  const auto* replicas = mesh_->zero_replicas(false);
+  const double share = replicas ? 1.0 / static_cast<double>(replicas->size()) : 1.0;
   torch::Tensor votes;
   auto norm = opt_->clip_grad_norm(
       c_.training.grad_clip,
       [&](torch::Tensor& sq) {
-        auto both = torch::stack(
-            {adds_squares ? sq : torch::zeros_like(sq), in_.vote.to(sq.scalar_type())});
+        auto both =
+            torch::stack({adds_squares ? (share == 1.0 ? sq : sq * share) : torch::zeros_like(sq),
+                          in_.vote.to(sq.scalar_type())});
         mesh_->world_group().all_reduce(both).wait();
         sq = both[0];
         votes = both[1];

@@ -76,7 +76,7 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
   const auto& layout = opt_.layout();
   const auto& b = layout.buckets()[index];
   auto& st = state_[index];
-  auto& dp_cp = b.expert ? mesh_.expert_data() : mesh_.dp_cp();
+  auto& dp_cp = mesh_.zero_shards(b.expert);  // the data group, or ZeRO's shard group of it
   if (opt_.zero() >= 2) {
     if (once_ && !final_[static_cast<size_t>(b.chunk)]) return;  // accumulates in the parameter
     // Take the gradient out of the parameter (fp32) and drop it: only the bucket buffer holds it.
@@ -193,6 +193,28 @@ void GradReducer::finish() {
       drain(i);
       state_[i].ready = 0;
     }
+  sum_replicas();
+}
+
+void GradReducer::sum_replicas() {
+  const auto& layout = opt_.layout();
+  std::vector<size_t> summed;
+  for (size_t i = 0; i < state_.size(); ++i) {
+    const auto& b = layout.buckets()[i];
+    auto* replicas = mesh_.zero_replicas(b.expert);
+    if (!replicas || replicas->size() < 2) continue;
+    auto& st = state_[i];
+    st.piece = opt_.zero() == 1
+                   ? opt_.grad().narrow(0, layout.piece_flat(b), layout.piece_numel(b))
+                   : opt_.grad_shard().narrow(0, b.shard_offset, layout.piece_numel(b));
+    st.work = replicas->all_reduce(st.piece);
+    summed.push_back(i);
+  }
+  if (summed.empty()) return;
+  wait_.start();
+  for (size_t i : summed) state_[i].work.wait();
+  wait_.stop();
+  for (size_t i : summed) state_[i].piece = torch::Tensor();
 }
 
 void GradReducer::abandon_step() {

@@ -12,6 +12,10 @@
 //            reduce-scattered; with more than two buckets reducing, the oldest is waited for,
 //            its piece added into this rank's gradient shard and its buffer freed (the rest at
 //            the end of the micro-batch's backward), so at most three buffers are ever alive.
+// Hybrid sharding (parallel.zero_shard): the reduce-scatters above run inside this rank's shard
+// group, which then holds the sum of its own ranks' gradients; after the step's last backward
+// each bucket's piece is all-reduced over the replicas (the ranks holding the same piece in the
+// other shard groups): once per step, 1/shards of the gradient, whatever the micro-batches.
 // Under pipeline parallelism "final" is per model chunk (each chunk's last backward of the step).
 // ZeRO-2 inside a pipeline with fp32 weights reduce-scatters once per step: the micro-batches'
 // gradients accumulate in the parameters, and the chunk's last backward moves the sum into its
@@ -82,6 +86,7 @@ class GradReducer {
   void on_grad_ready(size_t bucket, const Slot& slot, const torch::autograd::Variable& p);
   void check_complete(size_t b) const;    // every gradient of bucket b counted in (or throws)
   void drain(size_t b);                   // waits for its reduction and stores the result
+  void sum_replicas();                    // hybrid sharding: every piece over its replicas
   static constexpr size_t kInFlight = 2;  // stages 2-3: bucket buffers reducing at once, at most
 
   const Mesh& mesh_;

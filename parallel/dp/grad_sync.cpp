@@ -13,15 +13,18 @@ class Ddp final : public GradSync {
   }
 };
 
-// ZeRO-1/2: gradients reduce-scattered into this rank's pieces; after the update each rank's
-// piece of the weights is gathered back, from the next step's start, unit by unit.
+// (Under hybrid sharding every ZeRO collective runs over this rank's shard group:
+// Mesh::zero_shards.) ZeRO-1/2: gradients reduce-scattered into this rank's pieces; after the
+// update each rank's piece of the weights is gathered back, from the next step's start, unit by
+// unit.
 class WeightPieces final : public GradSync {
  public:
   WeightPieces(Mesh& mesh, const std::vector<optim::NamedParam>& params, optim::FlatAdamW& opt,
                bool device_timed)
       : wait_(device_timed) {
     reducer_ = std::make_unique<GradReducer>(mesh, params, opt);
-    weights_ = std::make_unique<WeightGather>(mesh.dp_cp(), mesh.expert_data(), opt, wait_);
+    weights_ =
+        std::make_unique<WeightGather>(mesh.zero_shards(false), mesh.zero_shards(true), opt, wait_);
   }
   BlockHooks* block_hooks() override { return weights_.get(); }
   void begin_step() override { weights_->start_all(); }
@@ -42,8 +45,8 @@ class Units final : public GradSync {
   Units(Mesh& mesh, const std::vector<optim::NamedParam>& params, optim::FlatAdamW& opt,
         bool keep) {
     reducer_ = std::make_unique<GradReducer>(mesh, params, opt, keep);
-    units_ =
-        std::make_unique<UnitGatherer>(mesh.dp_cp().side(), mesh.expert_data().side(), opt, keep);
+    units_ = std::make_unique<UnitGatherer>(mesh.zero_shards(false).side(),
+                                            mesh.zero_shards(true).side(), opt, keep);
     reducer_->on_bucket_done = [g = units_.get()](size_t b) { g->bucket_done(b); };
   }
   BlockHooks* block_hooks() override { return units_.get(); }

@@ -155,6 +155,14 @@ LAYOUTS = [
     # reduce-scattered as they come, per micro-batch
     Row("zero2_dp2_pp2_zbv_bf16_gpt2", "zero", "gpt2", 4, pipe(2, "zbv", 2, dp=2, zero=2), {"dtype": "bf16"},
         None, (2e-3, None)),
+    # hybrid sharding (parallel.zero_shard): ZeRO inside groups of 2 data ranks, the pieces summed
+    # across the groups; ZeRO-3, ZeRO-1 in a pipeline (the tied table on two stages), ZeRO-2 with
+    # the experts (sharded over 1 rank, replicated over 2), and bf16 ZeRO-1 (its folded gradients)
+    Row("zero3_dp4_shard2_llama", "zero", "llama", 4, {"dp": 4, "zero": 3, "zero_shard": 2}),
+    Row("zero1_dp4_shard2_pp2_1f1b_gpt2", "zero", "gpt2", 8, pipe(2, "1f1b", dp=4, zero=1, zero_shard=2)),
+    Row("moe_zero2_ep2_dp4_shard2_llama", "moe", "llama", 4, {"dp": 4, "ep": 2, "zero": 2, "zero_shard": 2}),
+    Row("zero1_dp4_shard2_bf16_gpt2", "lowp", "gpt2", 4, {"dp": 4, "zero": 1, "zero_shard": 2}, {"dtype": "bf16", "micro_batch": 1},
+        None, (2e-3, None)),
     # bf16/fp16 weights with fp32 masters sharded (ZeRO-1) or everything sharded (ZeRO-3)
     *[Row(f"zero{z}_dp2_{dtype}_gpt2", "lowp", "gpt2", 2, {"dp": 2, "zero": z}, {"dtype": dtype}, None, (2e-3, None))
       for dtype in ("bf16", "fp16") for z in (1, 3)],

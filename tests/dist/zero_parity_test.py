@@ -136,6 +136,36 @@ class ZeroParity(TmpDirTest):
             print(f"\ngpt2 zero=3 dp=4 step-{HALF} checkpoint -> {name}: worst loss rel diff {worst:.2e} vs one process",
                   file=sys.stderr)
 
+    def test_hybrid_checkpoint_resumes_under_other_shard_sizes(self):
+        # A zero=2 dp=4 run sharded in groups of 2 (parallel.zero_shard 2): its half-way
+        # checkpoint holds each piece once (the first shard group's files), and continues under
+        # zero_shard 2 (bitwise the uninterrupted run), over the whole data group, at ZeRO-3 in
+        # groups of 2, and in one process, each within 1e-5 of the single-process run.
+        ref = [m["loss"] for m in (self.launch(self.plan("gpt2", "single"), 1) and self.losses("single"))]
+        full = self.plan("gpt2", "h2", zero=2, dp=4, checkpoint={"every": HALF}, parallel={"zero_shard": 2})
+        self.launch(full, 4)
+        h2 = [m["loss"] for m in self.losses("h2")]
+        self.assertLess(max(rel(a, b) for a, b in zip(h2, ref, strict=True)), 1e-5, "hybrid against one process")
+        saved = self.path("h2", "checkpoints", f"step_{HALF}")
+        with open(os.path.join(saved, "index.json")) as f:
+            files = {s["file"] for t in json.load(f)["tensors"].values() for s in t["shards"]}
+        self.assertEqual(files, {"rank_00000.safetensors", "rank_00001.safetensors"},
+                         "only the first shard group writes the pieces (every group holds them all)")
+        for name, world, layout in (("cont_h2", 4, {"zero": 2, "dp": 4, "parallel": {"zero_shard": 2}}),
+                                    ("cont_whole", 4, {"zero": 2, "dp": 4}),
+                                    ("cont_z3_h2", 4, {"zero": 3, "dp": 4, "parallel": {"zero_shard": 2}}),
+                                    ("cont_single", 1, {})):
+            plan = self.plan("gpt2", name, checkpoint={"resume": saved}, **layout)
+            self.launch(plan, world)
+            cont = self.losses(name)
+            self.assertEqual([m["step"] for m in cont], list(range(HALF + 1, STEPS + 1)))
+            worst = max(rel(m["loss"], ref[m["step"] - 1]) for m in cont)
+            self.assertLess(worst, 1e-5, name)
+            if name == "cont_h2":
+                self.assertEqual([m["loss"] for m in cont], h2[HALF:], "same-layout resume must be bitwise")
+            print(f"\ngpt2 zero=2 dp=4 zero_shard 2 step-{HALF} checkpoint -> {name}: worst loss rel diff "
+                  f"{worst:.2e} vs one process", file=sys.stderr)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -452,6 +452,10 @@ TEST(HostilePlan, PartialCasesAreRefusedClearly) {
                                      {"parallel.zero3.keep_gathered=true", "parallel.zero=1"});
             }).find("parallel.zero3.keep_gathered is a ZeRO-3 setting"),
             std::string::npos);
+  EXPECT_NE(user_error([&] {
+              plan::load_config_text(kPlan, "p.yaml", {"parallel.zero_shard=2"});
+            }).find("parallel.zero_shard (2) is a ZeRO setting"),
+            std::string::npos);
   const auto self = user_error([&] {
     plan::load_config_text(kPlan, "p.yaml",
                            {"checkpoint.accept_changes=[checkpoint.accept_changes]"});

@@ -128,6 +128,39 @@ TEST(Mesh, OneCommunicatorPerMemberSet) {
             "world [0,1] (also pp.0)");
 }
 
+// Hybrid sharding (parallel.zero_shard): each data group split into ZeRO's shard groups of N
+// consecutive members and the replicas at the same place in every group; the experts' data group
+// into as many replicas; ZeRO-3's side channel on the shard group.
+TEST(Mesh, HybridShardingSplitsTheDataGroups) {
+  EXPECT_EQ(split_ranks({0, 2, 4, 6, 8, 10}, 2).inner, (Ranks{{0, 2}, {4, 6}, {8, 10}}));
+  EXPECT_EQ(split_ranks({0, 2, 4, 6, 8, 10}, 2).outer, (Ranks{{0, 4, 8}, {2, 6, 10}}));
+  EXPECT_TRUE(split_ranks({0, 1, 2}, 2).inner.empty());
+  EXPECT_EQ(communicators("", "parallel: {dp: 4, zero: 1, zero_shard: 2}\n", 4),
+            (Names{"world [0,1,2,3] (also dp_cp.0)", "dp_cp.0.shard.0 [0,1]",
+                   "dp_cp.0.replica.0 [0,2]"}));
+  EXPECT_EQ(communicators(", arch: llama, moe: {experts: 4}",
+                          "parallel: {dp: 8, ep: 2, zero: 3, zero_shard: 4}\n", 8),
+            (Names{"world [0,1,2,3,4,5,6,7] (also dp_cp.0)", "ep.0 [0,1]", "edp_cp.0 [0,2,4,6]",
+                   "dp_cp.0.shard.0 [0,1,2,3]", "dp_cp.0.replica.0 [0,4]",
+                   "dp_cp.0.shard.0.gather [0,1,2,3]", "edp_cp.0.shard.0 [0,2]",
+                   "edp_cp.0.replica.0 [0,4]", "edp_cp.0.shard.0.gather [0,2]"}));
+  const auto c = plan(
+      "parallel: {dp: 8, cp: 2, zero: 2, zero_shard: 4}\ntraining: {seq_len: 64, global_batch: 8, "
+      "micro_batch: 1}\n");
+  const auto split = plan::zero_split(c, plan::check_layout(c, 16, 16));
+  EXPECT_EQ(split.shards, 4);
+  EXPECT_EQ(split.replicas, 4);
+  expect_layout_error(plan("parallel: {dp: 6, zero: 1, zero_shard: 4}\n"), 6,
+                      "parallel.zero_shard (4) must divide the data group, parallel.dp x "
+                      "parallel.cp (6 x 1 = 6)");
+  expect_layout_error(
+      plan::load_config_text("data: {path: x}\nmodel: {arch: llama, layers: 4, hidden: 64, heads: "
+                             "4, moe: {experts: 4}}\nparallel: {dp: 8, ep: 4, zero: 1, "
+                             "zero_shard: 2}\n",
+                             "p.yaml"),
+      8, "parallel.zero_shard (2) must be a multiple of parallel.ep (4)");
+}
+
 TEST(Mesh, PlanChecksNameTheValues) {
   EXPECT_EQ(plan::check_layout(plan("training: {global_batch: 8, micro_batch: 2}\n"), 4, 4).dp, 4);
   expect_layout_error(plan("parallel: {dp: 2, tp: 2}\n"), 8,
