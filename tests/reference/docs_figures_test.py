@@ -90,9 +90,9 @@ class QuotedDryRuns(unittest.TestCase):
 
 
 class MixtralLayout(unittest.TestCase):
-    """configs/mixtral-8x7b.yaml at 64: tp 2, pp 4 of 8 layers, dp 8 and ep 8 = dp, so the ep group of
-    stage 0's tp rank 0 is ranks 0, 2, ..., 14 (two 8-GPU nodes), each rank holding its own experts
-    (its expert-gradient group is itself); 46.7 B parameters."""
+    """configs/mixtral-8x7b.yaml at 64: tp 2, pp 4 of 8 layers, dp 8 and ep 4, so the ep group of
+    stage 0's tp rank 0 is ranks 0, 2, 4, 6 (one 8-GPU node), each rank holding two experts whose
+    gradients are summed with rank 8's; 46.7 B parameters."""
 
     def test_mixtral_plan_is_what_moe_md_says(self):
         args = ["configs/mixtral-8x7b.yaml", "--dry-run", "--world-size", "64"]
@@ -108,18 +108,19 @@ class MixtralLayout(unittest.TestCase):
         rank0 = re.search(r"(?m)^\s*rank\s+0: (.*)$", out).group(1)
         group = {name: [int(r) for r in members.split(",")]
                  for name, members in re.findall(r"\b(\w+) \[([0-9,]+)\]", rank0)}
-        self.assertEqual(group["ep"], list(range(0, 16, 2)))
-        self.assertEqual(group["ep"], group["dp"])  # ep == dp
-        self.assertEqual(group["edp_cp"], [0])  # no expert gradient summed over data ranks
-        self.assertEqual(sorted({r // per_node for r in group["ep"]}), [0, 1])  # two nodes, not one
-        self.assertRegex(out, r"(?m)^# groups inside a node of 8 ranks: tp; across nodes: .*\bep \(2 nodes\)")
+        self.assertEqual(group["ep"], [0, 2, 4, 6])
+        self.assertEqual(group["edp_cp"], [0, 8])  # the two data ranks holding the same experts
+        self.assertEqual(sorted({r // per_node for r in group["ep"]}), [0])  # inside one node
+        self.assertRegex(out, r"(?m)^# groups inside a node of 8 ranks: tp, ep; across nodes: ")
         moe_md = " ".join(read(os.path.join(ROOT, "docs", "moe.md")).split())
-        for claim in ("tp 2, pp 4 (8 layers a stage), dp 8 and ep 8", "ranks 0, 2, ..., 14",
-                      "span two 8-GPU nodes"):
+        for claim in ("tp 2, pp 4 (8 layers a stage), dp 8 and ep 4", "ranks 0, 2, 4, 6 only",
+                      "span two 8-GPU nodes", "6,849.0 ms", "54.09 GiB"):
             self.assertIn(claim, moe_md)
+        step = re.search(r"(?m)^# predicted on .*?: step ([0-9.]+) ms", out).group(1)
+        self.assertEqual(step, "6849.0")
         config = read(os.path.join(ROOT, "configs", "mixtral-8x7b.yaml"))
         self.assertIn("46.7B parameters", config)
-        self.assertIn("ranks 0, 2, ..., 14", config)
+        self.assertIn("ranks 0, 2, 4, 6 only", config)
         self.assertIn("Mixtral-8x7B shape (46.7B parameters", read(os.path.join(ROOT, "docs", "data-and-sizing.md")))
 
 
