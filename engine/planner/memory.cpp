@@ -284,6 +284,21 @@ double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& 
       l.pp > 1 ? b.sim.timeline[static_cast<size_t>(stage)] : one_stage_turns(b), bytes);
 }
 
+// The largest gradient tensor the norm reads on a rank holding `params`: the whole gradient
+// (ZeRO 0), the shard (2-3), or at ZeRO-1 the largest bucket's piece (its pieces sit apart in the
+// full buffer).
+double norm_piece(const plan::Config& c, const plan::Layout& l, const PlanBasis& b,
+                  const models::StagePart& part, int64_t params) {
+  if (b.zero != 1) return static_cast<double>(params) / static_cast<double>(b.split.shards);
+  const auto flat =
+      optim::layout_of(models::param_entries(b.m, l.tp, part, l.ep),
+                       optim::layout_options(c, b.split.shards, 0, b.split.expert_shards, 0, l.pp));
+  double piece = 0;
+  for (const auto& k : flat.buckets())
+    piece = std::max(piece, static_cast<double>(flat.piece_numel(k)));
+  return piece;
+}
+
 }  // namespace
 
 // Llama's RMSNorm as Tessel's CPU kernel (training.kernels tessel, fp32 on the CPU) or LibTorch's
@@ -348,8 +363,8 @@ RankEstimate stage_memory(const plan::Config& c, const plan::Layout& l, const Pl
   // its chunks of at most 2^14 elements is copied to fp64 in turn, the step's peak when the
   // activations are smaller (CUDA reads each chunk in its own dtype).
   if (b.cpu) {
-    const double shard = static_cast<double>(r.params) / static_cast<double>(b.split.shards);
-    r.activations = std::max(r.activations, 8.0 * std::min(16384.0, shard));
+    r.activations =
+        std::max(r.activations, 8.0 * std::min(16384.0, norm_piece(c, l, b, part, r.params)));
   }
   return r;
 }

@@ -163,6 +163,10 @@ LAYOUTS = [
     Row("moe_zero2_ep2_dp4_shard2_llama", "moe", "llama", 4, {"dp": 4, "ep": 2, "zero": 2, "zero_shard": 2}),
     Row("zero1_dp4_shard2_bf16_gpt2", "lowp", "gpt2", 4, {"dp": 4, "zero": 1, "zero_shard": 2}, {"dtype": "bf16", "micro_batch": 1},
         None, (2e-3, None)),
+    # ... with cp (a shard group is one data rank's two cp ranks) and with tp + sp
+    Row("zero2_dp2_cp2_shard2_alltoall_llama", "cp", "llama", 4,
+        {"cp": 2, "dp": 2, "zero": 2, "zero_shard": 2, "context": {"method": "alltoall"}}),
+    Row("zero1_dp4_tp2_sp_shard2_llama", "zero", "llama", 8, {"dp": 4, "tp": 2, "zero": 1, "zero_shard": 2, **SP}),
     # bf16/fp16 weights with fp32 masters sharded (ZeRO-1) or everything sharded (ZeRO-3)
     *[Row(f"zero{z}_dp2_{dtype}_gpt2", "lowp", "gpt2", 2, {"dp": 2, "zero": z}, {"dtype": dtype}, None, (2e-3, None))
       for dtype in ("bf16", "fp16") for z in (1, 3)],
