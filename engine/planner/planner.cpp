@@ -364,12 +364,13 @@ double exposed_comm_s(const std::map<std::string, Traffic>& g, double compute,
     // tp, cp and pipeline transfers sit on the critical path; data-parallel reductions overlap
     // backward (about 2/3 of compute), ZeRO-1/2's weight all-gather after the step does not.
     if (name == "dp_cp" || name == "edp_cp") {
-      // After backward, and so never hidden: hybrid sharding's sums over the replicas; ZeRO-1/2's
-      // gather of the weights after the step.
+      // After backward, and so never hidden: ZeRO-1's sums over the replicas (hybrid sharding;
+      // ZeRO-2/3 start each as its bucket completes, during backward); ZeRO-1/2's gather of the
+      // weights after the step.
       const double after_step =
-          replica_s + ((b.zero == 1 || b.zero == 2) && name == "dp_cp"
-                           ? b.w * static_cast<double>(r.params) / (gbps * 1e9)
-                           : 0);
+          (b.zero == 1 ? replica_s : 0) + ((b.zero == 1 || b.zero == 2) && name == "dp_cp"
+                                               ? b.w * static_cast<double>(r.params) / (gbps * 1e9)
+                                               : 0);
       exposed +=
           std::max(0.0, s - after_step - (b.zero == 3 ? 1.0 : 2.0 / 3.0) * compute) + after_step;
     } else {

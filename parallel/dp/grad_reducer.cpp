@@ -49,6 +49,9 @@ GradReducer::GradReducer(const Mesh& mesh, const std::vector<optim::NamedParam>&
     e = s.offset + s.numel;
   }
   state_.resize(layout.buckets().size());
+  table_.assign(layout.buckets().size(), false);
+  for (const auto& s : layout.slots())
+    if (s.name == "embed.weight") table_[static_cast<size_t>(s.bucket)] = true;
   if (!reduce_ && !fold_) return;
   for (const auto& s : layout.slots()) {
     auto p = by_name.at(s.name)->tensor;
@@ -79,6 +82,8 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
   auto& dp_cp = mesh_.zero_shards(b.expert);  // the data group, or ZeRO's shard group of it
   if (opt_.zero() >= 2) {
     if (once_ && !final_[static_cast<size_t>(b.chunk)]) return;  // accumulates in the parameter
+    TORCH_CHECK(!st.summed, "gradient reducer: bucket ", index,
+                " got a gradient after its sum over the ZeRO replicas started (hybrid sharding)");
     // Take the gradient out of the parameter (fp32) and drop it: only the bucket buffer holds it.
     torch::NoGradGuard no_grad;
     if (st.ready == 0 && st.buffer.defined()) {
@@ -152,6 +157,8 @@ void GradReducer::drain(size_t i) {
     live_bucket_bytes_ -= st.buffer.numel() * 4;
     st.buffer = torch::Tensor();
     st.piece = torch::Tensor();
+    // The step's last reduce-scatter of the bucket: its piece is complete.
+    if (final_[static_cast<size_t>(b.chunk)] && !table_[i]) sum_over_replicas(i);
   } else if (opt_.zero() == 1) {
     st.piece = torch::Tensor();  // a view of the gradient, reduced in place
   }
@@ -186,35 +193,33 @@ void GradReducer::end_backward(int64_t chunk, bool final) {
 }
 
 void GradReducer::finish() {
-  std::fill(final_.begin(), final_.end(), false);
   if (reduce_ && opt_.zero() < 2)
     for (size_t i = 0; i < state_.size(); ++i) {
       check_complete(i);
       drain(i);
       state_[i].ready = 0;
+      sum_over_replicas(i);
     }
-  sum_replicas();
+  std::fill(final_.begin(), final_.end(), false);
+  for (size_t i = 0; i < state_.size(); ++i) sum_over_replicas(i);  // those not started yet
+  wait_.start();
+  for (auto& st : state_)
+    if (st.summed) st.replica.wait();
+  wait_.stop();
+  for (auto& st : state_) st.summed = false, st.replica_piece = torch::Tensor();
 }
 
-void GradReducer::sum_replicas() {
+void GradReducer::sum_over_replicas(size_t i) {
   const auto& layout = opt_.layout();
-  std::vector<size_t> summed;
-  for (size_t i = 0; i < state_.size(); ++i) {
-    const auto& b = layout.buckets()[i];
-    auto* replicas = mesh_.zero_replicas(b.expert);
-    if (!replicas || replicas->size() < 2) continue;
-    auto& st = state_[i];
-    st.piece = opt_.zero() == 1
-                   ? opt_.grad().narrow(0, layout.piece_flat(b), layout.piece_numel(b))
-                   : opt_.grad_shard().narrow(0, b.shard_offset, layout.piece_numel(b));
-    st.work = replicas->all_reduce(st.piece);
-    summed.push_back(i);
-  }
-  if (summed.empty()) return;
-  wait_.start();
-  for (size_t i : summed) state_[i].work.wait();
-  wait_.stop();
-  for (size_t i : summed) state_[i].piece = torch::Tensor();
+  const auto& b = layout.buckets()[i];
+  auto* replicas = mesh_.zero_replicas(b.expert);
+  auto& st = state_[i];
+  if (!replicas || replicas->size() < 2 || st.summed) return;
+  st.summed = true;
+  st.replica_piece = opt_.zero() == 1
+                         ? opt_.grad().narrow(0, layout.piece_flat(b), layout.piece_numel(b))
+                         : opt_.grad_shard().narrow(0, b.shard_offset, layout.piece_numel(b));
+  st.replica = replicas->all_reduce(st.replica_piece);
 }
 
 void GradReducer::abandon_step() {

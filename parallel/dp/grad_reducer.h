@@ -13,9 +13,12 @@
 //            its piece added into this rank's gradient shard and its buffer freed (the rest at
 //            the end of the micro-batch's backward), so at most three buffers are ever alive.
 // Hybrid sharding (parallel.zero_shard): the reduce-scatters above run inside this rank's shard
-// group, which then holds the sum of its own ranks' gradients; after the step's last backward
-// each bucket's piece is all-reduced over the replicas (the ranks holding the same piece in the
-// other shard groups): once per step, 1/shards of the gradient, whatever the micro-batches.
+// group, which then holds the sum of its own ranks' gradients; each bucket's piece is then
+// all-reduced over the replicas (the ranks holding the same piece in the other shard groups):
+// once per step, 1/shards of the gradient, whatever the micro-batches. Stages 2-3 start it as
+// soon as the bucket's last reduce-scatter of the step is drained, during backward (but for a
+// bucket holding the token table, which a zbv rank fills from two chunks: after backward);
+// stage 1 as each bucket's reduce-scatter is waited for, after backward.
 // Under pipeline parallelism "final" is per model chunk (each chunk's last backward of the step).
 // ZeRO-2 inside a pipeline with fp32 weights reduce-scatters once per step: the micro-batches'
 // gradients accumulate in the parameters, and the chunk's last backward moves the sum into its
@@ -45,6 +48,10 @@ struct BucketState {
   Work work;             // its all-reduce or reduce-scatter
   torch::Tensor buffer;  // stages 2-3: the bucket's gradients [end - begin], fp32, transient
   torch::Tensor piece;   // the reduce-scatter's output when not in place
+  // Hybrid sharding: the piece's all-reduce over the replicas, once a step (started: `summed`).
+  bool summed = false;
+  Work replica;
+  torch::Tensor replica_piece;
 };
 
 class GradReducer {
@@ -86,7 +93,7 @@ class GradReducer {
   void on_grad_ready(size_t bucket, const Slot& slot, const torch::autograd::Variable& p);
   void check_complete(size_t b) const;    // every gradient of bucket b counted in (or throws)
   void drain(size_t b);                   // waits for its reduction and stores the result
-  void sum_replicas();                    // hybrid sharding: every piece over its replicas
+  void sum_over_replicas(size_t b);       // hybrid sharding: starts bucket b's (once a step)
   static constexpr size_t kInFlight = 2;  // stages 2-3: bucket buffers reducing at once, at most
 
   const Mesh& mesh_;
@@ -96,8 +103,9 @@ class GradReducer {
   std::deque<size_t> in_flight_;  // stages 2-3: buckets reducing, oldest first
   std::vector<std::pair<int64_t, int64_t>> chunk_range_;  // flat range of each chunk's slots
   std::vector<bool> final_;                               // per chunk, during its last backward
-  bool reduce_ = false;  // anything to do: dp×cp > 1, or gradients sharded
-  bool fold_ = false;    // stages 0-1 in bf16/fp16: each gradient folded into fp32 as it comes
+  std::vector<bool> table_;  // per bucket: holds the token table (summed over replicas last)
+  bool reduce_ = false;      // anything to do: dp×cp > 1, or gradients sharded
+  bool fold_ = false;        // stages 0-1 in bf16/fp16: each gradient folded into fp32 as it comes
   std::vector<std::pair<torch::Tensor, const Slot*>> folded_;  // the parameters fold_ hooks
   bool once_ = false;  // fp32 ZeRO-2 with pp > 1 or ZeRO-3 kept gathered: reduce-scatter at each
                        // chunk's last backward

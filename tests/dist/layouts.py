@@ -163,6 +163,10 @@ LAYOUTS = [
     Row("moe_zero2_ep2_dp4_shard2_llama", "moe", "llama", 4, {"dp": 4, "ep": 2, "zero": 2, "zero_shard": 2}),
     Row("zero1_dp4_shard2_bf16_gpt2", "lowp", "gpt2", 4, {"dp": 4, "zero": 1, "zero_shard": 2}, {"dtype": "bf16", "micro_batch": 1},
         None, (2e-3, None)),
+    # ... in a V (bf16 ZeRO-2: the tied table, filled from two chunks of rank 0, summed over the
+    # replicas after backward, every other bucket as it completes)
+    Row("zero2_dp4_shard2_pp2_zbv_bf16_gpt2", "zero", "gpt2", 8, pipe(2, "zbv", 2, dp=4, zero=2, zero_shard=2),
+        {"dtype": "bf16"}, None, (2e-3, None)),
     # ... with cp (a shard group is one data rank's two cp ranks) and with tp + sp
     Row("zero2_dp2_cp2_shard2_alltoall_llama", "cp", "llama", 4,
         {"cp": 2, "dp": 2, "zero": 2, "zero_shard": 2, "context": {"method": "alltoall"}}),
