@@ -16,7 +16,7 @@ export CCACHE_MAXSIZE ?= 5G
 # cmake and ninja from PyPI (setup.sh puts them there only when the machine has none): last on PATH.
 export PATH := $(PATH):$(CURDIR)/.env/bin
 
-.PHONY: setup setup-test configure build run check test test-no-toolkit docs bundle clean
+.PHONY: setup setup-test configure build run check test test-no-toolkit test-aarch64 docs bundle clean
 setup:
 	@third_party/setup.sh build
 setup-test:
@@ -48,6 +48,11 @@ test: setup-test configure
 # tessel-train, train 5 steps (docs/building.md gives its time).
 test-no-toolkit: setup
 	@tests/install/no_toolkit.sh $(CURDIR) --build
+
+# The aarch64 (Grace) build: cross-compiled, then the unit tests and 10 steps of
+# configs/default.yaml under qemu-user against this build's losses (docs/building.md gives its time).
+test-aarch64: build
+	@tests/cross/aarch64_train.sh $(CURDIR)/$(BUILD)/bin $(CURDIR)/$(BUILD)/aarch64
 
 # A relocatable install packed as one archive (docs/gpu.md): runs against any python's torch
 # 2.11, with no root, no apt, no network. build/tessel-<commit>-<arch>.tar.gz.

@@ -2,53 +2,82 @@
 #
 # LibTorch: Torch_DIR when the user gives one, else the torch in .env (a link to the per-user
 # environment that setup.sh maintains).
-if(NOT Torch_DIR AND NOT DEFINED ENV{Torch_DIR})
-  set(_tessel_py ${CMAKE_SOURCE_DIR}/.env/bin/python)
-  if(NOT EXISTS ${_tessel_py})
-    message(FATAL_ERROR "No LibTorch: run `make build` (it runs third_party/setup.sh) or set Torch_DIR")
+# A cross build (tools/cross/aarch64.cmake) names the target's torch package folder, its wheel
+# unpacked: its CMake config would look for a CUDA compiler that runs on the target, so its CPU
+# half is imported here by hand, and libtessel_cuda (LibTorch's CUDA half) is not built.
+set(TESSEL_CUDA_MODULE ON)
+if(TESSEL_TORCH_PREFIX)
+  set(TESSEL_CUDA_MODULE OFF)
+  set(TORCH_INSTALL_PREFIX "${TESSEL_TORCH_PREFIX}")
+  file(STRINGS "${TESSEL_TORCH_PREFIX}/version.py" _tessel_version_line REGEX "^__version__")
+  string(REGEX MATCH "[0-9]+\\.[0-9]+\\.[0-9]+" Torch_VERSION "${_tessel_version_line}")
+  add_library(torch_cpu_library INTERFACE IMPORTED)
+  target_link_libraries(torch_cpu_library INTERFACE "${TESSEL_TORCH_PREFIX}/lib/libtorch_cpu.so"
+                        "${TESSEL_TORCH_PREFIX}/lib/libc10.so")
+  # What the wheel's own config gives its CPU half (c10d with Gloo).
+  target_compile_definitions(torch_cpu_library INTERFACE USE_C10D_GLOO USE_DISTRIBUTED USE_RPC
+                             USE_TENSORPIPE)
+  set(TORCH_INCLUDE_DIRS "${TESSEL_TORCH_PREFIX}/include"
+      "${TESSEL_TORCH_PREFIX}/include/torch/csrc/api/include")
+  # c10's CUDA runtime (streams, events, the caching allocator) and the CUDA headers its headers
+  # name (the runtime's, cuBLAS's, cuSPARSE's, cuSOLVER's: the same on every architecture).
+  add_library(c10_cuda INTERFACE IMPORTED)
+  target_link_libraries(c10_cuda INTERFACE "${TESSEL_TORCH_PREFIX}/lib/libc10_cuda.so"
+                        "${TESSEL_TORCH_PREFIX}/../nvidia/cu13/lib/libcudart.so.13")
+  target_include_directories(c10_cuda SYSTEM INTERFACE "${TESSEL_TORCH_PREFIX}/../nvidia/cu13/include")
+  set(TORCH_CXX_FLAGS -D_GLIBCXX_USE_CXX11_ABI=1)
+  set(_tessel_torch_pkg "${TESSEL_TORCH_PREFIX}")
+  set(Torch_DIR "${TESSEL_TORCH_PREFIX}/share/cmake/Torch")  # (the paths derived from it below)
+  message(STATUS "LibTorch ${Torch_VERSION} (CPU half) from ${TESSEL_TORCH_PREFIX}, cross build")
+else()
+  if(NOT Torch_DIR AND NOT DEFINED ENV{Torch_DIR})
+    set(_tessel_py ${CMAKE_SOURCE_DIR}/.env/bin/python)
+    if(NOT EXISTS ${_tessel_py})
+      message(FATAL_ERROR "No LibTorch: run `make build` (it runs third_party/setup.sh) or set Torch_DIR")
+    endif()
+    execute_process(COMMAND ${_tessel_py} -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'share', 'cmake', 'Torch'))"
+                    OUTPUT_VARIABLE Torch_DIR OUTPUT_STRIP_TRAILING_WHITESPACE COMMAND_ERROR_IS_FATAL ANY)
   endif()
-  execute_process(COMMAND ${_tessel_py} -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'share', 'cmake', 'Torch'))"
-                  OUTPUT_VARIABLE Torch_DIR OUTPUT_STRIP_TRAILING_WHITESPACE COMMAND_ERROR_IS_FATAL ANY)
-endif()
-# The CUDA wheel's config enables CUDA and looks for the toolkit; no GPU is needed to build.
-if(NOT TORCH_CUDA_ARCH_LIST)
-  set(TORCH_CUDA_ARCH_LIST "9.0")
-endif()
-# The real path (the per-user cache, not the checkout's .env link): include paths are then the same
-# for every checkout, which ccache needs to share its entries between them.
-get_filename_component(Torch_DIR "${Torch_DIR}" REALPATH)
-# The CUDA compiler that config looks for (Tessel compiles no CUDA code). Torch's CUDA version is in
-# its version.py; NVIDIA's compiler wheels of that version beside torch's runtime wheels (setup.sh
-# installs them) are used unless CMAKE_CUDA_COMPILER or CUDACXX names another: the headers and the
-# runtime Tessel compiles and links against are then torch's own, on a machine with no toolkit or
-# with another version. Without the wheels (a Torch_DIR of the user's own), CMake's usual search.
-get_filename_component(_tessel_torch_pkg "${Torch_DIR}/../../.." ABSOLUTE)
-set(TESSEL_TORCH_CUDA "")
-if(EXISTS "${_tessel_torch_pkg}/version.py")
-  file(STRINGS "${_tessel_torch_pkg}/version.py" _tessel_cuda_line REGEX "^cuda")
-  string(REGEX MATCH "[0-9]+\\.[0-9]+" TESSEL_TORCH_CUDA "${_tessel_cuda_line}")
-endif()
-if(TESSEL_TORCH_CUDA AND NOT CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX})
-  string(REGEX MATCH "^[0-9]+" _tessel_cuda_major "${TESSEL_TORCH_CUDA}")
-  get_filename_component(_tessel_kit "${_tessel_torch_pkg}/../nvidia/cu${_tessel_cuda_major}" ABSOLUTE)
-  if(EXISTS "${_tessel_kit}/bin/nvcc")
-    set(CMAKE_CUDA_COMPILER "${_tessel_kit}/bin/nvcc" CACHE FILEPATH "CUDA compiler")
-    set(CUDA_TOOLKIT_ROOT_DIR "${_tessel_kit}" CACHE PATH "CUDA toolkit")
-    set(CUDAToolkit_ROOT "${_tessel_kit}")
+  # The CUDA wheel's config enables CUDA and looks for the toolkit; no GPU is needed to build.
+  if(NOT TORCH_CUDA_ARCH_LIST)
+    set(TORCH_CUDA_ARCH_LIST "9.0")
   endif()
-endif()
-find_package(Torch REQUIRED)
-message(STATUS "LibTorch ${Torch_VERSION} from ${Torch_DIR}")
-if(TESSEL_TORCH_CUDA AND CMAKE_CUDA_COMPILER_VERSION)
-  string(REGEX MATCH "^[0-9]+" _tessel_nvcc_major "${CMAKE_CUDA_COMPILER_VERSION}")
-  string(REGEX MATCH "^[0-9]+" _tessel_cuda_major "${TESSEL_TORCH_CUDA}")
-  if(NOT _tessel_nvcc_major STREQUAL _tessel_cuda_major)
-    message(FATAL_ERROR "The CUDA compiler ${CMAKE_CUDA_COMPILER} is CUDA ${CMAKE_CUDA_COMPILER_VERSION}; "
-            "this torch was built with CUDA ${TESSEL_TORCH_CUDA}, whose runtime Tessel links. Unset "
-            "CUDACXX / CMAKE_CUDA_COMPILER to use NVIDIA's CUDA ${TESSEL_TORCH_CUDA} wheels (third_party/"
-            "setup.sh installs them), or name a CUDA ${_tessel_cuda_major} compiler")
+  # The real path (the per-user cache, not the checkout's .env link): include paths are then the same
+  # for every checkout, which ccache needs to share its entries between them.
+  get_filename_component(Torch_DIR "${Torch_DIR}" REALPATH)
+  # The CUDA compiler that config looks for (Tessel compiles no CUDA code). Torch's CUDA version is in
+  # its version.py; NVIDIA's compiler wheels of that version beside torch's runtime wheels (setup.sh
+  # installs them) are used unless CMAKE_CUDA_COMPILER or CUDACXX names another: the headers and the
+  # runtime Tessel compiles and links against are then torch's own, on a machine with no toolkit or
+  # with another version. Without the wheels (a Torch_DIR of the user's own), CMake's usual search.
+  get_filename_component(_tessel_torch_pkg "${Torch_DIR}/../../.." ABSOLUTE)
+  set(TESSEL_TORCH_CUDA "")
+  if(EXISTS "${_tessel_torch_pkg}/version.py")
+    file(STRINGS "${_tessel_torch_pkg}/version.py" _tessel_cuda_line REGEX "^cuda")
+    string(REGEX MATCH "[0-9]+\\.[0-9]+" TESSEL_TORCH_CUDA "${_tessel_cuda_line}")
   endif()
-  message(STATUS "CUDA compiler: ${CMAKE_CUDA_COMPILER} (CUDA ${CMAKE_CUDA_COMPILER_VERSION}; torch's: ${TESSEL_TORCH_CUDA})")
+  if(TESSEL_TORCH_CUDA AND NOT CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX})
+    string(REGEX MATCH "^[0-9]+" _tessel_cuda_major "${TESSEL_TORCH_CUDA}")
+    get_filename_component(_tessel_kit "${_tessel_torch_pkg}/../nvidia/cu${_tessel_cuda_major}" ABSOLUTE)
+    if(EXISTS "${_tessel_kit}/bin/nvcc")
+      set(CMAKE_CUDA_COMPILER "${_tessel_kit}/bin/nvcc" CACHE FILEPATH "CUDA compiler")
+      set(CUDA_TOOLKIT_ROOT_DIR "${_tessel_kit}" CACHE PATH "CUDA toolkit")
+      set(CUDAToolkit_ROOT "${_tessel_kit}")
+    endif()
+  endif()
+  find_package(Torch REQUIRED)
+  message(STATUS "LibTorch ${Torch_VERSION} from ${Torch_DIR}")
+  if(TESSEL_TORCH_CUDA AND CMAKE_CUDA_COMPILER_VERSION)
+    string(REGEX MATCH "^[0-9]+" _tessel_nvcc_major "${CMAKE_CUDA_COMPILER_VERSION}")
+    string(REGEX MATCH "^[0-9]+" _tessel_cuda_major "${TESSEL_TORCH_CUDA}")
+    if(NOT _tessel_nvcc_major STREQUAL _tessel_cuda_major)
+      message(FATAL_ERROR "The CUDA compiler ${CMAKE_CUDA_COMPILER} is CUDA ${CMAKE_CUDA_COMPILER_VERSION}; "
+              "this torch was built with CUDA ${TESSEL_TORCH_CUDA}, whose runtime Tessel links. Unset "
+              "CUDACXX / CMAKE_CUDA_COMPILER to use NVIDIA's CUDA ${TESSEL_TORCH_CUDA} wheels (third_party/"
+              "setup.sh installs them), or name a CUDA ${_tessel_cuda_major} compiler")
+    endif()
+    message(STATUS "CUDA compiler: ${CMAKE_CUDA_COMPILER} (CUDA ${CMAKE_CUDA_COMPILER_VERSION}; torch's: ${TESSEL_TORCH_CUDA})")
+  endif()
 endif()
 
 # The OpenMP runtime LibTorch's CPU library loads (GNU libgomp in the PyPI wheels, Intel's libiomp5
@@ -84,7 +113,9 @@ target_include_directories(tessel_torch SYSTEM INTERFACE ${TESSEL_GLOO_INCLUDE})
 add_library(tessel_torch_cuda INTERFACE)
 add_library(tessel::torch_cuda ALIAS tessel_torch_cuda)
 target_link_libraries(tessel_torch_cuda INTERFACE tessel_torch)
-if(TARGET torch_cuda_library)
+if(NOT TESSEL_CUDA_MODULE)
+  # (a cross build: no CUDA half)
+elseif(TARGET torch_cuda_library)
   target_link_libraries(tessel_torch_cuda INTERFACE torch_cuda_library)
   # c10d's NCCL headers include nccl.h, which no CUDA toolkit need have: the NCCL wheel's beside
   # torch (the NCCL torch runs with), when there is one.

@@ -201,7 +201,8 @@ void GradReducer::finish() {
       sum_over_replicas(i);
     }
   std::fill(final_.begin(), final_.end(), false);
-  for (size_t i = 0; i < state_.size(); ++i) sum_over_replicas(i);  // those not started yet
+  for (size_t i = 0; i < state_.size(); ++i) sum_over_replicas(i);        // those not started yet
+  if (!mesh_.zero_replicas(false) && !mesh_.zero_replicas(true)) return;  // no hybrid sharding
   wait_.start();
   for (auto& st : state_)
     if (st.summed) st.replica.wait();
