@@ -114,27 +114,31 @@ class ZeroParity(TmpDirTest):
                     self.assertLess(abs(to_bytes(text) - got) / got, 0.05, f"{name} rank {r['rank']}: {text} vs {got}")
             print(f"\n{name}: --dry-run {[s[1] for s in stages]} parameters per stage, as built", file=sys.stderr)
 
-    def test_zero3_checkpoint_resumes_in_other_layouts(self):
-        # A zero=3 dp=4 run's half-way checkpoint, continued at zero=0 in one process and at zero=1
-        # dp2 x tp2: the later steps match the uninterrupted single-process run; continued in its own
-        # layout, they equal the uninterrupted zero=3 dp=4 run bitwise.
-        ref = [m["loss"] for m in (self.launch(self.plan("gpt2", "single"), 1) and self.losses("single"))]
-        full = self.plan("gpt2", "z3", zero=3, dp=4, checkpoint={"every": HALF})
-        self.launch(full, 4)
-        z3 = [m["loss"] for m in self.losses("z3")]
-        saved = self.path("z3", "checkpoints", f"step_{HALF}")
-        for name, world, layout in (("cont_single", 1, {}), ("cont_z1_dp2_tp2", 4, {"zero": 1, "dp": 2, "tp": 2}),
-                                    ("cont_z3_dp4", 4, {"zero": 3, "dp": 4})):
-            plan = self.plan("gpt2", name, checkpoint={"resume": saved}, **layout)
-            self.launch(plan, world)
+    def continue_in(self, saved, layouts, ref, uninterrupted, what):
+        """The checkpoint `saved` continued in each (name, world, layout): steps HALF+1.. within 1e-5
+        of the single-process run `ref`; the first layout (the one that saved it) bitwise equal to
+        the uninterrupted run `uninterrupted`."""
+        for k, (name, world, layout) in enumerate(layouts):
+            self.launch(self.plan("gpt2", name, checkpoint={"resume": saved}, **layout), world)
             cont = self.losses(name)
             self.assertEqual([m["step"] for m in cont], list(range(HALF + 1, STEPS + 1)))
             worst = max(rel(m["loss"], ref[m["step"] - 1]) for m in cont)
             self.assertLess(worst, 1e-5, name)
-            if name == "cont_z3_dp4":
-                self.assertEqual([m["loss"] for m in cont], z3[HALF:], "same-layout resume must be bitwise")
-            print(f"\ngpt2 zero=3 dp=4 step-{HALF} checkpoint -> {name}: worst loss rel diff {worst:.2e} vs one process",
+            if k == 0:
+                self.assertEqual([m["loss"] for m in cont], uninterrupted[HALF:], "same-layout resume must be bitwise")
+            print(f"\n{what} step-{HALF} checkpoint -> {name}: worst loss rel diff {worst:.2e} vs one process",
                   file=sys.stderr)
+
+    def test_zero3_checkpoint_resumes_in_other_layouts(self):
+        # A zero=3 dp=4 run's half-way checkpoint, continued in its own layout (bitwise the
+        # uninterrupted zero=3 dp=4 run), at zero=0 in one process and at zero=1 dp2 x tp2 (within
+        # 1e-5 of the uninterrupted single-process run).
+        ref = [m["loss"] for m in (self.launch(self.plan("gpt2", "single"), 1) and self.losses("single"))]
+        self.launch(self.plan("gpt2", "z3", zero=3, dp=4, checkpoint={"every": HALF}), 4)
+        z3 = [m["loss"] for m in self.losses("z3")]
+        self.continue_in(self.path("z3", "checkpoints", f"step_{HALF}"),
+                         (("cont_z3_dp4", 4, {"zero": 3, "dp": 4}), ("cont_single", 1, {}),
+                          ("cont_z1_dp2_tp2", 4, {"zero": 1, "dp": 2, "tp": 2})), ref, z3, "gpt2 zero=3 dp=4")
 
     def test_hybrid_checkpoint_resumes_under_other_shard_sizes(self):
         # A zero=2 dp=4 run sharded in groups of 2 (parallel.zero_shard 2): its half-way
@@ -142,8 +146,8 @@ class ZeroParity(TmpDirTest):
         # zero_shard 2 (bitwise the uninterrupted run), over the whole data group, at ZeRO-3 in
         # groups of 2, and in one process, each within 1e-5 of the single-process run.
         ref = [m["loss"] for m in (self.launch(self.plan("gpt2", "single"), 1) and self.losses("single"))]
-        full = self.plan("gpt2", "h2", zero=2, dp=4, checkpoint={"every": HALF}, parallel={"zero_shard": 2})
-        self.launch(full, 4)
+        hybrid = {"parallel": {"zero_shard": 2}}
+        self.launch(self.plan("gpt2", "h2", zero=2, dp=4, checkpoint={"every": HALF}, **hybrid), 4)
         h2 = [m["loss"] for m in self.losses("h2")]
         self.assertLess(max(rel(a, b) for a, b in zip(h2, ref, strict=True)), 1e-5, "hybrid against one process")
         saved = self.path("h2", "checkpoints", f"step_{HALF}")
@@ -151,20 +155,9 @@ class ZeroParity(TmpDirTest):
             files = {s["file"] for t in json.load(f)["tensors"].values() for s in t["shards"]}
         self.assertEqual(files, {"rank_00000.safetensors", "rank_00001.safetensors"},
                          "only the first shard group writes the pieces (every group holds them all)")
-        for name, world, layout in (("cont_h2", 4, {"zero": 2, "dp": 4, "parallel": {"zero_shard": 2}}),
-                                    ("cont_whole", 4, {"zero": 2, "dp": 4}),
-                                    ("cont_z3_h2", 4, {"zero": 3, "dp": 4, "parallel": {"zero_shard": 2}}),
-                                    ("cont_single", 1, {})):
-            plan = self.plan("gpt2", name, checkpoint={"resume": saved}, **layout)
-            self.launch(plan, world)
-            cont = self.losses(name)
-            self.assertEqual([m["step"] for m in cont], list(range(HALF + 1, STEPS + 1)))
-            worst = max(rel(m["loss"], ref[m["step"] - 1]) for m in cont)
-            self.assertLess(worst, 1e-5, name)
-            if name == "cont_h2":
-                self.assertEqual([m["loss"] for m in cont], h2[HALF:], "same-layout resume must be bitwise")
-            print(f"\ngpt2 zero=2 dp=4 zero_shard 2 step-{HALF} checkpoint -> {name}: worst loss rel diff "
-                  f"{worst:.2e} vs one process", file=sys.stderr)
+        self.continue_in(saved, (("cont_h2", 4, {"zero": 2, "dp": 4, **hybrid}), ("cont_whole", 4, {"zero": 2, "dp": 4}),
+                                 ("cont_z3_h2", 4, {"zero": 3, "dp": 4, **hybrid}), ("cont_single", 1, {})),
+                         ref, h2, "gpt2 zero=2 dp=4 zero_shard 2")
 
 
 if __name__ == "__main__":
