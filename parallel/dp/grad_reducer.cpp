@@ -79,7 +79,7 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
   const auto& layout = opt_.layout();
   const auto& b = layout.buckets()[index];
   auto& st = state_[index];
-  auto& dp_cp = mesh_.zero_shards(b.expert);  // the data group, or ZeRO's shard group of it
+  auto& group = mesh_.zero_shards(b.expert);  // the data group, or ZeRO's shard group of it
   if (opt_.zero() >= 2) {
     if (once_ && !final_[static_cast<size_t>(b.chunk)]) return;  // accumulates in the parameter
     TORCH_CHECK(!st.summed, "gradient reducer: bucket ", index,
@@ -106,7 +106,7 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
     // drained, so Gloo may all-reduce it whole).
     const int64_t piece = layout.piece_numel(b);
     st.piece = st.buffer.narrow(0, b.shard_rank * piece, piece);
-    st.work = dp_cp.reduce_scatter(st.piece, st.buffer, c10d::ReduceOp::SUM,
+    st.work = group.reduce_scatter(st.piece, st.buffer, c10d::ReduceOp::SUM,
                                    /*scratch_input=*/true);
     if (on_bucket_done) on_bucket_done(index);
     // Bound the transient gradient memory: with more than kInFlight buckets reducing, the
@@ -127,13 +127,13 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
   // Complete (its gradients folded in as they came): reduce.
   auto whole = opt_.grad().narrow(0, b.begin, b.end - b.begin);
   if (opt_.zero() == 0) {
-    st.work = dp_cp.all_reduce(whole);
+    st.work = group.all_reduce(whole);
     return;
   }
   // In place (output = input + rank·count): NCCL natively; Gloo all-reduces the bucket itself, not
   // a copy (the other ranks' pieces of this rank's gradient are not read again this step).
   st.piece = opt_.grad().narrow(0, layout.piece_flat(b), layout.piece_numel(b));
-  st.work = dp_cp.reduce_scatter(st.piece, whole, c10d::ReduceOp::SUM, /*scratch_input=*/true);
+  st.work = group.reduce_scatter(st.piece, whole, c10d::ReduceOp::SUM, /*scratch_input=*/true);
 }
 
 void GradReducer::check_complete(size_t i) const {
