@@ -16,7 +16,8 @@ export CCACHE_MAXSIZE ?= 5G
 # cmake and ninja from PyPI (setup.sh puts them there only when the machine has none): last on PATH.
 export PATH := $(PATH):$(CURDIR)/.env/bin
 
-.PHONY: setup setup-test configure build run check test test-no-toolkit test-aarch64 docs bundle clean
+.PHONY: setup setup-test configure build run check test test-no-toolkit test-aarch64 test-old-distro docs bundle \
+	bundle-portable clean
 setup:
 	@third_party/setup.sh build
 setup-test:
@@ -61,6 +62,17 @@ bundle: build
 	@name=tessel-$$(git rev-parse --short HEAD)-$$(uname -m); \
 	  tar -C $(BUILD)/bundle -czf $(BUILD)/$$name.tar.gz tessel && \
 	  echo "$(BUILD)/$$name.tar.gz ($$(du -h $(BUILD)/$$name.tar.gz | cut -f1))"
+
+# The bundle for the systems clusters run (glibc 2.28 and newer: RHEL/Rocky 8 and 9, Ubuntu
+# 20.04-24.04), built inside a Debian 11 root (tools/portable/bundle.sh; needs root and
+# debootstrap): build/tessel-<commit>-<arch>-glibc<floor>.tar.gz.
+bundle-portable: build
+	@tools/portable/bundle.sh $(CURDIR)
+
+# That bundle run by a user without root in Debian 11 and Ubuntu 22.04 roots (docs/building.md
+# gives its time).
+test-old-distro: build
+	@tests/install/old_distro.sh
 
 # docs/configuration.md is generated from the field declarations (a test checks it is current).
 docs: build

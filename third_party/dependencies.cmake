@@ -140,9 +140,34 @@ if(EXISTS ${CMAKE_SOURCE_DIR}/.deps/usr)
   list(APPEND CMAKE_PREFIX_PATH ${_tessel_deps})
 endif()
 
+find_package(Threads REQUIRED)  # std::thread needs libpthread before glibc 2.34
 find_package(yaml-cpp REQUIRED)
-find_package(spdlog REQUIRED)
-find_package(fmt REQUIRED)
+# spdlog and fmt: their libraries (Debian's, conda's, spack's), or with TESSEL_HEADER_ONLY_LOGGING
+# their headers alone from any folder on CMAKE_PREFIX_PATH or CMAKE_INCLUDE_PATH (a package's
+# include/, a release tarball's), compiled into the binaries: nothing to install, nothing to carry.
+option(TESSEL_HEADER_ONLY_LOGGING "spdlog and fmt from their headers alone (no libraries)" OFF)
+if(TESSEL_HEADER_ONLY_LOGGING)
+  find_path(TESSEL_SPDLOG_INCLUDE spdlog/spdlog.h)
+  find_path(TESSEL_FMT_INCLUDE fmt/core.h)
+  if(NOT TESSEL_SPDLOG_INCLUDE OR NOT TESSEL_FMT_INCLUDE)
+    message(FATAL_ERROR "TESSEL_HEADER_ONLY_LOGGING: spdlog/spdlog.h (${TESSEL_SPDLOG_INCLUDE}) or "
+            "fmt/core.h (${TESSEL_FMT_INCLUDE}) not found: add the folder holding spdlog/ and fmt/ "
+            "to CMAKE_PREFIX_PATH (its include/) or CMAKE_INCLUDE_PATH")
+  endif()
+  add_library(tessel_fmt_headers INTERFACE)
+  target_include_directories(tessel_fmt_headers SYSTEM INTERFACE ${TESSEL_FMT_INCLUDE})
+  target_compile_definitions(tessel_fmt_headers INTERFACE FMT_HEADER_ONLY=1)
+  add_library(fmt::fmt ALIAS tessel_fmt_headers)
+  add_library(tessel_spdlog_headers INTERFACE)
+  target_include_directories(tessel_spdlog_headers SYSTEM INTERFACE ${TESSEL_SPDLOG_INCLUDE})
+  target_compile_definitions(tessel_spdlog_headers INTERFACE SPDLOG_FMT_EXTERNAL)
+  target_link_libraries(tessel_spdlog_headers INTERFACE tessel_fmt_headers Threads::Threads)
+  add_library(spdlog::spdlog ALIAS tessel_spdlog_headers)
+  message(STATUS "spdlog and fmt header-only: ${TESSEL_SPDLOG_INCLUDE}, ${TESSEL_FMT_INCLUDE}")
+else()
+  find_package(spdlog REQUIRED)
+  find_package(fmt REQUIRED)
+endif()
 find_package(CLI11 REQUIRED)
 find_package(nlohmann_json REQUIRED)
 find_package(GTest QUIET)  # tests only (CMakeLists.txt)
@@ -167,10 +192,10 @@ if(NOT _fmt_inc)
   set(_fmt_inc /usr/include)
 endif()
 list(GET _fmt_inc 0 _fmt_inc)
-# With our cached environment the shim lives beside it (one path for every checkout); with a
-# user's own LibTorch it lives in the build folder.
+# With our cached environment and the system's fmt the shim lives beside it (one path for every
+# checkout); with a user's own LibTorch or another fmt it lives in the build folder.
 get_filename_component(_torch_venv "${Torch_DIR}/../../../../../../.." REALPATH)
-if(EXISTS "${_torch_venv}/pyvenv.cfg")
+if(EXISTS "${_torch_venv}/pyvenv.cfg" AND _fmt_inc STREQUAL "/usr/include")
   set(TESSEL_FMT_SHIM ${_torch_venv}/tessel-fmt9-shim)
 else()
   set(TESSEL_FMT_SHIM ${CMAKE_BINARY_DIR}/fmt-shim)
