@@ -65,12 +65,13 @@ bundle: build
 
 # The bundle for the systems clusters run (glibc 2.28 and newer: RHEL/Rocky 8 and 9, Ubuntu
 # 20.04-24.04), built inside a Debian 11 root (tools/portable/bundle.sh; needs root and
-# debootstrap): build/tessel-<commit>-<arch>-glibc<floor>.tar.gz.
+# debootstrap): build/tessel-<commit>-<arch>-glibc<floor>.tar.gz. ARCH=aarch64: the Grace bundle,
+# with the root's cross compiler.
 bundle-portable: build
-	@tools/portable/bundle.sh $(CURDIR)
+	@tools/portable/bundle.sh $(CURDIR) $(or $(ARCH),x86_64)
 
-# That bundle run by a user without root in Debian 11 and Ubuntu 22.04 roots (docs/building.md
-# gives its time).
+# Those bundles run by a user without root in Debian 11 and Ubuntu 22.04 roots, the aarch64 one
+# under qemu (docs/building.md gives its time).
 test-old-distro: build
 	@tests/install/old_distro.sh
 

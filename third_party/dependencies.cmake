@@ -3,8 +3,8 @@
 # LibTorch: Torch_DIR when the user gives one, else the torch in .env (a link to the per-user
 # environment that setup.sh maintains).
 # A cross build (tools/cross/aarch64.cmake) names the target's torch package folder, its wheel
-# unpacked: its CMake config would look for a CUDA compiler that runs on the target, so its CPU
-# half is imported here by hand, and libtessel_cuda (LibTorch's CUDA half) is not built.
+# unpacked: its CMake config would look for a CUDA compiler that runs on the target, so its two
+# halves are imported here by hand (the CUDA half with TESSEL_CROSS_CUDA_MODULE).
 set(TESSEL_CUDA_MODULE ON)
 if(TESSEL_TORCH_PREFIX)
   set(TESSEL_CUDA_MODULE OFF)
@@ -26,9 +26,31 @@ if(TESSEL_TORCH_PREFIX)
                         "${TESSEL_TORCH_PREFIX}/../nvidia/cu13/lib/libcudart.so.13")
   target_include_directories(c10_cuda SYSTEM INTERFACE "${TESSEL_TORCH_PREFIX}/../nvidia/cu13/include")
   set(TORCH_CXX_FLAGS -D_GLIBCXX_USE_CXX11_ABI=1)
+  file(STRINGS "${TESSEL_TORCH_PREFIX}/version.py" _tessel_cuda_line REGEX "^cuda")
+  string(REGEX MATCH "[0-9]+\\.[0-9]+" TESSEL_TORCH_CUDA "${_tessel_cuda_line}")
+  # Its CUDA half (libtorch_cuda, what libtessel_cuda links; C++ only, so no CUDA compiler), with
+  # the flags its config gives it and NCCL's header from NVIDIA's wheel (aarch64-setup.sh copies
+  # it: the same on every architecture). Its own libraries (cuBLAS, cuDNN, NCCL, ...) are the
+  # wheel's at run time; a module may leave their symbols to them.
+  # Only where asked (the aarch64 bundle: tools/portable/aarch64.cmake): `make test-aarch64` runs
+  # its unit suite under qemu, which has none of those libraries to load the module with.
+  option(TESSEL_CROSS_CUDA_MODULE "build libtessel_cuda in a cross build" OFF)
+  if(TESSEL_CROSS_CUDA_MODULE)
+    foreach(f "${TESSEL_TORCH_PREFIX}/lib/libtorch_cuda.so" "${TESSEL_TORCH_PREFIX}/../nvidia/nccl/include/nccl.h")
+      if(NOT EXISTS "${f}")
+        message(FATAL_ERROR "TESSEL_CROSS_CUDA_MODULE: ${f} is missing (tools/cross/aarch64-setup.sh puts it there)")
+      endif()
+    endforeach()
+    set(TESSEL_CUDA_MODULE ON)
+    add_library(torch_cuda_library INTERFACE IMPORTED)
+    target_link_libraries(torch_cuda_library INTERFACE "${TESSEL_TORCH_PREFIX}/lib/libtorch_cuda.so"
+                          c10_cuda torch_cpu_library)
+    target_compile_definitions(torch_cuda_library INTERFACE USE_NVSHMEM USE_C10D_NCCL)
+  endif()
   set(_tessel_torch_pkg "${TESSEL_TORCH_PREFIX}")
   set(Torch_DIR "${TESSEL_TORCH_PREFIX}/share/cmake/Torch")  # (the paths derived from it below)
-  message(STATUS "LibTorch ${Torch_VERSION} (CPU half) from ${TESSEL_TORCH_PREFIX}, cross build")
+  message(STATUS "LibTorch ${Torch_VERSION} from ${TESSEL_TORCH_PREFIX}, cross build (CUDA module: "
+          "${TESSEL_CUDA_MODULE})")
 else()
   if(NOT Torch_DIR AND NOT DEFINED ENV{Torch_DIR})
     set(_tessel_py ${CMAKE_SOURCE_DIR}/.env/bin/python)

@@ -7,27 +7,40 @@
 #   Ubuntu 22.04 (glibc 2.35) torch 2.11 pip-installed into a venv of its python 3.10 (PyPI's CUDA
 #                             13.0 build, as a user would); 20 steps, then bench/gpu-check.sh (its
 #                             CPU path: the GPU suite skipped, the bench's dry path)
-# Both runs' losses must equal this checkout's build within 1e-5 (relative; the two builds' compilers
+# and the aarch64 (Grace) portable bundle, built with the root's cross compiler against the aarch64
+# torch wheel, under qemu-user with Debian 11's arm64 glibc (2.31) and nothing else beside it:
+# 3 steps of configs/default.yaml, within 2e-5 of this build's losses (the two BLAS libraries
+# round differently: tests/cross/aarch64_train.sh).
+# Every run's losses must equal this checkout's build within 1e-5 (relative; the two builds' compilers
 # differ), and the bundle built on this machine (Debian 12) must be refused on Ubuntu 22.04 by
 # run.sh's glibc check, naming both versions. The roots are made once with debootstrap into
 # TESSEL_CACHE (Debian's and Ubuntu's registries; Ubuntu's archive key from its keyring package,
-# checked against the digest below) and reused. Needs root and debootstrap; exits 77 without them.
+# checked against the digest below) and reused. Needs root, debootstrap, qemu-user and the aarch64
+# cross tools (tools/cross/aarch64-setup.sh); exits 77 naming what is missing.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 cache=${TESSEL_CACHE:-$HOME/.cache/tessel}
 python=$here/.env/bin/python
 [ "$(id -u)" -eq 0 ] || { echo "skipped: needs root (debootstrap, chroot)"; exit 77; }
 command -v debootstrap >/dev/null || { echo "skipped: debootstrap not found (apt-get install debootstrap)"; exit 77; }
+command -v qemu-aarch64 >/dev/null || { echo "skipped: qemu-aarch64 not found (apt-get install qemu-user)"; exit 77; }
+"$here/tools/cross/aarch64-setup.sh" || exit $?
 set -e
-start=$SECONDS
-"$here/tools/portable/bundle.sh" "$here"
-echo "portable bundle: $((SECONDS - start)) s"
-bundle=$(ls -t "$here"/build/tessel-*-glibc*.tar.gz | head -n 1)
+for arch in x86_64 aarch64; do
+  start=$SECONDS
+  "$here/tools/portable/bundle.sh" "$here" $arch
+  echo "portable bundle, $arch: $((SECONDS - start)) s"
+done
+commit=$(git -C "$here" rev-parse --short HEAD)
+bundle=$(ls "$here"/build/tessel-$commit-x86_64-glibc*.tar.gz)
 floor=$(cat "$here/build/portable/bundle/tessel/share/tessel/GLIBC_FLOOR")
+floor_arm=$(cat "$here/build/portable-aarch64/bundle/tessel/share/tessel/GLIBC_FLOOR")
 # Nothing installed names this machine's checkout or caches (the binaries' debug paths included).
-if grep -rlF -e "$here" -e "$cache" "$here/build/portable/bundle/tessel"; then
-  echo "old_distro: FAILED: the files above name $here or $cache"; exit 1
-fi
+for b in portable portable-aarch64; do
+  if grep -rlF -e "$here" -e "$cache" "$here/build/$b/bundle/tessel"; then
+    echo "old_distro: FAILED: the files above name $here or $cache"; exit 1
+  fi
+done
 
 ubuntu_key=ubuntu-keyring_2021.03.26_all.deb
 ubuntu_key_sha256=0d0e7ed6b112f5d03eabf3c7eb01ebdacf9c57714b279e90495cfc58c8c4520f
@@ -68,7 +81,9 @@ steps=(training.steps=20 training.schedule.warmup_steps=5 training.eval_every=0 
        checkpoint.every=0)
 sets=""; for s in "${steps[@]}"; do sets="$sets --set $s"; done
 # This checkout's build: the reference losses.
+sets3=${sets/training.steps=20/training.steps=3}; sets3=${sets3/warmup_steps=5/warmup_steps=2}
 (cd "$here" && build/bin/tessel-train configs/default.yaml $sets --set run.output_dir="$out/ref" >/dev/null)
+(cd "$here" && build/bin/tessel-train configs/default.yaml $sets3 --set run.output_dir="$out/ref3" >/dev/null)
 # The bundle built on this machine, for the refusal.
 cmake --install "$here/build" --prefix "$out/host-bundle" >/dev/null
 torch_env=$(readlink -f "$here/.env")
@@ -111,7 +126,25 @@ unshare --mount --propagation private bash -euo pipefail -c '
   mkdir -p "$out/jammy" && cp "$root/home/tessel/run/metrics.jsonl" "$out/jammy/"
   cp "$root/home/tessel/check/gpu-check.md" "$root/home/tessel/refused" "$out/jammy/"
 '
-"$python" - "$out" "$floor" <<'PY'
+# aarch64: Debian 11's arm64 C library alone (from the build root's packages) as qemu's prefix.
+arm_libc=$cache/bullseye-arm64-libc
+if [ ! -f "$arm_libc/.complete-1" ]; then
+  rm -rf "$arm_libc" && mkdir -p "$arm_libc"
+  chroot "$cache/bullseye-build" sh -c 'cd /tmp && rm -f libc6_*_arm64.deb &&
+    apt-get download -q libc6:arm64 >/dev/null 2>&1'
+  deb=$(ls "$cache"/bullseye-build/tmp/libc6_*_arm64.deb)
+  dpkg-deb -x "$deb" "$arm_libc" && touch "$arm_libc/.complete-1"
+fi
+arm=$out/arm && mkdir -p "$arm" && tar -C "$arm" -xzf "$(ls "$here"/build/tessel-$commit-aarch64-glibc*.tar.gz)"
+aarch64_root=${TESSEL_AARCH64_ROOT:-$cache/aarch64}
+t=$SECONDS
+(cd "$arm/tessel/share/tessel" &&
+  env -i PATH=/usr/bin:/bin HOME="$out" QEMU_LD_PREFIX="$arm_libc" \
+    LD_LIBRARY_PATH="$aarch64_root/torch/lib:$aarch64_root/nvidia/cu13/lib" \
+    qemu-aarch64 "$arm/tessel/libexec/tessel/tessel-train" configs/default.yaml $sets3 \
+      --set run.output_dir="$out/aarch64" >/dev/null)
+echo "aarch64 under qemu (Debian 11's arm64 glibc): 3 steps in $((SECONDS - t)) s"
+"$python" - "$out" "$floor" "$floor_arm" <<'PY'
 import json, sys
 out, floor = sys.argv[1], sys.argv[2]
 def losses(name):
@@ -131,7 +164,13 @@ assert "| Tessel vs PyTorch eager vs torch.compile (bench/gpu_bench.py) | passed
 refused = open(f"{out}/jammy/refused").read()
 assert "needs glibc 2.36" in refused and "glibc 2.35" in refused, refused
 print(f"Ubuntu 22.04: gpu-check.sh ran its CPU path; the Debian 12 bundle refused: {refused.strip()[:160]}")
-# Torch 2.11's wheel (manylinux_2_28) sets the floor of every install; the bundle must not raise it.
-assert tuple(map(int, floor.split("."))) <= (2, 28), f"the portable bundle needs glibc {floor}"
-print(f"the portable bundle asks for glibc {floor} (torch 2.11's wheel for 2.28)")
+arm, ref3 = losses("aarch64"), losses("ref3")
+assert len(arm) == len(ref3) == 3, (len(arm), len(ref3))
+worst = max(abs(a - b) / abs(b) for a, b in zip(arm, ref3))
+print(f"aarch64 under qemu: 3 steps, losses {arm[0]:.6f} .. {arm[-1]:.6f}, within {worst:.1e} of this build's")
+assert worst < 2e-5, worst
+# Torch 2.11's wheels (manylinux_2_28) set the floor of every install; a bundle must not raise it.
+for arch, f in (("x86_64", floor), ("aarch64", sys.argv[3])):
+    assert tuple(map(int, f.split("."))) <= (2, 28), f"the portable {arch} bundle needs glibc {f}"
+    print(f"the portable {arch} bundle asks for glibc {f} (torch 2.11's wheels for 2.28)")
 PY

@@ -59,10 +59,29 @@ set(_tessel_exes "")
 foreach(tool ${TESSEL_TOOLS})
   list(APPEND _tessel_exes "$<TARGET_FILE:${tool}>")
 endforeach()
+# A cross build (the aarch64 bundle) reads its binaries with the target's objdump and resolves
+# their libraries in the target's folders.
+set(_tessel_objdump objdump)
+set(_tessel_lib_dirs "")
+if(CMAKE_CROSSCOMPILING)
+  set(_tessel_objdump "${CMAKE_OBJDUMP}")
+  foreach(r ${CMAKE_FIND_ROOT_PATH})
+    foreach(d usr/lib/${CMAKE_LIBRARY_ARCHITECTURE} lib/${CMAKE_LIBRARY_ARCHITECTURE} lib)
+      if(IS_DIRECTORY "${r}/${d}")
+        list(APPEND _tessel_lib_dirs "${r}/${d}")
+      endif()
+    endforeach()
+  endforeach()
+  install(CODE "
+    set(CMAKE_GET_RUNTIME_DEPENDENCIES_PLATFORM linux+elf)
+    set(CMAKE_GET_RUNTIME_DEPENDENCIES_TOOL objdump)
+    set(CMAKE_GET_RUNTIME_DEPENDENCIES_COMMAND \"${CMAKE_OBJDUMP}\")")
+endif()
 install(CODE "
   file(GET_RUNTIME_DEPENDENCIES
     EXECUTABLES ${_tessel_exes}
     MODULES $<TARGET_FILE:tessel_cuda>
+    DIRECTORIES ${_tessel_lib_dirs}
     RESOLVED_DEPENDENCIES_VAR deps
     UNRESOLVED_DEPENDENCIES_VAR missing
     PRE_EXCLUDE_REGEXES
@@ -79,7 +98,7 @@ install(CODE "
   set(floor 2.17)
   file(GLOB carried \"\${CMAKE_INSTALL_PREFIX}/lib/tessel/*\")
   foreach(f ${_tessel_exes} $<TARGET_FILE:tessel_cuda> \${carried})
-    execute_process(COMMAND objdump -T \${f} OUTPUT_VARIABLE syms ERROR_QUIET)
+    execute_process(COMMAND ${_tessel_objdump} -T \${f} OUTPUT_VARIABLE syms ERROR_QUIET)
     string(REGEX MATCHALL \"GLIBC_[0-9]+\\\\.[0-9]+\" versions \"\${syms}\")
     foreach(v \${versions})
       string(SUBSTRING \${v} 6 -1 v)

@@ -4,6 +4,7 @@
 #   torch/          the pinned torch wheel for manylinux_2_28_aarch64 (PyPI), unpacked: headers
 #                   and libraries (its CPU half is what the cross build links)
 #   nvidia/cu13/    the CUDA runtime and CUPTI that libtorch_cpu names (NVIDIA's aarch64 wheels)
+#   nvidia/nccl/    NCCL's headers (c10d's NCCL headers name them; libtessel_cuda's build)
 #   deb-root/       Debian's arm64 packages of yaml-cpp, spdlog, fmt, gloo's headers and
 #                   GoogleTest, and the header-only CLI11 and nlohmann-json, unpacked
 # Needs the cross compiler and qemu-user (apt-get install g++-aarch64-linux-gnu qemu-user) and
@@ -18,7 +19,7 @@ nvidia=("nvidia-cuda-runtime==13.0.96" "nvidia-cuda-cupti==13.0.85")
 debs=(libyaml-cpp-dev:arm64 libyaml-cpp0.7:arm64 libspdlog-dev:arm64 libspdlog1.10:arm64
       libfmt-dev:arm64 libfmt9:arm64 libgtest-dev:arm64 libgmock-dev:arm64 libgloo-dev:arm64
       libcli11-dev nlohmann-json3-dev)
-stamp="$root/.complete-torch$torch_version"
+stamp="$root/.complete-torch$torch_version-nccl"
 [ -f "$stamp" ] && exit 0
 
 for tool in aarch64-linux-gnu-g++ qemu-aarch64 apt-get; do
@@ -45,6 +46,9 @@ for w in "$root"/wheels/nvidia_*aarch64*.whl; do (cd "$root" && unzip -qo "$w" '
 # same on every architecture) from this machine's torch environment, beside the target's runtime.
 host_cuda=$("$python" -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'cu13', 'include'))")
 cp -rn "$host_cuda/." "$root/nvidia/cu13/include/"
+# NCCL's headers, which c10d's ProcessGroupNCCL.hpp names (libtessel_cuda's build), likewise.
+host_nccl=$("$python" -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'nccl', 'include'))")
+mkdir -p "$root/nvidia/nccl/include" && cp -rn "$host_nccl/." "$root/nvidia/nccl/include/"
 echo "aarch64 setup: Debian's arm64 packages into $root/deb-root"
 (cd "$root/debs" && apt-get download "${debs[@]}" 2>/dev/null)
 for f in "$root"/debs/*.deb; do dpkg-deb -x "$f" "$root/deb-root"; done

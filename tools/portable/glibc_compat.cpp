@@ -3,7 +3,7 @@
 // Built only with TESSEL_GLIBC_COMPAT, whose link options (--wrap) send every reference the
 // binaries make to these symbols here:
 //  - exp, exp2, log, log2, pow: glibc 2.29 gave them new symbol versions (faster code, no SVID
-//    error handling); their GLIBC_2.2.5 versions, present in every glibc, compute the same values.
+//    error handling); their first versions, present in every glibc, compute the same values.
 //  - pthread_cond_clockwait (glibc 2.30), which GCC 10's std::condition_variable calls for a
 //    steady-clock deadline: the real one where the running glibc has it, else the deadline moved
 //    to the realtime clock and pthread_cond_timedwait, as libstdc++ did before 2.30.
@@ -12,11 +12,17 @@
 #include <pthread.h>
 #include <time.h>
 
-__asm__(".symver exp,exp@GLIBC_2.2.5");
-__asm__(".symver exp2,exp2@GLIBC_2.2.5");
-__asm__(".symver log,log@GLIBC_2.2.5");
-__asm__(".symver log2,log2@GLIBC_2.2.5");
-__asm__(".symver pow,pow@GLIBC_2.2.5");
+// Every glibc's first version of these: 2.2.5 on x86-64, 2.17 (its first release) on aarch64.
+#if defined(__aarch64__)
+#define TESSEL_GLIBC_BASE "GLIBC_2.17"
+#else
+#define TESSEL_GLIBC_BASE "GLIBC_2.2.5"
+#endif
+__asm__(".symver exp,exp@" TESSEL_GLIBC_BASE);
+__asm__(".symver exp2,exp2@" TESSEL_GLIBC_BASE);
+__asm__(".symver log,log@" TESSEL_GLIBC_BASE);
+__asm__(".symver log2,log2@" TESSEL_GLIBC_BASE);
+__asm__(".symver pow,pow@" TESSEL_GLIBC_BASE);
 
 extern "C" {
 
