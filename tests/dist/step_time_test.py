@@ -41,7 +41,7 @@ def attempt(tmp, name, sets, world):
         p = subprocess.run([os.path.join(BIN, "tessel-train"), os.path.join(ROOT, "configs", "default.yaml"),
                             "--dry-run", "--device-profile", "cpu", "--world-size", str(world), "--plan-json", plan,
                             *overrides], capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        assert p.returncode == 0, f"exit {p.returncode}: " + p.stdout[-2000:] + p.stderr[-2000:]
         with open(plan) as f:
             return json.load(f)
 

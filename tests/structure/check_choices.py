@@ -6,11 +6,22 @@ a new value is found by the compiler. Also names the enumerated keys still held 
 check_choices.py [ROOT]"""
 import os
 import re
+import subprocess
 import sys
 
 SOURCES = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh")
 SKIP = {".git", "build", "third_party", ".env", "docs", "configs", "examples"}
 
+
+
+def ignored(root, names):
+    """The top-level folders git ignores: build outputs beside the sources (build-no-toolkit/,
+    which a test makes and removes while others run)."""
+    try:
+        p = subprocess.run(["git", "-C", root, "check-ignore", *names], capture_output=True, text=True)
+    except OSError:
+        return set()
+    return set(p.stdout.split())
 
 def typed_members(root):
     with open(os.path.join(root, "core", "plan", "config.h")) as f:
@@ -35,8 +46,10 @@ def comparisons(root, typed):
     pat = re.compile(r'(?:[\w\]\)]\.|->)(' + names + r')\s*(==|!=)\s*"|"\s*(==|!=)\s*[\w.\->]+(?:\.|->)(' +
                      names + r')\b')
     out = []
-    for top in sorted(os.listdir(root)):
-        if top in SKIP or top.startswith(".") or not os.path.isdir(os.path.join(root, top)):
+    tops = sorted(os.listdir(root))
+    skip = SKIP | ignored(root, tops)
+    for top in tops:
+        if top in skip or top.startswith(".") or not os.path.isdir(os.path.join(root, top)):
             continue
         for dirpath, _, files in sorted(os.walk(os.path.join(root, top))):
             rel_dir = os.path.relpath(dirpath, root)

@@ -6,6 +6,7 @@ check_layers.py [ROOT] [--diagram] (--diagram: print the layers, their folders a
 each folder includes, the picture in docs/architecture.md)"""
 import os
 import re
+import subprocess
 import sys
 
 SOURCES = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh")
@@ -40,10 +41,22 @@ def top_of(path):
     return path.split("/", 1)[0]
 
 
+def ignored(root, names):
+    """The top-level folders git ignores: build outputs beside the sources (build-no-toolkit/,
+    which a test makes and removes while others run)."""
+    try:
+        p = subprocess.run(["git", "-C", root, "check-ignore", *names], capture_output=True, text=True)
+    except OSError:
+        return set()
+    return set(p.stdout.split())
+
+
 def sources(root, layers):
     """(path relative to root, its declared folder) of every source file of the tree."""
     skip = {".git", "build", "third_party", ".env", "docs", "configs", "examples"}
-    for top in sorted(os.listdir(root)):
+    tops = sorted(os.listdir(root))
+    skip |= ignored(root, tops)
+    for top in tops:
         if top in skip or not os.path.isdir(os.path.join(root, top)) or top.startswith("."):
             continue
         for dirpath, _, files in sorted(os.walk(os.path.join(root, top))):
