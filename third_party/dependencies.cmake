@@ -167,7 +167,14 @@ find_package(yaml-cpp REQUIRED)
 # spdlog and fmt: their libraries (Debian's, conda's, spack's), or with TESSEL_HEADER_ONLY_LOGGING
 # their headers alone from any folder on CMAKE_PREFIX_PATH or CMAKE_INCLUDE_PATH (a package's
 # include/, a release tarball's), compiled into the binaries: nothing to install, nothing to carry.
-option(TESSEL_HEADER_ONLY_LOGGING "spdlog and fmt from their headers alone (no libraries)" OFF)
+# (TESSEL_HEADER_ONLY_LOGGING=1 in the environment sets it, for `make build`; setup.sh's probe
+# then looks for the headers.)
+set(_tessel_header_only OFF)
+if("$ENV{TESSEL_HEADER_ONLY_LOGGING}" STREQUAL "1")
+  set(_tessel_header_only ON)
+endif()
+option(TESSEL_HEADER_ONLY_LOGGING "spdlog and fmt from their headers alone (no libraries)"
+       ${_tessel_header_only})
 if(TESSEL_HEADER_ONLY_LOGGING)
   find_path(TESSEL_SPDLOG_INCLUDE spdlog/spdlog.h)
   find_path(TESSEL_FMT_INCLUDE fmt/core.h)

@@ -92,6 +92,7 @@ if command -v cmake >/dev/null 2>&1; then
     echo "setup: CMake cannot find: ${missing[*]}. Supply them in one of these ways, then run again:" >&2
     for m in "${missing[@]}"; do
       case $m in
+        spdlog|fmt) echo "  $m: Debian/Ubuntu package ${deb[$m]}, conda install -c conda-forge $m, spack, or a module, then its prefix in CMAKE_PREFIX_PATH; or its headers alone (spdlog 1.10+, fmt 9+): TESSEL_HEADER_ONLY_LOGGING=1 with the folder holding include/$m in CMAKE_PREFIX_PATH" >&2 ;;
         gloo) echo "  gloo: Debian/Ubuntu package libgloo-dev, or TESSEL_GLOO_INCLUDE=<folder holding gloo/algorithm.h and gloo/config.h> (a gloo install prefix's include/; headers only)" >&2 ;;
         *) echo "  $m: Debian/Ubuntu package ${deb[$m]}, conda install -c conda-forge $(echo "$m" | tr 'A-Z_' 'a-z-'), spack, or a module; then put its prefix in CMAKE_PREFIX_PATH" >&2 ;;
       esac
