@@ -1,6 +1,6 @@
 # CMake toolchain for the portable aarch64 (Grace) bundle, inside tools/portable/bundle.sh's
 # Debian 11 root: its cross GCC 10 (g++-aarch64-linux-gnu, with glibc 2.31 and GCC 10's runtime in
-# /usr/aarch64-linux-gnu), arm64 packages (GoogleTest under /, yaml-cpp 0.6 in /opt/arm64), the
+# /usr/aarch64-linux-gnu), arm64 packages (GoogleTest and yaml-cpp 0.6's library under /, its -dev in /opt/arm64), the
 # header-only libraries in /opt/deps, and the aarch64
 # torch wheel that tools/cross/aarch64-setup.sh unpacked (TESSEL_AARCH64_ROOT, mounted at its path).
 set(CMAKE_SYSTEM_NAME Linux)

@@ -10,7 +10,7 @@
 #   tools/portable/bundle.sh [CHECKOUT] [x86_64|aarch64]
 #     -> CHECKOUT/build/tessel-<commit>-<arch>-glibc<floor>.tar.gz
 # The root (TESSEL_CACHE/bullseye-build, about 1 GB) is made once with debootstrap from Debian's
-# registry: GCC 10 and its aarch64 cross compiler, yaml-cpp 0.6 (amd64; arm64 in /opt/arm64),
+# registry: GCC 10 and its aarch64 cross compiler, yaml-cpp 0.6 (amd64; arm64's -dev in /opt/arm64),
 # GoogleTest;
 # cmake and ninja from PyPI; the header-only CLI11, nlohmann-json, spdlog and fmt and gloo's
 # headers from this machine's Debian release (bullseye has no CLI11), unpacked into /opt/deps.
@@ -40,11 +40,12 @@ if [ ! -f "$stamp" ]; then
   # The host's name resolution and trusted certificates (a proxy's among them) for pip.
   cp /etc/resolv.conf "$root/etc/resolv.conf"
   mkdir -p "$root/etc/ssl/certs" && cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/"
-  # The aarch64 side: the cross compiler, GoogleTest for arm64 (multiarch), and yaml-cpp's arm64
-  # packages unpacked into /opt/arm64 (its -dev package cannot be installed beside the amd64 one).
+  # The aarch64 side: the cross compiler, GoogleTest and yaml-cpp's library for arm64 (multiarch),
+  # and yaml-cpp's arm64 -dev package unpacked into /opt/arm64 (it cannot be installed beside the
+  # amd64 one; its CMake config names the library where the multiarch package put it).
   chroot "$root" sh -c "dpkg --add-architecture arm64 && apt-get update -q && apt-get install -y -q \
-    g++-aarch64-linux-gnu libgtest-dev:arm64 libgmock-dev:arm64 && mkdir -p /tmp/arm64 &&
-    cd /tmp/arm64 && apt-get download -q libyaml-cpp-dev:arm64 libyaml-cpp0.6:arm64 &&
+    g++-aarch64-linux-gnu libgtest-dev:arm64 libgmock-dev:arm64 libyaml-cpp0.6:arm64 &&
+    mkdir -p /tmp/arm64 && cd /tmp/arm64 && apt-get download -q libyaml-cpp-dev:arm64 &&
     for f in *.deb; do dpkg-deb -x \$f /opt/arm64; done && rm -rf /tmp/arm64" >/dev/null 2>&1
   chroot "$root" python3 -m venv /opt/tools
   chroot "$root" env -u PIP_FIND_LINKS /opt/tools/bin/pip install -q "cmake>=3.25,<4" ninja
