@@ -6,22 +6,13 @@ a new value is found by the compiler. Also names the enumerated keys still held 
 check_choices.py [ROOT]"""
 import os
 import re
-import subprocess
 import sys
+
+from check_layers import ignored
 
 SOURCES = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh")
 SKIP = {".git", "build", "third_party", ".env", "docs", "configs", "examples"}
 
-
-
-def ignored(root, names):
-    """The top-level folders git ignores: build outputs beside the sources (build-no-toolkit/,
-    which a test makes and removes while others run)."""
-    try:
-        p = subprocess.run(["git", "-C", root, "check-ignore", *names], capture_output=True, text=True)
-    except OSError:
-        return set()
-    return set(p.stdout.split())
 
 def typed_members(root):
     with open(os.path.join(root, "core", "plan", "config.h")) as f:
