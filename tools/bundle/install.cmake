@@ -98,7 +98,11 @@ install(CODE "
   set(floor 2.17)
   file(GLOB carried \"\${CMAKE_INSTALL_PREFIX}/lib/tessel/*\")
   foreach(f ${_tessel_exes} $<TARGET_FILE:tessel_cuda> \${carried})
-    execute_process(COMMAND ${_tessel_objdump} -T \${f} OUTPUT_VARIABLE syms ERROR_QUIET)
+    execute_process(COMMAND ${_tessel_objdump} -T \${f} OUTPUT_VARIABLE syms ERROR_VARIABLE err
+                    RESULT_VARIABLE rc)
+    if(NOT rc EQUAL 0)  # a floor read from fewer files would be too low
+      message(FATAL_ERROR \"tessel install: ${_tessel_objdump} -T \${f} failed (\${rc}): \${err}\")
+    endif()
     string(REGEX MATCHALL \"GLIBC_[0-9]+\\\\.[0-9]+\" versions \"\${syms}\")
     foreach(v \${versions})
       string(SUBSTRING \${v} 6 -1 v)
