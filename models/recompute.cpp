@@ -79,13 +79,16 @@ class RecomputeBackward : public torch::autograd::Node {
     auto x = input_.detach().requires_grad_(true);
     torch::Tensor y;
     {
-      RngState after = rng_.swap_in();  // the forward's draws again
+      RngState after = rng_->swap_in();  // the forward's draws again
       Rerun rerun;
       y = fn_(x);
       after.swap_in();
     }
+    // Nothing the rerun needed stays with this node, which a zero-bubble B's deferred weight
+    // gradients may keep alive until its W.
     fn_ = nullptr;
     input_ = torch::Tensor();
+    rng_.reset();
     if (!grads[0].defined()) return {torch::Tensor()};
     // A zero-bubble B: the input's gradient now, the weights' left in the store for W.
     if (parallel::pp::deferring())
@@ -98,7 +101,7 @@ class RecomputeBackward : public torch::autograd::Node {
  private:
   Piece fn_;
   torch::Tensor input_;
-  RngState rng_;
+  std::optional<RngState> rng_;
 };
 
 }  // namespace

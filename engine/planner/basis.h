@@ -27,7 +27,6 @@ namespace tessel::planner {
 // the other layouts (sp, cp, pp, ZeRO) are predictions that tests/dist/planner_test.py checks.
 struct ActivationModel {
   double replicated, attn, kv, ffn, outside;
-  double rerun = 0;  // recompute: share of one block's full activations live while it reruns
 };
 
 struct PlanBasis {
@@ -88,7 +87,10 @@ inline bool reduce_once(const PlanBasis& b) {
 // Activation bytes per token per block (ActivationModel) as this implementation keeps them, by
 // architecture, recomputation and kernels (memory.cpp).
 ActivationModel activation_model(const models::ModelShape& m, plan::Recompute recompute,
-                                 bool own_kernels, bool cpu);
+                                 bool own_kernels, bool cpu, double w);
+// Sequence parallelism's all-gathered inputs the projections save, per token, in elements, above
+// the activation model (memory.cpp).
+double sp_gathered_floats(plan::Recompute recompute, double h, double tp, bool sp);
 // One stage's bytes: its parameters' state between steps and what a step adds at its peak
 // (memory.cpp).
 RankEstimate stage_memory(const plan::Config& c, const plan::Layout& l, const PlanBasis& b,

@@ -3,7 +3,9 @@
 // and loss, ZeRO's gathered units and buckets, the gradient norm) beside its state between steps.
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <optional>
+#include <set>
 
 #include "core/optim/optim.h"
 #include "engine/planner/basis.h"
@@ -15,16 +17,21 @@ namespace tessel::planner {
 namespace {
 
 // ZeRO-3's gathered units at a stage's peak, added to its activations (its gradient buckets are
-// in the walk of backward: backward_walk).
+// in the walk of backward: walk). `units_at_peak` >= 0: a pipeline rank's, which held_peak
+// played over its schedule (gathered_units) and counted already.
 void add_gathered(RankEstimate& r, const plan::Config& c, const plan::Layout& l, const PlanBasis& b,
-                  const models::StagePart& part) {
+                  const models::StagePart& part, double units_at_peak) {
   if (b.zero != 3) return;
+  if (units_at_peak >= 0) {
+    r.gathered = units_at_peak;
+    return;
+  }
   if (b.keep_gathered) {  // the stage's whole weights, for the whole step
     r.gathered = b.w * static_cast<double>(r.params);
   } else {
-    // At the peak, the root unit and blocks: without recomputation the peak is where backward
-    // begins (the last block gathered); with it, the saved activations are smaller and the
-    // peak moves into backward, where the block being differentiated and its prefetched
+    // Without pipelining, at the peak, the root unit and blocks: without recomputation the peak is
+    // where backward begins (the last block gathered); with it, the saved activations are smaller
+    // and the peak moves into backward, where the block being differentiated and its prefetched
     // neighbour are gathered at once (2 blocks, measured once Gloo's all-gather stopped staging
     // its output, 2026-11-27; 3 before). A block as this rank holds it (an MoE layer: E/ep
     // experts).
@@ -64,13 +71,15 @@ HeadBytes head_bytes(const plan::TrainingConfig& t, const PlanBasis& b) {
 // The activations of one block (full recomputation) or one MLP (selective) that backward reruns.
 double rerun_bytes(const plan::Config& c, const PlanBasis& b) {
   const auto& m = b.m;
-  const auto none = activation_model(m, plan::Recompute::kNone, b.own_kernels, b.cpu);
+  const auto none = activation_model(m, plan::Recompute::kNone, b.own_kernels, b.cpu, b.w);
   const double floats =
       c.training.recompute == plan::Recompute::kFull
           ? none.replicated * b.h / (b.sp ? b.tp : 1.0) +
                 (none.attn * b.h + none.kv * b.kvd + none.ffn * m.ffn_hidden) / b.tp
           : none.ffn * m.ffn_hidden / b.tp;
-  return b.w * b.tok * floats;
+  const double gathered = sp_gathered_floats(plan::Recompute::kNone, b.h, b.tp, b.sp) -
+                          sp_gathered_floats(c.training.recompute, b.h, b.tp, b.sp);
+  return b.w * b.tok * (floats + gathered);
 }
 
 // A chunk's parameters in the order its gradient passes hand them their gradients (the flat
@@ -99,7 +108,7 @@ std::vector<Slot> chunk_slots(const optim::FlatLayout& layout, int64_t chunk) {
 // before it, still reducing. Where the gradients accumulate in the parameters (reduce_once), the
 // chunk's first pass makes them (4 bytes each, held to its last), a middle pass adds to them, and
 // the last copies them into the buckets, dropping each parameter's as it goes. `plain`: the
-// pass's calibrated peak where buckets add less.
+// pass's peak without them (chunk_bytes).
 parallel::pp::GradPass walk(const std::vector<Slot>& slots, const std::vector<double>& held,
                             bool once, double plain) {
   parallel::pp::GradPass g{plain, plain, plain, plain};
@@ -124,15 +133,14 @@ parallel::pp::GradPass walk(const std::vector<Slot>& slots, const std::vector<do
 // its own are differentiated (their activations freed; a block's backward runs its MLP or
 // experts half first); past the head its kept tensors are released (but for a tied table's
 // gradient, `table_grad`, which the embedding's backward adds to before its bucket opens); at the
-// embedding every block is freed. ZeRO-3 gathers the block before while one is differentiated
-// (`neighbour` above the gathered units add_gathered counts). The calibrated backward transient
-// is the pass's `plain` peak, not added here (added to the buckets' buffers it over-counted
-// every pipeline stage measured). Relative to what is held once the micro-batch's `whole` is
-// freed, as peak_held adds it.
+// embedding every block is freed. While a block's parameters get theirs, `working` more: the
+// pass's working set (working_set), the piece it reruns, and under ZeRO-3 the block before,
+// gathered while one is differentiated (above the gathered units add_gathered counts). Relative
+// to what is held once the micro-batch's `whole` is freed, as peak_held adds it.
 std::vector<double> backward_held(const std::vector<Slot>& slots, const PlanBasis& b,
                                   std::pair<int64_t, int64_t> layers, bool first_chunk,
                                   double whole, double head_kept, double table_grad,
-                                  double neighbour) {
+                                  double working) {
   const auto& m = b.m;
   const auto& a = b.a;
   auto acts = [&](int64_t i) { return m.moe.is_moe(i) ? b.per_moe_layer : b.per_layer; };
@@ -151,19 +159,19 @@ std::vector<double> backward_held(const std::vector<Slot>& slots, const PlanBasi
   std::vector<double> held;
   for (size_t k = 0; k < slots.size(); ++k) {
     const auto& name = slots[k].name;
-    double freed = head_kept - table_grad, working = 0;
+    double freed = head_kept - table_grad, extra = 0;
     if (name.rfind("layers.", 0) == 0) {
       const auto dot = name.find('.', 7);
       const int64_t at = std::stoll(name.substr(7, dot - 7));
       freed += freed_in_block(at, name.substr(dot + 1));
       for (int64_t i = at + 1; i < layers.second; ++i) freed += acts(i);
-      working = neighbour;
+      extra = working;
     } else if (name == "pos_embed.weight" ||
                (name == "embed.weight" && first_chunk && k + 1 == slots.size())) {
       freed += table_grad;
       for (int64_t i = layers.first; i < layers.second; ++i) freed += acts(i);
     }
-    held.push_back(whole - freed + working);
+    held.push_back(whole - freed + extra);
   }
   return held;
 }
@@ -203,6 +211,72 @@ double deferred_bytes(const plan::Layout& l, const PlanBasis& b, const models::S
   return layers * b.w * b.tok * kept + b.w * std::max(0.0, params - linear);
 }
 
+// ZeRO-3 without kept units inside a pipeline: the units gathered at each slot of the rank's
+// timeline, played by parallel/dp/zero3.h's rules. A forward gathers the root unit (`root`
+// bytes: embeddings, final norm, head), then each block, prefetching the next one the rank
+// holds and freeing each after it but the rank's last; a backward (or B) gathers each block and
+// prefetches the one before; a unit is freed once its gradients are in: in its backward, or at
+// its W under zero-bubble schedules (the root once every chunk holding its parameters has
+// handed them over: the head's at the start of its backward, the embeddings' at the end). Bytes
+// at each slot's peak.
+std::vector<double> gathered_units(const std::vector<parallel::pp::Simulation::Slot>& timeline,
+                                   const PlanBasis& b, const plan::Layout& l,
+                                   const models::StagePart& part, double root) {
+  using parallel::pp::Op;
+  constexpr int64_t kRoot = -1;
+  std::map<int64_t, double> size{{kRoot, root}};  // the rank's units, by layer
+  for (const auto& [begin, end] : part.chunks)
+    for (int64_t i = begin; i < end; ++i)
+      size[i] = b.w * static_cast<double>(models::block_parameters(b.m, l.tp, i, l.ep));
+  const int64_t last = size.rbegin()->first, chunks = static_cast<int64_t>(part.chunks.size());
+  auto root_in = [&](int64_t c) {
+    return (part.first && c == 0) || (part.last && c == chunks - 1);
+  };
+  const int64_t root_chunks = (part.first ? 1 : 0) + (part.last && (!part.first || chunks > 1));
+  int64_t root_done = 0;
+  std::set<int64_t> resident;
+  auto held = [&] {
+    double sum = 0;
+    for (int64_t i : resident) sum += size[i];
+    return sum;
+  };
+  auto gather = [&](int64_t i) {
+    if (size.count(i) && (i != kRoot || root > 0)) resident.insert(i);
+  };
+  auto root_handed = [&] {
+    if (++root_done < root_chunks) return;
+    resident.erase(kRoot);
+    root_done = 0;
+  };
+  std::vector<double> out;
+  for (const auto& slot : timeline) {
+    const int64_t c = slot.action.chunk;
+    const auto [begin, end] = part.chunks.at(static_cast<size_t>(c));
+    const Op op = slot.action.op;
+    const bool head = root_in(c) && part.last && c == chunks - 1;
+    double most = held();
+    if (op == Op::kForward) {
+      gather(kRoot);
+      for (int64_t i = begin; i < end; ++i) {
+        gather(i), gather(i + 1), most = std::max(most, held());
+        if (i != last) resident.erase(i);
+      }
+    } else if (op == Op::kBackward || op == Op::kBackwardInput) {
+      if (op == Op::kBackward && head) root_handed();
+      for (int64_t i = end - 1; i >= begin; --i) {
+        gather(i), gather(i - 1), most = std::max(most, held());
+        if (op == Op::kBackward) resident.erase(i);
+      }
+      if (op == Op::kBackward && root_in(c) && !head) root_handed();
+    } else if (op == Op::kBackwardWeight) {
+      for (int64_t i = begin; i < end; ++i) resident.erase(i);
+      if (root_in(c)) root_handed();
+    }
+    out.push_back(most);
+  }
+  return out;
+}
+
 // One stage: each micro-batch's forward and backward in turn (pairs: two forwards, two
 // backwards).
 std::vector<parallel::pp::Simulation::Slot> one_stage_turns(const PlanBasis& b) {
@@ -216,31 +290,103 @@ std::vector<parallel::pp::Simulation::Slot> one_stage_turns(const PlanBasis& b) 
   return turns;
 }
 
-// A rank's peak over its schedule (the simulated pipeline's, or one stage's micro-batches in
-// turn, two at once where pairs run): a micro-batch chunk holds its saved activations from F to B
-// (the first chunk also the embedding's output, a chunk that receives its input that input, the
-// leaf its gradient goes back from; the last chunk `last_kept`, the head's). Zero-bubble
+// What a pass works on above what it holds (measured per pass with the counting allocator on CPU
+// fp32, 2026-11-28, GPT-2 and Llama, tp 1 and 2, with and without sp): a backward starts at the
+// down projection, whose input gradient (tokens × ffn/tp; under sp also the gathered output
+// gradient, tokens × h) and weight gradient (ffn/tp × h) exist at once, before anything is freed;
+// a B makes only the first, a W only the second; a forward's last op adds a tokens × h
+// output. On the CPU, bf16/fp16 matmuls also keep an fp32 result (oneDNN): w + 4 bytes.
+struct Working {
+  double input, weight, forward;
+};
+Working working_set(const PlanBasis& b) {
+  const double f = static_cast<double>(b.m.ffn_hidden) / b.tp;
+  const double wx = b.cpu && b.w < 4 ? b.w + 4 : b.w;
+  return {wx * b.tok * f + (b.sp ? b.w * b.tok * b.h : 0.0), wx * f * b.h, b.w * b.tok * b.h};
+}
+
+// One micro-batch of one chunk (layers [begin, end), local chunk k of pipeline rank `stage`).
+// It holds its saved activations from F to B (the first chunk also the embedding's output, a
+// chunk that receives its input that input, the last chunk `last_kept`, the head's). Zero-bubble
 // schedules: past B, until its W, each linear layer's input and output gradient (q/k/v share an
 // input, as up/gate do) and the gradients B computed for every other parameter of the chunk
 // (norms, biases, embeddings, the head, the router and experts), which W hands over with the
-// linear weights' (parallel/pp/weight_grad.h). Over Gloo (CPU) every tensor sent stays until the
-// step's end, where its send is waited for. A pipeline's backward works on about half a block's
-// activations more (and a recomputed block or MLP, `rerun`, whole); without pipelining the peak
-// of backward is calibrated as the held activations and `rerun`.
-double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& b, int64_t stage,
-                 const models::StagePart& part, double last_kept, double rerun) {
+// linear weights' (parallel/pp/weight_grad.h). Over Gloo (CPU) every tensor sent to another rank
+// stays until the step's end, where its send is waited for (a V's turn between its two chunks on
+// one rank sends nothing). A forward's peak: its working set, a recomputed piece's activations
+// (`rerun`) before they are dropped, or on the last chunk the head and loss (`head_transient`).
+// A backward's: everything still held (the head's kept tensors but a tied table's gradient
+// released first) and the working set, with the piece it reruns; a B's: at its start, or where it
+// holds more at its end (its deferred tensors), the input gradient's working set; a W's: the
+// weight gradient's. ZeRO-2/3 walk their buckets' buffers parameter by parameter (walk).
+parallel::pp::ChunkBytes chunk_bytes(const plan::Config& c, const plan::Layout& l,
+                                     const PlanBasis& b, int64_t stage, int64_t k,
+                                     const models::StagePart& one, double last_kept,
+                                     double head_transient, double rerun,
+                                     const optim::FlatLayout* layout) {
   const auto& m = b.m;
   const double h = b.h, w = b.w, tok = b.tok;
-  const bool buckets = b.zero >= 2;  // ZeRO-2/3: fp32 bucket buffers in every backward
+  const auto [begin, end] = one.chunks.front();
+  const double layers = static_cast<double>(end - begin);
+  const double moe = static_cast<double>(moe_layers_in(m, one));
+  parallel::pp::ChunkBytes cb;
+  cb.whole = (layers - moe) * b.per_layer + moe * b.per_moe_layer +
+             (one.first ? tok * h * w : b.act_row) + (one.last ? last_kept : 0.0);
+  if (l.pp > 1) {
+    parallel::pp::Schedule placed;
+    placed.stages = l.pp;
+    placed.v_shape =
+        plan::schedule_shape(plan::PipelineSchedule(c.parallel.pipeline_schedule)).v_shape;
+    const int64_t g = placed.stage_of(stage, k);
+    cb.deferred = deferred_bytes(l, b, one);
+    cb.sent_forward = b.cpu && !one.last && placed.rank_of(g + 1) != stage ? b.act_row : 0.0;
+    cb.sent_backward = b.cpu && !one.first && placed.rank_of(g - 1) != stage ? b.act_row : 0.0;
+  }
+  // Lean logits keep the head's fp32 weight gradient from forward and hand it to the table in
+  // the weights' dtype; a tied table on this chunk holds that until the embedding's backward.
+  const double table_grad =
+      one.last && one.first && m.tied() && c.training.lean_logits ? b.vocab_local * h * w : 0.0;
+  const auto x = working_set(b);
+  const double release = one.last ? last_kept - table_grad : 0.0;
+  const double plain =
+      cb.whole - cb.sent_backward + std::max(0.0, x.input + x.weight + rerun - release);
+  cb.during_forward = one.last ? head_transient : x.forward + rerun;
+  cb.during_input = std::max(0.0, cb.whole - cb.sent_backward - cb.deferred + rerun) + x.input;
+  cb.backward = {plain, plain, plain, plain};
+  const double weight_plain = cb.deferred + x.weight;
+  cb.weight = {weight_plain, weight_plain, weight_plain, weight_plain};
+  if (!layout) return cb;
   // ZeRO-3 without kept units and pipelining: the prefetched block beside the one add_gathered
-  // counts (which counts two already under recomputation; inside a pipeline, measured, one).
+  // counts.
+  const auto list = chunk_slots(*layout, k);
+  const bool once = reduce_once(b);
+  for (const auto& slot : list) cb.grads += once ? 4 * slot.params : 0.0;
   const double neighbour =
       b.zero == 3 && !b.keep_gathered && l.pp == 1 && c.training.recompute == plan::Recompute::kNone
           ? b.w * b.block
           : 0.0;
-  // The buckets as the rank lays them out, from the plan's parameter list (ZeRO-2/3 only).
+  cb.backward =
+      walk(list,
+           backward_held(list, b, {begin, end}, one.first, cb.whole, one.last ? last_kept : 0.0,
+                         table_grad, neighbour + x.input + x.weight + rerun),
+           once, plain);
+  auto held = weight_held(list, cb.deferred);
+  for (auto& bytes : held) bytes += x.weight;
+  cb.weight = walk(list, held, once, weight_plain);
+  return cb;
+}
+
+// A rank's peak over its schedule (the simulated pipeline's, or one stage's micro-batches in
+// turn, two at once where pairs run), each chunk's micro-batches as chunk_bytes has them. ZeRO-3
+// without kept units in a pipeline: the units gathered at each pass beside them
+// (gathered_units), those at the peak in `gathered_at_peak` (else left as it was).
+double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& b, int64_t stage,
+                 const models::StagePart& part, double last_kept, double head_transient,
+                 double rerun, double* gathered_at_peak) {
+  const auto& m = b.m;
+  // ZeRO-2/3: the buckets as the rank lays them out, from the plan's parameter list.
   std::optional<optim::FlatLayout> layout;
-  if (buckets)
+  if (b.zero >= 2)
     layout = optim::layout_of(
         models::param_entries(m, l.tp, part, l.ep),
         optim::layout_options(c, b.split.shards, 0, b.split.expert_shards, 0, l.pp));
@@ -248,40 +394,21 @@ double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& 
   for (const auto& [begin, end] : part.chunks) {
     const models::StagePart one{
         {{begin, end}}, part.first && begin == 0, part.last && end == m.layers};
-    const double layers = static_cast<double>(end - begin);
-    const double moe = static_cast<double>(moe_layers_in(m, one));
-    parallel::pp::ChunkBytes cb;
-    cb.whole = (layers - moe) * b.per_layer + moe * b.per_moe_layer +
-               (one.first ? tok * h * w : b.act_row) + (one.last ? last_kept : 0.0);
-    const double transient = l.pp > 1 ? 0.5 * b.per_layer + rerun : rerun;
-    if (l.pp > 1) {
-      cb.deferred = deferred_bytes(l, b, one);
-      cb.sent_forward = b.cpu && !one.last ? b.act_row : 0.0;
-      cb.sent_backward = b.cpu && !one.first ? b.act_row : 0.0;
-    }
-    // A pipeline's backward: its calibrated transient; without pipelining, the held
-    // micro-batch and it. W: nothing above what it frees.
-    const double plain = l.pp > 1 ? transient : cb.whole + transient;
-    cb.during_input = plain;
-    cb.backward = {plain, plain, plain, plain};
-    // Lean logits keep the head's fp32 weight gradient from forward and hand it to the table in
-    // the weights' dtype; a tied table on this chunk holds that until the embedding's backward.
-    const double table_grad =
-        one.last && one.first && m.tied() && c.training.lean_logits ? b.vocab_local * h * w : 0.0;
-    if (layout) {
-      const auto list = chunk_slots(*layout, static_cast<int64_t>(bytes.size()));
-      const bool once = reduce_once(b);
-      for (const auto& slot : list) cb.grads += once ? 4 * slot.params : 0.0;
-      cb.backward = walk(list,
-                         backward_held(list, b, {begin, end}, one.first, cb.whole,
-                                       one.last ? last_kept : 0.0, table_grad, neighbour),
-                         once, plain);
-      cb.weight = walk(list, weight_held(list, cb.deferred), once, 0.0);
-    }
-    bytes.push_back(cb);
+    bytes.push_back(chunk_bytes(c, l, b, stage, static_cast<int64_t>(bytes.size()), one, last_kept,
+                                head_transient, rerun, layout ? &*layout : nullptr));
   }
-  return parallel::pp::peak_held(
-      l.pp > 1 ? b.sim.timeline[static_cast<size_t>(stage)] : one_stage_turns(b), bytes);
+  if (l.pp == 1) return parallel::pp::peak_held(one_stage_turns(b), bytes);
+  const auto& timeline = b.sim.timeline[static_cast<size_t>(stage)];
+  if (b.zero != 3 || b.keep_gathered) return parallel::pp::peak_held(timeline, bytes);
+  double root = static_cast<double>(models::parameters_on_rank(m, l.tp, part, l.ep));
+  for (const auto& [begin, end] : part.chunks)
+    for (int64_t i = begin; i < end; ++i)
+      root -= static_cast<double>(models::block_parameters(m, l.tp, i, l.ep));
+  const auto units = gathered_units(timeline, b, l, part, b.w * root);
+  size_t at = 0;
+  const double peak = parallel::pp::peak_held(timeline, bytes, units, &at);
+  *gathered_at_peak = units.at(at);
+  return peak;
 }
 
 // The largest gradient tensor the norm reads on a rank holding `params`: the whole gradient
@@ -301,25 +428,40 @@ double norm_piece(const plan::Config& c, const plan::Layout& l, const PlanBasis&
 
 }  // namespace
 
+// Sequence parallelism: the column-parallel projections save their all-gathered input (q/k/v
+// share one, as gate/up do: parallel/tp/layers.h), the whole sequence where the norm's output
+// the activation model counts is 1/tp of it. Per token, above that model; the pieces a
+// recomputation reruns are not kept (selective: the MLP's; full: both).
+double sp_gathered_floats(plan::Recompute recompute, double h, double tp, bool sp) {
+  if (!sp) return 0.0;
+  const double kept = recompute == plan::Recompute::kFull        ? 0.0
+                      : recompute == plan::Recompute::kSelective ? 1.0
+                                                                 : 2.0;
+  return kept * h * (1.0 - 1.0 / tp);
+}
+
 // Llama's RMSNorm as Tessel's CPU kernel (training.kernels tessel, fp32 on the CPU) or LibTorch's
 // fused CUDA kernel (core/kernels/fused_ops.cpp) keeps x and one scale per row, not also x·rsqrt as
 // the composite does (LibTorch's CPU operator is the composite): one h less per norm, two per block
 // and one outside. `own_kernels`: Tessel's SwiGLU runs too, which keeps gate and up, not also
-// silu(gate) (one ffn less).
+// silu(gate) (one ffn less). In bf16/fp16 the composite computes in fp32 and keeps that copy of
+// its input too (4/w elements of the compute dtype per h; measured on CPU bf16, 2026-11-28: 4.3·h
+// per block).
 ActivationModel activation_model(const models::ModelShape& m, plan::Recompute recompute,
-                                 bool own_kernels, bool cpu) {
+                                 bool own_kernels, bool cpu, double w) {
   const bool llama = m.arch == plan::ModelArch::kLlama, fused = llama && own_kernels;
   const bool fused_norm = fused || (llama && !cpu);
+  const double upcast = !llama || fused_norm || w >= 4 ? 0.0 : 4 / w;  // per composite norm
   ActivationModel a = !llama       ? ActivationModel{4.76, 3.58, 0.0, 2.0, 2.3}
                       : fused      ? ActivationModel{4.5, 1.6, 2.0, 3.0, 2.3}
                       : fused_norm ? ActivationModel{4.5, 1.6, 2.0, 4.0, 2.3}
-                                   : ActivationModel{6.5, 1.6, 2.0, 4.0, 3.3};
-  // Recomputation, measured the same way: full keeps each block's input (1·h per token) and
-  // holds about half of one block's activations at the peak; selective keeps the MLP half's
-  // input instead of its norm and ffn-wide tensors, and a quarter of one MLP's at the peak.
-  if (recompute == plan::Recompute::kFull) return {1.0, 0, 0, 0, a.outside, 0.5};
+                                   : ActivationModel{6.5 + 2 * upcast, 1.6, 2.0, 4.0, 3.3 + upcast};
+  // Recomputation, measured the same way: full keeps each block's input (1·h per token);
+  // selective keeps the MLP half's input instead of its norm and ffn-wide tensors. Each piece
+  // also keeps the CPU generator's state (cpu_rng_state_bytes, planner.cpp).
+  if (recompute == plan::Recompute::kFull) return {1.0, 0, 0, 0, a.outside};
   if (recompute == plan::Recompute::kSelective)
-    return {llama ? (fused_norm ? 3.5 : 4.5) : 3.76, a.attn, a.kv, 0.0, a.outside, 0.25};
+    return {llama ? (fused_norm ? 3.5 : 4.5 + upcast) : 3.76, a.attn, a.kv, 0.0, a.outside};
   return a;
 }
 
@@ -346,19 +488,17 @@ RankEstimate stage_memory(const plan::Config& c, const plan::Layout& l, const Pl
   r.inflight = l.pp > 1 ? b.sim.peak_activations[static_cast<size_t>(stage)] : b.lanes;
   const auto head = head_bytes(t, b);
   const double last_kept = head.kept + (a.outside - 1) * tok * h * w;
-  // Recomputation: one block (full) or MLP (selective) rerun in backward. Without pipelining,
-  // about half of it at the step's peak (calibrated with the head's); a pipeline rank's peak is
-  // a backward holding other micro-batches, where the rerun is whole (measured on
-  // recompute_pp2_full_gpt2: 426 and 499 KB above the held activations on its two stages).
-  // The rerun block's attention probabilities are live whole until its backward.
+  // Recomputation: one block (full) or MLP (selective) rerun in backward, live whole while it
+  // is differentiated (and while forward runs it before dropping it); the rerun block's
+  // attention probabilities with it.
   double rerun = 0;
   if (t.recompute != plan::Recompute::kNone && r.layers > 0) {
     const double probs = t.recompute == plan::Recompute::kFull ? b.short_attention * tok : 0.0;
-    rerun = (l.pp > 1 ? 1.0 : a.rerun) * rerun_bytes(c, b) + probs;
+    rerun = rerun_bytes(c, b) + probs;
   }
-  r.activations = held_peak(c, l, b, stage, part, last_kept, rerun);
-  if (part.last) r.activations += static_cast<double>(b.lanes) * head.transient;
-  add_gathered(r, c, l, b, part);
+  double units_at_peak = -1;  // ZeRO-3 in a pipeline: the units held_peak counted at its peak
+  r.activations = held_peak(c, l, b, stage, part, last_kept, head.transient, rerun, &units_at_peak);
+  add_gathered(r, c, l, b, part, units_at_peak);
   // After backward, the gradient norm (core/optim/optim.cpp clip_grad_norm): on the CPU each of
   // its chunks of at most 2^14 elements is copied to fp64 in turn, the step's peak when the
   // activations are smaller (CUDA reads each chunk in its own dtype).

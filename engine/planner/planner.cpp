@@ -1,5 +1,6 @@
 #include "engine/planner/planner.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/core/ScalarType.h>
 #include <fmt/format.h>
@@ -210,35 +211,25 @@ double short_attention_bytes(const plan::Config& c, const plan::Layout& l,
 }
 
 // `cpu`: the run computes on the CPU.
-PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
-  namespace pp = parallel::pp;
-  const auto& t = c.training;
-  PlanBasis b;
-  const auto& m = b.m = model_shape(c.model);
-  b.dtype = resolve_dtype(t.dtype);
-  const double w = b.w = static_cast<double>(c10::elementSize(b.dtype));
-  const bool sp = b.sp = c.parallel.sequence_parallel && l.tp > 1;
-  b.mbs = t.global_batch / (l.dp * t.micro_batch);
-  const double tok = b.tok =
-      static_cast<double>(t.micro_batch * t.seq_len) / static_cast<double>(l.cp);
-  const double h = b.h = static_cast<double>(m.hidden), tp = b.tp = static_cast<double>(l.tp);
-  const double kvd = b.kvd = static_cast<double>(m.kv_heads * m.head_dim());
-  b.docs = document_figures(c);
-  b.vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
-  b.cpu = cpu;
-  b.own_kernels = cpu && t.kernels == plan::Kernels::kTessel && b.dtype == torch::kFloat32;
-  b.lanes = plan::pairs_microbatches(c, l.world(), !cpu,
-                                     t.threads > 0 ? t.threads : int64_t{at::get_num_threads()})
-                ? 2
-                : 1;
-  const auto& a = b.a = activation_model(m, t.recompute, b.own_kernels, b.cpu);
-  b.short_attention = short_attention_bytes(c, l, m, b.dtype, b.own_kernels);
-  const auto kind = l.pp > 1 ? plan::PipelineSchedule(c.parallel.pipeline_schedule)
-                             : plan::PipelineSchedule::kGpipe;
-  b.sim = pp::simulate(pp::make_schedule(kind, l.pp, b.mbs, c.parallel.virtual_stages));
+// What a recomputed piece keeps on the CPU to replay its random draws (models/recompute.cpp):
+// the CPU generator's state, as LibTorch serialises it (5,056 bytes in 2.11). On a GPU it is
+// host memory, not the device's.
+double cpu_rng_state_bytes() {
+  static const double bytes =
+      static_cast<double>(at::detail::getDefaultCPUGenerator().get_state().nbytes());
+  return bytes;
+}
 
-  const double block_tokens_floats =
-      a.replicated * h / (sp ? tp : 1.0) + (a.attn * h + a.kv * kvd + a.ffn * m.ffn_hidden) / tp;
+// One micro-batch's saved activations in one block (b.per_layer) and in one MoE layer.
+void add_layer_bytes(PlanBasis& b, const plan::Config& c, const plan::Layout& l) {
+  const auto& t = c.training;
+  const auto& m = b.m;
+  const auto& a = b.a;
+  const double w = b.w, tok = b.tok, h = b.h, tp = b.tp, kvd = b.kvd;
+  const bool sp = b.sp;
+  const double block_tokens_floats = a.replicated * h / (sp ? tp : 1.0) +
+                                     (a.attn * h + a.kv * kvd + a.ffn * m.ffn_hidden) / tp +
+                                     sp_gathered_floats(t.recompute, h, tp, sp);
   // One micro-batch through one block: its saved activations (+ CP all-gather: the whole
   // sequence's keys and values, kept for backward).
   b.per_layer = w * tok * block_tokens_floats +
@@ -247,11 +238,8 @@ PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
                      ? w * static_cast<double>(t.micro_batch * t.seq_len) * 2 * kvd / tp
                      : 0.0) +
                 alltoall_repeated_kv(c, l) * 2 * static_cast<double>(m.head_dim()) * w * tok +
-                (t.recompute == plan::Recompute::kFull ? 0.0 : b.short_attention * tok);
-  b.act_row = tok * h * w / (sp ? tp : 1.0);
-  b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp, b.pp = l.pp;
-  b.keep_gathered = c.parallel.zero3_keep_gathered, b.split = plan::zero_split(c, l);
-  b.block = static_cast<double>(models::block_parameters(m, l.tp));
+                (t.recompute == plan::Recompute::kFull ? 0.0 : b.short_attention * tok) +
+                (t.recompute != plan::Recompute::kNone && b.cpu ? cpu_rng_state_bytes() : 0.0);
   if (m.moe.experts > 0) {
     // An MoE layer keeps, per token and choice, the row sent to its expert, the expert's
     // output and its gate-weighted copy (3·h) and its SwiGLU's four ffn-wide tensors (gate, up,
@@ -268,6 +256,39 @@ PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
     b.per_moe_layer = b.per_layer + w * tok / (sp ? tp : 1.0) * routed + w * tok * shared -
                       w * tok * a.ffn * static_cast<double>(m.ffn_hidden) / tp;
   }
+}
+
+PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
+  namespace pp = parallel::pp;
+  const auto& t = c.training;
+  PlanBasis b;
+  const auto& m = b.m = model_shape(c.model);
+  b.dtype = resolve_dtype(t.dtype);
+  const double w = b.w = static_cast<double>(c10::elementSize(b.dtype));
+  const bool sp = b.sp = c.parallel.sequence_parallel && l.tp > 1;
+  b.mbs = t.global_batch / (l.dp * t.micro_batch);
+  const double tok = b.tok =
+      static_cast<double>(t.micro_batch * t.seq_len) / static_cast<double>(l.cp);
+  const double h = b.h = static_cast<double>(m.hidden), tp = b.tp = static_cast<double>(l.tp);
+  b.kvd = static_cast<double>(m.kv_heads * m.head_dim());
+  b.docs = document_figures(c);
+  b.vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
+  b.cpu = cpu;
+  b.own_kernels = cpu && t.kernels == plan::Kernels::kTessel && b.dtype == torch::kFloat32;
+  b.lanes = plan::pairs_microbatches(c, l.world(), !cpu,
+                                     t.threads > 0 ? t.threads : int64_t{at::get_num_threads()})
+                ? 2
+                : 1;
+  b.a = activation_model(m, t.recompute, b.own_kernels, b.cpu, w);
+  b.short_attention = short_attention_bytes(c, l, m, b.dtype, b.own_kernels);
+  const auto kind = l.pp > 1 ? plan::PipelineSchedule(c.parallel.pipeline_schedule)
+                             : plan::PipelineSchedule::kGpipe;
+  b.sim = pp::simulate(pp::make_schedule(kind, l.pp, b.mbs, c.parallel.virtual_stages));
+  b.act_row = tok * h * w / (sp ? tp : 1.0);
+  b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp, b.pp = l.pp;
+  b.keep_gathered = c.parallel.zero3_keep_gathered, b.split = plan::zero_split(c, l);
+  b.block = static_cast<double>(models::block_parameters(m, l.tp));
+  add_layer_bytes(b, c, l);
   return b;
 }
 

@@ -134,20 +134,23 @@ struct GradPass {
 
 /// What one micro-batch of a rank's local chunk holds: `whole` from its forward to its backward
 /// (or B), `deferred` from its B to its W; what its forward and backward send (kept to the step's
-/// end, when sends are waited for only then); what a B works on above what is held once `whole`
-/// is freed (`during_input`), and the peaks of its gradient passes. `grads`: held from the end of
+/// end, when sends are waited for only then); what a forward works on above what it keeps
+/// (`during_forward`), what a B works on above what is held once `whole` is freed
+/// (`during_input`), and the peaks of its gradient passes. `grads`: held from the end of
 /// the chunk's first gradient pass of the step to the end of its last, where they accumulate in
 /// the parameters.
 struct ChunkBytes {
   double whole = 0, deferred = 0, sent_forward = 0, sent_backward = 0;
-  double during_input = 0, grads = 0;
+  double during_forward = 0, during_input = 0, grads = 0;
   GradPass backward, weight;
 };
 
 /// The most rank `rank` holds at once in `timeline` (a simulated run's, or any list of a rank's
-/// actions in order), chunks[c] being its local chunk c's bytes.
+/// actions in order), chunks[c] being its local chunk c's bytes; `beside[k]`, when given, what
+/// the rank holds besides at slot k's peak (ZeRO-3's gathered blocks). `at`: the peak's slot.
 double peak_held(const std::vector<Simulation::Slot>& timeline,
-                 const std::vector<ChunkBytes>& chunks);
+                 const std::vector<ChunkBytes>& chunks, const std::vector<double>& beside = {},
+                 size_t* at = nullptr);
 
 /// Runs the lists with the given unit times as the executor runs them over Gloo: sends never
 /// block, a receive is posted where it stands, and a pass waits for its inputs: a forward for its

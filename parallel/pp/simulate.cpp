@@ -242,19 +242,22 @@ Simulation simulate(const Schedule& s, double forward_time, double backward_time
 }
 
 double peak_held(const std::vector<Simulation::Slot>& timeline,
-                 const std::vector<ChunkBytes>& chunks) {
+                 const std::vector<ChunkBytes>& chunks, const std::vector<double>& beside,
+                 size_t* at) {
   auto grad_pass = [](Op op) { return op == Op::kBackward || op == Op::kBackwardWeight; };
   std::vector<int64_t> passes(chunks.size(), 0), seen(chunks.size(), 0);
   for (const auto& slot : timeline)
     if (grad_pass(slot.action.op)) ++passes.at(static_cast<size_t>(slot.action.chunk));
   double now = 0, peak = 0;
-  for (const auto& slot : timeline) {
+  for (size_t t = 0; t < timeline.size(); ++t) {
+    const auto& slot = timeline[t];
     const auto chunk = static_cast<size_t>(slot.action.chunk);
     const auto& c = chunks.at(chunk);
     double during = 0, after = 0;
     switch (slot.action.op) {
       case Op::kForward:
         now += c.whole + c.sent_forward;
+        during = c.during_forward;
         break;
       case Op::kBackward:
         now += c.sent_backward - c.whole;
@@ -280,7 +283,9 @@ double peak_held(const std::vector<Simulation::Slot>& timeline,
       if (accumulate && k == 0) after = c.grads;
       if (accumulate && k == n - 1) after = -c.grads;
     }
-    peak = std::max(peak, now + during);
+    const double here = now + during + (beside.empty() ? 0.0 : beside.at(t));
+    if (here > peak && at) *at = t;
+    peak = std::max(peak, here);
     now += after;
   }
   return peak;

@@ -221,5 +221,37 @@ TEST(Schedules, GridShowsEveryPass) {
   EXPECT_NE(text.find("rank  1 | .. F0 B0 B0 F1 B1 B1"), std::string::npos) << text;
 }
 
+// A rank's bytes over its passes: a forward keeps `whole` and peaks `during_forward` above it;
+// a backward frees `whole` and peaks at `backward.during` above what is left; a B keeps
+// `deferred` of it until its W; `beside` adds per pass (ZeRO-3's gathered units), and `at`
+// names the pass at the peak.
+TEST(Schedules, PeakHeldFollowsEachPass) {
+  using S = Simulation::Slot;
+  ChunkBytes c;
+  c.whole = 100, c.during_forward = 7;
+  c.backward = {130, 130, 130, 130};  // the whole micro-batch and 30 more, at its start
+  const std::vector<S> gpipe{{0, 0, {Op::kForward, 0, 0}},
+                             {0, 0, {Op::kForward, 1, 0}},
+                             {0, 0, {Op::kBackward, 0, 0}},
+                             {0, 0, {Op::kBackward, 1, 0}}};
+  size_t at = 99;
+  EXPECT_DOUBLE_EQ(peak_held(gpipe, {c}, {}, &at), 230);  // B0: 200 held + 30
+  EXPECT_EQ(at, 2u);
+  EXPECT_DOUBLE_EQ(peak_held(gpipe, {c}, {0, 50, 0, 0}, &at), 257);  // F1 with 50 beside
+  EXPECT_EQ(at, 1u);
+
+  c.deferred = 60, c.during_input = 5;
+  c.weight = {65, 65, 65, 65};  // the deferred 60 and a weight gradient of 5
+  const std::vector<S> zb{{0, 0, {Op::kForward, 0, 0}},
+                          {0, 0, {Op::kBackwardInput, 0, 0}},
+                          {0, 0, {Op::kForward, 1, 0}},
+                          {0, 0, {Op::kBackwardWeight, 0, 0}}};
+  EXPECT_DOUBLE_EQ(peak_held(zb, {c}, {}, &at), 167);  // F1: 60 deferred + 100 + 7
+  EXPECT_EQ(at, 2u);
+  c.weight = {120, 120, 120, 120};                     // a weight gradient of 60
+  EXPECT_DOUBLE_EQ(peak_held(zb, {c}, {}, &at), 220);  // W0: 160 held - 60 + 120
+  EXPECT_EQ(at, 3u);
+}
+
 }  // namespace
 }  // namespace tessel::parallel::pp
