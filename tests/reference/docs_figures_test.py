@@ -114,10 +114,11 @@ class MixtralLayout(unittest.TestCase):
         self.assertRegex(out, r"(?m)^# groups inside a node of 8 ranks: tp, ep; across nodes: ")
         moe_md = " ".join(read(os.path.join(ROOT, "docs", "moe.md")).split())
         for claim in ("tp 2, pp 4 (8 layers a stage), dp 8 and ep 4", "ranks 0, 2, 4, 6 only",
-                      "span two 8-GPU nodes", "6,849.0 ms", "54.09 GiB"):
+                      "span two 8-GPU nodes", "6,849.0 ms", "54.97 GiB"):
             self.assertIn(claim, moe_md)
         step = re.search(r"(?m)^# predicted on .*?: step ([0-9.]+) ms", out).group(1)
         self.assertEqual(step, "6849.0")
+        self.assertEqual(printed(out)[0].get(0), 54.97, "moe.md's memory per rank on stage 0")
         config = read(os.path.join(ROOT, "configs", "mixtral-8x7b.yaml"))
         self.assertIn("46.7B parameters", config)
         self.assertIn("ranks 0, 2, 4, 6 only", config)
