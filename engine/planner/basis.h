@@ -91,6 +91,15 @@ ActivationModel activation_model(const models::ModelShape& m, plan::Recompute re
 // Sequence parallelism's all-gathered inputs the projections save, per token, in elements, above
 // the activation model (memory.cpp).
 double sp_gathered_floats(plan::Recompute recompute, double h, double tp, bool sp);
+// ZeRO-3 without kept units inside a pipeline: how often pipeline rank `stage` gathers its root
+// unit and each of its blocks (by layer) in a step, as parallel/dp/zero3.h plays over the rank's
+// schedule (memory.cpp).
+struct ZeroGathers {
+  double root = 0;
+  std::map<int64_t, double> blocks;
+};
+ZeroGathers zero3_gathers(const plan::Layout& l, const PlanBasis& b, int64_t stage,
+                          const models::StagePart& part);
 // One stage's bytes: its parameters' state between steps and what a step adds at its peak
 // (memory.cpp).
 RankEstimate stage_memory(const plan::Config& c, const plan::Layout& l, const PlanBasis& b,

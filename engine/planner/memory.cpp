@@ -3,6 +3,7 @@
 // and loss, ZeRO's gathered units and buckets, the gradient norm) beside its state between steps.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -18,7 +19,7 @@ namespace {
 
 // ZeRO-3's gathered units at a stage's peak, added to its activations (its gradient buckets are
 // in the walk of backward: walk). `units_at_peak` >= 0: a pipeline rank's, which held_peak
-// played over its schedule (gathered_units) and counted already.
+// played over its schedule (replay_units) and counted already.
 void add_gathered(RankEstimate& r, const plan::Config& c, const plan::Layout& l, const PlanBasis& b,
                   const models::StagePart& part, double units_at_peak) {
   if (b.zero != 3) return;
@@ -211,20 +212,25 @@ double deferred_bytes(const plan::Layout& l, const PlanBasis& b, const models::S
   return layers * b.w * b.tok * kept + b.w * std::max(0.0, params - linear);
 }
 
-// ZeRO-3 without kept units inside a pipeline: the units gathered at each slot of the rank's
-// timeline, played by parallel/dp/zero3.h's rules. A forward gathers the root unit (`root`
-// bytes: embeddings, final norm, head), then each block, prefetching the next one the rank
-// holds and freeing each after it but the rank's last; a backward (or B) gathers each block and
-// prefetches the one before; a unit is freed once its gradients are in: in its backward, or at
-// its W under zero-bubble schedules (the root once every chunk holding its parameters has
-// handed them over: the head's at the start of its backward, the embeddings' at the end). Bytes
-// at each slot's peak.
-std::vector<double> gathered_units(const std::vector<parallel::pp::Simulation::Slot>& timeline,
-                                   const PlanBasis& b, const plan::Layout& l,
-                                   const models::StagePart& part, double root) {
+// ZeRO-3 without kept units inside a pipeline, the rank's units played over its timeline by
+// parallel/dp/zero3.h's rules. A forward gathers the root unit (embeddings, final norm, head),
+// then each block, prefetching the next one the rank holds and freeing each after it but the
+// rank's last; a backward (or B) gathers each block and prefetches the one before; a unit is
+// freed once its gradients are in: in its backward, or at its W under zero-bubble schedules (the
+// root once every chunk holding its parameters has handed them over: the head's at the start of
+// its backward, the embeddings' at the end). `held`: bytes gathered at each slot's peak;
+// `gathers`: how often each unit (kRoot, or a layer) is gathered in the step.
+struct UnitReplay {
+  static constexpr int64_t kRoot = std::numeric_limits<int64_t>::min();
+  std::vector<double> held;
+  std::map<int64_t, double> gathers;
+};
+UnitReplay replay_units(const std::vector<parallel::pp::Simulation::Slot>& timeline,
+                        const PlanBasis& b, const plan::Layout& l, const models::StagePart& part,
+                        double root) {
   using parallel::pp::Op;
-  constexpr int64_t kRoot = -1;
-  std::map<int64_t, double> size{{kRoot, root}};  // the rank's units, by layer
+  constexpr int64_t kRoot = UnitReplay::kRoot;
+  std::map<int64_t, double> size{{kRoot, root}};  // the rank's units
   for (const auto& [begin, end] : part.chunks)
     for (int64_t i = begin; i < end; ++i)
       size[i] = b.w * static_cast<double>(models::block_parameters(b.m, l.tp, i, l.ep));
@@ -235,25 +241,25 @@ std::vector<double> gathered_units(const std::vector<parallel::pp::Simulation::S
   const int64_t root_chunks = (part.first ? 1 : 0) + (part.last && (!part.first || chunks > 1));
   int64_t root_done = 0;
   std::set<int64_t> resident;
+  UnitReplay r;
   auto held = [&] {
     double sum = 0;
     for (int64_t i : resident) sum += size[i];
     return sum;
   };
   auto gather = [&](int64_t i) {
-    if (size.count(i) && (i != kRoot || root > 0)) resident.insert(i);
+    if (size.count(i) && (i != kRoot || root > 0) && resident.insert(i).second) ++r.gathers[i];
   };
   auto root_handed = [&] {
     if (++root_done < root_chunks) return;
     resident.erase(kRoot);
     root_done = 0;
   };
-  std::vector<double> out;
   for (const auto& slot : timeline) {
     const int64_t c = slot.action.chunk;
     const auto [begin, end] = part.chunks.at(static_cast<size_t>(c));
     const Op op = slot.action.op;
-    const bool head = root_in(c) && part.last && c == chunks - 1;
+    const bool head = part.last && c == chunks - 1;
     double most = held();
     if (op == Op::kForward) {
       gather(kRoot);
@@ -272,9 +278,18 @@ std::vector<double> gathered_units(const std::vector<parallel::pp::Simulation::S
       for (int64_t i = begin; i < end; ++i) resident.erase(i);
       if (root_in(c)) root_handed();
     }
-    out.push_back(most);
+    r.held.push_back(most);
   }
-  return out;
+  return r;
+}
+
+// The stage's parameters outside its blocks (the root unit's), on one rank.
+double root_parameters(const PlanBasis& b, const plan::Layout& l, const models::StagePart& part) {
+  double root = static_cast<double>(models::parameters_on_rank(b.m, l.tp, part, l.ep));
+  for (const auto& [begin, end] : part.chunks)
+    for (int64_t i = begin; i < end; ++i)
+      root -= static_cast<double>(models::block_parameters(b.m, l.tp, i, l.ep));
+  return root;
 }
 
 // One stage: each micro-batch's forward and backward in turn (pairs: two forwards, two
@@ -379,7 +394,7 @@ parallel::pp::ChunkBytes chunk_bytes(const plan::Config& c, const plan::Layout& 
 // A rank's peak over its schedule (the simulated pipeline's, or one stage's micro-batches in
 // turn, two at once where pairs run), each chunk's micro-batches as chunk_bytes has them. ZeRO-3
 // without kept units in a pipeline: the units gathered at each pass beside them
-// (gathered_units), those at the peak in `gathered_at_peak` (else left as it was).
+// (replay_units), those at the peak in `gathered_at_peak` (else left as it was).
 double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& b, int64_t stage,
                  const models::StagePart& part, double last_kept, double head_transient,
                  double rerun, double* gathered_at_peak) {
@@ -400,14 +415,10 @@ double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& 
   if (l.pp == 1) return parallel::pp::peak_held(one_stage_turns(b), bytes);
   const auto& timeline = b.sim.timeline[static_cast<size_t>(stage)];
   if (b.zero != 3 || b.keep_gathered) return parallel::pp::peak_held(timeline, bytes);
-  double root = static_cast<double>(models::parameters_on_rank(m, l.tp, part, l.ep));
-  for (const auto& [begin, end] : part.chunks)
-    for (int64_t i = begin; i < end; ++i)
-      root -= static_cast<double>(models::block_parameters(m, l.tp, i, l.ep));
-  const auto units = gathered_units(timeline, b, l, part, b.w * root);
+  const auto units = replay_units(timeline, b, l, part, b.w * root_parameters(b, l, part));
   size_t at = 0;
-  const double peak = parallel::pp::peak_held(timeline, bytes, units, &at);
-  *gathered_at_peak = units.at(at);
+  const double peak = parallel::pp::peak_held(timeline, bytes, units.held, &at);
+  *gathered_at_peak = units.held.at(at);
   return peak;
 }
 
@@ -427,6 +438,16 @@ double norm_piece(const plan::Config& c, const plan::Layout& l, const PlanBasis&
 }
 
 }  // namespace
+
+ZeroGathers zero3_gathers(const plan::Layout& l, const PlanBasis& b, int64_t stage,
+                          const models::StagePart& part) {
+  const auto replay = replay_units(b.sim.timeline.at(static_cast<size_t>(stage)), b, l, part,
+                                   root_parameters(b, l, part));
+  ZeroGathers g;
+  for (const auto& [unit, n] : replay.gathers)
+    (unit == UnitReplay::kRoot ? g.root : g.blocks[unit]) = n;
+  return g;
+}
 
 // Sequence parallelism: the column-parallel projections save their all-gathered input (q/k/v
 // share one, as gate/up do: parallel/tp/layers.h), the whole sequence where the norm's output

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "core/optim/flat_layout.h"
 #include "engine/planner/basis.h"
@@ -138,6 +139,7 @@ void add_cp_traffic(Traffic& g, const plan::Config& c, const plan::Layout& l, co
 // again), and how many.
 struct Blocks {
   double params = 0, last = 0, count = 0;
+  std::map<int64_t, double> by_layer;  // each block's parameters in the group
 };
 Blocks stage_blocks(const PlanBasis& b, const plan::Layout& l, const models::StagePart& part,
                     bool experts) {
@@ -153,7 +155,7 @@ Blocks stage_blocks(const PlanBasis& b, const plan::Layout& l, const models::Sta
       const double p =
           experts ? e : static_cast<double>(models::block_parameters(m, l.tp, i, l.ep)) - e;
       if (p == 0) continue;
-      k.params += p, k.count += 1;
+      k.params += p, k.count += 1, k.by_layer[i] = p;
       if (i > last) last = i, k.last = p;
     }
   return k;
@@ -162,8 +164,9 @@ Blocks stage_blocks(const PlanBasis& b, const plan::Layout& l, const models::Sta
 // Adds the bytes per step of a data group (dp×cp, or the experts' own) to `d`: gradients reduced,
 // and under ZeRO weights gathered; `n` parameters, in `blocks` (and the rest at the stage's ends),
 // sharded over `shards` ranks (hybrid sharding: each piece summed over the replicas once a step).
+// `gathers`: ZeRO-3 in a pipeline, how often the rank gathers each unit (zero3_gathers).
 void add_data_traffic(Traffic& d, const plan::Config& c, const PlanBasis& b, double n,
-                      const Blocks& blocks, int64_t shards) {
+                      const Blocks& blocks, int64_t shards, const ZeroGathers* gathers) {
   const double mb = static_cast<double>(b.mbs), w = b.w;
   const double buckets = std::ceil(4 * n / std::max(1.0, c.parallel.ddp_bucket_mb * (1 << 20)));
   if (b.zero == 0) d.all_reduce += 4 * n, d.ops += buckets;
@@ -176,11 +179,36 @@ void add_data_traffic(Traffic& d, const plan::Config& c, const PlanBasis& b, dou
   else if (b.zero == 2 || (b.zero == 3 && b.keep_gathered))
     d.gather_scatter += mb * 4 * n + w * n, d.ops += (mb + 1) * buckets;
   if (b.zero == 3 && !b.keep_gathered) {
-    // Per micro-batch every unit gathered for forward, every block but the last again for
-    // backward, and the gradients reduced.
-    d.gather_scatter += mb * (4 * n + w * (n + blocks.params - blocks.last));
+    // Per micro-batch the gradients reduced, and without pipelining every unit gathered for
+    // forward and every block but the last again for backward; in a pipeline as the rank's
+    // schedule gathers them.
+    double gathered = mb * (n + blocks.params - blocks.last);
+    if (gathers) {
+      gathered = gathers->root * (n - blocks.params);
+      for (const auto& [layer, p] : blocks.by_layer)
+        if (auto it = gathers->blocks.find(layer); it != gathers->blocks.end())
+          gathered += it->second * p;
+    }
+    d.gather_scatter += mb * 4 * n + w * gathered;
     d.ops += mb * 3 * (blocks.count + 1);
   }
+}
+
+// The data groups' bytes: dp×cp, and under expert parallelism the experts' own (edp_cp), over
+// which their gradients go.
+void add_data_groups(std::map<std::string, Traffic>& g, const plan::Config& c,
+                     const plan::Layout& l, const PlanBasis& b, const RankEstimate& r,
+                     const models::StagePart& part) {
+  const double experts = l.ep > 1 ? expert_params(b.m, part, l.ep) : 0.0;
+  std::optional<ZeroGathers> gathers;
+  if (b.zero == 3 && !b.keep_gathered && l.pp > 1) gathers = zero3_gathers(l, b, r.stage, part);
+  const ZeroGathers* played = gathers ? &*gathers : nullptr;
+  if (b.data_ranks > 1)
+    add_data_traffic(g["dp_cp"], c, b, static_cast<double>(r.params) - experts,
+                     stage_blocks(b, l, part, false), b.split.shards, played);
+  if (experts > 0 && b.data_ranks / l.ep > 1)
+    add_data_traffic(g["edp_cp"], c, b, experts, stage_blocks(b, l, part, true),
+                     b.split.expert_shards, played);
 }
 
 }  // namespace
@@ -206,14 +234,7 @@ std::map<std::string, Traffic> stage_traffic(const plan::Config& c, const plan::
     g["pp"].p2p += mb * (sends_fwd + sends_bwd) * b.act_row;
     g["pp"].ops += mb * (sends_fwd + sends_bwd);
   }
-  // Under expert parallelism the experts' gradients go over their own data group (edp_cp).
-  const double experts = l.ep > 1 ? expert_params(b.m, part, l.ep) : 0.0;
-  if (b.data_ranks > 1)
-    add_data_traffic(g["dp_cp"], c, b, static_cast<double>(r.params) - experts,
-                     stage_blocks(b, l, part, false), b.split.shards);
-  if (experts > 0 && b.data_ranks / l.ep > 1)
-    add_data_traffic(g["edp_cp"], c, b, experts, stage_blocks(b, l, part, true),
-                     b.split.expert_shards);
+  add_data_groups(g, c, l, b, r, part);
   // zbv: one rank holds the first and the last stage, whose tied token table gets a gradient from
   // each chunk's backward; ZeRO-2/3 reduce each as it comes (parallel/dp/grad_reducer.cpp): twice
   // per micro-batch where the gradients are reduced per micro-batch.

@@ -124,7 +124,12 @@ torch::Tensor UnitGatherer::after_block(int64_t i, const torch::Tensor& y) {
 
 void UnitGatherer::bucket_done(size_t b) {
   auto& u = units_.at(unit_of_bucket_[b]);
-  if (++u.done == u.buckets.size() && !keep_) release(u);
+  if (++u.done < u.buckets.size() || keep_) return;
+  // Every bucket of the unit has this pass's gradients. A forward that ran since the unit was
+  // gathered for this pass may have freed it already; the count restarts either way (else the
+  // next pass's count would pass the bucket count and never free the unit again this step).
+  u.done = 0;
+  release(u);
 }
 
 }  // namespace tessel::parallel::dp

@@ -119,11 +119,10 @@ def reference(base, arch):
 PLANNER_EXACT_GROUPS = ("tp", "cp", "pp", "embedding")
 PLANNER_BYTES_TOL = 0.15
 # Where the planner is known to miss, by row and group: printed, not asserted, until it models
-# them (each is a planner defect to fix, not a tolerance). Measured 2026-11-27.
-PLANNER_KNOWN_MISSES = {
-    ("moe_bias_zero3_ep2_pp2_llama", "dp_cp"): "ZeRO-3 with experts in a pipeline, first stage only (the last is "
-                                               "exact), cause not found yet: +15.7%",
-}
+# them (each is a planner defect to fix, not a tolerance). None since 2026-11-28, when ZeRO-3's
+# gathers in a pipeline were counted as the rank's schedule makes them (moe_bias_zero3_ep2_pp2_llama
+# was +15.7% on its first stage; now -1.4%).
+PLANNER_KNOWN_MISSES = {}
 
 # The step's activation peak (the most a step allocates above the state held between steps) as
 # --dry-run predicts it, against the counting allocator's measurement, on every row: within
