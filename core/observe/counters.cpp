@@ -4,8 +4,10 @@
 #include <c10/core/alignment.h>
 #include <c10/core/impl/alloc_cpu.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 
 namespace tessel::observe {
 namespace {
@@ -36,6 +38,8 @@ class CountingAllocator final : public c10::Allocator {
     const int64_t now = now_ += static_cast<int64_t>(n);
     for (int64_t p = peak_; now > p && !peak_.compare_exchange_weak(p, now);) {
     }
+    for (int64_t p = probe_; now > p && !probe_.compare_exchange_weak(p, now);) {
+    }
     return {data, data, &CountingAllocator::release, cpu};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
@@ -44,6 +48,14 @@ class CountingAllocator final : public c10::Allocator {
   }
   int64_t now() const { return now_; }
   int64_t take_peak() { return peak_.exchange(now_.load()); }
+  int64_t probe(const std::function<void()>& fn) {
+    const int64_t before = now_.load(), step_peak = peak_.load();
+    probe_.store(before);
+    fn();
+    const int64_t most = probe_.load();
+    peak_.store(std::max(step_peak, now_.load()));  // the probe is no step's peak
+    return most - before;
+  }
   int64_t live(Held what) const { return held_[static_cast<int>(what)]; }
 
  private:
@@ -62,7 +74,7 @@ class CountingAllocator final : public c10::Allocator {
     get().now_ -= n;
     c10::free_cpu(base);
   }
-  std::atomic<int64_t> now_{0}, peak_{0};
+  std::atomic<int64_t> now_{0}, peak_{0}, probe_{0};
   std::atomic<int64_t> held_[static_cast<int>(Held::kCount)] = {};
 };
 
@@ -75,6 +87,9 @@ CpuAllocationCounter& CpuAllocationCounter::get() {
 }
 int64_t CpuAllocationCounter::now() const { return CountingAllocator::get().now(); }
 int64_t CpuAllocationCounter::take_peak() { return CountingAllocator::get().take_peak(); }
+int64_t CpuAllocationCounter::peak_during(const std::function<void()>& fn) {
+  return CountingAllocator::get().probe(fn);
+}
 int64_t CpuAllocationCounter::live(Held what) const { return CountingAllocator::get().live(what); }
 
 HeldAs::HeldAs(Held what) : before_(current_held) { current_held = what; }

@@ -5,6 +5,7 @@
 
 #include <torch/types.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -24,6 +25,9 @@ class CpuAllocationCounter {
   int64_t now() const;
   /// The highest count since the last call (or since installation); the peak restarts at now().
   int64_t take_peak();
+  /// The most `fn` allocates at once, above the count it starts at, on any thread while it runs
+  /// (what take_peak() reports is left as if `fn` had not run). Not for use inside a step.
+  int64_t peak_during(const std::function<void()>& fn);
   /// Bytes allocated under HeldAs(what) and not released yet.
   int64_t live(Held what) const;
 };

@@ -36,6 +36,7 @@ struct PlanBasis {
   bool sp;                 // sequence parallelism in effect
   int64_t mbs;             // micro-batches per step
   int64_t lanes;           // micro-batches at once without pipelining (2: pairs_microbatches)
+  int64_t threads;         // threads a rank computes with
   double tok;              // tokens of one micro-batch on one rank (cp splits the sequence)
   double h, tp, kvd;       // hidden size, tensor-parallel size, keys' (and values') width
   double vocab_local;      // the head's rows on one tp rank

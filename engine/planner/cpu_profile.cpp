@@ -1,5 +1,7 @@
 #include "engine/planner/cpu_profile.h"
 
+#include "core/observe/counters.h"
+
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -16,8 +18,11 @@
 #include <exception>
 #include <functional>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <numeric>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "core/kernels/activation_kernels.h"
@@ -347,6 +352,34 @@ DeviceProfile measure_cpu_profile(const plan::Config& c, int64_t ranks_on_node) 
     d.intra_node_gbps = d.inter_node_gbps = d.memory_gbps;  // no link: nothing crosses one
   }
   return d;
+}
+
+double cpu_matmul_bytes(int64_t m, int64_t k, int64_t n, c10::ScalarType dtype, bool a_transposed,
+                        int64_t threads) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int64_t, int64_t, int64_t, c10::ScalarType, bool, int64_t>, double>
+      measured;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(m, k, n, dtype, a_transposed, threads);
+  if (auto it = measured.find(key); it != measured.end()) return it->second;
+  // A shape too large to run at plan time (over 2 GFLOP: a second or more on a few cores):
+  // its result in fp32 beside the result itself, which is what oneDNN's workspace came to on the
+  // shapes measured (2026-11-28).
+  const double elements = static_cast<double>(m) * static_cast<double>(n);
+  if (2.0 * elements * static_cast<double>(k) > 2e9)
+    return measured[key] = elements * static_cast<double>(c10::elementSize(dtype) + 4);
+  auto& counter = observe::CpuAllocationCounter::get();  // installed before the operands exist
+  // oneDNN's workspaces grow with the threads: the rank's, for the measurement only.
+  const int64_t before = at::get_num_threads();
+  if (threads != before) at::set_num_threads(static_cast<int>(threads));
+  torch::NoGradGuard no_grad;
+  const auto options = torch::TensorOptions().dtype(dtype);
+  const auto a = a_transposed ? torch::ones({k, m}, options).t() : torch::ones({m, k}, options);
+  const auto b = torch::ones({k, n}, options);
+  torch::mm(a, b);  // the first call may set up what lives on
+  const auto bytes = static_cast<double>(counter.peak_during([&] { torch::mm(a, b); }));
+  if (threads != before) at::set_num_threads(static_cast<int>(before));
+  return measured[key] = bytes;
 }
 
 }  // namespace tessel::planner

@@ -3,6 +3,8 @@
 // this machine's (tests/dist/planner_test.py compares it with measured steps).
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
 
 #include "core/plan/config.h"
@@ -24,5 +26,14 @@ int64_t cpu_threads_per_rank(const plan::Config& c, int64_t ranks_on_node);
 /// has cores. Sets glibc's malloc to keep freed memory for the rest of the process (the
 /// steady state of a training step; meant for --dry-run, which exits after planning).
 DeviceProfile measure_cpu_profile(const plan::Config& c, int64_t ranks_on_node);
+
+/// The most one matmul [m, k] × [k, n] in `dtype` allocates at once on this CPU, on `threads`
+/// threads, its output included (`a_transposed`: the left operand a transposed view, as a
+/// weight gradient's is). LibTorch's bf16/fp16 CPU matmuls go through oneDNN, whose workspaces
+/// depend on the CPU and the threads: this is measured, once per shape and thread count, with the
+/// counting allocator (core/observe/counters.h). A shape over 2 GFLOP is not run: its result in
+/// fp32 and in `dtype`.
+double cpu_matmul_bytes(int64_t m, int64_t k, int64_t n, c10::ScalarType dtype, bool a_transposed,
+                        int64_t threads);
 
 }  // namespace tessel::planner

@@ -10,6 +10,7 @@
 
 #include "core/optim/optim.h"
 #include "engine/planner/basis.h"
+#include "engine/planner/cpu_profile.h"
 #include "models/registry.h"
 #include "parallel/pp/schedule.h"
 #include "parallel/tp/head_loss.h"
@@ -66,7 +67,19 @@ HeadBytes head_bytes(const plan::TrainingConfig& t, const PlanBasis& b) {
       tok, static_cast<double>(t.lean_logits_chunk > 0 ? t.lean_logits_chunk
                                                        : parallel::tp::default_head_chunk_rows(
                                                              static_cast<int64_t>(v), !b.cpu)));
-  return {v * b.h * 4 + tok * b.h * w, chunk * v * (w == 4 ? 4 : w + 4)};
+  // bf16/fp16: the chunk's weight gradient is a matmul of its own, beside the chunk's logit
+  // gradient, before it is widened into the fp32 sum (on the CPU as this CPU's oneDNN allocates).
+  double product = 0;
+  if (w < 4 && b.cpu) {
+    const auto n = static_cast<int64_t>(chunk), vl = static_cast<int64_t>(v),
+               h = static_cast<int64_t>(b.h);
+    product = chunk * v * w +
+              std::max(cpu_matmul_bytes(vl, n, h, b.dtype, true, b.threads),
+                       cpu_matmul_bytes(n, vl, h, b.dtype, false, b.threads) - chunk * b.h * w);
+  } else if (w < 4) {
+    product = chunk * v * w + v * b.h * w;
+  }
+  return {v * b.h * 4 + tok * b.h * w, std::max(chunk * v * (w == 4 ? 4 : w + 4), product)};
 }
 
 // The activations of one block (full recomputation) or one MLP (selective) that backward reruns.
@@ -310,14 +323,26 @@ std::vector<parallel::pp::Simulation::Slot> one_stage_turns(const PlanBasis& b) 
 // down projection, whose input gradient (tokens × ffn/tp; under sp also the gathered output
 // gradient, tokens × h) and weight gradient (ffn/tp × h) exist at once, before anything is freed;
 // a B makes only the first, a W only the second; a forward's last op adds a tokens × h
-// output. On the CPU, bf16/fp16 matmuls also keep an fp32 result (oneDNN): w + 4 bytes.
+// output. On the CPU, bf16/fp16 matmuls go through oneDNN, whose workspaces depend on the CPU:
+// each of the two as this CPU's matmul of that shape allocates (cpu_matmul_bytes).
 struct Working {
-  double input, weight, forward;
+  double input, weight, backward, forward;
 };
 Working working_set(const PlanBasis& b) {
   const double f = static_cast<double>(b.m.ffn_hidden) / b.tp;
-  const double wx = b.cpu && b.w < 4 ? b.w + 4 : b.w;
-  return {wx * b.tok * f + (b.sp ? b.w * b.tok * b.h : 0.0), wx * f * b.h, b.w * b.tok * b.h};
+  const double gathered = b.sp ? b.w * b.tok * b.h : 0.0;
+  const double input_out = b.w * b.tok * f, weight_out = b.w * f * b.h;
+  double input = input_out, weight = weight_out;  // each matmul at its peak, output included
+  if (b.cpu && b.w < 4) {
+    const auto tok = static_cast<int64_t>(b.tok), h = static_cast<int64_t>(b.h);
+    const auto ffn = static_cast<int64_t>(f);
+    input = cpu_matmul_bytes(tok, h, ffn, b.dtype, false, b.threads);
+    weight = cpu_matmul_bytes(h, tok, ffn, b.dtype, true, b.threads);
+  }
+  // A backward makes the input's gradient, then the weight's beside it (a matmul's workspace
+  // is gone once it returns).
+  return {input + gathered, weight, std::max(input, input_out + weight) + gathered,
+          b.w * b.tok * b.h};
 }
 
 // One micro-batch of one chunk (layers [begin, end), local chunk k of pipeline rank `stage`).
@@ -363,8 +388,7 @@ parallel::pp::ChunkBytes chunk_bytes(const plan::Config& c, const plan::Layout& 
       one.last && one.first && m.tied() && c.training.lean_logits ? b.vocab_local * h * w : 0.0;
   const auto x = working_set(b);
   const double release = one.last ? last_kept - table_grad : 0.0;
-  const double plain =
-      cb.whole - cb.sent_backward + std::max(0.0, x.input + x.weight + rerun - release);
+  const double plain = cb.whole - cb.sent_backward + std::max(0.0, x.backward + rerun - release);
   cb.during_forward = one.last ? head_transient : x.forward + rerun;
   cb.during_input = std::max(0.0, cb.whole - cb.sent_backward - cb.deferred + rerun) + x.input;
   cb.backward = {plain, plain, plain, plain};
@@ -383,7 +407,7 @@ parallel::pp::ChunkBytes chunk_bytes(const plan::Config& c, const plan::Layout& 
   cb.backward =
       walk(list,
            backward_held(list, b, {begin, end}, one.first, cb.whole, one.last ? last_kept : 0.0,
-                         table_grad, neighbour + x.input + x.weight + rerun),
+                         table_grad, neighbour + x.backward + rerun),
            once, plain);
   auto held = weight_held(list, cb.deferred);
   for (auto& bytes : held) bytes += x.weight;

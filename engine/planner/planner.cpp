@@ -249,8 +249,11 @@ void add_layer_bytes(PlanBasis& b, const plan::Config& c, const plan::Layout& l)
     // tensors by a sweep of moe.ffn_hidden and layers, 2026-11-27).
     const auto& e = m.moe;
     const double k = static_cast<double>(e.top_k), f = static_cast<double>(e.ffn_hidden);
+    // In bf16/fp16 the router also keeps its fp32 copy of the layer's input (4/w elements per h:
+    // measured on CPU bf16, 2026-11-28, 2.6 KB a layer where this counts 2.0).
     const double routed = t.recompute == plan::Recompute::kNone
-                              ? k * (4 * f + 3 * h) + 2 * static_cast<double>(e.experts) * 4 / w
+                              ? k * (4 * f + 3 * h) + 2 * static_cast<double>(e.experts) * 4 / w +
+                                    (w < 4 ? 4 / w * h : 0.0)
                               : 0.0;
     const double shared = a.ffn * static_cast<double>(e.shared) * f / tp;
     b.per_moe_layer = b.per_layer + w * tok / (sp ? tp : 1.0) * routed + w * tok * shared -
@@ -275,10 +278,8 @@ PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
   b.vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
   b.cpu = cpu;
   b.own_kernels = cpu && t.kernels == plan::Kernels::kTessel && b.dtype == torch::kFloat32;
-  b.lanes = plan::pairs_microbatches(c, l.world(), !cpu,
-                                     t.threads > 0 ? t.threads : int64_t{at::get_num_threads()})
-                ? 2
-                : 1;
+  b.threads = t.threads > 0 ? t.threads : int64_t{at::get_num_threads()};
+  b.lanes = plan::pairs_microbatches(c, l.world(), !cpu, b.threads) ? 2 : 1;
   b.a = activation_model(m, t.recompute, b.own_kernels, b.cpu, w);
   b.short_attention = short_attention_bytes(c, l, m, b.dtype, b.own_kernels);
   const auto kind = l.pp > 1 ? plan::PipelineSchedule(c.parallel.pipeline_schedule)

@@ -132,18 +132,14 @@ PLANNER_KNOWN_MISSES = {}
 # varies, not a tolerance.
 PLANNER_ACTIVATION_TOL = 0.10
 PLANNER_ACTIVATION_MISSES = {
-    # bf16/fp16 on the CPU: LibTorch's low-precision matmuls go through oneDNN, whose path and
-    # workspaces depend on the CPU's instruction set (the head's weight-gradient matmul allocates
-    # 44,032 bytes on moe_ep2_bf16_llama, where its bf16 product is 19,264: traced per pass,
-    # 2026-11-28, AMD EPYC with AVX512-BF16); the planner counts an fp32 result per matmul in a
-    # pass's working set (engine/planner/memory.cpp working_set). Bounds cover both CPUs measured
-    # (with and without AVX512-BF16).
-    "moe_ep2_bf16_llama": 23,  # -19.8%
-    "moe_ep2_fp16_llama": 13,  # -10.1%
-    "zero2_dp4_shard2_pp2_zbv_bf16_gpt2": 19,  # -15.7%
-    "zero3_dp2_bf16_gpt2": 17,  # +13.5% (ZeRO-3's backward walk counts the working set and three
-    "zero3_dp2_fp16_gpt2": 24,  # +21.2%  bucket buffers, where these keep about 48 KB less)
-    "zero3_dp2_pp2_1f1b_free_bf16_llama": 13,  # +9.9%
+    # bf16, ZeRO-2 over shard groups of 2 with zbv: the W of the chunk holding the head and the
+    # tied table peaks about 36 KB (the table's size in fp32) above the planner's walk of its
+    # buckets on the first stage; the same layout over one shard group (zero2_dp2_pp2_zbv_bf16_gpt2)
+    # peaks elsewhere and is within 3%. Traced per pass 2026-11-28, cause not found yet.
+    "zero2_dp4_shard2_pp2_zbv_bf16_gpt2": 19,  # -16.0%
+    # bf16, ZeRO-3 without kept units in 1F1B: the last stage predicted 10.0% above its peak,
+    # not traced yet.
+    "zero3_dp2_pp2_1f1b_free_bf16_llama": 13,  # +10.0%
     # Two micro-batches on two threads: the peak depends on how the pair's passes interleave
     # (measured -0.1% and +10.5% for the same plan).
     "microbatch_pairs_gpt2": 14,

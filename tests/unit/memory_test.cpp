@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include "core/observe/counters.h"
+#include "engine/planner/cpu_profile.h"
 #include "engine/planner/model_plan.h"
 #include "models/registry.h"
 #include "parallel/tp/layers.h"
@@ -31,6 +32,23 @@ TEST(Memory, CountingAllocatorServesRawAllocations) {
   EXPECT_TRUE(torch::allclose(c.to(torch::kFloat32),
                               torch::matmul(a.to(torch::kFloat32), b.to(torch::kFloat32)), 0.05,
                               0.1));
+}
+
+// A probe measures what a function allocates at its peak, and leaves the step's peak as it was
+// (the planner measures oneDNN's matmul workspaces with it: engine/planner/cpu_profile.h).
+TEST(Memory, PeakDuringMeasuresAndLeavesTheStepPeak) {
+  auto& counter = observe::CpuAllocationCounter::get();
+  counter.take_peak();
+  const int64_t peak = counter.take_peak();  // now
+  const int64_t most = counter.peak_during([] {
+    auto a = torch::empty({1000}, torch::kFloat32);  // 4,000 bytes
+    auto b = torch::empty({500}, torch::kFloat32);   // 2,000 more at once
+  });
+  EXPECT_EQ(most, 6000);
+  EXPECT_EQ(counter.take_peak(), peak);  // the probe is no step's peak
+  // fp32: a matmul allocates its result; bf16 as this CPU's oneDNN does, at least its result.
+  EXPECT_EQ(planner::cpu_matmul_bytes(16, 32, 80, torch::kFloat32, false, 1), 16 * 80 * 4);
+  EXPECT_GE(planner::cpu_matmul_bytes(32, 16, 80, torch::kBFloat16, true, 1), 32 * 80 * 2);
 }
 
 TEST(Memory, CrossEntropyKeepsOneFp32CopyOfTheLogits) {
