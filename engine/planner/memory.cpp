@@ -363,7 +363,7 @@ parallel::pp::ChunkBytes chunk_bytes(const plan::Config& c, const plan::Layout& 
                                      const PlanBasis& b, int64_t stage, int64_t k,
                                      const models::StagePart& one, double last_kept,
                                      double head_transient, double rerun,
-                                     const optim::FlatLayout* layout) {
+                                     const optim::FlatLayout* layout, bool part_first) {
   const auto& m = b.m;
   const double h = b.h, w = b.w, tok = b.tok;
   const auto [begin, end] = one.chunks.front();
@@ -397,9 +397,14 @@ parallel::pp::ChunkBytes chunk_bytes(const plan::Config& c, const plan::Layout& 
   if (!layout) return cb;
   // ZeRO-3 without kept units and pipelining: the prefetched block beside the one add_gathered
   // counts.
-  const auto list = chunk_slots(*layout, k);
+  auto list = chunk_slots(*layout, k);
   const bool once = reduce_once(b);
   for (const auto& slot : list) cb.grads += once ? 4 * slot.params : 0.0;
+  // A V's first rank: its tied table (in chunk 0's buckets) gets the head's gradient first in
+  // each pass of its last chunk too, opening the table's bucket there.
+  if (one.last && !one.first && part_first && m.tied())
+    for (const auto& slot : chunk_slots(*layout, 0))
+      if (slot.name == "embed.weight") list.insert(list.begin(), slot);
   const double neighbour =
       b.zero == 3 && !b.keep_gathered && l.pp == 1 && c.training.recompute == plan::Recompute::kNone
           ? b.w * b.block
@@ -434,7 +439,7 @@ double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& 
     const models::StagePart one{
         {{begin, end}}, part.first && begin == 0, part.last && end == m.layers};
     bytes.push_back(chunk_bytes(c, l, b, stage, static_cast<int64_t>(bytes.size()), one, last_kept,
-                                head_transient, rerun, layout ? &*layout : nullptr));
+                                head_transient, rerun, layout ? &*layout : nullptr, part.first));
   }
   if (l.pp == 1) return parallel::pp::peak_held(one_stage_turns(b), bytes);
   const auto& timeline = b.sim.timeline[static_cast<size_t>(stage)];
