@@ -5,8 +5,10 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "core/plan/config.h"
 #include "engine/planner/documents.h"
@@ -92,6 +94,19 @@ ActivationModel activation_model(const models::ModelShape& m, plan::Recompute re
 // Sequence parallelism's all-gathered inputs the projections save, per token, in elements, above
 // the activation model (memory.cpp).
 double sp_gathered_floats(plan::Recompute recompute, double h, double tp, bool sp);
+// ZeRO-3 without kept units inside a pipeline, the rank's units played over its timeline
+// (gathers.cpp): `held`, the bytes gathered at each slot's peak; `gathers`, how often each unit
+// (kRoot, or a layer) is gathered in the step. `root`: the root unit's bytes.
+struct UnitReplay {
+  static constexpr int64_t kRoot = std::numeric_limits<int64_t>::min();
+  std::vector<double> held;
+  std::map<int64_t, double> gathers;
+};
+UnitReplay replay_units(const std::vector<parallel::pp::Simulation::Slot>& timeline,
+                        const PlanBasis& b, const plan::Layout& l, const models::StagePart& part,
+                        double root);
+// The stage's parameters outside its blocks (the root unit's), on one rank.
+double root_parameters(const PlanBasis& b, const plan::Layout& l, const models::StagePart& part);
 // ZeRO-3 without kept units inside a pipeline: how often pipeline rank `stage` gathers its root
 // unit and each of its blocks (by layer) in a step, as parallel/dp/zero3.h plays over the rank's
 // schedule (memory.cpp).
