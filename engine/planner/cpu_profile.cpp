@@ -1,7 +1,5 @@
 #include "engine/planner/cpu_profile.h"
 
-#include "core/observe/counters.h"
-
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -28,6 +26,7 @@
 #include "core/kernels/activation_kernels.h"
 #include "core/kernels/activations.h"
 #include "core/kernels/attention_cpu.h"
+#include "core/observe/counters.h"
 #include "engine/planner/model_plan.h"
 #include "parallel/comm.h"
 

@@ -3,10 +3,7 @@
 // and loss, ZeRO's gathered units and buckets, the gradient norm) beside its state between steps.
 #include <algorithm>
 #include <cmath>
-#include <limits>
-#include <map>
 #include <optional>
-#include <set>
 
 #include "core/optim/optim.h"
 #include "engine/planner/basis.h"
@@ -315,8 +312,6 @@ parallel::pp::ChunkBytes chunk_bytes(const plan::Config& c, const plan::Layout& 
   const double weight_plain = cb.deferred + x.weight;
   cb.weight = {weight_plain, weight_plain, weight_plain, weight_plain};
   if (!layout) return cb;
-  // ZeRO-3 without kept units and pipelining: the prefetched block beside the one add_gathered
-  // counts.
   auto list = chunk_slots(*layout, k);
   const bool once = reduce_once(b);
   for (const auto& slot : list) cb.grads += once ? 4 * slot.params : 0.0;
@@ -325,6 +320,8 @@ parallel::pp::ChunkBytes chunk_bytes(const plan::Config& c, const plan::Layout& 
   if (one.last && !one.first && part_first && m.tied())
     for (const auto& slot : chunk_slots(*layout, 0))
       if (slot.name == "embed.weight") list.insert(list.begin(), slot);
+  // ZeRO-3 without kept units and pipelining: the prefetched block beside the one add_gathered
+  // counts.
   const double neighbour =
       b.zero == 3 && !b.keep_gathered && l.pp == 1 && c.training.recompute == plan::Recompute::kNone
           ? b.w * b.block
