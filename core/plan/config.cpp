@@ -203,7 +203,11 @@ class Loader {
     } catch (const YAML::Exception& e) {
       throw UserError(where + ": cannot parse the value: " + e.msg);
     }
-    if (n.IsNull() && std::holds_alternative<std::string*>(it->second->ref)) n = YAML::Node("");
+    // A string key's value that YAML reads as nothing (",,", a bare "-") is the text as written,
+    // so the key's own rules judge it; "", "null" and "~" are the empty string.
+    const std::string raw = kv.substr(eq + 1);
+    if (n.IsNull() && std::holds_alternative<std::string*>(it->second->ref))
+      n = YAML::Node(raw == "null" || raw == "~" || raw == "Null" || raw == "NULL" ? "" : raw);
     set(*it->second, n, where);
   }
 

@@ -93,22 +93,60 @@ void add_token_files(TokenStream& s, const std::vector<std::string>& patterns, i
 
 }  // namespace
 
-// Maps a whole file read-only; an empty file maps to nothing.
-std::shared_ptr<Mapping> map_file(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) throw plan::UserError(path + ": cannot open: " + std::strerror(errno));
-  struct stat st {};
-  fstat(fd, &st);
-  if (S_ISDIR(st.st_mode)) {
-    ::close(fd);
-    throw plan::UserError(path + ": a folder, not a data file");
+const char* file_kind(unsigned mode) {
+  switch (mode & S_IFMT) {
+    case S_IFDIR: return "a folder";
+    case S_IFIFO: return "a FIFO (named pipe)";
+    case S_IFCHR: return "a character device";
+    case S_IFBLK: return "a block device";
+    case S_IFSOCK: return "a socket";
+    case S_IFREG: return "a regular file";
+    default: return "not a regular file";
   }
+}
+
+int open_regular(const std::string& path, const std::string& key) {
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0 && errno == ENOENT) return -1;
+  if (fd < 0) throw plan::UserError(key + ": " + path + ": cannot open: " + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    const int err = errno;
+    ::close(fd);
+    throw plan::UserError(key + ": " + path + " is " +
+                          (S_ISREG(st.st_mode) ? std::string("unreadable: ") + std::strerror(err)
+                                               : std::string(file_kind(st.st_mode))) +
+                          ", not a regular file: give a file's path");
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
+std::optional<std::string> read_regular(const std::string& path, const std::string& key) {
+  const int fd = open_regular(path, key);
+  if (fd < 0) return std::nullopt;
+  std::string out;
+  char buf[1 << 16];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+  const int err = errno;
+  ::close(fd);
+  if (n < 0) throw plan::UserError(key + ": " + path + ": cannot read: " + std::strerror(err));
+  return out;
+}
+
+std::shared_ptr<Mapping> map_file(const std::string& path, const std::string& key) {
+  const int fd = open_regular(path, key);
+  if (fd < 0) throw plan::UserError(key + ": " + path + ": cannot open: " + std::strerror(ENOENT));
+  struct stat st {};
+  ::fstat(fd, &st);
   auto m = std::make_shared<Mapping>();
   m->size = static_cast<size_t>(st.st_size);
   if (m->size) m->ptr = mmap(nullptr, m->size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
   if (m->size && m->ptr == MAP_FAILED)
-    throw plan::UserError(path + ": cannot map: " + std::strerror(errno));
+    throw plan::UserError(key + ": " + path + ": cannot map: " + std::strerror(errno));
   return m;
 }
 

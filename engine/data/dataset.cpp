@@ -144,7 +144,8 @@ Source megatron_source(const Named& n, std::shared_ptr<const TokenStream> stream
     src.index = std::make_shared<const MappedIndex>(cached_index(
         index_folder(c.data, *src.stream),
         index_description(*src.stream, begin, end, samples, src.seq_len, seed),
-        [&] { return build_gpt_index(src.sizes, begin, end, samples, src.seq_len, seed); }));
+        [&] { return build_gpt_index(src.sizes, begin, end, samples, src.seq_len, seed); },
+        [&](const GptView& v) { return check_gpt_view(v, src.sizes, begin, end, src.seq_len); }));
   } catch (const std::invalid_argument& e) {
     throw plan::UserError(
         fmt::format("{}: the {} split of {} (documents {} to {} of {}{}): {}", n.key, split_name(s),
@@ -283,8 +284,12 @@ void require_samples(const Source& src, SampleSplit s, const plan::DataConfig& d
   const std::string need =
       fmt::format("not one sample of training.seq_len+1 = {} tokens", src.seq_len + 1);
   if (s == SampleSplit::kTrain)
-    throw plan::UserError(fmt::format("{}: {} hold {} training tokens: {}", src.key, src.name,
-                                      src.end - src.begin, need));
+    throw plan::UserError(fmt::format("{}: {} hold {} training tokens{}: {}", src.key, src.name,
+                                      src.end - src.begin,
+                                      d.split.empty() ? ""
+                                                      : " under data.split " + d.split +
+                                                            " (its first share is training's)",
+                                      need));
   if (d.split.empty() && s == SampleSplit::kValid && src.key.rfind("data.valid", 0) != 0)
     throw plan::UserError(fmt::format(
         "data.val_fraction: the {} held-out tokens of {}{} hold no "

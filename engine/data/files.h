@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -23,9 +24,22 @@ struct Mapping {
   }
 };
 
-/// Maps a whole file read-only; an empty file maps to nothing. UserError naming the file when it
-/// cannot be opened or mapped, or is a folder.
-std::shared_ptr<Mapping> map_file(const std::string& path);
+/// Maps a whole file read-only; an empty file maps to nothing. UserError naming `key` (the plan key
+/// that gave the path, e.g. "data.path") and the file when it cannot be opened or mapped, or is
+/// not a regular file (a folder, a FIFO, a device: refused at once, never waited on).
+std::shared_ptr<Mapping> map_file(const std::string& path, const std::string& key = "data.path");
+
+/// The file `path` opened read-only (O_CLOEXEC), or -1 when it does not exist; a UserError naming
+/// `key` and the path when it exists but cannot be opened or is not a regular file. Opening does
+/// not block on a FIFO (O_NONBLOCK while the kind is checked).
+int open_regular(const std::string& path, const std::string& key);
+
+/// What kind of file st_mode is when it is not a regular one ("a FIFO", "a character device"...).
+const char* file_kind(unsigned mode);
+
+/// The whole of the regular file `path`, or nullopt when it does not exist (errors as
+/// open_regular).
+std::optional<std::string> read_regular(const std::string& path, const std::string& key);
 
 /// The first 9 bytes of a Megatron .idx file.
 inline constexpr char kIdxMagic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', 0, 0};

@@ -179,6 +179,52 @@ GptView view_of(const GptIndex& ix) {
           ix.size(),           ix.epochs};
 }
 
+std::string check_gpt_view(const GptView& ix, const DocSizes& sizes, int64_t begin, int64_t end,
+                           int64_t seq_len) {
+  if (begin < 0 || end > sizes.size() || begin >= end || seq_len < 1)
+    return "documents " + std::to_string(begin) + " to " + std::to_string(end) + " of " +
+           std::to_string(sizes.size());
+  const int64_t span = end - begin;
+  if (ix.epochs < 1 || ix.n_documents / span != ix.epochs || ix.n_documents % span != 0)
+    return std::to_string(ix.n_documents) + " document entries for " + std::to_string(ix.epochs) +
+           " epochs of " + std::to_string(span) + " documents";
+  std::vector<int64_t> seen(static_cast<size_t>(span), 0);
+  for (int64_t i = 0; i < ix.n_documents; ++i) {
+    const int64_t d = ix.documents[i];
+    if (d < begin || d >= end)
+      return "document entry " + std::to_string(i) + " is document " + std::to_string(d) +
+             ", outside " + std::to_string(begin) + " to " + std::to_string(end);
+    if (++seen[static_cast<size_t>(d - begin)] > ix.epochs)
+      return "document " + std::to_string(d) + " more than once per epoch";
+  }
+  // Sample j runs from start j to start j+1, both ends included: seq_len+1 tokens.
+  for (int64_t j = 0; j <= ix.n_samples; ++j) {
+    const int64_t p = ix.starts[2 * j], o = ix.starts[2 * j + 1];
+    if (p < 0 || p >= ix.n_documents || o < 0 || (o > 0 && o >= sizes[ix.documents[p]]))
+      return "sample start " + std::to_string(j) + " (" + std::to_string(p) + ", " +
+             std::to_string(o) + ") is outside its document";
+    if (j == 0) continue;
+    const int64_t p0 = ix.starts[2 * j - 2], o0 = ix.starts[2 * j - 1];
+    if (p < p0 || (p == p0 && o <= o0))
+      return "sample " + std::to_string(j - 1) + " ends before it starts";
+    int64_t tokens = p == p0 ? o - o0 + 1 : sizes[ix.documents[p0]] - o0;
+    for (int64_t i = p0 + 1; i < p && tokens <= seq_len + 1; ++i) tokens += sizes[ix.documents[i]];
+    if (p != p0) tokens += o + 1;
+    if (tokens != seq_len + 1)
+      return "sample " + std::to_string(j - 1) + " holds " + std::to_string(tokens) +
+             " tokens, not seq_len+1 = " + std::to_string(seq_len + 1);
+  }
+  std::vector<bool> taken(static_cast<size_t>(ix.n_samples), false);
+  for (int64_t k = 0; k < ix.n_samples; ++k) {
+    const int64_t s = ix.order[k];
+    if (s < 0 || s >= ix.n_samples || taken[static_cast<size_t>(s)])
+      return "the shuffle's entry " + std::to_string(k) + " (" + std::to_string(s) +
+             ") is not a permutation's";
+    taken[static_cast<size_t>(s)] = true;
+  }
+  return "";
+}
+
 void gpt_sample(const GptView& ix, const DocSizes& sizes, int64_t k, std::vector<DocPiece>& out) {
   out.clear();
   const auto s = ix.order[k];

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <optional>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -89,6 +90,14 @@ struct GptView {
   int64_t size() const { return n_samples; }
 };
 GptView view_of(const GptIndex& ix);
+
+/// "" when `ix` is what build_gpt_index makes of documents [begin, end) of `sizes` with samples of
+/// seq_len+1 tokens, as far as reading it is concerned: every document of the dataset `epochs`
+/// times, each sample's start within its document and seq_len+1 tokens long, samples in reading
+/// order, the shuffle a permutation. Else what is wrong. One pass over the arrays (a cache file
+/// is checked with it once, where it is mapped).
+std::string check_gpt_view(const GptView& ix, const DocSizes& sizes, int64_t begin, int64_t end,
+                           int64_t seq_len);
 
 /// Sample k's pieces: (document, offset, tokens) in reading order, seq_len+1 tokens in all.
 struct DocPiece {

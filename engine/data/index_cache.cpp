@@ -21,7 +21,9 @@
 namespace tessel::data {
 namespace {
 
-constexpr char kMagic[9] = "TSLGPTX1";
+// 2: the checksum covers the header and the description too (a file whose arrays were
+// recomputed for other data no longer passes).
+constexpr char kMagic[9] = "TSLGPTX2";
 struct Header {
   char magic[8];
   int64_t desc_bytes, n_documents, n_samples, epochs;
@@ -49,21 +51,30 @@ uint64_t fnv1a(const std::string& s) {
   return h;
 }
 
-// The three arrays' checksums, combined (each read where it lies: no copy to write or check).
-uint64_t arrays_checksum(const void* documents, int64_t n_documents, const void* starts,
-                         const void* order, int64_t n_samples) {
-  const uint64_t a = index_checksum(documents, static_cast<size_t>(4 * n_documents));
-  const uint64_t b = index_checksum(starts, static_cast<size_t>(16 * (n_samples + 1)));
-  const uint64_t c = index_checksum(order, static_cast<size_t>(8 * n_samples));
-  return a ^ (b << 1 | b >> 63) ^ (c << 2 | c >> 62);
+// The file's checksum: its key (the description: data, split, samples, seq_len, seed), its
+// header's counts and its three arrays (each read where it lies: no copy to write or check).
+uint64_t file_checksum(const std::string& description, const Header& h, const void* documents,
+                       const void* starts, const void* order) {
+  const int64_t counts[3] = {h.n_documents, h.n_samples, h.epochs};
+  const uint64_t k = fnv1a(description) ^ index_checksum(counts, sizeof counts);
+  const uint64_t a = index_checksum(documents, static_cast<size_t>(4 * h.n_documents));
+  const uint64_t b = index_checksum(starts, static_cast<size_t>(16 * (h.n_samples + 1)));
+  const uint64_t c = index_checksum(order, static_cast<size_t>(8 * h.n_samples));
+  return k ^ (a << 3 | a >> 61) ^ (b << 1 | b >> 63) ^ (c << 2 | c >> 62);
 }
 
 // The mapped file `path` if it holds `description` whole and intact; else "" and why.
-MappedIndex try_map(const std::string& path, const std::string& description, std::string& why) {
+// A path that exists but is not a regular file (a FIFO, a device, a folder) is refused: it is
+// not the cache's to replace.
+MappedIndex try_map(const std::string& path, const std::string& description,
+                    const IndexCheck& check, std::string& why) {
   MappedIndex m;
+  const int fd = open_regular(path, "data.index_cache");
+  if (fd < 0) return why = "not built yet", m;
+  ::close(fd);
   std::shared_ptr<Mapping> map;
   try {
-    map = map_file(path);
+    map = map_file(path, "data.index_cache");
   } catch (const plan::UserError& e) {
     why = e.what();
     return m;
@@ -83,15 +94,20 @@ MappedIndex try_map(const std::string& path, const std::string& description, std
   if (std::string(reinterpret_cast<const char*>(base + sizeof(Header)),
                   static_cast<size_t>(h.desc_bytes)) != description)
     return why = "made for other data or settings (its description differs)", m;
-  if (arrays_checksum(base + l.documents, h.n_documents, base + l.starts, base + l.order,
-                      h.n_samples) != h.checksum)
-    return why = "its arrays fail their checksum (damaged)", m;
+  if (file_checksum(description, h, base + l.documents, base + l.starts, base + l.order) !=
+      h.checksum)
+    return why = "it fails its checksum (damaged, or not this data's)", m;
   m.view = {reinterpret_cast<const int32_t*>(base + l.documents),
             reinterpret_cast<const int64_t*>(base + l.starts),
             reinterpret_cast<const int64_t*>(base + l.order),
             h.n_documents,
             h.n_samples,
             h.epochs};
+  // Checked once where it is mapped: every later read of it is then within the dataset.
+  if (const std::string bad = check(m.view); !bad.empty()) {
+    why = "its indices do not fit the data: " + bad;
+    return MappedIndex{};
+  }
   m.storage = map;
   return m;
 }
@@ -103,8 +119,8 @@ void write_index(const std::string& path, const std::string& description, const 
   h.n_documents = static_cast<int64_t>(ix.documents.size());
   h.n_samples = ix.size();
   h.epochs = ix.epochs;
-  h.checksum = arrays_checksum(ix.documents.data(), h.n_documents, ix.starts.data(),
-                               ix.order.data(), h.n_samples);
+  h.checksum = file_checksum(description, h, ix.documents.data(), ix.starts.data(),
+                             ix.order.data());
   const std::string tmp = fmt::format("{}.tmp.{}.{}", path, ::getpid(), std::random_device{}());
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
@@ -152,7 +168,7 @@ uint64_t index_checksum(const void* p, size_t n) {
 }
 
 MappedIndex cached_index(const std::string& folder, const std::string& description,
-                         const std::function<GptIndex()>& build) {
+                         const std::function<GptIndex()>& build, const IndexCheck& check) {
   std::error_code ec;
   std::filesystem::create_directories(folder, ec);
   if (ec || ::access(folder.c_str(), W_OK) != 0)
@@ -162,7 +178,7 @@ MappedIndex cached_index(const std::string& folder, const std::string& descripti
         folder, ec ? ec.message() : std::strerror(errno)));
   const std::string path = fmt::format("{}/gpt-{:016x}.tix", folder, fnv1a(description));
   std::string why = "not built yet";
-  if (auto m = try_map(path, description, why); m.storage) {
+  if (auto m = try_map(path, description, check, why); m.storage) {
     m.path = path;
     return m;
   }
@@ -173,14 +189,26 @@ MappedIndex cached_index(const std::string& folder, const std::string& descripti
     ~Lock() {
       if (fd >= 0) ::close(fd);  // releases it
     }
-  } lock{::open((path + ".lock").c_str(), O_CREAT | O_RDWR, 0644)};
-  if (lock.fd >= 0) ::flock(lock.fd, LOCK_EX);
-  MappedIndex m = try_map(path, description, why);
+  } lock{::open((path + ".lock").c_str(), O_CREAT | O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0644)};
+  if (lock.fd < 0 && errno == ELOOP)  // a link would make us create or lock what it names
+    throw plan::UserError(fmt::format(
+        "data.index_cache: {}.lock is a symbolic link: the cache's lock is a plain file it "
+        "makes itself (remove the link)",
+        path));
+  if (lock.fd >= 0) {
+    struct stat st {};
+    if (::fstat(lock.fd, &st) != 0 || !S_ISREG(st.st_mode))
+      throw plan::UserError(fmt::format("data.index_cache: {}.lock is {}, not a regular file "
+                                        "(remove it)",
+                                        path, file_kind(st.st_mode)));
+    ::flock(lock.fd, LOCK_EX);
+  }
+  MappedIndex m = try_map(path, description, check, why);
   if (!m.storage) {
     if (why.find("No such file") == std::string::npos && why != "not built yet")
       spdlog::warn("data.index_cache: {}: {}; rebuilding it", path, why);
     write_index(path, description, build());
-    m = try_map(path, description, why);
+    m = try_map(path, description, check, why);
     m.built = true;
   }
   if (!m.storage)

@@ -22,11 +22,15 @@ struct MappedIndex {
   std::string path;
 };
 
+/// "" when a mapped index fits the data it is read with, else what is wrong (check_gpt_view).
+using IndexCheck = std::function<std::string(const GptView&)>;
+
 /// The index `description` names, from `folder` (created when missing), built by `build` when it
-/// is not there or fails its checks. UserError naming data.index_cache when the folder cannot be
-/// written.
+/// is not there or fails its checks (its checksum, which covers the description, and `check`).
+/// UserError naming data.index_cache when the folder cannot be written, or the file or its lock
+/// is there but not a regular file (a FIFO, a device, a symbolic link for the lock).
 MappedIndex cached_index(const std::string& folder, const std::string& description,
-                         const std::function<GptIndex()>& build);
+                         const std::function<GptIndex()>& build, const IndexCheck& check);
 
 /// 64-bit checksum of `n` bytes (words multiplied in; fast enough to check gigabytes at start-up).
 uint64_t index_checksum(const void* p, size_t n);

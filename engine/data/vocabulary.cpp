@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/data/dataset.h"
+#include "engine/data/files.h"
 #include "engine/io/checksum.h"
 
 namespace tessel::data {
@@ -32,7 +33,7 @@ std::vector<Recorded> recorded(const plan::DataConfig& d) {
   if (d.format != plan::DataFormat::kMegatron) return out;
   for (const auto& [key, prefixes] : named_datasets(d))
     for (const auto& prefix : prefixes)
-      if (auto v = read_vocabulary(prefix)) out.push_back({key, prefix, *v});
+      if (auto v = read_vocabulary(prefix, key)) out.push_back({key, prefix, *v});
   return out;
 }
 
@@ -54,23 +55,35 @@ void write_vocabulary(const std::string& prefix, const DataVocabulary& v) {
   std::filesystem::rename(tmp, path);
 }
 
-std::optional<DataVocabulary> read_vocabulary(const std::string& prefix) {
+std::optional<DataVocabulary> read_vocabulary(const std::string& prefix, const std::string& key) {
   const std::string path = vocabulary_path(prefix);
-  std::ifstream f(path);
-  if (!f) return std::nullopt;
+  const auto text = read_regular(path, key);  // a FIFO or a device is refused, never waited on
+  if (!text) return std::nullopt;
   try {
-    const auto j = nlohmann::json::parse(f);
+    const auto j = nlohmann::json::parse(*text);
     if (j.at("format").get<std::string>() != kFormat)
       throw std::runtime_error("format '" + j.at("format").get<std::string>() + "'");
-    return DataVocabulary{j.at("vocab_size").get<int64_t>(), j.at("eod").get<int64_t>(),
-                          j.at("eod_token").get<std::string>(),
+    // Each id field an integer in its range (a float or a string is not taken as one).
+    auto integer = [&j](const char* field) {
+      const auto& v = j.at(field);
+      if (!v.is_number_integer())
+        throw std::runtime_error(fmt::format("field {} is {}, not an integer", field, v.dump()));
+      return v.get<int64_t>();
+    };
+    const int64_t size = integer("vocab_size"), eod = integer("eod");
+    if (size <= 0)
+      throw std::runtime_error(fmt::format("field vocab_size is {}: it must be positive", size));
+    if (eod < 0 || eod >= size)
+      throw std::runtime_error(fmt::format(
+          "field eod is {}: an id of the vocabulary, in [0, vocab_size {})", eod, size));
+    return DataVocabulary{size, eod, j.at("eod_token").get<std::string>(),
                           j.at("tokenizer").get<std::string>(),
                           j.at("tokenizer_checksum").get<std::string>()};
   } catch (const std::exception& e) {
     throw plan::UserError(fmt::format(
-        "{}: not a vocabulary record tessel-data wrote ({}); remake the dataset with tessel-data, "
-        "or remove the file to check the dataset by its token ids alone",
-        path, e.what()));
+        "{}: {}: not a vocabulary record tessel-data wrote ({}); remake the dataset with "
+        "tessel-data, or remove the file to check the dataset by its token ids alone",
+        key, path, e.what()));
   }
 }
 

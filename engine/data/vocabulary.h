@@ -26,8 +26,11 @@ struct DataVocabulary {
 std::string vocabulary_path(const std::string& prefix);
 /// Writes it beside and renames it into place (a reader never sees half of one).
 void write_vocabulary(const std::string& prefix, const DataVocabulary& v);
-/// The record of `prefix`, none when it has none; UserError when it is unreadable.
-std::optional<DataVocabulary> read_vocabulary(const std::string& prefix);
+/// The record of `prefix`, none when it has none; UserError naming `key` (the plan key that gave
+/// the prefix) and the file when it is unreadable, not a regular file, or holds values out of
+/// range (vocab_size not a positive integer, eod not an integer id below it).
+std::optional<DataVocabulary> read_vocabulary(const std::string& prefix,
+                                              const std::string& key = "data.path");
 /// The fingerprint of a tokenizer file (its bytes' checksum, hex).
 std::string tokenizer_fingerprint(const std::string& path);
 

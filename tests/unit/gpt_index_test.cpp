@@ -3,13 +3,17 @@
 // tests/reference/megatron_samples_test.py).
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <chrono>
 
 #include <filesystem>
 #include <fstream>
 #include <numeric>
 
 #include "engine/data/gpt_index.h"
+#include "core/plan/user_error.h"
 #include "engine/data/index_cache.h"
 
 namespace tessel::data {
@@ -100,6 +104,7 @@ TEST(GptIndex, CacheBuildsOnceAndChecksOnReuse) {
     return build_gpt_index(sizes, 0, 10, 20, 8, 7);
   };
   const auto want = build_gpt_index(sizes, 0, 10, 20, 8, 7);
+  auto check = [&](const GptView& v) { return check_gpt_view(v, sizes, 0, 10, 8); };
   auto same = [&](const MappedIndex& m) {
     ASSERT_EQ(m.view.size(), want.size());
     for (int64_t k = 0; k < want.size(); ++k) EXPECT_EQ(m.view.order[k], want.order[k]);
@@ -107,10 +112,10 @@ TEST(GptIndex, CacheBuildsOnceAndChecksOnReuse) {
     for (size_t i = 0; i < want.documents.size(); ++i)
       EXPECT_EQ(m.view.documents[i], want.documents[i]);
   };
-  const auto a = cached_index(dir.string(), "{\"x\": 1}", build);
+  const auto a = cached_index(dir.string(), "{\"x\": 1}", build, check);
   EXPECT_TRUE(a.built);
   same(a);
-  const auto b = cached_index(dir.string(), "{\"x\": 1}", build);
+  const auto b = cached_index(dir.string(), "{\"x\": 1}", build, check);
   EXPECT_FALSE(b.built);
   same(b);
   EXPECT_EQ(builds, 1);
@@ -121,12 +126,112 @@ TEST(GptIndex, CacheBuildsOnceAndChecksOnReuse) {
     f.seekp(-3, std::ios::end);
     f.put('\x7f');
   }
-  EXPECT_TRUE(cached_index(dir.string(), "{\"x\": 1}", build).built);
+  EXPECT_TRUE(cached_index(dir.string(), "{\"x\": 1}", build, check).built);
   std::filesystem::resize_file(path, std::filesystem::file_size(path) - 8);
-  same(cached_index(dir.string(), "{\"x\": 1}", build));
+  same(cached_index(dir.string(), "{\"x\": 1}", build, check));
   EXPECT_EQ(builds, 3);
   // Other settings: another file.
-  EXPECT_NE(cached_index(dir.string(), "{\"x\": 2}", build).path, path);
+  EXPECT_NE(cached_index(dir.string(), "{\"x\": 2}", build, check).path, path);
+  std::filesystem::remove_all(dir);
+}
+
+// A mapped index is read without bounds checks, so a cache file is checked once where it is
+// mapped: each way of pointing outside the data, or of repeating a sample, is named.
+TEST(GptIndex, CheckNamesIndicesOutsideTheData) {
+  const std::vector<int32_t> lens = {5, 9, 3, 12, 7, 1, 8, 6, 10, 4};
+  const DocSizes sizes{reinterpret_cast<const uint8_t*>(lens.data()), 10};
+  const auto good = build_gpt_index(sizes, 2, 9, 13, 8, 3);
+  EXPECT_EQ(check_gpt_view(view_of(good), sizes, 2, 9, 8), "");
+  EXPECT_NE(check_gpt_view(view_of(good), sizes, 2, 9, 7), "");  // another seq_len
+  EXPECT_NE(check_gpt_view(view_of(good), sizes, 0, 9, 8), "");  // other documents
+  auto bad = [&](auto mutate, const std::string& want) {
+    GptIndex ix = good;
+    mutate(ix);
+    const std::string why = check_gpt_view(view_of(ix), sizes, 2, 9, 8);
+    EXPECT_NE(why.find(want), std::string::npos) << "got: '" << why << "'";
+  };
+  bad([](GptIndex& ix) { ix.documents[4] = 12; }, "outside 2 to 9");
+  bad([](GptIndex& ix) { ix.documents[4] = -1; }, "outside 2 to 9");
+  bad([](GptIndex& ix) { ix.documents[1] = ix.documents[0]; }, "more than once per epoch");
+  bad([](GptIndex& ix) { ix.starts[3] = 1 << 30; }, "outside its document");
+  bad([](GptIndex& ix) { ix.starts[2] = 1 << 30; }, "outside its document");
+  bad(
+      [](GptIndex& ix) {
+        ix.starts[2] = ix.starts[0];
+        ix.starts[3] = ix.starts[1];
+      },
+      "sample 0 ends before it starts");
+  bad([](GptIndex& ix) { ix.starts[3] += 1; }, "tokens, not seq_len+1 = 9");
+  bad([](GptIndex& ix) { std::fill(ix.order.begin(), ix.order.end(), 0); }, "permutation");
+  bad([](GptIndex& ix) { ix.order[0] = ix.size(); }, "permutation");
+  bad([](GptIndex& ix) { ix.epochs = 2; }, "document entries for 2 epochs");
+}
+
+// A file made for this data's description, with a valid checksum, whose indices point outside
+// the data (as a crafted file would: its maker recomputes the checksum) is rebuilt, never read.
+TEST(GptIndex, CacheRebuildsACraftedFileWithAValidChecksum) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("tessel-crafted-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const std::vector<int32_t> lens = {5, 9, 3, 12, 7, 1, 8, 6, 10, 4};
+  const DocSizes sizes{reinterpret_cast<const uint8_t*>(lens.data()), 10};
+  const auto want = build_gpt_index(sizes, 0, 10, 20, 8, 7);
+  auto check = [&](const GptView& v) { return check_gpt_view(v, sizes, 0, 10, 8); };
+  for (int variant = 0; variant < 2; ++variant) {
+    GptIndex crafted = want;
+    if (variant == 0) crafted.documents[3] = 1000000;               // a read far outside
+    else std::fill(crafted.order.begin(), crafted.order.end(), 5);  // one sample, repeated
+    const auto written = cached_index(
+        dir.string(), "{\"k\": 1}", [&] { return crafted; },
+        [](const GptView&) { return std::string(); });
+    ASSERT_TRUE(written.built);
+    int builds = 0;
+    const auto m = cached_index(
+        dir.string(), "{\"k\": 1}",
+        [&] {
+          ++builds;
+          return want;
+        },
+        check);
+    EXPECT_EQ(builds, 1) << "variant " << variant;
+    EXPECT_TRUE(m.built);
+    for (int64_t k = 0; k < want.size(); ++k) ASSERT_EQ(m.view.order[k], want.order[k]);
+    std::filesystem::remove_all(dir);
+  }
+}
+
+// A FIFO where the cache file goes, and a lock that is a symbolic link, are refused at once
+// naming data.index_cache and the path: a FIFO would block the open forever, a link would make
+// the lock create or lock what it names.
+TEST(GptIndex, CacheRefusesAFifoAndALinkedLock) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("tessel-fifo-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const std::vector<int32_t> lens = {5, 9, 3, 12, 7, 1, 8, 6, 10, 4};
+  const DocSizes sizes{reinterpret_cast<const uint8_t*>(lens.data()), 10};
+  auto build = [&] { return build_gpt_index(sizes, 0, 10, 20, 8, 7); };
+  auto check = [&](const GptView& v) { return check_gpt_view(v, sizes, 0, 10, 8); };
+  const std::string path = cached_index(dir.string(), "{}", build, check).path;
+  std::filesystem::remove(path);
+  ASSERT_EQ(::mkfifo(path.c_str(), 0644), 0);
+  auto message = [&] {
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      cached_index(dir.string(), "{}", build, check);
+    } catch (const plan::UserError& e) {
+      EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  std::string m = message();
+  EXPECT_NE(m.find("data.index_cache: " + path + " is a FIFO"), std::string::npos) << m;
+  std::filesystem::remove(path);
+  std::filesystem::remove(path + ".lock");
+  std::filesystem::create_symlink(dir / "elsewhere", path + ".lock");
+  m = message();
+  EXPECT_NE(m.find(".lock is a symbolic link"), std::string::npos) << m;
+  EXPECT_FALSE(std::filesystem::exists(dir / "elsewhere"));
   std::filesystem::remove_all(dir);
 }
 
