@@ -1,9 +1,11 @@
 #include "core/plan/rules.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
 #include <vector>
 
@@ -183,7 +185,11 @@ class Validator {
     const auto& d = c_.data;
     std::array<double, 3> shares{};
     const std::string bad = parse_split(d.split, shares);
-    require(bad.empty(), "data.split", "data.split '" + d.split + "' does not parse: " + bad);
+    const std::string shown =
+        d.split.size() <= 64 ? d.split
+                             : d.split.substr(0, 40) + "... (" + std::to_string(d.split.size()) +
+                                   " characters)";
+    require(bad.empty(), "data.split", "data.split '" + shown + "' does not parse: " + bad);
     require(d.split.empty() || d.val_fraction == 0, "data.val_fraction",
             "data.val_fraction (" + fmt_double(d.val_fraction) + ") and data.split ('" + d.split +
                 "') both hold out validation data: give one (data.split cuts each dataset by "
@@ -260,6 +266,30 @@ class Validator {
             "replays one step's shapes (set it false)");
   }
 
+  // Megatron's --data-path "0.3 A 0.7 B" (weights between prefixes) written in data.path: its
+  // numbers would be read as file names. Named, with the blend that says it.
+  void check_megatron_style_weights() {
+    std::vector<std::string> words;
+    for (const auto& item : c_.data.path) {
+      std::istringstream in(item);
+      for (std::string w; in >> w;) words.push_back(w);
+    }
+    auto number = [](const std::string& w) {
+      char* end = nullptr;
+      std::strtod(w.c_str(), &end);
+      return !w.empty() && end == w.c_str() + w.size();
+    };
+    if (words.size() < 2 || !number(words[0])) return;
+    std::string blend;
+    for (size_t i = 0; i + 1 < words.size(); i += 2)
+      blend += (blend.empty() ? "" : ", ") + std::string("{weight: ") + words[i] +
+               ", path: " + words[i + 1] + "}";
+    require(false, "data.path",
+            "data.path '" + fmt::format("{}", fmt::join(c_.data.path, " ")) +
+                "' reads as Megatron's --data-path (weights between prefixes); Tessel names "
+                "weighted datasets in data.blend: blend: [" + blend + "] (and no data.path)");
+  }
+
   void check_data_and_checkpoint() {
     const auto& m = c_.model;
     require(c_.data.format != DataFormat::kText || m.vocab_size >= 257, "model.vocab_size",
@@ -270,6 +300,7 @@ class Validator {
     require(c_.data.path.empty() || c_.data.blend.empty(), "data.blend",
             "data.path and data.blend both name training data: give one (a blend lists every "
             "dataset with its weight)");
+    check_megatron_style_weights();
     try {
       profile_steps(c_);
     } catch (const UserError& e) {
