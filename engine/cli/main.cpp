@@ -82,7 +82,8 @@ void add_train_options(CLI::App& app, TrainArgs& a) {
       "TEXT\n"
       "  tessel-train export CHECKPOINT_DIR --format hf --out DIR [--tokenizer tokenizer.json] "
       "[--max-shard-size 5GB]\n"
-      "  tessel-train samples CONFIG --out FILE [--split train|valid|test] [--count N] [--skip K]");
+      "  tessel-train samples CONFIG --out FILE [--split train|valid|test] [--count N] [--skip K] "
+      "[--force]");
 }
 
 int run_training(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
@@ -389,13 +390,16 @@ int run_samples(int argc, char** argv) {
                  "Output file: little-endian int32, training.seq_len+1 tokens per sample (the "
                  "inputs and the next-token labels; score --tokens reads it)")
       ->required();
+  bool force = false;
+  app.add_flag("--force", force,
+               "Replace --out if it exists (never one of the plan's inputs, a folder or a device)");
   app.add_option("--set", sets, "Override a plan key: section.key=value (repeatable)")->take_all();
   TESSEL_CLI_PARSE(app, argc, argv);
   const auto c = tessel::plan::load_config(config, sets);
   const auto which = split == "train"   ? tessel::data::SampleSplit::kTrain
                      : split == "valid" ? tessel::data::SampleSplit::kValid
                                         : tessel::data::SampleSplit::kTest;
-  tessel::data::write_samples(c, which, skip, count, out);
+  tessel::data::write_samples(c, which, skip, count, out, force);
   spdlog::info("samples {}..{} of the {} split ({} int32 tokens each) written to {}", skip,
                skip + count - 1, split, c.training.seq_len + 1, out);
   return 0;

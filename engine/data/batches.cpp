@@ -7,6 +7,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
 
 #include "engine/data/dataset.h"
 
@@ -90,8 +94,58 @@ torch::Tensor Dataset::split_batch(SampleSplit s, int64_t d, int64_t first, int6
   return rows(at, first);
 }
 
+namespace {
+
+constexpr int64_t kBlendReach = int64_t{1} << 27;
+
+// The files plan `c` reads: the plan, every dataset's files (a megatron prefix's .bin, .idx and
+// vocabulary record), model.init_from.
+std::vector<std::string> plan_inputs(const plan::Config& c) {
+  std::vector<std::string> in = {c.source, c.model.init_from};
+  for (const auto& [key, paths] : named_datasets(c.data))
+    for (const auto& p : paths) {
+      if (c.data.format == plan::DataFormat::kMegatron) {
+        for (const char* ext : {".bin", ".idx", ".tessel.json"}) in.push_back(p + ext);
+        continue;
+      }
+      try {
+        for (auto& f : expand(p)) in.push_back(std::move(f));
+      } catch (const plan::UserError&) {  // matches nothing: Dataset names it
+      }
+    }
+  return in;
+}
+
+// `out` may be written: not a folder, FIFO or device; not an existing file unless `force`; never
+// one of the plan's own inputs. Checked before anything is read or written.
+void check_output(const plan::Config& c, const std::string& out, bool force) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const auto st = fs::status(out, ec);
+  if (!fs::exists(st)) return;
+  if (!fs::is_regular_file(st))
+    throw plan::UserError(fmt::format("samples --out: {} is {}, not a file to write: give a "
+                                      "file's path",
+                                      out, fs::is_directory(st) ? "a folder" : "not a regular file "
+                                                                               "(a FIFO, a device "
+                                                                               "or a socket)"));
+  for (const auto& in : plan_inputs(c))
+    if (!in.empty() && fs::equivalent(out, in, ec))
+      throw plan::UserError(fmt::format(
+          "samples --out: {} is {}: write the samples elsewhere", out,
+          in == c.source ? "the plan file"
+          : in == out    ? "one of the plan's inputs"
+                         : in + ", one of the plan's inputs"));
+  if (!force)
+    throw plan::UserError(fmt::format(
+        "samples --out: {} exists: give another path, or --force to replace it", out));
+}
+
+}  // namespace
+
 int64_t write_samples(const plan::Config& c, SampleSplit split, int64_t skip, int64_t count,
-                      const std::string& out) {
+                      const std::string& out, bool force) {
+  check_output(c, out, force);
   Dataset data(c, {split});
   const auto& sets = data.sources(split);
   if (split != SampleSplit::kTrain && sets.empty())
@@ -102,6 +156,18 @@ int64_t write_samples(const plan::Config& c, SampleSplit split, int64_t skip, in
         split == SampleSplit::kValid ? " (or data.val_fraction)" : ""));
   // Validation and test: each dataset's samples in turn, wrapping (an evaluation reads the first
   // eval_batches x global_batch of each validation dataset).
+  // A blend's position is found by walking Megatron's rule from sample 0 (BlendedDataset builds
+  // its whole index the same way, about 10^8 samples a second here): bounded by the samples the
+  // plan's run reads, or 2^27 (a second's walk) where that is more.
+  const int64_t run = c.training.steps * c.training.global_batch,
+                reach = std::max(run, kBlendReach);
+  if (split == SampleSplit::kTrain && data.blend_size() > 1 &&
+      (skip > reach || count > reach - skip))
+    throw plan::UserError(fmt::format(
+        "samples --skip {} --count {}: the plan's run reads training.steps {} x "
+        "training.global_batch {} = {} samples of its blend, and samples looks at most {} "
+        "ahead; ask for samples within them (or --set training.steps=N to see further)",
+        skip, count, c.training.steps, c.training.global_batch, run, reach));
   int64_t total = 0;
   for (const auto& s : sets) total += s.samples;
   auto batch = [&](int64_t first, int64_t n) {
@@ -114,21 +180,25 @@ int64_t write_samples(const plan::Config& c, SampleSplit split, int64_t skip, in
     }
     return torch::cat(parts);
   };
-  const std::string tmp = out + ".tmp";
+  // Written beside under a name of this process's, and removed whatever fails on the way.
+  const std::string tmp = fmt::format("{}.tmp.{}", out, ::getpid());
   std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
   if (!f) throw plan::UserError(out + ": cannot write: " + std::strerror(errno));
-  constexpr int64_t kRows = 1024;  // read and written a block at a time, whatever `count`
-  for (int64_t done = 0; done < count;) {
-    const int64_t n = std::min(kRows, count - done);
-    const auto rows = batch(skip + done, n).to(torch::kInt32).contiguous();
-    f.write(reinterpret_cast<const char*>(rows.data_ptr<int32_t>()),
-            static_cast<std::streamsize>(rows.numel() * 4));
-    done += n;
-  }
-  f.close();
-  if (!f) {
+  try {
+    constexpr int64_t kRows = 1024;  // read and written a block at a time, whatever `count`
+    for (int64_t done = 0; done < count;) {
+      const int64_t n = std::min(kRows, count - done);
+      const auto rows = batch(skip + done, n).to(torch::kInt32).contiguous();
+      f.write(reinterpret_cast<const char*>(rows.data_ptr<int32_t>()),
+              static_cast<std::streamsize>(rows.numel() * 4));
+      done += n;
+    }
+    f.close();
+    if (!f) throw plan::UserError(out + ": cannot write: " + std::strerror(errno));
+  } catch (...) {
+    f.close();
     std::filesystem::remove(tmp);
-    throw plan::UserError(out + ": cannot write: " + std::strerror(errno));
+    throw;
   }
   std::filesystem::rename(tmp, out);
   return count;

@@ -102,6 +102,8 @@ class Dataset {
   std::pair<int64_t, int64_t> window_at(int64_t pos);
   /// Samples each dataset gave to global positions [0, pos).
   std::vector<int64_t> taken(int64_t pos) { return blend_.taken(pos); }
+  /// Datasets the training samples are blended from.
+  size_t blend_size() const { return blend_.size(); }
 
  private:
   static size_t index(SampleSplit s) { return static_cast<size_t>(s); }
@@ -122,10 +124,12 @@ class Dataset {
 /// labels). Training: the global batch order, before any rank's share. Validation and test: each
 /// dataset's samples in turn (an evaluation reads the first training.eval_batches ×
 /// global_batch of each validation dataset). Written beside and renamed, never
-/// half-written. Returns the samples written. UserError for a split the plan has none of, naming
-/// the keys.
+/// half-written; nothing is left beside when it fails. Returns the samples written. UserError for
+/// a split the plan has none of, naming the keys; before anything is read or written, for an
+/// `out` that is a folder, FIFO or device, one of the plan's inputs, or an existing file
+/// without `force`.
 int64_t write_samples(const plan::Config& c, SampleSplit split, int64_t skip, int64_t count,
-                      const std::string& out);
+                      const std::string& out, bool force = false);
 
 /// The sample order of one epoch: a Fisher-Yates shuffle of [0, n) driven by splitmix64 seeded
 /// from (seed, epoch). Our own generator, so the order never changes with the torch version.
