@@ -404,9 +404,10 @@ void add_checkpoint_fields(FieldAdder& add, Config& c) {
       "auto: continue from <checkpoint.dir>/latest when it exists, else start; never: start from "
       "step 0; or the path of a checkpoint (step_<N> folder or a checkpoint.dir) to continue "
       "from.");
-  add("checkpoint.on_signal", &c.checkpoint.on_signal, Strings{"SIGTERM", "SIGUSR1"},
+  add("checkpoint.on_signal", &c.checkpoint.on_signal, Strings{"SIGTERM", "SIGUSR1", "SIGINT"},
       "Signals that make every rank finish its current step, save a checkpoint and exit with "
-      "code 75 (preempted: rerun to resume). [] = the default action (terminate, nothing saved).")
+      "code 75 (preempted, or Ctrl-C: rerun to resume; a second Ctrl-C ends the run at once, "
+      "nothing saved). [] = the default action (terminate, nothing saved).")
       .one_of({"SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"});
   add("checkpoint.accept_changes", &c.checkpoint.accept_changes, Strings{},
       "Plan keys a resumed run may change although they alter the run (seq_len, global_batch, "

@@ -14,7 +14,16 @@ namespace tessel::run {
 namespace {
 
 volatile std::sig_atomic_t g_signal = 0;
-void on_signal(int s) { g_signal = s; }
+// A second Ctrl-C while a stop is pending ends the process at once (the user means it), as
+// Python's and torchrun's do; other signals repeat harmlessly. Async-signal-safe calls only.
+void on_signal(int s) {
+  if (s == SIGINT && g_signal == SIGINT) {
+    std::signal(SIGINT, SIG_DFL);
+    std::raise(SIGINT);
+    return;
+  }
+  g_signal = s;
+}
 
 int signal_number(const std::string& name) {
   static const std::map<std::string, int> known = {

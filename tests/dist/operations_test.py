@@ -154,6 +154,28 @@ class Operations(TmpDirTest):
         print(f"\nSIGUSR1 to rank 3 of 4 (dp2 x pp2) at step 8: all four stopped after step {saved}, "
               f"checkpoint complete; the resumed run equals the uninterrupted one bitwise", file=sys.stderr)
 
+    def test_ctrl_c_saves_and_a_second_one_ends_at_once(self):
+        # Ctrl-C (SIGINT) used to kill a run with nothing saved; now it saves like SIGTERM. A
+        # second one while the save is pending takes the default action (the user means it).
+        code, out = self.interrupt([os.path.join(BIN, "tessel-train"), self.plan("int")], signal.SIGINT)
+        self.assertEqual(code, STOPPED, out)
+        self.assertRegex(out, r"stopped after step \d+ on a signal, its checkpoint saved; exit 75")
+        self.assertTrue(os.path.exists(self.path("int", "checkpoints", "latest")))
+        # Steps of a few hundred ms, so that the second signal comes while the first is pending
+        # (two sent at once would merge into one).
+        slow = self.plan("twice", steps=400, model={"layers": 6, "hidden": 256, "heads": 4})
+        p = subprocess.Popen([os.path.join(BIN, "tessel-train"), slow, "--set", "training.seq_len=64"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in iter(p.stdout.readline, ""):
+            if re.search(r"step +3/", line):
+                p.send_signal(signal.SIGINT)
+                time.sleep(0.05)
+                p.send_signal(signal.SIGINT)
+                break
+        out = p.communicate(timeout=60)[0]
+        self.assertEqual(p.returncode, -signal.SIGINT, out)
+        self.assertNotIn("saved a checkpoint on a signal", out)
+
     def test_sigusr1_alone_and_requeue_under_slurm(self):
         # One process: SIGUSR1 saves after the current step.
         code, out = self.interrupt([os.path.join(BIN, "tessel-train"), self.plan("alone")], signal.SIGUSR1)
