@@ -15,6 +15,7 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <map>
@@ -22,6 +23,7 @@
 
 #include "engine/checkpoint/checkpoint.h"
 #include "engine/data/dataset.h"
+#include "engine/data/files.h"
 #include "engine/data/vocabulary.h"
 #include "engine/io/weights.h"
 #include "engine/run/build.h"
@@ -109,10 +111,10 @@ std::optional<T> within(double seconds, std::function<T()> fn) {
 
 RunLock::RunLock(const std::string& output_dir, const std::string& checkpoint_dir) {
   lock("run.output_dir", output_dir);
-  // The checkpoint folder gets a lock of its own, on the folder itself, whatever way it is named
-  // (the default <run.output_dir>/checkpoints or checkpoint.dir): another run naming the same
-  // folder either way meets it. No file is added to it (its listing stays step_<N> and latest),
-  // and the folder is checked writable now.
+  // Each folder is also locked on the folder itself, whichever role names it (the run folder,
+  // the default <run.output_dir>/checkpoints or checkpoint.dir): another run naming one of this
+  // run's folders in either role meets the lock. No file is added to the checkpoint folder (its
+  // listing stays step_<N> and latest), and it is checked writable now.
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::create_directories(checkpoint_dir, ec);
@@ -125,21 +127,34 @@ RunLock::RunLock(const std::string& output_dir, const std::string& checkpoint_di
                                       ec ? ec.message() : std::strerror(errno)));
   ::close(tmp);
   ::unlink(name.data());
-  const int fd = ::open(checkpoint_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  // One folder in both roles is locked once (a second flock of it here would meet the first).
+  if (fs::equivalent(checkpoint_dir, output_dir, ec)) return;
+  lock_folder("checkpoint.dir", checkpoint_dir);
+}
+
+void RunLock::lock_folder(const std::string& key, const std::string& folder) {
+  const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0 || flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     if (fd >= 0) ::close(fd);
-    if (err == EWOULDBLOCK)
+    if (err == EWOULDBLOCK) {
+      // A run folder's holder notes itself in its .lock; a checkpoint folder has no note.
+      std::string who = "as its run.output_dir, its checkpoint.dir or its default "
+                        "<run.output_dir>/checkpoints";
+      try {  // a regular file only: a FIFO planted there must not hang this
+        const auto note = data::read_regular(folder + "/.lock", key);
+        if (note && !note->empty()) who = note->substr(0, std::min(note->find('\n'), size_t{200}));
+      } catch (const plan::UserError&) {
+      }
       throw plan::UserError(fmt::format(
-          "checkpoint.dir {} is in use by another run (a trainer whose checkpoints go there, "
-          "named as its checkpoint.dir or as its default <run.output_dir>/checkpoints): two "
-          "runs would overwrite each other's checkpoints, and a resume would load the other "
-          "run's weights; wait for it to end, or set checkpoint.dir to another folder",
-          checkpoint_dir));
-    spdlog::warn(
-        "checkpoint.dir {}: this filesystem does not lock folders ({}); make sure no "
-        "other run uses it",
-        checkpoint_dir, std::strerror(err));
+          "{} {} is in use by another run ({}): two runs would overwrite each other's "
+          "checkpoints and metrics, and a resume would load the other run's weights; wait for "
+          "it to end, or set {} to another folder",
+          key, folder, who, key));
+    }
+    spdlog::warn("{} {}: this filesystem does not lock folders ({}); make sure no other run "
+                 "uses it",
+                 key, folder, std::strerror(err));
     return;
   }
   fds_.push_back(fd);
@@ -148,6 +163,7 @@ RunLock::RunLock(const std::string& output_dir, const std::string& checkpoint_di
 void RunLock::lock(const std::string& key, const std::string& folder) {
   std::error_code ec;
   std::filesystem::create_directories(folder, ec);
+  lock_folder(key, folder);  // first: a run holding it as its checkpoint folder meets this
   const std::string path = (std::filesystem::path(folder) / ".lock").string();
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0)

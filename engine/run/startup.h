@@ -46,7 +46,8 @@ class RunLock {
   ~RunLock();
 
  private:
-  void lock(const std::string& key, const std::string& folder);
+  void lock(const std::string& key, const std::string& folder);         // .lock, holder noted
+  void lock_folder(const std::string& key, const std::string& folder);  // flock of the folder
   std::vector<int> fds_;
 };
 

@@ -226,6 +226,28 @@ class FailFast(TmpDirTest):
         self.assertEqual(p.returncode, 2, p.stderr)
         self.assertIn(f"checkpoint.dir {shared} is in use by another run", p.stderr)
 
+    def test_a_run_folder_and_a_checkpoint_folder_crossed_are_locked(self):
+        # Run A's run folder named by B as checkpoint.dir, and A's checkpoint folder named by B as
+        # run.output_dir: the locks used to be of different kinds (a .lock file in a run folder,
+        # the folder itself for checkpoints), so both runs went on writing into one folder.
+        a, b = self.plan("a"), self.plan("b")
+        first = self.training(a)
+        crossed = [(["--set", f"checkpoint.dir={self.path('a')}"], f"checkpoint.dir {self.path('a')} is in use"),
+                   (["--set", f"run.output_dir={self.path('a', 'checkpoints')}"],
+                    f"run.output_dir {self.path('a', 'checkpoints')} is in use by another run")]
+        for sets, message in crossed:
+            p = run("tessel-train", b, *sets, check=False, timeout=60)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn(message, p.stderr)
+        first.kill()
+        first.communicate()
+        self.assertFalse(os.path.exists(self.path("a", "checkpoints", ".lock")), "a lock file in a checkpoint folder")
+        self.assertFalse(os.path.exists(self.path("b", "metrics.jsonl")), "the refused run trained")
+        # One folder in both roles, for one run, is its own: it trains.
+        p = run("tessel-train", b, "--set", f"checkpoint.dir={self.path('b')}", "--set", "training.steps=2",
+                check=False, timeout=120)
+        self.assertEqual(p.returncode, 0, p.stderr)
+
     def test_an_unwritable_checkpoint_folder_fails_before_training(self):
         # checkpoint.dir=/proc/ck used to train every step and fail at the first save.
         p = run("tessel-train", self.plan("u", steps=5), "--set", "checkpoint.dir=/proc/ck", check=False,
