@@ -87,6 +87,10 @@ std::vector<std::string> worker_env(const Options& o, const Worker& w, int round
   env["MASTER_ADDR"] = o.master_addr;
   env["MASTER_PORT"] = std::to_string(o.master_port);
   env["TESSEL_RESTART_COUNT"] = std::to_string(round);
+  // Which job the workers belong to: rank 0 posts it in the rendezvous store and the others
+  // check it, so that a worker meeting another job's store (one port given to two jobs) stops,
+  // naming the port, instead of joining it (parallel/mesh.cpp rendezvous).
+  if (!o.job_id.empty()) env["TESSEL_JOB_ID"] = o.job_id;
   // As torchrun: one intra-op thread per worker when several share a node, unless the user chose.
   if (!env.count("OMP_NUM_THREADS") && o.nproc_per_node > 1) env["OMP_NUM_THREADS"] = "1";
   // NCCL runs keep c10d's flight recorder (the last collectives of every group) and dump it when
@@ -400,6 +404,36 @@ int bind_port(int port) {
 }
 
 }  // namespace
+
+bool port_free(int port) {
+  // SO_REUSEADDR as c10d's TCPStore binds: a port left in TIME_WAIT by an earlier job is free,
+  // one with a listener is not.
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return true;  // cannot tell: the rendezvous says
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  ::close(fd);
+  return ok;
+}
+
+int gpus_on_node() {
+  namespace fs = std::filesystem;
+  int n = 0;
+  std::error_code ec;
+  for (fs::directory_iterator it("/dev", fs::directory_options::skip_permission_denied, ec);
+       !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind("nvidia", 0) == 0 && name.size() > 6 &&
+        name.find_first_not_of("0123456789", 6) == std::string::npos)
+      ++n;
+  }
+  return n;
+}
 
 int free_port_pair() {
   for (int attempt = 0; attempt < 64; ++attempt) {

@@ -22,6 +22,7 @@ struct Options {
   std::string log_dir;                  // empty: no log files
   std::string source = "command line";  // or "Slurm"
   std::vector<std::string> command;
+  std::string job_id;  // TESSEL_JOB_ID for the workers: this job's, empty when none is known
 };
 
 /// Fills node count, node rank and master address from SLURM_* when inside an allocation and
@@ -32,6 +33,10 @@ void apply_slurm(Options& o, bool nnodes_given, bool node_rank_given, bool maste
 /// launchers' store), as torchrun --standalone picks one: two jobs on one node then never meet at
 /// the default 29500.
 int free_port_pair();
+/// Whether `port` can be bound on this host now (nothing listens there).
+bool port_free(int port);
+/// The GPUs this node shows (/dev/nvidiaN), without loading CUDA.
+int gpus_on_node();
 
 /// Runs the job; returns the launcher's exit code (0 when every worker of the last round exited 0).
 int run(const Options& o);

@@ -4,8 +4,14 @@
 #include <c10/util/Logging.h>
 #include <CLI/CLI.hpp>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <random>
+
+#include <fmt/format.h>
 
 #include "engine/cli/cli_checks.h"
 #include "launcher/launch.h"
@@ -39,6 +45,9 @@ int main(int argc, char** argv) {
   app.add_option("--rdzv-timeout-s", o.rdzv_timeout_s,
                  "Seconds to wait for the other nodes' launchers (at start and before a restart)")
       ->check(CLI::PositiveNumber);
+  bool oversubscribe = false;
+  app.add_flag("--oversubscribe", oversubscribe,
+               "Allow more workers than 4 per core (or one per GPU where there are more GPUs)");
   app.add_option("--log-dir", o.log_dir, "Write each rank's output to DIR/rank_<N>.log too");
   app.add_option("command", o.command, "The worker command (after --)")->required();
   TESSEL_CLI_PARSE(app, argc, argv);
@@ -50,6 +59,39 @@ int main(int argc, char** argv) {
   if (port->count() == 0 && o.nnodes == 1) {
     o.master_port = tessel::launcher::free_port_pair();  // the start-up line names it
     o.source += ", free port chosen";
+  }
+  // Bounded by the machine before any fork: a typo (--nproc-per-node 10000) would start that
+  // many processes. Gloo tests on CPU run a few ranks per core, hence 4 per core.
+  const int cores = static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN)));
+  const int limit = std::max(4 * cores, tessel::launcher::gpus_on_node());
+  if (!oversubscribe && o.nproc_per_node > limit) {
+    std::fprintf(stderr,
+                 "tessel-launch: error: --nproc-per-node %d is more than this node runs (%d cores, "
+                 "%d GPUs: at most %d workers); give --oversubscribe to start them anyway\n",
+                 o.nproc_per_node, cores, tessel::launcher::gpus_on_node(), limit);
+    return 2;
+  }
+  // Two jobs on one node given one --master-port: the second's workers would meet the first's
+  // store (and stop it). Refused before anything starts, naming the port.
+  if (port->count() > 0 && o.nnodes == 1) {
+    for (int p : {o.master_port, o.master_port + 1})
+      if (!tessel::launcher::port_free(p)) {
+        std::fprintf(stderr,
+                     "tessel-launch: error: --master-port %d: port %d is in use on this node "
+                     "(another job's rendezvous?); give another port, or omit --master-port on "
+                     "one node and a free pair is chosen\n",
+                     o.master_port, p);
+        return 2;
+      }
+  }
+  // The job's identity for the workers' rendezvous: one node makes its own; several nodes share
+  // Slurm's job and step ids where they have them (each node's launcher sees the same).
+  if (o.nnodes == 1) {
+    std::random_device rd;
+    o.job_id = fmt::format("{}-{:08x}{:08x}", ::getpid(), rd(), rd());
+  } else if (const char* job = std::getenv("SLURM_JOB_ID")) {
+    const char* step = std::getenv("SLURM_STEP_ID");
+    o.job_id = fmt::format("slurm-{}-{}", job, step ? step : "");
   }
   if (o.node_rank >= o.nnodes) {
     std::fprintf(stderr, "tessel-launch: error: --node-rank %d must be < --nnodes %d\n",

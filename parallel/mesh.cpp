@@ -11,6 +11,7 @@
 #include <array>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <numeric>
 #include <set>
@@ -147,6 +148,30 @@ std::string agent_store_prefix() {
   return std::string("/tessel/attempt_") + (attempt ? attempt : "0");
 }
 
+namespace {
+
+// Under tessel-launch each worker knows its job (TESSEL_JOB_ID): rank 0 posts it, the others
+// read it before they write anything, so that a rank which reached another job's store (two jobs
+// given one --master-port) stops naming the port rather than joining, and disturbing, that job.
+void check_job(c10d::Store& store, const WorldInfo& w) {
+  const char* job = std::getenv("TESSEL_JOB_ID");
+  if (!job || !*job) return;
+  const std::string key = "tessel/job";
+  if (w.rank == 0 && w.master_port > 0) {
+    store.set(key, std::vector<uint8_t>(job, job + std::strlen(job)));
+    return;
+  }
+  const auto v = store.get(key);  // waits for rank 0 (the store's timeout)
+  const std::string theirs(v.begin(), v.end());
+  if (theirs != job)
+    throw plan::UserError(fmt::format(
+        "rank {}: the rendezvous at {}:{} belongs to another job ({}; this is job {}): two jobs "
+        "were given one --master-port on this node; stop this one and give it another port",
+        w.rank, w.master_addr, w.master_port, theirs, job));
+}
+
+}  // namespace
+
 c10::intrusive_ptr<c10d::Store> rendezvous(const WorldInfo& w, double timeout_s) {
   const std::string prefix = agent_store_prefix();
   const bool agent_store = !prefix.empty();
@@ -158,8 +183,11 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const WorldInfo& w, double timeout_s)
   o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   try {
     c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::TCPStore>(w.master_addr, o);
+    check_job(*store, w);
     if (!agent_store) return store;
     return c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+  } catch (const plan::UserError&) {
+    throw;
   } catch (const c10::Error& e) {
     throw plan::UserError(fmt::format("rank {}: rendezvous at {}:{} failed: {}", w.rank,
                                       w.master_addr, w.master_port, e.what_without_backtrace()));

@@ -134,6 +134,53 @@ class Launcher(unittest.TestCase):
         self.assertIn(f"master 127.0.0.1:{port}", p.stderr)
         self.assertIn("free port chosen", p.stderr)
 
+    def test_two_jobs_given_one_port_do_not_meet(self):
+        # The second job's rank 1 used to join the first job's store and stop it (at step 135 of
+        # 300). Now the second launcher refuses the port before any fork, and a worker that
+        # reaches another job's store anyway (started by hand, or a race) stops naming it; the
+        # first job trains every step.
+        data = write_tokens(os.path.join(self.tmp, "d.u16"), 20000, period=37)
+        plan = base_plan(self.tmp, "gpt2", data, steps=60, global_batch=4, micro_batch=1, threads=1)
+        plan["run"]["output_dir"] = os.path.join(self.tmp, "a")
+        plan["parallel"] = {"dp": 2}
+        path = write_plan(os.path.join(self.tmp, "a.yaml"), plan)
+        train = os.path.join(BIN, "tessel-train")
+        port = free_port()
+        first = subprocess.Popen([LAUNCH, "--nproc-per-node", "2", "--master-port", str(port), "--", train, path],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out = []
+        for line in iter(first.stdout.readline, ""):
+            out.append(line)
+            if "step  2/60" in line:
+                break
+        p = launch("--nproc-per-node", 2, "--master-port", port, worker=DUMP_ENV)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn(f"--master-port {port}: port {port} is in use on this node", p.stderr)
+        self.assertEqual(envs(p.stdout), [], "a worker was started")
+        plan["run"]["output_dir"] = os.path.join(self.tmp, "b")
+        other = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TESSEL_JOB_ID="another-job")
+        q = subprocess.run([train, write_plan(os.path.join(self.tmp, "b.yaml"), plan)], capture_output=True,
+                           text=True, timeout=120, env=other)
+        self.assertEqual(q.returncode, 2, q.stderr)
+        self.assertIn(f"rendezvous at 127.0.0.1:{port} belongs to another job", q.stderr)
+        out.append(first.communicate(timeout=300)[0])
+        self.assertEqual(first.returncode, 0, "".join(out)[-3000:])
+        self.assertEqual(len([m for m in read_metrics(os.path.join(self.tmp, "a", "metrics.jsonl")) if "loss" in m]),
+                         60)
+
+    def test_workers_are_bounded_by_the_machine(self):
+        # --nproc-per-node 100000 used to fork until the machine gave out.
+        t0 = time.time()
+        p = launch("--nproc-per-node", 100000, worker=DUMP_ENV)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertRegex(p.stderr, r"--nproc-per-node 100000 is more than this node runs \(\d+ cores, \d+ GPUs: "
+                                   r"at most \d+ workers\); give --oversubscribe")
+        self.assertEqual(envs(p.stdout), [])
+        self.assertLess(time.time() - t0, 10)
+        p = launch("--nproc-per-node", 4 * os.cpu_count() + 1, "--oversubscribe", worker="pass")
+        self.assertEqual(p.returncode, 0, p.stderr)
+
     def test_restart_budget_is_job_wide(self):
         # Rank 3 (on node 1) keeps failing: both launchers restart together, once, then give up.
         worker = ("import os, sys, time; print('attempt', os.environ['TESSEL_RESTART_COUNT'], flush=True)\n"
