@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -174,7 +175,10 @@ void for_each_tensor(const fs::path& dir, const nlohmann::json& index,
     const auto shape = e.at("shape").get<std::vector<int64_t>>();
     const auto& shards = e.at("shards");
     const bool whole = one_whole_shard(shards, shape);
-    torch::Tensor global, covered;
+    // Every shard checked, and their elements counted, before the global tensor is allocated: an
+    // index whose shape the shards cannot fill (a crafted 1 PB one) is refused, not allocated.
+    std::vector<torch::Tensor> parts;
+    int64_t held = 0;
     for (const auto& shard : shards) {
       std::string file = shard.at("file");
       if (!files.count(file)) files[file] = open_verified(dir, index, file);
@@ -183,6 +187,25 @@ void for_each_tensor(const fs::path& dir, const nlohmann::json& index,
         throw plan::UserError((dir / file).string() + ": missing tensor '" + name +
                               "' listed in index.json");
       checkpoint::check_shard_tensor(dir / file, name, e, shard, part);
+      held += part.numel();  // each within its file: no overflow
+      parts.push_back(std::move(part));
+    }
+    int64_t numel = 1;
+    bool past = false;  // more elements than the shards hold (the product is not formed)
+    for (int64_t d : shape)
+      if (d < 0 || (d > 0 && numel > std::numeric_limits<int64_t>::max() / d)) past = true;
+      else numel *= d;
+    if (!parts.empty() && (past || numel > held))
+      throw plan::UserError(fmt::format(
+          "{}: the shards of '{}' cover {} of its {} elements (shape [{}] in index.json): not a "
+          "checkpoint Tessel wrote whole",
+          (dir / "index.json").string(), name, held,
+          past ? std::string("more") : std::to_string(numel), fmt::join(shape, ", ")));
+    torch::Tensor global, covered;
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const auto& shard = shards[k];
+      const std::string file = shard.at("file");
+      auto& part = parts[k];
       if (!global.defined()) {
         global = torch::empty(shape, part.options());
         if (!whole) covered = torch::zeros(global.sizes(), torch::kBool);
@@ -206,6 +229,16 @@ models::Weights read_checkpoint_tensors(const std::string& step_dir, const std::
   models::Weights out;
   for_each_tensor(
       dir, read_index(dir), [&](const std::string& name) { return name.rfind(prefix, 0) == 0; },
+      [&](const std::string& name, torch::Tensor t) { out[name] = std::move(t); });
+  return out;
+}
+
+models::Weights read_checkpoint_tensors(const std::string& step_dir,
+                                        const std::set<std::string>& names) {
+  const fs::path dir(step_dir);
+  models::Weights out;
+  for_each_tensor(
+      dir, read_index(dir), [&](const std::string& name) { return names.count(name) > 0; },
       [&](const std::string& name, torch::Tensor t) { out[name] = std::move(t); });
   return out;
 }

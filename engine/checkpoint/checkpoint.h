@@ -5,6 +5,7 @@
 // marker. A directory without COMPLETE is never read.
 #pragma once
 
+#include <set>
 #include <string>
 
 #include "core/optim/loss_scale.h"
@@ -48,8 +49,14 @@ std::string resolve_checkpoint(const std::string& dir);
 models::Weights read_checkpoint_tensors(const std::string& step_dir,
                                         const std::string& prefix = "");
 
+/// Those of `names` (the others are not read).
+models::Weights read_checkpoint_tensors(const std::string& step_dir,
+                                        const std::set<std::string>& names);
+
 /// The model weights of a complete checkpoint by global name, fp32 (the master copy where held).
-models::Weights checkpoint_model_weights(const std::string& step_dir);
+/// `m`: the checkpoint's model; every one of its parameters must be in the index with its
+/// global size (a UserError naming the missing or misshapen ones, before anything is read).
+models::Weights checkpoint_model_weights(const std::string& step_dir, const models::ModelShape& m);
 
 /// The checkpoint a run continues from, per checkpoint.resume: "" when it starts afresh.
 std::string checkpoint_to_resume(const plan::Config& c);

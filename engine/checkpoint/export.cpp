@@ -17,6 +17,7 @@
 
 #include "core/optim/state_names.h"
 #include "engine/checkpoint/checkpoint.h"
+#include "engine/checkpoint/index.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/tokenizer.h"
 #include "engine/io/weights.h"
@@ -62,9 +63,34 @@ io::SpecialTokens export_tokenizer(const std::string& tokenizer, const fs::path&
 
 }  // namespace
 
-models::Weights checkpoint_model_weights(const std::string& step_dir) {
+models::Weights checkpoint_model_weights(const std::string& step_dir, const models::ModelShape& m) {
+  // The plan's parameters, from the plan alone, against the index before any tensor is read.
+  const auto tensors = read_index(step_dir).at("tensors");
+  std::set<std::string> names;
+  std::vector<std::string> wrong;
+  for (const auto& p : models::param_entries(m, /*tp=*/1)) {
+    names.insert(p.name);
+    names.insert(optim::kSlotPrefixes[0] + p.name);
+    if (!tensors.contains(p.name)) {
+      wrong.push_back(p.name + " (missing)");
+      continue;
+    }
+    const auto shape = tensors.at(p.name).at("shape").get<std::vector<int64_t>>();
+    int64_t numel = 1;
+    for (int64_t d : shape) numel = d < 0 || (d > 0 && numel > p.numel / d) ? -1 : numel * d;
+    if (numel != p.numel)
+      wrong.push_back(fmt::format("{} is [{}], the model's has {} elements", p.name,
+                                  fmt::join(shape, ", "), p.numel));
+  }
+  if (!wrong.empty())
+    throw plan::UserError(fmt::format(
+        "{}: the index does not hold the model its config.yaml describes ({} of {} parameters: "
+        "{}{})",
+        (fs::path(step_dir) / "index.json").string(), wrong.size(), names.size() / 2,
+        fmt::join(wrong.begin(), wrong.begin() + std::min<size_t>(wrong.size(), 4), "; "),
+        wrong.size() > 4 ? "; ..." : ""));
   // The fp32 master copy is exact for bf16 runs too (their model weights are its rounding).
-  auto all = read_checkpoint_tensors(step_dir);
+  auto all = read_checkpoint_tensors(step_dir, names);
   models::Weights w;
   for (auto& [name, t] : all)
     if (!optim::is_optimizer_state(name)) {
@@ -205,7 +231,7 @@ void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
                const std::string& tokenizer, const std::string& what, int64_t max_shard_bytes) {
   const std::string dir = resolve_checkpoint(checkpoint_dir);
   plan::Config c = plan::load_config((fs::path(dir) / "config.yaml").string());
-  const auto w = checkpoint_model_weights(dir);
+  const auto w = checkpoint_model_weights(dir, planner::model_shape(c.model));
   const auto& arch = models::arch(c.model.arch);
   prepare_export_folder(out_dir, dir, what);  // once the checkpoint has been read
   fs::create_directories(out_dir);

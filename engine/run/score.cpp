@@ -166,7 +166,8 @@ models::Decoder load_for_inference(const plan::Config& c, const std::string& wei
           "complete checkpoint either (" +
           e.what() + ")");
     }
-    models::assign_weights(model, checkpoint::checkpoint_model_weights(dir), dir);
+    models::assign_weights(
+        model, checkpoint::checkpoint_model_weights(dir, planner::model_shape(plan.model)), dir);
   }
   model->eval();
   return model;

@@ -241,7 +241,11 @@ TEST(HostileCheckpoint, IndexValuesAreValidated) {
     const char* says;
   };
   const Case cases[] = {
-      {"consumed_samples", -5, "consumed_samples: -5 is outside [0, 9007199254740992]"},
+      // Step 3 reads at most 3 x 4M samples (training.global_batch's bound): 2^53 would send a
+      // blend's walk to that position for ever.
+      {"consumed_samples", -5, "consumed_samples: -5 is outside [0, 12582912]"},
+      {"consumed_samples", int64_t{1} << 53,
+       "consumed_samples: 9007199254740992 is outside [0, 12582912]"},
       {"step", 1e30, "step: expected an integer, got 1e+30"},
       {"step", 4, "step: 4 in folder step_3"},
       {"world_size", 0, "world_size: 0 is outside [1, 16777216]"},
