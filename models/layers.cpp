@@ -390,7 +390,14 @@ std::pair<torch::Tensor, torch::Tensor> DecoderImpl::rope_of(const torch::Tensor
                                                              torch::ScalarType dtype) const {
   // Angles in fp32 on the device, then cast to the activation dtype (as Hugging Face does).
   torch::NoGradGuard no_grad;
-  auto freqs = positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq_.to(positions.device());
+  torch::Tensor inv_freq = inv_freq_;
+  if (positions.device() != inv_freq_.device()) {
+    std::lock_guard<std::mutex> lock(*inv_freq_mutex_);
+    auto& on = inv_freq_on_[positions.device().str()];
+    if (!on.defined()) on = inv_freq_.to(positions.device());  // once per device
+    inv_freq = on;
+  }
+  auto freqs = positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq;
   auto emb = torch::cat({freqs, freqs}, -1);  // [..., d]
   return {emb.cos().to(dtype), emb.sin().to(dtype)};
 }

@@ -248,7 +248,12 @@ class DecoderImpl : public torch::nn::Module {
   std::shared_ptr<parallel::Group> solo_;     // the group of one when no tp group is given
   std::shared_ptr<parallel::Group> solo_ep_;  // ... when no ep group is given
   std::shared_ptr<MoeState> moe_state_;
-  torch::Tensor inv_freq_;  // [head_dim / 2], fp32, as Hugging Face computes it
+  torch::Tensor inv_freq_;  // [head_dim / 2], fp32, as Hugging Face computes it (host)
+  // inv_freq_ on the device it was last asked for: copied once, not per micro-batch (a document
+  // mask's positions change every micro-batch, and a host-to-device copy per call would make
+  // the host wait each time). Not a registered buffer: model->to(device, dtype) would round it.
+  mutable std::map<std::string, torch::Tensor> inv_freq_on_;
+  std::shared_ptr<std::mutex> inv_freq_mutex_ = std::make_shared<std::mutex>();
   std::map<std::tuple<int64_t, std::string, int>, std::pair<torch::Tensor, torch::Tensor>> rope_;
   // rope_ is filled on first use, possibly by two micro-batches' forwards at once (CPU pairs).
   std::shared_ptr<std::mutex> rope_mutex_ = std::make_shared<std::mutex>();

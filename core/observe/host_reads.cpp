@@ -31,12 +31,39 @@ bool reads_on_host(const char* op) {
   return false;
 }
 
+// A copy between the host and a device that the host waits for: aten::_to_copy (t.to(device))
+// or aten::copy_ without non_blocking, with one side on the CPU and the other not. A CUDA copy
+// from pageable host memory, or to it, returns only once the device has reached it.
+bool blocking_device_copy(const at::RecordFunction& fn) {
+  const bool to_copy = std::strcmp(fn.name(), "aten::_to_copy") == 0;
+  if (!to_copy && std::strcmp(fn.name(), "aten::copy_") != 0) return false;
+  const auto inputs = fn.inputs();
+  if (inputs.size() < 3 || !inputs[0].isTensor()) return false;
+  const auto& a = inputs[0].toTensor();
+  if (!a.defined()) return false;
+  c10::Device to = a.device();
+  bool non_blocking = false;
+  if (to_copy) {  // (self, dtype, layout, device, pin_memory, non_blocking, memory_format)
+    if (inputs.size() < 6 || !inputs[3].isDevice()) return false;
+    to = inputs[3].toDevice();
+    non_blocking = inputs[5].isBool() && inputs[5].toBool();
+    return !non_blocking && a.device().is_cpu() != to.is_cpu();
+  }
+  // copy_(self, src, non_blocking): src into self
+  if (!inputs[1].isTensor() || !inputs[1].toTensor().defined()) return false;
+  non_blocking = inputs[2].isBool() && inputs[2].toBool();
+  return !non_blocking && inputs[1].toTensor().device().is_cpu() != to.is_cpu();
+}
+
 }  // namespace
 
 torch::Tensor read_on_host(const torch::Tensor& t) {
   g_reads.fetch_add(1, std::memory_order_relaxed);
   if (g_trace) spdlog::warn("host read: read_on_host\n{}", c10::get_backtrace(1, 24));
-  return t.cpu();
+  ++t_depth;  // counted here, once: the copy inside is not counted again
+  auto host = t.cpu();
+  --t_depth;
+  return host;
 }
 
 int64_t host_reads() { return g_reads.load(std::memory_order_relaxed); }
@@ -51,7 +78,7 @@ void count_host_reads(bool trace) {
     at::addGlobalCallback(
         at::RecordFunctionCallback(
             [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
-              if (t_depth++ == 0 && reads_on_host(fn.name())) {
+              if (t_depth++ == 0 && (reads_on_host(fn.name()) || blocking_device_copy(fn))) {
                 g_reads.fetch_add(1, std::memory_order_relaxed);
                 if (g_trace)
                   spdlog::warn("host read: {}\n{}", fn.name(), c10::get_backtrace(1, 24));
@@ -59,6 +86,7 @@ void count_host_reads(bool trace) {
               return nullptr;
             },
             [](const at::RecordFunction&, at::ObserverContext*) { --t_depth; })
+            .needsInputs(true)  // a copy's devices (counting is for tests and diagnosis)
             .scopes({at::RecordScope::FUNCTION}));
     g_counting = true;
   });

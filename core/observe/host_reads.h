@@ -3,7 +3,9 @@
 // Counted on every device, so that CPU tests see the reads a GPU would wait on:
 // - LibTorch operators that read values on the host (item(), nonzero, masked_select, unique),
 //   through a callback on every operator, installed only once counting is switched on;
-// - Tessel's own copies to the host, which go through read_on_host().
+// - Tessel's own copies to the host, which go through read_on_host();
+// - copies between the host and a device that the host waits for (t.to(device) or copy_ without
+//   non_blocking), which only a run on a device can make.
 // engine/run/step_counters.h reports the count per step (memory.json host_reads_per_step).
 // A lower bound: an operator that reads on the host inside another (boolean-mask indexing's
 // nonzero, repeat_interleave without output_size, CUDA's grouped-matmul fallback) and a host copy

@@ -121,6 +121,32 @@ class Layouts(TmpDirTest):
         plan["checkpoint"] = {"every": 10, "resume": "never"}
         return plan
 
+    def test_document_mask_rope_reads_nothing_on_the_host(self):
+        """Under a document mask the rotary angles are computed per micro-batch from its
+        positions; their frequencies used to be copied from the host each time (a blocking copy,
+        now counted by TESSEL_COUNT_HOST_READS as a host read). Llama (rotary) reads no more per
+        step than GPT-2 (learned positions) under the same mask."""
+        data = write_tokens(self.path("doc.u16"), 20000)
+        os.environ["TESSEL_COUNT_HOST_READS"] = "1"
+        reads = {}
+        try:
+            for arch in ("gpt2", "llama"):
+                plan = base_plan(self.tmp, arch, data, steps=4, global_batch=4, micro_batch=1, device="cuda",
+                                 tf32=False)
+                with open(data, "rb") as f:  # a token of the pattern: documents of 37 tokens
+                    eod = int.from_bytes(f.read(2), "little")
+                plan["data"].update({"document_mask": True, "eod_token": eod})
+                plan["run"]["output_dir"] = self.path("doc_" + arch)
+                plan["parallel"] = {"backend": "nccl"}
+                plan["checkpoint"] = {"every": 0, "resume": "never"}
+                launch_plan(plan, 1)
+                with open(self.path("doc_" + arch, "memory.json")) as f:
+                    reads[arch] = max(r["host_reads_per_step"] for r in json.load(f)["ranks"])
+        finally:
+            del os.environ["TESSEL_COUNT_HOST_READS"]
+        print(f"\nhost reads per step under a document mask on CUDA: {reads}", file=sys.stderr)
+        self.assertEqual(reads["llama"], reads["gpt2"], reads)
+
     def test_layouts_match_one_gpu(self):
         one = self.plan("one", backend="nccl")
         launch_plan(one, 1)

@@ -17,6 +17,7 @@
 #include <memory>
 
 #include "core/device/cuda.h"
+#include "core/observe/host_reads.h"
 #include "core/kernels/fused_ops.h"
 #include "engine/io/safetensors.h"
 #include "engine/run/train.h"
@@ -42,6 +43,26 @@ INSTANTIATE_TEST_SUITE_P(Cuda, CudaBlockKernels,
 
 // The dense layer never falls to the math kernel (a full [s, s] score matrix): fp32 and bf16,
 // with and without grouped-query heads, training shapes and one-token generation.
+// The host-read counter (core/observe/host_reads.h) counts a copy between the host and the device
+// that the host waits for, once; a non-blocking copy from pinned memory, and read_on_host's own
+// copy (counted by read_on_host), are not counted again.
+TEST(CudaHostReads, BlockingCopiesAreCounted) {
+  observe::count_host_reads();
+  auto host = torch::ones({16});
+  const int64_t before = observe::host_reads();
+  auto on = host.to(g_device);  // pageable, blocking
+  EXPECT_EQ(observe::host_reads() - before, 1);
+  auto pinned = host.pin_memory();
+  auto quiet = pinned.to(g_device, /*non_blocking=*/true);
+  (void)quiet;
+  EXPECT_EQ(observe::host_reads() - before, 1);
+  observe::read_on_host(on);
+  EXPECT_EQ(observe::host_reads() - before, 2);
+  on.copy_(host);  // blocking copy_ from the host
+  EXPECT_EQ(observe::host_reads() - before, 3);
+  torch::cuda::synchronize();
+}
+
 TEST(CudaDenseAttention, NeverTheMathKernel) {
   for (auto dtype : {torch::kFloat32, torch::kBFloat16})
     for (int64_t kv : {8, 2}) {
