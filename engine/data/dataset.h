@@ -13,6 +13,7 @@
 
 #include <torch/types.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -85,6 +86,11 @@ class Dataset {
   const std::vector<Source>& sources() const { return sources(SampleSplit::kTrain); }
   const std::vector<double>& weights() const { return weights(SampleSplit::kTrain); }
   int64_t train_samples() const;  // one epoch of every training dataset (megatron: indexed)
+  /// The training positions the run may read: train_samples(), or under data.order megatron the
+  /// samples its indices were sized for (training.steps x global_batch), where that is fewer.
+  int64_t readable_train_samples() const {
+    return train_limit_ >= 0 ? std::min(train_limit_, train_samples()) : train_samples();
+  }
   int64_t val_samples() const;    // one epoch of every validation dataset
   int64_t train_tokens() const;
   /// How many training samples the run may read (megatron: the blend's size); -1: unbounded.

@@ -16,7 +16,9 @@ namespace tessel::planner {
 DocumentFigures document_figures(const plan::Config& c, data::Dataset& ds) {
   if (!c.data.document_mask) return {};
   const int64_t eod = data::document_eod(c);
-  const int64_t n = std::min(kDocumentShareSamples, ds.train_samples());
+  // The first samples the run reads, no more than it may (a megatron-order blend holds
+  // training.steps x global_batch, which can be fewer than kDocumentShareSamples).
+  const int64_t n = std::min(kDocumentShareSamples, ds.readable_train_samples());
   const auto rows = ds.train_batch(0, n);
   const auto docs =
       kernels::find_documents(rows.narrow(1, 0, c.training.seq_len), eod, torch::kCPU);

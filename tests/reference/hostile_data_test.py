@@ -140,6 +140,19 @@ class HostileData(TmpDirTest):
         run("tessel-train", "samples", plan, "--skip", 6, "--count", 2, "--out", self.path("s.i32"))
         self.assertFalse(os.path.exists(self.path("p")), "samples trained or wrote a run folder")
 
+    def test_a_short_megatron_blend_with_a_document_mask_trains(self):
+        # steps x global_batch = 8 < 256: the planner's document figures read 256 samples and
+        # stopped the run before step 1 ("training sample 8: ... holds 8 training samples").
+        plan_path = self.megatron()
+        run("tessel-data", self.path("c.jsonl"), "--out", self.path("m2"), "--no-progress")
+        with open(plan_path) as f:
+            plan = json.load(f)
+        plan["data"] = {"format": "megatron", "order": "megatron", "document_mask": True,
+                        "blend": [{"weight": 1, "path": self.path("m")}, {"weight": 2, "path": self.path("m2")}]}
+        p = run("tessel-train", write_plan(self.path("mb.yaml"), plan), check=False, timeout=120)
+        self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+        self.assertIn("# document mask", run("tessel-train", self.path("mb.yaml"), "--dry-run").stdout)
+
     def test_megatron_data_path_weights_get_a_hint(self):
         path = self.path("t.u16")
         self.refused("tessel-train", self.plan(), "--set", f"data.path=0.3 {path} 0.7 {path}", "--dry-run",
