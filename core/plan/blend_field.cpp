@@ -61,6 +61,12 @@ std::string check_blend(const std::vector<BlendSource>& blend) {
              fmt_double(b.weight);
     if (b.path.empty()) return "item " + std::to_string(i + 1) + ": path names no files";
   }
+  // Each finite, and their sum too: 1e308 + 1e308 is inf, and every share would read as 0.
+  double sum = 0;
+  for (const auto& b : blend) sum += b.weight;
+  if (!std::isfinite(sum))
+    return "the weights sum to " + fmt_double(sum) +
+           " (past the largest number): give weights of their proportions, e.g. 1 and 3";
   return "";
 }
 

@@ -153,6 +153,19 @@ class HostileData(TmpDirTest):
         self.assertEqual(p.returncode, 0, p.stderr[-2000:])
         self.assertIn("# document mask", run("tessel-train", self.path("mb.yaml"), "--dry-run").stdout)
 
+    def test_sizes_past_memory_and_weights_past_the_largest_number(self):
+        # Megatron order's indices for 10^9 x 4096 samples were allocated (std::bad_alloc); blend
+        # weights 1e308 + 1e308 summed to inf and every share read 0.
+        plan = self.megatron()
+        for extra in ([], ["--dry-run"]):
+            self.refused("tessel-train", plan, "--set", "data.order=megatron", "--set", "training.steps=1000000000",
+                         "--set", "training.global_batch=4096", "--set", "data.document_mask=false", *extra,
+                         message="data.order megatron builds its sample indices for training.steps 1000000000 x "
+                                 "training.global_batch 4096 = 4096000000000 samples: 91552.7 GiB at 24 bytes")
+        blend = [{"weight": 1e308, "path": self.path("t.u16")}, {"weight": 1e308, "path": self.path("t.u16")}]
+        self.refused("tessel-train", self.plan(path=[], blend=blend), "--dry-run",
+                     message="the weights sum to inf (past the largest number)")
+
     def test_megatron_data_path_weights_get_a_hint(self):
         path = self.path("t.u16")
         self.refused("tessel-train", self.plan(), "--set", f"data.path=0.3 {path} 0.7 {path}", "--dry-run",
