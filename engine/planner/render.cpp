@@ -71,9 +71,18 @@ std::string state_bytes(const plan::Config& c, const plan::Layout& l, const Plan
     std::string units;
     if (zero == 3) {  // the root unit stays gathered; a block, its prefetched neighbour, and
                       // briefly a third while backward crosses from one block to the next
-      const int64_t block = models::block_parameters(model_shape(c.model), l.tp);
-      units = fmt::format("; + gathered: the root unit {} and 2-3 blocks of {}",
-                          human_bytes(w * static_cast<double>(r.params - r.layers * block)),
+      // Each of the stage's blocks as this rank holds it (an MoE block: E/ep experts); the root
+      // unit is the rest of the rank's parameters.
+      const auto m = model_shape(c.model);
+      int64_t root = r.params, block = 0;
+      for (const auto& [begin, end] : stage_part(c, l.pp, r.stage).chunks)
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t b = models::block_parameters(m, l.tp, i, l.ep);
+          root -= b;
+          block = std::max(block, b);
+        }
+      units = fmt::format("; + gathered: the root unit {} and 2-3 blocks of up to {}",
+                          human_bytes(w * static_cast<double>(root)),
                           human_bytes(w * static_cast<double>(block)));
     }
     out +=

@@ -40,6 +40,19 @@ class PlanChecks(TmpDirTest):
             self.assertEqual(p.returncode, 2, p.stdout)
             self.assertIn(message, p.stderr)
 
+    def test_zero3_gathered_units_of_an_expert_plan(self):
+        # Mixtral under ZeRO-3 printed "the root unit -16780361728 B": its blocks were counted
+        # with every expert, not the E/ep a rank holds.
+        import re
+        root = os.environ.get("TESSEL_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
+        p = run("tessel-train", os.path.join(root, "configs", "mixtral-8x7b.yaml"), "--dry-run", "--world-size", 64,
+                "--set", "parallel.zero=3")
+        units = re.findall(r"the root unit (-?[\d.]+) (\w+) and 2-3 blocks of up to ([\d.]+) MiB", p.stdout)
+        self.assertEqual(len(units), 4, p.stdout)
+        self.assertEqual(units[0][:2], ("125.00", "MiB"))  # the embedding table's shard
+        self.assertTrue(all(float(u[0]) >= 0 for u in units), units)
+        self.assertTrue(all(float(u[2]) == 712.08 for u in units), units)
+
     def test_dry_run_prints_the_grid(self):
         plan = self.plan({"training": {"global_batch": 8, "micro_batch": 1}})
         brief = run("tessel-train", plan, "--dry-run", "--world-size", 4).stdout
