@@ -209,9 +209,21 @@ class Loader {
     if (n.IsNull() && std::holds_alternative<std::string*>(it->second->ref))
       n = YAML::Node(raw == "null" || raw == "~" || raw == "Null" || raw == "NULL" ? "" : raw);
     set(*it->second, n, where);
+    overridden_.push_back(key);
   }
 
   Config finish();
+  // The plan as read so far, its `given` filled (for a Completion).
+  const Config& as_read() {
+    c_.given = lines_;
+    for (const auto& k : overridden_) c_.given[k] = 0;
+    return c_;
+  }
+  // A completion's setting: applied as --set is, but not counted as given by the plan.
+  void complete(const std::string& kv) {
+    apply_override(kv);
+    overridden_.pop_back();
+  }
 
  private:
   static int line_of(const YAML::Node& n) { return n.Mark().line + 1; }
@@ -275,15 +287,18 @@ class Loader {
   std::vector<Field> fields_;
   std::map<std::string, Field*> by_key_;
   std::map<std::string, int> lines_;
+  std::vector<std::string> overridden_;  // keys given by --set
 };
 
 Config Loader::finish() {
   check_rules(c_, lines_);
+  c_.given = lines_;
+  for (const auto& k : overridden_) c_.given[k] = 0;
   return c_;
 }
 
 Config load(const std::string& source, const std::function<YAML::Node()>& parse,
-            const std::vector<std::string>& overrides) {
+            const std::vector<std::string>& overrides, const Completion& complete = nullptr) {
   Loader loader(source);
   YAML::Node root;
   try {
@@ -295,6 +310,8 @@ Config load(const std::string& source, const std::function<YAML::Node()>& parse,
   }
   loader.read_yaml(root);
   for (const auto& o : overrides) loader.apply_override(o);
+  if (complete)
+    for (const auto& kv : complete(loader.as_read())) loader.complete(kv);
   return loader.finish();
 }
 
@@ -399,6 +416,15 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
     throw UserError(path + ": a folder, not a plan file (name the .yaml file inside it)");
   return load(
       path, [&] { return one_document(path, YAML::LoadAllFromFile(path)); }, overrides);
+}
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides,
+                   const Completion& complete) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw UserError(path + ": a folder, not a plan file (name the .yaml file inside it)");
+  return load(
+      path, [&] { return one_document(path, YAML::LoadAllFromFile(path)); }, overrides, complete);
 }
 
 Config load_config_text(const std::string& yaml, const std::string& source,

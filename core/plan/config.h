@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <functional>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -44,6 +45,7 @@ struct ModelConfig {
   Choice<TieEmbeddings> tie_embeddings;  // auto | true | false; auto resolves by arch
   double norm_eps, rope_theta, init_std;
   std::string init_from;  // safetensors file (Hugging Face or Tessel names) or empty
+  std::vector<std::string> init_from_accept;  // keys that may contradict init_from's config.json
   bool qk_norm;           // RMSNorm of each query/key head before RoPE (Qwen3)
   MoeConfig moe;
 
@@ -162,6 +164,8 @@ struct Config {
   CheckpointConfig checkpoint;
   LoggingConfig logging;
   std::string source;  // the file it came from, for messages
+  // The keys the plan file (their line) or --set (line 0) gave; the others hold their defaults.
+  std::map<std::string, int> given;
 };
 
 // ---- the field table -----------------------------------------------------------------------
@@ -216,6 +220,12 @@ std::vector<Field> bind_fields(Config& c);
 /// Defaults, then the YAML file, then `--set key=value` overrides, then cross-field validation
 /// and resolution of "auto" values. Throws UserError naming file, line, key and values.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+/// Completes a plan before its cross-field validation: given the plan as read (its `given`
+/// filled), "key=value" settings for keys it did not give (engine/run/init_plan.h: the model
+/// from model.init_from's config.json). UserError for what it refuses.
+using Completion = std::function<std::vector<std::string>(const Config& as_read)>;
+Config load_config(const std::string& path, const std::vector<std::string>& overrides,
+                   const Completion& complete);
 /// The same from YAML text (tests); `source` names it in messages.
 Config load_config_text(const std::string& yaml, const std::string& source,
                         const std::vector<std::string>& overrides = {});

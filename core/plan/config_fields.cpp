@@ -66,6 +66,10 @@ void add_model_fields(FieldAdder& add, Config& c) {
       "its max_shard_size, as released models ship) or model.safetensors (a `tessel-train "
       "export` folder). The files are memory-mapped: each rank reads only the slices it keeps. "
       "Empty = seeded init.");
+  add("model.init_from_accept", &c.model.init_from_accept, Strings{},
+      "Model keys this plan may set otherwise than model.init_from's config.json says (e.g. "
+      "[model.rope_theta] to train with another base). Without it a contradiction is refused "
+      "naming both values; keys the plan does not give are taken from config.json.");
   add("model.qk_norm", &c.model.qk_norm, false,
       "RMSNorm of every query and key head before RoPE, as Qwen3 (llama).");
 }
@@ -453,6 +457,7 @@ void mark_free_on_resume(std::vector<Field>& f) {
       {"run.name", "a label"},
       {"run.output_dir", "where the run writes"},
       {"model.init_from", "initial weights: a resumed run's come from the checkpoint"},
+      {"model.init_from_accept", "initial weights: a resumed run's come from the checkpoint"},
       {"model.init_std", "initial weights: a resumed run's come from the checkpoint"},
       {"parallel.", "the layout: the same global batch, the same losses"},
       {"training.micro_batch", "the layout: the same global batch, the same losses"},

@@ -23,6 +23,7 @@
 #include "engine/io/tokenizer.h"
 #include "engine/planner/cpu_profile.h"
 #include "engine/planner/planner.h"
+#include "engine/run/init_plan.h"
 #include "engine/run/score.h"
 #include "engine/run/startup.h"
 #include "engine/run/stop.h"
@@ -123,7 +124,7 @@ tessel::planner::DeviceProfile dry_run_device(const TrainArgs& a, const tessel::
 
 // --dry-run: the plan checked against the world, nothing started.
 int plan_dry_run(const TrainArgs& a, const tessel::parallel::WorldInfo& world) {
-  tessel::plan::Config c = tessel::plan::load_config(a.config, a.sets);
+  tessel::plan::Config c = tessel::run::load_plan(a.config, a.sets);
   const int64_t n = a.world_size > 0 ? a.world_size : world.world;
   // --world-size plans for another machine (a GPU cluster from a laptop): this node's devices
   // are not checked.

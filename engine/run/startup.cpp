@@ -27,6 +27,7 @@
 #include "engine/data/vocabulary.h"
 #include "engine/io/weights.h"
 #include "engine/run/build.h"
+#include "engine/run/init_plan.h"
 #include "engine/run/resume_plan.h"
 #include "engine/run/stop.h"
 #include "parallel/comm.h"
@@ -390,7 +391,7 @@ Start start_run(const std::string& plan, const std::vector<std::string>& sets,
                 const parallel::WorldInfo& world) {
   Start s;
   if (world.world == 1) {
-    s.config = plan::load_config(plan, sets);
+    s.config = load_plan(plan, sets);
     watch_stop_signals(s.config.checkpoint.on_signal);
     s.lock = check_start(s.config, world);
     return s;
@@ -399,7 +400,7 @@ Start start_run(const std::string& plan, const std::vector<std::string>& sets,
   std::string error;
   bool loaded = false;
   try {
-    s.config = plan::load_config(plan, sets);
+    s.config = load_plan(plan, sets);
     watch_stop_signals(s.config.checkpoint.on_signal);
     loaded = true;
   } catch (const plan::UserError& e) {

@@ -1,7 +1,7 @@
 """Hostile inputs on the data surfaces (issue 61): files that are not regular files, data.split of
 any length, vocabulary records out of range, `samples --out` over what it did not make, a blend's
-far position, Megatron's --data-path written in data.path, and an export of an index that does not
-hold the model. Each case ends in exit 2 within seconds, naming the key and the file, and writes
+far position, Megatron's --data-path written in data.path, an export of an index that does not
+hold the model; and model.init_from's config.json read as a new user expects. Each case ends in exit 2 within seconds, naming the key and the file, and writes
 nothing (every case here failed before its fix: a hang, a crash, a silent acceptance or a file
 destroyed)."""
 import json
@@ -9,7 +9,7 @@ import os
 import time
 import unittest
 
-from plans import TmpDirTest, base_plan, run, write_plan, write_tokens
+from plans import TmpDirTest, base_plan, read_metrics, run, write_plan, write_tokens
 
 FAST = 20  # seconds: every refusal comes before any work
 
@@ -190,6 +190,50 @@ class HostileData(TmpDirTest):
                          message=f"the index does not hold the model its config.yaml describes")
             self.refused("tessel-train", "export", step, "--format", "hf", "--out", self.path("hf"), message=message)
             self.assertFalse(os.path.exists(self.path("hf", "model.safetensors")))
+
+
+class InitFromConfig(TmpDirTest):
+    """model.init_from's config.json: the architecture where the plan gives none, and a plan value
+    that contradicts it refused (rope_theta 500000 used to train silently on weights made for
+    another base, and the whole architecture had to be retyped)."""
+
+    def test_the_architecture_comes_from_config_json(self):
+        data = write_tokens(self.path("t.u16"), 3000)
+        full = base_plan(self.tmp, "llama", data, steps=2)
+        full["run"]["output_dir"] = self.path("src")
+        run("tessel-train", write_plan(self.path("src.yaml"), full))
+        run("tessel-train", "export", self.path("src", "checkpoints"), "--format", "hf", "--out", self.path("hf"))
+        # The full plan, and a plan with no architecture at all: the same run, loss for loss.
+        full["model"]["init_from"] = self.path("hf")
+        full["run"]["output_dir"] = self.path("full")
+        run("tessel-train", write_plan(self.path("full.yaml"), full))
+        bare = json.loads(json.dumps(full))
+        bare["model"] = {"init_from": self.path("hf")}
+        bare["run"]["output_dir"] = self.path("bare")
+        p = run("tessel-train", write_plan(self.path("bare.yaml"), bare))
+        self.assertIn(f"model: from {self.path('hf', 'config.json')}: model.arch=llama, model.hidden=32, "
+                      f"model.kv_heads=2, model.ffn_hidden=80", p.stdout)
+        self.assertIn("model.rope_theta=5000.0", p.stdout)
+        losses = {n: [m["loss"] for m in read_metrics(self.path(n, "metrics.jsonl")) if "loss" in m]
+                  for n in ("full", "bare")}
+        self.assertEqual(len(losses["full"]), 2)
+        self.assertEqual(losses["bare"], losses["full"])
+        # A contradiction names both values; model.init_from_accept lets the plan's stand.
+        wrong = json.loads(json.dumps(bare))
+        wrong["model"]["rope_theta"] = 500000
+        wrong["run"]["output_dir"] = self.path("wrong")
+        path = write_plan(self.path("wrong.yaml"), wrong)
+        for extra in ([], ["--dry-run"]):
+            p = run("tessel-train", path, *extra, check=False, timeout=FAST)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn(f"model.init_from {self.path('hf')}: the weights were made for the model "
+                          f"{self.path('hf', 'config.json')} describes, and the plan contradicts it: "
+                          f"model.rope_theta is 500000.0 ({path}:", p.stderr)
+            self.assertIn("config.json's is 5000", p.stderr)
+        self.assertFalse(os.path.exists(self.path("wrong", "metrics.jsonl")))
+        p = run("tessel-train", path, "--set", "model.init_from_accept=[model.rope_theta]", "--set",
+                "training.steps=1")
+        self.assertEqual(p.returncode, 0, p.stderr)
 
 
 if __name__ == "__main__":
