@@ -16,6 +16,56 @@
 #include "engine/cli/cli_checks.h"
 #include "launcher/launch.h"
 
+namespace {
+
+// What this node can take, before any fork: 0, or the exit code after saying why.
+int check_node(const tessel::launcher::Options& o, bool port_given, bool oversubscribe) {
+  // Bounded by the machine before any fork: a typo (--nproc-per-node 10000) would start that
+  // many processes. Gloo tests on CPU run a few ranks per core, hence 4 per core.
+  const int cores = static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN)));
+  const int limit = std::max(4 * cores, tessel::launcher::gpus_on_node());
+  if (!oversubscribe && o.nproc_per_node > limit) {
+    std::fprintf(stderr,
+                 "tessel-launch: error: --nproc-per-node %d is more than this node runs (%d cores, "
+                 "%d GPUs: at most %d workers); give --oversubscribe to start them anyway\n",
+                 o.nproc_per_node, cores, tessel::launcher::gpus_on_node(), limit);
+    return 2;
+  }
+  // Two jobs on one node given one --master-port: the second's workers would meet the first's
+  // store (and stop it). Refused before anything starts, naming the port.
+  if (port_given && o.nnodes == 1) {
+    for (int p : {o.master_port, o.master_port + 1})
+      if (!tessel::launcher::port_free(p)) {
+        std::fprintf(stderr,
+                     "tessel-launch: error: --master-port %d: port %d is in use on this node "
+                     "(another job's rendezvous?); give another port, or omit --master-port on "
+                     "one node and a free pair is chosen\n",
+                     o.master_port, p);
+        return 2;
+      }
+  }
+  return 0;
+}
+
+// On one node without --master-port, a free pair of ports (said in the start-up line); and the
+// job's identity for the workers' rendezvous: one node makes its own, several nodes share Slurm's
+// job and step ids where they have them (each node's launcher sees the same).
+void choose_port_and_job(tessel::launcher::Options& o, bool port_given) {
+  if (!port_given && o.nnodes == 1) {
+    o.master_port = tessel::launcher::free_port_pair();
+    o.source += ", free port chosen";
+  }
+  if (o.nnodes == 1) {
+    std::random_device rd;
+    o.job_id = fmt::format("{}-{:08x}{:08x}", ::getpid(), rd(), rd());
+  } else if (const char* job = std::getenv("SLURM_JOB_ID")) {
+    const char* step = std::getenv("SLURM_STEP_ID");
+    o.job_id = fmt::format("slurm-{}-{}", job, step ? step : "");
+  }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   tessel::launcher::Options o;
   CLI::App app{
@@ -56,43 +106,8 @@ int main(int argc, char** argv) {
   if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = 3;
   tessel::launcher::apply_slurm(o, nnodes->count() > 0, node_rank->count() > 0,
                                 master->count() > 0);
-  if (port->count() == 0 && o.nnodes == 1) {
-    o.master_port = tessel::launcher::free_port_pair();  // the start-up line names it
-    o.source += ", free port chosen";
-  }
-  // Bounded by the machine before any fork: a typo (--nproc-per-node 10000) would start that
-  // many processes. Gloo tests on CPU run a few ranks per core, hence 4 per core.
-  const int cores = static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN)));
-  const int limit = std::max(4 * cores, tessel::launcher::gpus_on_node());
-  if (!oversubscribe && o.nproc_per_node > limit) {
-    std::fprintf(stderr,
-                 "tessel-launch: error: --nproc-per-node %d is more than this node runs (%d cores, "
-                 "%d GPUs: at most %d workers); give --oversubscribe to start them anyway\n",
-                 o.nproc_per_node, cores, tessel::launcher::gpus_on_node(), limit);
-    return 2;
-  }
-  // Two jobs on one node given one --master-port: the second's workers would meet the first's
-  // store (and stop it). Refused before anything starts, naming the port.
-  if (port->count() > 0 && o.nnodes == 1) {
-    for (int p : {o.master_port, o.master_port + 1})
-      if (!tessel::launcher::port_free(p)) {
-        std::fprintf(stderr,
-                     "tessel-launch: error: --master-port %d: port %d is in use on this node "
-                     "(another job's rendezvous?); give another port, or omit --master-port on "
-                     "one node and a free pair is chosen\n",
-                     o.master_port, p);
-        return 2;
-      }
-  }
-  // The job's identity for the workers' rendezvous: one node makes its own; several nodes share
-  // Slurm's job and step ids where they have them (each node's launcher sees the same).
-  if (o.nnodes == 1) {
-    std::random_device rd;
-    o.job_id = fmt::format("{}-{:08x}{:08x}", ::getpid(), rd(), rd());
-  } else if (const char* job = std::getenv("SLURM_JOB_ID")) {
-    const char* step = std::getenv("SLURM_STEP_ID");
-    o.job_id = fmt::format("slurm-{}-{}", job, step ? step : "");
-  }
+  if (const int code = check_node(o, port->count() > 0, oversubscribe)) return code;
+  choose_port_and_job(o, port->count() > 0);
   if (o.node_rank >= o.nnodes) {
     std::fprintf(stderr, "tessel-launch: error: --node-rank %d must be < --nnodes %d\n",
                  o.node_rank, o.nnodes);

@@ -181,6 +181,24 @@ class Validator {
               "must be <=", "training.steps", t.steps));
   }
 
+  // Megatron-Core's indices for the run's samples: 24 bytes each (a sample's start, 16, and its
+  // place in the shuffle, 8), held in memory while they are built. Past this machine's memory
+  // the build would end in std::bad_alloc: refused here, --dry-run included.
+  void check_megatron_index_size() {
+    const double samples = static_cast<double>(c_.training.steps) *
+                           static_cast<double>(c_.training.global_batch),
+                 bytes = 24.0 * samples,
+                 memory = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
+                          static_cast<double>(::sysconf(_SC_PAGESIZE));
+    require(memory <= 0 || bytes <= memory, "training.steps",
+            fmt::format("data.order megatron builds its sample indices for training.steps {} x "
+                        "training.global_batch {} = {:.0f} samples: {:.1f} GiB at 24 bytes a "
+                        "sample, more than this machine's memory ({:.1f} GiB); give fewer "
+                        "training.steps or a smaller training.global_batch",
+                        c_.training.steps, c_.training.global_batch, samples,
+                        bytes / (1 << 30), memory / (1 << 30)));
+  }
+
   // Validation and test data (data.split, data.valid, data.test, data.val_fraction) and the
   // sample order.
   void check_data_splits() {
@@ -219,23 +237,7 @@ class Validator {
                             : list == &d.valid ? "data.valid"
                                                : "data.test",
                             i + 1, (*list)[i].path.size()));
-    // Megatron-Core's indices for the run's samples: 24 bytes each (a sample's start, 16, and
-    // its place in the shuffle, 8), held in memory while they are built. Past this machine's
-    // memory the build would end in std::bad_alloc: refused here, --dry-run included.
-    if (megatron) {
-      const double samples = static_cast<double>(c_.training.steps) *
-                             static_cast<double>(c_.training.global_batch),
-                   bytes = 24.0 * samples,
-                   memory = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
-                            static_cast<double>(::sysconf(_SC_PAGESIZE));
-      require(memory <= 0 || bytes <= memory, "training.steps",
-              fmt::format("data.order megatron builds its sample indices for training.steps {} x "
-                          "training.global_batch {} = {:.0f} samples: {:.1f} GiB at 24 bytes a "
-                          "sample, more than this machine's memory ({:.1f} GiB); give fewer "
-                          "training.steps or a smaller training.global_batch",
-                          c_.training.steps, c_.training.global_batch, samples,
-                          bytes / (1 << 30), memory / (1 << 30)));
-    }
+    if (megatron) check_megatron_index_size();
     require(!megatron || d.format == DataFormat::kMegatron, "data.order",
             "data.order megatron reads Megatron-Core's samples of Megatron indexed datasets: "
             "data.format must be megatron (it is " +

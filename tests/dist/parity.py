@@ -139,6 +139,10 @@ PLANNER_ACTIVATION_MISSES = {
     # (measured -0.1% and +10.5% for the same plan).
     "microbatch_pairs_gpt2": 14,
     "microbatch_pairs_llama": 14,
+    # bf16 on a CPU without avx512_bf16 (an AMD EPYC VM without AVX-512, 2026-11-29): -10.7% at
+    # 1018f68 and after it alike (-4.5% on the avx512_bf16 VM of 2026-11-28): oneDNN's bf16
+    # matmuls take other paths there; not traced yet.
+    "zero2_dp4_shard2_pp2_zbv_bf16_gpt2": 13,
 }
 assert set(PLANNER_ACTIVATION_MISSES) <= set(BY_ID), "known misses name rows of the table"
 
