@@ -4,8 +4,8 @@
 #pragma once
 
 #include <cstdint>
-#include <limits>
 #include <functional>
+#include <limits>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -46,7 +46,7 @@ struct ModelConfig {
   double norm_eps, rope_theta, init_std;
   std::string init_from;  // safetensors file (Hugging Face or Tessel names) or empty
   std::vector<std::string> init_from_accept;  // keys that may contradict init_from's config.json
-  bool qk_norm;           // RMSNorm of each query/key head before RoPE (Qwen3)
+  bool qk_norm;                               // RMSNorm of each query/key head before RoPE (Qwen3)
   MoeConfig moe;
 
   bool tied() const { return tie_embeddings == TieEmbeddings::kTrue; }

@@ -23,9 +23,12 @@ std::string read_share(const std::string& text, size_t begin, size_t end, double
            std::to_string(kMaxShareChars) + ")";
   int digits = 0, points = 0;
   for (char c : item) {
-    if (c >= '0' && c <= '9') ++digits;
-    else if (c == '.') ++points;
-    else return "'" + item + "' is not a number";
+    if (c >= '0' && c <= '9')
+      ++digits;
+    else if (c == '.')
+      ++points;
+    else
+      return "'" + item + "' is not a number";
   }
   if (digits == 0 || points > 1) return "'" + item + "' is not a number";
   out = std::strtod(item.c_str(), nullptr);  // at most 32 digits: finite, no exception

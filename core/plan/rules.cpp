@@ -195,8 +195,8 @@ class Validator {
                         "training.global_batch {} = {:.0f} samples: {:.1f} GiB at 24 bytes a "
                         "sample, more than this machine's memory ({:.1f} GiB); give fewer "
                         "training.steps or a smaller training.global_batch",
-                        c_.training.steps, c_.training.global_batch, samples,
-                        bytes / (1 << 30), memory / (1 << 30)));
+                        c_.training.steps, c_.training.global_batch, samples, bytes / (1 << 30),
+                        memory / (1 << 30)));
   }
 
   // Validation and test data (data.split, data.valid, data.test, data.val_fraction) and the
@@ -206,9 +206,9 @@ class Validator {
     std::array<double, 3> shares{};
     const std::string bad = parse_split(d.split, shares);
     const std::string shown =
-        d.split.size() <= 64 ? d.split
-                             : d.split.substr(0, 40) + "... (" + std::to_string(d.split.size()) +
-                                   " characters)";
+        d.split.size() <= 64
+            ? d.split
+            : d.split.substr(0, 40) + "... (" + std::to_string(d.split.size()) + " characters)";
     require(bad.empty(), "data.split", "data.split '" + shown + "' does not parse: " + bad);
     require(d.split.empty() || d.val_fraction == 0, "data.val_fraction",
             "data.val_fraction (" + fmt_double(d.val_fraction) + ") and data.split ('" + d.split +
@@ -308,7 +308,8 @@ class Validator {
     require(false, "data.path",
             "data.path '" + fmt::format("{}", fmt::join(c_.data.path, " ")) +
                 "' reads as Megatron's --data-path (weights between prefixes); Tessel names "
-                "weighted datasets in data.blend: blend: [" + blend + "] (and no data.path)");
+                "weighted datasets in data.blend: blend: [" +
+                blend + "] (and no data.path)");
   }
 
   void check_data_and_checkpoint() {

@@ -193,8 +193,10 @@ void for_each_tensor(const fs::path& dir, const nlohmann::json& index,
     int64_t numel = 1;
     bool past = false;  // more elements than the shards hold (the product is not formed)
     for (int64_t d : shape)
-      if (d < 0 || (d > 0 && numel > std::numeric_limits<int64_t>::max() / d)) past = true;
-      else numel *= d;
+      if (d < 0 || (d > 0 && numel > std::numeric_limits<int64_t>::max() / d))
+        past = true;
+      else
+        numel *= d;
     if (!parts.empty() && (past || numel > held))
       throw plan::UserError(fmt::format(
           "{}: the shards of '{}' cover {} of its {} elements (shape [{}] in index.json): not a "

@@ -154,9 +154,9 @@ nlohmann::json read_index(const fs::path& dir) {
   const int64_t step = check.integer(check.at(index, "", "step"), "step", 0);
   // A step reads at most training.global_batch's bound of samples (4M): a larger count is not
   // a run's, and would send a blend's walk to its position for ever.
-  check.integer(check.at(index, "", "consumed_samples"), "consumed_samples", 0,
-                step > kMaxIndexInteger / (int64_t{4} << 20) ? kMaxIndexInteger
-                                                              : step * (int64_t{4} << 20));
+  check.integer(
+      check.at(index, "", "consumed_samples"), "consumed_samples", 0,
+      step > kMaxIndexInteger / (int64_t{4} << 20) ? kMaxIndexInteger : step * (int64_t{4} << 20));
   check.integer(check.at(index, "", "world_size"), "world_size", 1, int64_t{1} << 24);
   // A step_<N> folder holds step N (a copy under another name is not held to it).
   std::smatch m;

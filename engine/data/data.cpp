@@ -95,13 +95,20 @@ void add_token_files(TokenStream& s, const std::vector<std::string>& patterns, i
 
 const char* file_kind(unsigned mode) {
   switch (mode & S_IFMT) {
-    case S_IFDIR: return "a folder";
-    case S_IFIFO: return "a FIFO (named pipe)";
-    case S_IFCHR: return "a character device";
-    case S_IFBLK: return "a block device";
-    case S_IFSOCK: return "a socket";
-    case S_IFREG: return "a regular file";
-    default: return "not a regular file";
+    case S_IFDIR:
+      return "a folder";
+    case S_IFIFO:
+      return "a FIFO (named pipe)";
+    case S_IFCHR:
+      return "a character device";
+    case S_IFBLK:
+      return "a block device";
+    case S_IFSOCK:
+      return "a socket";
+    case S_IFREG:
+      return "a regular file";
+    default:
+      return "not a regular file";
   }
 }
 

@@ -284,12 +284,10 @@ void require_samples(const Source& src, SampleSplit s, const plan::DataConfig& d
   const std::string need =
       fmt::format("not one sample of training.seq_len+1 = {} tokens", src.seq_len + 1);
   if (s == SampleSplit::kTrain)
-    throw plan::UserError(fmt::format("{}: {} hold {} training tokens{}: {}", src.key, src.name,
-                                      src.end - src.begin,
-                                      d.split.empty() ? ""
-                                                      : " under data.split " + d.split +
-                                                            " (its first share is training's)",
-                                      need));
+    throw plan::UserError(fmt::format(
+        "{}: {} hold {} training tokens{}: {}", src.key, src.name, src.end - src.begin,
+        d.split.empty() ? "" : " under data.split " + d.split + " (its first share is training's)",
+        need));
   if (d.split.empty() && s == SampleSplit::kValid && src.key.rfind("data.valid", 0) != 0)
     throw plan::UserError(fmt::format(
         "data.val_fraction: the {} held-out tokens of {}{} hold no "

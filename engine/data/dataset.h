@@ -91,7 +91,7 @@ class Dataset {
   int64_t readable_train_samples() const {
     return train_limit_ >= 0 ? std::min(train_limit_, train_samples()) : train_samples();
   }
-  int64_t val_samples() const;    // one epoch of every validation dataset
+  int64_t val_samples() const;  // one epoch of every validation dataset
   int64_t train_tokens() const;
   /// How many training samples the run may read (megatron: the blend's size); -1: unbounded.
   int64_t train_limit() const { return train_limit_; }

@@ -119,8 +119,8 @@ void write_index(const std::string& path, const std::string& description, const 
   h.n_documents = static_cast<int64_t>(ix.documents.size());
   h.n_samples = ix.size();
   h.epochs = ix.epochs;
-  h.checksum = file_checksum(description, h, ix.documents.data(), ix.starts.data(),
-                             ix.order.data());
+  h.checksum =
+      file_checksum(description, h, ix.documents.data(), ix.starts.data(), ix.order.data());
   const std::string tmp = fmt::format("{}.tmp.{}.{}", path, ::getpid(), std::random_device{}());
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
@@ -198,9 +198,10 @@ MappedIndex cached_index(const std::string& folder, const std::string& descripti
   if (lock.fd >= 0) {
     struct stat st {};
     if (::fstat(lock.fd, &st) != 0 || !S_ISREG(st.st_mode))
-      throw plan::UserError(fmt::format("data.index_cache: {}.lock is {}, not a regular file "
-                                        "(remove it)",
-                                        path, file_kind(st.st_mode)));
+      throw plan::UserError(
+          fmt::format("data.index_cache: {}.lock is {}, not a regular file "
+                      "(remove it)",
+                      path, file_kind(st.st_mode)));
     ::flock(lock.fd, LOCK_EX);
   }
   MappedIndex m = try_map(path, description, check, why);

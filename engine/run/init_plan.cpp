@@ -29,16 +29,18 @@ std::string config_json_of(const std::string& init_from) {
 // The model keys config.json decides, as plan_from_hf_config reads them: the architecture's
 // shape. max_seq_len is left out for rotary models (a shorter context trains the same weights).
 std::vector<std::string> decided_keys(const plan::Config& hf) {
-  std::vector<std::string> keys = {"model.arch",       "model.layers",    "model.hidden",
-                                   "model.heads",      "model.kv_heads",  "model.ffn_hidden",
-                                   "model.vocab_size", "model.norm_eps",  "model.tie_embeddings",
+  std::vector<std::string> keys = {"model.arch",       "model.layers",   "model.hidden",
+                                   "model.heads",      "model.kv_heads", "model.ffn_hidden",
+                                   "model.vocab_size", "model.norm_eps", "model.tie_embeddings",
                                    "model.qk_norm"};
-  if (hf.model.arch == plan::ModelArch::kGpt2) keys.push_back("model.max_seq_len");
-  else keys.push_back("model.rope_theta");
+  if (hf.model.arch == plan::ModelArch::kGpt2)
+    keys.push_back("model.max_seq_len");
+  else
+    keys.push_back("model.rope_theta");
   if (hf.model.moe.experts > 0)
     for (const char* k : {"model.moe.experts", "model.moe.top_k", "model.moe.ffn_hidden",
-                          "model.moe.shared_experts", "model.moe.every",
-                          "model.moe.router.score", "model.moe.router.norm_topk"})
+                          "model.moe.shared_experts", "model.moe.every", "model.moe.router.score",
+                          "model.moe.router.norm_topk"})
       keys.push_back(k);
   return keys;
 }
@@ -70,11 +72,10 @@ plan::Config load_plan(const std::string& path, const std::vector<std::string>& 
       if (given == c.given.end())
         taken.push_back(key + "=" + want);
       else if (std::find(accept.begin(), accept.end(), key) == accept.end())
-        wrong.push_back(fmt::format("{} is {} ({}), config.json's is {}", key, have,
-                                    given->second > 0
-                                        ? fmt::format("{}:{}", path, given->second)
-                                        : std::string("--set"),
-                                    want));
+        wrong.push_back(fmt::format(
+            "{} is {} ({}), config.json's is {}", key, have,
+            given->second > 0 ? fmt::format("{}:{}", path, given->second) : std::string("--set"),
+            want));
     }
     if (!wrong.empty())
       throw plan::UserError(fmt::format(

@@ -140,8 +140,9 @@ void RunLock::lock_folder(const std::string& key, const std::string& folder) {
     if (fd >= 0) ::close(fd);
     if (err == EWOULDBLOCK) {
       // A run folder's holder notes itself in its .lock; a checkpoint folder has no note.
-      std::string who = "as its run.output_dir, its checkpoint.dir or its default "
-                        "<run.output_dir>/checkpoints";
+      std::string who =
+          "as its run.output_dir, its checkpoint.dir or its default "
+          "<run.output_dir>/checkpoints";
       try {  // a regular file only: a FIFO planted there must not hang this
         const auto note = data::read_regular(folder + "/.lock", key);
         if (note && !note->empty()) who = note->substr(0, std::min(note->find('\n'), size_t{200}));
@@ -153,9 +154,10 @@ void RunLock::lock_folder(const std::string& key, const std::string& folder) {
           "it to end, or set {} to another folder",
           key, folder, who, key));
     }
-    spdlog::warn("{} {}: this filesystem does not lock folders ({}); make sure no other run "
-                 "uses it",
-                 key, folder, std::strerror(err));
+    spdlog::warn(
+        "{} {}: this filesystem does not lock folders ({}); make sure no other run "
+        "uses it",
+        key, folder, std::strerror(err));
     return;
   }
   fds_.push_back(fd);

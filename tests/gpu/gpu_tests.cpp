@@ -17,8 +17,8 @@
 #include <memory>
 
 #include "core/device/cuda.h"
-#include "core/observe/host_reads.h"
 #include "core/kernels/fused_ops.h"
+#include "core/observe/host_reads.h"
 #include "engine/io/safetensors.h"
 #include "engine/run/train.h"
 #include "parallel/ep/dispatch.h"

@@ -12,8 +12,8 @@
 #include <fstream>
 #include <numeric>
 
-#include "engine/data/gpt_index.h"
 #include "core/plan/user_error.h"
+#include "engine/data/gpt_index.h"
 #include "engine/data/index_cache.h"
 
 namespace tessel::data {
@@ -179,8 +179,10 @@ TEST(GptIndex, CacheRebuildsACraftedFileWithAValidChecksum) {
   auto check = [&](const GptView& v) { return check_gpt_view(v, sizes, 0, 10, 8); };
   for (int variant = 0; variant < 2; ++variant) {
     GptIndex crafted = want;
-    if (variant == 0) crafted.documents[3] = 1000000;               // a read far outside
-    else std::fill(crafted.order.begin(), crafted.order.end(), 5);  // one sample, repeated
+    if (variant == 0)
+      crafted.documents[3] = 1000000;  // a read far outside
+    else
+      std::fill(crafted.order.begin(), crafted.order.end(), 5);  // one sample, repeated
     const auto written = cached_index(
         dir.string(), "{\"k\": 1}", [&] { return crafted; },
         [](const GptView&) { return std::string(); });
