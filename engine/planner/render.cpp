@@ -96,7 +96,9 @@ std::string state_bytes(const plan::Config& c, const plan::Layout& l, const Plan
 }
 
 // --dry-run with pipeline stages: the schedule, its bubble and peak activations, the layers.
-std::string pipeline_lines(const plan::Config& c, const plan::Layout& layout) {
+// Without `details` the schedule's timeline per rank (a line of thousands of characters on a
+// real plan's micro-batches) is left out, and said to be there.
+std::string pipeline_lines(const plan::Config& c, const plan::Layout& layout, bool details) {
   std::string out;
   namespace pp = parallel::pp;
   const auto& t = c.training;
@@ -104,7 +106,10 @@ std::string pipeline_lines(const plan::Config& c, const plan::Layout& layout) {
   auto schedule =
       pp::make_schedule(c.parallel.pipeline_schedule, layout.pp, m, c.parallel.virtual_stages);
   auto sim = pp::simulate(schedule);
-  out += fmt::sprintf("%s", pp::render(schedule, sim).c_str());
+  const std::string grid = pp::render(schedule, sim);
+  out += details ? grid
+                 : grid.substr(0, grid.find('\n') + 1) +
+                       "# the schedule's timeline per rank: --details\n";
   out += fmt::sprintf(
       "# predicted bubble %.4f of ideal step time (the paper's figure for %s: %.4f); peak "
       "activations per rank:",
@@ -387,7 +392,7 @@ std::string dry_run_report(const DryRun& r) {
   out += render(r.estimate, c, r.device);
   if (r.faster) out += faster_layout_lines(r.plan_path, r.world, *r.faster, r.estimate);
   out += state_bytes(c, l, r.estimate);
-  if (l.pp > 1) out += pipeline_lines(c, l);
+  if (l.pp > 1) out += pipeline_lines(c, l, r.details);
   if (l.cp > 1) out += context_parallel_lines(c, l);
   out += blend_lines(c);
   if ((!r.device.cpu && r.device.gpus_per_node > 0 && r.world > r.device.gpus_per_node) ||

@@ -77,13 +77,19 @@ class PlanChecks(TmpDirTest):
                       p.stdout)
         self.assertIn("# layers per stage (stage = chunk·pp + pipeline rank): 3 2 2 1", p.stdout)
         self.assertNotIn("refused", p.stdout)
+        # The timeline per rank (two 5,408-character lines for configs/llama3-8b.yaml) on request.
+        self.assertIn("# the schedule's timeline per rank: --details", p.stdout)
+        self.assertNotIn("rank  0 |", p.stdout)
+        root = os.environ.get("TESSEL_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
+        p = run("tessel-train", os.path.join(root, "configs", "llama3-8b.yaml"), "--dry-run", "--world-size", 64)
+        self.assertLess(max(map(len, p.stdout.splitlines())), 400, p.stdout[:2000])
 
     def test_dry_run_prints_zero_bubble_schedules(self):
         # pp 4, 8 micro-batches: 1F1B's bubble 3/8, ZB-H1's a third of it, ZBV's a sixth.
         for schedule, v, bubble in (("1f1b", 1, 0.375), ("zb-h1", 1, 0.125), ("zbv", 2, 0.0625)):
             plan = {"training": {"global_batch": 8, "micro_batch": 1}, "model": {"layers": 8},
                     "parallel": {"pp": 4, "pipeline": {"schedule": schedule, "virtual_stages": v}}}
-            p = run("tessel-train", self.plan(plan), "--dry-run", "--world-size", 4)
+            p = run("tessel-train", self.plan(plan), "--dry-run", "--world-size", 4, "--details")
             self.assertIn(f"# predicted bubble {bubble:.4f} of ideal step time (the paper's figure for "
                           f"{schedule}: {bubble:.4f})", p.stdout)
             if schedule == "zbv":  # the V: rank 0 holds the first and the last stage
