@@ -2,6 +2,7 @@
 
 #include <sys/statvfs.h>
 
+#include <c10/util/accumulate.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
@@ -13,7 +14,6 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -190,19 +190,13 @@ void for_each_tensor(const fs::path& dir, const nlohmann::json& index,
       held += part.numel();  // each within its file: no overflow
       parts.push_back(std::move(part));
     }
-    int64_t numel = 1;
-    bool past = false;  // more elements than the shards hold (the product is not formed)
-    for (int64_t d : shape)
-      if (d < 0 || (d > 0 && numel > std::numeric_limits<int64_t>::max() / d))
-        past = true;
-      else
-        numel *= d;
-    if (!parts.empty() && (past || numel > held))
+    // read_index bounds every shape at 2^53 elements: the product is exact.
+    const int64_t numel = c10::multiply_integers(shape);
+    if (!parts.empty() && numel > held)
       throw plan::UserError(fmt::format(
           "{}: the shards of '{}' cover {} of its {} elements (shape [{}] in index.json): not a "
           "checkpoint Tessel wrote whole",
-          (dir / "index.json").string(), name, held,
-          past ? std::string("more") : std::to_string(numel), fmt::join(shape, ", ")));
+          (dir / "index.json").string(), name, held, numel, fmt::join(shape, ", ")));
     torch::Tensor global, covered;
     for (size_t k = 0; k < parts.size(); ++k) {
       const auto& shard = shards[k];

@@ -1,5 +1,6 @@
 // `tessel-train export`: a checkpoint's global weights under Hugging Face's names, with
 // config.json (and the tokenizer when given), into a folder of their own.
+#include <c10/util/accumulate.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
@@ -76,9 +77,7 @@ models::Weights checkpoint_model_weights(const std::string& step_dir, const mode
       continue;
     }
     const auto shape = tensors.at(p.name).at("shape").get<std::vector<int64_t>>();
-    int64_t numel = 1;
-    for (int64_t d : shape) numel = d < 0 || (d > 0 && numel > p.numel / d) ? -1 : numel * d;
-    if (numel != p.numel)
+    if (c10::multiply_integers(shape) != p.numel)  // read_index bounds it at 2^53: exact
       wrong.push_back(fmt::format("{} is [{}], the model's has {} elements", p.name,
                                   fmt::join(shape, ", "), p.numel));
   }

@@ -124,14 +124,9 @@ void check_output(const plan::Config& c, const std::string& out, bool force) {
   const auto st = fs::status(out, ec);
   if (!fs::exists(st)) return;
   if (!fs::is_regular_file(st))
-    throw plan::UserError(
-        fmt::format("samples --out: {} is {}, not a file to write: give a "
-                    "file's path",
-                    out,
-                    fs::is_directory(st) ? "a folder"
-                                         : "not a regular file "
-                                           "(a FIFO, a device "
-                                           "or a socket)"));
+    throw plan::UserError(fmt::format(
+        "samples --out: {} is {}, not a file to write: give a file's path", out,
+        fs::is_directory(st) ? "a folder" : "not a regular file (a FIFO, a device or a socket)"));
   for (const auto& in : plan_inputs(c))
     if (!in.empty() && fs::equivalent(out, in, ec))
       throw plan::UserError(fmt::format("samples --out: {} is {}: write the samples elsewhere", out,
