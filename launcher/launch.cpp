@@ -338,8 +338,9 @@ std::optional<int> after_round(const Options& o, RoundEnd end, int round,
                                const std::vector<Worker>& ws) {
   if (end == RoundEnd::kStopped) {
     std::fprintf(stderr,
-                 "tessel-launch: the workers saved a checkpoint on a signal and stopped (exit "
-                 "%d): run the same command again to resume\n",
+                 "tessel-launch: the workers stopped on a signal (exit %d: after saving a "
+                 "checkpoint, or during start-up with nothing trained): run the same command "
+                 "again to resume\n",
                  run::kExitStopped);
     requeue_under_slurm(o);
     return run::kExitStopped;

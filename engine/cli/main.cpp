@@ -14,6 +14,7 @@
 
 #include "core/device/cpu.h"
 #include "core/device/cuda.h"
+#include "core/observe/interrupt.h"
 #include "core/optim/optim.h"
 #include "core/plan/config.h"
 #include "engine/checkpoint/checkpoint.h"
@@ -424,6 +425,9 @@ int main(int argc, char** argv) {
     if (cmd == "generate") return run_generate(argc - 1, argv + 1);
     if (cmd == "samples") return run_samples(argc - 1, argv + 1);
     return run_train(argc, argv);
+  } catch (const tessel::observe::Interrupted& e) {  // a stop signal before step 1
+    std::fprintf(stderr, "%s: %s\n", who.c_str(), e.what());
+    return tessel::run::kExitStopped;
   } catch (const tessel::plan::UserError& e) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
     return 2;

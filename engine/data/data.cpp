@@ -18,6 +18,7 @@
 #include <thread>
 #include <type_traits>
 
+#include "core/observe/interrupt.h"
 #include "engine/data/files.h"
 #include "engine/io/safetensors.h"
 
@@ -29,6 +30,7 @@ class Progress {
  public:
   explicit Progress(std::string what) : what_(std::move(what)), last_(clock::now()) {}
   void tick(const std::function<std::string()>& status) {
+    observe::stop_if_signalled("reading " + what_);
     if (clock::now() - last_ < std::chrono::seconds(2)) return;
     last_ = clock::now();
     spdlog::info("{}: {}", what_, status());
@@ -395,6 +397,7 @@ void check_stream_ids(const plan::Config& c, const TokenStream& s, int64_t rank,
                                begin + (end - begin) * (p + 1) / parts, vocab);
     });
   for (auto& t : scanners) t.join();
+  observe::stop_if_signalled("checking the data's token ids");
   for (int64_t pos : bad)
     if (pos >= 0) {
       int64_t id = 0;

@@ -19,6 +19,7 @@
 #include <limits>
 #include <numeric>
 
+#include "core/observe/interrupt.h"
 #include "core/plan/data_split.h"
 #include "engine/data/index_cache.h"
 
@@ -314,6 +315,7 @@ Dataset::Dataset(const plan::Config& c, const std::vector<SampleSplit>& splits)
     return std::find(splits.begin(), splits.end(), s) != splits.end();
   };
   for (size_t i = 0; i < train.size(); ++i) {
+    observe::stop_if_signalled("reading the data");
     const auto stream = open_named(d, train[i]);
     for (auto s : all) {
       if (s != SampleSplit::kTrain && !named(d, s).empty()) continue;  // its own datasets

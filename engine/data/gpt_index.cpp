@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/observe/interrupt.h"
+
 namespace tessel::data {
 namespace {
 
@@ -55,6 +57,7 @@ std::vector<int64_t> sample_index(const DocSizes& sizes, const std::vector<int32
   int64_t at = 0, offset = 0;
   const int64_t last = static_cast<int64_t>(docs.size()) - 1;
   for (int64_t s = 1; s <= samples; ++s) {
+    if ((s & ((int64_t{1} << 22) - 1)) == 0) observe::stop_if_signalled("indexing the data");
     int64_t remaining = seq_len + 1;
     while (remaining != 0) {
       const int64_t length = sizes[docs[static_cast<size_t>(at)]] - offset;

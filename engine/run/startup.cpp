@@ -20,6 +20,7 @@
 #include <map>
 #include <optional>
 
+#include "core/observe/interrupt.h"
 #include "engine/checkpoint/checkpoint.h"
 #include "engine/data/dataset.h"
 #include "engine/data/files.h"
@@ -241,6 +242,7 @@ void Peers::agree_on_start(const std::string& my_error) {
   store_->add("tessel/started", 1);
   const auto until = Clock::now() + std::chrono::duration<double>(timeout_s_);
   while (store_->add("tessel/started", 0) < world_) {
+    stop_if_signalled("waiting for every rank to start");
     if (Clock::now() > until) {
       std::vector<int64_t> missing;
       for (int64_t r = 0; r < world_; ++r)
@@ -252,6 +254,7 @@ void Peers::agree_on_start(const std::string& my_error) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  stop_if_signalled("waiting for every rank to start");
   const int64_t errors = store_->add("tessel/start_errors", 0);
   if (errors == 0) return;
   store_->add("tessel/start_read", 1);
@@ -264,6 +267,32 @@ void Peers::agree_on_start(const std::string& my_error) {
   throw plan::UserError(
       fmt::format("{} of {} ranks failed their start-up checks, so none starts; {}", errors, world_,
                   text(store_->get("tessel/start_error"))));
+}
+
+void Peers::stop_if_signalled(const std::string& doing) {
+  try {
+    observe::stop_if_signalled(doing);
+  } catch (const observe::Interrupted& e) {
+    report_stop(e.what());
+    throw;
+  }
+  if (store_->check({"tessel/stopped"})) {
+    store_->add("tessel/gone", 1);  // rank 0 serves the store until every rank has read it
+    observe::stop_as_another_rank_did(text(store_->get("tessel/stopped")));
+  }
+}
+
+void Peers::report_stop(const std::string& what) {
+  beat_->failed = true;  // this rank's own exit reports it; its heartbeat need not
+  if (store_silent_) return;
+  within<bool>(10, [store = store_, rank = rank_, world = world_, what] {
+    store->compareSet("tessel/stopped", {}, bytes(fmt::format("rank {} {}", rank, what)));
+    store->add("tessel/gone", 1);
+    const auto until = Clock::now() + std::chrono::seconds(6);
+    while (rank == 0 && store->add("tessel/gone", 0) < world && Clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    return true;
+  });
 }
 
 void Peers::start_heartbeat() {
@@ -298,6 +327,16 @@ void Peers::beat_loop(const std::shared_ptr<Beat>& b, const std::string& host, i
     try {
       b->store->set(key("beat", b->rank),
                     bytes(fmt::format("{} {}", ++beats, b->step.load(std::memory_order_relaxed))));
+      if (!b->failed && b->store->check({"tessel/stopped"})) {
+        // A rank stopped on a signal during start-up: nothing was trained, so every rank stops
+        // as it did, with the stop's exit code (engine/run/stop.h), wherever it is waiting.
+        std::fprintf(stderr, "tessel-train[rank %s]: stopping because %s\n",
+                     env_rank ? env_rank : std::to_string(b->rank).c_str(),
+                     text(b->store->get("tessel/stopped")).c_str());
+        std::fflush(nullptr);
+        b->store->add("tessel/gone", 1);
+        std::_Exit(kExitStopped);
+      }
       if (!b->failed && b->store->check({"tessel/failed"})) {
         // Another rank failed: give this rank a moment to fail on its own (the same error on
         // every rank), then end it rather than wait for a collective to time out.
@@ -431,6 +470,9 @@ Start start_run(const std::string& plan, const std::vector<std::string>& sets,
 void fail_run(Peers* peers, std::exception_ptr error) {
   try {
     std::rethrow_exception(error);
+  } catch (const observe::Interrupted& e) {
+    if (peers) peers->report_stop(e.what());
+    throw;
   } catch (const parallel::CommError& e) {
     if (!peers) throw;
     const std::string why = peers->diagnose();

@@ -73,6 +73,12 @@ class Peers {
   /// joins it) for parallel.timeout_s.
   void start_heartbeat();
   void set_step(int64_t step) { beat_->step.store(step, std::memory_order_relaxed); }
+  /// During start-up: stops this rank (observe::Interrupted) when it saw a stop signal, posting
+  /// it so that the others stop alike, or when another rank posted one.
+  void stop_if_signalled(const std::string& doing);
+  /// Posts this rank's stop on a signal during start-up (`what`: its message): the others'
+  /// heartbeats end them with the stop's exit code.
+  void report_stop(const std::string& what);
   /// Records this rank's failure so that the others stop at once (the first failure wins).
   void report_failure(const std::string& what);
   /// The failure another rank posted ("rank R failed: ..."), or "".

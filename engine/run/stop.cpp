@@ -8,21 +8,21 @@
 #include <map>
 #include <optional>
 
+#include "core/observe/interrupt.h"
 #include "core/plan/config.h"
 
 namespace tessel::run {
 namespace {
 
-volatile std::sig_atomic_t g_signal = 0;
 // A second Ctrl-C while a stop is pending ends the process at once (the user means it), as
 // Python's and torchrun's do; other signals repeat harmlessly. Async-signal-safe calls only.
 void on_signal(int s) {
-  if (s == SIGINT && g_signal == SIGINT) {
+  if (s == SIGINT && observe::signal_seen() == SIGINT) {
     std::signal(SIGINT, SIG_DFL);
     std::raise(SIGINT);
     return;
   }
-  g_signal = s;
+  observe::note_signal(s);  // start-up's long parts look there too (core/observe/interrupt.h)
 }
 
 int signal_number(const std::string& name) {
@@ -48,8 +48,8 @@ void watch_stop_signals(const std::vector<std::string>& signals) {
   for (int s : watched())
     if (std::find(now.begin(), now.end(), s) == now.end()) {
       std::signal(s, SIG_DFL);
-      if (g_signal == s) {  // seen, but this plan does not stop on it: its default action now
-        g_signal = 0;
+      if (observe::signal_seen() == s) {  // seen, but this plan does not stop on it: its default
+        observe::forget_signal();         // action now
         std::raise(s);
       }
     }
@@ -95,10 +95,10 @@ StopOnSignal::~StopOnSignal() {
   watched().clear();
 }
 
-int StopOnSignal::signal() const { return g_signal; }
+int StopOnSignal::signal() const { return observe::signal_seen(); }
 
 torch::Tensor StopOnSignal::vote() const {
-  return torch::full({}, g_signal != 0 ? 1.0 : 0.0,
+  return torch::full({}, observe::signal_seen() != 0 ? 1.0 : 0.0,
                      torch::TensorOptions().dtype(torch::kFloat32).device(device_));
 }
 

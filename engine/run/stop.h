@@ -28,9 +28,12 @@ constexpr int kExitStopped = 75;
 /// Notes `signals` (names as in checkpoint.on_signal) from now on instead of acting on them, and
 /// gives back their default action to the ones watched before but not named now (a signal of
 /// those already seen is raised again). Called first thing with the default list and again once
-/// the plan is read: a signal that arrives during start-up (loading the plan, rendezvous,
-/// building the model) is then seen by the first step's vote, and the run stops after its first
-/// steps with a checkpoint and kExitStopped, as it does later, so that Slurm requeues it.
+/// the plan is read. A signal that arrives during start-up (loading the plan, waiting for the
+/// other ranks, reading and indexing the data, building the model, reading a checkpoint) stops
+/// every rank at the next piece of start-up work, before step 1, with nothing to save and
+/// kExitStopped (core/observe/interrupt.h); one that arrives after start-up's last look is seen by
+/// the first step's vote, and the run stops after its first steps with a checkpoint. Either way
+/// the exit code is kExitStopped, so that Slurm requeues the job.
 void watch_stop_signals(const std::vector<std::string>& signals);
 
 class StopOnSignal {

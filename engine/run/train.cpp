@@ -9,6 +9,7 @@
 #include <map>
 #include <thread>
 
+#include "core/observe/interrupt.h"
 #include "core/observe/profiler.h"
 #include "engine/checkpoint/checkpoint.h"
 #include "engine/io/safetensors.h"
@@ -48,6 +49,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   // The test split is score's: a run never reads it.
   data_ = std::make_unique<data::Dataset>(
       c_, std::vector<data::SampleSplit>{data::SampleSplit::kValid});
+  observe::stop_if_signalled("reading the data");
   doc_eod_ = data::document_eod(c_);
   if (c_.checkpoint.async) saver_ = std::make_unique<checkpoint::AsyncSaver>(c_, *mesh_);
   {
@@ -59,6 +61,8 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
     tp_summed_grads_ = std::move(st.tp_summed_grads);
     embedding_grads_ = std::move(st.embedding_grads);
     resumed_from_ = st.resumed_from;
+    observe::stop_if_signalled(resumed_from_.empty() ? "building the model"
+                                                     : "reading the checkpoint");
     if (!resumed_from_.empty()) {
       first_step_ = st.resumed.step + 1;
       consumed_ = st.resumed.consumed_samples;
@@ -80,6 +84,9 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   log_layout(world);
   measure_flops();
   log_state();
+  // The last look at start-up's signals; from the next line on the first step's vote sees them.
+  observe::stop_if_signalled(resumed_from_.empty() ? "building the run" : "resuming the run");
+  observe::end_start_up();
   stop_ = std::make_unique<StopOnSignal>(c_.checkpoint.on_signal, device_);
   counters_ = std::make_unique<StepCounters>(*mesh_, device_);
   if (const auto [a, b] = plan::profile_steps(c_, first_step_); b >= a)

@@ -167,7 +167,7 @@ class Slurm(TmpDirTest):
         self.assertEqual(state["JobState"], "COMPLETED", f"{out}\n{state}\n{self.cluster.logs()}")
         self.assertEqual(state["Restarts"], "1")
         saved = int(re.search(r"stopped after step (\d+) on a signal", out).group(1))
-        self.assertIn("saved a checkpoint on a signal and stopped (exit 75)", out)
+        self.assertIn("the workers stopped on a signal (exit 75: after saving a checkpoint", out)
         self.assertIn(f"scontrol requeue {job}", out)
         self.assertIn(f"resumed from {self.path('cut', 'checkpoints', f'step_{saved}')} (step {saved}", out)
         self.assertEqual(self.losses("cut"), full, "requeued and resumed: not bitwise the uninterrupted run")

@@ -3,6 +3,7 @@
 
 #include <csignal>
 
+#include "core/observe/interrupt.h"
 #include "engine/run/stop.h"
 
 namespace tessel {
@@ -29,6 +30,25 @@ TEST(StopOnSignal, ASignalTurnsThisRanksVoteOn) {
   EXPECT_EQ(stop.signal(), SIGUSR2);
   EXPECT_EQ(stop.vote().item<float>(), 1.0f);
   EXPECT_EQ(stop.vote().scalar_type(), torch::kFloat32);
+  observe::forget_signal();  // the other tests' start-up work would stop on it
+}
+
+// Start-up's long parts look at the noted signal between pieces of work: a signal noted during
+// start-up stops the next piece, naming it; once the run steps, the vote decides and they do not.
+TEST(StartUpSignal, StopsTheNextPieceOfStartUpWork) {
+  EXPECT_NO_THROW(observe::stop_if_signalled("indexing the data"));
+  observe::note_signal(SIGTERM);
+  try {
+    observe::stop_if_signalled("indexing the data");
+    FAIL() << "no stop";
+  } catch (const observe::Interrupted& e) {
+    EXPECT_EQ(e.signal(), SIGTERM);
+    EXPECT_STREQ(e.what(),
+                 "stopped on SIGTERM during start-up (indexing the data), before step 1: nothing "
+                 "was trained, so nothing is saved; run the same command again");
+  }
+  observe::forget_signal();
+  EXPECT_NO_THROW(observe::stop_if_signalled("indexing the data"));
 }
 
 TEST(StopOnSignal, WithoutSignalsNeverStops) {
