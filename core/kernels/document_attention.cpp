@@ -4,6 +4,8 @@
 #include <ATen/ops/_flash_attention_forward.h>
 #include <torch/torch.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 #include "core/kernels/attention_kernels.h"
@@ -126,6 +128,24 @@ torch::Tensor document_attention(const torch::Tensor& q, const torch::Tensor& k,
 std::string document_attention_kernel(const torch::Tensor& q) {
   if (!q.is_cuda()) return "per-document";
   return q.scalar_type() == torch::kFloat32 ? "efficient-varlen" : "flash-varlen";
+}
+
+std::string document_kernel_unfit(int64_t head_dim, torch::ScalarType dtype, int cc) {
+  const bool flash = dtype != torch::kFloat32;
+  const std::string kernel = flash ? "flash-varlen" : "efficient-varlen";
+  std::string why;
+  if (head_dim % 8 != 0) why = fmt::format("a head size that is a multiple of 8, not {}", head_dim);
+  if (flash && head_dim > 256) why = fmt::format("a head size of at most 256, not {}", head_dim);
+  if (flash && cc < 80)
+    why = fmt::format("compute capability 8.0 or newer, not {}.{}", cc / 10, cc % 10);
+  if (why.empty()) return "";
+  return fmt::format("{} (document masking's attention on CUDA in {}) needs {}", kernel,
+                     c10::toString(dtype), why);
+}
+
+double document_lse_bytes(int64_t documents, int64_t heads, int64_t longest) {
+  return 4.0 * static_cast<double>(documents) * static_cast<double>(heads) *
+         static_cast<double>((longest + 31) / 32 * 32);
 }
 
 }  // namespace tessel::kernels

@@ -51,4 +51,17 @@ torch::Tensor document_attention(const torch::Tensor& q, const torch::Tensor& k,
 /// "flash-varlen" or "efficient-varlen" (CUDA).
 std::string document_attention_kernel(const torch::Tensor& q);
 
+/// Why the CUDA kernel document_attention runs for head size `head_dim` in `dtype` cannot run on
+/// a device of compute capability `cc` (10·major + minor), or "" when it can: flash-varlen
+/// (bf16/fp16) needs a head size that is a multiple of 8 and at most 256 and compute capability
+/// 8.0 or newer; efficient-varlen (fp32) a head size that is a multiple of 8. Checked where the
+/// run picks its attention kernel, before any step (the kernels themselves fail mid-step).
+std::string document_kernel_unfit(int64_t head_dim, torch::ScalarType dtype, int cc);
+
+/// The log-sum-exp buffer efficient-varlen (fp32 on CUDA) saves for backward per call: one row
+/// per document and head, each as long as the longest document rounded up to 32 tokens, in fp32
+/// (LibTorch's memory-efficient kernel pads the variable-length rows to the longest). flash-varlen
+/// keeps one value per token and head, as unmasked attention does.
+double document_lse_bytes(int64_t documents, int64_t heads, int64_t longest);
+
 }  // namespace tessel::kernels

@@ -23,7 +23,8 @@ DocumentFigures document_figures(const plan::Config& c, data::Dataset& ds) {
   const auto docs =
       kernels::find_documents(rows.narrow(1, 0, c.training.seq_len), eod, torch::kCPU);
   const double samples = static_cast<double>(std::max<int64_t>(1, n));
-  return {docs.attention_share(), static_cast<double>(docs.count()) / samples, n, eod};
+  return {docs.attention_share(), static_cast<double>(docs.count()) / samples, docs.longest, n,
+          eod};
 }
 
 DocumentFigures document_figures(const plan::Config& c) {

@@ -16,6 +16,7 @@ constexpr int64_t kDocumentShareSamples = 256;
 struct DocumentFigures {
   double share = 1;       // Σ l(l+1) over samples·T(T+1) (kernels::Documents::attention_share)
   double per_sample = 1;  // documents (pieces of documents) per sample
+  int64_t longest = 0;    // the longest document (piece) in them, in tokens
   int64_t samples = 0;    // the samples measured (0: no mask)
   int64_t eod = -1;       // the id documents end with (data::document_eod)
   std::string unread;     // why the data could not be read (--dry-run away from it): the

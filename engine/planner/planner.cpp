@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/kernels/attention_cpu.h"
+#include "core/kernels/document_attention.h"
 #include "core/optim/optim.h"
 #include "engine/planner/basis.h"
 #include "engine/planner/figures.h"
@@ -221,6 +222,19 @@ double cpu_rng_state_bytes() {
 }
 
 // One micro-batch's saved activations in one block (b.per_layer) and in one MoE layer.
+// fp32 document masking on CUDA (efficient-varlen) keeps a log-sum-exp row per document and head
+// as long as the longest document (core/kernels/document_attention.h): with many short documents
+// and one long one, far more than a value per token. Counted from the documents of the first
+// samples (planner/documents.h), the measured mean per sample and the longest.
+double masked_lse_bytes(const PlanBasis& b, const plan::Config& c, const plan::Layout& l) {
+  if (b.cpu || !c.data.document_mask || b.dtype != torch::kFloat32 || b.docs.samples == 0 ||
+      c.training.recompute == plan::Recompute::kFull)
+    return 0;
+  const auto documents = static_cast<int64_t>(
+      std::ceil(b.docs.per_sample * static_cast<double>(c.training.micro_batch)));
+  return kernels::document_lse_bytes(documents, b.m.heads / l.tp, b.docs.longest);
+}
+
 void add_layer_bytes(PlanBasis& b, const plan::Config& c, const plan::Layout& l) {
   const auto& t = c.training;
   const auto& m = b.m;
@@ -239,7 +253,8 @@ void add_layer_bytes(PlanBasis& b, const plan::Config& c, const plan::Layout& l)
                      : 0.0) +
                 alltoall_repeated_kv(c, l) * 2 * static_cast<double>(m.head_dim()) * w * tok +
                 (t.recompute == plan::Recompute::kFull ? 0.0 : b.short_attention * tok) +
-                (t.recompute != plan::Recompute::kNone && b.cpu ? cpu_rng_state_bytes() : 0.0);
+                (t.recompute != plan::Recompute::kNone && b.cpu ? cpu_rng_state_bytes() : 0.0) +
+                masked_lse_bytes(b, c, l);
   if (m.moe.experts > 0) {
     // An MoE layer keeps, per token and choice, the row sent to its expert, the expert's
     // output and its gate-weighted copy (3·h) and its SwiGLU's four ffn-wide tensors (gate, up,

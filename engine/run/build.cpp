@@ -9,6 +9,7 @@
 
 #include "core/device/cuda.h"
 #include "core/kernels/attention_kernels.h"
+#include "core/kernels/document_attention.h"
 #include "core/observe/counters.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/weights.h"
@@ -103,6 +104,13 @@ std::string attention_kernel(const plan::Config& c, const torch::Device& device,
   const int64_t carried = alltoall ? parallel::cp::alltoall_kv_heads(per_tp, par.cp) : per_tp;
   const int64_t heads = m.heads / par.tp / (alltoall ? par.cp : 1);
   const int64_t kv = carried / (alltoall ? par.cp : 1);
+  if (device.is_cuda() && c.data.document_mask) {  // the variable-length kernels, no fallback
+    const auto* cuda = device::cuda_module();
+    const int cc = cuda ? cuda->compute_capability(device.has_index() ? device.index() : 0) : 0;
+    if (auto why = kernels::document_kernel_unfit(m.head_dim(), dtype, cc); !why.empty())
+      throw plan::UserError(fmt::format("{}: data.document_mask: {} ({} heads of size {})",
+                                        c.source, why, m.heads, m.head_dim()));
+  }
   if (device.is_cuda()) kernels::pin_sdpa_order(dtype, c.training.deterministic);
   const auto kernel =
       kernels::planned_attention_kernel(heads, kv, c.training.seq_len, m.head_dim(), dtype, device,

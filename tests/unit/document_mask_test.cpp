@@ -2,9 +2,16 @@
 // documents A|B|C scored token by token as A, B and C alone (attention and positions restart).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 
 #include "core/kernels/document_attention.h"
+#include "core/plan/layout.h"
+#include "engine/planner/documents.h"
 #include "engine/planner/model_plan.h"
+#include "engine/planner/planner.h"
 #include "models/registry.h"
 #include "tests/common/attention_cases.h"
 
@@ -117,3 +124,78 @@ TEST(DocumentMask, GradientsAreTheDocumentsAlone) {
 
 }  // namespace
 }  // namespace tessel::models
+
+namespace tessel {
+namespace {
+
+// The variable-length CUDA kernels have no fallback: their limits are checked where the run picks
+// its attention kernel (engine/run/build.cpp), naming what the plan would need.
+TEST(DocumentMaskOnCuda, KernelLimitsAreNamed) {
+  using kernels::document_kernel_unfit;
+  EXPECT_EQ(document_kernel_unfit(128, torch::kBFloat16, 90), "");
+  EXPECT_EQ(document_kernel_unfit(256, torch::kHalf, 80), "");
+  EXPECT_EQ(document_kernel_unfit(100, torch::kBFloat16, 90),
+            "flash-varlen (document masking's attention on CUDA in BFloat16) needs a head size "
+            "that is a multiple of 8, not 100");
+  EXPECT_EQ(document_kernel_unfit(264, torch::kBFloat16, 90),
+            "flash-varlen (document masking's attention on CUDA in BFloat16) needs a head size of "
+            "at most 256, not 264");
+  EXPECT_EQ(document_kernel_unfit(64, torch::kHalf, 75),
+            "flash-varlen (document masking's attention on CUDA in Half) needs compute capability "
+            "8.0 or newer, not 7.5");
+  EXPECT_EQ(document_kernel_unfit(264, torch::kFloat32, 75), "");  // the memory-efficient kernel
+  EXPECT_EQ(document_kernel_unfit(60, torch::kFloat32, 90),
+            "efficient-varlen (document masking's attention on CUDA in Float) needs a head size "
+            "that is a multiple of 8, not 60");
+}
+
+// fp32 masked attention on CUDA keeps a log-sum-exp row per document and head, padded to the
+// longest document: the planner counts it per layer, from the documents of the first samples.
+// Data: 50 documents of 10 tokens, then one of 501, over and over.
+TEST(DocumentMaskOnCuda, PlannerCountsTheLogSumExpRows) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("tessel-lse-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto path = (dir / "d.u16").string();
+  {
+    std::vector<uint16_t> tokens;
+    for (int r = 0; r < 64; ++r) {
+      for (int d = 0; d < 50; ++d) {
+        for (int i = 0; i < 9; ++i) tokens.push_back(static_cast<uint16_t>(1 + (r + i) % 200));
+        tokens.push_back(0);  // end of document
+      }
+      for (int i = 0; i < 500; ++i) tokens.push_back(static_cast<uint16_t>(1 + i % 200));
+      tokens.push_back(0);
+    }
+    std::ofstream f(path, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(tokens.data()),
+            static_cast<std::streamsize>(tokens.size() * 2));
+  }
+  const std::string plan =
+      "data: {format: tokens, path: [" + path +
+      "], eod_token: 0}\nmodel: {arch: gpt2, layers: 2, hidden: 64, heads: 4, vocab_size: 256, "
+      "max_seq_len: 256}\ntraining: {steps: 4, global_batch: 2, micro_batch: 2, seq_len: 256, "
+      "dtype: fp32}\n";
+  const auto profile = planner::device_profile("h100", {});
+  auto activations = [&](const std::vector<std::string>& sets) {
+    const plan::Config c = plan::load_config_text(plan, "p.yaml", sets);
+    const auto layout = plan::check_layout(c, 1, 0);
+    return planner::estimate(c, layout, profile).ranks.at(0).activations;
+  };
+  const double masked = activations({"data.document_mask=true"});
+  const double plain = activations({});
+  const double bf16 = activations({"data.document_mask=true", "training.dtype=bf16"}) -
+                      activations({"training.dtype=bf16"});
+  const auto docs = planner::document_figures(
+      plan::load_config_text(plan, "p.yaml", {"data.document_mask=true"}));
+  std::filesystem::remove_all(dir);
+  EXPECT_GT(docs.per_sample, 10);
+  EXPECT_EQ(docs.longest, 256);  // a row inside the long document
+  // Two layers, one micro-batch in flight, 2 rows, 4 heads, rows of 256 fp32 values.
+  const double rows = std::ceil(docs.per_sample * 2) * 4;
+  EXPECT_EQ(masked - plain, 2 * rows * 256 * 4);
+  EXPECT_EQ(bf16, 0);  // flash-varlen keeps a value per token, as unmasked attention does
+}
+
+}  // namespace
+}  // namespace tessel
