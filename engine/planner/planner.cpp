@@ -98,7 +98,8 @@ const std::vector<ProfileKey>& profile_keys() {
       {"latency_us", &DeviceProfile::latency_us, ""},
       {"gather_gbps", &DeviceProfile::gather_gbps, ""},
       {"p2p_gbps", &DeviceProfile::p2p_gbps, ""},
-      {"op_us", &DeviceProfile::op_us, ""}};
+      {"op_us", &DeviceProfile::op_us, ""},
+      {"nccl_peer_mib", &DeviceProfile::nccl_peer_mib, ""}};
   return k;
 }
 
@@ -477,6 +478,9 @@ PlanEstimate estimate(const plan::Config& c, const plan::Layout& l, const Device
   for (int64_t stage = 0; stage < l.pp; ++stage) {
     const auto part = stage_part(c, l.pp, stage);
     RankEstimate r = stage_memory(c, l, b, stage, part);
+    const auto buffers = communicator_buffers(c, l, stage, dev);
+    r.comm_buffers = buffers.bytes, r.communicators = buffers.communicators,
+    r.peers = buffers.peers;
     const auto traffic = stage_traffic(c, l, b, r, part);
     // Time on the device profile: this stage's compute, its communication on the group's link.
     const double peak = matmul_peak_tflops(dev, t) * 1e12 * dev.efficiency;

@@ -39,6 +39,8 @@ struct DeviceProfile {
   double op_us = 0;             // the host's cost of one small operator, forward and backward
   double gather_gbps = 0;       // all-gather and reduce-scatter (0: the group's link)
   double p2p_gbps = 0;          // send/receive (0: the group's link)
+  double nccl_peer_mib = 384;   // an NCCL communicator's buffers per peer it connects to
+                                // (engine/planner/comm_buffers.cpp says where from)
 };
 /// The one dense peak a plan's matmuls run at, for its step time and its MFU alike: bf16/fp16 on
 /// tensor cores; fp32 as TF32 (half the bf16 peak) when training.tf32, else plain fp32.
@@ -64,8 +66,21 @@ struct RankEstimate {
   int64_t inflight = 0;    // micro-batches whose activations are held at once
   std::map<std::string, double> comm;          // group -> payload bytes per step (this rank)
   std::map<std::string, double> replica_comm;  // of comm, hybrid sharding's sums over replicas
-  double total() const { return weights + grads + optimizer + activations; }
+  double comm_buffers = 0;                     // NCCL communicators' own buffers (device)
+  int64_t communicators = 0, peers = 0;        // those holding them, and the peers they connect
+  double total() const { return weights + grads + optimizer + activations + comm_buffers; }
 };
+
+/// Whether the plan's ranks talk over NCCL on `dev` (parallel.backend, or auto on a GPU).
+bool uses_nccl(const plan::Config& c, const DeviceProfile& dev);
+/// The device memory a stage's first rank's NCCL communicators keep for themselves
+/// (engine/planner/comm_buffers.cpp): those Mesh::plan lists, by the peers each connects to.
+struct CommBuffers {
+  int64_t communicators = 0, peers = 0;
+  double bytes = 0;
+};
+CommBuffers communicator_buffers(const plan::Config& c, const plan::Layout& l, int64_t stage,
+                                 const DeviceProfile& dev);
 
 struct PlanEstimate {
   int64_t world = 0, params_total = 0;

@@ -215,11 +215,17 @@ std::string render(const PlanEstimate& e, const plan::Config& c, const DevicePro
   for (const auto& r : e.ranks) {
     s += fmt::format(
         "#   {}{} parameters, {} blocks: weights {}, gradients {}, optimizer {}, activations {} "
-        "({} micro-batch{} in flight{}) = {}{}\n",
+        "({} micro-batch{} in flight{}){} = {}{}\n",
         e.ranks.size() > 1 ? fmt::format("stage {}: ", r.stage) : "", r.params, r.layers,
         gib(r.weights), gib(r.grads), gib(r.optimizer), gib(r.activations), r.inflight,
         r.inflight == 1 ? "" : "es",
-        r.gathered > 0 ? ", incl. ZeRO-3 gathered " + gib(r.gathered) : "", gib(r.total()),
+        r.gathered > 0 ? ", incl. ZeRO-3 gathered " + gib(r.gathered) : "",
+        r.comm_buffers > 0
+            ? fmt::format(", NCCL buffers {} ({} communicator{}, {} peer{} at {:g} MiB)",
+                          gib(r.comm_buffers), r.communicators, r.communicators == 1 ? "" : "s",
+                          r.peers, r.peers == 1 ? "" : "s", d.nccl_peer_mib)
+            : "",
+        gib(r.total()),
         d.memory_gib > 0 && r.total() > d.memory_gib * 1024 * 1024 * 1024
             ? fmt::format("  ** exceeds {}'s {} GiB **", d.name, d.memory_gib)
             : "");
@@ -297,6 +303,7 @@ std::string to_json(const PlanEstimate& e, const DeviceProfile& d) {
                           {"optimizer_bytes", r.optimizer},
                           {"activation_bytes", r.activations},
                           {"gathered_bytes", r.gathered},
+                          {"nccl_buffer_bytes", r.comm_buffers},
                           {"inflight_microbatches", r.inflight},
                           {"total_bytes", r.total()},
                           {"comm_bytes_per_step", r.comm}});

@@ -114,12 +114,19 @@ class MixtralLayout(unittest.TestCase):
         self.assertRegex(out, r"(?m)^# groups inside a node of 8 ranks: tp, ep; across nodes: ")
         moe_md = " ".join(read(os.path.join(ROOT, "docs", "moe.md")).split())
         for claim in ("tp 2, pp 4 (8 layers a stage), dp 8 and ep 4", "ranks 0, 2, 4, 6 only",
-                      "span two 8-GPU nodes", "6,849.0 ms", "54.97 GiB"):
+                      "span two 8-GPU nodes", "6,849.0 ms", "60.59 GiB"):
             self.assertIn(claim, moe_md)
         step = re.search(r"(?m)^# predicted on .*?: step ([0-9.]+) ms", out).group(1)
         self.assertEqual(step, "6849.0")
-        self.assertEqual(printed(out)[0].get(0), 54.97, "moe.md's memory per rank on stage 0")
+        self.assertEqual(printed(out)[0].get(0), 60.59, "moe.md's memory per rank on stage 0")
         config = read(os.path.join(ROOT, "configs", "mixtral-8x7b.yaml"))
+        # The plan's own comment quotes ep 8 against ep 4 (it once said 30.5 and 54.1 GiB).
+        ep8 = dry_run(args + ["--set", "parallel.ep=8"])
+        self.assertEqual(ep8.returncode, 0, ep8.stderr)
+        self.assertIn("38.09 GiB", moe_md)
+        self.assertEqual(printed(ep8.stdout)[0].get(0), 38.09, "moe.md's ep 8 memory on stage 0")
+        self.assertIn("ep 8 (one expert a rank, 38.09 GiB instead of 60.59 GiB on stage 0)",
+                      " ".join(line.lstrip("# ") for line in config.splitlines()))
         self.assertIn("46.7B parameters", config)
         self.assertIn("ranks 0, 2, 4, 6 only", config)
         self.assertIn("Mixtral-8x7B shape (46.7B parameters", read(os.path.join(ROOT, "docs", "data-and-sizing.md")))

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 
+#include "engine/planner/planner.h"
 #include "parallel/mesh.h"
 
 namespace tessel::parallel {
@@ -126,6 +127,35 @@ TEST(Mesh, OneCommunicatorPerMemberSet) {
                           "parallel: {pp: 2, pipeline: {schedule: zbv, virtual_stages: 2}}\n", 2)
                 .front(),
             "world [0,1] (also pp.0)");
+}
+
+// The planner counts each NCCL communicator's own buffers by the peers it connects to
+// (engine/planner/comm_buffers.cpp): a ring two (one in a pair), a pipeline channel one, an
+// expert group every other member; Gloo none. The communicators are those listed above.
+TEST(Mesh, PlannerCountsNcclBuffersPerPeer) {
+  auto buffers = [](const std::string& model, const std::string& extra, int64_t world,
+                    const std::string& profile) {
+    const auto c =
+        plan::load_config_text("data: {path: x}\nmodel: {layers: 4, hidden: 64, heads: 4" + model +
+                                   "}\n" + extra + "training: {global_batch: 8, micro_batch: 1}\n",
+                               "p.yaml");
+    const auto l = plan::check_layout(c, world, 0);
+    auto d = planner::device_profile("h100", {});
+    d.cpu = profile == "cpu";  // a measured CPU profile: the run's ranks talk over Gloo
+    return planner::communicator_buffers(c, l, 0, d);
+  };
+  // world [0..7] 2, tp [0,1] 1, pp [0,4] 1, dp_cp [0,2] 1, two pipeline channels 1 each.
+  auto b = buffers(", arch: gpt2", "parallel: {tp: 2, pp: 2, dp: 2}\n", 8, "h100");
+  EXPECT_EQ(b.communicators, 6);
+  EXPECT_EQ(b.peers, 7);
+  EXPECT_EQ(b.bytes, 7 * 384.0 * 1024 * 1024);
+  // An expert group of 4 connects every member: world 2 + ep 3 + edp_cp [0,4] 1.
+  b = buffers(", arch: llama, moe: {experts: 4}", "parallel: {dp: 8, ep: 4}\n", 8, "h100");
+  EXPECT_EQ(b.communicators, 3);
+  EXPECT_EQ(b.peers, 6);
+  EXPECT_EQ(buffers("", "parallel: {dp: 2}\n", 2, "cpu").bytes, 0);  // Gloo keeps none
+  EXPECT_EQ(buffers("", "parallel: {dp: 2, backend: gloo}\n", 2, "h100").bytes, 0);
+  EXPECT_EQ(buffers("", "", 1, "h100").communicators, 0);
 }
 
 // Hybrid sharding (parallel.zero_shard): each data group split into ZeRO's shard groups of N
