@@ -14,7 +14,14 @@ namespace {
 struct Candidate {
   int64_t tp, cp, pp, dp, zero, micro_batch;
   plan::PipelineSchedule schedule;  // 1f1b | interleaved (when pp > 1)
+  int64_t zero_shard = 1;           // hybrid sharding's shard group (1: the whole data group)
 };
+
+// A pipeline schedule pp 1 takes: the plan's own, unless it needs stages (interleaved, zbv).
+plan::PipelineSchedule single_stage_schedule(const plan::Config& c) {
+  const plan::PipelineSchedule own(c.parallel.pipeline_schedule);
+  return plan::schedule_shape(own).chunked ? plan::PipelineSchedule::k1F1B : own;
+}
 
 // The plan `c` on candidate `k`: sequence parallel with any tp, ring attention when cp is new,
 // the even layer split.
@@ -22,11 +29,10 @@ plan::Config with_layout(const plan::Config& c, const Candidate& k) {
   plan::Config p = c;
   auto& par = p.parallel;
   par.tp = k.tp, par.cp = k.cp, par.pp = k.pp, par.dp = k.dp, par.zero = k.zero;
-  if (k.zero == 0) par.zero_shard = 1;  // (a sharding choice, kept where ZeRO stays)
+  par.zero_shard = k.zero == 0 ? 1 : k.zero_shard;
   par.sequence_parallel = k.tp > 1;
   if (k.cp > 1 && c.parallel.cp == 1) par.context_method = plan::CpMethod::kRing;
-  par.pipeline_schedule =
-      k.pp > 1 ? k.schedule : plan::PipelineSchedule(c.parallel.pipeline_schedule);
+  par.pipeline_schedule = k.pp > 1 ? k.schedule : single_stage_schedule(c);
   par.virtual_stages = k.pp > 1 && k.schedule == plan::PipelineSchedule::kInterleaved ? 2 : 1;
   par.layers_per_stage.clear();
   p.training.micro_batch = k.micro_batch;
@@ -52,10 +58,9 @@ std::vector<std::string> layout_overrides(const plan::Config& c, const plan::Con
   set("parallel.zero", was.zero, par.zero);
   set("parallel.zero_shard", was.zero_shard, par.zero_shard);
   set("parallel.sequence_parallel", was.sequence_parallel, par.sequence_parallel);
-  if (par.pp > 1) {
-    set_choice("parallel.pipeline.schedule", was.pipeline_schedule, par.pipeline_schedule);
-    set("parallel.pipeline.virtual_stages", was.virtual_stages, par.virtual_stages);
-  }
+  // pp 1 keeps the plan's schedule unless it needs stages: then the overrides change it too.
+  set_choice("parallel.pipeline.schedule", was.pipeline_schedule, par.pipeline_schedule);
+  set("parallel.pipeline.virtual_stages", was.virtual_stages, par.virtual_stages);
   if (par.cp > 1) set_choice("parallel.context.method", was.context_method, par.context_method);
   if (!was.layers_per_stage.empty()) sets.push_back("parallel.pipeline.layers_per_stage=[]");
   set("training.micro_batch", c.training.micro_batch, p.training.micro_batch);
@@ -97,13 +102,20 @@ std::optional<LayoutChoice> faster_layout(const plan::Config& c, int64_t world,
         const int64_t dp = world / (tp * cp * pp);
         if (dp * tp * cp * pp != world || t.global_batch % dp != 0) continue;
         const int64_t mb = micro_batch_for(t, dp);
+        // Hybrid sharding as its users set it: ZeRO inside a node, replicas across nodes.
+        const int64_t data = dp * cp, in_node = std::max<int64_t>(1, d.gpus_per_node / (tp * cp));
+        const int64_t shard = in_node < data && data % in_node == 0 ? in_node : 1;
         for (int64_t zero = 0; zero <= 3; ++zero)
-          for (const auto schedule :
-               {plan::PipelineSchedule::k1F1B, plan::PipelineSchedule::kInterleaved}) {
-            if (pp == 1 && schedule == plan::PipelineSchedule::kInterleaved) continue;
-            plan::Config p = with_layout(c, {tp, cp, pp, dp, zero, mb, schedule});
-            auto sets = layout_overrides(c, p);
-            consider(std::move(p), std::move(sets));
+          for (const int64_t zs : {int64_t{1}, shard}) {
+            if (zs > 1 && zero == 0) continue;
+            for (const auto schedule :
+                 {plan::PipelineSchedule::k1F1B, plan::PipelineSchedule::kInterleaved}) {
+              if (pp == 1 && schedule == plan::PipelineSchedule::kInterleaved) continue;
+              plan::Config p = with_layout(c, {tp, cp, pp, dp, zero, mb, schedule, zs});
+              auto sets = layout_overrides(c, p);
+              consider(std::move(p), std::move(sets));
+            }
+            if (shard == 1) break;  // no second sharding to try
           }
       }
   if (!best || best->estimate.step_s > (1 - margin) * current.step_s) return std::nullopt;

@@ -153,11 +153,14 @@ std::string faster_layout_lines(const std::string& config, int64_t n, const Layo
   for (const auto& s : b.sets) sets += " --set " + s;
   out += fmt::sprintf(
       "# by these figures a faster layout on %lld processes: tp %lld cp %lld pp %lld dp %lld, "
-      "ZeRO %lld%s: step %.1f ms, %.0f%% less than this plan's %.1f ms, at most %s per rank\n"
+      "ZeRO %lld%s%s: step %.1f ms, %.0f%% less than this plan's %.1f ms, at most %s per rank\n"
       "#   tessel-train %s --dry-run --world-size %lld%s\n",
       static_cast<long long>(n), static_cast<long long>(b.layout.tp),
       static_cast<long long>(b.layout.cp), static_cast<long long>(b.layout.pp),
       static_cast<long long>(b.layout.dp), static_cast<long long>(b.plan.parallel.zero),
+      b.plan.parallel.zero > 0 && b.plan.parallel.zero_shard > 1
+          ? fmt::format(" sharded over {} ranks", b.plan.parallel.zero_shard).c_str()
+          : "",
       b.layout.pp > 1 ? (" (" + b.plan.parallel.pipeline_schedule.name() + ")").c_str() : "",
       1e3 * b.estimate.step_s, 100 * (1 - b.estimate.step_s / current.step_s), 1e3 * current.step_s,
       human_bytes(most).c_str(), config.c_str(), static_cast<long long>(n), sets.c_str());

@@ -254,11 +254,14 @@ class ShippedConfigs(unittest.TestCase):
 
     def test_a_clearly_faster_layout_is_named(self):
         # The 8B 4D layout at 64 GPUs is slower by the planner's own figures than layouts without
-        # tensor parallelism: the dry-run names the fastest, with the overrides for it; that plan
+        # tensor parallelism: the dry-run names the fastest it tries (pp 1 too, although the plan's
+        # schedule is interleaved; hybrid sharding too: it names dp 64, ZeRO-3 sharded over 8,
+        # once rated below a cp 4 x pp 4 layout the plan's comment named), with the overrides for
+        # it; that plan
         # is a fixpoint (no further suggestion, the same predicted step); and the percentages the
         # shipped plans' comments quote are the ones the dry-run prints.
         root = os.environ.get("TESSEL_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
-        claims = [("llama3-8b.yaml", 64, 25), ("llama3-1b.yaml", 64, 20)]
+        claims = [("llama3-8b.yaml", 64, 30), ("llama3-1b.yaml", 64, 20)]
         for name, world, percent in claims:
             path = os.path.join(root, "configs", name)
             with open(path) as f:
