@@ -330,8 +330,9 @@ AsyncSaver::Held AsyncSaver::save(models::Decoder& model, const optim::FlatAdamW
   Held held;
   auto t0 = std::chrono::steady_clock::now();
   if (writer_.joinable()) {
-    spdlog::info("checkpoint.async: step {} waits for step {}'s save, still being written", st.step,
-                 step_);
+    if (writing_)  // else it is done: joining it costs nothing, and nothing waits
+      spdlog::info("checkpoint.async: step {} waits for step {}'s save, still being written",
+                   st.step, step_);
     wait();
     held.wait_ms = ms_since(t0);
     t0 = std::chrono::steady_clock::now();
@@ -339,12 +340,14 @@ AsyncSaver::Held AsyncSaver::save(models::Decoder& model, const optim::FlatAdamW
   auto part = prepare(c_, mesh_, model, opt, scaler, st);
   snapshot(*part, buffers_);
   dir_ = part->dir.string(), step_ = st.step;
+  writing_ = true;
   writer_ = std::thread([this, part] {
     try {
       write(part);
     } catch (...) {
       error_ = std::current_exception();
     }
+    writing_ = false;
   });
   held.copy_ms = ms_since(t0);
   return held;

@@ -57,6 +57,7 @@ class AsyncSaver {
   void write(std::shared_ptr<SavePart> part);
   void wait_keys(c10d::Store& store, const std::vector<std::string>& keys) const;
   std::atomic<bool> abandon_{false};
+  std::atomic<bool> writing_{false};    // the writer thread has not finished yet (it may be joined)
   std::vector<torch::Tensor> buffers_;  // host copies, kept for the next save (same shapes)
   const plan::Config& c_;
   const parallel::Mesh& mesh_;

@@ -167,7 +167,17 @@ std::vector<std::string> expand(const std::string& pattern) {
     for (size_t i = 0; i < g.gl_pathc; ++i) out.emplace_back(g.gl_pathv[i]);
   globfree(&g);
   std::sort(out.begin(), out.end());
-  if (out.empty()) throw plan::UserError("data.path: '" + pattern + "' matches no file");
+  if (out.empty()) {
+    // A relative path is read from the working directory, not from the plan's folder: say which.
+    std::error_code ec;
+    const bool relative = !pattern.empty() && pattern[0] != '/';
+    const auto cwd = std::filesystem::current_path(ec);
+    throw plan::UserError(
+        "data.path: '" + pattern + "' matches no file" +
+        (relative && !ec
+             ? " (relative paths are read from the working directory, " + cwd.string() + ")"
+             : ""));
+  }
   return out;
 }
 

@@ -133,6 +133,7 @@ class Trainer {
   std::unique_ptr<observe::MetricsLog> metrics_;
   double flops_per_token_ = 0;
   planner::Peak peak_;
+  bool peak_remeasured_ = false;  // a measured peak the steps passed was measured again
   // Timing between logged steps: the loss read at a log step is the only host sync.
   std::chrono::steady_clock::time_point last_log_time_, start_time_;
   int64_t last_log_step_ = 0;

@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -127,6 +128,22 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   const double tokens_per_s = static_cast<double>(c_.training.global_batch * c_.training.seq_len) /
                               (ms / 1e3) / static_cast<double>(mesh_->world());
   const double tflops = flops_per_token_ * tokens_per_s / 1e12;
+  if (peak_.measured && tflops > peak_.tflops && !peak_remeasured_) {
+    // The start's measure may have run beside start-up's threads (the data scan) or before the
+    // clock rose: measure again once, now that the steps run alone, out of the steps' time.
+    peak_remeasured_ = true;
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto again = planner::device_peak(c_, device_, dtype_);
+    last_log_time_ += std::chrono::steady_clock::now() - t0;
+    if (again.tflops > peak_.tflops) {
+      spdlog::info(
+          "MFU: the steps reach {:.4g} TFLOP/s, above the {:.4g} TFLOP/s measured at "
+          "start; measured again at step {}: {:.4g} TFLOP/s, the peak from now on",
+          tflops, peak_.tflops, step, again.tflops);
+      peak_ = {again.tflops, again.source + ", measured again at step " + std::to_string(step),
+               true};
+    }
+  }
   if (peak_.measured && tflops > peak_.tflops) {  // never an MFU above 100% without a word
     spdlog::warn(
         "MFU: the steps reach {:.4g} TFLOP/s, above the {:.4g} TFLOP/s measured at start ({}): "
@@ -328,6 +345,9 @@ void Trainer::measure_flops() {
       planner::flops_per_token(model_->options().model, n.item<double>(), c_.training.seq_len,
                                planner::document_figures(c_, *data_).share);
   peak_ = planner::device_peak(c_, device_, dtype_);
+  // Tests: a start-up measure that came out low, as one beside start-up's threads can.
+  if (const char* s = std::getenv("TESSEL_TEST_START_PEAK_SCALE"); s && peak_.measured)
+    peak_.tflops *= std::atof(s);
 }
 
 double Trainer::take_exposed_comm_ms() {
