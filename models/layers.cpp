@@ -458,18 +458,25 @@ torch::Tensor DecoderImpl::stage_forward(int64_t chunk, const torch::Tensor& inp
       pos, docs);
   if (!is_last_stage(chunk)) return x;
   auto targets = parallel::cp::local_chunks(rows.narrow(1, 1, t), 1, cp, cp_rank);
-  return head_loss_sum(x, targets.reshape({-1}));
+  torch::Tensor weights;  // data.eod_mask_loss: 0 where the input token ends a document
+  if (loss_mask_eod_ >= 0)
+    weights = parallel::cp::local_chunks(rows.narrow(1, 0, t), 1, cp, cp_rank)
+                  .ne(loss_mask_eod_)
+                  .reshape({-1})
+                  .to(torch::kFloat32);
+  return head_loss_sum(x, targets.reshape({-1}), weights);
 }
 
-torch::Tensor DecoderImpl::head_loss_sum(const torch::Tensor& x, const torch::Tensor& targets) {
-  if (lean_chunk_ < 0) return token_loss_sum(logits(x), targets);
+torch::Tensor DecoderImpl::head_loss_sum(const torch::Tensor& x, const torch::Tensor& targets,
+                                         const torch::Tensor& weights) {
+  if (lean_chunk_ < 0) return token_loss_sum(logits(x), targets, weights);
   auto y = tp::enter(*o_.tp, norm(x), o_.sequence_parallel);  // [b, T, h], every tp rank
   const auto& w = head ? head->weight : embed->weight;        // [Vp/t, h]
   const int64_t v = o_.model.vocab_size;
   return tp::fused_head_cross_entropy_sum(
       *o_.tp, y.reshape({-1, y.size(-1)}), w, targets,
       tp::vocab_slice_start(v, o_.tp->size(), o_.tp->rank()), v,
-      lean_chunk_ > 0 ? lean_chunk_ : tp::default_head_chunk_rows(w.size(0), w.is_cuda()));
+      lean_chunk_ > 0 ? lean_chunk_ : tp::default_head_chunk_rows(w.size(0), w.is_cuda()), weights);
 }
 
 torch::Tensor DecoderImpl::forward(const torch::Tensor& tokens, const kernels::Documents* docs) {
@@ -522,16 +529,16 @@ torch::Tensor DecoderImpl::loss_sum(const torch::Tensor& rows, const kernels::Do
   return stage_forward(0, {}, rows, docs);
 }
 
-torch::Tensor DecoderImpl::token_loss_sum(const torch::Tensor& logits,
-                                          const torch::Tensor& targets) {
+torch::Tensor DecoderImpl::token_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets,
+                                          const torch::Tensor& weights) {
   auto flat = logits.reshape({-1, logits.size(-1)});  // [b·T, Vp/tp]
   // This rank's logits are its slice of the padded vocabulary (from the head or the table); with
   // one tensor-parallel rank, all of it. One fp32 [b·T, V/tp] buffer, softmax and gradient made
   // in place (torch's cross_entropy would keep an fp32 copy and the log-softmax besides).
   const int64_t v = o_.model.vocab_size;
-  return tp::vocab_parallel_cross_entropy(*o_.tp, flat, targets,
-                                          tp::vocab_slice_start(v, o_.tp->size(), o_.tp->rank()), v)
-      .sum();
+  auto losses = tp::vocab_parallel_cross_entropy(
+      *o_.tp, flat, targets, tp::vocab_slice_start(v, o_.tp->size(), o_.tp->rank()), v);
+  return weights.defined() ? (losses * weights).sum() : losses.sum();
 }
 
 }  // namespace tessel::models

@@ -202,6 +202,9 @@ class DecoderImpl : public torch::nn::Module {
   /// training.lean_logits: the loss through parallel/tp/head_loss.h in chunks of `chunk_tokens`
   /// (0: 64 MiB of fp32 logits per chunk); `on` false: whole logits, then the loss.
   void set_lean_logits(bool on, int64_t chunk_tokens);
+  /// data.eod_mask_loss: the loss sum leaves out every target whose input token is `eod` (the
+  /// first token of the next document); -1: every target counts.
+  void set_loss_mask_after(int64_t eod) { loss_mask_eod_ = eod; }
   /// Hooks around every block (not owned; null: none).
   void set_hooks(parallel::BlockHooks* hooks) { hooks_ = hooks; }
   /// The MoE layers' shared state (null for a dense model): a training step sets the factor its
@@ -239,9 +242,12 @@ class DecoderImpl : public torch::nn::Module {
   std::pair<torch::Tensor, torch::Tensor> rope_of(const torch::Tensor& positions,
                                                   torch::ScalarType dtype) const;
   torch::Tensor logits(const torch::Tensor& x);
-  torch::Tensor token_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets);
+  /// `weights` [N] (undefined: all 1): each target's share of the sum (0: not scored).
+  torch::Tensor token_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets,
+                               const torch::Tensor& weights = {});
   /// The last stage's loss sum from its final activation x [b, T, h] (SP: [b, T/t, h]).
-  torch::Tensor head_loss_sum(const torch::Tensor& x, const torch::Tensor& targets);
+  torch::Tensor head_loss_sum(const torch::Tensor& x, const torch::Tensor& targets,
+                              const torch::Tensor& weights = {});
   void build_specs();
   std::vector<std::vector<Block>> blocks_;  // per chunk
   DecoderOptions o_;
@@ -260,7 +266,8 @@ class DecoderImpl : public torch::nn::Module {
   std::map<std::string, ParamSpec> specs_;
   parallel::BlockHooks* hooks_ = nullptr;
   bool recompute_blocks_ = false;
-  int64_t lean_chunk_ = -1;  // tokens per chunk of the fused head and loss; -1: not fused
+  int64_t lean_chunk_ = -1;     // tokens per chunk of the fused head and loss; -1: not fused
+  int64_t loss_mask_eod_ = -1;  // data.eod_mask_loss's id (-1: every target scored)
   std::vector<AttentionImpl::KvCache> caches_;  // decode(): one per block
 };
 TORCH_MODULE(Decoder);

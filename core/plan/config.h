@@ -133,6 +133,7 @@ struct DataConfig {
   bool shuffle;
   Choice<TokenDtype> token_dtype;  // data.token_dtype (tokens files)
   bool document_mask;              // data.document_mask: attention inside each document
+  bool eod_mask_loss;              // data.eod_mask_loss: no loss on the token after an eod
   int64_t eod_token;               // data.eod_token: -1 = the data's own (engine/data/vocabulary.h)
 };
 

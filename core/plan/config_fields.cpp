@@ -386,8 +386,14 @@ void add_data_fields(FieldAdder& add, Config& c) {
   add("data.document_mask", &c.data.document_mask, false,
       "Keep attention inside each document of a packed sample (block-diagonal causal, cut after "
       "every data.eod_token) and restart positions (RoPE, learned) at each document.");
+  add("data.eod_mask_loss", &c.data.eod_mask_loss, false,
+      "No loss on the token after an end-of-document id (data.eod_token), as Megatron-LM's "
+      "--eod-mask-loss: the first token of the next document is not predicted from the one "
+      "before. The loss is the mean over the global batch's scored tokens (Megatron's "
+      "--calculate-per-token-loss), so every layout and micro-batch size gives the same.");
   add("data.eod_token", &c.data.eod_token, int64_t{-1},
-      "The end-of-document token id data.document_mask cuts after. -1: the data's own: the text "
+      "The end-of-document token id data.document_mask cuts after and data.eod_mask_loss "
+      "masks after. -1: the data's own: the text "
       "format's 256, or what tessel-data recorded beside each megatron dataset "
       "(PREFIX.tessel.json); tokens data names its tokenizer's (e.g. 50256 for GPT-2, 128001 for "
       "Llama 3).")

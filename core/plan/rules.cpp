@@ -260,22 +260,35 @@ class Validator {
                 "data.val_fraction");
   }
 
-  // data.document_mask: which end-of-document id, and the layouts that keep documents apart.
-  void check_document_mask() {
+  // Which end-of-document id data.document_mask and data.eod_mask_loss use (`what` names the one
+  // that asks; each problem is reported once).
+  void check_eod_token(const std::string& what) {
     const auto& d = c_.data;
-    const auto& p = c_.parallel;
-    if (!d.document_mask) return;
+    if (eod_checked_) return;
+    eod_checked_ = true;
     const bool text = d.format == DataFormat::kText;
     require(!text || d.eod_token < 0 || d.eod_token == 256, "data.eod_token",
             "text data ends each document with id 256: data.eod_token " +
                 std::to_string(d.eod_token) + " names another (leave it -1)");
     require(d.format != DataFormat::kTokens || d.eod_token >= 0, "data.eod_token",
-            "data.document_mask cuts documents after their end-of-document token; tokens data "
-            "does not say which id that is: give data.eod_token (the tokenizer's, e.g. 50256 for "
-            "GPT-2, 128001 for Llama 3)");
+            what +
+                " their end-of-document token; tokens data does not say which id that is: "
+                "give data.eod_token (the tokenizer's, e.g. 50256 for GPT-2, 128001 for Llama 3)");
     require(
         d.eod_token < c_.model.vocab_size, "data.eod_token",
         q("data.eod_token", d.eod_token, "must be below", "model.vocab_size", c_.model.vocab_size));
+  }
+
+  // data.document_mask: which end-of-document id, and the layouts that keep documents apart.
+  void check_document_mask() {
+    const auto& d = c_.data;
+    const auto& p = c_.parallel;
+    if (d.eod_mask_loss) check_eod_token("data.eod_mask_loss masks the loss after");
+    require(!d.eod_mask_loss || !c_.training.cuda_graph, "training.cuda_graph",
+            "data.eod_mask_loss: every step scores another number of tokens, and "
+            "training.cuda_graph replays one step's loss scale (set it false)");
+    if (!d.document_mask) return;
+    check_eod_token("data.document_mask cuts documents after");
     require(p.cp == 1 || p.context_method == CpMethod::kAllToAll, "parallel.context.method",
             "data.document_mask with parallel.cp " + std::to_string(p.cp) +
                 " needs parallel.context.method alltoall (it is " + p.context_method.name() +
@@ -381,6 +394,7 @@ class Validator {
     return s + "]";
   }
   Config& c_;
+  bool eod_checked_ = false;  // check_eod_token ran (document_mask and eod_mask_loss share it)
   const std::map<std::string, int>& lines_;
   std::vector<std::string> errors_;
 };

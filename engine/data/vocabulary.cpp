@@ -111,12 +111,16 @@ void check_vocabularies(const plan::Config& c) {
           "reads one vocabulary (remake one with the other's tokenizer)",
           r.who(), r.tokens(), all[0].who(), all[0].tokens()));
   }
-  document_eod(c);
+  eod_id(c);
 }
 
-int64_t document_eod(const plan::Config& c) {
+int64_t document_eod(const plan::Config& c) { return c.data.document_mask ? eod_id(c) : -1; }
+
+int64_t loss_mask_eod(const plan::Config& c) { return c.data.eod_mask_loss ? eod_id(c) : -1; }
+
+int64_t eod_id(const plan::Config& c) {
   const auto& d = c.data;
-  if (!d.document_mask) return -1;
+  if (!d.document_mask && !d.eod_mask_loss) return -1;
   const auto all = recorded(d);
   for (const auto& r : all) {
     const int64_t want = d.eod_token >= 0 ? d.eod_token : all[0].v.eod;
@@ -132,8 +136,9 @@ int64_t document_eod(const plan::Config& c) {
   if (d.format == plan::DataFormat::kText) return kTextEod;
   if (!all.empty()) return all[0].v.eod;
   throw plan::UserError(
-      "data.eod_token: data.document_mask cuts documents after their end-of-document token, and "
-      "no dataset records which id that is (tessel-data writes PREFIX.tessel.json; these "
+      "data.eod_token: data.document_mask and data.eod_mask_loss act after each end-of-document "
+      "token, and no dataset records which id that is (tessel-data writes PREFIX.tessel.json; "
+      "these "
       "datasets have none): give data.eod_token (the tokenizer's, e.g. 50256 for GPT-2, 128001 "
       "for Llama 3)");
 }

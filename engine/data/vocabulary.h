@@ -44,5 +44,9 @@ void check_vocabularies(const plan::Config& c);
 /// else the one every Megatron dataset's record gives. UserError naming data.eod_token when
 /// none does. -1 without data.document_mask.
 int64_t document_eod(const plan::Config& c);
+/// The id data.eod_mask_loss masks the loss after (the same id); -1 without it.
+int64_t loss_mask_eod(const plan::Config& c);
+/// The end-of-document id either option uses, found as document_eod says; -1 with neither.
+int64_t eod_id(const plan::Config& c);
 
 }  // namespace tessel::data

@@ -55,6 +55,14 @@ std::vector<kernels::Documents> micro_batch_documents(const plan::Config& c, int
   return docs;
 }
 
+int64_t scored_targets(const torch::Tensor& host_rows, int64_t seq, int64_t eod) {
+  const auto ids = host_rows.narrow(1, 0, seq).to(torch::kInt64).contiguous();
+  const int64_t* p = ids.const_data_ptr<int64_t>();
+  int64_t n = 0;
+  for (int64_t i = 0, end = ids.numel(); i < end; ++i) n += p[i] != eod;
+  return n;
+}
+
 void load_weights_file(models::Decoder& model, const std::string& path, const std::string& key) {
   const io::MappedWeights weights(path, key);  // views: only what this rank keeps is read
   models::load_weights(model, weights.tensors(), weights.source());

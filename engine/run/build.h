@@ -30,6 +30,10 @@ void configure_device(const plan::Config& c, const torch::Device& device);
 /// queued without waiting (the copy goes behind the work already queued); on CPU as they are.
 torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device);
 
+/// data.eod_mask_loss: the targets of host rows [b, seq + 1] the loss scores, those whose input
+/// token (the row's first `seq`) is not `eod`. Read on the host from the rows' own memory.
+int64_t scored_targets(const torch::Tensor& host_rows, int64_t seq, int64_t eod);
+
 /// data.document_mask: the documents of host rows [B, T+1] (their inputs rows[:, :T]) cut after
 /// each `eod` (data::document_eod), one set per micro-batch of training.micro_batch rows, their
 /// positions and bounds queued to `device`. eod < 0 (no mask): none (an empty list).

@@ -51,6 +51,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
       c_, std::vector<data::SampleSplit>{data::SampleSplit::kValid});
   observe::stop_if_signalled("reading the data");
   doc_eod_ = data::document_eod(c_);
+  loss_eod_ = data::loss_mask_eod(c_);
   if (c_.checkpoint.async) saver_ = std::make_unique<checkpoint::AsyncSaver>(c_, *mesh_);
   {
     auto st = parallelize(c_, *mesh_, device_, dtype_);
@@ -61,6 +62,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
     tp_summed_grads_ = std::move(st.tp_summed_grads);
     embedding_grads_ = std::move(st.embedding_grads);
     resumed_from_ = st.resumed_from;
+    model_->set_loss_mask_after(loss_eod_);
     observe::stop_if_signalled(resumed_from_.empty() ? "building the model"
                                                      : "reading the checkpoint");
     if (!resumed_from_.empty()) {
@@ -110,6 +112,11 @@ void Trainer::stage_inputs(int64_t step) {
   in_.docs =
       micro_batch_documents(c_, doc_eod_, host, device_);  // found on the host, before the copy
   auto batch = to_device(host, device_);
+  // data.eod_mask_loss: the loss is the mean over the global batch's scored targets; every rank
+  // counts them on the host from the whole batch's tokens (no collective, no device read).
+  in_.scored = loss_eod_ < 0 ? t.global_batch * t.seq_len
+                             : scored_targets(data_->train_batch(consumed_, t.global_batch),
+                                              t.seq_len, loss_eod_);
   consumed_ += t.global_batch;
   if (!in_.lr.defined()) {  // a host double, but a float32 device scalar for a captured step
     in_.lr = graph_ ? torch::zeros({}, torch::dtype(torch::kFloat32).device(device_))
@@ -156,13 +163,15 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
 // the clipped norm (with the stop votes), the update.
 Trainer::StepOut Trainer::device_step(bool overflow) {
   const auto& t = c_.training;
-  // The loss rule: sum of token losses over the global batch / its number of target tokens.
-  const double scale = 1.0 / static_cast<double>(t.global_batch * t.seq_len);
+  // The loss rule: sum of token losses over the global batch / its number of target tokens (with
+  // data.eod_mask_loss those it scores; the MoE balance loss stays per token).
+  const double every = 1.0 / static_cast<double>(t.global_batch * t.seq_len);
+  const double scale = 1.0 / static_cast<double>(std::max<int64_t>(1, in_.scored));
   // Each micro-batch's loss, added in micro-batch order after the step (paired micro-batches
   // finish in either order).
   std::vector<torch::Tensor> losses(static_cast<size_t>(executor_->schedule().microbatches));
   sync_->begin_step();  // ZeRO-1/2: the weights' gathers, waited for unit by unit by forward
-  begin_moe_step(scale);
+  begin_moe_step(every);
   {
     RECORD_USER_SCOPE("tessel::forward_backward");
     const auto stats = executor_->run(step_fns(scale, overflow, losses));
@@ -280,7 +289,11 @@ double Trainer::evaluate_dataset(int64_t d) {
       ->run(fns);
   mesh_->group(parallel::GroupKind::kPp).all_reduce(total).wait();  // the last stage's sum
   mesh_->dp_cp().all_reduce(total).wait();
-  return total.item<double>() / static_cast<double>(rows * t.seq_len);
+  const int64_t scored =
+      loss_eod_ < 0 ? rows * t.seq_len
+                    : scored_targets(data_->split_batch(data::SampleSplit::kValid, d, 0, rows),
+                                     t.seq_len, loss_eod_);
+  return total.item<double>() / static_cast<double>(std::max<int64_t>(1, scored));
 }
 
 void Trainer::update_balance_bias() {

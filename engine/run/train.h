@@ -121,8 +121,10 @@ class Trainer {
   struct StepInputs {
     torch::Tensor batch, lr, step, vote;
     std::vector<kernels::Documents> docs;  // data.document_mask: each micro-batch's
+    int64_t scored = 0;  // the global batch's targets the loss counts (data.eod_mask_loss)
   } in_;
   int64_t doc_eod_ = -1;              // data.document_mask: the id documents end with (-1: no mask)
+  int64_t loss_eod_ = -1;             // data.eod_mask_loss: the id masked after (-1: none)
   std::unique_ptr<StepGraph> graph_;  // training.cuda_graph; null otherwise
   std::unique_ptr<checkpoint::AsyncSaver> saver_;  // checkpoint.async; null otherwise
   void save(int64_t step, bool final);

@@ -22,21 +22,22 @@ struct ChunkLoss {
 };
 
 ChunkLoss chunk_loss(Group& g, const torch::Tensor& y, const torch::Tensor& weight,
-                     const torch::Tensor& targets, int64_t vocab_start, int64_t vocab,
-                     bool dlogits) {
+                     const torch::Tensor& targets, int64_t vocab_start, int64_t vocab, bool dlogits,
+                     const torch::Tensor& rows_w) {
   // The logits [n, Vl] in the model's dtype are ours: fp32 ones become the log-softmax in place,
   // others live only for the copy.
   auto s = vocab_parallel_log_softmax(g, torch::mm(y, weight.t()), targets, vocab_start, vocab,
                                       /*overwrite=*/true);
-  ChunkLoss out{s.loss.sum(), {}};
-  if (dlogits) out.dlogits = softmax_minus_target(s, {}, y.scalar_type());
+  ChunkLoss out{rows_w.defined() ? (s.loss * rows_w).sum() : s.loss.sum(), {}};
+  if (dlogits) out.dlogits = softmax_minus_target(s, rows_w, y.scalar_type());
   return out;
 }
 
 struct FusedHeadCrossEntropy : torch::autograd::Function<FusedHeadCrossEntropy> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& y,
                                const torch::Tensor& weight, const torch::Tensor& targets,
-                               int64_t group, int64_t vocab_start, int64_t vocab, int64_t chunk) {
+                               int64_t group, int64_t vocab_start, int64_t vocab, int64_t chunk,
+                               const torch::Tensor& row_weights) {
     Group& g = unpack_group(group);
     const int64_t n = y.size(0);
     // The gradients as forward makes them: the input's in its dtype (each chunk writes its own
@@ -47,7 +48,9 @@ struct FusedHeadCrossEntropy : torch::autograd::Function<FusedHeadCrossEntropy> 
     for (int64_t b = 0; b < n; b += chunk) {
       const int64_t rows = std::min(chunk, n - b);
       auto yc = y.narrow(0, b, rows);
-      auto c = chunk_loss(g, yc, weight, targets.narrow(0, b, rows), vocab_start, vocab, true);
+      auto c =
+          chunk_loss(g, yc, weight, targets.narrow(0, b, rows), vocab_start, vocab, true,
+                     row_weights.numel() > 0 ? row_weights.narrow(0, b, rows) : torch::Tensor());
       loss += c.loss_sum;
       const auto& dl = c.dlogits;            // in y's dtype
       auto dy_rows = dy.narrow(0, b, rows);  // contiguous: whole rows of dy
@@ -72,6 +75,7 @@ struct FusedHeadCrossEntropy : torch::autograd::Function<FusedHeadCrossEntropy> 
             torch::Tensor(),
             torch::Tensor(),
             torch::Tensor(),
+            torch::Tensor(),
             torch::Tensor()};
   }
 };
@@ -89,18 +93,23 @@ int64_t default_head_chunk_rows(int64_t vocab_local, bool gpu) {
 torch::Tensor fused_head_cross_entropy_sum(Group& tp, const torch::Tensor& y,
                                            const torch::Tensor& weight,
                                            const torch::Tensor& targets, int64_t vocab_start,
-                                           int64_t vocab, int64_t chunk_rows) {
+                                           int64_t vocab, int64_t chunk_rows,
+                                           const torch::Tensor& row_weights) {
   const int64_t n = y.size(0), chunk = chunk_rows > 0 ? std::min(chunk_rows, n) : n;
   if (torch::GradMode::is_enabled() && (y.requires_grad() || weight.requires_grad()))
-    return FusedHeadCrossEntropy::apply(y, weight, targets, pack_group(tp), vocab_start, vocab,
-                                        chunk);
+    // autograd::Function takes defined tensors only: no weights travel as an empty one.
+    return FusedHeadCrossEntropy::apply(
+        y, weight, targets, pack_group(tp), vocab_start, vocab, chunk,
+        row_weights.defined() ? row_weights
+                              : torch::empty({0}, y.options().dtype(torch::kFloat32)));
   auto loss = torch::zeros({}, y.options().dtype(torch::kFloat32));
   torch::NoGradGuard no_grad;
   for (int64_t b = 0; b < n; b += chunk) {
     const int64_t rows = std::min(chunk, n - b);
-    loss += chunk_loss(tp, y.narrow(0, b, rows), weight, targets.narrow(0, b, rows), vocab_start,
-                       vocab, false)
-                .loss_sum;
+    loss +=
+        chunk_loss(tp, y.narrow(0, b, rows), weight, targets.narrow(0, b, rows), vocab_start, vocab,
+                   false, row_weights.defined() ? row_weights.narrow(0, b, rows) : torch::Tensor())
+            .loss_sum;
   }
   return loss;
 }

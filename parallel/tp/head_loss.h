@@ -19,11 +19,13 @@ namespace tessel::parallel::tp {
 /// rank holds all N rows) through this rank's head rows `weight` [V/tp, h], whose first row is
 /// global token `vocab_start`; rows at or beyond `vocab` are padding and never count. Chunks of
 /// `chunk_rows` rows (0: all in one). A scalar (fp32); differentiable in `y` and `weight` when
-/// grad mode is on, else only the loss is computed, chunk by chunk.
+/// grad mode is on, else only the loss is computed, chunk by chunk. `row_weights` [N] fp32
+/// (undefined: all 1) weigh each row's loss and gradient (0: the row is not scored).
 torch::Tensor fused_head_cross_entropy_sum(Group& tp, const torch::Tensor& y,
                                            const torch::Tensor& weight,
                                            const torch::Tensor& targets, int64_t vocab_start,
-                                           int64_t vocab, int64_t chunk_rows);
+                                           int64_t vocab, int64_t chunk_rows,
+                                           const torch::Tensor& row_weights = {});
 
 /// The rows per chunk that keep one chunk's fp32 logits within `budget_bytes` (at least 1).
 int64_t head_chunk_rows(int64_t vocab_local, int64_t budget_bytes);

@@ -66,6 +66,8 @@ class Runs:
         plan["data"].update(shuffle=True, val_fraction=base["data"].get("val_fraction", 0.0))
         if "eod" in base["data"]:  # documents kept apart in attention (the reference's too)
             plan["data"].update(document_mask=True, eod_token=base["data"]["eod"])
+        if base["data"].get("mask_loss"):  # and no loss after each end of document
+            plan["data"].update(eod_mask_loss=True)
         plan["parallel"] = merge(merge({"timeout_s": 120}, base.get("parallel", {})), parallel)
         plan["checkpoint"] = {"resume": "never"}
         return plan
@@ -170,9 +172,9 @@ class Parity(unittest.TestCase):
         worst_val = max((rel(a, b) for a, b in zip(got["val"], ref["val"], strict=True)), default=0.0)
         self.assertLess(worst_val, loss_tol, f"{what}: validation {got['val']} vs {ref['val']}")
         self.assertEqual(set(got["weights"]), set(ref["weights"]), what)
-        wdiff = max(float(abs(got["weights"][k] - ref["weights"][k]).max()) for k in ref["weights"])
+        wdiff, wkey = max((float(abs(got["weights"][k] - ref["weights"][k]).max()), k) for k in ref["weights"])
         if weight_tol is not None:
-            self.assertLess(wdiff, weight_tol, f"{what}: exported weights differ by {wdiff}")
+            self.assertLess(wdiff, weight_tol, f"{what}: exported weights differ by {wdiff} (most in {wkey})")
         line = f"{what}: worst loss rel diff {worst:.2e}, val {worst_val:.2e}, exported weights {wdiff:.2e}"
         if row.parallel.get("pp", 1) > 1:
             line += self.check_pipeline(got["out"], row)

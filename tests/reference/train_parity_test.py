@@ -38,7 +38,15 @@ def tessel_name(arch, hf_name):
     return n
 
 
-def reference_losses(arch, model, tokens):
+def megatron_loss_mask(inputs, eod):
+    """Megatron-Core's own loss mask (--eod-mask-loss) for each row of `inputs` [b, SEQ]: 0 where
+    the input token is `eod`, so the next document's first token is not scored."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+    return torch.stack([_get_ltor_masks_and_position_ids(row, eod, False, False, True, False)[1]
+                        for row in inputs])
+
+
+def reference_losses(arch, model, tokens, eod=None):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         exempt = any(fnmatch.fnmatch(tessel_name(arch, name), g) for g in NO_DECAY)
@@ -51,11 +59,16 @@ def reference_losses(arch, model, tokens):
     losses, norms = [], []
     for step in range(1, STEPS + 1):
         batch = windows[(step - 1) * GLOBAL:step * GLOBAL]
+        # eod: the mean over the global batch's scored targets (Megatron's --eod-mask-loss with
+        # --calculate-per-token-loss); else over all of them.
+        mask = megatron_loss_mask(batch[:, :-1], eod) if eod is not None else torch.ones(GLOBAL, SEQ)
+        scored = mask.sum().item()
         total = 0.0
-        for mb in batch.split(MICRO):
+        for mb, m in zip(batch.split(MICRO), mask.split(MICRO)):
             logits = model(input_ids=mb[:, :-1]).logits.float()
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), mb[:, 1:].reshape(-1),
-                                                     reduction="sum") * (1.0 / (GLOBAL * SEQ))
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), mb[:, 1:].reshape(-1),
+                                                   reduction="none")
+            loss = (ce * m.reshape(-1)).sum() * (1.0 / scored)
             loss.backward()
             total += loss.item()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
@@ -68,17 +81,19 @@ def reference_losses(arch, model, tokens):
 
 
 class TrainParity(TmpDirTest):
-    def check(self, arch):
+    def check(self, arch, eod=None):
         model = hf_model(arch, seed=4)
         model.save_pretrained(self.path("hf"), safe_serialization=True)
-        data = write_tokens(self.path("data.u16"), STEPS * GLOBAL * SEQ + 1, seed=5, period=23)
+        data = write_tokens(self.path("data.u16"), STEPS * GLOBAL * SEQ + 1, seed=5, period=23, eod=eod)
         plan = base_plan(self.tmp, arch, data, steps=STEPS, global_batch=GLOBAL, micro_batch=MICRO, grad_clip=CLIP,
                          optimizer={"lr": LR, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": WD},
                          schedule={"warmup_steps": WARMUP, "decay": "cosine", "min_lr": MIN_LR})
         plan["model"]["init_from"] = self.path("hf", "model.safetensors")
+        if eod is not None:
+            plan["data"].update({"eod_mask_loss": True, "eod_token": eod})
         run("tessel-train", write_plan(self.path("plan.yaml"), plan))
         got = [m for m in read_metrics(self.path("run", "metrics.jsonl")) if "loss" in m]
-        want, norms = reference_losses(arch, model, np.fromfile(data, dtype="<u2"))
+        want, norms = reference_losses(arch, model, np.fromfile(data, dtype="<u2"), eod)
         self.assertEqual([m["step"] for m in got], list(range(1, STEPS + 1)))
         self.assertTrue(any(n > CLIP for n in norms), f"clipping never engaged: norms {norms}")
         self.assertLess(want[-1], want[0] - 0.05, f"the loss must fall: {want}")
@@ -95,6 +110,12 @@ class TrainParity(TmpDirTest):
 
     def test_llama_gqa(self):
         self.check("llama")
+
+    def test_gpt2_eod_mask_loss(self):
+        # data.eod_mask_loss: one token in eight is id 7 (an end of document); the reference scores
+        # with Megatron-Core's own loss mask, so a Tessel that ignored the mask (or masked the
+        # target instead of the input) would be off by far more than 1e-5.
+        self.check("gpt2", eod=7)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,17 @@ INSTANTIATE_TEST_SUITE_P(
                 {},
                 "data.document_mask cuts documents after their end-of-document "
                 "token; tokens data does not say which id that is"},
+        BadPlan{"eod loss mask without its id",
+                "data: {path: p, format: tokens, eod_mask_loss: true}\n",
+                {},
+                "data.eod_mask_loss masks the loss after their end-of-document token; tokens data "
+                "does not say which id that is"},
+        BadPlan{"eod loss mask in a captured step",
+                "data: {path: a.txt, eod_mask_loss: true}\ntraining: {device: cuda, cuda_graph: "
+                "true}\n",
+                {},
+                "data.eod_mask_loss: every step scores another number of tokens, and "
+                "training.cuda_graph replays one step's loss scale"},
         BadPlan{"document mask's id outside the vocabulary",
                 "model: {vocab_size: 1000}\ndata: {path: p, format: megatron, document_mask: true, "
                 "eod_token: 50256}\n",
