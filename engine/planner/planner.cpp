@@ -9,7 +9,10 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "core/kernels/attention_cpu.h"
 #include "core/kernels/document_attention.h"
@@ -277,6 +280,19 @@ void add_layer_bytes(PlanBasis& b, const plan::Config& c, const plan::Layout& l)
   }
 }
 
+// A schedule's simulation, once per shape: the layout search asks for the same one for every
+// ZeRO stage and sharding it tries (the simulation is most of a search's time: 128 micro-batches
+// of an interleaved schedule on 4 stages take milliseconds).
+parallel::pp::Simulation simulated(plan::PipelineSchedule kind, int64_t pp, int64_t mbs,
+                                   int64_t v) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int64_t, int64_t, int64_t>, parallel::pp::Simulation> known;
+  const auto key = std::make_tuple(static_cast<int>(kind), pp, mbs, v);
+  std::lock_guard<std::mutex> lock(mu);
+  if (const auto it = known.find(key); it != known.end()) return it->second;
+  return known[key] = parallel::pp::simulate(parallel::pp::make_schedule(kind, pp, mbs, v));
+}
+
 PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
   namespace pp = parallel::pp;
   const auto& t = c.training;
@@ -300,7 +316,7 @@ PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
   b.short_attention = short_attention_bytes(c, l, m, b.dtype, b.own_kernels);
   const auto kind = l.pp > 1 ? plan::PipelineSchedule(c.parallel.pipeline_schedule)
                              : plan::PipelineSchedule::kGpipe;
-  b.sim = pp::simulate(pp::make_schedule(kind, l.pp, b.mbs, c.parallel.virtual_stages));
+  b.sim = simulated(kind, l.pp, b.mbs, c.parallel.virtual_stages);
   b.act_row = tok * h * w / (sp ? tp : 1.0);
   b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp, b.pp = l.pp;
   b.keep_gathered = c.parallel.zero3_keep_gathered, b.split = plan::zero_split(c, l);

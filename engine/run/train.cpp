@@ -53,23 +53,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   doc_eod_ = data::document_eod(c_);
   loss_eod_ = data::loss_mask_eod(c_);
   if (c_.checkpoint.async) saver_ = std::make_unique<checkpoint::AsyncSaver>(c_, *mesh_);
-  {
-    auto st = parallelize(c_, *mesh_, device_, dtype_);
-    model_ = std::move(st.model);
-    opt_ = std::move(st.opt);
-    scaler_ = std::move(st.scaler);
-    sync_ = std::move(st.sync);
-    tp_summed_grads_ = std::move(st.tp_summed_grads);
-    embedding_grads_ = std::move(st.embedding_grads);
-    resumed_from_ = st.resumed_from;
-    model_->set_loss_mask_after(loss_eod_);
-    observe::stop_if_signalled(resumed_from_.empty() ? "building the model"
-                                                     : "reading the checkpoint");
-    if (!resumed_from_.empty()) {
-      first_step_ = st.resumed.step + 1;
-      consumed_ = st.resumed.consumed_samples;
-    }
-  }
+  take_state(parallelize(c_, *mesh_, device_, dtype_));
   const auto& t = c_.training;
   const bool sp = c_.parallel.sequence_parallel && l.tp > 1;
   // One micro-batch between stages: this cp rank's tokens (SP: its tp share of them).
@@ -96,6 +80,25 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
         a, b, (std::filesystem::path(c_.run.output_dir) / "profile").string(), mesh_->rank(),
         device_.is_cuda());
   setup_rss_ = observe::peak_rss_bytes();  // before any step: what the steps add is activations
+}
+
+// The model, optimizer and gradient synchronisation parallelize() built (from a checkpoint when
+// it resumed one).
+void Trainer::take_state(TrainState st) {
+  model_ = std::move(st.model);
+  opt_ = std::move(st.opt);
+  scaler_ = std::move(st.scaler);
+  sync_ = std::move(st.sync);
+  tp_summed_grads_ = std::move(st.tp_summed_grads);
+  embedding_grads_ = std::move(st.embedding_grads);
+  resumed_from_ = st.resumed_from;
+  model_->set_loss_mask_after(loss_eod_);
+  observe::stop_if_signalled(resumed_from_.empty() ? "building the model"
+                                                   : "reading the checkpoint");
+  if (!resumed_from_.empty()) {
+    first_step_ = st.resumed.step + 1;
+    consumed_ = st.resumed.consumed_samples;
+  }
 }
 
 std::unique_ptr<parallel::pp::Executor> Trainer::make_executor(parallel::pp::Schedule s) const {

@@ -40,6 +40,8 @@ struct Schedule;
 }  // namespace tessel::parallel::pp
 
 namespace tessel::run {
+
+struct TrainState;  // engine/run/parallelize.h
 class StepCounters;
 
 class Trainer {
@@ -82,6 +84,7 @@ class Trainer {
   void begin_moe_step(double scale);  // MoE: the balance loss's scale, figures reset
   void update_balance_bias();         // MoE: model.moe.bias_update_rate, after the update
   std::unique_ptr<parallel::pp::Executor> make_executor(parallel::pp::Schedule s) const;
+  void take_state(TrainState st);
   void log_layout(const parallel::WorldInfo& world) const;  // the start lines about the layout
   void measure_flops();  // FLOPs per token (over every stage) and the device peak
   /// Every rank's `mine` gathered to rank 0: [world, n] on the CPU there, undefined elsewhere.
@@ -136,6 +139,7 @@ class Trainer {
   double flops_per_token_ = 0;
   planner::Peak peak_;
   bool peak_remeasured_ = false;  // a measured peak the steps passed was measured again
+  void check_peak(int64_t step, double tflops);
   // Timing between logged steps: the loss read at a log step is the only host sync.
   std::chrono::steady_clock::time_point last_log_time_, start_time_;
   int64_t last_log_step_ = 0;

@@ -103,6 +103,36 @@ void Trainer::log_state() const {
                planner::kFlopsConvention, peak_.tflops, peak_.source);
 }
 
+// A measured peak the steps pass: measured again once (the start's may have run beside
+// start-up's threads, the data scan, or before the clock rose), out of the steps' time; a rate
+// still above it becomes the peak, with a word.
+void Trainer::check_peak(int64_t step, double tflops) {
+  if (peak_.measured && tflops > peak_.tflops && !peak_remeasured_) {
+    // The start's measure may have run beside start-up's threads (the data scan) or before the
+    // clock rose: measure again once, now that the steps run alone, out of the steps' time.
+    peak_remeasured_ = true;
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto again = planner::device_peak(c_, device_, dtype_);
+    last_log_time_ += std::chrono::steady_clock::now() - t0;
+    if (again.tflops > peak_.tflops) {
+      spdlog::info(
+          "MFU: the steps reach {:.4g} TFLOP/s, above the {:.4g} TFLOP/s measured at "
+          "start; measured again at step {}: {:.4g} TFLOP/s, the peak from now on",
+          tflops, peak_.tflops, step, again.tflops);
+      peak_ = {again.tflops, again.source + ", measured again at step " + std::to_string(step),
+               true};
+    }
+  }
+  if (peak_.measured && tflops > peak_.tflops) {  // never an MFU above 100% without a word
+    spdlog::warn(
+        "MFU: the steps reach {:.4g} TFLOP/s, above the {:.4g} TFLOP/s measured at start ({}): "
+        "that was not this device's peak; MFU is against {:.4g} from now on (logging.peak_tflops "
+        "sets a fixed peak)",
+        tflops, peak_.tflops, peak_.source, tflops);
+    peak_ = {tflops, "the fastest rate its steps reached", true};
+  }
+}
+
 void Trainer::log_step(int64_t step, StepOut& out) {
   // The last pipeline stage holds the loss; each data rank its rows' share.
   mesh_->group(parallel::GroupKind::kPp).all_reduce(out.loss).wait();
@@ -128,30 +158,7 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   const double tokens_per_s = static_cast<double>(c_.training.global_batch * c_.training.seq_len) /
                               (ms / 1e3) / static_cast<double>(mesh_->world());
   const double tflops = flops_per_token_ * tokens_per_s / 1e12;
-  if (peak_.measured && tflops > peak_.tflops && !peak_remeasured_) {
-    // The start's measure may have run beside start-up's threads (the data scan) or before the
-    // clock rose: measure again once, now that the steps run alone, out of the steps' time.
-    peak_remeasured_ = true;
-    const auto t0 = std::chrono::steady_clock::now();
-    const auto again = planner::device_peak(c_, device_, dtype_);
-    last_log_time_ += std::chrono::steady_clock::now() - t0;
-    if (again.tflops > peak_.tflops) {
-      spdlog::info(
-          "MFU: the steps reach {:.4g} TFLOP/s, above the {:.4g} TFLOP/s measured at "
-          "start; measured again at step {}: {:.4g} TFLOP/s, the peak from now on",
-          tflops, peak_.tflops, step, again.tflops);
-      peak_ = {again.tflops, again.source + ", measured again at step " + std::to_string(step),
-               true};
-    }
-  }
-  if (peak_.measured && tflops > peak_.tflops) {  // never an MFU above 100% without a word
-    spdlog::warn(
-        "MFU: the steps reach {:.4g} TFLOP/s, above the {:.4g} TFLOP/s measured at start ({}): "
-        "that was not this device's peak; MFU is against {:.4g} from now on (logging.peak_tflops "
-        "sets a fixed peak)",
-        tflops, peak_.tflops, peak_.source, tflops);
-    peak_ = {tflops, "the fastest rate its steps reached", true};
-  }
+  check_peak(step, tflops);
   const double elapsed = std::chrono::duration<double>(now - start_time_).count();
   const double eta = elapsed / static_cast<double>(step - first_step_ + 1) *
                      static_cast<double>(c_.training.steps - step);

@@ -312,7 +312,9 @@ TEST_F(DataTest, VocabularyRecordsCheckedPerDataset) {
                    "model.vocab_size is 280");
   // No record anywhere: the mask needs data.eod_token.
   c.data.blend = {{1.0, {prefixes[2]}}};
-  expect_error([&] { document_eod(c); }, "data.eod_token: data.document_mask cuts documents");
+  expect_error([&] { document_eod(c); },
+               "data.eod_token: data.document_mask and data.eod_mask_loss act after each "
+               "end-of-document token, and no dataset records");
   write(std::string("books.tessel.json"), "{\"format\": 3}");
   expect_error([&] { document_eod(c); }, "books.tessel.json: not a vocabulary record");
 }
