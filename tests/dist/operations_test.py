@@ -105,7 +105,7 @@ class Operations(TmpDirTest):
         # model): start-up stops at its next piece of work with exit 75 and saves nothing, since
         # nothing was trained (before: it finished start-up and trained a step first, which on a
         # long start-up meant minutes). Running the same command again trains the whole run.
-        plan = self.plan("early")
+        plan = self.plan("early", steps=8)
         p = subprocess.Popen([os.path.join(BIN, "tessel-train"), plan], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
         out = [p.stdout.readline()]
@@ -117,7 +117,7 @@ class Operations(TmpDirTest):
         self.assertNotRegex(out, r"step +1/", out)
         self.assertFalse(os.path.exists(self.path("early", "checkpoints", "latest")), out)
         subprocess.run([os.path.join(BIN, "tessel-train"), plan], check=True, capture_output=True, timeout=300)
-        self.assertEqual(self.losses("early")[-1][0], 40)
+        self.assertEqual(self.losses("early")[-1][0], 8)
 
     def alone(self, rank, world, port, plan):
         """Rank `rank` of `world` started by hand (no launcher): the others are not there."""
