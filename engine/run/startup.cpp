@@ -283,10 +283,17 @@ void Peers::stop_if_signalled(const std::string& doing) {
 }
 
 void Peers::report_stop(const std::string& what) {
+  post_end("tessel/stopped", fmt::format("rank {} {}", rank_, what));
+}
+
+// This rank's end (a failure, a stop during start-up) under `key`, the first one posted winning.
+// Rank 0 serves the store: it stays a few seconds so that the others can read it (their heartbeat
+// sees it within a second).
+void Peers::post_end(const std::string& key, const std::string& text) {
   beat_->failed = true;  // this rank's own exit reports it; its heartbeat need not
   if (store_silent_) return;
-  within<bool>(10, [store = store_, rank = rank_, world = world_, what] {
-    store->compareSet("tessel/stopped", {}, bytes(fmt::format("rank {} {}", rank, what)));
+  within<bool>(10, [store = store_, rank = rank_, world = world_, key, text] {
+    store->compareSet(key, {}, bytes(text));
     store->add("tessel/gone", 1);
     const auto until = Clock::now() + std::chrono::seconds(6);
     while (rank == 0 && store->add("tessel/gone", 0) < world && Clock::now() < until)
@@ -359,18 +366,8 @@ void Peers::beat_loop(const std::shared_ptr<Beat>& b, const std::string& host, i
 }
 
 void Peers::report_failure(const std::string& what) {
-  beat_->failed = true;
-  // Rank 0 serves the store: it stays a few seconds so that the others can read the failure
-  // (their heartbeat sees it within a second and ends them three seconds later).
-  if (store_silent_) return;
-  within<bool>(10, [store = store_, rank = rank_, world = world_, what] {
-    store->compareSet("tessel/failed", {}, bytes(fmt::format("rank {} failed: {}", rank, what)));
-    store->add("tessel/gone", 1);
-    const auto until = Clock::now() + std::chrono::seconds(6);
-    while (rank == 0 && store->add("tessel/gone", 0) < world && Clock::now() < until)
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    return true;
-  });
+  // The others' heartbeat sees it within a second and ends them three seconds later.
+  post_end("tessel/failed", fmt::format("rank {} failed: {}", rank_, what));
 }
 
 std::string Peers::failure() {

@@ -100,6 +100,7 @@ class Peers {
     bool stop = false;
   };
   static void beat_loop(const std::shared_ptr<Beat>& b, const std::string& host, int port);
+  void post_end(const std::string& key, const std::string& text);
   c10::intrusive_ptr<c10d::Store> store_;
   std::string host_;
   int port_;
