@@ -117,8 +117,11 @@ void Trainer::stage_inputs(int64_t step) {
   auto batch = to_device(host, device_);
   // data.eod_mask_loss: the loss is the mean over the global batch's scored targets; every rank
   // counts them on the host from the whole batch's tokens (no collective, no device read).
+  // With one data rank its rows are the whole batch: not read twice.
   in_.scored = loss_eod_ < 0 ? t.global_batch * t.seq_len
-                             : scored_targets(data_->train_batch(consumed_, t.global_batch),
+                             : scored_targets(rows == t.global_batch
+                                                  ? host
+                                                  : data_->train_batch(consumed_, t.global_batch),
                                               t.seq_len, loss_eod_);
   consumed_ += t.global_batch;
   if (!in_.lr.defined()) {  // a host double, but a float32 device scalar for a captured step
