@@ -153,7 +153,7 @@ int64_t write_samples(const plan::Config& c, SampleSplit split, int64_t skip, in
         split == SampleSplit::kValid ? " (or data.val_fraction)" : ""));
   // Validation and test: each dataset's samples in turn, wrapping (an evaluation reads the first
   // eval_batches x global_batch of each validation dataset).
-  // A blend's position is found by walking Megatron's rule from sample 0 (BlendedDataset builds
+  // A blend's position is found by walking Megatron's rule (BlendedDataset builds
   // its whole index the same way, about 10^8 samples a second here): bounded by the samples the
   // plan's run reads, or 2^27 (a second's walk) where that is more.
   const int64_t run = c.training.steps * c.training.global_batch,

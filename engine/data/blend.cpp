@@ -1,6 +1,9 @@
 #include "engine/data/blend.h"
 
+#include "core/observe/interrupt.h"
 #include "engine/data/gpt_index.h"
+
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <numeric>
@@ -32,11 +35,25 @@ size_t Blend::next() const {
 }
 
 void Blend::advance_to(int64_t pos) {
-  if (pos < pos_) {
-    pos_ = 0;
-    std::fill(taken_.begin(), taken_.end(), 0);
+  if (pos < pos_) {  // back to the nearest kept state at or before pos
+    const auto k = static_cast<size_t>(pos / kStride);
+    pos_ = static_cast<int64_t>(k) * kStride;
+    taken_ = kept_[k];
   }
-  for (; pos_ < pos; ++pos_) ++taken_[next()];
+  const bool long_walk = pos - pos_ > (int64_t{1} << 27);
+  if (long_walk)
+    spdlog::info(
+        "finding sample {} of the blend: Megatron's rule is walked from sample {} "
+        "(about a second per 10^8 samples)",
+        pos, pos_);
+  for (; pos_ < pos; ++pos_) {
+    if (pos_ % kStride == 0) {
+      if (static_cast<size_t>(pos_ / kStride) == kept_.size()) kept_.push_back(taken_);
+      if (pos_ % (kStride << 6) == 0) observe::stop_if_signalled("finding the blend's position");
+    }
+    ++taken_[next()];
+    ++walked_;
+  }
 }
 
 std::pair<int64_t, int64_t> Blend::at(int64_t pos) {

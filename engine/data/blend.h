@@ -19,19 +19,26 @@ class Blend {
   explicit Blend(std::vector<double> weights, bool numpy_sum = false);
   size_t size() const { return weights_.size(); }
   const std::vector<double>& weights() const { return weights_; }
-  /// Global sample `pos`: {dataset, that dataset's sample index}. Sequential positions cost O(1)
-  /// each (the state moves forward); an earlier one restarts the walk from 0, so a run resumed at
-  /// sample N walks N·datasets steps once (about a second per 10^8 samples here).
+  /// Global sample `pos`: {dataset, that dataset's sample index}. Megatron's rule has no closed
+  /// form, so a position is found by walking the rule (as BlendedDataset builds its whole index):
+  /// sequential positions cost O(1) each; the walk keeps its state every kStride samples, so any
+  /// position it has passed is found again from the nearest kept state in under kStride steps.
+  /// A run's start-up walks the run's length once (about a second per 10^8 samples here).
   std::pair<int64_t, int64_t> at(int64_t pos);
   /// Samples each dataset gave to positions [0, pos).
   std::vector<int64_t> taken(int64_t pos);
+  /// Steps walked so far (a test's figure: a position passed before costs under kStride).
+  int64_t walked() const { return walked_; }
+  static constexpr int64_t kStride = int64_t{1} << 16;
 
  private:
   size_t next() const;  // the dataset position pos_ takes
   void advance_to(int64_t pos);
   std::vector<double> weights_;
-  int64_t pos_ = 0;             // the walk's position
-  std::vector<int64_t> taken_;  // samples each dataset gave to [0, pos_)
+  int64_t pos_ = 0;                         // the walk's position
+  std::vector<int64_t> taken_;              // samples each dataset gave to [0, pos_)
+  std::vector<std::vector<int64_t>> kept_;  // taken_ at 0, kStride, 2·kStride, ... passed
+  int64_t walked_ = 0;
 };
 
 }  // namespace tessel::data

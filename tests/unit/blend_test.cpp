@@ -46,6 +46,22 @@ TEST(Blend, MegatronsErrorMinimisingRule) {
   EXPECT_EQ(walk.at(7), Blend({3, 5, 2}).at(7));  // and backwards
 }
 
+// A position the walk has passed is found again from its nearest kept state: a run's start-up
+// walks its length once (the report's shares), then a resume or `samples --skip` far into it
+// costs under one stride, not its position.
+TEST(Blend, PositionsPassedAreFoundWithoutWalkingFromZero) {
+  constexpr int64_t S = Blend::kStride;
+  Blend b({0.25, 0.5, 0.125, 0.125});
+  const auto far = b.taken(40 * S + 11);
+  EXPECT_EQ(b.walked(), 40 * S + 11);
+  const int64_t before = b.walked();
+  const auto back = b.at(37 * S + 5);
+  EXPECT_LT(b.walked() - before, S);
+  EXPECT_EQ(back, Blend({0.25, 0.5, 0.125, 0.125}).at(37 * S + 5));
+  EXPECT_EQ(b.taken(40 * S + 11), far);
+  EXPECT_LT(b.walked() - before, 4 * S);
+}
+
 class BlendData : public ::testing::Test {
  protected:
   void SetUp() override {
