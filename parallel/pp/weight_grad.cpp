@@ -66,6 +66,28 @@ class LinearNoBiasFn : public torch::autograd::Function<LinearNoBiasFn> {
   }
 };
 
+// W hands a gradient to its parameter as a backward's engine would, without a graph task of its
+// own: the parameter's tensor hooks and its accumulator's pre-hooks on the gradient, the
+// accumulator (which adds it into .grad, stealing it where it can, and runs the post-accumulate
+// hooks: the data-parallel reducer's), then its post-hooks. On this thread and its current
+// stream, where W's matmuls ran: no hand-over to the device's autograd thread and back.
+void accumulate(const torch::Tensor& param, torch::Tensor grad) {
+  torch::NoGradGuard no_grad;  // as the engine runs a backward without create_graph
+  const auto acc = torch::autograd::impl::grad_accumulator(param);
+  TORCH_CHECK(acc, "zero-bubble W: a gradient for a tensor that is not a leaf needing one");
+  torch::autograd::variable_list grads{std::move(grad)};
+  for (const auto& hook : acc->tensor_pre_hooks()) grads = (*hook)(grads);
+  for (const auto& [i, hook] : acc->retains_grad_hooks()) grads = (*hook)(grads);
+  for (const auto& hook : acc->pre_hooks()) grads = (*hook)(grads);
+  if (acc->post_hooks().empty()) {
+    (*acc)(std::move(grads));
+    return;
+  }
+  const auto inputs = grads;
+  const auto outputs = (*acc)(std::move(grads));
+  for (const auto& hook : acc->post_hooks()) (*hook)(outputs, inputs);
+}
+
 }  // namespace
 
 void WeightGrads::add(const torch::Tensor& param, torch::Tensor grad) {
@@ -82,7 +104,8 @@ void WeightGrads::deliver() {
   // Grouped by parameter (in first-seen order), then each parameter's gradient computed, summed
   // in item order and accumulated on its own: one parameter's gradient lives at a time, not the
   // whole chunk's (W's transient memory is its largest parameter, not its weights), and each
-  // parameter's hooks fire once, as they would in a plain backward.
+  // parameter's hooks fire once, as they would in a plain backward. No autograd graph task runs:
+  // each gradient goes straight to its parameter's accumulator (accumulate above).
   std::vector<std::vector<size_t>> by_param;
   std::unordered_map<const void*, size_t> at;
   for (size_t i = 0; i < items_.size(); ++i) {
@@ -101,11 +124,7 @@ void WeightGrads::deliver() {
         if (g.defined()) grad = grad.defined() ? grad + g : std::move(g);
       }
     }
-    if (!grad.defined()) continue;
-    const auto& param = items_[indices.front()].param;
-    torch::autograd::Engine::get_default_engine().execute(
-        {torch::autograd::impl::gradient_edge(param)}, {grad}, /*keep_graph=*/false,
-        /*create_graph=*/false, /*accumulate_grad=*/true, {});
+    if (grad.defined()) accumulate(items_[indices.front()].param, std::move(grad));
   }
   items_.clear();
 }

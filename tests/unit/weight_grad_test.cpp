@@ -5,6 +5,9 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include <atomic>
+#include <string_view>
+
 #include "core/observe/counters.h"
 #include "parallel/pp/weight_grad.h"
 #include "tests/common/weight_grad_cases.h"
@@ -71,6 +74,47 @@ TEST(WeightGrad, WHoldsOneParametersGradientAtATime) {
   EXPECT_LE(counter.take_peak() - before, 2 * one + 4096);
   EXPECT_EQ(fired, 8);
   for (auto& w : ws) EXPECT_GT(w.grad().abs().sum().item<double>(), 0);
+}
+
+std::atomic<int> graph_tasks{0};
+
+std::unique_ptr<at::ObserverContext> count_graph_task(const at::RecordFunction& fn) {
+  if (std::string_view(fn.name()).rfind("autograd::engine::evaluate_function", 0) == 0)
+    ++graph_tasks;
+  return nullptr;
+}
+
+// W hands each gradient straight to its parameter's accumulator: no autograd graph task per
+// parameter (on CUDA each one is a hand-over to the device's autograd thread and back), while
+// the parameter's own hooks still see it once.
+TEST(WeightGrad, WRunsNoAutogradGraphTask) {
+  std::vector<torch::Tensor> ws;
+  for (int i = 0; i < 6; ++i) ws.push_back(torch::randn({16, 16}).requires_grad_(true));
+  auto x = torch::randn({4, 16}).requires_grad_(true);
+  auto y = x;
+  for (auto& w : ws) y = pp::linear(y, w);
+  WeightGrads store;
+  {
+    Deferring scope(store);
+    backward_input(torch::autograd::impl::gradient_edge(y), torch::ones_like(y), {x});
+  }
+  int hooked = 0;
+  for (auto& w : ws) w.register_hook([&hooked](const torch::Tensor& g) { return ++hooked, g * 2; });
+  const auto handle = at::addGlobalCallback(at::RecordFunctionCallback(count_graph_task));
+  graph_tasks = 0;
+  store.deliver();
+  at::removeCallback(handle);
+  EXPECT_EQ(graph_tasks.load(), 0);
+  EXPECT_EQ(hooked, 6);
+  // The whole backward's gradients, doubled by the hooks.
+  auto x2 = x.detach().requires_grad_(true);
+  std::vector<torch::Tensor> w2;
+  for (auto& w : ws) w2.push_back(w.detach().clone().requires_grad_(true));
+  auto y2 = x2;
+  for (auto& w : w2) y2 = torch::nn::functional::linear(y2, w);
+  y2.backward(torch::ones_like(y2));
+  for (size_t i = 0; i < ws.size(); ++i)
+    EXPECT_TRUE(torch::allclose(ws[i].grad(), 2 * w2[i].grad(), 1e-5, 1e-6)) << i;
 }
 
 }  // namespace
