@@ -38,6 +38,15 @@ class GraphBackend {
   virtual void replay() = 0;          // queue the captured work once more
 };
 
+/// Device-to-host copies in flight (CudaModule::copy_to_host).
+struct HostCopy {
+  /// Blocks the host until the copies are done: call it before reading a destination.
+  std::function<void()> wait_host;
+  /// The current stream waits on the device for the copies (the host is not held): call it
+  /// before queueing anything that writes a source.
+  std::function<void()> wait_on_device;
+};
+
 /// What libtessel_cuda.so provides: Tessel's code that needs LibTorch's CUDA half.
 struct CudaModule {
   int version = 0;  // kCudaModuleVersion of the build that made it
@@ -57,14 +66,16 @@ struct CudaModule {
   /// CUDA device `index`'s compute capability, 10·major + minor (90 on an H100).
   int (*compute_capability)(int index) = nullptr;
   /// dst[i] (host, pinned) <- src[i] (this device) on a side stream that first waits for the
-  /// current stream's work; the current stream then waits on the device for the copies, so no
-  /// later kernel changes a source before it is read, and the host is not held. Returns what
-  /// blocks the host until the copies are done (call it before reading dst).
-  std::function<void()> (*copy_to_host)(const std::vector<at::Tensor>& dst,
-                                        const std::vector<at::Tensor>& src) = nullptr;
+  /// current stream's work. Nothing waits for the copies yet: the sources may be read meanwhile,
+  /// and whatever writes one first calls wait_on_device.
+  HostCopy (*copy_to_host)(const std::vector<at::Tensor>& dst,
+                           const std::vector<at::Tensor>& src) = nullptr;
+  /// `bytes` of page-locked host memory, exactly (cudaHostAlloc: the caching host allocator
+  /// rounds each request up to a power of two), as a uint8 tensor that frees it.
+  at::Tensor (*pinned_bytes)(int64_t bytes) = nullptr;
 };
 /// Bumped whenever CudaModule changes: a module of another build is refused.
-constexpr int kCudaModuleVersion = 4;
+constexpr int kCudaModuleVersion = 5;
 
 /// NVIDIA GPUs the operating system shows, whether or not CUDA can use them.
 struct GpuHardware {

@@ -5,6 +5,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -12,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <optional>
 #include <utility>
 
@@ -147,8 +149,7 @@ std::string why_no_device() {
   return why;
 }
 
-std::function<void()> copy_to_host(const std::vector<at::Tensor>& dst,
-                                   const std::vector<at::Tensor>& src) {
+HostCopy copy_to_host(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src) {
   const auto current = c10::cuda::getCurrentCUDAStream();
   const auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, current.device_index());
   at::cuda::CUDAEvent ready;
@@ -164,12 +165,20 @@ std::function<void()> copy_to_host(const std::vector<at::Tensor>& dst,
   }
   auto done = std::make_shared<at::cuda::CUDAEvent>();
   done->record(side);
-  done->block(current);
-  return [done] { done->synchronize(); };
+  return {[done] { done->synchronize(); },
+          [done] { done->block(c10::cuda::getCurrentCUDAStream(done->device_index())); }};
 }
 
-const CudaModule kModule{kCudaModuleVersion, &make_nccl,          &make_graph,  &device_name,
-                         &why_no_device,     &compute_capability, &copy_to_host};
+at::Tensor pinned_bytes(int64_t bytes) {
+  void* p = nullptr;
+  C10_CUDA_CHECK(
+      cudaHostAlloc(&p, static_cast<size_t>(std::max<int64_t>(bytes, 1)), cudaHostAllocDefault));
+  return at::from_blob(
+      p, {bytes}, [](void* q) { cudaFreeHost(q); }, at::TensorOptions().dtype(at::kByte));
+}
+
+const CudaModule kModule{kCudaModuleVersion, &make_nccl,          &make_graph,   &device_name,
+                         &why_no_device,     &compute_capability, &copy_to_host, &pinned_bytes};
 
 }  // namespace
 }  // namespace tessel::device

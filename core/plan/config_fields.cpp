@@ -427,7 +427,8 @@ void add_checkpoint_fields(FieldAdder& add, Config& c) {
       "the new plan's.");
   add("checkpoint.async", &c.checkpoint.async, false,
       "Save in the background: at the step boundary each rank copies its part of the state to "
-      "host memory (pinned, on a side stream on CUDA) and training goes on while a thread writes "
+      "host memory (one buffer, sized exactly; page-locked, on a side stream on CUDA, which only "
+      "the optimizer step waits for) and training goes on while a thread writes "
       "the same files, checksums and marker. At most one save in flight; a stop and the end of "
       "training wait for it. Costs host memory: each rank's part of the checkpoint.");
   add("checkpoint.export_hf", &c.checkpoint.export_hf, S(""),

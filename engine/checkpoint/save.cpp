@@ -196,7 +196,7 @@ struct SavePart {
   fs::path root, dir, tmp;
   CheckpointState st;
   std::vector<Written> mine;
-  std::function<void()> copied;  // blocks until the device-to-host copies are done (CUDA)
+  device::HostCopy copied;  // the device-to-host copies in flight (CUDA)
 };
 
 namespace {
@@ -237,20 +237,31 @@ std::shared_ptr<SavePart> prepare(const plan::Config& c, const parallel::Mesh& m
   return p;
 }
 
-// This rank's tensors copied out of the live state into host buffers: the previous save's when
-// they fit (the same shapes every save: no allocation, no first-touch page faults), pinned for
-// CUDA, where the copies run on a side stream.
-void snapshot(SavePart& p, std::vector<torch::Tensor>& buffers) {
+// This rank's tensors copied out of the live state into one host arena, sized exactly (each
+// tensor at a 256-byte boundary) and kept for the next save when it fits (the same shapes every
+// save: no allocation, no first-touch page faults); page-locked for CUDA, where the copies run on
+// a side stream. Returns the arena's bytes.
+int64_t snapshot(SavePart& p, torch::Tensor& arena, bool& pinned) {
+  constexpr int64_t kAlign = 256;
+  std::vector<int64_t> at;
+  int64_t bytes = 0;
+  bool cuda = false;
+  for (const auto& w : p.mine) {
+    at.push_back(bytes);
+    bytes += (w.tensor.numel() * w.tensor.element_size() + kAlign - 1) / kAlign * kAlign;
+    cuda = cuda || w.tensor.is_cuda();
+  }
+  if (!arena.defined() || arena.numel() != bytes || pinned != cuda) {
+    arena = torch::Tensor();  // the old one freed first
+    arena = cuda ? device::cuda_module()->pinned_bytes(bytes) : torch::empty({bytes}, torch::kByte);
+    pinned = cuda;
+  }
   std::vector<torch::Tensor> dst, src;
-  if (buffers.size() != p.mine.size()) buffers.assign(p.mine.size(), torch::Tensor());
   for (size_t i = 0; i < p.mine.size(); ++i) {
     auto& w = p.mine[i];
-    auto& host = buffers[i];
+    const int64_t n = w.tensor.numel() * w.tensor.element_size();
+    auto host = arena.narrow(0, at[i], n).view(w.tensor.scalar_type()).view(w.tensor.sizes());
     w.entry.local = torch::Tensor();
-    if (!host.defined() || host.sizes() != w.tensor.sizes() ||
-        host.scalar_type() != w.tensor.scalar_type())
-      host = torch::empty(w.tensor.sizes(),
-                          w.tensor.options().device(torch::kCPU).pinned_memory(w.tensor.is_cuda()));
     if (w.tensor.is_cuda()) {
       src.push_back(w.tensor), dst.push_back(host);
     } else {
@@ -259,10 +270,11 @@ void snapshot(SavePart& p, std::vector<torch::Tensor>& buffers) {
     w.tensor = host;
   }
   if (!src.empty()) p.copied = device::cuda_module()->copy_to_host(dst, src);
+  return bytes;
 }
 
 void write_part(const SavePart& p, int64_t rank) {
-  if (p.copied) p.copied();
+  if (p.copied.wait_host) p.copied.wait_host();
   if (p.mine.empty()) return;
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
   for (const auto& w : p.mine) tensors.emplace_back(w.entry.name, w.tensor);
@@ -337,8 +349,10 @@ AsyncSaver::Held AsyncSaver::save(models::Decoder& model, const optim::FlatAdamW
     held.wait_ms = ms_since(t0);
     t0 = std::chrono::steady_clock::now();
   }
+  before_state_changes();
   auto part = prepare(c_, mesh_, model, opt, scaler, st);
-  snapshot(*part, buffers_);
+  held.arena_bytes = snapshot(*part, arena_, arena_pinned_);
+  device_wait_ = part->copied.wait_on_device;
   dir_ = part->dir.string(), step_ = st.step;
   writing_ = true;
   writer_ = std::thread([this, part] {
@@ -351,6 +365,10 @@ AsyncSaver::Held AsyncSaver::save(models::Decoder& model, const optim::FlatAdamW
   });
   held.copy_ms = ms_since(t0);
   return held;
+}
+
+void AsyncSaver::before_state_changes() {
+  if (device_wait_) std::exchange(device_wait_, nullptr)();
 }
 
 std::string AsyncSaver::wait() {

@@ -144,6 +144,7 @@ Trainer::StepOut Trainer::train_step(int64_t step) {
   stage_inputs(step);
   // The injected overflow (a test hook) changes what the step computes: never captured.
   const bool overflow = step == c_.training.loss_scale.inject_overflow_step;
+  if (saver_ && graph_) saver_->before_state_changes();  // a replayed step is one launch
   if (!graph_) {
     auto out = device_step(overflow);
     in_.batch = torch::Tensor();  // not held into the next step's figures
@@ -187,6 +188,7 @@ Trainer::StepOut Trainer::device_step(bool overflow) {
   sync_->finish_backward();
   sync_replicated_grads();
   auto [norm, votes] = clip_and_vote();
+  if (saver_) saver_->before_state_changes();  // an async save's copies to host are done
   sync_->before_optimizer();
   opt_->step(in_.lr, scaler_->update(norm, in_.step));  // a non-finite step is skipped
   sync_->after_optimizer();
@@ -419,9 +421,9 @@ void Trainer::save(int64_t step, bool final) {
   }
   const auto held = saver_->save(model_, *opt_, *scaler_, {step, consumed_});
   spdlog::info(
-      "checkpoint step {}: held training {:.0f} ms to copy it to host memory{}; written "
-      "in the background",
-      step, held.copy_ms,
+      "checkpoint step {}: held training {:.0f} ms to copy it to host memory ({:.2f} MiB{}){}; "
+      "written in the background",
+      step, held.copy_ms, held.arena_bytes / 1048576.0, device_.is_cuda() ? ", pinned" : "",
       held.wait_ms >= 1
           ? fmt::format(" (after {:.0f} ms waiting for the save before)", held.wait_ms)
           : "");

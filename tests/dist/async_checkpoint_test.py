@@ -80,6 +80,9 @@ class AsyncCheckpoint(TmpDirTest):
         _, log = self.interrupt(self.launch(self.plan("cut", True), 1), r"checkpoint step 8: held training",
                                 signal.SIGKILL, {DELAY: "1500"})
         self.assertIn("checkpoint.async: step 8 waits for step 4's save, still being written", log)
+        # The host copy is one arena sized exactly: the dry run's figure within 2%.
+        arena = float(re.search(r"to copy it to host memory \(([0-9.]+) MiB\)", log).group(1))
+        self.assertLess(abs(arena - mib) / mib, 0.02, (arena, mib))
         ckpt = self.path("cut", "checkpoints")
         with open(os.path.join(ckpt, "latest")) as f:
             self.assertEqual(f.read().strip(), "step_4")

@@ -322,23 +322,35 @@ TEST(CudaCheckpoint, HostCopiesAreWhatTheDeviceHeld) {
 }
 
 // checkpoint.async's copy to host (libtessel_cuda's copy_to_host): on a side stream after the
-// work already queued (a matmul still running), and before the work queued after it (the
-// sources overwritten at once): the host gets the values of the step boundary.
+// work already queued (a matmul still running); the training stream reads the sources meanwhile
+// and waits for the copies on the device only before it writes them (the optimizer step): the
+// host gets the values of the step boundary. The host side is one exactly sized page-locked arena.
 TEST(CudaCheckpoint, AsyncCopiesAreTheStepBoundarysValues) {
   auto o = torch::TensorOptions().device(g_device);
   auto big = torch::randn({2048, 2048}, o);
   std::vector<torch::Tensor> src = {big.matmul(big), torch::randn({8, 6}, o).t(),
                                     torch::randn({64}, o.dtype(torch::kBFloat16))};
+  const int64_t bytes = 2048 * 2048 * 4 + 256 + 256;
+  const auto arena = device::cuda_module()->pinned_bytes(bytes);
+  EXPECT_EQ(arena.numel(), bytes);
+  EXPECT_TRUE(arena.is_pinned());
   std::vector<torch::Tensor> want, dst;
+  int64_t at = 0;
   for (const auto& s : src) {
     want.push_back(s.cpu());
-    dst.push_back(torch::empty(s.sizes(), s.options().device(torch::kCPU).pinned_memory(true)));
+    const int64_t n = s.numel() * s.element_size();
+    dst.push_back(arena.narrow(0, at, n).view(s.scalar_type()).view(s.sizes()));
+    at += (n + 255) / 256 * 256;
   }
   const auto copied = device::cuda_module()->copy_to_host(dst, src);
+  auto read = src[0].sum();  // the next step's forward reads while the copies run
+  copied.wait_on_device();
   for (auto& s : src) s.fill_(7);  // the next step's update, queued on the training stream
-  copied();
+  copied.wait_host();
   for (size_t i = 0; i < src.size(); ++i) EXPECT_TRUE(torch::equal(dst[i], want[i])) << i;
   EXPECT_TRUE(torch::equal(src[0].cpu(), torch::full_like(want[0], 7)));
+  EXPECT_NEAR(read.item<double>(), want[0].sum().item<double>(),
+              1e-3 * want[0].abs().sum().item<double>());
 }
 
 // Rows reach the device through pinned memory without waiting, and are the rows.
