@@ -95,6 +95,34 @@ TEST(CudaDocumentAttention, VarlenMatchesTheBlockDiagonalMask) {
   }
 }
 
+// The limits start-up checks for document masking (kernels::document_kernel_unfit) are the
+// device kernels' own: each head size and dtype the check passes runs forward and backward here,
+// and each it refuses fails in the kernel (which, unchecked, would fail mid-step).
+TEST(CudaDocumentAttention, StartUpLimitsAreTheKernels) {
+  const int cc = device::cuda_module()->compute_capability(g_device.index());
+  auto tokens = torch::randint(8, 100, {1, 40}, torch::kInt64);
+  tokens[0][17] = 7;
+  const auto docs = kernels::find_documents(tokens, 7, g_device);
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16})
+    for (int64_t d : {60, 64, 256, 264}) {
+      const auto why = kernels::document_kernel_unfit(d, dtype, cc);
+      const auto o = torch::TensorOptions().dtype(dtype).device(g_device);
+      auto q = torch::randn({1, 2, 40, d}, o).requires_grad_();
+      auto k = torch::randn({1, 2, 40, d}, o).requires_grad_();
+      auto v = torch::randn({1, 2, 40, d}, o).requires_grad_();
+      bool ran = true;
+      try {
+        auto y = kernels::document_attention(q, k, v, docs, /*tessel_kernels=*/true);
+        y.sum().backward();
+        torch::cuda::synchronize();
+      } catch (const std::exception&) {
+        ran = false;
+      }
+      EXPECT_EQ(ran, why.empty()) << "head size " << d << " " << c10::toString(dtype) << ": "
+                                  << why;
+    }
+}
+
 // The kernel start-up names (and refuses when it is math) for the shipped plans' attention:
 // a fused one, flash (or cuDNN's, where SDPA prefers it) in bf16, memory-efficient in fp32,
 // grouped heads or not.
