@@ -3,6 +3,7 @@ files, read metrics. Free of torch (the parity table's runner starts in well und
 common.py adds the helpers that build Hugging Face models."""
 import json
 import os
+import random
 import socket
 import subprocess
 import tempfile
@@ -71,11 +72,19 @@ def resume_on_two_ranks(test, run_dir, cut_dir, plan_path, step):
 
 def free_port():
     """A loopback port that is free now, and the next one too (for MASTER_PORT: tessel-launch's
-    nodes meet at MASTER_PORT + 1; a busy neighbour failed a Slurm test with EADDRINUSE)."""
+    nodes meet at MASTER_PORT + 1; a busy neighbour failed a Slurm test with EADDRINUSE). Drawn
+    below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 here): a port
+    the kernel hands out itself (port 0) may be given to another test's Gloo connection between
+    this check and the store's bind, which failed a parity row with EADDRINUSE under ctest -j2."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    draw = random.SystemRandom()
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = draw.randrange(10000, max(low, 12000) - 1)
         try:
             with socket.socket() as a, socket.socket() as b:
                 a.bind(("127.0.0.1", port))
