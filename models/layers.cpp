@@ -182,9 +182,8 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& co
   return h + ffn(mlp_norm(h));
 }
 
-void DecoderImpl::set_kernels(const std::string& kernels) {
-  TORCH_CHECK(kernels == "tessel" || kernels == "torch", "kernels ", kernels);
-  const bool own = kernels == "tessel";
+void DecoderImpl::set_kernels(plan::Kernels kernels) {
+  const bool own = kernels == plan::Kernels::kTessel;
   for (const auto& m : modules()) {
     if (auto* n = m->as<NormImpl>()) n->tessel_kernels = own;
     if (auto* a = m->as<AttentionImpl>()) a->tessel_kernels = own;
@@ -196,11 +195,10 @@ void DecoderImpl::set_lean_logits(bool on, int64_t chunk_tokens) {
   lean_chunk_ = on ? chunk_tokens : -1;
 }
 
-void DecoderImpl::set_recompute(const std::string& mode) {
-  TORCH_CHECK(mode == "none" || mode == "selective" || mode == "full", "recompute mode ", mode);
-  recompute_blocks_ = mode == "full";
+void DecoderImpl::set_recompute(plan::Recompute mode) {
+  recompute_blocks_ = mode == plan::Recompute::kFull;
   for (auto& chunk : blocks_)
-    for (auto& b : chunk) b->recompute_mlp = mode == "selective";
+    for (auto& b : chunk) b->recompute_mlp = mode == plan::Recompute::kSelective;
 }
 
 DecoderImpl::DecoderImpl(DecoderOptions o) : o_(std::move(o)) {

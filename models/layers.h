@@ -195,10 +195,10 @@ class DecoderImpl : public torch::nn::Module {
   parallel::Group& tp() const { return *o_.tp; }
   /// training.recompute: none | selective (each block's MLP half) | full (each block kept as its
   /// input only and rerun in backward).
-  void set_recompute(const std::string& mode);
+  void set_recompute(plan::Recompute mode);
   /// training.kernels: tessel (Tessel's own CPU kernels where they apply: GELU, SwiGLU, RMSNorm,
   /// RoPE, short-sequence attention) | torch (LibTorch's only).
-  void set_kernels(const std::string& kernels);
+  void set_kernels(plan::Kernels kernels);
   /// training.lean_logits: the loss through parallel/tp/head_loss.h in chunks of `chunk_tokens`
   /// (0: 64 MiB of fp32 logits per chunk); `on` false: whole logits, then the loss.
   void set_lean_logits(bool on, int64_t chunk_tokens);

@@ -98,14 +98,14 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
   auto flat = x.reshape({-1, h});
   // The router in fp32 (its scores decide which expert a token goes to).
   auto logits = torch::mm(flat.to(torch::kFloat32), router.to(torch::kFloat32).t());
-  auto scores = m_.score == "sigmoid" ? logits.sigmoid() : logits.softmax(-1);
+  auto scores = m_.score == plan::RouterScore::kSigmoid ? logits.sigmoid() : logits.softmax(-1);
   // [N, k], best first; with a balance bias the bias chooses and the scores weigh.
   const bool biased = balance_bias.defined();
   auto [top, chosen] = (biased ? scores + balance_bias.to(torch::kFloat32) : scores).topk(k, -1);
   auto weights = biased ? scores.gather(1, chosen) : top;
   if (m_.norm_topk)
-    weights = m_.score == "sigmoid" ? weights / (weights.sum(-1, true) + 1e-20)
-                                    : weights / weights.sum(-1, true);
+    weights = m_.score == plan::RouterScore::kSigmoid ? weights / (weights.sum(-1, true) + 1e-20)
+                                                      : weights / weights.sum(-1, true);
   // Each (token, choice) row by expert; choices over a sequence's capacity go to bin e (none),
   // with gate weight 0: sorted last, they pass by the residual only.
   auto bins = chosen.reshape(-1);
@@ -168,7 +168,7 @@ torch::Tensor MoeImpl::balance(const torch::Tensor& out, const torch::Tensor& sc
   const int64_t e = m_.experts, k = m_.top_k, t = state_->seq_len;
   // Per sequence: choices of each expert (f, no gradient) and normalised scores (P) summed over
   // its tokens; a sequence split over tp (SP) or cp ranks is summed over them first.
-  auto probs = m_.score == "sigmoid" ? scores / scores.sum(-1, true) : scores;
+  auto probs = m_.score == plan::RouterScore::kSigmoid ? scores / scores.sum(-1, true) : scores;
   auto p = probs.view({b, s, e}).sum(1);
   torch::Tensor f;
   {

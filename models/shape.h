@@ -16,10 +16,10 @@ struct MoeShape {
   int64_t ffn_hidden = 0;      // each expert's inner width
   int64_t every = 1;           // layer i is an MoE layer when (i + 1) % every == 0
   double capacity_factor = 0;  // 0: dropless; else choices kept per sequence and expert
-  std::string score = "softmax";  // router: softmax | sigmoid
-  bool norm_topk = true;          // gate weights renormalised over the k chosen
-  double aux_loss_coef = 0;       // the sequence-wise balance loss's weight
-  double bias_update_rate = 0;    // auxiliary-loss-free balancing (DeepSeek-V3): 0 = off
+  plan::RouterScore score = plan::RouterScore::kSoftmax;  // model.moe.router.score
+  bool norm_topk = true;        // gate weights renormalised over the k chosen
+  double aux_loss_coef = 0;     // the sequence-wise balance loss's weight
+  double bias_update_rate = 0;  // auxiliary-loss-free balancing (DeepSeek-V3): 0 = off
 
   bool is_moe(int64_t layer) const { return experts > 0 && (layer + 1) % every == 0; }
   /// MoE layers among the first `layers`.

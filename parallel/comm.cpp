@@ -121,11 +121,7 @@ class HostStaged final : public c10d::Work {
 
 }  // namespace
 
-bool is_nccl_backend(const std::string& backend) { return backend == "nccl"; }
-
-bool Group::staged(const torch::Tensor& t) const {
-  return t.defined() && t.is_cuda() && backend_ && backend_->getBackendName() == "gloo";
-}
+bool Group::staged(const torch::Tensor& t) const { return t.defined() && t.is_cuda() && is_gloo(); }
 
 torch::Tensor Group::host(const torch::Tensor& t) const {
   return staged(t) ? t.to(torch::kCPU) : t;
@@ -158,6 +154,10 @@ Group::Group(std::string name, std::vector<int64_t> ranks, int64_t global_rank,
       ranks_(std::move(ranks)),
       backend_(std::move(backend)),
       owner_(owner) {
+  // The communicator's kind, read once from c10d's name for it (the plan's names are c10d's).
+  if (backend_)
+    for (auto k : {plan::Backend::kGloo, plan::Backend::kNccl})
+      if (backend_->getBackendName() == plan::name_of(k)) kind_ = k;
   auto it = std::find(ranks_.begin(), ranks_.end(), global_rank);
   TORCH_CHECK(it != ranks_.end(), "rank ", global_rank, " is not in group ", name_);
   rank_ = it - ranks_.begin();
@@ -244,7 +244,7 @@ Work Group::all_gather(torch::Tensor& out, torch::Tensor& in) {
   auto h_out = staged(out) ? torch::empty_like(out, torch::kCPU) : out;
   auto h_in = host(in);
   auto& b = backend("all_gather");
-  if (b.getBackendName() == "gloo" && h_out.is_contiguous())
+  if (is_gloo() && h_out.is_contiguous())
     return finish(c10::make_intrusive<GlooAllGather>(b, h_out, h_in), out, h_out, "all_gather");
   return finish(b._allgather_base(h_out, h_in), out, h_out, "all_gather");
 }
@@ -258,15 +258,15 @@ Work Group::reduce_scatter(torch::Tensor& out, torch::Tensor& in, c10d::ReduceOp
     return {};
   }
   bytes_ += in.numel() * in.element_size();
-  if (backend("reduce_scatter").getBackendName() == "gloo") {
+  auto& b = backend("reduce_scatter");
+  if (is_gloo()) {
     auto h_out = staged(out) ? torch::empty_like(out, torch::kCPU) : out;
-    return finish(
-        c10::make_intrusive<GlooReduceScatter>(*backend_, h_out, host(in), op, scratch_input), out,
-        h_out, "reduce_scatter");
+    return finish(c10::make_intrusive<GlooReduceScatter>(b, h_out, host(in), op, scratch_input),
+                  out, h_out, "reduce_scatter");
   }
   c10d::ReduceScatterOptions o;
   o.reduceOp = op;
-  return {backend_->_reduce_scatter_base(out, in, o), what("reduce_scatter")};
+  return {b._reduce_scatter_base(out, in, o), what("reduce_scatter")};
 }
 
 Work Group::all_to_all(torch::Tensor& out, torch::Tensor& in, const std::vector<int64_t>& out_rows,

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "core/plan/choices.h"
+
 namespace tessel::parallel {
 
 /// A collective or point-to-point transfer that failed or timed out (names the operation, its
@@ -44,10 +46,6 @@ struct P2POp {
   int tag = 0;   // tells apart messages between the same pair (Gloo; NCCL and channels match
                  // by order)
 };
-
-/// Whether a backend name ("gloo", "nccl", "none") is NCCL's: the one spelling of that check, for
-/// code that has a name before any Group exists (the Mesh choosing its backend).
-bool is_nccl_backend(const std::string& backend);
 
 class Group {
  public:
@@ -95,7 +93,9 @@ class Group {
   /// "gloo", "nccl", or "none" for a group of one (or not connected).
   std::string backend_name() const { return backend_ ? backend_->getBackendName() : "none"; }
   /// NCCL: collectives run in place and their waits order the stream instead of blocking.
-  bool is_nccl() const { return backend_ && is_nccl_backend(backend_->getBackendName()); }
+  bool is_nccl() const { return kind_ == plan::Backend::kNccl; }
+  /// Gloo: CUDA tensors go through host copies (staged).
+  bool is_gloo() const { return kind_ == plan::Backend::kGloo; }
 
   Work all_reduce(torch::Tensor& t, c10d::ReduceOp op = c10d::ReduceOp::SUM);
   /// Sums `tensors` (one dtype and device; any shapes, views allowed) with one all-reduce: they
@@ -144,6 +144,7 @@ class Group {
   std::vector<int64_t> ranks_;
   int64_t rank_;
   c10::intrusive_ptr<c10d::Backend> backend_;
+  plan::Backend kind_ = plan::Backend::kAuto;  // the communicator's kind (kAuto: none)
   bool owner_ = true;
   int64_t seq_ = 0;
   int64_t bytes_ = 0, sent_bytes_ = 0;

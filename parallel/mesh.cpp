@@ -215,11 +215,12 @@ std::vector<const Group*> Mesh::groups() const {
 namespace {
 
 // parallel.backend with auto resolved: NCCL on CUDA, Gloo on the CPU.
-std::string choose_backend(const plan::Config& c, const torch::Device& device) {
-  std::string backend = c.parallel.backend == plan::Backend::kAuto
-                            ? (device.is_cuda() ? "nccl" : "gloo")
-                            : c.parallel.backend.name();
-  if (is_nccl_backend(backend) && !device.is_cuda())
+plan::Backend choose_backend(const plan::Config& c, const torch::Device& device) {
+  const plan::Backend backend =
+      c.parallel.backend == plan::Backend::kAuto
+          ? (device.is_cuda() ? plan::Backend::kNccl : plan::Backend::kGloo)
+          : plan::Backend(c.parallel.backend);
+  if (backend == plan::Backend::kNccl && !device.is_cuda())
     throw plan::UserError(c.source + ": parallel.backend nccl needs training.device cuda");
   return backend;
 }
@@ -243,10 +244,10 @@ Lane lane_of(GroupKind k) {
 // communicators are only listed.
 class GroupMaker {
  public:
-  GroupMaker(const WorldInfo& w, std::string backend, c10::intrusive_ptr<c10d::Store> store,
+  GroupMaker(const WorldInfo& w, plan::Backend backend, c10::intrusive_ptr<c10d::Store> store,
              std::chrono::milliseconds timeout, const torch::Device& device, bool connect)
       : w_(w),
-        backend_(std::move(backend)),
+        backend_(backend),
         store_(std::move(store)),
         timeout_(timeout),
         device_(device),
@@ -281,7 +282,7 @@ class GroupMaker {
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store_);
     const int my = static_cast<int>(std::find(ranks.begin(), ranks.end(), w_.rank) - ranks.begin());
     const int n = static_cast<int>(ranks.size());
-    if (backend_ == "gloo") {
+    if (backend_ == plan::Backend::kGloo) {
       auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
       opts->devices.push_back(gloo_device(w_));
       auto made = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, my, n, opts);
@@ -302,7 +303,7 @@ class GroupMaker {
     size_t index;  // in listed_
   };
   const WorldInfo& w_;
-  std::string backend_;
+  plan::Backend backend_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds timeout_;
   const torch::Device& device_;
@@ -377,8 +378,8 @@ void log_communicators(const Mesh& mesh) {
   for (const auto* g : mesh.groups())
     if (g->size() > 1 && !g->connected()) unused.push_back(g->name());
   if (!listed.empty())
-    spdlog::info("communicators of this rank ({}, connected at start-up): {}", mesh.backend(),
-                 fmt::join(listed, ", "));
+    spdlog::info("communicators of this rank ({}, connected at start-up): {}",
+                 plan::name_of(mesh.backend()), fmt::join(listed, ", "));
   if (!unused.empty())
     spdlog::info("groups no step of this plan uses (not connected): {}", fmt::join(unused, ", "));
 }
@@ -409,11 +410,11 @@ std::unique_ptr<Mesh> Mesh::build(const plan::Config& c, const WorldInfo& w,
   mesh->rank_ = w.rank;
   mesh->coord_ = coord_of(w.rank, mesh->layout_);
   mesh->device_ = device;
-  mesh->backend_ = connect ? choose_backend(c, device) : c.parallel.backend.name();
+  mesh->backend_ = connect ? choose_backend(c, device) : plan::Backend(c.parallel.backend);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(c.parallel.timeout_s * 1000));
   if (connect && w.world > 1 && !store) store = rendezvous(w, c.parallel.timeout_s);
   GroupMaker make{w, mesh->backend_, store, timeout, device, connect};
-  if (connect && is_nccl_backend(mesh->backend_) && w.world > 1) {
+  if (connect && mesh->backend_ == plan::Backend::kNccl && w.world > 1) {
     const std::string handling = nccl_error_handling();  // before the first ProcessGroupNCCL
     spdlog::info(
         "NCCL on {}: timeout {} s (parallel.timeout_s), TORCH_NCCL_ASYNC_ERROR_HANDLING={}",

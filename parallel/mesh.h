@@ -101,7 +101,9 @@ class Mesh {
   int64_t rank() const { return rank_; }
   int64_t world() const { return layout_.world(); }
   const torch::Device& device() const { return device_; }
-  const std::string& backend() const { return backend_; }
+  /// parallel.backend, resolved (gloo or nccl) when the mesh is connected; as the plan says
+  /// (auto too) for Mesh::plan.
+  plan::Backend backend() const { return backend_; }
 
   Group& world_group() const { return *world_; }
   Group& group(GroupKind k) const { return *groups_[static_cast<size_t>(k)]; }
@@ -137,7 +139,7 @@ class Mesh {
   Coord coord_{};
   int64_t rank_ = 0;
   torch::Device device_{torch::kCPU};
-  std::string backend_;
+  plan::Backend backend_ = plan::Backend::kAuto;
   std::unique_ptr<Group> world_;
   std::vector<std::unique_ptr<Group>> groups_;
   c10::intrusive_ptr<c10d::Store> store_;

@@ -99,7 +99,7 @@ void bench(const Args& a) {
   if (a.ops != "all") ops = {a.ops};
   if (world.rank == 0)
     std::printf("# tessel-bench-comm: %d ranks, %s, float32, %d iterations after %d warm-up\n",
-                world.world, mesh->backend().c_str(), a.iters, a.warmup);
+                world.world, tessel::plan::name_of(mesh->backend()).c_str(), a.iters, a.warmup);
   for (const auto& op : ops) bench_op(a, g, op, dev, world.rank == 0);
   std::fflush(stdout);
 }

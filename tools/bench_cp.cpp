@@ -166,7 +166,7 @@ void bench(const Args& a) {
   auto& g = mesh->group(tessel::parallel::GroupKind::kCp);
   const Inputs in = random_inputs(a, dev);
   if (world.rank == 0) {
-    print_header(a, n, mesh->backend());
+    print_header(a, n, tessel::plan::name_of(mesh->backend()));
     bench_dense(a, in);
   }
   for (auto method : {tessel::plan::CpMethod::kAllGather, tessel::plan::CpMethod::kRing,

@@ -36,8 +36,8 @@ class SpanTimer {
 };
 
 /// Device-side timing for work on `device` whose waits order a stream (NCCL); host time otherwise.
-inline bool time_on_device(const torch::Device& device, const std::string& backend) {
-  return device.is_cuda() && backend == "nccl";
+inline bool time_on_device(const torch::Device& device, bool nccl) {
+  return device.is_cuda() && nccl;
 }
 
 }  // namespace tessel::observe

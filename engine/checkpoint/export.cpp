@@ -192,7 +192,7 @@ std::vector<std::string> moe_differences(const models::ModelShape& m) {
   const bool mixtral = !m.qk_norm;
   if (e.shared > 0)
     d.push_back("shared experts (written as mlp.shared_experts.*, DeepSeek's names)");
-  if (e.score != "softmax") d.push_back("router.score " + e.score);
+  if (e.score != plan::RouterScore::kSoftmax) d.push_back("router.score " + plan::name_of(e.score));
   if (mixtral && e.every != 1) d.push_back("dense layers between MoE layers (moe.every)");
   if (mixtral && !e.norm_topk) d.push_back("router.norm_topk false");
   if (e.bias_update_rate > 0)

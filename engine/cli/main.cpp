@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "core/device/cpu.h"
@@ -190,10 +191,13 @@ int run_score(int argc, char** argv) {
       ->required();
   auto* t = app.add_option("--tokens", tokens,
                            "raw little-endian rows of training.seq_len+1 tokens (--token-dtype)");
-  std::string token_dtype = "int32";
+  auto token_dtype = tessel::run::ScoreTokens::kInt32;
+  std::map<std::string, tessel::run::ScoreTokens> token_types;
+  for (size_t i = 0; i < tessel::run::score_token_names().size(); ++i)
+    token_types[tessel::run::score_token_names()[i]] = static_cast<tessel::run::ScoreTokens>(i);
   app.add_option("--token-dtype", token_dtype,
                  "--tokens element type: int32, or uint16/uint32 as data.format tokens files")
-      ->check(CLI::IsMember({"int32", "uint16", "uint32"}));
+      ->transform(CLI::CheckedTransformer(token_types));
   auto* d = app.add_option("--data", data,
                            "a Megatron prefix (PREFIX.bin/.idx) or text files (one document each), "
                            "cut into windows of training.seq_len+1 tokens");

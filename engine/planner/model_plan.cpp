@@ -25,7 +25,7 @@ models::ModelShape model_shape(const plan::ModelConfig& m) {
   s.moe.ffn_hidden = m.moe.ffn_hidden > 0 ? m.moe.ffn_hidden : m.ffn_hidden;
   s.moe.every = m.moe.every;
   s.moe.capacity_factor = m.moe.capacity_factor;
-  s.moe.score = m.moe.router_score.name();
+  s.moe.score = m.moe.router_score;
   s.moe.norm_topk = m.moe.norm_topk;
   s.moe.aux_loss_coef = m.moe.aux_loss_coef;
   s.moe.bias_update_rate = m.moe.bias_update_rate;

@@ -76,8 +76,8 @@ models::Decoder make_model(const plan::Config& c, const torch::Device& device,
       models::build_model(planner::model_shape(c.model), c.run.seed, tp,
                           c.parallel.sequence_parallel, stages, cp, c.parallel.context_method, ep);
   if (!c.model.init_from.empty()) load_weights_file(model, c.model.init_from, "model.init_from");
-  model->set_recompute(c.training.recompute.name());
-  model->set_kernels(c.training.kernels.name());
+  model->set_recompute(c.training.recompute);
+  model->set_kernels(c.training.kernels);
   model->set_lean_logits(c.training.lean_logits, c.training.lean_logits_chunk);
   model->to(device, dtype);
   torch::NoGradGuard no_grad;

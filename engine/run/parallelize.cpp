@@ -71,9 +71,9 @@ TrainState parallelize(const plan::Config& c, parallel::Mesh& mesh, const torch:
   }
   replicated_grads(c, l, s);
   // Data parallelism's synchronisation, last: ZeRO-3 frees the whole weights it shards.
-  s.sync = parallel::dp::make_grad_sync(
-      mesh, params, *s.opt, c.parallel.zero, c.parallel.zero3_keep_gathered,
-      observe::time_on_device(device, mesh.dp_cp().backend_name()));
+  s.sync = parallel::dp::make_grad_sync(mesh, params, *s.opt, c.parallel.zero,
+                                        c.parallel.zero3_keep_gathered,
+                                        observe::time_on_device(device, mesh.dp_cp().is_nccl()));
   if (auto* hooks = s.sync->block_hooks()) s.model->set_hooks(hooks);
   return s;
 }

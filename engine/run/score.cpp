@@ -174,21 +174,23 @@ models::Decoder load_for_inference(const plan::Config& c, const std::string& wei
 }
 
 ScoreResult score(const plan::Config& c, const std::string& weights, const std::string& tokens_path,
-                  const std::string& token_dtype, const std::string& logits_out) {
+                  ScoreTokens token_dtype, const std::string& logits_out) {
   const int64_t row = c.training.seq_len + 1;
-  const int64_t elem = token_dtype == "uint16" ? 2 : 4;
+  const auto type = token_dtype == ScoreTokens::kUint16   ? torch::kUInt16
+                    : token_dtype == ScoreTokens::kUint32 ? torch::kUInt32
+                                                          : torch::kInt32;
+  const int64_t elem = c10::elementSize(type);
   std::ifstream f(tokens_path, std::ios::binary | std::ios::ate);
   if (!f) throw plan::UserError(tokens_path + ": cannot open the tokens file");
   const int64_t bytes = f.tellg();
   if (bytes == 0 || bytes % (elem * row) != 0)
-    throw plan::UserError(tokens_path + ": " + std::to_string(bytes) +
-                          " bytes is not a whole number of rows of training.seq_len+1 = " +
-                          std::to_string(row) + " " + token_dtype + " tokens (" +
-                          std::to_string(elem * row) + " bytes; --token-dtype says which type)");
+    throw plan::UserError(
+        tokens_path + ": " + std::to_string(bytes) +
+        " bytes is not a whole number of rows of training.seq_len+1 = " + std::to_string(row) +
+        " " + score_token_names()[static_cast<size_t>(token_dtype)] + " tokens (" +
+        std::to_string(elem * row) + " bytes; --token-dtype says which type)");
   const int64_t b = bytes / (elem * row);
-  auto tokens = torch::empty({b, row}, token_dtype == "uint16"   ? torch::kUInt16
-                                       : token_dtype == "uint32" ? torch::kUInt32
-                                                                 : torch::kInt32);
+  auto tokens = torch::empty({b, row}, type);
   f.seekg(0);
   f.read(static_cast<char*>(tokens.data_ptr()), bytes);
   auto rows = tokens.to(torch::kInt64);

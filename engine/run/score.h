@@ -20,13 +20,22 @@ struct ScoreResult {
   int64_t rows;    // B
 };
 
+/// --token-dtype: the element type of score's tokens file.
+enum class ScoreTokens { kInt32, kUint16, kUint32 };
+/// Its names, in the enum's order (the command line's values).
+inline const std::vector<std::string>& score_token_names() {
+  static const std::vector<std::string> n{"int32", "uint16", "uint32"};
+  return n;
+}
+
 /// `tessel-train score`: the plan's model with `weights` (Hugging Face or Tessel names) on the
 /// sequences of `tokens_path` (raw little-endian rows of training.seq_len+1 tokens, each
 /// `token_dtype`: int32, uint16 or uint32 — data.format tokens files are uint16 or uint32).
 /// `logits_out` (optional): also writes the logits of every row, {"logits": [B, T, vocab]} fp32,
 /// to that safetensors file (parity checks against other implementations).
 ScoreResult score(const plan::Config& c, const std::string& weights, const std::string& tokens_path,
-                  const std::string& token_dtype = "int32", const std::string& logits_out = "");
+                  ScoreTokens token_dtype = ScoreTokens::kInt32,
+                  const std::string& logits_out = "");
 
 /// Scores a token stream (a Megatron prefix or text files, as `data` describes them; text is
 /// tokenized with `tokenizer` when given, else byte tokens) cut into windows of seq_len+1 tokens

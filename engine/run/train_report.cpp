@@ -34,14 +34,14 @@ void Trainer::log_layout(const parallel::WorldInfo& world) const {
   const auto& l = mesh_->layout();
   const auto& t = c_.training;
   const bool sp = c_.parallel.sequence_parallel && l.tp > 1;
-  spdlog::info("{} process{} ({}, {}): dp {} tp {}{} pp {} cp {}{} | {} gradient bucket{}",
-               mesh_->world(), mesh_->world() > 1 ? "es" : "", world.source, mesh_->backend(), l.dp,
-               l.tp, sp ? " (sequence parallel)" : "", l.pp, l.cp,
-               l.cp > 1 ? fmt::format(" ({}, {} tokens per rank)",
-                                      c_.parallel.context_method.name(), t.seq_len / l.cp)
-                        : "",
-               sync_->reducer().buckets().size(),
-               sync_->reducer().buckets().size() == 1 ? "" : "s");
+  spdlog::info(
+      "{} process{} ({}, {}): dp {} tp {}{} pp {} cp {}{} | {} gradient bucket{}", mesh_->world(),
+      mesh_->world() > 1 ? "es" : "", world.source, plan::name_of(mesh_->backend()), l.dp, l.tp,
+      sp ? " (sequence parallel)" : "", l.pp, l.cp,
+      l.cp > 1 ? fmt::format(" ({}, {} tokens per rank)", c_.parallel.context_method.name(),
+                             t.seq_len / l.cp)
+               : "",
+      sync_->reducer().buckets().size(), sync_->reducer().buckets().size() == 1 ? "" : "s");
   if (executor_->pairs())
     spdlog::info(
         "micro-batches two at a time, each on {} of {} threads "

@@ -28,7 +28,7 @@ GradReducer::GradReducer(const Mesh& mesh, const std::vector<optim::NamedParam>&
       fold_(opt.low_precision() && opt.zero() < 2),
       once_(((opt.zero() == 2 && mesh.layout().pp > 1) || (opt.zero() == 3 && keep_gathered)) &&
             !opt.low_precision()),
-      wait_(observe::time_on_device(mesh.device(), mesh.dp_cp().backend_name())) {
+      wait_(observe::time_on_device(mesh.device(), mesh.dp_cp().is_nccl())) {
   const auto& layout = opt.layout();
   // Each chunk's slots are one contiguous range (the model registers them so).
   std::map<std::string, const optim::NamedParam*> by_name;

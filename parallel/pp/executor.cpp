@@ -41,7 +41,7 @@ class Transfers {
         options_(options),
         wait_(wait),
         // Gloo's send/recv move host memory only: CUDA tensors travel through host copies.
-        staged_(options.device().is_cuda() && pp.backend_name() == "gloo") {}
+        staged_(options.device().is_cuda() && pp.is_gloo()) {}
 
   void send(const torch::Tensor& t, int64_t peer, int tag) {
     batch_.push_back({P2POp::kSend, to_send(t), peer, tag});
@@ -319,9 +319,9 @@ Executor::Executor(Group& pp, Schedule schedule, std::vector<int64_t> activation
       schedule_(std::move(schedule)),
       shape_(std::move(activation_shape)),
       options_(options),
-      step_(observe::time_on_device(options.device(), pp.backend_name())),
-      compute_(observe::time_on_device(options.device(), pp.backend_name())),
-      wait_(observe::time_on_device(options.device(), pp.backend_name())) {
+      step_(observe::time_on_device(options.device(), pp.is_nccl())),
+      compute_(observe::time_on_device(options.device(), pp.is_nccl())),
+      wait_(observe::time_on_device(options.device(), pp.is_nccl())) {
   TORCH_CHECK(pp_.size() == schedule_.stages, "pipeline group of ", pp_.size(),
               " ranks for a schedule of ", schedule_.stages);
   if (pp_.size() > 1) {  // channels match messages in order: the lists must agree on it

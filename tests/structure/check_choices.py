@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Finds every comparison of a typed plan choice (a `Choice<E>` member of core/plan/config.h)
 with a string literal outside core/plan/: those keys are compared with their enum values, so that
-a new value is found by the compiler. Also names the enumerated keys still held as strings (a
+a new value is found by the compiler. A choice is found under its member's name and under its
+key's last part, whether as a member (`c.training.kernels`, `m_.score`) or as a plain variable
+or parameter that carries it (`kernels`, `score`); so is a communicator's kind read from c10d
+(`getBackendName()`), which Group reads once. Also names the enumerated keys still held as strings (a
 `.one_of(...)` field of core/plan/config_fields.cpp). Exits 1 on any comparison. Usage:
 check_choices.py [ROOT]"""
 import os
@@ -30,12 +33,23 @@ def string_choice_keys(root, typed):
     return out
 
 
+def choice_names(root, typed):
+    """The typed members and the last part of each typed key ("score" for model.moe.router.score)."""
+    with open(os.path.join(root, "core", "plan", "config_fields.cpp")) as f:
+        text = f.read()
+    names = set(typed)
+    for m in re.finditer(r'add\("([\w.]+)",\s*&c\.[\w.]*?(\w+),', text):
+        if m.group(2) in typed:
+            names.add(m.group(1).split(".")[-1])
+    return sorted(names)
+
+
 def comparisons(root, typed):
     if not typed:
         return []
-    names = "|".join(typed)
-    pat = re.compile(r'(?:[\w\]\)]\.|->)(' + names + r')\s*(==|!=)\s*"|"\s*(==|!=)\s*[\w.\->]+(?:\.|->)(' +
-                     names + r')\b')
+    names = "|".join(choice_names(root, typed) + [r"getBackendName\(\)", r"backend_name\(\)"])
+    pat = re.compile(r'(?<![\w"])(' + names + r')\s*(==|!=)\s*"|"\s*(==|!=)\s*(?:[\w\]\)]+(?:\.|->))*(' +
+                     names + r')(?!\w)')
     out = []
     tops = sorted(os.listdir(root))
     skip = SKIP | ignored(root, tops)

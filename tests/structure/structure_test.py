@@ -77,20 +77,31 @@ class Choices(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             write = tree_writer(d)
             write("core/plan/config.h", "struct P {\n  Choice<PipelineSchedule> pipeline_schedule;\n"
-                                        "  std::string arch;\n};\n")
+                                        "  Choice<RouterScore> router_score;\n  std::string arch;\n};\n")
             write("core/plan/config_fields.cpp",
                   'add("parallel.pipeline.schedule", &c.parallel.pipeline_schedule, S("1f1b"), "x");\n'
+                  'add("model.moe.router.score", &c.model.moe.router_score, S("softmax"), "x");\n'
                   'add("model.arch", &c.model.arch, S("gpt2"), "Architecture; of a model.").one_of({"gpt2"});\n')
             write("core/plan/rules.cpp", 'bool a = c.parallel.pipeline_schedule == "zbv";  // inside plan/\n')
             write("engine/run/train.cpp", 'bool ok = c.parallel.pipeline_schedule == PipelineSchedule::kZbv;\n'
                                           'bool bad = c_.parallel.pipeline_schedule != "zbv";\n'
                                           'bool arch = c.model.arch == "llama";\n')
+            # Carried under the key's last part into a part's options, or read from c10d.
+            write("models/moe.cpp", 'auto p = m_.score == "sigmoid" ? a : b;\n'
+                                    'auto q = "softmax" != score;\n'
+                                    'bool scores = m_.scores == "x";  // another name\n')
+            write("parallel/comm.cpp", 'bool g = b.getBackendName() == "gloo";\n')
             rc, out = check("check_choices.py", d)
             self.assertEqual(rc, 1, out)
             self.assertIn('engine/run/train.cpp:2: plan choice pipeline_schedule compared with a string', out)
+            self.assertIn('models/moe.cpp:1: plan choice score compared with a string', out)
+            self.assertIn('models/moe.cpp:2: plan choice score compared with a string', out)
+            self.assertIn('parallel/comm.cpp:1: plan choice getBackendName() compared with a string', out)
             self.assertNotIn("rules.cpp", out)
-            self.assertIn("1 comparison(s) of a typed plan choice with a string outside core/plan/ (typed: "
-                          "pipeline_schedule; enumerated keys still held as strings: 1: model.arch)", out)
+            self.assertNotIn("moe.cpp:3", out)
+            self.assertIn("4 comparison(s) of a typed plan choice with a string outside core/plan/ (typed: "
+                          "pipeline_schedule, router_score; enumerated keys still held as strings: 1: model.arch)",
+                          out)
 
 
 class Namespaces(unittest.TestCase):

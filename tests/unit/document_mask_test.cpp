@@ -58,8 +58,8 @@ torch::Tensor token_losses(Decoder& m, const torch::Tensor& row, const kernels::
       torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
 }
 
-void expect_packed_equals_alone(const std::string& yaml, const std::string& kernels) {
-  SCOPED_TRACE(yaml + " kernels " + kernels);
+void expect_packed_equals_alone(const std::string& yaml, plan::Kernels kernels) {
+  SCOPED_TRACE(yaml + " kernels " + plan::name_of(kernels));
   auto m = build_model(model(yaml), 5);
   m->set_kernels(kernels);
   torch::manual_seed(3);
@@ -86,7 +86,7 @@ void expect_packed_equals_alone(const std::string& yaml, const std::string& kern
 }
 
 TEST(DocumentMask, PackedDocumentsScoreAsAlone) {
-  for (const char* k : {"tessel", "torch"}) {
+  for (auto k : {plan::Kernels::kTessel, plan::Kernels::kTorch}) {
     // Llama: RoPE restarted per document, grouped-query heads.
     expect_packed_equals_alone(
         "{arch: llama, layers: 2, hidden: 32, heads: 4, kv_heads: 2, vocab_size: 300, "
