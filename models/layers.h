@@ -78,6 +78,10 @@ class NormImpl : public torch::nn::Module {
  public:
   NormImpl(int64_t dim, double eps, bool layer_norm);
   torch::Tensor forward(const torch::Tensor& x);
+  /// Its elements at width `dim`: weight, and bias for LayerNorm.
+  static int64_t parameters(const DecoderOptions& o, int64_t dim) {
+    return (o.layer_norm ? 2 : 1) * dim;
+  }
   torch::Tensor weight, bias;
   bool tessel_kernels = true;  // RMSNorm: core/kernels/fused_ops.h's CPU loops where they apply
 
@@ -128,6 +132,11 @@ class MlpImpl : public torch::nn::Module {
  public:
   explicit MlpImpl(const DecoderOptions& o);
   torch::Tensor forward(const torch::Tensor& x);
+  /// Its column-parallel hidden x ffn_hidden weight matrices (gate and up for SwiGLU, else up):
+  /// each keeps an ffn-wide output whose gradient its weight's gradient reads.
+  static double column_matrices(const DecoderOptions& o) { return o.swiglu ? 2 : 1; }
+  /// All its hidden x ffn_hidden weight matrices: the column-parallel ones and down.
+  static double weight_matrices(const DecoderOptions& o) { return column_matrices(o) + 1; }
   parallel::tp::ColumnParallelLinear up{nullptr}, gate{nullptr};
   parallel::tp::RowParallelLinear down{nullptr};
   bool tessel_kernels = true;  // Tessel's GELU and SwiGLU where they apply (else LibTorch's)
@@ -146,6 +155,12 @@ struct MoeState;
 class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(const DecoderOptions& o, int64_t layer, MoeState* moe_state);
+  /// Its elements every tensor-parallel rank holds whole at width `h` (the two norms, and the
+  /// row-parallel projections' biases: attention's o and the MLP's down): under sequence
+  /// parallelism each rank's gradient of them is partial.
+  static int64_t replicated_parameters(const DecoderOptions& o, int64_t h) {
+    return 2 * NormImpl::parameters(o, h) + (o.linear_bias ? 2 * h : 0);
+  }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const kernels::Documents* docs = nullptr);
   /// training.recompute selective: the MLP half (its norm and its ffn-wide activations) is rerun

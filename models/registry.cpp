@@ -20,6 +20,8 @@ const Arch& arch(plan::ModelArch a) {
                          std::to_string(static_cast<int>(a)));
 }
 
+DecoderOptions features(const ModelShape& m) { return arch(m.arch).options(m); }
+
 void check_all_used(const Weights& hf, const std::set<std::string>& used,
                     const std::string& source) {
   auto ignorable = [](const std::string& k) {

@@ -34,6 +34,10 @@ struct Arch {
 
 const Arch& arch(plan::ModelArch a);
 
+/// The parts model `m`'s architecture builds (DecoderOptions without groups or stages): what
+/// code above models/ asks about a model instead of its architecture's name.
+DecoderOptions features(const ModelShape& m);
+
 /// Throws UserError naming every tensor of `hf` that was not used, except buffers that carry no
 /// weights (attention masks, rotary tables) and a tied head's duplicate.
 void check_all_used(const Weights& hf, const std::set<std::string>& used,

@@ -27,7 +27,7 @@ struct MoeShape {
 };
 
 struct ModelShape {
-  plan::ModelArch arch = plan::ModelArch::kGpt2;  // models/registry.h
+  plan::ModelArch arch{};  // what it builds: models::features (models/registry.h)
   int64_t layers = 0, hidden = 0, heads = 0;
   int64_t kv_heads = 0;    // key/value heads (grouped-query attention when < heads)
   int64_t ffn_hidden = 0;  // the MLP's inner width

@@ -31,8 +31,14 @@ struct ActivationModel {
   double replicated, attn, kv, ffn, outside;
 };
 
+/// The measured per-block constants (activation_model, the CPU operators per block) were taken
+/// on two whole blocks: Llama's (RMSNorm, SwiGLU, RoPE, no biases) and GPT-2's (LayerNorm, GELU,
+/// learned positions, biases). A model's block takes the figures of the one with its norm.
+inline bool rms_block(const models::DecoderOptions& o) { return !o.layer_norm; }
+
 struct PlanBasis {
   models::ModelShape m;
+  models::DecoderOptions parts;  // the parts m's architecture builds (models::features)
   c10::ScalarType dtype;
   double w;                // bytes per element of the compute dtype
   bool sp;                 // sequence parallelism in effect
@@ -89,7 +95,7 @@ inline bool reduce_once(const PlanBasis& b) {
 
 // Activation bytes per token per block (ActivationModel) as this implementation keeps them, by
 // architecture, recomputation and kernels (memory.cpp).
-ActivationModel activation_model(const models::ModelShape& m, plan::Recompute recompute,
+ActivationModel activation_model(const models::DecoderOptions& o, plan::Recompute recompute,
                                  bool own_kernels, bool cpu, double w);
 // Sequence parallelism's all-gathered inputs the projections save, per token, in elements, above
 // the activation model (memory.cpp).

@@ -28,6 +28,7 @@
 #include "core/kernels/attention_cpu.h"
 #include "core/observe/counters.h"
 #include "engine/planner/model_plan.h"
+#include "models/registry.h"
 #include "parallel/comm.h"
 
 namespace tessel::planner {
@@ -56,9 +57,9 @@ struct ThreadsFor {
 class StepKernels {
  public:
   StepKernels(const plan::Config& c, const models::ModelShape& m, torch::ScalarType dtype)
-      : llama_(m.arch == plan::ModelArch::kLlama),
+      : swiglu_(models::features(m).swiglu),
         own_kernels_(c.training.kernels == plan::Kernels::kTessel && dtype == torch::kFloat32),
-        tessel_gelu_(!llama_ && own_kernels_),
+        tessel_gelu_(!swiglu_ && own_kernels_),
         short_attention_(own_kernels_ && c.parallel.cp <= 1 &&
                          kernels::short_attention_applies(torch::kCPU, dtype, c.training.seq_len)) {
     const auto opts = torch::TensorOptions().dtype(dtype);
@@ -115,7 +116,7 @@ class StepKernels {
         auto dx = s[9] * slope;
         return;
       }
-      if (llama_ && own_kernels_) {  // Tessel's SwiGLU: one pass forward, one backward
+      if (swiglu_ && own_kernels_) {  // Tessel's SwiGLU: one pass forward, one backward
         auto y = torch::empty_like(s[7]), dg = torch::empty_like(s[7]),
              du = torch::empty_like(s[7]);
         kernels::cpu::swiglu_forward(s[8].data_ptr<float>(), s[7].data_ptr<float>(),
@@ -125,7 +126,7 @@ class StepKernels {
                                       du.data_ptr<float>(), y.numel());
         return;
       }
-      if (!llama_) {  // tanh-GELU forward and backward
+      if (!swiglu_) {  // tanh-GELU forward and backward
         at::gelu(s[7], "tanh"), at::gelu_backward(s[9], s[7], "tanh");
         return;
       }  // SiLU of the gate times the up projection, forward and backward
@@ -169,7 +170,7 @@ class StepKernels {
     f();
     return seconds_since(t0);
   }
-  bool llama_;
+  bool swiglu_;           // the MLP is SwiGLU (else tanh-GELU)
   bool own_kernels_;      // training.kernels tessel, fp32: Tessel's CPU kernels run
   bool tessel_gelu_;      // and GPT-2: Tessel's GELU (core/kernels/activations.h)
   bool short_attention_;  // Tessel's short-sequence attention (core/kernels/attention_cpu.h)

@@ -82,7 +82,7 @@ HeadBytes head_bytes(const plan::TrainingConfig& t, const PlanBasis& b) {
 // The activations of one block (full recomputation) or one MLP (selective) that backward reruns.
 double rerun_bytes(const plan::Config& c, const PlanBasis& b) {
   const auto& m = b.m;
-  const auto none = activation_model(m, plan::Recompute::kNone, b.own_kernels, b.cpu, b.w);
+  const auto none = activation_model(b.parts, plan::Recompute::kNone, b.own_kernels, b.cpu, b.w);
   const double floats =
       c.training.recompute == plan::Recompute::kFull
           ? none.replicated * b.h / (b.sp ? b.tp : 1.0) +
@@ -207,8 +207,8 @@ double deferred_bytes(const plan::Layout& l, const PlanBasis& b, const models::S
   const double h = b.h, tp = b.tp, kvd = b.kvd;
   const double f = static_cast<double>(m.ffn_hidden) / tp;
   const double kept =
-      3 * h + f + (h + 2 * kvd) / tp + 2 * h + (m.arch == plan::ModelArch::kLlama ? 2 : 1) * f;
-  const double mlp_mats = m.arch == plan::ModelArch::kLlama ? 3.0 : 2.0;
+      3 * h + f + (h + 2 * kvd) / tp + 2 * h + models::MlpImpl::column_matrices(b.parts) * f;
+  const double mlp_mats = models::MlpImpl::weight_matrices(b.parts);
   const double attention_weights = (2 * h * h + 2 * h * kvd) / tp;  // q, k, v, o
   const double mlp_weights = mlp_mats * h * f;
   const double shared_weights =
@@ -404,9 +404,9 @@ double sp_gathered_floats(plan::Recompute recompute, double h, double tp, bool s
 // silu(gate) (one ffn less). In bf16/fp16 the composite computes in fp32 and keeps that copy of
 // its input too (4/w elements of the compute dtype per h; measured on CPU bf16, 2026-11-28: 4.3·h
 // per block).
-ActivationModel activation_model(const models::ModelShape& m, plan::Recompute recompute,
+ActivationModel activation_model(const models::DecoderOptions& o, plan::Recompute recompute,
                                  bool own_kernels, bool cpu, double w) {
-  const bool llama = m.arch == plan::ModelArch::kLlama, fused = llama && own_kernels;
+  const bool llama = rms_block(o), fused = llama && own_kernels;
   const bool fused_norm = fused || (llama && !cpu);
   const double upcast = !llama || fused_norm || w >= 4 ? 0.0 : 4 / w;  // per composite norm
   ActivationModel a = !llama       ? ActivationModel{4.76, 3.58, 0.0, 2.0, 2.3}

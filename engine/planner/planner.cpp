@@ -298,6 +298,7 @@ PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
   const auto& t = c.training;
   PlanBasis b;
   const auto& m = b.m = model_shape(c.model);
+  b.parts = models::features(m);
   b.dtype = resolve_dtype(t.dtype);
   const double w = b.w = static_cast<double>(c10::elementSize(b.dtype));
   const bool sp = b.sp = c.parallel.sequence_parallel && l.tp > 1;
@@ -312,7 +313,7 @@ PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
   b.own_kernels = cpu && t.kernels == plan::Kernels::kTessel && b.dtype == torch::kFloat32;
   b.threads = t.threads > 0 ? t.threads : int64_t{at::get_num_threads()};
   b.lanes = plan::pairs_microbatches(c, l.world(), !cpu, b.threads) ? 2 : 1;
-  b.a = activation_model(m, t.recompute, b.own_kernels, b.cpu, w);
+  b.a = activation_model(b.parts, t.recompute, b.own_kernels, b.cpu, w);
   b.short_attention = short_attention_bytes(c, l, m, b.dtype, b.own_kernels);
   const auto kind = l.pp > 1 ? plan::PipelineSchedule(c.parallel.pipeline_schedule)
                              : plan::PipelineSchedule::kGpipe;
@@ -335,14 +336,14 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const plan::TrainingCon
              static_cast<double>(m.moe.experts - m.moe.top_k) /
              static_cast<double>(std::max<int64_t>(1, m.moe.experts));    // active experts only
   n_flops -= static_cast<double>(m.vocab_size) * h * (m.tied() ? 0 : 1);  // input embeddings
-  if (m.arch == plan::ModelArch::kGpt2) n_flops -= static_cast<double>(m.max_seq_len) * h;
+  if (b.parts.learned_pos) n_flops -= static_cast<double>(m.max_seq_len) * h;  // a lookup
   e.flops_per_step = flops_per_token(m, n_flops, t.seq_len, b.docs.share) *
                      static_cast<double>(t.global_batch * t.seq_len);
   // The work the device does: recomputation reruns forward work the model FLOPs (and so MFU)
   // do not count. Full: every block's forward again (2 per block weight, and attention's
   // 4·L·H·Q·T, a third of its 12); selective: each block's MLP forward (2 per MLP weight).
   const double mlp_weights =
-      (m.arch == plan::ModelArch::kLlama ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden);
+      models::MlpImpl::weight_matrices(b.parts) * h * static_cast<double>(m.ffn_hidden);
   const double layers = static_cast<double>(m.layers);
   double rerun_per_token = 0;
   if (t.recompute == plan::Recompute::kFull)
@@ -445,11 +446,11 @@ std::map<std::string, double> cpu_compute_s(const plan::Config& c, const PlanBas
                                             const DeviceProfile& d) {
   const auto& t = c.training;
   const auto& m = b.m;
-  const bool llama = m.arch == plan::ModelArch::kLlama,
-             full = t.recompute == plan::Recompute::kFull;
+  const bool llama = rms_block(b.parts), full = t.recompute == plan::Recompute::kFull;
   const double micro = static_cast<double>(b.mbs), tokens = micro * b.tok;
   const double layers = static_cast<double>(r.layers), h = b.h, tp = b.tp;
-  const double mlp = (llama ? 3.0 : 2.0) * h * static_cast<double>(m.ffn_hidden) / tp;
+  const double mlp =
+      models::MlpImpl::weight_matrices(b.parts) * h * static_cast<double>(m.ffn_hidden) / tp;
   const double rerun = full ? b.block : t.recompute == plan::Recompute::kSelective ? mlp : 0.0;
   const double head = part.last ? b.vocab_local * h : 0.0;
   const double matmul = (6 * (layers * b.block + head) + 2 * layers * rerun) * tokens /

@@ -77,11 +77,10 @@ void add_tp_traffic(Traffic& g, const plan::Config& c, const plan::Layout& l, co
   // experts, and gpt2's position table (first stage) are among them.
   if (sp)
     replicated +=
-        (m.arch == plan::ModelArch::kLlama ? 2.0 : 6.0) * h * layers +
-        (part.last ? (m.arch == plan::ModelArch::kLlama ? 1 : 2) * h : 0) +
-        (part.first && m.arch == plan::ModelArch::kGpt2 ? static_cast<double>(m.max_seq_len) * h
-                                                        : 0) +
-        experts + moe * static_cast<double>(m.moe.experts) * h;
+        static_cast<double>(models::BlockImpl::replicated_parameters(b.parts, m.hidden)) * layers +
+        (part.last ? static_cast<double>(models::NormImpl::parameters(b.parts, m.hidden)) : 0) +
+        (part.first && b.parts.learned_pos ? static_cast<double>(m.max_seq_len) * h : 0) + experts +
+        moe * static_cast<double>(m.moe.experts) * h;
   if (m.kv_heads < l.tp) replicated += 2 * h * kvd * r.layers;
   // Under ZeRO each data rank sums only the gradients it owns (its shard of the flat buffer, the
   // experts' over their own data group): where the replicated ones fall decides each rank's

@@ -11,6 +11,7 @@
 
 #include "engine/planner/model_plan.h"
 #include "engine/run/score.h"
+#include "models/registry.h"
 
 namespace tessel::run {
 namespace {
@@ -33,7 +34,7 @@ std::vector<std::string> decided_keys(const plan::Config& hf) {
                                    "model.heads",      "model.kv_heads", "model.ffn_hidden",
                                    "model.vocab_size", "model.norm_eps", "model.tie_embeddings",
                                    "model.qk_norm"};
-  if (hf.model.arch == plan::ModelArch::kGpt2)
+  if (models::features(planner::model_shape(hf.model)).learned_pos)
     keys.push_back("model.max_seq_len");
   else
     keys.push_back("model.rope_theta");

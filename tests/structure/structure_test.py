@@ -1,5 +1,6 @@
 """The code's structure, held for the whole tree: the layer order of LAYERS for every #include
-(check_layers.py), namespaces that follow folders (check_namespaces.py), and no function over 60 lines in the engine's folders (check_functions.py).
+(check_layers.py), namespaces that follow folders (check_namespaces.py), decisions read through their owners
+(check_owners.py), and no function over 60 lines in the engine's folders (check_functions.py).
 Each check is also shown to fail, naming what is wrong, on a made-up tree."""
 import os
 import subprocess
@@ -102,6 +103,28 @@ class Choices(unittest.TestCase):
             self.assertIn("4 comparison(s) of a typed plan choice with a string outside core/plan/ (typed: "
                           "pipeline_schedule, router_score; enumerated keys still held as strings: 1: model.arch)",
                           out)
+
+
+class Owners(unittest.TestCase):
+    def test_decisions_are_read_through_their_owners(self):
+        rc, out = check("check_owners.py", ROOT)
+        self.assertEqual(rc, 0, out)
+        self.assertIn("0 decision(s) read outside their owners", out)
+
+    def test_a_decision_outside_its_owner_is_named(self):
+        with tempfile.TemporaryDirectory() as d:
+            write = tree_writer(d)
+            write("models/registry.cpp", "case plan::ModelArch::kLlama: return kLlama;\n")
+            write("core/plan/rules.cpp", "bool g = a == ModelArch::kGpt2;\n")
+            write("engine/planner/memory.cpp", "const double mats = m.arch == plan::ModelArch::kLlama ? 3 : 2;\n"
+                                               "// m.arch == plan::ModelArch::kLlama in a comment\n")
+            rc, out = check("check_owners.py", d)
+            self.assertEqual(rc, 1, out)
+            self.assertIn("engine/planner/memory.cpp:1: an architecture's name outside its owners", out)
+            self.assertNotIn("memory.cpp:2", out)
+            self.assertNotIn("registry.cpp:", out)
+            self.assertNotIn("rules.cpp:", out)
+            self.assertIn("1 decision(s) read outside their owners", out)
 
 
 class Namespaces(unittest.TestCase):

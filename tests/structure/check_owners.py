@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Decisions that have one owner: code elsewhere asks the owner's interface, never the decision's
+raw value. An architecture's name (plan::ModelArch) is compared only in core/plan/ (the plan) and
+models/registry.cpp with the entries it registers (models/gpt2.cpp, models/llama.cpp): everything
+above models/ asks models::features() what the architecture builds. Exits 1 naming each line
+outside its owner. Usage: check_owners.py [ROOT]"""
+import os
+import re
+import sys
+
+from check_layers import ignored
+
+SOURCES = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh")
+SKIP = {".git", "build", "third_party", ".env", "docs", "configs", "examples"}
+
+# (what, pattern, owner paths: a folder ends with /)
+RULES = [
+    ("an architecture's name", re.compile(r"\bModelArch::k\w+"),
+     ("core/plan/", "models/registry.cpp", "models/gpt2.cpp", "models/llama.cpp")),
+]
+
+
+def owned(path, owners):
+    return any(path.startswith(o) if o.endswith("/") else path == o for o in owners)
+
+
+def violations(root):
+    out = []
+    tops = sorted(os.listdir(root))
+    skip = SKIP | ignored(root, tops)
+    for top in tops:
+        if top in skip or top.startswith(".") or not os.path.isdir(os.path.join(root, top)) or top == "tests":
+            continue
+        for dirpath, _, files in sorted(os.walk(os.path.join(root, top))):
+            for name in sorted(files):
+                if not name.endswith(SOURCES):
+                    continue
+                path = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
+                with open(os.path.join(root, path), errors="replace") as f:
+                    lines = f.readlines()
+                for what, pat, owners in RULES:
+                    if owned(path, owners):
+                        continue
+                    for n, line in enumerate(lines, 1):
+                        code = line.split("//")[0]
+                        if pat.search(code):
+                            out.append(f"{path}:{n}: {what} outside its owners ({', '.join(owners)}): "
+                                       f"{code.strip()}")
+    return out
+
+
+def main():
+    root = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", ".."))
+    bad = violations(root)
+    for line in bad:
+        print(line)
+    print(f"{len(bad)} decision(s) read outside their owners")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
