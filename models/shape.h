@@ -1,5 +1,5 @@
 // What the models need to know about the model to build: shapes and constants, nothing about
-// files, YAML or the run. The layer above fills it from the plan (engine/planner/model_plan.h).
+// files, YAML or the run. The layer above fills it from the plan (models/from_plan.h).
 #pragma once
 
 #include <cstdint>

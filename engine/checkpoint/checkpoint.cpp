@@ -53,7 +53,7 @@ int64_t checkpoint_bytes_per_parameter(const plan::Config& c) {
 }
 
 double checkpoint_bytes(const plan::Config& c) {
-  return static_cast<double>(models::parameters_on_rank(planner::model_shape(c.model), 1, {})) *
+  return static_cast<double>(models::parameters_on_rank(models::model_shape(c.model), 1, {})) *
          static_cast<double>(checkpoint_bytes_per_parameter(c));
 }
 
@@ -74,7 +74,7 @@ void check_room_for_checkpoint(const plan::Config& c) {
         "about {} ({} parameters x {} bytes: weights in {}, an fp32 master copy and two fp32 "
         "AdamW moments); free space there or set checkpoint.dir to a larger filesystem",
         dir, gib(free_bytes), gib(need),
-        models::parameters_on_rank(planner::model_shape(c.model), 1, {}),
+        models::parameters_on_rank(models::model_shape(c.model), 1, {}),
         checkpoint_bytes_per_parameter(c), c.training.dtype.name()));
   if (free_bytes < 2 * need)
     spdlog::warn("checkpoint.dir {}: {} free, room for {:.0f} checkpoint(s) of about {}", dir,

@@ -11,7 +11,7 @@
 #include "core/optim/loss_scale.h"
 #include "core/optim/optim.h"
 #include "core/plan/config.h"
-#include "engine/planner/model_plan.h"
+#include "models/from_plan.h"
 #include "models/registry.h"
 #include "parallel/mesh.h"
 

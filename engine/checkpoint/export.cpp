@@ -230,12 +230,12 @@ void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
                const std::string& tokenizer, const std::string& what, int64_t max_shard_bytes) {
   const std::string dir = resolve_checkpoint(checkpoint_dir);
   plan::Config c = plan::load_config((fs::path(dir) / "config.yaml").string());
-  const auto w = checkpoint_model_weights(dir, planner::model_shape(c.model));
+  const auto w = checkpoint_model_weights(dir, models::model_shape(c.model));
   const auto& arch = models::arch(c.model.arch);
   prepare_export_folder(out_dir, dir, what);  // once the checkpoint has been read
   fs::create_directories(out_dir);
-  write_hf_weights(out_dir, arch.to_hf(w, planner::model_shape(c.model)), max_shard_bytes);
-  auto config = arch.hf_config(planner::model_shape(c.model));
+  write_hf_weights(out_dir, arch.to_hf(w, models::model_shape(c.model)), max_shard_bytes);
+  auto config = arch.hf_config(models::model_shape(c.model));
   if (!tokenizer.empty()) {
     auto s = export_tokenizer(tokenizer, out_dir, c.model);
     nlohmann::json gen = {{"_from_model_config", true}};
@@ -245,7 +245,7 @@ void export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
                           gen.dump(2) + "\n");
   }
   io::write_file_atomic((fs::path(out_dir) / "config.json").string(), config.dump(2) + "\n");
-  if (const auto d = moe_differences(planner::model_shape(c.model)); !d.empty())
+  if (const auto d = moe_differences(models::model_shape(c.model)); !d.empty())
     spdlog::warn(
         "export: {} has no {} in transformers: the weights are all written, but its "
         "from_pretrained would not compute this model",

@@ -27,7 +27,7 @@
 #include "core/kernels/activations.h"
 #include "core/kernels/attention_cpu.h"
 #include "core/observe/counters.h"
-#include "engine/planner/model_plan.h"
+#include "models/from_plan.h"
 #include "models/registry.h"
 #include "parallel/comm.h"
 
@@ -311,8 +311,8 @@ DeviceProfile measure_cpu_profile(const plan::Config& c, int64_t ranks_on_node) 
 #endif
   const int64_t cores = std::max<unsigned>(1, std::thread::hardware_concurrency());
   const int64_t threads = cpu_threads_per_rank(c, ranks_on_node);
-  const auto m = model_shape(c.model);
-  const auto dtype = resolve_dtype(c.training.dtype);
+  const auto m = models::model_shape(c.model);
+  const auto dtype = models::resolve_dtype(c.training.dtype);
   DeviceProfile d;
   d.name = "cpu";
   d.cpu = true;

@@ -19,7 +19,7 @@
 #include "core/optim/optim.h"
 #include "engine/planner/basis.h"
 #include "engine/planner/figures.h"
-#include "engine/planner/model_plan.h"
+#include "models/from_plan.h"
 #include "models/registry.h"
 #include "parallel/cp/attention.h"
 #include "parallel/pp/schedule.h"
@@ -297,9 +297,9 @@ PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
   namespace pp = parallel::pp;
   const auto& t = c.training;
   PlanBasis b;
-  const auto& m = b.m = model_shape(c.model);
+  const auto& m = b.m = models::model_shape(c.model);
   b.parts = models::features(m);
-  b.dtype = resolve_dtype(t.dtype);
+  b.dtype = models::resolve_dtype(t.dtype);
   const double w = b.w = static_cast<double>(c10::elementSize(b.dtype));
   const bool sp = b.sp = c.parallel.sequence_parallel && l.tp > 1;
   b.mbs = t.global_batch / (l.dp * t.micro_batch);
@@ -493,7 +493,7 @@ PlanEstimate estimate(const plan::Config& c, const plan::Layout& l, const Device
   e.world = l.world();
   add_step_flops(e, b, t);
   for (int64_t stage = 0; stage < l.pp; ++stage) {
-    const auto part = stage_part(c, l.pp, stage);
+    const auto part = models::stage_part(c, l.pp, stage);
     RankEstimate r = stage_memory(c, l, b, stage, part);
     const auto buffers = communicator_buffers(c, l, stage, dev);
     r.comm_buffers = buffers.bytes, r.communicators = buffers.communicators,

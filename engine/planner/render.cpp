@@ -9,8 +9,8 @@
 
 #include "engine/data/dataset.h"
 #include "engine/planner/documents.h"
-#include "engine/planner/model_plan.h"
 #include "engine/planner/planner.h"
+#include "models/from_plan.h"
 #include "models/registry.h"
 #include "parallel/mesh.h"
 #include "parallel/pp/schedule.h"
@@ -60,7 +60,7 @@ std::string human_bytes(double b) {
 std::string state_bytes(const plan::Config& c, const plan::Layout& l, const PlanEstimate& e) {
   const int64_t zero = c.parallel.zero, data_ranks = l.dp * l.cp;
   const auto split = plan::zero_split(c, l);
-  const double w = static_cast<double>(c10::elementSize(resolve_dtype(c.training.dtype)));
+  const double w = static_cast<double>(c10::elementSize(models::resolve_dtype(c.training.dtype)));
   std::string out = fmt::sprintf(
       "# state per rank, ZeRO %lld over %lld data rank%s%s, %s (activations not included):\n",
       static_cast<long long>(zero), static_cast<long long>(zero > 0 ? split.shards : data_ranks),
@@ -73,9 +73,9 @@ std::string state_bytes(const plan::Config& c, const plan::Layout& l, const Plan
                       // briefly a third while backward crosses from one block to the next
       // Each of the stage's blocks as this rank holds it (an MoE block: E/ep experts); the root
       // unit is the rest of the rank's parameters.
-      const auto m = model_shape(c.model);
+      const auto m = models::model_shape(c.model);
       int64_t root = r.params, block = 0;
-      for (const auto& [begin, end] : stage_part(c, l.pp, r.stage).chunks)
+      for (const auto& [begin, end] : models::stage_part(c, l.pp, r.stage).chunks)
         for (int64_t i = begin; i < end; ++i) {
           const int64_t b = models::block_parameters(m, l.tp, i, l.ep);
           root -= b;
@@ -191,7 +191,7 @@ std::string plan_notes(const PlanEstimate& e, const plan::Config& c) {
     // A rank's part of a checkpoint: its weights, master copy and moments. In fp32 the optimizer
     // holds the moments only (the weights are the master), yet the checkpoint writes a master
     // copy too: half the moments' bytes more, sharded as they are.
-    const bool fp32 = resolve_dtype(c.training.dtype) == c10::kFloat;
+    const bool fp32 = models::resolve_dtype(c.training.dtype) == c10::kFloat;
     double held = 0;
     for (const auto& r : e.ranks)
       held = std::max(held, r.weights + r.optimizer * (fp32 ? 1.5 : 1.0));

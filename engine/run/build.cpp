@@ -73,7 +73,7 @@ models::Decoder make_model(const plan::Config& c, const torch::Device& device,
                            const models::StagePart& stages, parallel::Group* cp,
                            parallel::Group* ep) {
   auto model =
-      models::build_model(planner::model_shape(c.model), c.run.seed, tp,
+      models::build_model(models::model_shape(c.model), c.run.seed, tp,
                           c.parallel.sequence_parallel, stages, cp, c.parallel.context_method, ep);
   if (!c.model.init_from.empty()) load_weights_file(model, c.model.init_from, "model.init_from");
   model->set_recompute(c.training.recompute);
@@ -100,7 +100,7 @@ void configure_device(const plan::Config& c, const torch::Device& on) {
 
 std::string attention_kernel(const plan::Config& c, const torch::Device& device,
                              torch::ScalarType dtype) {
-  const auto m = planner::model_shape(c.model);
+  const auto m = models::model_shape(c.model);
   const auto& par = c.parallel;
   const bool alltoall = par.cp > 1 && par.context_method == plan::CpMethod::kAllToAll;
   if (par.cp > 1 && !alltoall) {  // allgather and ring run their own block kernels

@@ -10,7 +10,7 @@
 
 #include "core/kernels/document_attention.h"
 #include "core/plan/config.h"
-#include "engine/planner/model_plan.h"
+#include "models/from_plan.h"
 #include "models/registry.h"
 #include "parallel/mesh.h"
 

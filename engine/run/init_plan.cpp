@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/planner/model_plan.h"
 #include "engine/run/score.h"
+#include "models/from_plan.h"
 #include "models/registry.h"
 
 namespace tessel::run {
@@ -34,7 +34,7 @@ std::vector<std::string> decided_keys(const plan::Config& hf) {
                                    "model.heads",      "model.kv_heads", "model.ffn_hidden",
                                    "model.vocab_size", "model.norm_eps", "model.tie_embeddings",
                                    "model.qk_norm"};
-  if (models::features(planner::model_shape(hf.model)).learned_pos)
+  if (models::features(models::model_shape(hf.model)).learned_pos)
     keys.push_back("model.max_seq_len");
   else
     keys.push_back("model.rope_theta");
@@ -48,7 +48,7 @@ std::vector<std::string> decided_keys(const plan::Config& hf) {
 
 // A key's value as the model is built: kv_heads and ffn_hidden resolved from their "auto" 0.
 std::string resolved(plan::Config c, const std::string& key) {
-  const auto shape = planner::model_shape(c.model);
+  const auto shape = models::model_shape(c.model);
   if (key == "model.kv_heads") return std::to_string(shape.kv_heads);
   if (key == "model.ffn_hidden") return std::to_string(shape.ffn_hidden);
   if (key == "model.tie_embeddings") return shape.tie_embeddings ? "true" : "false";

@@ -3,8 +3,8 @@
 #include <spdlog/spdlog.h>
 
 #include "core/observe/timing.h"
-#include "engine/planner/model_plan.h"
 #include "engine/run/build.h"
+#include "models/from_plan.h"
 
 namespace tessel::run {
 namespace {
@@ -56,7 +56,7 @@ TrainState parallelize(const plan::Config& c, parallel::Mesh& mesh, const torch:
   // Tensor parallelism, this rank's pipeline stages, context parallelism and its experts: each
   // layer is built holding this rank's part of the same global model.
   s.model = make_model(c, device, dtype, &mesh.group(parallel::GroupKind::kTp),
-                       planner::stage_part(c, l.pp, mesh.coord().pp),
+                       models::stage_part(c, l.pp, mesh.coord().pp),
                        &mesh.group(parallel::GroupKind::kCp), &mesh.ep());
   // Data parallelism's state: the flat optimizer over this rank's pieces, the fp16 loss scale.
   auto params = models::named_params(s.model);

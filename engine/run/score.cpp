@@ -150,7 +150,7 @@ models::Decoder load_for_inference(const plan::Config& c, const std::string& wei
   plan::Config plan = c;
   plan.model.init_from.clear();
   auto model =
-      make_model(plan, resolve_device(c.training.device), planner::resolve_dtype(c.training.dtype));
+      make_model(plan, resolve_device(c.training.device), models::resolve_dtype(c.training.dtype));
   namespace fs = std::filesystem;
   // A file, or an export's or a Hugging Face folder; else a checkpoint.
   if (!fs::is_directory(weights) || !io::weights_in_folder(weights).empty()) {
@@ -167,7 +167,7 @@ models::Decoder load_for_inference(const plan::Config& c, const std::string& wei
           e.what() + ")");
     }
     models::assign_weights(
-        model, checkpoint::checkpoint_model_weights(dir, planner::model_shape(plan.model)), dir);
+        model, checkpoint::checkpoint_model_weights(dir, models::model_shape(plan.model)), dir);
   }
   model->eval();
   return model;

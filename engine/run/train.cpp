@@ -29,7 +29,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
       peers_(std::move(start.peers)),
       lock_(std::move(start.lock)),
       device_(resolve_device(c_.training.device, world, &device_why_)),
-      dtype_(planner::resolve_dtype(c_.training.dtype)) {
+      dtype_(models::resolve_dtype(c_.training.dtype)) {
   // start_run() checked the plan against this node and agreed with every rank.
   configure_device(c_, device_);
   attention_ = attention_kernel(c_, device_, dtype_);

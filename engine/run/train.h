@@ -18,11 +18,11 @@
 #include "engine/data/dataset.h"
 #include "engine/data/vocabulary.h"
 #include "engine/planner/figures.h"
-#include "engine/planner/model_plan.h"
 #include "engine/run/build.h"
 #include "engine/run/startup.h"
 #include "engine/run/step_graph.h"
 #include "engine/run/stop.h"
+#include "models/from_plan.h"
 #include "models/registry.h"
 #include "parallel/mesh.h"
 

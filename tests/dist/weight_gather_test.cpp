@@ -5,7 +5,7 @@
 #include <torch/torch.h>
 
 #include "core/optim/optim.h"
-#include "engine/planner/model_plan.h"
+#include "models/from_plan.h"
 #include "models/registry.h"
 #include "parallel/dp/weight_gather.h"
 #include "tests/dist/dist_env.h"
@@ -18,7 +18,7 @@ TEST(WeightGather, EachUnitIsWholeOnceItsHookHasWaited) {
   const plan::Config c = plan::load_config_text(
       "data: {path: x}\nmodel: {arch: llama, layers: 3, hidden: 16, heads: 2, vocab_size: 301}\n",
       "t");
-  auto model = models::build_model(planner::model_shape(c.model), 3);
+  auto model = models::build_model(models::model_shape(c.model), 3);
   const auto params = models::named_params(model);
   for (int64_t zero : {1, 2}) {
     // Buckets of 1,000 elements: several units' parameters share buckets.

@@ -10,8 +10,8 @@
 #include "core/kernels/document_attention.h"
 #include "core/plan/layout.h"
 #include "engine/planner/documents.h"
-#include "engine/planner/model_plan.h"
 #include "engine/planner/planner.h"
+#include "models/from_plan.h"
 #include "models/registry.h"
 #include "tests/common/attention_cases.h"
 
@@ -21,7 +21,7 @@ namespace {
 constexpr int64_t kEod = 299;
 
 ModelShape model(const std::string& yaml) {
-  return planner::model_shape(
+  return models::model_shape(
       plan::load_config_text("data: {path: x}\nmodel: " + yaml + "\n", "t").model);
 }
 

@@ -7,7 +7,7 @@
 
 #include "core/observe/counters.h"
 #include "engine/planner/cpu_profile.h"
-#include "engine/planner/model_plan.h"
+#include "models/from_plan.h"
 #include "models/registry.h"
 #include "parallel/tp/layers.h"
 
@@ -100,7 +100,7 @@ TEST(Memory, RopeTablesAreComputedOncePerShapeDeviceAndDtype) {
           "kv_heads: 2, ffn_hidden: 64, vocab_size: 100, max_seq_len: 128}\n",
           "t")
           .model;
-  auto model = models::build_model(planner::model_shape(c), 1);
+  auto model = models::build_model(models::model_shape(c), 1);
   const auto& a = model->rope(16, torch::kCPU, torch::kFloat32);
   const auto& b = model->rope(16, torch::kCPU, torch::kFloat32);
   EXPECT_EQ(a.first.data_ptr(), b.first.data_ptr());  // the same tables, not recomputed

@@ -4,7 +4,7 @@
 
 #include <numeric>
 
-#include "engine/planner/model_plan.h"
+#include "models/from_plan.h"
 #include "models/registry.h"
 #include "tests/common/recompute_cases.h"
 
@@ -12,7 +12,7 @@ namespace tessel::models {
 namespace {
 
 ModelShape model(const std::string& yaml) {
-  return planner::model_shape(
+  return models::model_shape(
       plan::load_config_text("data: {path: x}\nmodel: " + yaml + "\n", "t").model);
 }
 

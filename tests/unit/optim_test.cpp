@@ -2,7 +2,7 @@
 #include <torch/torch.h>
 
 #include "core/optim/optim.h"
-#include "engine/planner/model_plan.h"
+#include "models/from_plan.h"
 #include "models/registry.h"
 
 namespace tessel {
@@ -40,7 +40,7 @@ TEST(FlatAdamW, MatchesReferenceAdamWAndClipping) {
       "data: {path: x}\nmodel: {arch: llama, layers: 1, hidden: 16, heads: 2, vocab_size: 300}\n"
       "training: {optimizer: {lr: 0.01, weight_decay: 0.1}}\n",
       "t");
-  auto model = models::build_model(planner::model_shape(c.model), 3);
+  auto model = models::build_model(models::model_shape(c.model), 3);
   std::map<std::string, torch::Tensor> w0;
   for (const auto& p : model->named_parameters()) w0[p.key()] = p.value().detach().clone();
   optim::FlatAdamW opt(models::named_params(model), c.training);
@@ -91,7 +91,7 @@ TEST(FlatAdamW, StateBytesAsPlanned) {
     for (int64_t shards : {1, 2, 3})
       for (int64_t zero = 0; zero <= 3; ++zero) {
         if (zero == 0 && shards > 1) continue;
-        auto model = models::build_model(planner::model_shape(c.model), 3);
+        auto model = models::build_model(models::model_shape(c.model), 3);
         model->to(dtype);
         const auto params = models::named_params(model);
         optim::FlatAdamW opt(params, c.training,
@@ -130,7 +130,7 @@ TEST(FlatAdamW, EveryViewIsAligned) {
     for (int64_t shards : {1, 2, 3, 6})
       for (int64_t zero = 0; zero <= 3; ++zero) {
         if (zero == 0 && shards > 1) continue;  // without ZeRO nothing is split
-        auto model = models::build_model(planner::model_shape(c.model), 3);
+        auto model = models::build_model(models::model_shape(c.model), 3);
         model->to(dtype);
         const auto params = models::named_params(model);
         bool experts = false;

@@ -1,5 +1,6 @@
-// What the plan says about the model, in the terms models/ takes: its shape (models know no
-// YAML) and the pipeline stages a rank holds.
+// What the plan says about the model, in the terms models/ takes: its shape, its dtype and the
+// pipeline stages a rank holds. The run, the checkpoints and the planner all read the model of a
+// plan through here (the layers and parts below know no plan).
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -11,7 +12,7 @@
 #include "models/layers.h"
 #include "models/shape.h"
 
-namespace tessel::planner {
+namespace tessel::models {
 
 /// The model section of a validated plan (every "auto" resolved) as models::ModelShape.
 models::ModelShape model_shape(const plan::ModelConfig& m);
@@ -22,4 +23,4 @@ c10::ScalarType resolve_dtype(plan::Dtype dtype);
 /// The pipeline stages of pipeline rank `rank` (chunk c is stage c·pp + rank).
 models::StagePart stage_part(const plan::Config& c, int64_t pp, int64_t rank);
 
-}  // namespace tessel::planner
+}  // namespace tessel::models

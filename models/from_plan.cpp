@@ -1,8 +1,8 @@
-#include "engine/planner/model_plan.h"
+#include "models/from_plan.h"
 
 #include "parallel/pp/schedule.h"
 
-namespace tessel::planner {
+namespace tessel::models {
 
 models::ModelShape model_shape(const plan::ModelConfig& m) {
   models::ModelShape s;
@@ -50,4 +50,4 @@ models::StagePart stage_part(const plan::Config& c, int64_t pp, int64_t rank) {
   return part;
 }
 
-}  // namespace tessel::planner
+}  // namespace tessel::models
