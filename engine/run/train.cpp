@@ -18,7 +18,6 @@
 #include "engine/run/same_plan.h"
 #include "engine/run/step_counters.h"
 #include "engine/run/stop.h"
-#include "models/moe.h"
 #include "parallel/dp/grad_sync.h"
 #include "parallel/pp/executor.h"
 
@@ -86,6 +85,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
 // it resumed one).
 void Trainer::take_state(TrainState st) {
   model_ = std::move(st.model);
+  model_step_ = ModelStep::make(c_, model_, *mesh_, device_);
   opt_ = std::move(st.opt);
   scaler_ = std::move(st.scaler);
   sync_ = std::move(st.sync);
@@ -178,7 +178,7 @@ Trainer::StepOut Trainer::device_step(bool overflow) {
   // finish in either order).
   std::vector<torch::Tensor> losses(static_cast<size_t>(executor_->schedule().microbatches));
   sync_->begin_step();  // ZeRO-1/2: the weights' gathers, waited for unit by unit by forward
-  begin_moe_step(every);
+  if (model_step_) model_step_->begin(every, *scaler_);
   {
     RECORD_USER_SCOPE("tessel::forward_backward");
     const auto stats = executor_->run(step_fns(scale, overflow, losses));
@@ -192,7 +192,7 @@ Trainer::StepOut Trainer::device_step(bool overflow) {
   sync_->before_optimizer();
   opt_->step(in_.lr, scaler_->update(norm, in_.step));  // a non-finite step is skipped
   sync_->after_optimizer();
-  update_balance_bias();  // MoE: after the update, from the step's choices
+  if (model_step_) model_step_->after_update();
   auto loss = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
   for (const auto& l_mb : losses)
     if (l_mb.defined()) loss += l_mb;
@@ -302,30 +302,6 @@ double Trainer::evaluate_dataset(int64_t d) {
                     : scored_targets(data_->split_batch(data::SampleSplit::kValid, d, 0, rows),
                                      t.seq_len, loss_eod_);
   return total.item<double>() / static_cast<double>(std::max<int64_t>(1, scored));
-}
-
-void Trainer::update_balance_bias() {
-  auto* st = model_->moe_state();
-  if (!st) return;
-  st->loss_factor.reset();  // the step's backward is done: nothing more is a training forward
-  if (c_.model.moe.bias_update_rate == 0) return;
-  // Every layer's choices over the global batch (a layer's on its own stage, zeros elsewhere):
-  // every rank holding a layer moves its bias alike.
-  auto counts = st->counts.clone();
-  mesh_->world_group().all_reduce(counts).wait();
-  model_->update_moe_bias(counts);
-}
-
-void Trainer::begin_moe_step(double scale) {
-  auto* moe = model_->moe_state();
-  if (!moe) return;
-  // The balance loss's gradient scale (the loss sum's factor, fp16's scale included), and fresh
-  // figures for the step.
-  model_->reset_moe_stats();
-  moe->seq_len = c_.training.seq_len;
-  moe->loss_factor =
-      torch::full({}, scale, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
-  if (scaler_->dynamic()) moe->loss_factor = moe->loss_factor * scaler_->scale();
 }
 
 Trainer::~Trainer() = default;

@@ -19,6 +19,7 @@
 #include "engine/data/vocabulary.h"
 #include "engine/planner/figures.h"
 #include "engine/run/build.h"
+#include "engine/run/model_step.h"
 #include "engine/run/startup.h"
 #include "engine/run/step_graph.h"
 #include "engine/run/stop.h"
@@ -80,9 +81,6 @@ class Trainer {
   void sync_replicated_grads();
   void check_finite() const;  // host sync: throws UserError naming the first non-finite step
   void log_step(int64_t step, StepOut& out);
-  observe::MoeFigures moe_figures();  // the logged step's, over every rank (a world all-reduce)
-  void begin_moe_step(double scale);  // MoE: the balance loss's scale, figures reset
-  void update_balance_bias();         // MoE: model.moe.bias_update_rate, after the update
   std::unique_ptr<parallel::pp::Executor> make_executor(parallel::pp::Schedule s) const;
   void take_state(TrainState st);
   void log_layout(const parallel::WorldInfo& world) const;  // the start lines about the layout
@@ -104,6 +102,7 @@ class Trainer {
   torch::Device device_;
   torch::ScalarType dtype_;
   models::Decoder model_{nullptr};
+  std::unique_ptr<ModelStep> model_step_;  // the model's own hooks around a step; null: none
   std::unique_ptr<optim::FlatAdamW> opt_;
   std::unique_ptr<parallel::dp::GradSync> sync_;  // DDP or ZeRO-1/2/3 (parallel/dp/grad_sync.h)
   std::unique_ptr<optim::LossScaler> scaler_;

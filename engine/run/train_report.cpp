@@ -23,7 +23,6 @@
 #include "engine/run/same_plan.h"
 #include "engine/run/step_counters.h"
 #include "engine/run/stop.h"
-#include "models/moe.h"
 #include "parallel/cp/attention.h"
 #include "parallel/dp/grad_sync.h"
 #include "parallel/pp/executor.h"
@@ -152,7 +151,8 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   const double ms = std::chrono::duration<double, std::milli>(now - last_log_time_).count() / steps;
   last_log_time_ = now;
   last_log_step_ = step;
-  const auto moe = moe_figures();  // every rank: a world all-reduce
+  // every rank: a world all-reduce
+  const auto moe = model_step_ ? model_step_->figures() : observe::MoeFigures{};
   if (!metrics_) return;
   // Per device, as the anchors print it (and as MFU needs it).
   const double tokens_per_s = static_cast<double>(c_.training.global_batch * c_.training.seq_len) /
@@ -184,30 +184,6 @@ void Trainer::log_step(int64_t step, StepOut& out) {
        moe,
        c_.data.blend.empty() && data_->sources().size() == 1 ? std::vector<int64_t>{}
                                                              : data_->taken(consumed_)});
-}
-
-observe::MoeFigures Trainer::moe_figures() {
-  observe::MoeFigures f;
-  auto* st = model_->moe_state();
-  if (!st || !st->counts.defined()) return f;
-  // Each MoE layer lives on one pipeline stage; its choices are counted on every data (and cp,
-  // and SP tp) rank, its balance loss once per sequence: sums over the world.
-  auto all = torch::cat({st->counts.flatten(), st->aux, st->dropped});
-  mesh_->world_group().all_reduce(all).wait();
-  all = all.cpu().to(torch::kFloat64);
-  const int64_t layers = st->aux.numel(), experts = st->counts.size(1);
-  auto counts = all.narrow(0, 0, layers * experts).view({layers, experts});
-  const double choices = counts.sum().item<double>();
-  const double dropped_all = all.narrow(0, layers * experts + layers, layers).sum().item<double>();
-  f.on = true;
-  f.aux_loss = all.narrow(0, layers * experts, layers).sum().item<double>() /
-               static_cast<double>(c_.training.global_batch);
-  auto per_layer = counts.sum(1, true);
-  f.load_max = (counts.amax(1, true) * experts / per_layer.clamp_min(1)).max().item<double>();
-  f.dropped = dropped_all / std::max(1.0, choices + dropped_all);
-  auto total = counts.sum(0);
-  f.tokens_per_expert.assign(total.data_ptr<double>(), total.data_ptr<double>() + experts);
-  return f;
 }
 
 void Trainer::report_end() {
