@@ -220,23 +220,19 @@ parallel::pp::StageFns Trainer::step_fns(double scale, bool overflow,
       [this](int64_t chunk, bool final) { sync_->end_backward(chunk, final); }};
 }
 
-// The gradient norm, clipped, and the ranks' stop votes. The norm sums over every rank: with
-// ZeRO each data rank holds other pieces of the gradient (under hybrid sharding each shard group
-// holds all of them: each of its R replicas adds 1/R of its squares, in fp64); without, data
-// ranks hold equal gradients and only data rank 0 adds its squares. Every rank joins this
-// all-reduce on every step, so it also carries the stop-on-signal votes.
+// The gradient norm, clipped, and the ranks' stop votes. The norm sums over every rank, each
+// adding its squares by the data-parallel synchronisation's share (GradSync::norm_share). Every
+// rank joins this all-reduce on every step, so it also carries the stop-on-signal votes.
 std::pair<torch::Tensor, torch::Tensor> Trainer::clip_and_vote() {
-  const bool adds_squares =
-      c_.parallel.zero > 0 || mesh_->layout().ep > 1 || mesh_->dp_cp().rank() == 0;
-  const auto* replicas = mesh_->zero_replicas(false);
-  const double share = replicas ? 1.0 / static_cast<double>(replicas->size()) : 1.0;
+  const double share = sync_->norm_share();
   torch::Tensor votes;
   auto norm = opt_->clip_grad_norm(
       c_.training.grad_clip,
       [&](torch::Tensor& sq) {
-        auto both =
-            torch::stack({adds_squares ? (share == 1.0 ? sq : sq * share) : torch::zeros_like(sq),
-                          in_.vote.to(sq.scalar_type())});
+        auto both = torch::stack({share == 1.0   ? sq
+                                  : share == 0.0 ? torch::zeros_like(sq)
+                                                 : sq * share,
+                                  in_.vote.to(sq.scalar_type())});
         mesh_->world_group().all_reduce(both).wait();
         sq = both[0];
         votes = both[1];

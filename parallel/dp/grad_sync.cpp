@@ -5,11 +5,19 @@
 namespace tessel::parallel::dp {
 namespace {
 
+// ZeRO: each rank adds the squares of its own pieces; under hybrid sharding each of a piece's R
+// replicas (the shard groups) adds 1/R.
+double piece_share(const Mesh& mesh) {
+  const auto* replicas = mesh.zero_replicas(false);
+  return replicas ? 1.0 / static_cast<double>(replicas->size()) : 1.0;
+}
+
 // DDP: the reducer alone (buckets all-reduced as backward completes them).
 class Ddp final : public GradSync {
  public:
   Ddp(Mesh& mesh, const std::vector<optim::NamedParam>& params, optim::FlatAdamW& opt) {
     reducer_ = std::make_unique<GradReducer>(mesh, params, opt);
+    norm_share_ = mesh.layout().ep > 1 || mesh.dp_cp().rank() == 0 ? 1.0 : 0.0;
   }
 };
 
@@ -23,6 +31,7 @@ class WeightPieces final : public GradSync {
                bool device_timed)
       : wait_(device_timed) {
     reducer_ = std::make_unique<GradReducer>(mesh, params, opt);
+    norm_share_ = piece_share(mesh);
     weights_ =
         std::make_unique<WeightGather>(mesh.zero_shards(false), mesh.zero_shards(true), opt, wait_);
   }
@@ -45,6 +54,7 @@ class Units final : public GradSync {
   Units(Mesh& mesh, const std::vector<optim::NamedParam>& params, optim::FlatAdamW& opt,
         bool keep) {
     reducer_ = std::make_unique<GradReducer>(mesh, params, opt, keep);
+    norm_share_ = piece_share(mesh);
     units_ = std::make_unique<UnitGatherer>(mesh.zero_shards(false).side(),
                                             mesh.zero_shards(true).side(), opt, keep);
     reducer_->on_bucket_done = [g = units_.get()](size_t b) { g->bucket_done(b); };

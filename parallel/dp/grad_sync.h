@@ -48,6 +48,13 @@ class GradSync {
   /// Milliseconds this rank waited on the data group's communication since the last call.
   virtual double take_wait_ms() { return reducer_->take_wait_ms(); }
 
+  /// The factor of this rank's squared gradients in the global norm's sum over every rank. DDP:
+  /// data ranks hold equal gradients, so data rank 0 adds its squares and the others none (with
+  /// expert parallelism each adds its own: the optimizer counts each parameter's replicas). ZeRO:
+  /// each rank holds its own pieces and adds them; under hybrid sharding each shard group holds
+  /// all of them, so each of a piece's R replicas adds 1/R (in fp64).
+  double norm_share() const { return norm_share_; }
+
   const GradReducer& reducer() const { return *reducer_; }
   /// ZeRO-3's gatherer (its unit sizes and gathered peak, for the report); null otherwise.
   virtual const UnitGatherer* unit_gatherer() const { return nullptr; }
@@ -55,6 +62,7 @@ class GradSync {
  protected:
   GradSync() = default;
   std::unique_ptr<GradReducer> reducer_;
+  double norm_share_ = 1;
 };
 
 /// The data-parallel synchronisation of parallel.zero `zero` (0-3) for `params` (those `opt`
