@@ -1,8 +1,10 @@
 #include "engine/data/blend.h"
 
 #include "core/observe/interrupt.h"
+#include "core/plan/user_error.h"
 #include "engine/data/gpt_index.h"
 
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -35,6 +37,13 @@ size_t Blend::next() const {
 }
 
 void Blend::advance_to(int64_t pos) {
+  if (pos > kFurthest)
+    throw plan::UserError(fmt::format(
+        "sample {} of a blend of {} datasets: Megatron's blending rule has no closed form, so a "
+        "position is found by walking it from sample 0, and Tessel walks at most 2^36 = {} "
+        "samples (about 11 minutes here; 2.8e14 tokens at 4096 a sample, beyond any run): a "
+        "checkpoint's consumed_samples or a samples --skip this far is not a run's",
+        pos, weights_.size(), kFurthest));
   if (pos < pos_) {  // back to the nearest kept state at or before pos
     const auto k = static_cast<size_t>(pos / kStride);
     pos_ = static_cast<int64_t>(k) * kStride;

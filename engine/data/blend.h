@@ -30,6 +30,9 @@ class Blend {
   /// Steps walked so far (a test's figure: a position passed before costs under kStride).
   int64_t walked() const { return walked_; }
   static constexpr int64_t kStride = int64_t{1} << 16;
+  /// The furthest position walked to (2^36 samples, about 11 minutes here): a position beyond
+  /// it is refused as a UserError naming it.
+  static constexpr int64_t kFurthest = int64_t{1} << 36;
 
  private:
   size_t next() const;  // the dataset position pos_ takes

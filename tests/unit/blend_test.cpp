@@ -60,6 +60,18 @@ TEST(Blend, PositionsPassedAreFoundWithoutWalkingFromZero) {
   EXPECT_EQ(back, Blend({0.25, 0.5, 0.125, 0.125}).at(37 * S + 5));
   EXPECT_EQ(b.taken(40 * S + 11), far);
   EXPECT_LT(b.walked() - before, 4 * S);
+  // A position no run reaches (a crafted checkpoint's consumed_samples of 2^53) is refused at
+  // once, naming it, rather than walked for days.
+  const int64_t walked = b.walked();
+  try {
+    b.at(int64_t{1} << 53);
+    ADD_FAILURE() << "2^53 was walked to";
+  } catch (const plan::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("sample 9007199254740992 of a blend of 4 datasets"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(b.walked(), walked);  // nothing walked by the refusal
 }
 
 class BlendData : public ::testing::Test {
