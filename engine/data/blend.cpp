@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <stdexcept>
 
@@ -41,8 +42,9 @@ void Blend::advance_to(int64_t pos) {
     throw plan::UserError(fmt::format(
         "sample {} of a blend of {} datasets: Megatron's blending rule has no closed form, so a "
         "position is found by walking it from sample 0, and Tessel walks at most 2^36 = {} "
-        "samples (about 11 minutes here; 2.8e14 tokens at 4096 a sample, beyond any run): a "
-        "checkpoint's consumed_samples or a samples --skip this far is not a run's",
+        "samples (about 11 minutes here; 2.8e14 tokens at 4096 a sample, beyond any run): "
+        "training.steps x training.global_batch, a checkpoint's consumed_samples or a samples "
+        "--skip this far is not a run's",
         pos, weights_.size(), kFurthest));
   if (pos < pos_) {  // back to the nearest kept state at or before pos
     const auto k = static_cast<size_t>(pos / kStride);
@@ -70,6 +72,14 @@ std::pair<int64_t, int64_t> Blend::at(int64_t pos) {
   advance_to(pos);
   const size_t d = next();
   return {static_cast<int64_t>(d), taken_[d]};
+}
+
+std::vector<int64_t> Blend::shares(int64_t pos, bool* exact) {
+  *exact = pos <= kFurthest;
+  if (*exact) return taken(pos);
+  std::vector<int64_t> out;
+  for (double w : weights_) out.push_back(std::llround(w * static_cast<double>(pos)));
+  return out;
 }
 
 std::vector<int64_t> Blend::taken(int64_t pos) {

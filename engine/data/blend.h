@@ -27,6 +27,9 @@ class Blend {
   std::pair<int64_t, int64_t> at(int64_t pos);
   /// Samples each dataset gave to positions [0, pos).
   std::vector<int64_t> taken(int64_t pos);
+  /// taken(pos) for a report, without a walk past kFurthest: beyond it each dataset's weight x
+  /// pos, rounded (the rule keeps every dataset within one sample of that). `exact`: walked.
+  std::vector<int64_t> shares(int64_t pos, bool* exact);
   /// Steps walked so far (a test's figure: a position passed before costs under kStride).
   int64_t walked() const { return walked_; }
   static constexpr int64_t kStride = int64_t{1} << 16;

@@ -108,6 +108,7 @@ class Dataset {
   std::pair<int64_t, int64_t> window_at(int64_t pos);
   /// Samples each dataset gave to global positions [0, pos).
   std::vector<int64_t> taken(int64_t pos) { return blend_.taken(pos); }
+  std::vector<int64_t> shares(int64_t pos, bool* exact) { return blend_.shares(pos, exact); }
   /// Datasets the training samples are blended from.
   size_t blend_size() const { return blend_.size(); }
 

@@ -374,11 +374,13 @@ std::string blend_lines(const plan::Config& c) {
   const bool megatron = d.order == plan::DataOrder::kMegatron;
   data::Blend blend(megatron ? data::numpy_normalize(given) : given, megatron);
   const int64_t samples = c.training.steps * c.training.global_batch;
-  const auto taken = blend.taken(samples);
+  bool exact = true;
+  const auto taken = blend.shares(samples, &exact);
   out += fmt::format(
       "# data: a blend of {} datasets; of the run's {} samples (Megatron-Core's rule: each from "
-      "the dataset lagging its weight most):\n",
-      blend.size(), samples);
+      "the dataset lagging its weight most{}):\n",
+      blend.size(), samples,
+      exact ? "" : "; past 2^36 samples, each its weight's share, within one");
   for (size_t i = 0; i < blend.size(); ++i) {
     std::string paths;
     for (const auto& p : d.blend[i].path) paths += (paths.empty() ? "" : ", ") + p;

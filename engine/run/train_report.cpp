@@ -84,14 +84,15 @@ void Trainer::log_state() const {
   const auto& train = data_->sources();
   if (train.size() > 1) {
     // Each dataset's share, and what the run asks of it (an epoch is its training samples).
-    const auto run = data_->taken(c_.training.steps * c_.training.global_batch);
+    bool exact = true;  // past 2^36 samples the run's shares are each weight's, within one
+    const auto run = data_->shares(c_.training.steps * c_.training.global_batch, &exact);
     const auto so_far = data_->taken(consumed_);
     for (size_t i = 0; i < train.size(); ++i)
       spdlog::info(
-          "{}: weight {:.4g} | {} | {} training samples | the run takes {} ({:.3g} epochs), {} "
+          "{}: weight {:.4g} | {} | {} training samples | the run takes {}{} ({:.3g} epochs), {} "
           "taken so far",
-          train[i].key, data_->weights()[i], train[i].name, train[i].samples, run[i],
-          static_cast<double>(run[i]) / static_cast<double>(train[i].samples), so_far[i]);
+          train[i].key, data_->weights()[i], train[i].name, train[i].samples, exact ? "" : "about ",
+          run[i], static_cast<double>(run[i]) / static_cast<double>(train[i].samples), so_far[i]);
   }
   for (auto s : {data::SampleSplit::kValid, data::SampleSplit::kTest})
     for (const auto& src : data_->sources(s))

@@ -72,6 +72,16 @@ TEST(Blend, PositionsPassedAreFoundWithoutWalkingFromZero) {
         << e.what();
   }
   EXPECT_EQ(b.walked(), walked);  // nothing walked by the refusal
+  // A report of a run that long (training.steps 1e9 to run until stopped) takes each weight's
+  // share without a walk, saying so; within reach the walk's own counts.
+  bool exact = false;
+  EXPECT_EQ(b.shares(40 * S + 11, &exact), far);
+  EXPECT_TRUE(exact);
+  EXPECT_EQ(b.shares(int64_t{1} << 40, &exact),
+            (std::vector<int64_t>{int64_t{1} << 38, int64_t{1} << 39, int64_t{1} << 37,
+                                  int64_t{1} << 37}));
+  EXPECT_FALSE(exact);
+  EXPECT_EQ(b.walked(), walked);
 }
 
 class BlendData : public ::testing::Test {
