@@ -11,10 +11,8 @@ import os
 import re
 import sys
 
-from check_layers import ignored
+from check_layers import tree_sources
 
-SOURCES = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh")
-SKIP = {".git", "build", "third_party", ".env", "docs", "configs", "examples"}
 
 
 def typed_members(root):
@@ -51,26 +49,17 @@ def comparisons(root, typed):
     pat = re.compile(r'(?<![\w"])(' + names + r')\s*(==|!=)\s*"|"\s*(==|!=)\s*(?:[\w\]\)]+(?:\.|->))*(' +
                      names + r')(?!\w)')
     out = []
-    tops = sorted(os.listdir(root))
-    skip = SKIP | ignored(root, tops)
-    for top in tops:
-        if top in skip or top.startswith(".") or not os.path.isdir(os.path.join(root, top)):
+    plan_dir = os.path.join("core", "plan") + os.sep
+    for path in tree_sources(root):
+        if path.startswith(plan_dir):
             continue
-        for dirpath, _, files in sorted(os.walk(os.path.join(root, top))):
-            rel_dir = os.path.relpath(dirpath, root)
-            if rel_dir == os.path.join("core", "plan") or rel_dir.startswith(os.path.join("core", "plan") + os.sep):
-                continue
-            for name in sorted(files):
-                if not name.endswith(SOURCES):
-                    continue
-                path = os.path.join(rel_dir, name)
-                with open(os.path.join(root, path), errors="replace") as f:
-                    for n, line in enumerate(f, 1):
-                        code = line.split("//")[0]
-                        m = pat.search(code)
-                        if m:
-                            out.append(f"{path}:{n}: plan choice {m.group(1) or m.group(4)} compared with a "
-                                       f"string: {code.strip()}")
+        with open(os.path.join(root, path), errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                code = line.split("//")[0]
+                m = pat.search(code)
+                if m:
+                    out.append(f"{path}:{n}: plan choice {m.group(1) or m.group(4)} compared with a "
+                               f"string: {code.strip()}")
     return out
 
 

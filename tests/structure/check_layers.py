@@ -51,8 +51,9 @@ def ignored(root, names):
     return set(p.stdout.split())
 
 
-def sources(root, layers):
-    """(path relative to root, its declared folder) of every source file of the tree."""
+def tree_sources(root):
+    """The path relative to root of every source file of the tree (build outputs, docs, configs
+    and what git ignores left out), in a stable order."""
     skip = {".git", "build", "third_party", ".env", "docs", "configs", "examples"}
     tops = sorted(os.listdir(root))
     skip |= ignored(root, tops)
@@ -62,8 +63,13 @@ def sources(root, layers):
         for dirpath, _, files in sorted(os.walk(os.path.join(root, top))):
             for name in sorted(files):
                 if name.endswith(SOURCES):
-                    path = os.path.relpath(os.path.join(dirpath, name), root)
-                    yield path, folder_of(path, layers)
+                    yield os.path.relpath(os.path.join(dirpath, name), root)
+
+
+def sources(root, layers):
+    """(path relative to root, its declared folder) of every source file of the tree."""
+    for path in tree_sources(root):
+        yield path, folder_of(path, layers)
 
 
 def includes(root, path):

@@ -8,10 +8,7 @@ import os
 import re
 import sys
 
-from check_layers import ignored
-
-SOURCES = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh")
-SKIP = {".git", "build", "third_party", ".env", "docs", "configs", "examples"}
+from check_layers import tree_sources
 
 # (what, pattern, owner paths: a folder ends with /)
 RULES = [
@@ -26,26 +23,19 @@ def owned(path, owners):
 
 def violations(root):
     out = []
-    tops = sorted(os.listdir(root))
-    skip = SKIP | ignored(root, tops)
-    for top in tops:
-        if top in skip or top.startswith(".") or not os.path.isdir(os.path.join(root, top)) or top == "tests":
+    for path in tree_sources(root):
+        path = path.replace(os.sep, "/")
+        if path.startswith("tests/"):
             continue
-        for dirpath, _, files in sorted(os.walk(os.path.join(root, top))):
-            for name in sorted(files):
-                if not name.endswith(SOURCES):
-                    continue
-                path = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
-                with open(os.path.join(root, path), errors="replace") as f:
-                    lines = f.readlines()
-                for what, pat, owners in RULES:
-                    if owned(path, owners):
-                        continue
-                    for n, line in enumerate(lines, 1):
-                        code = line.split("//")[0]
-                        if pat.search(code):
-                            out.append(f"{path}:{n}: {what} outside its owners ({', '.join(owners)}): "
-                                       f"{code.strip()}")
+        with open(os.path.join(root, path), errors="replace") as f:
+            lines = f.readlines()
+        for what, pat, owners in RULES:
+            if owned(path, owners):
+                continue
+            for n, line in enumerate(lines, 1):
+                code = line.split("//")[0]
+                if pat.search(code):
+                    out.append(f"{path}:{n}: {what} outside its owners ({', '.join(owners)}): {code.strip()}")
     return out
 
 
