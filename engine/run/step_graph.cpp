@@ -1,5 +1,7 @@
 #include "engine/run/step_graph.h"
 
+#include <spdlog/spdlog.h>
+
 #include <exception>
 #include <utility>
 
@@ -47,6 +49,38 @@ StepGraph::Ran StepGraph::run(bool eager_only, const std::function<void()>& step
   captured_ = true;
   backend_->replay();  // the capture only recorded the step: run it
   return Ran::kCaptured;
+}
+
+void StepGraph::log(int64_t step, Ran ran) {
+  if (failed() && !failure_logged_) {
+    failure_logged_ = true;
+    spdlog::warn("training.cuda_graph: capturing step {} failed; every step runs eagerly: {}", step,
+                 failure_);
+  } else if (ran == Ran::kCaptured) {
+    spdlog::info("training.cuda_graph: step {} captured; later steps replay it", step);
+  }
+}
+
+void StepInputs::put(torch::Tensor rows, double rate, int64_t number,
+                     const torch::Tensor& stop_vote, bool fixed, const torch::Device& device) {
+  if (!lr.defined()) {
+    lr = fixed ? torch::zeros({}, torch::dtype(torch::kFloat32).device(device))
+               : torch::zeros({}, torch::dtype(torch::kFloat64));
+    step = torch::zeros({}, torch::dtype(torch::kInt64).device(device));
+    vote = torch::zeros({}, torch::dtype(torch::kFloat32).device(device));
+  }
+  if (fixed && batch.defined())
+    batch.copy_(rows);
+  else
+    batch = fixed ? rows.clone() : std::move(rows);
+  lr.fill_(rate);
+  step.fill_(number);
+  vote.copy_(stop_vote);
+}
+
+void StepInputs::release() {
+  batch = torch::Tensor();
+  docs.clear();
 }
 
 }  // namespace tessel::run

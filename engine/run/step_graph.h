@@ -16,12 +16,16 @@
 // training.cuda_graph).
 #pragma once
 
+#include <torch/types.h>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/device/cuda.h"
+#include "core/kernels/document_attention.h"
 
 namespace tessel::run {
 
@@ -56,12 +60,69 @@ class StepGraph {
   bool captured() const { return captured_; }
   bool failed() const { return !failure_.empty(); }
   const std::string& failure() const { return failure_; }
+  /// The log's line for step `step` that ran as `ran`: the capture, or (once) the failure.
+  void log(int64_t step, Ran ran);
 
  private:
   std::unique_ptr<GraphBackend> backend_;
   int64_t warmup_left_;
   bool captured_ = false;
+  bool failure_logged_ = false;
   std::string failure_;
+};
+
+/// training.cuda_graph around a trainer's step, whose device outputs are `Out`: off, every step
+/// runs as it is; on, a StepGraph's, and each replay answers the captured step's outputs (which
+/// the replay rewrites in place).
+template <class Out>
+class GraphedStep {
+ public:
+  void start(bool on) {
+    graph_ =
+        on ? std::make_unique<StepGraph>(make_cuda_graph_backend(), kGraphWarmupSteps) : nullptr;
+  }
+  void stop() {  // back on the stream of before, the graph's memory freed
+    graph_.reset();
+    captured_ = Out{};
+  }
+  bool on() const { return graph_ != nullptr; }
+  bool captured() const { return graph_ && graph_->captured(); }
+  bool replayed() const { return replayed_; }  // the last step was a replay: no host code ran
+  /// Step `step`: `device_step` queues its device work; `eager_only` and `undo` as
+  /// StepGraph::run's.
+  Out run(int64_t step, bool eager_only, const std::function<Out()>& device_step,
+          const std::function<void()>& undo) {
+    if (!graph_) return device_step();
+    Out out;
+    const auto ran = graph_->run(
+        eager_only, [&] { out = device_step(); }, undo);
+    if (ran == StepGraph::Ran::kCaptured) captured_ = out;
+    replayed_ = ran == StepGraph::Ran::kReplayed;
+    graph_->log(step, ran);
+    return ran == StepGraph::Ran::kEager ? out : captured_;
+  }
+
+ private:
+  std::unique_ptr<StepGraph> graph_;
+  Out captured_{};
+  bool replayed_ = false;
+};
+
+/// A step's inputs, which the step reads and nothing else that changes between steps: this data
+/// rank's rows [rows, seq + 1], the learning rate, the step number and this rank's stop vote (the
+/// rate a float64 on the CPU, the others device scalars), each micro-batch's documents
+/// (data.document_mask) and the global batch's scored targets (data.eod_mask_loss).
+struct StepInputs {
+  torch::Tensor batch, lr, step, vote;
+  std::vector<kernels::Documents> docs;
+  int64_t scored = 0;
+  /// The next step's, on `device`. `fixed` (a captured step, which reads the same addresses on
+  /// each replay): every tensor is a buffer kept across steps and copied into, the rate a float32
+  /// device scalar; otherwise the batch is taken as it is.
+  void put(torch::Tensor rows, double rate, int64_t number, const torch::Tensor& stop_vote,
+           bool fixed, const torch::Device& device);
+  /// After an eager step: the batch and documents are not held into the next step's figures.
+  void release();
 };
 
 }  // namespace tessel::run

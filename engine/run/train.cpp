@@ -5,8 +5,8 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <filesystem>
-#include <map>
 #include <thread>
 
 #include "core/observe/interrupt.h"
@@ -65,6 +65,8 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
     for (const auto& p : models::named_params(model_)) weights.push_back(p.tensor);
     executor_->pair_microbatches(std::move(weights));
   }
+  validator_ = std::make_unique<Validator>(c_, *mesh_, *data_, device_,
+                                           [this](auto s) { return make_executor(std::move(s)); });
   if (mesh_->rank() == 0) metrics_ = std::make_unique<observe::MetricsLog>(c_, first_step_ - 1);
   log_layout(world);
   measure_flops();
@@ -124,46 +126,18 @@ void Trainer::stage_inputs(int64_t step) {
                                                   : data_->train_batch(consumed_, t.global_batch),
                                               t.seq_len, loss_eod_);
   consumed_ += t.global_batch;
-  if (!in_.lr.defined()) {  // a host double, but a float32 device scalar for a captured step
-    in_.lr = graph_ ? torch::zeros({}, torch::dtype(torch::kFloat32).device(device_))
-                    : torch::zeros({}, torch::dtype(torch::kFloat64));
-    in_.step = torch::zeros({}, torch::dtype(torch::kInt64).device(device_));
-    in_.vote = torch::zeros({}, torch::dtype(torch::kFloat32).device(device_));
-  }
-  // A captured step reads fixed buffers: copy into them. Eager steps take the batch as it is.
-  if (graph_ && in_.batch.defined())
-    in_.batch.copy_(batch);
-  else
-    in_.batch = graph_ ? batch.clone() : batch;
-  in_.lr.fill_(optim::lr_at(t, step));
-  in_.step.fill_(step);
-  in_.vote.copy_(stop_->vote());
+  in_.put(std::move(batch), optim::lr_at(t, step), step, stop_->vote(), graph_.on(), device_);
 }
 
 Trainer::StepOut Trainer::train_step(int64_t step) {
   stage_inputs(step);
   // The injected overflow (a test hook) changes what the step computes: never captured.
   const bool overflow = step == c_.training.loss_scale.inject_overflow_step;
-  if (saver_ && graph_) saver_->before_state_changes();  // a replayed step is one launch
-  if (!graph_) {
-    auto out = device_step(overflow);
-    in_.batch = torch::Tensor();  // not held into the next step's figures
-    in_.docs.clear();
-    return out;
-  }
-  StepOut out;
-  const auto ran = graph_->run(
-      overflow, [&] { out = device_step(overflow); }, [&] { sync_->abandon_step(); });
-  if (ran == StepGraph::Ran::kCaptured) graph_out_ = out;
-  replayed_ = ran == StepGraph::Ran::kReplayed;
-  if (graph_->failed() && !graph_failure_logged_) {
-    graph_failure_logged_ = true;
-    spdlog::warn("training.cuda_graph: capturing step {} failed; every step runs eagerly: {}", step,
-                 graph_->failure());
-  } else if (ran == StepGraph::Ran::kCaptured) {
-    spdlog::info("training.cuda_graph: step {} captured; later steps replay it", step);
-  }
-  return ran == StepGraph::Ran::kEager ? out : graph_out_;
+  if (saver_ && graph_.on()) saver_->before_state_changes();  // a replayed step is one launch
+  auto out = graph_.run(
+      step, overflow, [&] { return device_step(overflow); }, [&] { sync_->abandon_step(); });
+  if (!graph_.on()) in_.release();
+  return out;
 }
 
 // One step on the device: the schedule's forwards and backwards, the gradients' synchronisation,
@@ -241,63 +215,12 @@ std::pair<torch::Tensor, torch::Tensor> Trainer::clip_and_vote() {
   return {norm, votes};
 }
 
-Trainer::Eval Trainer::evaluate() {
-  torch::NoGradGuard no_grad;
+Validation Trainer::evaluate() {
   sync_->weights_ready();
   carried_exposed_ms_ += sync_->take_wait_ms();  // the steps' so far
-  Eval e;
-  const auto& sets = data_->sources(data::SampleSplit::kValid);
-  const auto& weights = data_->weights(data::SampleSplit::kValid);
-  for (size_t d = 0; d < sets.size(); ++d) {
-    const double loss = evaluate_dataset(static_cast<int64_t>(d));
-    e.loss += weights[d] * loss;
-    if (sets.size() > 1) e.by_dataset.push_back({sets[d].key, loss});
-  }
+  const auto v = validator_->run(model_, executor_->schedule());
   sync_->take_wait_ms();  // evaluation's gathers are not a step's
-  return e;
-}
-
-// Validation dataset d's mean loss over the rows every evaluation reads.
-double Trainer::evaluate_dataset(int64_t d) {
-  const auto& t = c_.training;
-  const auto& l = mesh_->layout();
-  auto total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
-  const int64_t rows = t.eval_batches * t.global_batch, mine = rows / l.dp;
-  auto last = std::chrono::steady_clock::now();
-  // A micro-batch's rows (and documents), read once for this rank's chunks that need them: the
-  // stages that embed tokens or score targets, and with a document mask every stage.
-  std::map<int64_t, std::pair<torch::Tensor, std::vector<kernels::Documents>>> held;
-  parallel::pp::StageFns fns{[&](int64_t mb, int64_t chunk, const torch::Tensor& input) {
-    const int64_t first = mb * t.micro_batch;
-    if ((model_->needs_rows(chunk) || c_.data.document_mask) && !held.count(mb)) {
-      const auto host = data_->split_batch(data::SampleSplit::kValid, d,
-                                           mesh_->coord().dp * mine + first, t.micro_batch);
-      held[mb] = {to_device(host, device_), micro_batch_documents(c_, doc_eod_, host, device_)};
-    }
-    const auto it = held.find(mb);
-    const bool mine_now = it != held.end() && (model_->needs_rows(chunk) || c_.data.document_mask);
-    auto out = model_->stage_forward(
-        chunk, input, mine_now ? it->second.first : torch::Tensor(),
-        mine_now && !it->second.second.empty() ? &it->second.second[0] : nullptr);
-    if (chunk == model_->chunks() - 1 && it != held.end()) held.erase(it);
-    if (model_->is_last_stage(chunk)) total += out.to(torch::kFloat64);
-    if (chunk == 0 && std::chrono::steady_clock::now() - last > std::chrono::seconds(2)) {
-      last = std::chrono::steady_clock::now();
-      spdlog::info("eval: {}/{} sequences", (first + t.micro_batch) * l.dp, rows);
-    }
-    return out;
-  }};
-  make_executor(parallel::pp::forward_only(l.pp, mine / t.micro_batch,
-                                           executor_->schedule().virtual_stages,
-                                           executor_->schedule().v_shape))
-      ->run(fns);
-  mesh_->group(parallel::GroupKind::kPp).all_reduce(total).wait();  // the last stage's sum
-  mesh_->dp_cp().all_reduce(total).wait();
-  const int64_t scored =
-      loss_eod_ < 0 ? rows * t.seq_len
-                    : scored_targets(data_->split_batch(data::SampleSplit::kValid, d, 0, rows),
-                                     t.seq_len, loss_eod_);
-  return total.item<double>() / static_cast<double>(std::max<int64_t>(1, scored));
+  return v;
 }
 
 Trainer::~Trainer() = default;
@@ -329,9 +252,7 @@ int Trainer::train() {
   last_log_step_ = first_step_ - 1;
   if (first_step_ > t.steps)
     spdlog::info("nothing to do: the checkpoint is at step {} of {}", first_step_ - 1, t.steps);
-  if (t.cuda_graph)  // after the warm-up steps, one captured step replayed
-                     // (engine/run/step_graph.h)
-    graph_ = std::make_unique<StepGraph>(make_cuda_graph_backend(), kGraphWarmupSteps);
+  graph_.start(t.cuda_graph);  // after the warm-up steps, one captured step replayed
   for (int64_t step = first_step_; step <= t.steps; ++step) {
     if (peers_) peers_->set_step(step);
     counters_->begin_step();
@@ -339,8 +260,8 @@ int Trainer::train() {
     StepOut out = train_step(step);
     if (profiler_)
       if (auto table = profiler_->after_step(step); !table.empty()) spdlog::info("{}", table);
-    counters_->end_step(/*host_ran=*/!replayed_);      // a replay's collectives go uncounted
-    if (step == first_step_) executor_->take_times();  // the warm-up step is not timed
+    counters_->end_step(/*host_ran=*/!graph_.replayed());  // a replay's collectives go uncounted
+    if (step == first_step_) executor_->take_times();      // the warm-up step is not timed
     const bool last = step == t.steps, stop = stop_->stop_after(out.stop_votes);  // every rank's
     if (step % c_.logging.every == 0 || last || stop) log_step(step, out);
     if (t.eval_every > 0 && (step % t.eval_every == 0 || last)) {
@@ -370,7 +291,7 @@ int Trainer::train() {
       return kExitStopped;
     }
   }
-  graph_.reset();  // back on the stream of before, the graph's memory freed
+  graph_.stop();
   report_end();
   // The last checkpoint is complete on every rank (its save ends with a world barrier).
   shut_down();  // before rank 0's export: the others need not wait for it
@@ -405,7 +326,7 @@ void Trainer::save(int64_t step, bool final) {
 void Trainer::shut_down() {
   if (saver_) saver_->wait();  // the save in flight published first
   saver_.reset();
-  graph_.reset();
+  graph_.stop();
   if (sync_) sync_->weights_ready();
   const int64_t n = mesh_->shutdown();
   if (mesh_->world() > 1)

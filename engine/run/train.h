@@ -23,6 +23,7 @@
 #include "engine/run/startup.h"
 #include "engine/run/step_graph.h"
 #include "engine/run/stop.h"
+#include "engine/run/validate.h"
 #include "models/from_plan.h"
 #include "models/registry.h"
 #include "parallel/mesh.h"
@@ -71,13 +72,7 @@ class Trainer {
   StepOut device_step(bool overflow);
   parallel::pp::StageFns step_fns(double scale, bool overflow, std::vector<torch::Tensor>& losses);
   std::pair<torch::Tensor, torch::Tensor> clip_and_vote();  // the clipped norm, the stop votes
-  /// The validation loss: each validation dataset's (when several) and their weighted mean.
-  struct Eval {
-    double loss = 0;
-    std::vector<std::pair<std::string, double>> by_dataset;
-  };
-  Eval evaluate();
-  double evaluate_dataset(int64_t d);
+  Validation evaluate();  // every rank: the weights gathered, no step's waits counted
   void sync_replicated_grads();
   void check_finite() const;  // host sync: throws UserError naming the first non-finite step
   void log_step(int64_t step, StepOut& out);
@@ -118,22 +113,14 @@ class Trainer {
   // Pipeline figures summed over the steps after the first (which warms up): step, compute, wait.
   double pp_step_ms_ = 0, pp_compute_ms_ = 0, pp_wait_ms_ = 0;
   int64_t pp_steps_ = 0, pp_peak_activations_ = 0;
-  // A step's inputs: the rows of this data rank [rows, seq + 1], the learning rate, the step
-  // number and this rank's stop vote (scalars on the device; the rate float64 on the CPU).
-  struct StepInputs {
-    torch::Tensor batch, lr, step, vote;
-    std::vector<kernels::Documents> docs;  // data.document_mask: each micro-batch's
-    int64_t scored = 0;  // the global batch's targets the loss counts (data.eod_mask_loss)
-  } in_;
-  int64_t doc_eod_ = -1;              // data.document_mask: the id documents end with (-1: no mask)
-  int64_t loss_eod_ = -1;             // data.eod_mask_loss: the id masked after (-1: none)
-  std::unique_ptr<StepGraph> graph_;  // training.cuda_graph; null otherwise
+  StepInputs in_;               // engine/run/step_graph.h
+  int64_t doc_eod_ = -1;        // data.document_mask: the id documents end with (-1: no mask)
+  int64_t loss_eod_ = -1;       // data.eod_mask_loss: the id masked after (-1: none)
+  GraphedStep<StepOut> graph_;  // training.cuda_graph (off: steps run as they are)
   std::unique_ptr<checkpoint::AsyncSaver> saver_;  // checkpoint.async; null otherwise
   void save(int64_t step, bool final);
-  StepOut graph_out_;  // the captured step's outputs, rewritten by each replay
-  bool graph_failure_logged_ = false;
-  bool replayed_ = false;  // the last step was a replay: its host code did not run
   std::unique_ptr<data::Dataset> data_;
+  std::unique_ptr<Validator> validator_;
   std::unique_ptr<observe::MetricsLog> metrics_;
   double flops_per_token_ = 0;
   planner::Peak peak_;

@@ -142,8 +142,8 @@ void Trainer::log_step(int64_t step, StepOut& out) {
   const double loss = out.loss.item<double>(), norm = out.grad_norm.item<double>();  // host sync
   const double steps = static_cast<double>(step - last_log_step_);
   // A replayed graph records no spans (core/observe/timing.h): exposed communication unmeasured.
-  const double exposed_ms = graph_ && graph_->captured() ? (take_exposed_comm_ms(), std::nan(""))
-                                                         : take_exposed_comm_ms() / steps;
+  const double exposed_ms =
+      graph_.captured() ? (take_exposed_comm_ms(), std::nan("")) : take_exposed_comm_ms() / steps;
   const auto pp = executor_->take_times();
   const int64_t timed = step - std::max(last_log_step_, first_step_);  // not the warm-up step
   pp_step_ms_ += pp.step_ms, pp_compute_ms_ += pp.compute_ms, pp_wait_ms_ += pp.wait_ms;
