@@ -1,4 +1,5 @@
 #include "models/layers.h"
+#include "core/kernels/activation_kernels.h"
 #include "core/kernels/activations.h"
 #include "core/kernels/fused_ops.h"
 #include "models/moe.h"
@@ -160,6 +161,33 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
       kernels::gelu_tanh_uses_cpu_kernel(xf))  // the bias added in the GELU's pass
     return down(kernels::bias_gelu_tanh(up->forward_entered(xf, false), up->bias));
   return down(kernels::gelu_tanh(up->forward_entered(xf)));
+}
+
+void MlpImpl::activation_pass(const DecoderOptions& o, bool own_kernels, const torch::Tensor& up,
+                              const torch::Tensor& gate, const torch::Tensor& grad,
+                              const torch::Tensor& bias) {
+  if (!o.swiglu && own_kernels) {  // Tessel's GELU: the forward adds the bias and writes y and
+    torch::Tensor slope;           // the slope, backward multiplies
+    auto y = kernels::bias_gelu_tanh_cpu(up, bias, &slope);
+    auto dx = grad * slope;
+    return;
+  }
+  if (o.swiglu && own_kernels) {  // Tessel's SwiGLU: one pass forward, one backward
+    auto y = torch::empty_like(up), dg = torch::empty_like(up), du = torch::empty_like(up);
+    kernels::cpu::swiglu_forward(gate.data_ptr<float>(), up.data_ptr<float>(), y.data_ptr<float>(),
+                                 y.numel());
+    kernels::cpu::swiglu_backward(grad.data_ptr<float>(), gate.data_ptr<float>(),
+                                  up.data_ptr<float>(), dg.data_ptr<float>(), du.data_ptr<float>(),
+                                  y.numel());
+    return;
+  }
+  if (!o.swiglu) {  // tanh-GELU forward and backward
+    at::gelu(up, "tanh"), at::gelu_backward(grad, up, "tanh");
+    return;
+  }  // SiLU of the gate times the up projection, forward and backward
+  auto act = at::silu(gate);
+  auto y = act * up, dx = grad * act;
+  at::silu_backward(grad * up, gate);
 }
 
 BlockImpl::BlockImpl(const DecoderOptions& o, int64_t layer, MoeState* moe_state) {

@@ -137,6 +137,20 @@ class MlpImpl : public torch::nn::Module {
   static double column_matrices(const DecoderOptions& o) { return o.swiglu ? 2 : 1; }
   /// All its hidden x ffn_hidden weight matrices: the column-parallel ones and down.
   static double weight_matrices(const DecoderOptions& o) { return column_matrices(o) + 1; }
+  /// Elements its forward keeps for backward per token and unit of this rank's ffn width (the
+  /// ffn term of the planner's activation model), by Tessel's CPU kernels (`own_kernels`) or
+  /// LibTorch's. Measured with the counting allocator on CPU fp32 (2-core Xeon, 2026-11-23):
+  /// GELU 2 (up's output, the GELU's); SwiGLU 3 with Tessel's fused kernel (gate's and up's
+  /// outputs, their product), 4 with LibTorch's (the SiLU's output besides).
+  static double kept_per_ffn(const DecoderOptions& o, bool own_kernels) {
+    return o.swiglu ? (own_kernels ? 3.0 : 4.0) : 2.0;
+  }
+  /// One forward and backward of its activation as the layer runs it, over [rows, ffn] operands:
+  /// `up` (and `gate`, SwiGLU's), `grad` the output's gradient, `bias` up's (added in Tessel's
+  /// GELU pass). What --dry-run's CPU profile times per element (engine/planner/cpu_profile.cpp).
+  static void activation_pass(const DecoderOptions& o, bool own_kernels, const torch::Tensor& up,
+                              const torch::Tensor& gate, const torch::Tensor& grad,
+                              const torch::Tensor& bias);
   parallel::tp::ColumnParallelLinear up{nullptr}, gate{nullptr};
   parallel::tp::RowParallelLinear down{nullptr};
   bool tessel_kernels = true;  // Tessel's GELU and SwiGLU where they apply (else LibTorch's)

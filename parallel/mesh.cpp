@@ -435,7 +435,7 @@ std::unique_ptr<Mesh> Mesh::build(const plan::Config& c, const WorldInfo& w,
       add_split(make, data, kind == GroupKind::kDpCp ? split.shards : split.expert_shards, "shard",
                 "replica");
     auto& shards = data.inner() ? *data.inner() : data;
-    if (c.parallel.zero == 3 && shards.size() > 1)
+    if (plan::sharding(c).weights && shards.size() > 1)
       shards.set_side(make(shards.name() + ".gather", shards.ranks()));
   }
   // Pipeline transfers go one way per channel, so that a stage waits on its receives only.

@@ -27,10 +27,11 @@ FlatLayout::FlatLayout(const std::vector<ParamEntry>& params, const LayoutOption
     const std::string unit = unit_of(p.name);
     const bool alone =
         o_.isolate_embedding && (p.name == "embed.weight" || previous == "embed.weight");
-    const bool full = o_.zero < 3 && !buckets_.empty() &&
+    const bool full = !o_.sharding.weights && !buckets_.empty() &&
                       buckets_.back().end - buckets_.back().begin >= o_.bucket_elements;
     if (buckets_.empty() || full || alone || buckets_.back().chunk != p.chunk ||
-        buckets_.back().expert != p.expert || (o_.zero == 3 && buckets_.back().unit != unit)) {
+        buckets_.back().expert != p.expert ||
+        (o_.sharding.weights && buckets_.back().unit != unit)) {
       if (!buckets_.empty()) close();
       buckets_.push_back({numel_, numel_, p.chunk, 0, unit, 0, p.expert,
                           p.expert ? o_.expert_shards : o_.shards,

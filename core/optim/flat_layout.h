@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "core/plan/layout.h"
+
 namespace tessel::optim {
 
 /// The alignment of every slot, bucket and piece, in elements (128 bytes of bf16, 256 of fp32).
@@ -63,7 +65,7 @@ struct ParamEntry {
 struct LayoutOptions {
   int64_t bucket_elements = 1;  // cap (ignored under ZeRO-3, where a bucket is a unit)
   int64_t shards = 1, shard_rank = 0;
-  int64_t zero = 0;
+  plan::Sharding sharding;         // what ZeRO shards (at 3, the weights: a bucket is a unit)
   bool isolate_embedding = false;  // "embed.weight" in a bucket of its own (tied table under pp)
   int64_t expert_shards = 1, expert_shard_rank = 0;  // MoE experts' buckets (expert data group)
 };
@@ -80,7 +82,7 @@ class FlatLayout {
   int64_t shard_rank() const { return o_.shard_rank; }
   /// Whether any bucket is split over several ranks (ZeRO over more than one).
   bool sharded() const { return o_.shards > 1 || o_.expert_shards > 1; }
-  int64_t zero() const { return o_.zero; }
+  const plan::Sharding& sharding() const { return o_.sharding; }
   /// Elements of one piece of bucket `b` (its length / shards).
   int64_t piece_numel(const FlatBucket& b) const { return (b.end - b.begin) / b.shards; }
   /// The flat position of this rank's piece of `b`.

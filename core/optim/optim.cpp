@@ -48,14 +48,14 @@ optim::FlatLayout layout_of(const std::vector<NamedParam>& params, const optim::
 
 optim::LayoutOptions layout_options(const plan::Config& c, int64_t data_ranks, int64_t data_rank,
                                     int64_t expert_ranks, int64_t expert_rank, int64_t pp) {
-  const int64_t zero = c.parallel.zero;
+  const auto z = plan::sharding(c);
   return {std::max<int64_t>(1, static_cast<int64_t>(c.parallel.ddp_bucket_mb * (1 << 20) / 4)),
-          zero > 0 ? data_ranks : 1,
-          zero > 0 ? data_rank : 0,
-          zero,
-          zero > 0 && pp > 1 && c.model.tied(),
-          zero > 0 ? expert_ranks : 1,
-          zero > 0 ? expert_rank : 0};
+          z.state ? data_ranks : 1,
+          z.state ? data_rank : 0,
+          z,
+          z.state && pp > 1 && c.model.tied(),
+          z.state ? expert_ranks : 1,
+          z.state ? expert_rank : 0};
 }
 
 FlatAdamW::FlatAdamW(const std::vector<NamedParam>& params, const plan::TrainingConfig& t)
@@ -87,33 +87,35 @@ FlatAdamW::FlatAdamW(const std::vector<NamedParam>& named, const plan::TrainingC
 }
 
 void FlatAdamW::allocate_buffers(const torch::Tensor& front) {
-  const int64_t z = layout_.zero(), n = layout_.numel(), s = layout_.shard_numel();
+  const auto& z = layout_.sharding();
+  const int64_t n = layout_.numel(), s = layout_.shard_numel();
   auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(front.device());
   auto w16 = f32.dtype(front.scalar_type());
   {  // each buffer counted by the CPU allocator as the part of the state it holds (counters.h)
     observe::HeldAs weights(observe::Held::kWeights);
-    if (z < 3) params_ = torch::zeros({n}, w16);
-    if (z == 3 && low_precision_) shard16_ = torch::zeros({s}, w16);
+    if (!z.weights) params_ = torch::zeros({n}, w16);
+    if (z.weights && low_precision_) shard16_ = torch::zeros({s}, w16);
     observe::HeldAs master(low_precision_ ? observe::Held::kOptimizer : observe::Held::kWeights);
-    if (low_precision_ || z == 3) master_ = torch::zeros({s}, f32);  // fp32 stages 0-2: the weights
+    if (low_precision_ || z.weights)
+      master_ = torch::zeros({s}, f32);  // fp32 stages 0-2: the weights
     observe::HeldAs grads(observe::Held::kGrads);
-    if (z < 2) grad_ = torch::zeros({n}, f32);
-    if (z >= 2) grad_shard_ = torch::zeros({s}, f32);
+    if (!z.grads) grad_ = torch::zeros({n}, f32);
+    if (z.grads) grad_shard_ = torch::zeros({s}, f32);
     observe::HeldAs optimizer(observe::Held::kOptimizer);
     exp_avg_ = torch::zeros({s}, f32);
     exp_avg_sq_ = torch::zeros({s}, f32);
   }
   step_count_ = torch::zeros({}, f32);
-  if (z == 3)
+  if (z.weights)
     for (const auto& b : layout_.buckets()) units_.push_back(torch::zeros({b.end - b.begin}, w16));
 }
 
 void FlatAdamW::seat_param(const optim::Slot& slot, torch::Tensor p) {
-  const int64_t z = layout_.zero();
+  const auto& z = layout_.sharding();
   const auto& b = layout_.buckets()[static_cast<size_t>(slot.bucket)];
-  auto full =
-      z < 3 ? params_.narrow(0, slot.offset, slot.numel)
-            : units_[static_cast<size_t>(slot.bucket)].narrow(0, slot.offset - b.begin, slot.numel);
+  auto full = !z.weights ? params_.narrow(0, slot.offset, slot.numel)
+                         : units_[static_cast<size_t>(slot.bucket)].narrow(0, slot.offset - b.begin,
+                                                                           slot.numel);
   const auto values = p.detach().flatten();
   full.copy_(values);
   const bool decay =
@@ -123,7 +125,7 @@ void FlatAdamW::seat_param(const optim::Slot& slot, torch::Tensor p) {
   // fp32: backward accumulates into the flat gradient itself. bf16/fp16: each micro-batch's
   // gradient of a parameter is folded into it in fp32 as soon as backward produces it
   // (fold_grad), so no second full-size gradient is kept.
-  if (z < 2 && !low_precision_)
+  if (!z.grads && !low_precision_)
     p.mutable_grad() = grad_.narrow(0, slot.offset, slot.numel).view(p.sizes());
 }
 
@@ -132,7 +134,7 @@ void FlatAdamW::add_piece(const std::string& name, const optim::Piece& piece,
   auto mine = values.narrow(0, piece.param_offset, piece.numel);
   if (master_.defined()) master_view(piece).copy_(mine);
   if (shard16_.defined()) shard16_.narrow(0, piece.shard, piece.numel).copy_(mine);
-  auto weight = layout_.zero() < 3
+  auto weight = !layout_.sharding().weights
                     ? params_.narrow(0, piece.flat, piece.numel)
                     : (low_precision_ ? shard16_ : master_).narrow(0, piece.shard, piece.numel);
   pieces_.push_back({name, piece.param_offset, piece.numel, weight, master_view(piece),
@@ -153,15 +155,15 @@ std::vector<int64_t> FlatAdamW::build_grad_pieces() {
   // The reduced gradient this rank holds: all of it (stage 0), its piece of each bucket inside
   // the full buffer (stage 1), or its shard (stages 2-3); `at` is each piece's offset in this
   // rank's shard coordinates (those of optim::Piece::shard).
-  const int64_t z = layout_.zero();
+  const auto& z = layout_.sharding();
   std::vector<int64_t> at;
-  if (z == 1) {
+  if (z.state_only()) {
     for (const auto& b : layout_.buckets()) {
       grad_pieces_.push_back(grad_.narrow(0, layout_.piece_flat(b), layout_.piece_numel(b)));
       at.push_back(b.shard_offset);
     }
   } else {
-    grad_pieces_.push_back(z == 0 ? grad_ : grad_shard_);
+    grad_pieces_.push_back(z.grads ? grad_shard_ : grad_);
     at.push_back(0);
   }
   return at;
@@ -218,10 +220,10 @@ torch::Tensor FlatAdamW::grad_bucket_piece(const optim::Slot& slot) const {
 StateBytes FlatAdamW::bytes() const {
   auto b = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; };
   StateBytes out;
-  out.params = zero() < 3 ? b(params_) : (low_precision_ ? b(shard16_) : b(master_));
+  out.params = !sharding().weights ? b(params_) : (low_precision_ ? b(shard16_) : b(master_));
   out.grads = b(grad_) + b(grad_shard_);
   out.optimizer =
-      b(exp_avg_) + b(exp_avg_sq_) + ((zero() == 3 && !low_precision_) ? 0 : b(master_));
+      b(exp_avg_) + b(exp_avg_sq_) + ((sharding().weights && !low_precision_) ? 0 : b(master_));
   return out;
 }
 
@@ -232,8 +234,8 @@ StateBytes FlatAdamW::alignment_padding() const {
     (b.expert ? experts : dense) += s.numel;
     if (b.expert) expert_shards = b.shards;
   }
-  const auto d = planned_state_bytes(dense, zero(), layout_.shards(), dtype_);
-  const auto e = planned_state_bytes(experts, zero(), expert_shards, dtype_);
+  const auto d = planned_state_bytes(dense, sharding(), layout_.shards(), dtype_);
+  const auto e = planned_state_bytes(experts, sharding(), expert_shards, dtype_);
   const auto have = bytes();
   return {have.params - d.params - e.params, have.grads - d.grads - e.grads,
           have.optimizer - d.optimizer - e.optimizer};
@@ -245,14 +247,15 @@ int64_t FlatAdamW::alignment_padding_bound() const {
   return 12 * optim::kAlignElements * (static_cast<int64_t>(layout_.slots().size()) + pieces);
 }
 
-StateBytes planned_state_bytes(int64_t numel, int64_t zero, int64_t data_ranks,
+StateBytes planned_state_bytes(int64_t numel, const plan::Sharding& sharding, int64_t data_ranks,
                                torch::ScalarType dtype) {
   const int64_t w = static_cast<int64_t>(c10::elementSize(dtype));
   const bool low = dtype != torch::kFloat32;
-  const int64_t n = numel, s = zero > 0 ? (numel + data_ranks - 1) / data_ranks : numel;
+  const int64_t n = numel, s = sharding.state ? (numel + data_ranks - 1) / data_ranks : numel;
   StateBytes b;
-  b.params = zero < 3 ? w * n : w * s;
-  b.grads = zero < 2 ? 4 * n : 4 * s;  // fp32 only: a 16-bit gradient is folded in as it comes
+  b.params = sharding.weights ? w * s : w * n;
+  b.grads =
+      sharding.grads ? 4 * s : 4 * n;  // fp32 only: a 16-bit gradient is folded in as it comes
   // The fp32 master is the weights themselves in fp32 runs (and, at stage 3, counted there).
   b.optimizer = 8 * s + (low ? 4 * s : 0);
   return b;
@@ -376,9 +379,9 @@ void FlatAdamW::step(const torch::Tensor& lr, const torch::Tensor& found_inf) {
 void FlatAdamW::refresh_weights() {
   if (!low_precision_) return;  // fp32: the master is (or is part of) the weights
   torch::NoGradGuard no_grad;
-  if (zero() == 0) {
+  if (!sharding().state) {
     params_.copy_(master_);
-  } else if (zero() == 3) {
+  } else if (sharding().weights) {
     shard16_.copy_(master_);
   } else {  // this rank's piece of each bucket; parallel::dp all-gathers the rest
     for (const auto& b : layout_.buckets())

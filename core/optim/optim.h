@@ -70,7 +70,7 @@ struct StateBytes {
 /// What FlatAdamW will keep for `numel` parameters (the table above), from the plan alone, for
 /// `--dry-run`: the alignment padding (under optim::kAlignElements per parameter, and per piece of
 /// each bucket) is left out.
-StateBytes planned_state_bytes(int64_t numel, int64_t zero, int64_t data_ranks,
+StateBytes planned_state_bytes(int64_t numel, const plan::Sharding& sharding, int64_t data_ranks,
                                torch::ScalarType dtype);
 
 class FlatAdamW {
@@ -110,7 +110,7 @@ class FlatAdamW {
   void finish_load(const torch::Tensor& step, const std::string& source);
 
   const optim::FlatLayout& layout() const { return layout_; }
-  int64_t zero() const { return layout_.zero(); }
+  const plan::Sharding& sharding() const { return layout_.sharding(); }
   int64_t numel() const;  // parameters of this rank's model (tensor-parallel local), no padding
   /// This rank's pieces of every parameter (the whole parameter without ZeRO), in slot order.
   const std::vector<StatePiece>& pieces() const { return pieces_; }

@@ -17,6 +17,21 @@ struct Layout {
   int64_t world() const { return tp * cp * dp * pp; }
 };
 
+/// What ZeRO (parallel.zero) shards over the data ranks, cumulatively: from stage 1 the
+/// optimizer state (with the fp32 master weights), from 2 also the gradients, at 3 also the
+/// weights. The one reading of the stage's number: the rest of Tessel asks which of these holds
+/// (tests/structure/check_owners.py: no stage comparison outside plan code and parallel/dp).
+struct Sharding {
+  bool state = false, grads = false, weights = false;
+  static Sharding of(int64_t stage) { return {stage >= 1, stage >= 2, stage >= 3}; }
+  int64_t stage() const { return weights ? 3 : grads ? 2 : state ? 1 : 0; }
+  /// Only the optimizer state (ZeRO-1): the gradients are whole until the update.
+  bool state_only() const { return state && !grads; }
+};
+inline Sharding sharding(const Config& c) { return Sharding::of(c.parallel.zero); }
+/// parallel.zero's values, in order.
+constexpr int64_t kZeroStages[] = {0, 1, 2, 3};
+
 /// ZeRO's split of the data groups (hybrid sharding, parallel.zero_shard): each bucket is
 /// sharded over `shards` consecutive ranks of the data group (dp×cp, in rank order) and
 /// replicated over `replicas` such groups; an MoE layer's experts over `expert_shards`

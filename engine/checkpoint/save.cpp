@@ -74,7 +74,7 @@ std::vector<Entry> checkpoint_entries(models::Decoder& model, const optim::FlatA
   std::vector<Entry> out;
   auto params = model->named_parameters();
   for (const auto& p : params)  // ZeRO-3: only what the optimizer does not hold (not trained)
-    if (opt.zero() < 3 || !p.value().requires_grad())
+    if (!opt.sharding().weights || !p.value().requires_grad())
       out.push_back({p.key(), p.value().detach(), model->specs().at(p.key())});
   for (const auto& piece : opt.pieces()) {
     const auto& p = params[piece.name];
@@ -88,7 +88,7 @@ std::vector<Entry> checkpoint_entries(models::Decoder& model, const optim::FlatA
       if (whole) return Entry{name, t.view(p.sizes()), spec, -1, -1, sharded};
       return Entry{name, t, spec, piece.param_offset, piece.param_offset + piece.numel, true};
     };
-    if (opt.zero() == 3) out.push_back(entry(piece.name, piece.weight));
+    if (opt.sharding().weights) out.push_back(entry(piece.name, piece.weight));
     out.push_back(entry(optim::kSlotPrefixes[0] + piece.name, piece.master));
     out.push_back(entry(optim::kSlotPrefixes[1] + piece.name, piece.exp_avg));
     out.push_back(entry(optim::kSlotPrefixes[2] + piece.name, piece.exp_avg_sq));

@@ -15,6 +15,7 @@
 #include "engine/planner/planner.h"
 #include "models/layers.h"
 #include "models/shape.h"
+#include "parallel/dp/grad_reducer.h"
 #include "parallel/mesh.h"
 #include "parallel/pp/schedule.h"
 
@@ -55,7 +56,8 @@ struct PlanBasis {
   parallel::pp::Simulation sim;  // the plan's pipeline schedule (gpipe when pp = 1)
   double per_layer;              // one micro-batch's saved activations in one block, bytes
   double act_row;                // one activation between stages, bytes
-  int64_t zero, data_ranks, pp;
+  plan::Sharding sharding;       // what ZeRO shards (parallel.zero)
+  int64_t data_ranks, pp;
   // ZeRO's split (plan::zero_split): the ranks a bucket is sharded over (the experts' too) and
   // the shard groups holding the same pieces (hybrid sharding; 1 otherwise).
   plan::ZeroSplit split;
@@ -89,8 +91,8 @@ int64_t alltoall_ranks(const plan::Config& c, const plan::Layout& l);
 // ZeRO-2 inside a pipeline, or ZeRO-3 kept gathered, with fp32 weights: micro-batches accumulate
 // in the parameters and each chunk reduce-scatters once per step (parallel/dp/grad_reducer.h).
 inline bool reduce_once(const PlanBasis& b) {
-  return ((b.zero == 2 && b.pp > 1) || (b.zero == 3 && b.keep_gathered)) &&
-         b.dtype == c10::ScalarType::Float;
+  return parallel::dp::reduces_once(b.sharding, b.pp, b.keep_gathered,
+                                    b.dtype != c10::ScalarType::Float);
 }
 
 // Activation bytes per token per block (ActivationModel) as this implementation keeps them, by

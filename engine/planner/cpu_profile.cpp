@@ -57,9 +57,8 @@ struct ThreadsFor {
 class StepKernels {
  public:
   StepKernels(const plan::Config& c, const models::ModelShape& m, torch::ScalarType dtype)
-      : swiglu_(models::features(m).swiglu),
+      : parts_(models::features(m)),
         own_kernels_(c.training.kernels == plan::Kernels::kTessel && dtype == torch::kFloat32),
-        tessel_gelu_(!swiglu_ && own_kernels_),
         short_attention_(own_kernels_ && c.parallel.cp <= 1 &&
                          kernels::short_attention_applies(torch::kCPU, dtype, c.training.seq_len)) {
     const auto opts = torch::TensorOptions().dtype(dtype);
@@ -109,30 +108,8 @@ class StepKernels {
     std::array<double, 5> out{};
     out[0] = seconds(
         [&] { torch::mm(s[0], s[1].t()), torch::mm(s[2], s[1]), torch::mm(s[2].t(), s[0]); });
-    out[2] = seconds([&] {
-      if (tessel_gelu_) {     // Tessel's: the forward adds the up projection's bias and writes y
-        torch::Tensor slope;  // and the slope, backward multiplies
-        auto y = kernels::bias_gelu_tanh_cpu(s[7], gelu_bias_, &slope);
-        auto dx = s[9] * slope;
-        return;
-      }
-      if (swiglu_ && own_kernels_) {  // Tessel's SwiGLU: one pass forward, one backward
-        auto y = torch::empty_like(s[7]), dg = torch::empty_like(s[7]),
-             du = torch::empty_like(s[7]);
-        kernels::cpu::swiglu_forward(s[8].data_ptr<float>(), s[7].data_ptr<float>(),
-                                     y.data_ptr<float>(), y.numel());
-        kernels::cpu::swiglu_backward(s[9].data_ptr<float>(), s[8].data_ptr<float>(),
-                                      s[7].data_ptr<float>(), dg.data_ptr<float>(),
-                                      du.data_ptr<float>(), y.numel());
-        return;
-      }
-      if (!swiglu_) {  // tanh-GELU forward and backward
-        at::gelu(s[7], "tanh"), at::gelu_backward(s[9], s[7], "tanh");
-        return;
-      }  // SiLU of the gate times the up projection, forward and backward
-      auto act = at::silu(s[8]);
-      auto y = act * s[7], dx = s[9] * act;
-      at::silu_backward(s[9] * s[7], s[8]);
+    out[2] = seconds([&] {  // the MLP's activation, as its layer runs it
+      models::MlpImpl::activation_pass(parts_, own_kernels_, s[7], s[8], s[9], gelu_bias_);
     });
     out[1] = seconds([&] {
       if (short_attention_) {
@@ -170,9 +147,8 @@ class StepKernels {
     f();
     return seconds_since(t0);
   }
-  bool swiglu_;           // the MLP is SwiGLU (else tanh-GELU)
-  bool own_kernels_;      // training.kernels tessel, fp32: Tessel's CPU kernels run
-  bool tessel_gelu_;      // and GPT-2: Tessel's GELU (core/kernels/activations.h)
+  models::DecoderOptions parts_;  // the parts the model builds (its MLP's activation)
+  bool own_kernels_;              // training.kernels tessel, fp32: Tessel's CPU kernels run
   bool short_attention_;  // Tessel's short-sequence attention (core/kernels/attention_cpu.h)
   int64_t t_, h_, f_, seq_, batch_, heads_, head_dim_, rows_;
   std::vector<std::vector<torch::Tensor>> sets_;

@@ -26,7 +26,7 @@ std::vector<ShardChoice> zero_shard_choices(const plan::Config& c, const plan::L
                                             const DeviceProfile& d) {
   std::vector<ShardChoice> out;
   const int64_t data = l.dp * l.cp;
-  if (c.parallel.zero == 0 || data < 2) return out;
+  if (!plan::sharding(c).state || data < 2) return out;
   const double fits = 0.9 * d.memory_gib * 1024 * 1024 * 1024;
   for (int64_t n = 2; n <= data; ++n) {
     if (data % n != 0 || (l.ep > 1 && n % l.ep != 0)) continue;

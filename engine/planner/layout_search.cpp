@@ -29,7 +29,7 @@ plan::Config with_layout(const plan::Config& c, const Candidate& k) {
   plan::Config p = c;
   auto& par = p.parallel;
   par.tp = k.tp, par.cp = k.cp, par.pp = k.pp, par.dp = k.dp, par.zero = k.zero;
-  par.zero_shard = k.zero == 0 ? 1 : k.zero_shard;
+  par.zero_shard = plan::Sharding::of(k.zero).state ? k.zero_shard : 1;
   par.sequence_parallel = k.tp > 1;
   if (k.cp > 1 && c.parallel.cp == 1) par.context_method = plan::CpMethod::kRing;
   par.pipeline_schedule = k.pp > 1 ? k.schedule : single_stage_schedule(c);
@@ -105,9 +105,9 @@ std::optional<LayoutChoice> faster_layout(const plan::Config& c, int64_t world,
         // Hybrid sharding as its users set it: ZeRO inside a node, replicas across nodes.
         const int64_t data = dp * cp, in_node = std::max<int64_t>(1, d.gpus_per_node / (tp * cp));
         const int64_t shard = in_node < data && data % in_node == 0 ? in_node : 1;
-        for (int64_t zero = 0; zero <= 3; ++zero)
+        for (const int64_t zero : plan::kZeroStages)
           for (const int64_t zs : {int64_t{1}, shard}) {
-            if (zs > 1 && zero == 0) continue;
+            if (zs > 1 && !plan::Sharding::of(zero).state) continue;
             for (const auto schedule :
                  {plan::PipelineSchedule::k1F1B, plan::PipelineSchedule::kInterleaved}) {
               if (pp == 1 && schedule == plan::PipelineSchedule::kInterleaved) continue;

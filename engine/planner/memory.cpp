@@ -20,7 +20,7 @@ namespace {
 // played over its schedule (replay_units) and counted already.
 void add_gathered(RankEstimate& r, const plan::Config& c, const plan::Layout& l, const PlanBasis& b,
                   const models::StagePart& part, double units_at_peak) {
-  if (b.zero != 3) return;
+  if (!b.sharding.weights) return;
   if (units_at_peak >= 0) {
     r.gathered = units_at_peak;
     return;
@@ -322,10 +322,10 @@ parallel::pp::ChunkBytes chunk_bytes(const plan::Config& c, const plan::Layout& 
       if (slot.name == "embed.weight") list.insert(list.begin(), slot);
   // ZeRO-3 without kept units and pipelining: the prefetched block beside the one add_gathered
   // counts.
-  const double neighbour =
-      b.zero == 3 && !b.keep_gathered && l.pp == 1 && c.training.recompute == plan::Recompute::kNone
-          ? b.w * b.block
-          : 0.0;
+  const double neighbour = b.sharding.weights && !b.keep_gathered && l.pp == 1 &&
+                                   c.training.recompute == plan::Recompute::kNone
+                               ? b.w * b.block
+                               : 0.0;
   cb.backward =
       walk(list,
            backward_held(list, b, {begin, end}, one.first, cb.whole, one.last ? last_kept : 0.0,
@@ -347,7 +347,7 @@ double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& 
   const auto& m = b.m;
   // ZeRO-2/3: the buckets as the rank lays them out, from the plan's parameter list.
   std::optional<optim::FlatLayout> layout;
-  if (b.zero >= 2)
+  if (b.sharding.grads)
     layout = optim::layout_of(
         models::param_entries(m, l.tp, part, l.ep),
         optim::layout_options(c, b.split.shards, 0, b.split.expert_shards, 0, l.pp));
@@ -360,7 +360,7 @@ double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& 
   }
   if (l.pp == 1) return parallel::pp::peak_held(one_stage_turns(b), bytes);
   const auto& timeline = b.sim.timeline[static_cast<size_t>(stage)];
-  if (b.zero != 3 || b.keep_gathered) return parallel::pp::peak_held(timeline, bytes);
+  if (!b.sharding.weights || b.keep_gathered) return parallel::pp::peak_held(timeline, bytes);
   const auto units = replay_units(timeline, b, l, part, b.w * root_parameters(b, l, part));
   size_t at = 0;
   const double peak = parallel::pp::peak_held(timeline, bytes, units.held, &at);
@@ -373,7 +373,8 @@ double held_peak(const plan::Config& c, const plan::Layout& l, const PlanBasis& 
 // full buffer).
 double norm_piece(const plan::Config& c, const plan::Layout& l, const PlanBasis& b,
                   const models::StagePart& part, int64_t params) {
-  if (b.zero != 1) return static_cast<double>(params) / static_cast<double>(b.split.shards);
+  if (!b.sharding.state_only())
+    return static_cast<double>(params) / static_cast<double>(b.split.shards);
   const auto flat =
       optim::layout_of(models::param_entries(b.m, l.tp, part, l.ep),
                        optim::layout_options(c, b.split.shards, 0, b.split.expert_shards, 0, l.pp));
@@ -409,10 +410,10 @@ ActivationModel activation_model(const models::DecoderOptions& o, plan::Recomput
   const bool llama = rms_block(o), fused = llama && own_kernels;
   const bool fused_norm = fused || (llama && !cpu);
   const double upcast = !llama || fused_norm || w >= 4 ? 0.0 : 4 / w;  // per composite norm
-  ActivationModel a = !llama       ? ActivationModel{4.76, 3.58, 0.0, 2.0, 2.3}
-                      : fused      ? ActivationModel{4.5, 1.6, 2.0, 3.0, 2.3}
-                      : fused_norm ? ActivationModel{4.5, 1.6, 2.0, 4.0, 2.3}
-                                   : ActivationModel{6.5 + 2 * upcast, 1.6, 2.0, 4.0, 3.3 + upcast};
+  const double ffn = models::MlpImpl::kept_per_ffn(o, own_kernels);    // the MLP's own figure
+  ActivationModel a = !llama       ? ActivationModel{4.76, 3.58, 0.0, ffn, 2.3}
+                      : fused_norm ? ActivationModel{4.5, 1.6, 2.0, ffn, 2.3}
+                                   : ActivationModel{6.5 + 2 * upcast, 1.6, 2.0, ffn, 3.3 + upcast};
   // Recomputation, measured the same way: full keeps each block's input (1·h per token);
   // selective keeps the MLP half's input instead of its norm and ffn-wide tensors. Each piece
   // also keeps the CPU generator's state (cpu_rng_state_bytes, planner.cpp).
@@ -436,9 +437,9 @@ RankEstimate stage_memory(const plan::Config& c, const plan::Layout& l, const Pl
   // sharding each over its shard groups.
   const auto experts = static_cast<int64_t>(expert_params(m, part, l.ep));
   const auto state =
-      optim::planned_state_bytes(r.params - experts, b.zero, b.split.shards, b.dtype);
+      optim::planned_state_bytes(r.params - experts, b.sharding, b.split.shards, b.dtype);
   const auto expert_state =
-      optim::planned_state_bytes(experts, b.zero, b.split.expert_shards, b.dtype);
+      optim::planned_state_bytes(experts, b.sharding, b.split.expert_shards, b.dtype);
   r.weights = static_cast<double>(state.params + expert_state.params);
   r.grads = static_cast<double>(state.grads + expert_state.grads);
   r.optimizer = static_cast<double>(state.optimizer + expert_state.optimizer);

@@ -319,7 +319,7 @@ PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
                              : plan::PipelineSchedule::kGpipe;
   b.sim = simulated(kind, l.pp, b.mbs, c.parallel.virtual_stages);
   b.act_row = tok * h * w / (sp ? tp : 1.0);
-  b.zero = c.parallel.zero, b.data_ranks = l.dp * l.cp, b.pp = l.pp;
+  b.sharding = plan::sharding(c), b.data_ranks = l.dp * l.cp, b.pp = l.pp;
   b.keep_gathered = c.parallel.zero3_keep_gathered, b.split = plan::zero_split(c, l);
   b.block = static_cast<double>(models::block_parameters(m, l.tp));
   add_layer_bytes(b, c, l);
@@ -422,12 +422,12 @@ double exposed_comm_s(const std::map<std::string, Traffic>& g, double compute,
       // After backward, and so never hidden: ZeRO-1's sums over the replicas (hybrid sharding;
       // ZeRO-2/3 start each as its bucket completes, during backward); ZeRO-1/2's gather of the
       // weights after the step.
-      const double after_step =
-          (b.zero == 1 ? replica_s : 0) + ((b.zero == 1 || b.zero == 2) && name == "dp_cp"
-                                               ? b.w * static_cast<double>(r.params) / (gbps * 1e9)
-                                               : 0);
-      exposed +=
-          std::max(0.0, s - after_step - (b.zero == 3 ? 1.0 : 2.0 / 3.0) * compute) + after_step;
+      const double after_step = (b.sharding.state_only() ? replica_s : 0) +
+                                (b.sharding.state && !b.sharding.weights && name == "dp_cp"
+                                     ? b.w * static_cast<double>(r.params) / (gbps * 1e9)
+                                     : 0);
+      exposed += std::max(0.0, s - after_step - (b.sharding.weights ? 1.0 : 2.0 / 3.0) * compute) +
+                 after_step;
     } else {
       exposed += s;
     }

@@ -58,19 +58,21 @@ std::string human_bytes(double b) {
 // --dry-run: what each rank will keep for the run, from the plan alone (the estimate's state
 // bytes per stage: nothing is built).
 std::string state_bytes(const plan::Config& c, const plan::Layout& l, const PlanEstimate& e) {
-  const int64_t zero = c.parallel.zero, data_ranks = l.dp * l.cp;
+  const auto zero = plan::sharding(c);
+  const int64_t data_ranks = l.dp * l.cp;
   const auto split = plan::zero_split(c, l);
   const double w = static_cast<double>(c10::elementSize(models::resolve_dtype(c.training.dtype)));
   std::string out = fmt::sprintf(
       "# state per rank, ZeRO %lld over %lld data rank%s%s, %s (activations not included):\n",
-      static_cast<long long>(zero), static_cast<long long>(zero > 0 ? split.shards : data_ranks),
-      (zero > 0 ? split.shards : data_ranks) == 1 ? "" : "s",
+      static_cast<long long>(zero.stage()),
+      static_cast<long long>(zero.state ? split.shards : data_ranks),
+      (zero.state ? split.shards : data_ranks) == 1 ? "" : "s",
       split.hybrid() ? fmt::format(" ({} replicas: parallel.zero_shard)", split.replicas) : "",
       c.training.dtype.name().c_str());
   for (const auto& r : e.ranks) {
     std::string units;
-    if (zero == 3) {  // the root unit stays gathered; a block, its prefetched neighbour, and
-                      // briefly a third while backward crosses from one block to the next
+    if (zero.weights) {  // the root unit stays gathered; a block, its prefetched neighbour,
+                         // and briefly a third while backward crosses from one block to the next
       // Each of the stage's blocks as this rank holds it (an MoE block: E/ep experts); the root
       // unit is the rest of the rank's parameters.
       const auto m = models::model_shape(c.model);
@@ -157,8 +159,8 @@ std::string faster_layout_lines(const std::string& config, int64_t n, const Layo
       "#   tessel-train %s --dry-run --world-size %lld%s\n",
       static_cast<long long>(n), static_cast<long long>(b.layout.tp),
       static_cast<long long>(b.layout.cp), static_cast<long long>(b.layout.pp),
-      static_cast<long long>(b.layout.dp), static_cast<long long>(b.plan.parallel.zero),
-      b.plan.parallel.zero > 0 && b.plan.parallel.zero_shard > 1
+      static_cast<long long>(b.layout.dp), static_cast<long long>(plan::sharding(b.plan).stage()),
+      plan::sharding(b.plan).state && b.plan.parallel.zero_shard > 1
           ? fmt::format(" sharded over {} ranks", b.plan.parallel.zero_shard).c_str()
           : "",
       b.layout.pp > 1 ? (" (" + b.plan.parallel.pipeline_schedule.name() + ")").c_str() : "",
@@ -337,7 +339,7 @@ std::string zero_shard_lines(const plan::Config& c, const plan::Layout& l, const
   std::string out = fmt::format(
       "# hybrid sharding (parallel.zero_shard): ZeRO {} over groups of N of the {} data ranks, "
       "replicated across the groups; {} GPUs a node:\n",
-      c.parallel.zero, data, d.gpus_per_node);
+      plan::sharding(c).stage(), data, d.gpus_per_node);
   const ShardChoice* best = nullptr;
   for (const auto& k : choices) {
     if (k.best) best = &k;

@@ -5,7 +5,8 @@
 #include "core/optim/flat_layout.h"
 #include "engine/planner/basis.h"
 #include "models/registry.h"
-#include "parallel/cp/attention.h"
+#include "parallel/cp/bytes.h"
+#include "parallel/dp/bytes.h"
 
 namespace tessel::planner {
 
@@ -22,10 +23,8 @@ double expert_params(const models::ModelShape& m, const models::StagePart& part,
 
 // Ranks of one all-to-all of context parallelism: cp (alltoall), the group size (hybrid), else 1.
 int64_t alltoall_ranks(const plan::Config& c, const plan::Layout& l) {
-  if (l.cp == 1) return 1;
-  if (c.parallel.context_method == plan::CpMethod::kAllToAll) return l.cp;
-  return c.parallel.context_method == plan::CpMethod::kHybrid ? c.parallel.context_alltoall_size
-                                                              : 1;
+  return parallel::cp::alltoall_ranks(c.parallel.context_method, l.cp,
+                                      c.parallel.context_alltoall_size);
 }
 
 namespace {
@@ -85,49 +84,35 @@ void add_tp_traffic(Traffic& g, const plan::Config& c, const plan::Layout& l, co
   // Under ZeRO each data rank sums only the gradients it owns (its shard of the flat buffer, the
   // experts' over their own data group): where the replicated ones fall decides each rank's
   // bytes, 1/data ranks of them on average, which is what this predicts.
-  if (b.zero > 0 && b.data_ranks > 1)
+  if (b.sharding.state && b.data_ranks > 1)
     replicated = (replicated - experts) / static_cast<double>(b.split.shards) +
                  experts / static_cast<double>(b.split.expert_shards);
   g.all_reduce += 4 * replicated;
   if (replicated > 0) g.ops += 1;
 }
 
-// Adds context parallelism's bytes per step to `g`: the keys and values (and their gradients).
+// Adds context parallelism's bytes per step to `g`: what the plan's method declares for one
+// attention layer and micro-batch (parallel/cp/bytes.h), over the rank's.
 void add_cp_traffic(Traffic& g, const plan::Config& c, const plan::Layout& l, const PlanBasis& b,
                     const RankEstimate& r) {
   const auto& t = c.training;
-  const double mb = static_cast<double>(b.mbs);
-  const double kv_bytes = static_cast<double>(t.micro_batch * t.seq_len) * 2 * b.kvd / b.tp * b.w;
-  const double full = t.recompute == plan::Recompute::kFull ? 1 : 0;
-  if (c.parallel.context_method ==
-      plan::CpMethod::kAllGather) {  // keys/values gathered, grads scattered
-    // (the gradients in fp32: reduced before they are rounded)
-    g.gather_scatter += mb * r.layers * kv_bytes * (1 + full + 4 / b.w);
-    g.ops += mb * r.layers * (2 + full);
-  } else {
-    // alltoall (and hybrid inside its groups): each pass through attention sends q, k, v out
-    // (key/value heads repeated to a multiple of the group) and the output back; backward the
-    // same two all-to-alls reversed, and full recomputation reruns forward's. Each all-to-all's
-    // size is this rank's whole input.
-    const auto& m = b.m;
-    const int64_t a = alltoall_ranks(c, l), hq = m.heads / l.tp;
-    const double kv = static_cast<double>(
-        parallel::cp::alltoall_kv_heads(std::max<int64_t>(1, m.kv_heads / l.tp), a));
-    const double head = b.tok * static_cast<double>(m.head_dim()) * b.w;  // one head's tokens
-    if (a > 1) {
-      g.gather_scatter +=
-          mb * r.layers * head * (2 * static_cast<double>(hq) + 2 * kv) * (2 + full);
-      g.ops += mb * r.layers * 2 * (2 + full);
-    }
-    // ring (and hybrid across its groups): each ring member's keys/values (its group's tokens of
-    // its heads) go round ring-1 times forward and again in backward (plus once more when full
-    // recompute reruns forward); dK/dV go round ring times, in fp32.
-    const double ring = static_cast<double>(l.cp / a);
-    if (ring > 1) {
-      g.p2p += mb * r.layers * 2 * kv * head * ((2 + full) * (ring - 1) + ring * 4 / b.w);
-      g.ops += mb * r.layers * ((2 + full) * (ring - 1) + ring);
-    }
-  }
+  const auto& m = b.m;
+  parallel::cp::AttentionSize a;
+  a.cp = l.cp;
+  a.alltoall = alltoall_ranks(c, l);
+  a.sequence = static_cast<double>(t.micro_batch * t.seq_len);
+  a.tokens = b.tok;
+  a.kv_width = b.kvd / b.tp;
+  a.heads = m.heads / l.tp;
+  a.kv_heads = std::max<int64_t>(1, m.kv_heads / l.tp);
+  a.head_dim = m.head_dim();
+  a.elem = b.w;
+  a.recompute_full = t.recompute == plan::Recompute::kFull;
+  const auto per = parallel::cp::layer_bytes(c.parallel.context_method, a);
+  const double times = static_cast<double>(b.mbs) * static_cast<double>(r.layers);
+  g.gather_scatter += times * per.gather_scatter;
+  g.p2p += times * per.p2p;
+  g.ops += times * per.ops;
 }
 
 // Adds the data-parallel (dp×cp) group's bytes per step to `d`: gradients reduced, and under
@@ -166,31 +151,32 @@ Blocks stage_blocks(const PlanBasis& b, const plan::Layout& l, const models::Sta
 // `gathers`: ZeRO-3 in a pipeline, how often the rank gathers each unit (zero3_gathers).
 void add_data_traffic(Traffic& d, const plan::Config& c, const PlanBasis& b, double n,
                       const Blocks& blocks, int64_t shards, const ZeroGathers* gathers) {
-  const double mb = static_cast<double>(b.mbs), w = b.w;
-  const double buckets = std::ceil(4 * n / std::max(1.0, c.parallel.ddp_bucket_mb * (1 << 20)));
-  if (b.zero == 0) d.all_reduce += 4 * n, d.ops += buckets;
-  if (b.zero > 0 && b.split.replicas > 1)
-    d.replica += 4 * n / static_cast<double>(shards), d.ops += buckets;
-  if (b.zero > 0 && shards == 1) return;  // a shard group of one: nothing gathered or scattered
-  if (b.zero == 1) d.gather_scatter += 4 * n + w * n, d.ops += 2 * buckets;
-  if (reduce_once(b))  // inside a pipeline or kept gathered, fp32: once per step
-    d.gather_scatter += 4 * n + w * n, d.ops += 2 * buckets;
-  else if (b.zero == 2 || (b.zero == 3 && b.keep_gathered))
-    d.gather_scatter += mb * 4 * n + w * n, d.ops += (mb + 1) * buckets;
-  if (b.zero == 3 && !b.keep_gathered) {
-    // Per micro-batch the gradients reduced, and without pipelining every unit gathered for
-    // forward and every block but the last again for backward; in a pipeline as the rank's
-    // schedule gathers them.
-    double gathered = mb * (n + blocks.params - blocks.last);
+  parallel::dp::SyncSize s;
+  s.params = n;
+  s.buckets = std::ceil(4 * n / std::max(1.0, c.parallel.ddp_bucket_mb * (1 << 20)));
+  s.micro_batches = static_cast<double>(b.mbs);
+  s.elem = b.w;
+  s.shards = shards;
+  s.replicated = b.split.replicas > 1;
+  s.reduces_once = reduce_once(b);
+  s.keep_gathered = b.keep_gathered;
+  if (b.sharding.weights && !b.keep_gathered) {
+    // Without pipelining every unit gathered for forward and every block but the last again
+    // for backward, per micro-batch; in a pipeline as the rank's schedule gathers them.
+    s.units = blocks.count + 1;
+    s.gathered = s.micro_batches * (n + blocks.params - blocks.last);
     if (gathers) {
-      gathered = gathers->root * (n - blocks.params);
+      s.gathered = gathers->root * (n - blocks.params);
       for (const auto& [layer, p] : blocks.by_layer)
         if (auto it = gathers->blocks.find(layer); it != gathers->blocks.end())
-          gathered += it->second * p;
+          s.gathered += it->second * p;
     }
-    d.gather_scatter += mb * 4 * n + w * gathered;
-    d.ops += mb * 3 * (blocks.count + 1);
   }
+  const auto got = parallel::dp::step_bytes(b.sharding, s);
+  d.all_reduce += got.all_reduce;
+  d.gather_scatter += got.gather_scatter;
+  d.replica += got.replica;
+  d.ops += got.ops;
 }
 
 // The data groups' bytes: dp×cp, and under expert parallelism the experts' own (edp_cp), over
@@ -200,7 +186,8 @@ void add_data_groups(std::map<std::string, Traffic>& g, const plan::Config& c,
                      const models::StagePart& part) {
   const double experts = l.ep > 1 ? expert_params(b.m, part, l.ep) : 0.0;
   std::optional<ZeroGathers> gathers;
-  if (b.zero == 3 && !b.keep_gathered && l.pp > 1) gathers = zero3_gathers(l, b, r.stage, part);
+  if (b.sharding.weights && !b.keep_gathered && l.pp > 1)
+    gathers = zero3_gathers(l, b, r.stage, part);
   const ZeroGathers* played = gathers ? &*gathers : nullptr;
   if (b.data_ranks > 1)
     add_data_traffic(g["dp_cp"], c, b, static_cast<double>(r.params) - experts,
@@ -237,8 +224,8 @@ std::map<std::string, Traffic> stage_traffic(const plan::Config& c, const plan::
   // zbv: one rank holds the first and the last stage, whose tied token table gets a gradient from
   // each chunk's backward; ZeRO-2/3 reduce each as it comes (parallel/dp/grad_reducer.cpp): twice
   // per micro-batch where the gradients are reduced per micro-batch.
-  if (b.data_ranks > 1 && b.zero >= 2 && !reduce_once(b) && l.pp > 1 && b.m.tied() && part.first &&
-      part.last)
+  if (b.data_ranks > 1 && b.sharding.grads && !reduce_once(b) && l.pp > 1 && b.m.tied() &&
+      part.first && part.last)
     g["dp_cp"].gather_scatter += mb * 4 * b.vocab_local * b.h, g["dp_cp"].ops += mb;
   if (l.ep > 1 && r.layers > 0) {
     // Each MoE layer's dispatch and combine forward and backward: all-to-alls of this rank's
@@ -258,8 +245,9 @@ std::map<std::string, Traffic> stage_traffic(const plan::Config& c, const plan::
     // over them, and each rank sums its whole piece.
     const double table = b.vocab_local * b.h;
     const double piece = static_cast<double>(optim::kAlignElements * b.split.shards);
-    const double held =
-        b.zero > 0 ? std::ceil(table / piece) * piece / static_cast<double>(b.split.shards) : table;
+    const double held = b.sharding.state
+                            ? std::ceil(table / piece) * piece / static_cast<double>(b.split.shards)
+                            : table;
     g["embedding"].all_reduce += 4 * held;
     g["embedding"].ops += 1;
   }

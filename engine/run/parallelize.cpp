@@ -18,10 +18,9 @@ std::unique_ptr<optim::FlatAdamW> make_optimizer(const plan::Config& c, parallel
   const auto& l = mesh.layout();
   auto& data_group = mesh.dp_cp();
   auto& experts = mesh.expert_data();  // data_group when ep is 1
-  const int64_t zero = c.parallel.zero;
   // Under expert parallelism data ranks hold different experts, so every rank adds its squares to
   // the gradient norm: a tensor held by r data ranks counts 1/r on each.
-  if (l.ep > 1 && zero == 0)
+  if (l.ep > 1 && !plan::sharding(c).state)
     for (auto& p : params) p.replicas *= (p.expert ? experts : data_group).size();
   auto& shards = mesh.zero_shards(false);
   auto& expert_shards = mesh.zero_shards(true);
@@ -37,7 +36,7 @@ std::unique_ptr<optim::FlatAdamW> make_optimizer(const plan::Config& c, parallel
 void replicated_grads(const plan::Config& c, const plan::Layout& l, TrainState& s) {
   const bool table_copies = parallel::table_on_two_stages(c, l);
   for (const auto& slot : s.opt->layout().slots()) {
-    auto views = slot.name == "embed.weight" && table_copies && c.parallel.zero > 0
+    auto views = slot.name == "embed.weight" && table_copies && plan::sharding(c).state
                      ? std::vector<torch::Tensor>{s.opt->grad_bucket_piece(slot)}
                      : s.opt->grad_views(slot);
     auto& into = slot.name == "embed.weight" ? s.embedding_grads : s.tp_summed_grads;
@@ -71,8 +70,7 @@ TrainState parallelize(const plan::Config& c, parallel::Mesh& mesh, const torch:
   }
   replicated_grads(c, l, s);
   // Data parallelism's synchronisation, last: ZeRO-3 frees the whole weights it shards.
-  s.sync = parallel::dp::make_grad_sync(mesh, params, *s.opt, c.parallel.zero,
-                                        c.parallel.zero3_keep_gathered,
+  s.sync = parallel::dp::make_grad_sync(mesh, params, *s.opt, c.parallel.zero3_keep_gathered,
                                         observe::time_on_device(device, mesh.dp_cp().is_nccl()));
   if (auto* hooks = s.sync->block_hooks()) s.model->set_hooks(hooks);
   return s;

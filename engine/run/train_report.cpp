@@ -67,12 +67,11 @@ void Trainer::log_state() const {
                c_.training.dtype.name(), device_.str());
   const auto bytes = opt_->bytes();
   auto& data_group = mesh_->dp_cp();
-  const int64_t zero = c_.parallel.zero;
   spdlog::info(
       "state on this rank (ZeRO {} over {} data rank{}): weights {:.2f} MiB, gradients {:.2f} MiB, "
       "optimizer {:.2f} MiB{}",
-      zero, data_group.size(), data_group.size() == 1 ? "" : "s", bytes.params / 1048576.0,
-      bytes.grads / 1048576.0, bytes.optimizer / 1048576.0,
+      opt_->sharding().stage(), data_group.size(), data_group.size() == 1 ? "" : "s",
+      bytes.params / 1048576.0, bytes.grads / 1048576.0, bytes.optimizer / 1048576.0,
       sync_->unit_gatherer() ? fmt::format(" (+ gathered units, the largest {:.2f} MiB)",
                                            sync_->unit_gatherer()->largest_unit_bytes() / 1048576.0)
                              : "");
@@ -260,7 +259,7 @@ void Trainer::report_memory() {
   const auto all = gather_figures(mine);
   if (!all.defined()) return;
   nlohmann::json out = {
-      {"zero", c_.parallel.zero},
+      {"zero", opt_->sharding().stage()},
       {"dtype", c_.training.dtype.name()},
       {"data_ranks", mesh_->dp_cp().size()},
       {"predicted", planner::predicted_bytes(c_, mesh_->layout())},  // --dry-run's

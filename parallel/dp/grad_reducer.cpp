@@ -24,10 +24,9 @@ GradReducer::GradReducer(const Mesh& mesh, const std::vector<optim::NamedParam>&
                          optim::FlatAdamW& opt, bool keep_gathered)
     : mesh_(mesh),
       opt_(opt),
-      reduce_(mesh.dp_cp().size() > 1 || opt.zero() >= 2),
-      fold_(opt.low_precision() && opt.zero() < 2),
-      once_(((opt.zero() == 2 && mesh.layout().pp > 1) || (opt.zero() == 3 && keep_gathered)) &&
-            !opt.low_precision()),
+      reduce_(mesh.dp_cp().size() > 1 || opt.sharding().grads),
+      fold_(opt.low_precision() && !opt.sharding().grads),
+      once_(reduces_once(opt.sharding(), mesh.layout().pp, keep_gathered, opt.low_precision())),
       wait_(observe::time_on_device(mesh.device(), mesh.dp_cp().is_nccl())) {
   const auto& layout = opt.layout();
   // Each chunk's slots are one contiguous range (the model registers them so).
@@ -80,7 +79,7 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
   const auto& b = layout.buckets()[index];
   auto& st = state_[index];
   auto& group = mesh_.zero_shards(b.expert);  // the data group, or ZeRO's shard group of it
-  if (opt_.zero() >= 2) {
+  if (opt_.sharding().grads) {
     if (once_ && !final_[static_cast<size_t>(b.chunk)]) return;  // accumulates in the parameter
     TORCH_CHECK(!st.summed, "gradient reducer: bucket ", index,
                 " got a gradient after its sum over the ZeRO replicas started (hybrid sharding)");
@@ -126,7 +125,7 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
   if (++st.ready < b.params) return;
   // Complete (its gradients folded in as they came): reduce.
   auto whole = opt_.grad().narrow(0, b.begin, b.end - b.begin);
-  if (opt_.zero() == 0) {
+  if (!opt_.sharding().state) {
     st.work = group.all_reduce(whole);
     return;
   }
@@ -139,11 +138,11 @@ void GradReducer::on_grad_ready(size_t index, const Slot& slot,
 void GradReducer::check_complete(size_t i) const {
   const auto& b = opt_.layout().buckets()[i];
   const auto& st = state_[i];
-  if (opt_.zero() >= 2 ? st.ready != 0 || !st.reduced : st.ready != b.params)
+  if (opt_.sharding().grads ? st.ready != 0 || !st.reduced : st.ready != b.params)
     throw std::runtime_error(
         fmt::format("data parallel: bucket {} got {} of its {} gradients in backward; a parameter "
                     "took no part in the loss",
-                    i, opt_.zero() >= 2 && st.ready == 0 ? 0 : st.ready, b.params));
+                    i, opt_.sharding().grads && st.ready == 0 ? 0 : st.ready, b.params));
 }
 
 void GradReducer::drain(size_t i) {
@@ -152,20 +151,20 @@ void GradReducer::drain(size_t i) {
   wait_.start();
   st.work.wait();
   wait_.stop();
-  if (opt_.zero() >= 2) {
+  if (opt_.sharding().grads) {
     opt_.grad_shard().narrow(0, b.shard_offset, opt_.layout().piece_numel(b)).add_(st.piece);
     live_bucket_bytes_ -= st.buffer.numel() * 4;
     st.buffer = torch::Tensor();
     st.piece = torch::Tensor();
     // The step's last reduce-scatter of the bucket: its piece is complete.
     if (final_[static_cast<size_t>(b.chunk)] && !table_[i]) sum_over_replicas(i);
-  } else if (opt_.zero() == 1) {
+  } else if (opt_.sharding().state_only()) {
     st.piece = torch::Tensor();  // a view of the gradient, reduced in place
   }
 }
 
 void GradReducer::end_backward(int64_t chunk, bool final) {
-  if (opt_.zero() >= 2) {
+  if (opt_.sharding().grads) {
     if (once_ && !final) return;
     for (size_t i = 0; i < state_.size(); ++i)
       if (opt_.layout().buckets()[i].chunk == chunk) check_complete(i);
@@ -193,7 +192,7 @@ void GradReducer::end_backward(int64_t chunk, bool final) {
 }
 
 void GradReducer::finish() {
-  if (reduce_ && opt_.zero() < 2)
+  if (reduce_ && !opt_.sharding().grads)
     for (size_t i = 0; i < state_.size(); ++i) {
       check_complete(i);
       drain(i);
@@ -217,7 +216,7 @@ void GradReducer::sum_over_replicas(size_t i) {
   auto& st = state_[i];
   if (!replicas || replicas->size() < 2 || st.summed) return;
   st.summed = true;
-  st.replica_piece = opt_.zero() == 1
+  st.replica_piece = opt_.sharding().state_only()
                          ? opt_.grad().narrow(0, layout.piece_flat(b), layout.piece_numel(b))
                          : opt_.grad_shard().narrow(0, b.shard_offset, layout.piece_numel(b));
   st.replica = replicas->all_reduce(st.replica_piece);

@@ -54,6 +54,15 @@ struct BucketState {
   torch::Tensor replica_piece;
 };
 
+/// Whether a chunk's gradients accumulate in its parameters over the step's micro-batches and
+/// are reduce-scattered once, at its last backward: ZeRO-2 inside a pipeline (`pp` > 1), or
+/// ZeRO-3 with its units kept gathered, with fp32 weights (not `low_precision`, whose gradients
+/// are folded into the fp32 shard as they come). The planner reads the same rule.
+inline bool reduces_once(const plan::Sharding& s, int64_t pp, bool keep_gathered,
+                         bool low_precision) {
+  return ((s.grads && !s.weights && pp > 1) || (s.weights && keep_gathered)) && !low_precision;
+}
+
 class GradReducer {
  public:
   /// Hooks `params` (those FlatAdamW took over) to reduce their gradients as backward produces

@@ -71,11 +71,11 @@ class Units final : public GradSync {
 }  // namespace
 
 std::unique_ptr<GradSync> make_grad_sync(Mesh& mesh, const std::vector<optim::NamedParam>& params,
-                                         optim::FlatAdamW& opt, int64_t zero, bool keep_gathered,
+                                         optim::FlatAdamW& opt, bool keep_gathered,
                                          bool device_timed) {
-  if (zero == 3) return std::make_unique<Units>(mesh, params, opt, keep_gathered);
-  if (zero == 1 || zero == 2)
-    return std::make_unique<WeightPieces>(mesh, params, opt, device_timed);
+  const auto& z = opt.sharding();
+  if (z.weights) return std::make_unique<Units>(mesh, params, opt, keep_gathered);
+  if (z.state) return std::make_unique<WeightPieces>(mesh, params, opt, device_timed);
   return std::make_unique<Ddp>(mesh, params, opt);
 }
 

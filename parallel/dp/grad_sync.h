@@ -65,11 +65,12 @@ class GradSync {
   double norm_share_ = 1;
 };
 
-/// The data-parallel synchronisation of parallel.zero `zero` (0-3) for `params` (those `opt`
-/// took over). `keep_gathered`: parallel.zero3.keep_gathered. `device_timed`: ZeRO-1/2 time
-/// their gathers' waits with device events (core/observe/timing.h).
+/// The data-parallel synchronisation for `params` (those `opt` took over) of the ZeRO stage its
+/// flat layout shards by (optim::FlatAdamW::sharding). `keep_gathered`:
+/// parallel.zero3.keep_gathered. `device_timed`: ZeRO-1/2 time their gathers' waits with device
+/// events (core/observe/timing.h).
 std::unique_ptr<GradSync> make_grad_sync(Mesh& mesh, const std::vector<optim::NamedParam>& params,
-                                         optim::FlatAdamW& opt, int64_t zero, bool keep_gathered,
+                                         optim::FlatAdamW& opt, bool keep_gathered,
                                          bool device_timed);
 
 }  // namespace tessel::parallel::dp

@@ -126,6 +126,28 @@ class Owners(unittest.TestCase):
             self.assertNotIn("rules.cpp:", out)
             self.assertIn("1 decision(s) read outside their owners", out)
 
+    def test_a_zero_stage_compared_outside_its_owners_is_named(self):
+        with tempfile.TemporaryDirectory() as d:
+            write = tree_writer(d)
+            write("parallel/dp/grad_sync.cpp", "if (zero == 3) return units;\n")
+            write("core/plan/layout.h", "return {stage >= 1, stage >= 2, c.parallel.zero >= 3};\n")
+            write("core/optim/optim.cpp", "if (layout_.zero() < 3) keep();\n"
+                                          "const bool z = c.parallel.zero;\n"
+                                          "if (b.zero >= 2) scatter();\n"
+                                          "if (2 <= b.zero) scatter();\n"
+                                          "if (b.sharding.weights) gather();\n"
+                                          'fail("parallel.zero must be 0-3");\n'
+                                          "// zero == 3 in a comment\n")
+            rc, out = check("check_owners.py", d)
+            self.assertEqual(rc, 1, out)
+            for n in (1, 2, 3, 4):
+                self.assertIn(f"core/optim/optim.cpp:{n}: the ZeRO stage outside its owners", out)
+            for n in (5, 6, 7):
+                self.assertNotIn(f"optim.cpp:{n}:", out)
+            self.assertNotIn("grad_sync.cpp:", out)
+            self.assertNotIn("layout.h:", out)
+            self.assertIn("4 decision(s) read outside their owners", out)
+
 
 class Namespaces(unittest.TestCase):
     def test_namespaces_follow_folders(self):

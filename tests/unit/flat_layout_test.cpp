@@ -52,24 +52,26 @@ void expect_partition(const std::vector<ParamEntry>& params, LayoutOptions o) {
 
 TEST(FlatLayout, BucketsCappedPaddedAndPartitioned) {
   // Each of the 7 parameters starts on a multiple of 64 elements; the bucket ends on one.
-  FlatLayout one(toy(), {1000, 1, 0, 0, false});
+  FlatLayout one(toy(), {1000, 1, 0, plan::Sharding::of(0), false});
   EXPECT_EQ(one.buckets().size(), 1u);
   EXPECT_EQ(one.numel(), 448);
   EXPECT_EQ(one.shard_numel(), 448);
   EXPECT_EQ(one.slot("embed.weight").offset, 384);
-  FlatLayout capped(toy(), {12, 4, 1, 1, false});
+  FlatLayout capped(toy(), {12, 4, 1, plan::Sharding::of(1), false});
   // A bucket closes once it holds >= 12 elements: [head norm] [l1.up l1.q] [l0.up l0.q] [embed]
   ASSERT_EQ(capped.buckets().size(), 4u);
   EXPECT_EQ(capped.buckets()[0].end, 256);  // 64 + 3 padded to 4 pieces of 64
   EXPECT_EQ(capped.slot("layers.1.mlp.up.weight").offset, 256);
   EXPECT_EQ(capped.shard_numel(), capped.numel() / 4);
   for (int64_t shards : {1, 2, 3, 4, 8})
-    for (int64_t zero : {1, 3}) expect_partition(toy(), {12, shards, 0, zero, false});
-  for (int64_t shards : {3, 6}) expect_partition(toy(), {1000, shards, 0, 2, false});
+    for (int64_t zero : {1, 3})
+      expect_partition(toy(), {12, shards, 0, plan::Sharding::of(zero), false});
+  for (int64_t shards : {3, 6})
+    expect_partition(toy(), {1000, shards, 0, plan::Sharding::of(2), false});
 }
 
 TEST(FlatLayout, Zero3BucketsAreUnitsAndChunksNeverMix) {
-  FlatLayout z3(toy(), {4, 2, 0, 3, false});
+  FlatLayout z3(toy(), {4, 2, 0, plan::Sharding::of(3), false});
   std::vector<std::string> units;
   for (const auto& b : z3.buckets()) units.push_back(b.unit);
   EXPECT_EQ(units, (std::vector<std::string>{"root", "layers.1", "layers.0", "root"}));
@@ -87,7 +89,7 @@ TEST(FlatLayout, Zero3BucketsAreUnitsAndChunksNeverMix) {
                                                    {"layers.0.attn.q.weight", 0},
                                                    {"embed.weight", 0}};
   for (auto& e : chunked) e.chunk = chunk_of.at(e.name);
-  FlatLayout pp(chunked, {1000, 2, 0, 1, true});
+  FlatLayout pp(chunked, {1000, 2, 0, plan::Sharding::of(1), true});
   std::set<std::pair<int64_t, int64_t>> bucket_chunks;  // (bucket, chunk) pairs seen
   for (const auto& s : pp.slots()) {
     bucket_chunks.insert({s.bucket, chunk_of.at(s.name)});

@@ -94,10 +94,12 @@ TEST(FlatAdamW, StateBytesAsPlanned) {
         auto model = models::build_model(models::model_shape(c.model), 3);
         model->to(dtype);
         const auto params = models::named_params(model);
-        optim::FlatAdamW opt(params, c.training,
-                             optim::layout_of(params, {2000, shards, shards - 1, zero, false}));
+        optim::FlatAdamW opt(
+            params, c.training,
+            optim::layout_of(params, {2000, shards, shards - 1, plan::Sharding::of(zero), false}));
         const auto got = opt.bytes();
-        const auto want = optim::planned_state_bytes(opt.numel(), zero, shards, dtype);
+        const auto want =
+            optim::planned_state_bytes(opt.numel(), plan::Sharding::of(zero), shards, dtype);
         // Padding: up to kAlignElements before each slot and per piece of each bucket, at up to
         // 12 bytes an element (the optimizer's fp32 master and moments).
         const int64_t pad = (static_cast<int64_t>(opt.layout().slots().size()) +
@@ -136,7 +138,7 @@ TEST(FlatAdamW, EveryViewIsAligned) {
         bool experts = false;
         for (const auto& p : params) experts |= p.expert;
         ASSERT_TRUE(experts);
-        optim::LayoutOptions o{2000, shards, shards - 1, zero, false};
+        optim::LayoutOptions o{2000, shards, shards - 1, plan::Sharding::of(zero), false};
         o.expert_shards = shards;
         o.expert_shard_rank = shards - 1;
         optim::FlatAdamW opt(params, c.training, optim::layout_of(params, o));
