@@ -12,7 +12,7 @@ DecoderOptions gpt2_options(const ModelShape& m) {
   o.model = m;
   o.layer_norm = true;
   o.learned_pos = true;
-  o.swiglu = false;
+  o.mlp = MlpKind::kGeluTanh;
   o.linear_bias = true;
   return o;
 }

@@ -1,5 +1,4 @@
 #include "models/layers.h"
-#include "core/kernels/activation_kernels.h"
 #include "core/kernels/activations.h"
 #include "core/kernels/fused_ops.h"
 #include "models/moe.h"
@@ -143,51 +142,18 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   return o(y.transpose(1, 2).reshape({b, s, heads_ * head_dim_}));
 }
 
-MlpImpl::MlpImpl(const DecoderOptions& o) : tp_(o.tp), sp_(o.sequence_parallel) {
+MlpImpl::MlpImpl(const DecoderOptions& o)
+    : tp_(o.tp), sp_(o.sequence_parallel), form_(&mlp_form(o.mlp)) {
   const int64_t h = o.model.hidden, f = o.model.ffn_hidden;
   up = register_module("up", tp::ColumnParallelLinear(*tp_, h, f, o.linear_bias, sp_));
-  if (o.swiglu)
+  if (form_->gated())
     gate = register_module("gate", tp::ColumnParallelLinear(*tp_, h, f, o.linear_bias, sp_));
   down = register_module("down", tp::RowParallelLinear(*tp_, f, h, o.linear_bias, sp_));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
   auto xf = tp::enter(*tp_, x, sp_);
-  if (gate)
-    return down(
-        kernels::swiglu(gate->forward_entered(xf), up->forward_entered(xf), tessel_kernels));
-  if (!tessel_kernels) return down(torch::gelu(up->forward_entered(xf), "tanh"));
-  if (up->bias.defined() &&
-      kernels::gelu_tanh_uses_cpu_kernel(xf))  // the bias added in the GELU's pass
-    return down(kernels::bias_gelu_tanh(up->forward_entered(xf, false), up->bias));
-  return down(kernels::gelu_tanh(up->forward_entered(xf)));
-}
-
-void MlpImpl::activation_pass(const DecoderOptions& o, bool own_kernels, const torch::Tensor& up,
-                              const torch::Tensor& gate, const torch::Tensor& grad,
-                              const torch::Tensor& bias) {
-  if (!o.swiglu && own_kernels) {  // Tessel's GELU: the forward adds the bias and writes y and
-    torch::Tensor slope;           // the slope, backward multiplies
-    auto y = kernels::bias_gelu_tanh_cpu(up, bias, &slope);
-    auto dx = grad * slope;
-    return;
-  }
-  if (o.swiglu && own_kernels) {  // Tessel's SwiGLU: one pass forward, one backward
-    auto y = torch::empty_like(up), dg = torch::empty_like(up), du = torch::empty_like(up);
-    kernels::cpu::swiglu_forward(gate.data_ptr<float>(), up.data_ptr<float>(), y.data_ptr<float>(),
-                                 y.numel());
-    kernels::cpu::swiglu_backward(grad.data_ptr<float>(), gate.data_ptr<float>(),
-                                  up.data_ptr<float>(), dg.data_ptr<float>(), du.data_ptr<float>(),
-                                  y.numel());
-    return;
-  }
-  if (!o.swiglu) {  // tanh-GELU forward and backward
-    at::gelu(up, "tanh"), at::gelu_backward(grad, up, "tanh");
-    return;
-  }  // SiLU of the gate times the up projection, forward and backward
-  auto act = at::silu(gate);
-  auto y = act * up, dx = grad * act;
-  at::silu_backward(grad * up, gate);
+  return down(form_->hidden(xf, *up, gate ? gate.get() : nullptr, tessel_kernels));
 }
 
 BlockImpl::BlockImpl(const DecoderOptions& o, int64_t layer, MoeState* moe_state) {

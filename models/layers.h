@@ -22,6 +22,7 @@
 
 #include "core/kernels/document_attention.h"
 #include "core/plan/user_error.h"
+#include "models/mlp.h"
 #include "models/shape.h"
 #include "parallel/block_hooks.h"
 #include "parallel/comm.h"
@@ -41,11 +42,11 @@ struct StagePart {
 /// What differs between the two architectures (from the registry), and the tensor-parallel group.
 struct DecoderOptions {
   ModelShape model;
-  bool layer_norm = true;         // LayerNorm with bias (gpt2) or RMSNorm (llama)
-  bool learned_pos = true;        // learned position table (gpt2) or RoPE (llama)
-  bool swiglu = false;            // SwiGLU MLP (llama) or GELU-tanh MLP (gpt2)
-  bool linear_bias = true;        // biases in projections (gpt2)
-  parallel::Group* tp = nullptr;  // null: one process
+  bool layer_norm = true;            // LayerNorm with bias (gpt2) or RMSNorm (llama)
+  bool learned_pos = true;           // learned position table (gpt2) or RoPE (llama)
+  MlpKind mlp = MlpKind::kGeluTanh;  // the MLP's form (models/mlp.h)
+  bool linear_bias = true;           // biases in projections (gpt2)
+  parallel::Group* tp = nullptr;     // null: one process
   bool sequence_parallel = false;
   StagePart stages;
   parallel::Group* cp = nullptr;  // context parallelism (parallel/cp): null or size 1: none
@@ -132,25 +133,16 @@ class MlpImpl : public torch::nn::Module {
  public:
   explicit MlpImpl(const DecoderOptions& o);
   torch::Tensor forward(const torch::Tensor& x);
-  /// Its column-parallel hidden x ffn_hidden weight matrices (gate and up for SwiGLU, else up):
-  /// each keeps an ffn-wide output whose gradient its weight's gradient reads.
-  static double column_matrices(const DecoderOptions& o) { return o.swiglu ? 2 : 1; }
+  /// Its column-parallel hidden x ffn_hidden weight matrices (gate and up for a gated form,
+  /// else up): each keeps an ffn-wide output whose gradient its weight's gradient reads.
+  static double column_matrices(const DecoderOptions& o) { return mlp_form(o.mlp).gated() ? 2 : 1; }
   /// All its hidden x ffn_hidden weight matrices: the column-parallel ones and down.
   static double weight_matrices(const DecoderOptions& o) { return column_matrices(o) + 1; }
-  /// Elements its forward keeps for backward per token and unit of this rank's ffn width (the
-  /// ffn term of the planner's activation model), by Tessel's CPU kernels (`own_kernels`) or
-  /// LibTorch's. Measured with the counting allocator on CPU fp32 (2-core Xeon, 2026-11-23):
-  /// GELU 2 (up's output, the GELU's); SwiGLU 3 with Tessel's fused kernel (gate's and up's
-  /// outputs, their product), 4 with LibTorch's (the SiLU's output besides).
+  /// Elements its forward keeps per token and unit of this rank's ffn width: its form's
+  /// (MlpForm::kept_per_ffn).
   static double kept_per_ffn(const DecoderOptions& o, bool own_kernels) {
-    return o.swiglu ? (own_kernels ? 3.0 : 4.0) : 2.0;
+    return mlp_form(o.mlp).kept_per_ffn(own_kernels);
   }
-  /// One forward and backward of its activation as the layer runs it, over [rows, ffn] operands:
-  /// `up` (and `gate`, SwiGLU's), `grad` the output's gradient, `bias` up's (added in Tessel's
-  /// GELU pass). What --dry-run's CPU profile times per element (engine/planner/cpu_profile.cpp).
-  static void activation_pass(const DecoderOptions& o, bool own_kernels, const torch::Tensor& up,
-                              const torch::Tensor& gate, const torch::Tensor& grad,
-                              const torch::Tensor& bias);
   parallel::tp::ColumnParallelLinear up{nullptr}, gate{nullptr};
   parallel::tp::RowParallelLinear down{nullptr};
   bool tessel_kernels = true;  // Tessel's GELU and SwiGLU where they apply (else LibTorch's)
@@ -158,6 +150,7 @@ class MlpImpl : public torch::nn::Module {
  private:
   parallel::Group* tp_;
   bool sp_;
+  const MlpForm* form_;
 };
 TORCH_MODULE(Mlp);
 

@@ -12,7 +12,7 @@ DecoderOptions llama_options(const ModelShape& m) {
   o.model = m;
   o.layer_norm = false;
   o.learned_pos = false;
-  o.swiglu = true;
+  o.mlp = MlpKind::kSwiGlu;
   o.linear_bias = false;
   return o;
 }

@@ -84,7 +84,7 @@ struct EntryWriter {
   }
   void mlp(const std::string& name, int64_t f, int64_t chunk) {
     column(name + ".up", m.hidden, f, chunk);
-    if (o.swiglu) column(name + ".gate", m.hidden, f, chunk);
+    if (mlp_form(o.mlp).gated()) column(name + ".gate", m.hidden, f, chunk);
     row(name + ".down", f, m.hidden, chunk);
   }
   void block(int64_t i, int64_t c) {

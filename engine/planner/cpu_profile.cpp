@@ -109,7 +109,7 @@ class StepKernels {
     out[0] = seconds(
         [&] { torch::mm(s[0], s[1].t()), torch::mm(s[2], s[1]), torch::mm(s[2].t(), s[0]); });
     out[2] = seconds([&] {  // the MLP's activation, as its layer runs it
-      models::MlpImpl::activation_pass(parts_, own_kernels_, s[7], s[8], s[9], gelu_bias_);
+      models::mlp_form(parts_.mlp).activation_pass(own_kernels_, s[7], s[8], s[9], gelu_bias_);
     });
     out[1] = seconds([&] {
       if (short_attention_) {
