@@ -22,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/device/cuda.h"
@@ -77,9 +78,12 @@ class StepGraph {
 template <class Out>
 class GraphedStep {
  public:
-  void start(bool on) {
-    graph_ =
-        on ? std::make_unique<StepGraph>(make_cuda_graph_backend(), kGraphWarmupSteps) : nullptr;
+  void start(bool on) { start(on ? make_cuda_graph_backend() : nullptr); }
+  /// On with `backend` (null: off); tests stand a CPU backend in for CUDA's.
+  void start(std::unique_ptr<GraphBackend> backend, int64_t warmup_steps = kGraphWarmupSteps) {
+    graph_ = backend ? std::make_unique<StepGraph>(std::move(backend), warmup_steps) : nullptr;
+    captured_ = Out{};
+    replayed_ = false;
   }
   void stop() {  // back on the stream of before, the graph's memory freed
     graph_.reset();

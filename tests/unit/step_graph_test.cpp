@@ -1,7 +1,8 @@
 // The policy of training.cuda_graph (engine/run/step_graph.h) against a stand-in backend: warm-up
 // steps eager, one capture replayed at once and for every later step, eager steps on request
 // without losing the graph, and a failed capture undone and never tried again. The CUDA backend
-// itself runs in tests/gpu/gpu_suite.py (CudaGraph), skipped without a GPU.
+// itself runs in tests/gpu/gpu_suite.py (CudaGraph), skipped without a GPU. GraphedStep, the
+// Trainer's use of it: the outputs a replay answers are the captured step's.
 #include <gtest/gtest.h>
 
 #include <stdexcept>
@@ -97,6 +98,41 @@ TEST(StepGraph, AFailedCaptureIsUndoneRunsEagerlyAndIsNotRetried) {
   const std::vector<std::string> want = {"enter", "begin", "step", "abort",
                                          "step",  "step",  "leave"};
   EXPECT_EQ(c.log, want);
+}
+
+// What the Trainer reads after each step (engine/run/train.cpp): off, every step's own outputs;
+// on, the warm-up steps' own, then the captured step's outputs for the capture and every replay
+// (a replay runs no host code, so the step function is not called), replayed() set only then,
+// and an eager-only step's own outputs without losing the graph.
+TEST(GraphedStep, ReplaysAnswerTheCapturedStepsOutputs) {
+  int calls = 0;
+  auto step = [&] { return ++calls; };
+  GraphedStep<int> off;
+  off.start(nullptr);
+  EXPECT_FALSE(off.on());
+  EXPECT_EQ(off.run(1, false, step, [] {}), 1);
+  EXPECT_EQ(off.run(2, false, step, [] {}), 2);
+  EXPECT_FALSE(off.replayed());
+
+  Calls c;
+  GraphedStep<int> on;
+  on.start(std::make_unique<FakeBackend>(c), 1);
+  ASSERT_TRUE(on.on());
+  calls = 0;
+  EXPECT_EQ(on.run(1, false, step, [] {}), 1);  // warm-up
+  EXPECT_FALSE(on.captured());
+  EXPECT_EQ(on.run(2, false, step, [] {}), 2);  // captured (and replayed at once)
+  EXPECT_TRUE(on.captured());
+  EXPECT_FALSE(on.replayed());
+  EXPECT_EQ(on.run(3, false, step, [] {}), 2);  // a replay: the captured outputs
+  EXPECT_TRUE(on.replayed());
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(on.run(4, true, step, [] {}), 3);  // eager only: its own
+  EXPECT_FALSE(on.replayed());
+  EXPECT_EQ(on.run(5, false, step, [] {}), 2);
+  on.stop();
+  EXPECT_FALSE(on.on());
+  EXPECT_EQ(c.log.back(), "leave");
 }
 
 }  // namespace
