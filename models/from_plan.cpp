@@ -19,6 +19,7 @@ models::ModelShape model_shape(const plan::ModelConfig& m) {
   s.rope_theta = m.rope_theta;
   s.init_std = m.init_std;
   s.qk_norm = m.qk_norm;
+  s.mlp = m.mlp;
   s.moe.experts = m.moe.experts;
   s.moe.top_k = m.moe.top_k;
   s.moe.shared = m.moe.shared_experts;

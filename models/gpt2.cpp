@@ -12,7 +12,7 @@ DecoderOptions gpt2_options(const ModelShape& m) {
   o.model = m;
   o.layer_norm = true;
   o.learned_pos = true;
-  o.mlp = MlpKind::kGeluTanh;
+  o.mlp = resolved_mlp(m.mlp, plan::Mlp::kGeluTanh);
   o.linear_bias = true;
   return o;
 }
@@ -37,6 +37,7 @@ const Pair kTop[] = {{"embed.weight", "wte.weight", false},
 // Every tensor a view of its file (`keep` unread: nothing here copies).
 Weights gpt2_from_hf(const Weights& hf_in, const ModelShape& m, const std::string& source,
                      const std::set<std::string>* /*keep*/) {
+  hf_activation(m, source);  // the file's MLP must be one GPT2LMHeadModel holds
   // save_pretrained of GPT2LMHeadModel prefixes "transformer."; the hub's gpt2 files do not.
   Weights hf;
   for (const auto& [k, v] : hf_in) hf[k.rfind("transformer.", 0) == 0 ? k.substr(12) : k] = v;
@@ -68,6 +69,7 @@ Weights gpt2_from_hf(const Weights& hf_in, const ModelShape& m, const std::strin
 
 std::vector<std::pair<std::string, torch::Tensor>> gpt2_to_hf(const Weights& w,
                                                               const ModelShape& m) {
+  hf_activation(m, "export to Hugging Face");
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (const auto& p : kTop) out.emplace_back("transformer." + std::string(p.hf), w.at(p.tessel));
   for (int64_t i = 0; i < m.layers; ++i) {
@@ -99,7 +101,7 @@ nlohmann::json gpt2_hf_config(const ModelShape& m) {
           {"n_layer", m.layers},
           {"n_head", m.heads},
           {"n_inner", m.ffn_hidden},
-          {"activation_function", "gelu_new"},
+          {"activation_function", hf_activation(m, "config.json of gpt2")},
           {"layer_norm_epsilon", m.norm_eps},
           {"initializer_range", m.init_std},
           {"tie_word_embeddings", m.tied()},
@@ -109,8 +111,21 @@ nlohmann::json gpt2_hf_config(const ModelShape& m) {
           {"torch_dtype", "float32"}};
 }
 
+// GPT2MLP: down(act(up x)), not gated.
+const char* gpt2_activation(plan::Mlp form) {
+  switch (form) {
+    case plan::Mlp::kGeluTanh:
+      return "gelu_new";
+    case plan::Mlp::kSwiGlu:
+    case plan::Mlp::kAuto:
+      break;
+  }
+  return nullptr;
+}
+
 }  // namespace
 
-extern const Arch kGpt2{"gpt2", gpt2_options, gpt2_from_hf, gpt2_to_hf, gpt2_hf_config};
+extern const Arch kGpt2{"gpt2",     gpt2_options,   gpt2_from_hf,
+                        gpt2_to_hf, gpt2_hf_config, gpt2_activation};
 
 }  // namespace tessel::models

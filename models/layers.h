@@ -42,11 +42,11 @@ struct StagePart {
 /// What differs between the two architectures (from the registry), and the tensor-parallel group.
 struct DecoderOptions {
   ModelShape model;
-  bool layer_norm = true;            // LayerNorm with bias (gpt2) or RMSNorm (llama)
-  bool learned_pos = true;           // learned position table (gpt2) or RoPE (llama)
-  MlpKind mlp = MlpKind::kGeluTanh;  // the MLP's form (models/mlp.h)
-  bool linear_bias = true;           // biases in projections (gpt2)
-  parallel::Group* tp = nullptr;     // null: one process
+  bool layer_norm = true;                // LayerNorm with bias (gpt2) or RMSNorm (llama)
+  bool learned_pos = true;               // learned position table (gpt2) or RoPE (llama)
+  plan::Mlp mlp = plan::Mlp::kGeluTanh;  // the MLP's form (models/mlp.h), never auto
+  bool linear_bias = true;               // biases in projections (gpt2)
+  parallel::Group* tp = nullptr;         // null: one process
   bool sequence_parallel = false;
   StagePart stages;
   parallel::Group* cp = nullptr;  // context parallelism (parallel/cp): null or size 1: none
@@ -83,6 +83,16 @@ class NormImpl : public torch::nn::Module {
   static int64_t parameters(const DecoderOptions& o, int64_t dim) {
     return (o.layer_norm ? 2 : 1) * dim;
   }
+  /// What one norm keeps for backward per token, in units of its width and elements of the
+  /// compute dtype `w` bytes wide, beside its input (the residual stream's: BlockImpl): its
+  /// output (1). RMSNorm's composite (LibTorch's CPU operator, which runs where neither Tessel's
+  /// CPU kernel, `own_kernels`, nor the fused CUDA kernel does) keeps x·rsqrt too (1) and, in
+  /// bf16/fp16, the fp32 copy of its input (4/w; CPU bf16, 2026-11-28). Measured with whole blocks
+  /// (BlockImpl::stream_kept_per_h): the selective mode, which drops one norm, gives the same.
+  static double kept_per_h(const DecoderOptions& o, bool own_kernels, bool cpu, double w) {
+    if (o.layer_norm || own_kernels || !cpu) return 1.0;
+    return 2.0 + (w < 4 ? 4 / w : 0.0);
+  }
   torch::Tensor weight, bias;
   bool tessel_kernels = true;  // RMSNorm: core/kernels/fused_ops.h's CPU loops where they apply
 
@@ -102,6 +112,14 @@ class AttentionImpl : public torch::nn::Module, public parallel::tp::Placed {
   /// q, k, v, o declare their own; here what the tp layers do not: key/value projections held
   /// whole by every rank (tp > kv_heads) and the per-head norms, whose gradients are partial.
   std::vector<std::pair<std::string, parallel::tp::Placement>> placements() const override;
+  /// What it keeps for backward per token: `per_h`·hidden query-wide elements and `per_kv`·kv_dim
+  /// for the keys and values, each split over tp. Measured with the counting allocator
+  /// (core/observe/counters.h) on whole blocks, CPU fp32, 2026-11-23: 1.6 and 2 with RoPE, 1.58
+  /// and 2 with learned positions (GPT-2's 3.58·hidden, its kv_dim being hidden).
+  struct Kept {
+    double per_h, per_kv;
+  };
+  static Kept kept(const DecoderOptions& o) { return {o.learned_pos ? 1.58 : 1.6, 2.0}; }
   /// docs: the micro-batch's documents (data.document_mask; every token of the sequence, as the
   /// cp rank's all-to-all sees them), attention kept inside each; null: one causal sequence.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -143,6 +161,11 @@ class MlpImpl : public torch::nn::Module {
   static double kept_per_ffn(const DecoderOptions& o, bool own_kernels) {
     return mlp_form(o.mlp).kept_per_ffn(own_kernels);
   }
+  /// Elements its activation's backward holds per token and unit of ffn width beyond down's
+  /// (MlpForm::backward_extra_per_ffn).
+  static double backward_extra_per_ffn(const DecoderOptions& o, bool own_kernels) {
+    return mlp_form(o.mlp).backward_extra_per_ffn(own_kernels);
+  }
   parallel::tp::ColumnParallelLinear up{nullptr}, gate{nullptr};
   parallel::tp::RowParallelLinear down{nullptr};
   bool tessel_kernels = true;  // Tessel's GELU and SwiGLU where they apply (else LibTorch's)
@@ -167,6 +190,19 @@ class BlockImpl : public torch::nn::Module {
   /// parallelism each rank's gradient of them is partial.
   static int64_t replicated_parameters(const DecoderOptions& o, int64_t h) {
     return 2 * NormImpl::parameters(o, h) + (o.linear_bias ? 2 * h : 0);
+  }
+  /// Its residual stream kept for backward per token, in units of h, beside its norms'
+  /// (NormImpl::kept_per_h): the block's input and the attention half's sum, each a norm's input,
+  /// and what the whole-block measurements (CPU fp32, 2026-11-23) leave besides: 0.5·h in
+  /// RMSNorm blocks, 0.76·h in LayerNorm blocks (biases, the norm's statistics).
+  static double stream_kept_per_h(const DecoderOptions& o) { return o.layer_norm ? 2.76 : 2.5; }
+  /// Host operators it issues per micro-batch, forward and backward (with the head and the
+  /// optimizer's share), counted in --profile traces of GPT-2 and Llama blocks, CPU fp32,
+  /// 2026-11-26: Tessel's kernels 115 (LayerNorm, GELU) and 107 (RMSNorm, SwiGLU, RoPE);
+  /// LibTorch's 100 (its flash attention is fewer) and 200 (composite RMSNorm, RoPE, SwiGLU).
+  static double host_ops(const DecoderOptions& o, bool own_kernels) {
+    if (own_kernels) return o.layer_norm ? 115 : 107;
+    return o.layer_norm ? 100 : 200;
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const kernels::Documents* docs = nullptr);
@@ -237,6 +273,12 @@ class DecoderImpl : public torch::nn::Module {
   /// Auxiliary-loss-free balancing: `counts` [MoE layers, E], every layer's choices over the
   /// global batch, move this rank's layers' balance biases.
   void update_moe_bias(const torch::Tensor& counts);
+
+  /// What the model keeps per token outside its blocks, in units of h: the embedding's output and
+  /// the head's input (1.3, measured with the blocks) and the final norm's (NormImpl::kept_per_h).
+  static double outside_kept_per_h(const DecoderOptions& o, bool own_kernels, bool cpu, double w) {
+    return 1.3 + NormImpl::kept_per_h(o, own_kernels, cpu, w);
+  }
 
   parallel::tp::VocabParallelEmbedding embed{nullptr};  // first stage; tied: last stage too
   torch::nn::Embedding pos_embed{nullptr};

@@ -12,7 +12,7 @@ DecoderOptions llama_options(const ModelShape& m) {
   o.model = m;
   o.layer_norm = false;
   o.learned_pos = false;
-  o.mlp = MlpKind::kSwiGlu;
+  o.mlp = resolved_mlp(m.mlp, plan::Mlp::kSwiGlu);
   o.linear_bias = false;
   return o;
 }
@@ -97,6 +97,7 @@ std::vector<std::pair<std::string, std::vector<std::string>>> expert_pairs(const
 
 Weights llama_from_hf(const Weights& hf, const ModelShape& m, const std::string& source,
                       const std::set<std::string>* keep) {
+  hf_activation(m, source);  // the file's MLP must be one LlamaForCausalLM holds
   auto kept = [keep](const std::string& t) { return !keep || keep->count(t) > 0; };
   Weights w;
   std::set<std::string> used;
@@ -128,6 +129,7 @@ Weights llama_from_hf(const Weights& hf, const ModelShape& m, const std::string&
 
 std::vector<std::pair<std::string, torch::Tensor>> llama_to_hf(const Weights& w,
                                                                const ModelShape& m) {
+  hf_activation(m, "export to Hugging Face");
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (const auto& [t, h] : name_pairs(m)) out.emplace_back(h, w.at(t));
   for (const auto& [t, names] : expert_pairs(m)) {
@@ -176,7 +178,7 @@ nlohmann::json llama_hf_config(const ModelShape& m) {
                       {"rms_norm_eps", m.norm_eps},
                       {"rope_theta", m.rope_theta},
                       {"tie_word_embeddings", m.tied()},
-                      {"hidden_act", "silu"},
+                      {"hidden_act", hf_activation(m, "config.json of llama")},
                       {"attention_bias", false},
                       {"mlp_bias", false},
                       {"initializer_range", m.init_std},
@@ -184,8 +186,21 @@ nlohmann::json llama_hf_config(const ModelShape& m) {
   return m.moe.experts > 0 ? moe_hf_config(m, c) : c;
 }
 
+// LlamaMLP: down(act(gate x) * up x), always gated.
+const char* llama_activation(plan::Mlp form) {
+  switch (form) {
+    case plan::Mlp::kSwiGlu:
+      return "silu";
+    case plan::Mlp::kGeluTanh:
+    case plan::Mlp::kAuto:
+      break;
+  }
+  return nullptr;
+}
+
 }  // namespace
 
-extern const Arch kLlama{"llama", llama_options, llama_from_hf, llama_to_hf, llama_hf_config};
+extern const Arch kLlama{"llama",     llama_options,   llama_from_hf,
+                         llama_to_hf, llama_hf_config, llama_activation};
 
 }  // namespace tessel::models

@@ -1,15 +1,20 @@
 #include "models/mlp.h"
 
+#include <stdexcept>
+
 namespace tessel::models {
 
-const MlpForm& mlp_form(MlpKind kind) {
+const MlpForm& mlp_form(plan::Mlp kind) {
   switch (kind) {
-    case MlpKind::kGeluTanh:
+    case plan::Mlp::kGeluTanh:
       return gelu_tanh_mlp();
-    case MlpKind::kSwiGlu:
+    case plan::Mlp::kSwiGlu:
       return swiglu_mlp();
+    case plan::Mlp::kAuto:
+      break;
   }
-  return gelu_tanh_mlp();  // unreachable: every kind has its case (-Werror=switch)
+  // Every architecture resolves auto to its own form (its options: resolved_mlp).
+  throw std::logic_error("mlp_form: model.mlp auto reached a layer unresolved");
 }
 
 }  // namespace tessel::models

@@ -1,20 +1,17 @@
 // A block's feed-forward form: what runs between its column-parallel projections (up, and a gated
 // form's gate) and down, declared with what the planner and --dry-run's CPU profile need of it.
 // Each form is one file (models/mlp_*.cpp) and one case of mlp_form (mlp.cpp); its value in
-// MlpKind is the choice a model's features name (models/registry.h: DecoderOptions::mlp).
-// Nothing in engine/ names a form: the planner asks the form of the plan's model.
+// plan::Mlp (core/plan/choices.h) is the plan's model.mlp and what a model's features name
+// (models/registry.h: DecoderOptions::mlp). Nothing in engine/ names a form: the planner asks the
+// form of the plan's model.
 #pragma once
 
 #include <torch/types.h>
 
+#include "core/plan/choices.h"
 #include "parallel/tp/layers.h"
 
 namespace tessel::models {
-
-enum class MlpKind {
-  kGeluTanh,  // GPT-2's: GELU (tanh approximation) of up
-  kSwiGlu,    // Llama's: SiLU of gate times up
-};
 
 class MlpForm {
  public:
@@ -32,6 +29,10 @@ class MlpForm {
   /// ffn term of the planner's activation model), with Tessel's kernels or LibTorch's; measured
   /// with the counting allocator (core/observe/counters.h), the date and machine beside each.
   virtual double kept_per_ffn(bool own_kernels) const = 0;
+  /// Elements per token and unit of ffn width its activation's backward holds at once beyond
+  /// what down's backward holds (the planner's working set): 0 where it is one pass from down's
+  /// input gradient to its own result.
+  virtual double backward_extra_per_ffn(bool own_kernels) const = 0;
   /// One forward and backward of its activation as the layer runs it, over [rows, ffn] operands:
   /// `up` (and `gate`), `grad` the output's gradient, `bias` up's. What --dry-run's CPU profile
   /// times per element (engine/planner/cpu_profile.cpp).
@@ -39,8 +40,13 @@ class MlpForm {
                                const torch::Tensor& grad, const torch::Tensor& bias) const = 0;
 };
 
-/// The form of `kind` (one instance each, for the program's life).
-const MlpForm& mlp_form(MlpKind kind);
+/// The form of `kind` (one instance each, for the program's life); kAuto is the architecture's
+/// to resolve (resolved_mlp), never a form.
+const MlpForm& mlp_form(plan::Mlp kind);
+/// model.mlp as a model builds it: `kind`, or the architecture's own form `arch_default` for auto.
+inline plan::Mlp resolved_mlp(plan::Mlp kind, plan::Mlp arch_default) {
+  return kind == plan::Mlp::kAuto ? arch_default : kind;
+}
 
 // Each form's file defines its instance.
 const MlpForm& gelu_tanh_mlp();

@@ -21,6 +21,7 @@ class GeluTanh final : public MlpForm {
   }
   // Up's output and the GELU's (2-core Xeon, CPU fp32, 2026-11-23), either kernel.
   double kept_per_ffn(bool) const override { return 2.0; }
+  double backward_extra_per_ffn(bool) const override { return 0.0; }  // one pass, either way
   void activation_pass(bool own_kernels, const torch::Tensor& up, const torch::Tensor&,
                        const torch::Tensor& grad, const torch::Tensor& bias) const override {
     if (own_kernels) {      // Tessel's: the forward adds the bias and writes y and the slope,

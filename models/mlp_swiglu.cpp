@@ -20,6 +20,9 @@ class SwiGlu final : public MlpForm {
   // Gate's and up's outputs and their product with Tessel's fused kernel; LibTorch's keeps the
   // SiLU's output besides (2-core Xeon, CPU fp32, 2026-11-23).
   double kept_per_ffn(bool own_kernels) const override { return own_kernels ? 3.0 : 4.0; }
+  // Its gradients of gate and up are the two ffn-wide results the measured peaks (the same
+  // runs) already hold.
+  double backward_extra_per_ffn(bool) const override { return 0.0; }
   void activation_pass(bool own_kernels, const torch::Tensor& up, const torch::Tensor& gate,
                        const torch::Tensor& grad, const torch::Tensor&) const override {
     if (own_kernels) {  // one pass forward, one backward

@@ -11,6 +11,10 @@ namespace tessel::models {
 
 using Piece = std::function<torch::Tensor(const torch::Tensor&)>;
 
+/// What a recomputed piece keeps per token between its forward and its backward, in units of its
+/// input's width: its input.
+constexpr double kPieceKeptPerInput = 1.0;
+
 /// fn(x), with autograd recording one node instead of fn's graph. In backward the node reruns fn
 /// on x with gradients on and backpropagates through it: parameters fn uses get their gradients
 /// (and their hooks fire) then. fn must be deterministic and issue the same collectives again

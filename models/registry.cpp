@@ -22,6 +22,18 @@ const Arch& arch(plan::ModelArch a) {
 
 DecoderOptions features(const ModelShape& m) { return arch(m.arch).options(m); }
 
+std::string hf_activation(const ModelShape& m, const std::string& use) {
+  const auto& a = arch(m.arch);
+  const plan::Mlp form = features(m).mlp;
+  if (const char* name = a.hf_activation(form)) return name;
+  std::string held;
+  for (size_t i = 1; i < plan::choice_names(form).size(); ++i)  // every form but auto
+    if (a.hf_activation(static_cast<plan::Mlp>(i)))
+      held += (held.empty() ? "" : ", ") + plan::choice_names(form)[i];
+  throw plan::UserError(use + ": model.mlp " + plan::name_of(form) + " has no Hugging Face " +
+                        a.name + " form (its MLP is " + held + " only)");
+}
+
 void check_all_used(const Weights& hf, const std::set<std::string>& used,
                     const std::string& source) {
   auto ignorable = [](const std::string& k) {

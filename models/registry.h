@@ -30,6 +30,9 @@ struct Arch {
   std::vector<std::pair<std::string, torch::Tensor>> (*to_hf)(const Weights&, const ModelShape&);
   /// config.json for transformers' from_pretrained.
   nlohmann::json (*hf_config)(const ModelShape&);
+  /// The activation config.json names for an MLP form (activation_function, hidden_act), or
+  /// null where the Hugging Face class cannot hold that form.
+  const char* (*hf_activation)(plan::Mlp);
 };
 
 const Arch& arch(plan::ModelArch a);
@@ -37,6 +40,11 @@ const Arch& arch(plan::ModelArch a);
 /// The parts model `m`'s architecture builds (DecoderOptions without groups or stages): what
 /// code above models/ asks about a model instead of its architecture's name.
 DecoderOptions features(const ModelShape& m);
+
+/// The activation name config.json gives model `m`'s MLP form in its architecture's Hugging Face
+/// class; throws UserError naming model.mlp, the class and the forms it holds where it cannot hold
+/// this one. `use`: what needs the Hugging Face form (named in the error).
+std::string hf_activation(const ModelShape& m, const std::string& use);
 
 /// Throws UserError naming every tensor of `hf` that was not used, except buffers that carry no
 /// weights (attention masks, rotary tables) and a tied head's duplicate.

@@ -34,7 +34,8 @@ struct ModelShape {
   int64_t vocab_size = 0, max_seq_len = 0;
   bool tie_embeddings = false;  // the head reuses the token table
   double norm_eps = 1e-5, rope_theta = 10000, init_std = 0.02;
-  bool qk_norm = false;  // RMSNorm of each query and key head before RoPE (Qwen3)
+  bool qk_norm = false;              // RMSNorm of each query and key head before RoPE (Qwen3)
+  plan::Mlp mlp = plan::Mlp::kAuto;  // the MLP's form (models/mlp.h); auto: the architecture's
   MoeShape moe;
 
   bool tied() const { return tie_embeddings; }

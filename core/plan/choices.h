@@ -19,6 +19,13 @@ inline const Names& choice_names(ModelArch) {
   return n;
 }
 
+// model.mlp // kAuto: the architecture's form (models/registry.h features)
+enum class Mlp { kAuto, kGeluTanh, kSwiGlu };
+inline const Names& choice_names(Mlp) {
+  static const Names n{"auto", "gelu_tanh", "swiglu"};
+  return n;
+}
+
 // parallel.pipeline.schedule
 enum class PipelineSchedule { kGpipe, k1F1B, kInterleaved, kZbH1, kZbv };
 inline const Names& choice_names(PipelineSchedule) {

@@ -43,6 +43,7 @@ struct ModelConfig {
   int64_t ffn_hidden;  // 0 = auto (gpt2: 4·hidden; llama: 8/3·hidden rounded up to 64)
   int64_t vocab_size, max_seq_len;
   Choice<TieEmbeddings> tie_embeddings;  // auto | true | false; auto resolves by arch
+  Choice<Mlp> mlp;                       // the MLP's form; auto: the arch's (models::features)
   double norm_eps, rope_theta, init_std;
   std::string init_from;  // safetensors file (Hugging Face or Tessel names) or empty
   std::vector<std::string> init_from_accept;  // keys that may contradict init_from's config.json

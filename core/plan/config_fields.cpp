@@ -56,6 +56,10 @@ void add_model_fields(FieldAdder& add, Config& c) {
       .range(1);
   add("model.tie_embeddings", &c.model.tie_embeddings, S("auto"),
       "Share input embedding and output head. auto = true for gpt2, false for llama.");
+  add("model.mlp", &c.model.mlp, S("auto"),
+      "The MLP's form: gelu_tanh = down(GELU_tanh(up x)) (GPT-2's); swiglu = down(SiLU(gate x) "
+      "* up x) (Llama's). "
+      "auto = gelu_tanh for gpt2, swiglu for llama. MoE layers' routed experts are SwiGLU.");
   add("model.norm_eps", &c.model.norm_eps, 1e-5, "Epsilon of LayerNorm / RMSNorm.").range(0);
   add("model.rope_theta", &c.model.rope_theta, 10000.0, "RoPE base (llama).").range(1);
   add("model.init_std", &c.model.init_std, 0.02, "Std of the normal initial weights.").range(0);

@@ -83,6 +83,10 @@ class Validator {
             fmt::format("RoPE needs an even head dimension: model.hidden ({}) / model.heads ({}) "
                         "= {} is odd",
                         m.hidden, m.heads, m.head_dim()));
+    require(m.moe.experts == 0 || m.mlp == Mlp::kAuto || m.mlp == Mlp::kSwiGlu, "model.mlp",
+            fmt::format("model.mlp {}: an MoE model's routed experts are SwiGLU (model.moe.experts "
+                        "{}); leave model.mlp auto or swiglu",
+                        m.mlp.name(), m.moe.experts));
     require(m.arch == ModelArch::kLlama || !m.qk_norm, "model.qk_norm",
             "model.qk_norm is a llama-family option (Qwen3); model.arch is " + m.arch.name());
     // Each key is bounded; their product is too, in double (int64 byte counts of the weights,

@@ -24,18 +24,14 @@ namespace tessel::planner {
 // Activation bytes per token per transformer block, in elements of the compute dtype, as this
 // implementation's autograd keeps them: `replicated`·h (the residual stream, norms' inputs and
 // outputs: divided by tp only under sequence parallelism) + (`attn`·h + `kv`·kv_dim +
-// `ffn`·ffn_hidden) / tp. `outside`·h per token for the embedding output and the final norm.
-// Measured on CPU fp32 with the counting allocator (core/observe/counters.h), 2026-11-23, from
-// single- process and tp=2 runs that vary h, kv_heads, ffn_hidden, layers, seq_len and vocab_size;
-// the other layouts (sp, cp, pp, ZeRO) are predictions that tests/dist/planner_test.py checks.
+// `ffn`·ffn_hidden) / tp. `outside`·h per token for the embedding output and the final norm. Each
+// figure is a part's own declaration (models/layers.h, models/mlp.h: activation_model adds them),
+// measured there on CPU fp32 with the counting allocator (core/observe/counters.h) from single-
+// process and tp=2 runs; the other layouts (sp, cp, pp, ZeRO) are predictions that the parity
+// table's rows check (tests/dist/parity.py check_planner).
 struct ActivationModel {
   double replicated, attn, kv, ffn, outside;
 };
-
-/// The measured per-block constants (activation_model, the CPU operators per block) were taken
-/// on two whole blocks: Llama's (RMSNorm, SwiGLU, RoPE, no biases) and GPT-2's (LayerNorm, GELU,
-/// learned positions, biases). A model's block takes the figures of the one with its norm.
-inline bool rms_block(const models::DecoderOptions& o) { return !o.layer_norm; }
 
 struct PlanBasis {
   models::ModelShape m;

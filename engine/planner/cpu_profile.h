@@ -19,7 +19,7 @@ int64_t cpu_threads_per_rank(const plan::Config& c, int64_t ranks_on_node);
 
 /// Measures (about a second) the matmul rate in the plan's dtype, scaled dot-product
 /// attention forward and backward at the plan's head size and sequence, the MLP activation
-/// (tanh-GELU for gpt2, SiLU·gate for llama) forward and backward, the memory bandwidth of an
+/// (the model's MLP form's activation_pass) forward and backward, the memory bandwidth of an
 /// element-wise add, and with more than one rank the latency and bandwidth of loopback Gloo
 /// all-reduce, all-gather and send/receive between two ranks of this process. Rates are per rank:
 /// on `cpu_threads_per_rank` threads, shared out when the node's ranks want more threads than it

@@ -8,6 +8,7 @@
 #include "core/optim/optim.h"
 #include "engine/planner/basis.h"
 #include "engine/planner/cpu_profile.h"
+#include "models/recompute.h"
 #include "models/registry.h"
 #include "parallel/pp/schedule.h"
 #include "parallel/tp/head_loss.h"
@@ -249,6 +250,9 @@ Working working_set(const PlanBasis& b) {
   const double f = static_cast<double>(b.m.ffn_hidden) / b.tp;
   const double gathered = b.sp ? b.w * b.tok * b.h : 0.0;
   const double input_out = b.w * b.tok * f, weight_out = b.w * f * b.h;
+  // The MLP activation's backward beyond down's (its form's declaration).
+  const double activation =
+      input_out * models::MlpImpl::backward_extra_per_ffn(b.parts, b.own_kernels);
   double input = input_out, weight = weight_out;  // each matmul at its peak, output included
   if (b.cpu && b.w < 4) {
     const auto tok = static_cast<int64_t>(b.tok), h = static_cast<int64_t>(b.h);
@@ -258,7 +262,7 @@ Working working_set(const PlanBasis& b) {
   }
   // A backward makes the input's gradient, then the weight's beside it (a matmul's workspace
   // is gone once it returns).
-  return {input + gathered, weight, std::max(input, input_out + weight) + gathered,
+  return {input + gathered, weight, std::max(input, input_out + weight) + activation + gathered,
           b.w * b.tok * b.h};
 }
 
@@ -398,29 +402,23 @@ double sp_gathered_floats(plan::Recompute recompute, double h, double tp, bool s
   return kept * h * (1.0 - 1.0 / tp);
 }
 
-// Llama's RMSNorm as Tessel's CPU kernel (training.kernels tessel, fp32 on the CPU) or LibTorch's
-// fused CUDA kernel (core/kernels/fused_ops.cpp) keeps x and one scale per row, not also x·rsqrt as
-// the composite does (LibTorch's CPU operator is the composite): one h less per norm, two per block
-// and one outside. `own_kernels`: Tessel's SwiGLU runs too, which keeps gate and up, not also
-// silu(gate) (one ffn less). In bf16/fp16 the composite computes in fp32 and keeps that copy of
-// its input too (4/w elements of the compute dtype per h; measured on CPU bf16, 2026-11-28: 4.3·h
-// per block).
+// Each part's declaration (models/layers.h): per block, the residual stream and two norms, the
+// attention's query-wide and key/value-wide tensors, the MLP form's ffn-wide ones; outside the
+// blocks, the embedding, the head's input and the final norm. Recomputation: full keeps each
+// block's input only (a recomputed piece's); selective reruns the MLP half, whose input the
+// piece keeps in place of its norm's output and the ffn-wide tensors. Each piece also keeps the
+// CPU generator's state (cpu_rng_state_bytes, planner.cpp).
 ActivationModel activation_model(const models::DecoderOptions& o, plan::Recompute recompute,
                                  bool own_kernels, bool cpu, double w) {
-  const bool llama = rms_block(o), fused = llama && own_kernels;
-  const bool fused_norm = fused || (llama && !cpu);
-  const double upcast = !llama || fused_norm || w >= 4 ? 0.0 : 4 / w;  // per composite norm
-  const double ffn = models::MlpImpl::kept_per_ffn(o, own_kernels);    // the MLP's own figure
-  ActivationModel a = !llama       ? ActivationModel{4.76, 3.58, 0.0, ffn, 2.3}
-                      : fused_norm ? ActivationModel{4.5, 1.6, 2.0, ffn, 2.3}
-                                   : ActivationModel{6.5 + 2 * upcast, 1.6, 2.0, ffn, 3.3 + upcast};
-  // Recomputation, measured the same way: full keeps each block's input (1·h per token);
-  // selective keeps the MLP half's input instead of its norm and ffn-wide tensors. Each piece
-  // also keeps the CPU generator's state (cpu_rng_state_bytes, planner.cpp).
-  if (recompute == plan::Recompute::kFull) return {1.0, 0, 0, 0, a.outside};
+  const double norm = models::NormImpl::kept_per_h(o, own_kernels, cpu, w);
+  const auto attn = models::AttentionImpl::kept(o);
+  const double stream = models::BlockImpl::stream_kept_per_h(o);
+  const double outside = models::DecoderImpl::outside_kept_per_h(o, own_kernels, cpu, w);
+  if (recompute == plan::Recompute::kFull) return {models::kPieceKeptPerInput, 0, 0, 0, outside};
   if (recompute == plan::Recompute::kSelective)
-    return {llama ? (fused_norm ? 3.5 : 4.5 + upcast) : 3.76, a.attn, a.kv, 0.0, a.outside};
-  return a;
+    return {stream + norm, attn.per_h, attn.per_kv, 0.0, outside};
+  return {stream + 2 * norm, attn.per_h, attn.per_kv, models::MlpImpl::kept_per_ffn(o, own_kernels),
+          outside};
 }
 
 RankEstimate stage_memory(const plan::Config& c, const plan::Layout& l, const PlanBasis& b,

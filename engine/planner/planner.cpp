@@ -360,14 +360,9 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const plan::TrainingCon
                                      static_cast<double>(t.global_batch * t.seq_len);
 }
 
-// CPU step constants (cpu_compute_s): host operators per block and micro-batch, forward and
-// backward (with Tessel's own kernels: counted in --profile traces of the bench's models,
-// 2026-11-26, 115 and 107 operators per block and micro-batch, the head and optimizer included;
-// LibTorch's: GPT-2's flash attention is fewer operators, Llama's composite RMSNorm, RoPE and
-// SwiGLU many more); element-wise passes over a block's [tokens, hidden], over the logits, and over
-// the optimizer's fp32 state.
-constexpr double kGpt2BlockOps = 115, kLlamaBlockOps = 107;
-constexpr double kGpt2TorchBlockOps = 100, kLlamaTorchBlockOps = 200;
+// CPU step constants (cpu_compute_s; a block's host operators are its own declaration,
+// models::BlockImpl::host_ops): element-wise passes over a block's [tokens, hidden], over the
+// logits, and over the optimizer's fp32 state.
 constexpr double kBlockPasses = 20, kHeadPasses = 8, kOptimizerPasses = 12;
 // Operators one more document adds to a block's attention (narrows, the call, the join; forward
 // and backward), from CPU fp32 runs of 32-token samples cut into ~5 documents (2026-11-28).
@@ -446,7 +441,7 @@ std::map<std::string, double> cpu_compute_s(const plan::Config& c, const PlanBas
                                             const DeviceProfile& d) {
   const auto& t = c.training;
   const auto& m = b.m;
-  const bool llama = rms_block(b.parts), full = t.recompute == plan::Recompute::kFull;
+  const bool full = t.recompute == plan::Recompute::kFull;
   const double micro = static_cast<double>(b.mbs), tokens = micro * b.tok;
   const double layers = static_cast<double>(r.layers), h = b.h, tp = b.tp;
   const double mlp =
@@ -463,8 +458,7 @@ std::map<std::string, double> cpu_compute_s(const plan::Config& c, const PlanBas
                            (std::min(d.attention_tflops, d.peak_tflops * d.efficiency) * 1e12);
   const double activation = layers * tokens * static_cast<double>(m.ffn_hidden) / tp *
                             d.activation_ns * 1e-9 * (rerun > 0 ? 1.5 : 1.0);
-  const double block_ops = b.own_kernels ? (llama ? kLlamaBlockOps : kGpt2BlockOps)
-                                         : (llama ? kLlamaTorchBlockOps : kGpt2TorchBlockOps);
+  const double block_ops = models::BlockImpl::host_ops(b.parts, b.own_kernels);
   // A document mask's CPU attention is a call per document: about kDocumentOps operators more
   // for each document after a sample's first, forward and backward.
   const double doc_ops =

@@ -33,7 +33,7 @@ std::vector<std::string> decided_keys(const plan::Config& hf) {
   std::vector<std::string> keys = {"model.arch",       "model.layers",   "model.hidden",
                                    "model.heads",      "model.kv_heads", "model.ffn_hidden",
                                    "model.vocab_size", "model.norm_eps", "model.tie_embeddings",
-                                   "model.qk_norm"};
+                                   "model.qk_norm",    "model.mlp"};
   if (models::features(models::model_shape(hf.model)).learned_pos)
     keys.push_back("model.max_seq_len");
   else
@@ -52,6 +52,7 @@ std::string resolved(plan::Config c, const std::string& key) {
   if (key == "model.kv_heads") return std::to_string(shape.kv_heads);
   if (key == "model.ffn_hidden") return std::to_string(shape.ffn_hidden);
   if (key == "model.tie_embeddings") return shape.tie_embeddings ? "true" : "false";
+  if (key == "model.mlp") return plan::name_of(models::features(shape).mlp);
   for (const auto& f : plan::bind_fields(c))
     if (f.key == key) return f.value_text();
   return "";

@@ -17,6 +17,7 @@
 #include "engine/io/tokenizer.h"
 #include "engine/io/weights.h"
 #include "engine/run/build.h"
+#include "models/registry.h"
 
 namespace tessel::run {
 namespace {
@@ -94,6 +95,24 @@ std::string moe_keys(const nlohmann::json& j, const std::string& path, bool mixt
   return ", qk_norm: true, moe: " + moe + "}";
 }
 
+// model.mlp from config.json's activation (activation_function for gpt2, its default gelu_new;
+// hidden_act for the llama family, its default silu): the form whose Hugging Face name it is.
+std::string mlp_of(const nlohmann::json& j, const std::string& path, bool gpt2) {
+  const char* field = gpt2 ? "activation_function" : "hidden_act";
+  const std::string act = j.value(field, gpt2 ? "gelu_new" : "silu");
+  plan::Choice<plan::ModelArch> arch;
+  arch.set_name(gpt2 ? "gpt2" : "llama");
+  const auto& a = models::arch(arch);
+  std::string held;
+  for (size_t i = 1; i < plan::choice_names(plan::Mlp{}).size(); ++i)  // every form but auto
+    if (const char* name = a.hf_activation(static_cast<plan::Mlp>(i))) {
+      if (act == name) return plan::choice_names(plan::Mlp{})[i];
+      held += (held.empty() ? "" : ", ") + std::string(name);
+    }
+  throw plan::UserError(fmt::format("{}: {} \"{}\" is not an MLP Tessel's {} builds ({})", path,
+                                    field, act, a.name, held));
+}
+
 }  // namespace
 
 plan::Config plan_from_hf_config(const std::string& path, const std::vector<std::string>& sets) {
@@ -136,6 +155,7 @@ plan::Config plan_from_hf_config(const std::string& path, const std::vector<std:
     put("ffn_hidden", key("intermediate_size"));
     if (j.contains("rope_theta")) put("rope_theta", j["rope_theta"]);
   }
+  put("mlp", mlp_of(j, path, gpt2));
   if (mixtral || qwen3_moe) m += moe_keys(j, path, mixtral);
   put("tie_embeddings", nlohmann::json(j.value("tie_word_embeddings", gpt2)));
   // seq_len: the model's whole context (score's windows, generate's limit).

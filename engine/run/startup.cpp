@@ -30,6 +30,8 @@
 #include "engine/run/init_plan.h"
 #include "engine/run/resume_plan.h"
 #include "engine/run/stop.h"
+#include "models/from_plan.h"
+#include "models/registry.h"
 #include "parallel/comm.h"
 #include "parallel/mesh.h"
 
@@ -80,6 +82,9 @@ RunLock check_start(const plan::Config& c, const parallel::WorldInfo& w) {
     resolved.parallel.dp = layout.dp;
     check_resume_plan(resolved, dir, w.rank == 0);
   }
+  if (!c.checkpoint.export_hf.empty())  // the model's MLP has a Hugging Face form to export
+    models::hf_activation(models::model_shape(c.model),
+                          "checkpoint.export_hf " + c.checkpoint.export_hf);
   if (w.rank != 0) return RunLock();
   RunLock lock(c.run.output_dir, c.checkpoint_dir());
   checkpoint::check_room_for_checkpoint(c);

@@ -18,7 +18,7 @@ inline void check_moe_on(const torch::Device& device, torch::ScalarType dtype, d
   o.model.layers = 1, o.model.hidden = 64, o.model.heads = 4, o.model.kv_heads = 4;
   o.model.moe.experts = 8, o.model.moe.top_k = 2, o.model.moe.ffn_hidden = 32;
   o.model.moe.shared = 1, o.model.moe.aux_loss_coef = 0.1;
-  o.mlp = models::MlpKind::kSwiGlu, o.linear_bias = false;
+  o.mlp = plan::Mlp::kSwiGlu, o.linear_bias = false;
   o.tp = &solo, o.ep = &solo_ep;
   auto run = [&](const torch::Device& dev, torch::ScalarType dt) {
     torch::manual_seed(5);

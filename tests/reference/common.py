@@ -8,16 +8,18 @@ from plans import SEQ
 torch.set_num_threads(2)
 
 
-def hf_model(arch, seed=0, tied=False):
+def hf_model(arch, seed=0, tied=False, activation="gelu_new"):
     """A transformers model with random weights (norm weights and biases perturbed too); `tied`:
-    a llama whose head is its embedding (Llama-3.2 1B/3B style; gpt2 is always tied)."""
+    a llama whose head is its embedding (Llama-3.2 1B/3B style; gpt2 is always tied);
+    `activation`: gpt2's activation_function."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     m = model_plan(arch)
     if arch == "gpt2":
         cfg = GPT2Config(vocab_size=m["vocab_size"], n_positions=m["max_seq_len"], n_embd=m["hidden"],
                          n_layer=m["layers"], n_head=m["heads"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                         layer_norm_epsilon=m["norm_eps"], attn_implementation="eager")
+                         layer_norm_epsilon=m["norm_eps"], activation_function=activation,
+                         attn_implementation="eager")
         model = GPT2LMHeadModel(cfg)
     else:
         cfg = LlamaConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden"], intermediate_size=m["ffn_hidden"],

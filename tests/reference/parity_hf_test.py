@@ -21,19 +21,21 @@ def score(plan_path, weights, tokens):
 
 
 class HfParity(TmpDirTest):
-    def plan(self, arch, data, tied=False, **training):
+    def plan(self, arch, data, tied=False, mlp=None, **training):
         plan = base_plan(self.tmp, arch, data, **training)
         if tied:
             plan["model"]["tie_embeddings"] = "true"
+        if mlp:
+            plan["model"]["mlp"] = mlp
         return write_plan(self.path("plan.yaml"), plan)
 
-    def check_hf_to_tessel(self, arch, tied=False):
-        model = hf_model(arch, tied=tied)
+    def check_hf_to_tessel(self, arch, tied=False, mlp=None):
+        model = hf_model(arch, tied=tied, **({"activation": mlp} if mlp else {}))
         model.save_pretrained(self.path("hf"), safe_serialization=True)
         rows = random_rows(6)
         write_rows(self.path("rows.bin"), rows)
         data = write_tokens(self.path("data.u16"), 2000)
-        plan = self.plan(arch, data, tied)
+        plan = self.plan(arch, data, tied, mlp)
         got = score(plan, self.path("hf", "model.safetensors"), self.path("rows.bin"))
         want = hf_loss(model, rows)
         self.assertEqual(got["tokens"], 6 * 16)
@@ -41,10 +43,10 @@ class HfParity(TmpDirTest):
         print(f"\n{arch} HF->Tessel: loss {want:.6f}, relative difference {rel(got['loss'], want):.2e}", file=sys.stderr)
         return got["loss"]
 
-    def check_tessel_to_hf(self, arch, tied=False):
+    def check_tessel_to_hf(self, arch, tied=False, mlp=None):
         # Tessel trains from its own seeded init, exports Hugging Face files, transformers reads them.
         data = write_tokens(self.path("data.u16"), 2000)
-        plan = self.plan(arch, data, tied, steps=2)
+        plan = self.plan(arch, data, tied, mlp, steps=2)
         run("tessel-train", plan)
         ckpt = self.path("run", "checkpoints")
         run("tessel-train", "export", ckpt, "--format", "hf", "--out", self.path("export"))
@@ -78,6 +80,32 @@ class HfParity(TmpDirTest):
         self.check_hf_to_tessel("llama", tied=True)
         self.check_tessel_to_hf("llama", tied=True)
         self.assertTrue(AutoModelForCausalLM.from_pretrained(self.path("export")).config.tie_word_embeddings)
+
+    def test_a_form_without_a_hugging_face_class_is_refused(self):
+        # Llama's MLP is always gated, GPT-2's never: llama with gelu_tanh cannot be exported, asked for
+        # at the start (checkpoint.export_hf) or at `export`; a config.json activation Tessel does not
+        # build is refused rather than trained as another.
+        data = write_tokens(self.path("data.u16"), 2000)
+        plan = base_plan(self.tmp, "llama", data, steps=1)
+        plan["model"]["mlp"] = "gelu_tanh"
+        plan["checkpoint"] = {"export_hf": self.path("hf")}
+        bad = run("tessel-train", write_plan(self.path("plan.yaml"), plan), check=False)
+        self.assertEqual(bad.returncode, 2, bad.stderr)
+        self.assertIn(f"checkpoint.export_hf {self.path('hf')}: model.mlp gelu_tanh has no Hugging Face llama "
+                      "form (its MLP is swiglu only)", bad.stderr)
+        self.assertFalse(os.path.exists(self.path("run", "metrics.jsonl")))
+        del plan["checkpoint"]
+        run("tessel-train", write_plan(self.path("plan.yaml"), plan))
+        bad = run("tessel-train", "export", self.path("run", "checkpoints"), "--out", self.path("hf"), check=False)
+        self.assertEqual(bad.returncode, 2, bad.stderr)
+        self.assertIn("export to Hugging Face: model.mlp gelu_tanh has no Hugging Face llama form", bad.stderr)
+        self.assertFalse(os.path.exists(self.path("hf", "model.safetensors")))
+        model = hf_model("gpt2", activation="relu")
+        model.save_pretrained(self.path("relu"), safe_serialization=True)
+        bad = run("tessel-train", "generate", "--weights", self.path("relu"), "--prompt-ids", "1", check=False)
+        self.assertEqual(bad.returncode, 2, bad.stderr)
+        self.assertIn(f"{self.path('relu', 'config.json')}: activation_function \"relu\" is not an MLP "
+                      "Tessel's gpt2 builds (gelu_new)", bad.stderr)
 
     def test_sharded_folders(self):
         # As released models ship: save_pretrained above max_shard_size writes shards and

@@ -26,7 +26,7 @@ struct Fixture {
     o.model.layers = 1, o.model.hidden = 16, o.model.heads = 2, o.model.kv_heads = 2;
     o.model.ffn_hidden = 24;
     o.model.moe = shape;
-    o.mlp = models::MlpKind::kSwiGlu, o.linear_bias = false;
+    o.mlp = plan::Mlp::kSwiGlu, o.linear_bias = false;
     o.tp = &solo, o.ep = &solo_ep;
     torch::manual_seed(3);
     moe = std::make_shared<models::MoeImpl>(o, 0, &state);
