@@ -115,11 +115,12 @@ INSTANTIATE_TEST_SUITE_P(
                 kData + "training:\n  steps: 0\n",
                 {},
                 "plan.yaml:3: training.steps: must be in [1, 1073741824], got 0"},
-        BadPlan{"an MoE model's MLP form",
-                kData + "model: {arch: llama, mlp: gelu_tanh, moe: {experts: 4}}\n",
-                {},
-                "model.mlp gelu_tanh: an MoE model's routed experts are SwiGLU (model.moe.experts 4); "
-                "leave model.mlp auto or swiglu"},
+        BadPlan{
+            "an MoE model's MLP form",
+            kData + "model: {arch: llama, mlp: gelu_tanh, moe: {experts: 4}}\n",
+            {},
+            "model.mlp gelu_tanh: an MoE model's routed experts are SwiGLU (model.moe.experts 4); "
+            "leave model.mlp auto or swiglu"},
         BadPlan{"bad choice",
                 kData + "model: {arch: bert}\n",
                 {},
