@@ -116,6 +116,8 @@ const char* gpt2_activation(plan::Mlp form) {
   switch (form) {
     case plan::Mlp::kGeluTanh:
       return "gelu_new";
+    case plan::Mlp::kRelu2:
+      return "relu2";
     case plan::Mlp::kSwiGlu:
     case plan::Mlp::kAuto:
       break;

@@ -192,6 +192,7 @@ const char* llama_activation(plan::Mlp form) {
     case plan::Mlp::kSwiGlu:
       return "silu";
     case plan::Mlp::kGeluTanh:
+    case plan::Mlp::kRelu2:
     case plan::Mlp::kAuto:
       break;
   }

@@ -10,6 +10,8 @@ const MlpForm& mlp_form(plan::Mlp kind) {
       return gelu_tanh_mlp();
     case plan::Mlp::kSwiGlu:
       return swiglu_mlp();
+    case plan::Mlp::kRelu2:
+      return relu2_mlp();
     case plan::Mlp::kAuto:
       break;
   }

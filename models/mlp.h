@@ -51,5 +51,6 @@ inline plan::Mlp resolved_mlp(plan::Mlp kind, plan::Mlp arch_default) {
 // Each form's file defines its instance.
 const MlpForm& gelu_tanh_mlp();
 const MlpForm& swiglu_mlp();
+const MlpForm& relu2_mlp();
 
 }  // namespace tessel::models

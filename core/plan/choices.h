@@ -20,9 +20,9 @@ inline const Names& choice_names(ModelArch) {
 }
 
 // model.mlp // kAuto: the architecture's form (models/registry.h features)
-enum class Mlp { kAuto, kGeluTanh, kSwiGlu };
+enum class Mlp { kAuto, kGeluTanh, kSwiGlu, kRelu2 };
 inline const Names& choice_names(Mlp) {
-  static const Names n{"auto", "gelu_tanh", "swiglu"};
+  static const Names n{"auto", "gelu_tanh", "swiglu", "relu2"};
   return n;
 }
 

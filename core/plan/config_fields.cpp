@@ -58,7 +58,7 @@ void add_model_fields(FieldAdder& add, Config& c) {
       "Share input embedding and output head. auto = true for gpt2, false for llama.");
   add("model.mlp", &c.model.mlp, S("auto"),
       "The MLP's form: gelu_tanh = down(GELU_tanh(up x)) (GPT-2's); swiglu = down(SiLU(gate x) "
-      "* up x) (Llama's). "
+      "* up x) (Llama's); relu2 = down(ReLU(up x)^2) (squared ReLU, as Primer and Nemotron-4). "
       "auto = gelu_tanh for gpt2, swiglu for llama. MoE layers' routed experts are SwiGLU.");
   add("model.norm_eps", &c.model.norm_eps, 1e-5, "Epsilon of LayerNorm / RMSNorm.").range(0);
   add("model.rope_theta", &c.model.rope_theta, 10000.0, "RoPE base (llama).").range(1);

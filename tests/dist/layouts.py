@@ -59,6 +59,10 @@ BASES = {
     "recompute": {"data": {"n": 6000, "vocab": 300, "period": 41}, "model": {"layers": 4, "max_seq_len": 64},
                   "training": {"steps": 8, "global_batch": 8, "micro_batch": 2, "seq_len": 64, "optimizer": {"lr": 3e-3},
                                "schedule": {"warmup_steps": 2, "min_lr": MIN_LR}, "grad_clip": 0.5}},
+    # model.mlp relu2: the squared-ReLU MLP, neither architecture's own form (tp's data and training)
+    "relu2": {"data": {"n": 6000, "vocab": 301, "period": 41}, "model": {"vocab_size": 301, "mlp": "relu2"},
+              "training": {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "optimizer": {"lr": 3e-3},
+                           "schedule": {"warmup_steps": 3, "min_lr": MIN_LR}, "grad_clip": 0.5}},
     # mixture of experts (llama): 4 layers, the 2nd and 4th MoE (every 2) or all of them
     **{name: {"data": {"n": 6000, "vocab": 301, "period": 41}, "model": {"vocab_size": 301, "layers": 4, "moe": moe},
               "training": {"steps": STEPS, "global_batch": 8, "micro_batch": 1, "optimizer": {"lr": 3e-3},
@@ -253,6 +257,10 @@ LAYOUTS = [
           # losses stay within 3e-7)
           ("cp2_alltoall", "llama", 2, {"cp": 2, "context": {"method": "alltoall"}}, {}),
           ("unfused_logits", "llama", 1, {}, {"lean_logits": False}))],
+    # the squared-ReLU MLP (model.mlp relu2) split by tensor parallelism and by a pipeline; its
+    # planner figures come from its form alone (models/mlp_relu2.cpp)
+    Row("relu2_tp2_sp_gpt2", "relu2", "gpt2", 2, {"tp": 2, **SP}),
+    Row("relu2_pp2_1f1b_gpt2", "relu2", "gpt2", 2, pipe(2, "1f1b")),
     # one process on two threads: four micro-batches run two at a time (training.microbatch_pairs)
     # against the reference's one at a time on one thread
     *[Row(f"microbatch_pairs_{arch}", "dp", arch, 1, {}, {"threads": 2}) for arch in ("gpt2", "llama")],

@@ -11,7 +11,7 @@ torch.set_num_threads(2)
 def hf_model(arch, seed=0, tied=False, activation="gelu_new"):
     """A transformers model with random weights (norm weights and biases perturbed too); `tied`:
     a llama whose head is its embedding (Llama-3.2 1B/3B style; gpt2 is always tied);
-    `activation`: gpt2's activation_function."""
+    `activation`: gpt2's activation_function (relu2: model.mlp relu2)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     m = model_plan(arch)

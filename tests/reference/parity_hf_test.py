@@ -81,6 +81,20 @@ class HfParity(TmpDirTest):
         self.check_tessel_to_hf("llama", tied=True)
         self.assertTrue(AutoModelForCausalLM.from_pretrained(self.path("export")).config.tie_word_embeddings)
 
+    def test_gpt2_squared_relu_both_ways(self):
+        # model.mlp relu2, down(ReLU(up x)^2): GPT2LMHeadModel holds it as activation_function relu2
+        # (transformers' ReLUSquaredActivation). Its weights read by Tessel, Tessel's export read by
+        # transformers, and a plan made from the export's config.json names the form.
+        self.check_hf_to_tessel("gpt2", mlp="relu2")
+        self.check_tessel_to_hf("gpt2", mlp="relu2")
+        model = AutoModelForCausalLM.from_pretrained(self.path("export"), attn_implementation="eager").float().eval()
+        self.assertEqual(model.config.activation_function, "relu2")
+        want = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False,
+                              pad_token_id=0)[0, 3:].tolist()
+        p = run("tessel-train", "generate", "--weights", self.path("export"), "--prompt-ids", "1,2,3",
+                "--max-new-tokens", "6", "--json")  # no plan: the model from config.json
+        self.assertEqual(json.loads(p.stdout)["ids"], want)
+
     def test_a_form_without_a_hugging_face_class_is_refused(self):
         # Llama's MLP is always gated, GPT-2's never: llama with gelu_tanh cannot be exported, asked for
         # at the start (checkpoint.export_hf) or at `export`; a config.json activation Tessel does not
@@ -105,7 +119,7 @@ class HfParity(TmpDirTest):
         bad = run("tessel-train", "generate", "--weights", self.path("relu"), "--prompt-ids", "1", check=False)
         self.assertEqual(bad.returncode, 2, bad.stderr)
         self.assertIn(f"{self.path('relu', 'config.json')}: activation_function \"relu\" is not an MLP "
-                      "Tessel's gpt2 builds (gelu_new)", bad.stderr)
+                      "Tessel's gpt2 builds (gelu_new, relu2)", bad.stderr)
 
     def test_sharded_folders(self):
         # As released models ship: save_pretrained above max_shard_size writes shards and
