@@ -22,6 +22,13 @@ constexpr int64_t kShortAttentionKeys = 256;
 
 /// Whether short_attention takes attention over `keys` keys in `dtype` on `device`.
 bool short_attention_applies(const torch::Device& device, torch::ScalarType dtype, int64_t keys);
+/// Bytes per query token it keeps for backward beyond what SDPA's kernels would, over `keys` keys
+/// in `dtype` with `heads` query heads: each head's fp32 probabilities, rows padded to 8 keys;
+/// 0 where it does not apply (the plan's --dry-run adds it per block).
+inline double short_attention_kept_bytes(torch::ScalarType dtype, int64_t keys, int64_t heads) {
+  if (!short_attention_applies(torch::kCPU, dtype, keys)) return 0;
+  return 4.0 * static_cast<double>(heads) * static_cast<double>((keys + 7) / 8 * 8);
+}
 /// Whether it takes q [b, heads, m, d] against k [b, kv_heads, n, d] (heads a multiple of
 /// kv_heads; causal only with m == n).
 bool short_attention_applies(const torch::Tensor& q, const torch::Tensor& k, bool causal);

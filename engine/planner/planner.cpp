@@ -201,18 +201,15 @@ double alltoall_repeated_kv(const plan::Config& c, const plan::Layout& l) {
   return static_cast<double>(parallel::cp::alltoall_kv_heads(kv, a) - kv);
 }
 
-// Bytes per token that Tessel's short-sequence CPU attention (core/kernels/attention_cpu.h) holds
-// for backward beyond what SDPA's kernels would: each head's fp32 probabilities over the sequence.
+// Bytes per token that Tessel's short-sequence CPU attention holds for backward beyond what
+// SDPA's kernels would (its declaration, core/kernels/attention_cpu.h), where the plan runs it:
+// Tessel's kernels, no context parallelism. Under a document mask too: a sample that is one
+// document holds them all (the peak any step may meet, not the first samples' mean).
 double short_attention_bytes(const plan::Config& c, const plan::Layout& l,
                              const models::ModelShape& m, torch::ScalarType dtype,
                              bool own_kernels) {
-  const auto& t = c.training;
   if (!own_kernels || l.cp > 1) return 0;
-  if (!kernels::short_attention_applies(torch::kCPU, dtype, t.seq_len)) return 0;
-  // Under a document mask too: a sample that is one document holds them all (the peak any
-  // step may meet, not the first samples' mean).
-  return 4.0 * static_cast<double>(m.heads / l.tp) *
-         static_cast<double>((t.seq_len + 7) / 8 * 8);  // rows padded to 8 keys
+  return kernels::short_attention_kept_bytes(dtype, c.training.seq_len, m.heads / l.tp);
 }
 
 // `cpu`: the run computes on the CPU.
