@@ -22,14 +22,20 @@ const Arch& arch(plan::ModelArch a) {
 
 DecoderOptions features(const ModelShape& m) { return arch(m.arch).options(m); }
 
+std::vector<std::pair<plan::Mlp, std::string>> hf_forms(const Arch& a) {
+  std::vector<std::pair<plan::Mlp, std::string>> forms;
+  for (size_t i = 1; i < plan::choice_names(plan::Mlp{}).size(); ++i)  // every form but auto
+    if (const char* name = a.hf_activation(static_cast<plan::Mlp>(i)))
+      forms.emplace_back(static_cast<plan::Mlp>(i), name);
+  return forms;
+}
+
 std::string hf_activation(const ModelShape& m, const std::string& use) {
   const auto& a = arch(m.arch);
   const plan::Mlp form = features(m).mlp;
   if (const char* name = a.hf_activation(form)) return name;
   std::string held;
-  for (size_t i = 1; i < plan::choice_names(form).size(); ++i)  // every form but auto
-    if (a.hf_activation(static_cast<plan::Mlp>(i)))
-      held += (held.empty() ? "" : ", ") + plan::choice_names(form)[i];
+  for (const auto& [f, name] : hf_forms(a)) held += (held.empty() ? "" : ", ") + plan::name_of(f);
   throw plan::UserError(use + ": model.mlp " + plan::name_of(form) + " has no Hugging Face " +
                         a.name + " form (its MLP is " + held + " only)");
 }

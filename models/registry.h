@@ -45,6 +45,8 @@ DecoderOptions features(const ModelShape& m);
 /// class; throws UserError naming model.mlp, the class and the forms it holds where it cannot hold
 /// this one. `use`: what needs the Hugging Face form (named in the error).
 std::string hf_activation(const ModelShape& m, const std::string& use);
+/// The MLP forms architecture `a`'s Hugging Face class holds, each with config.json's name for it.
+std::vector<std::pair<plan::Mlp, std::string>> hf_forms(const Arch& a);
 
 /// Throws UserError naming every tensor of `hf` that was not used, except buffers that carry no
 /// weights (attention masks, rotary tables) and a tied head's duplicate.

@@ -104,11 +104,10 @@ std::string mlp_of(const nlohmann::json& j, const std::string& path, bool gpt2) 
   arch.set_name(gpt2 ? "gpt2" : "llama");
   const auto& a = models::arch(arch);
   std::string held;
-  for (size_t i = 1; i < plan::choice_names(plan::Mlp{}).size(); ++i)  // every form but auto
-    if (const char* name = a.hf_activation(static_cast<plan::Mlp>(i))) {
-      if (act == name) return plan::choice_names(plan::Mlp{})[i];
-      held += (held.empty() ? "" : ", ") + std::string(name);
-    }
+  for (const auto& [form, name] : models::hf_forms(a)) {
+    if (act == name) return plan::name_of(form);
+    held += (held.empty() ? "" : ", ") + name;
+  }
   throw plan::UserError(fmt::format("{}: {} \"{}\" is not an MLP Tessel's {} builds ({})", path,
                                     field, act, a.name, held));
 }
