@@ -22,6 +22,7 @@
 
 #include "core/kernels/document_attention.h"
 #include "core/plan/user_error.h"
+#include "models/flops.h"
 #include "models/mlp.h"
 #include "models/shape.h"
 #include "parallel/block_hooks.h"
@@ -93,6 +94,10 @@ class NormImpl : public torch::nn::Module {
     if (o.layer_norm || own_kernels || !cpu) return 1.0;
     return 2.0 + (w < 4 ? 4 / w : 0.0);
   }
+  /// FLOPs per token at width `dim` (models/flops.h): its elements as weights.
+  static Flops flops(const DecoderOptions& o, int64_t dim) {
+    return weight_flops(parameters(o, dim));
+  }
   torch::Tensor weight, bias;
   bool tessel_kernels = true;  // RMSNorm: core/kernels/fused_ops.h's CPU loops where they apply
 
@@ -120,6 +125,24 @@ class AttentionImpl : public torch::nn::Module, public parallel::tp::Placed {
     double per_h, per_kv;
   };
   static Kept kept(const DecoderOptions& o) { return {o.learned_pos ? 1.58 : 1.6, 2.0}; }
+  /// Its own matmuls per token of a `seq`-token causal sequence (models/flops.h): scores and
+  /// weighted values, 4·H·Q·T in forward and twice that in backward.
+  static Flops core_flops(const DecoderOptions& o, int64_t seq) {
+    const double f = 4.0 * static_cast<double>(o.model.heads * o.model.head_dim() * seq);
+    return {3 * f, f};
+  }
+  /// FLOPs per token: q, k, v and o (their biases and the per-head norms too) as weights, and
+  /// core_flops times `share`, the share of a causal sequence's attention a document mask keeps.
+  static Flops flops(const DecoderOptions& o, int64_t seq, double share) {
+    const auto& m = o.model;
+    const auto h = static_cast<double>(m.hidden),
+               kv = static_cast<double>(m.kv_heads * m.head_dim());
+    auto f = weight_flops(2 * h * h + 2 * h * kv + (o.linear_bias ? 2 * h + 2 * kv : 0.0) +
+                          (m.qk_norm ? 2.0 * static_cast<double>(m.head_dim()) : 0.0));
+    const auto core = core_flops(o, seq);
+    f.train += core.train * share, f.forward += core.forward * share;
+    return f;
+  }
   /// docs: the micro-batch's documents (data.document_mask; every token of the sequence, as the
   /// cp rank's all-to-all sees them), attention kept inside each; null: one causal sequence.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -156,6 +179,12 @@ class MlpImpl : public torch::nn::Module {
   static double column_matrices(const DecoderOptions& o) { return mlp_form(o.mlp).gated() ? 2 : 1; }
   /// All its hidden x ffn_hidden weight matrices: the column-parallel ones and down.
   static double weight_matrices(const DecoderOptions& o) { return column_matrices(o) + 1; }
+  /// FLOPs per token at inner width `ffn` (models/flops.h): its matrices and biases as weights.
+  static Flops flops(const DecoderOptions& o, int64_t ffn) {
+    const auto h = static_cast<double>(o.model.hidden), f = static_cast<double>(ffn);
+    return weight_flops(weight_matrices(o) * h * f +
+                        (o.linear_bias ? column_matrices(o) * f + h : 0.0));
+  }
   /// Elements its forward keeps per token and unit of this rank's ffn width: its form's
   /// (MlpForm::kept_per_ffn).
   static double kept_per_ffn(const DecoderOptions& o, bool own_kernels) {
@@ -165,6 +194,22 @@ class MlpImpl : public torch::nn::Module {
   /// (MlpForm::backward_extra_per_ffn).
   static double backward_extra_per_ffn(const DecoderOptions& o, bool own_kernels) {
     return mlp_form(o.mlp).backward_extra_per_ffn(own_kernels);
+  }
+  /// Bytes a block's backward holds at once, over `tokens` rows in elements `w` bytes wide: it
+  /// starts at down, whose backward's (tp::RowParallelLinearImpl::backward_bytes) `input`,
+  /// `weight` and `backward` are, the last with what the activation's backward holds beyond it
+  /// (backward_extra_per_ffn); `forward`: a forward's last op's output, tokens × h.
+  struct Working {
+    double input, weight, backward, forward;
+  };
+  static Working working_set(const DecoderOptions& o, double tokens, double tp, bool sp, double w,
+                             bool own_kernels, const parallel::tp::MatmulBytes& matmul) {
+    const double f = static_cast<double>(o.model.ffn_hidden) / tp;
+    const auto h = static_cast<double>(o.model.hidden);
+    const auto down =
+        parallel::tp::RowParallelLinearImpl::backward_bytes(tokens, f, h, w, sp, matmul);
+    const double activation = w * tokens * f * backward_extra_per_ffn(o, own_kernels);
+    return {down.input, down.weight, down.both + activation, w * tokens * h};
   }
   parallel::tp::ColumnParallelLinear up{nullptr}, gate{nullptr};
   parallel::tp::RowParallelLinear down{nullptr};
@@ -203,6 +248,41 @@ class BlockImpl : public torch::nn::Module {
   static double host_ops(const DecoderOptions& o, bool own_kernels) {
     if (own_kernels) return o.layer_norm ? 115 : 107;
     return o.layer_norm ? 100 : 200;
+  }
+  /// FLOPs per token of block `layer` (models/flops.h): its norms, its attention, and its MLP or
+  /// mixture of experts (MoeImpl::flops). `seq`, `share`: AttentionImpl::flops'.
+  static Flops flops(const DecoderOptions& o, int64_t layer, int64_t seq, double share);
+  /// The forward work per token a recomputation of block `layer` reruns under `mode`: full, the
+  /// whole block; selective, the MLP half (its norm and its MLP or experts); none, nothing.
+  static double rerun_flops(const DecoderOptions& o, int64_t layer, plan::Recompute mode,
+                            int64_t seq, double share);
+  /// Zero-bubble schedules (parallel/pp/weight_grad.h): elements per token its linear layers hold
+  /// from a B to its W at this tensor-parallel rank's widths, each one's input and output
+  /// gradient (q/k/v share an input, as up/gate do): inputs 3·h + ffn/tp, output gradients
+  /// (h + 2·kv)/tp + 2·h + the column matrices' ffn/tp each.
+  static double deferred_per_token(const DecoderOptions& o, double tp) {
+    const auto h = static_cast<double>(o.model.hidden);
+    const double kv = static_cast<double>(o.model.kv_heads * o.model.head_dim());
+    const double f = static_cast<double>(o.model.ffn_hidden) / tp;
+    return 3 * h + f + (h + 2 * kv) / tp + 2 * h + MlpImpl::column_matrices(o) * f;
+  }
+  /// The weight elements whose gradients a W computes in block `layer` on a tensor-parallel rank:
+  /// the attention's projections and the MLP's (an MoE layer's shared experts; the routed ones
+  /// are not deferred).
+  static double deferred_weights(const DecoderOptions& o, int64_t layer, double tp) {
+    const auto& m = o.model;
+    const auto h = static_cast<double>(m.hidden);
+    const double kv = static_cast<double>(m.kv_heads * m.head_dim());
+    const double ffn =
+        static_cast<double>(m.moe.is_moe(layer) ? m.moe.shared * m.moe.ffn_hidden : m.ffn_hidden);
+    return (2 * h * h + 2 * h * kv) / tp + MlpImpl::weight_matrices(o) * h * ffn / tp;
+  }
+  /// Its column-parallel regions' inputs (the attention's q/k/v, the MLP's up/gate) kept for
+  /// backward under recomputation `mode`: both, the attention's (selective reruns the MLP half)
+  /// or none (full). Under sequence parallelism each keeps its all-gathered input
+  /// (tp::ColumnParallelLinearImpl::gathered_kept_per_in).
+  static double column_inputs_kept(plan::Recompute mode) {
+    return mode == plan::Recompute::kFull ? 0.0 : mode == plan::Recompute::kSelective ? 1.0 : 2.0;
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const kernels::Documents* docs = nullptr);
@@ -279,6 +359,14 @@ class DecoderImpl : public torch::nn::Module {
   static double outside_kept_per_h(const DecoderOptions& o, bool own_kernels, bool cpu, double w) {
     return 1.3 + NormImpl::kept_per_h(o, own_kernels, cpu, w);
   }
+  /// The model FLOPs per token of the whole model, whatever this rank holds (models/flops.h):
+  /// its blocks', the final norm's and the head's (a tied table counts once, as the head; input
+  /// lookups count nothing), for `seq`-token sequences of which a document mask keeps `share` of
+  /// the attention (1: one causal sequence).
+  static Flops flops(const DecoderOptions& o, int64_t seq, double share = 1.0);
+  /// The forward work per token recomputation reruns over the whole model under `mode`.
+  static double rerun_flops(const DecoderOptions& o, plan::Recompute mode, int64_t seq,
+                            double share = 1.0);
 
   parallel::tp::VocabParallelEmbedding embed{nullptr};  // first stage; tied: last stage too
   torch::nn::Embedding pos_embed{nullptr};

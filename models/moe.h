@@ -39,6 +39,33 @@ class MoeImpl : public torch::nn::Module, public parallel::tp::Placed {
   MoeImpl(const DecoderOptions& o, int64_t layer, MoeState* state);
   /// The stacked experts, E/ep of them on each ep rank (replicated over tp, like the router).
   std::vector<std::pair<std::string, parallel::tp::Placement>> placements() const override;
+  /// What it keeps for backward per token without recomputation, in elements of the compute dtype
+  /// `w` bytes wide, beyond its input: per choice (top_k) the row sent to its expert, the
+  /// expert's output and its gate-weighted copy (3·h) and its SwiGLU's four ffn-wide tensors
+  /// (gate, up, silu, their product: the grouped matmuls take no fused kernel); the router's
+  /// fp32 logits and scores (2·E); in bf16/fp16 the router's fp32 copy of the input (4/w per h).
+  /// The shared experts are an MLP's (MlpImpl::kept_per_ffn). Measured on CPU fp32
+  /// (tests/dist/planner_test.py, 2026-11-25; the ffn-wide tensors by a sweep of moe.ffn_hidden
+  /// and layers, 2026-11-27) and CPU bf16 (2026-11-28: the router's copy 2.6 KB a layer where
+  /// this counts 2.0).
+  static double routed_kept(const DecoderOptions& o, double w) {
+    const auto& e = o.model.moe;
+    const auto h = static_cast<double>(o.model.hidden);
+    const double k = static_cast<double>(e.top_k), f = static_cast<double>(e.ffn_hidden);
+    return k * (4 * f + 3 * h) + 2 * static_cast<double>(e.experts) * 4 / w +
+           (w < 4 ? 4 / w * h : 0.0);
+  }
+  /// FLOPs per token (models/flops.h): the router, the top_k experts a token is routed to and the
+  /// shared experts, as weights.
+  static Flops flops(const DecoderOptions& o) {
+    const auto& e = o.model.moe;
+    const auto h = static_cast<double>(o.model.hidden);
+    auto f =
+        weight_flops(static_cast<double>(e.experts) * h +
+                     static_cast<double>(e.top_k) * 3.0 * static_cast<double>(e.ffn_hidden) * h);
+    if (e.shared > 0) f += MlpImpl::flops(o, e.shared * e.ffn_hidden);
+    return f;
+  }
   /// x [b, s, h] (SP: [b, s/t, h]) -> same.
   torch::Tensor forward(const torch::Tensor& x);
   /// Auxiliary-loss-free balancing, after an optimizer step: `choices` [E] (this layer's, over

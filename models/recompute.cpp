@@ -1,5 +1,6 @@
 #include "models/recompute.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
@@ -107,6 +108,12 @@ class RecomputeBackward : public torch::autograd::Node {
 }  // namespace
 
 bool recomputing() { return t_recomputing; }
+
+double piece_rng_state_bytes() {
+  static const double bytes =
+      static_cast<double>(at::detail::getDefaultCPUGenerator().get_state().nbytes());
+  return bytes;
+}
 
 torch::Tensor recompute(Piece fn, const torch::Tensor& x) {
   if (!torch::GradMode::is_enabled()) return fn(x);

@@ -14,6 +14,10 @@ using Piece = std::function<torch::Tensor(const torch::Tensor&)>;
 /// What a recomputed piece keeps per token between its forward and its backward, in units of its
 /// input's width: its input.
 constexpr double kPieceKeptPerInput = 1.0;
+/// What a recomputed piece keeps in host memory to replay its random draws: the CPU generator's
+/// state, as LibTorch serialises it (5,056 bytes in 2.11). Device memory when the run computes on
+/// the CPU; on a GPU, host memory, not the device's.
+double piece_rng_state_bytes();
 
 /// fn(x), with autograd recording one node instead of fn's graph. In backward the node reruns fn
 /// on x with gradients on and backpropagates through it: parameters fn uses get their gradients

@@ -15,6 +15,7 @@
 #include "engine/planner/planner.h"
 #include "models/layers.h"
 #include "models/shape.h"
+#include "parallel/cp/bytes.h"
 #include "parallel/dp/grad_reducer.h"
 #include "parallel/mesh.h"
 #include "parallel/pp/schedule.h"
@@ -84,6 +85,9 @@ int64_t moe_layers_in(const models::ModelShape& m, const models::StagePart& part
 double expert_params(const models::ModelShape& m, const models::StagePart& part, int64_t ep);
 // Ranks of one all-to-all of context parallelism: cp (alltoall), the group size (hybrid), else 1.
 int64_t alltoall_ranks(const plan::Config& c, const plan::Layout& l);
+// One rank's attention in one layer and micro-batch, as the cp methods declare their bytes for.
+parallel::cp::AttentionSize attention_size(const plan::Config& c, const plan::Layout& l,
+                                           const PlanBasis& b);
 // ZeRO-2 inside a pipeline, or ZeRO-3 kept gathered, with fp32 weights: micro-batches accumulate
 // in the parameters and each chunk reduce-scatters once per step (parallel/dp/grad_reducer.h).
 inline bool reduce_once(const PlanBasis& b) {

@@ -11,28 +11,6 @@
 
 namespace tessel::planner {
 
-double flops_parameters(models::Decoder& model) {
-  const auto& m = model->options().model;
-  double n = 0;
-  for (const auto& [name, spec] : model->specs()) {
-    const bool input_embedding =
-        name == "pos_embed.weight" || (name == "embed.weight" && !m.tied());
-    if (input_embedding || spec.pipeline_copy) continue;
-    double numel = 1;
-    for (auto d : spec.global_shape) numel *= static_cast<double>(d);
-    // MoE experts: a token passes through top_k of them (active parameters).
-    if (spec.expert) numel *= static_cast<double>(m.moe.top_k) / static_cast<double>(m.moe.experts);
-    n += numel;
-  }
-  return n;
-}
-
-double flops_per_token(const models::ModelShape& m, double n, int64_t seq_len,
-                       double attention_share) {
-  return 6.0 * n +
-         12.0 * m.layers * m.heads * m.head_dim() * static_cast<double>(seq_len) * attention_share;
-}
-
 Peak device_peak(const plan::Config& c, const torch::Device& device, torch::ScalarType dtype) {
   if (c.logging.peak_tflops > 0) return {c.logging.peak_tflops, "logging.peak_tflops", false};
   const std::string dname = dtype == torch::kHalf       ? "fp16"

@@ -50,34 +50,24 @@ void add_gathered(RankEstimate& r, const plan::Config& c, const plan::Layout& l,
 }
 
 // One stage's bytes: its parameters' state between steps and what a step adds at its peak.
-// The last stage's head and loss: what each micro-batch keeps from its forward to its backward,
-// and what the loss allocates while it runs. Whole logits: the head's output and the loss's fp32
-// softmax/gradient buffer for every token, kept. Lean logits (parallel/tp/head_loss.h): forward
-// makes the gradients, kept for backward (the fp32 weight gradient and the input's); while it
-// runs, one chunk's output and its fp32 copy.
-struct HeadBytes {
-  double kept, transient;
-};
-HeadBytes head_bytes(const plan::TrainingConfig& t, const PlanBasis& b) {
-  const double w = b.w, tok = b.tok, v = b.vocab_local;
-  if (!t.lean_logits) return {tok * v * (w + 4), 0.0};
-  const double chunk = std::min(
-      tok, static_cast<double>(t.lean_logits_chunk > 0 ? t.lean_logits_chunk
-                                                       : parallel::tp::default_head_chunk_rows(
-                                                             static_cast<int64_t>(v), !b.cpu)));
-  // bf16/fp16: the chunk's weight gradient is a matmul of its own, beside the chunk's logit
-  // gradient, before it is widened into the fp32 sum (on the CPU as this CPU's oneDNN allocates).
-  double product = 0;
-  if (w < 4 && b.cpu) {
-    const auto n = static_cast<int64_t>(chunk), vl = static_cast<int64_t>(v),
-               h = static_cast<int64_t>(b.h);
-    product = chunk * v * w +
-              std::max(cpu_matmul_bytes(vl, n, h, b.dtype, true, b.threads),
-                       cpu_matmul_bytes(n, vl, h, b.dtype, false, b.threads) - chunk * b.h * w);
-  } else if (w < 4) {
-    product = chunk * v * w + v * b.h * w;
-  }
-  return {v * b.h * 4 + tok * b.h * w, std::max(chunk * v * (w == 4 ? 4 : w + 4), product)};
+// The device's matmul bytes where they differ from the output's: a CPU's bf16/fp16 matmuls go
+// through oneDNN, whose workspaces depend on the CPU (cpu_matmul_bytes); null elsewhere.
+parallel::tp::MatmulBytes device_matmul(const PlanBasis& b) {
+  if (!b.cpu || b.w >= 4) return nullptr;
+  return [dtype = b.dtype, threads = b.threads](int64_t m, int64_t k, int64_t n, bool t) {
+    return cpu_matmul_bytes(m, k, n, dtype, t, threads);
+  };
+}
+
+// The last stage's head and loss (parallel/tp/head_loss.h declares them).
+parallel::tp::HeadLossBytes head_bytes(const plan::TrainingConfig& t, const PlanBasis& b) {
+  if (!t.lean_logits) return parallel::tp::whole_logits_bytes(b.tok, b.vocab_local, b.w);
+  const double chunk =
+      std::min(b.tok, static_cast<double>(t.lean_logits_chunk > 0
+                                              ? t.lean_logits_chunk
+                                              : parallel::tp::default_head_chunk_rows(
+                                                    static_cast<int64_t>(b.vocab_local), !b.cpu)));
+  return parallel::tp::fused_head_bytes(b.tok, b.vocab_local, b.h, b.w, chunk, device_matmul(b));
 }
 
 // The activations of one block (full recomputation) or one MLP (selective) that backward reruns.
@@ -204,23 +194,14 @@ std::vector<double> weight_held(const std::vector<Slot>& slots, double deferred)
 
 // Zero-bubble schedules: what a micro-batch chunk holds past B until its W (see held_peak).
 double deferred_bytes(const plan::Layout& l, const PlanBasis& b, const models::StagePart& one) {
-  const auto& m = b.m;
-  const double h = b.h, tp = b.tp, kvd = b.kvd;
-  const double f = static_cast<double>(m.ffn_hidden) / tp;
-  const double kept =
-      3 * h + f + (h + 2 * kvd) / tp + 2 * h + models::MlpImpl::column_matrices(b.parts) * f;
-  const double mlp_mats = models::MlpImpl::weight_matrices(b.parts);
-  const double attention_weights = (2 * h * h + 2 * h * kvd) / tp;  // q, k, v, o
-  const double mlp_weights = mlp_mats * h * f;
-  const double shared_weights =
-      mlp_mats * h * static_cast<double>(m.moe.shared * m.moe.ffn_hidden) / tp;
-  double layers = 0;
-  for (const auto& [begin, end] : one.chunks) layers += static_cast<double>(end - begin);
-  const double moe = static_cast<double>(moe_layers_in(m, one));
-  const double linear = layers * attention_weights + (layers - moe) * mlp_weights +
-                        moe * shared_weights;  // the weights W computes
-  const double params = static_cast<double>(models::parameters_on_rank(m, l.tp, one, l.ep));
-  return layers * b.w * b.tok * kept + b.w * std::max(0.0, params - linear);
+  using models::BlockImpl;
+  double layers = 0, linear = 0;  // linear: the weights W computes (their gradients deferred)
+  for (const auto& [begin, end] : one.chunks)
+    for (int64_t i = begin; i < end; ++i)
+      layers += 1, linear += BlockImpl::deferred_weights(b.parts, i, b.tp);
+  const double params = static_cast<double>(models::parameters_on_rank(b.m, l.tp, one, l.ep));
+  return layers * b.w * b.tok * BlockImpl::deferred_per_token(b.parts, b.tp) +
+         b.w * std::max(0.0, params - linear);
 }
 
 // One stage: each micro-batch's forward and backward in turn (pairs: two forwards, two
@@ -236,34 +217,10 @@ std::vector<parallel::pp::Simulation::Slot> one_stage_turns(const PlanBasis& b) 
   return turns;
 }
 
-// What a pass works on above what it holds (measured per pass with the counting allocator on CPU
-// fp32, 2026-11-28, GPT-2 and Llama, tp 1 and 2, with and without sp): a backward starts at the
-// down projection, whose input gradient (tokens × ffn/tp; under sp also the gathered output
-// gradient, tokens × h) and weight gradient (ffn/tp × h) exist at once, before anything is freed;
-// a B makes only the first, a W only the second; a forward's last op adds a tokens × h
-// output. On the CPU, bf16/fp16 matmuls go through oneDNN, whose workspaces depend on the CPU:
-// each of the two as this CPU's matmul of that shape allocates (cpu_matmul_bytes).
-struct Working {
-  double input, weight, backward, forward;
-};
-Working working_set(const PlanBasis& b) {
-  const double f = static_cast<double>(b.m.ffn_hidden) / b.tp;
-  const double gathered = b.sp ? b.w * b.tok * b.h : 0.0;
-  const double input_out = b.w * b.tok * f, weight_out = b.w * f * b.h;
-  // The MLP activation's backward beyond down's (its form's declaration).
-  const double activation =
-      input_out * models::MlpImpl::backward_extra_per_ffn(b.parts, b.own_kernels);
-  double input = input_out, weight = weight_out;  // each matmul at its peak, output included
-  if (b.cpu && b.w < 4) {
-    const auto tok = static_cast<int64_t>(b.tok), h = static_cast<int64_t>(b.h);
-    const auto ffn = static_cast<int64_t>(f);
-    input = cpu_matmul_bytes(tok, h, ffn, b.dtype, false, b.threads);
-    weight = cpu_matmul_bytes(h, tok, ffn, b.dtype, true, b.threads);
-  }
-  // A backward makes the input's gradient, then the weight's beside it (a matmul's workspace
-  // is gone once it returns).
-  return {input + gathered, weight, std::max(input, input_out + weight) + activation + gathered,
-          b.w * b.tok * b.h};
+// A block's backward working set: its MLP's declaration (MlpImpl::working_set).
+models::MlpImpl::Working working_set(const PlanBasis& b) {
+  return models::MlpImpl::working_set(b.parts, b.tok, b.tp, b.sp, b.w, b.own_kernels,
+                                      device_matmul(b));
 }
 
 // One micro-batch of one chunk (layers [begin, end), local chunk k of pipeline rank `stage`).
@@ -390,16 +347,12 @@ double norm_piece(const plan::Config& c, const plan::Layout& l, const PlanBasis&
 
 }  // namespace
 
-// Sequence parallelism: the column-parallel projections save their all-gathered input (q/k/v
-// share one, as gate/up do: parallel/tp/layers.h), the whole sequence where the norm's output
-// the activation model counts is 1/tp of it. Per token, above that model; the pieces a
-// recomputation reruns are not kept (selective: the MLP's; full: both).
+// Sequence parallelism: the all-gathered inputs a block keeps (BlockImpl::column_inputs_kept),
+// per token beyond the norm's output the activation model counts (1/tp of it).
 double sp_gathered_floats(plan::Recompute recompute, double h, double tp, bool sp) {
   if (!sp) return 0.0;
-  const double kept = recompute == plan::Recompute::kFull        ? 0.0
-                      : recompute == plan::Recompute::kSelective ? 1.0
-                                                                 : 2.0;
-  return kept * h * (1.0 - 1.0 / tp);
+  return models::BlockImpl::column_inputs_kept(recompute) * h *
+         parallel::tp::ColumnParallelLinearImpl::gathered_kept_per_in(tp, sp);
 }
 
 // Each part's declaration (models/layers.h): per block, the residual stream and two norms, the
@@ -407,7 +360,7 @@ double sp_gathered_floats(plan::Recompute recompute, double h, double tp, bool s
 // blocks, the embedding, the head's input and the final norm. Recomputation: full keeps each
 // block's input only (a recomputed piece's); selective reruns the MLP half, whose input the
 // piece keeps in place of its norm's output and the ffn-wide tensors. Each piece also keeps the
-// CPU generator's state (cpu_rng_state_bytes, planner.cpp).
+// CPU generator's state (models::piece_rng_state_bytes).
 ActivationModel activation_model(const models::DecoderOptions& o, plan::Recompute recompute,
                                  bool own_kernels, bool cpu, double w) {
   const double norm = models::NormImpl::kept_per_h(o, own_kernels, cpu, w);

@@ -1,6 +1,5 @@
 #include "engine/planner/planner.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/core/ScalarType.h>
 #include <fmt/format.h>
@@ -20,6 +19,8 @@
 #include "engine/planner/basis.h"
 #include "engine/planner/figures.h"
 #include "models/from_plan.h"
+#include "models/moe.h"
+#include "models/recompute.h"
 #include "models/registry.h"
 #include "parallel/cp/attention.h"
 #include "parallel/pp/schedule.h"
@@ -192,15 +193,6 @@ void apply_profile_overrides(DeviceProfile& d, const std::vector<std::string>& o
 
 namespace {
 
-// Key/value heads of one tp rank that alltoall context parallelism repeats to split them over
-// cp (held for backward unless full recomputation reruns attention); 0 for the other methods.
-double alltoall_repeated_kv(const plan::Config& c, const plan::Layout& l) {
-  const int64_t a = alltoall_ranks(c, l);
-  if (a == 1 || c.training.recompute == plan::Recompute::kFull) return 0;
-  const int64_t kv = std::max<int64_t>(1, c.model.kv_heads / l.tp);
-  return static_cast<double>(parallel::cp::alltoall_kv_heads(kv, a) - kv);
-}
-
 // Bytes per token that Tessel's short-sequence CPU attention holds for backward beyond what
 // SDPA's kernels would (its declaration, core/kernels/attention_cpu.h), where the plan runs it:
 // Tessel's kernels, no context parallelism. Under a document mask too: a sample that is one
@@ -210,16 +202,6 @@ double short_attention_bytes(const plan::Config& c, const plan::Layout& l,
                              bool own_kernels) {
   if (!own_kernels || l.cp > 1) return 0;
   return kernels::short_attention_kept_bytes(dtype, c.training.seq_len, m.heads / l.tp);
-}
-
-// `cpu`: the run computes on the CPU.
-// What a recomputed piece keeps on the CPU to replay its random draws (models/recompute.cpp):
-// the CPU generator's state, as LibTorch serialises it (5,056 bytes in 2.11). On a GPU it is
-// host memory, not the device's.
-double cpu_rng_state_bytes() {
-  static const double bytes =
-      static_cast<double>(at::detail::getDefaultCPUGenerator().get_state().nbytes());
-  return bytes;
 }
 
 // One micro-batch's saved activations in one block (b.per_layer) and in one MoE layer.
@@ -245,32 +227,21 @@ void add_layer_bytes(PlanBasis& b, const plan::Config& c, const plan::Layout& l)
   const double block_tokens_floats = a.replicated * h / (sp ? tp : 1.0) +
                                      (a.attn * h + a.kv * kvd + a.ffn * m.ffn_hidden) / tp +
                                      sp_gathered_floats(t.recompute, h, tp, sp);
-  // One micro-batch through one block: its saved activations (+ CP all-gather: the whole
-  // sequence's keys and values, kept for backward).
-  b.per_layer = w * tok * block_tokens_floats +
-                (l.cp > 1 && c.parallel.context_method == plan::CpMethod::kAllGather &&
-                         t.recompute != plan::Recompute::kFull
-                     ? w * static_cast<double>(t.micro_batch * t.seq_len) * 2 * kvd / tp
-                     : 0.0) +
-                alltoall_repeated_kv(c, l) * 2 * static_cast<double>(m.head_dim()) * w * tok +
-                (t.recompute == plan::Recompute::kFull ? 0.0 : b.short_attention * tok) +
-                (t.recompute != plan::Recompute::kNone && b.cpu ? cpu_rng_state_bytes() : 0.0) +
-                masked_lse_bytes(b, c, l);
+  // One micro-batch through one block: its saved activations and its cp method's
+  // (parallel/cp/bytes.h).
+  b.per_layer =
+      w * tok * block_tokens_floats +
+      parallel::cp::kept_bytes(c.parallel.context_method, attention_size(c, l, b)) +
+      (t.recompute == plan::Recompute::kFull ? 0.0 : b.short_attention * tok) +
+      (t.recompute != plan::Recompute::kNone && b.cpu ? models::piece_rng_state_bytes() : 0.0) +
+      masked_lse_bytes(b, c, l);
   if (m.moe.experts > 0) {
-    // An MoE layer keeps, per token and choice, the row sent to its expert, the expert's
-    // output and its gate-weighted copy (3·h) and its SwiGLU's four ffn-wide tensors (gate, up,
-    // silu, their product: the experts' grouped matmuls take no fused kernel); the router's fp32
-    // logits and scores (2·E); the shared experts as an MLP. Recomputation reruns it (like the
-    // MLP). Measured on CPU fp32 (tests/dist/planner_test.py, 2026-11-25; the four ffn-wide
-    // tensors by a sweep of moe.ffn_hidden and layers, 2026-11-27).
+    // An MoE layer keeps its routed tokens' tensors (MoeImpl::routed_kept) and its shared
+    // experts' as an MLP's; recomputation reruns it (like the MLP).
     const auto& e = m.moe;
-    const double k = static_cast<double>(e.top_k), f = static_cast<double>(e.ffn_hidden);
-    // In bf16/fp16 the router also keeps its fp32 copy of the layer's input (4/w elements per h:
-    // measured on CPU bf16, 2026-11-28, 2.6 KB a layer where this counts 2.0).
-    const double routed = t.recompute == plan::Recompute::kNone
-                              ? k * (4 * f + 3 * h) + 2 * static_cast<double>(e.experts) * 4 / w +
-                                    (w < 4 ? 4 / w * h : 0.0)
-                              : 0.0;
+    const double routed =
+        t.recompute == plan::Recompute::kNone ? models::MoeImpl::routed_kept(b.parts, w) : 0.0;
+    const double f = static_cast<double>(e.ffn_hidden);
     const double shared = a.ffn * static_cast<double>(e.shared) * f / tp;
     b.per_moe_layer = b.per_layer + w * tok / (sp ? tp : 1.0) * routed + w * tok * shared -
                       w * tok * a.ffn * static_cast<double>(m.ffn_hidden) / tp;
@@ -323,38 +294,21 @@ PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
   return b;
 }
 
-// The model FLOPs of a step, and the forward work recomputation reruns on top of them.
+// The model FLOPs of a step and the forward work recomputation reruns on top of them: the parts'
+// declarations (models/flops.h), which the run's MFU adds up too.
 void add_step_flops(PlanEstimate& e, const PlanBasis& b, const plan::TrainingConfig& t) {
-  const auto& m = b.m;
-  const double h = b.h;
-  e.params_total = models::parameters_on_rank(m, 1, {});
-  double n_flops = static_cast<double>(e.params_total);
-  n_flops -= expert_params(m, {{{0, m.layers}}, true, true}, 1) *
-             static_cast<double>(m.moe.experts - m.moe.top_k) /
-             static_cast<double>(std::max<int64_t>(1, m.moe.experts));    // active experts only
-  n_flops -= static_cast<double>(m.vocab_size) * h * (m.tied() ? 0 : 1);  // input embeddings
-  if (b.parts.learned_pos) n_flops -= static_cast<double>(m.max_seq_len) * h;  // a lookup
-  e.flops_per_step = flops_per_token(m, n_flops, t.seq_len, b.docs.share) *
-                     static_cast<double>(t.global_batch * t.seq_len);
-  // The work the device does: recomputation reruns forward work the model FLOPs (and so MFU)
-  // do not count. Full: every block's forward again (2 per block weight, and attention's
-  // 4·L·H·Q·T, a third of its 12); selective: each block's MLP forward (2 per MLP weight).
-  const double mlp_weights =
-      models::MlpImpl::weight_matrices(b.parts) * h * static_cast<double>(m.ffn_hidden);
-  const double layers = static_cast<double>(m.layers);
-  double rerun_per_token = 0;
-  if (t.recompute == plan::Recompute::kFull)
-    rerun_per_token = 2.0 * layers * static_cast<double>(models::block_parameters(m, 1)) +
-                      4.0 * layers * h * static_cast<double>(t.seq_len);
-  else if (t.recompute == plan::Recompute::kSelective)
-    rerun_per_token = 2.0 * layers * mlp_weights;
-  e.recompute_flops_per_step = rerun_per_token * static_cast<double>(t.global_batch * t.seq_len);
-  // The convention's attention term, 12·L·H·Q·T per token, of which a document mask keeps a share.
+  using models::DecoderImpl;
+  e.params_total = models::parameters_on_rank(b.m, 1, {});
+  const auto tokens = static_cast<double>(t.global_batch * t.seq_len);
+  e.flops_per_step = DecoderImpl::flops(b.parts, t.seq_len, b.docs.share).train * tokens;
+  e.recompute_flops_per_step =
+      DecoderImpl::rerun_flops(b.parts, t.recompute, t.seq_len, b.docs.share) * tokens;
+  // Attention's own matmuls, of which a document mask keeps a share.
   e.attention_share = b.docs.share, e.document_samples = b.docs.samples;
   e.document_eod = b.docs.eod, e.document_unread = b.docs.unread;
-  e.attention_flops_saved_per_step = (1 - b.docs.share) * 12 * layers * h *
-                                     static_cast<double>(t.seq_len) *
-                                     static_cast<double>(t.global_batch * t.seq_len);
+  e.attention_flops_saved_per_step = (1 - b.docs.share) * static_cast<double>(b.m.layers) *
+                                     models::AttentionImpl::core_flops(b.parts, t.seq_len).train *
+                                     tokens;
 }
 
 // CPU step constants (cpu_compute_s; a block's host operators are its own declaration,

@@ -27,6 +27,25 @@ int64_t alltoall_ranks(const plan::Config& c, const plan::Layout& l) {
                                       c.parallel.context_alltoall_size);
 }
 
+// One rank's attention in one layer and micro-batch (basis.h).
+parallel::cp::AttentionSize attention_size(const plan::Config& c, const plan::Layout& l,
+                                           const PlanBasis& b) {
+  const auto& t = c.training;
+  const auto& m = b.m;
+  parallel::cp::AttentionSize a;
+  a.cp = l.cp;
+  a.alltoall = alltoall_ranks(c, l);
+  a.sequence = static_cast<double>(t.micro_batch * t.seq_len);
+  a.tokens = b.tok;
+  a.kv_width = b.kvd / b.tp;
+  a.heads = m.heads / l.tp;
+  a.kv_heads = std::max<int64_t>(1, m.kv_heads / l.tp);
+  a.head_dim = m.head_dim();
+  a.elem = b.w;
+  a.recompute_full = t.recompute == plan::Recompute::kFull;
+  return a;
+}
+
 namespace {
 
 // Adds to `g` the MoE balance loss's sums over a group that splits each sequence (tp under SP,
@@ -95,19 +114,7 @@ void add_tp_traffic(Traffic& g, const plan::Config& c, const plan::Layout& l, co
 // attention layer and micro-batch (parallel/cp/bytes.h), over the rank's.
 void add_cp_traffic(Traffic& g, const plan::Config& c, const plan::Layout& l, const PlanBasis& b,
                     const RankEstimate& r) {
-  const auto& t = c.training;
-  const auto& m = b.m;
-  parallel::cp::AttentionSize a;
-  a.cp = l.cp;
-  a.alltoall = alltoall_ranks(c, l);
-  a.sequence = static_cast<double>(t.micro_batch * t.seq_len);
-  a.tokens = b.tok;
-  a.kv_width = b.kvd / b.tp;
-  a.heads = m.heads / l.tp;
-  a.kv_heads = std::max<int64_t>(1, m.kv_heads / l.tp);
-  a.head_dim = m.head_dim();
-  a.elem = b.w;
-  a.recompute_full = t.recompute == plan::Recompute::kFull;
+  const auto a = attention_size(c, l, b);
   const auto per = parallel::cp::layer_bytes(c.parallel.context_method, a);
   const double times = static_cast<double>(b.mbs) * static_cast<double>(r.layers);
   g.gather_scatter += times * per.gather_scatter;

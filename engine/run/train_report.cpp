@@ -99,7 +99,7 @@ void Trainer::log_state() const {
   spdlog::info("device {}: {}", device_.str(), device_why_);
   spdlog::info("attention: {}", attention_);
   spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
-               planner::kFlopsConvention, peak_.tflops, peak_.source);
+               models::kFlopsConvention, peak_.tflops, peak_.source);
 }
 
 // A measured peak the steps pass: measured again once (the start's may have run beside
@@ -320,13 +320,10 @@ void Trainer::report_pipeline() {
 }
 
 void Trainer::measure_flops() {
-  // N sums over pipeline stages (each rank counts its own stages' parameters).
-  auto n = torch::full({}, planner::flops_parameters(model_),
-                       torch::TensorOptions().dtype(torch::kFloat64).device(device_));
-  if (mesh_->layout().pp > 1) mesh_->group(parallel::GroupKind::kPp).all_reduce(n).wait();
-  flops_per_token_ =
-      planner::flops_per_token(model_->options().model, n.item<double>(), c_.training.seq_len,
-                               planner::document_figures(c_, *data_).share);
+  // The whole model's, whatever stages this rank holds (each part's declaration).
+  flops_per_token_ = models::DecoderImpl::flops(model_->options(), c_.training.seq_len,
+                                                planner::document_figures(c_, *data_).share)
+                         .train;
   peak_ = planner::device_peak(c_, device_, dtype_);
   // Tests: a start-up measure that came out low, as one beside start-up's threads can.
   if (const char* s = std::getenv("TESSEL_TEST_START_PEAK_SCALE"); s && peak_.measured)

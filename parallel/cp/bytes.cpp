@@ -10,6 +10,14 @@ int64_t alltoall_ranks(plan::CpMethod method, int64_t cp, int64_t alltoall_size)
   return method == plan::CpMethod::kHybrid ? alltoall_size : 1;
 }
 
+double kept_bytes(plan::CpMethod method, const AttentionSize& a) {
+  if (a.recompute_full || a.cp == 1) return 0.0;
+  if (method == plan::CpMethod::kAllGather) return a.elem * a.sequence * 2 * a.kv_width;
+  if (a.alltoall == 1) return 0.0;
+  const auto repeated = static_cast<double>(alltoall_kv_heads(a.kv_heads, a.alltoall) - a.kv_heads);
+  return repeated * 2 * static_cast<double>(a.head_dim) * a.elem * a.tokens;
+}
+
 LayerBytes layer_bytes(plan::CpMethod method, const AttentionSize& a) {
   LayerBytes out;
   const double full = a.recompute_full ? 1 : 0;

@@ -37,4 +37,11 @@ struct LayerBytes {
 /// The bytes `method` moves for `a`, forward and backward.
 LayerBytes layer_bytes(plan::CpMethod method, const AttentionSize& a);
 
+/// Bytes `method` keeps for backward in one layer and micro-batch beyond what the attention keeps
+/// without context parallelism: all-gather, the whole sequence's keys and values; all-to-all
+/// (alone or inside a hybrid's groups), the key/value heads it repeats to a multiple of the
+/// group (alltoall_kv_heads), over its tokens; ring, none (its blocks pass through). Nothing under
+/// full recomputation, which keeps a block's input only.
+double kept_bytes(plan::CpMethod method, const AttentionSize& a);
+
 }  // namespace tessel::parallel::cp

@@ -90,6 +90,19 @@ int64_t default_head_chunk_rows(int64_t vocab_local, bool gpu) {
   return head_chunk_rows(vocab_local, gpu ? int64_t{1} << 30 : int64_t{64} << 20);
 }
 
+HeadLossBytes fused_head_bytes(double tokens, double vocab_local, double h, double w, double chunk,
+                               const MatmulBytes& matmul) {
+  const double v = vocab_local;
+  double product = 0;
+  if (w < 4) {
+    const auto n = static_cast<int64_t>(chunk), vl = static_cast<int64_t>(v),
+               hh = static_cast<int64_t>(h);
+    product = chunk * v * w + std::max(matmul_bytes(matmul, vl, n, hh, true, w),
+                                       matmul_bytes(matmul, n, vl, hh, false, w) - chunk * h * w);
+  }
+  return {v * h * 4 + tokens * h * w, std::max(chunk * v * (w == 4 ? 4 : w + 4), product)};
+}
+
 torch::Tensor fused_head_cross_entropy_sum(Group& tp, const torch::Tensor& y,
                                            const torch::Tensor& weight,
                                            const torch::Tensor& targets, int64_t vocab_start,

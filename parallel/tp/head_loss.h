@@ -12,6 +12,7 @@
 #include <torch/types.h>
 
 #include "parallel/comm.h"
+#include "parallel/tp/layers.h"
 
 namespace tessel::parallel::tp {
 
@@ -36,5 +37,24 @@ int64_t head_chunk_rows(int64_t vocab_local, int64_t budget_bytes);
 /// Llama-3 1B's 8192-token micro-batch (vocabulary 128256) made 63 chunks of 130 tokens, which
 /// spent 74 ms of a 301 ms H100 step summing that gradient (bench/RESULTS.md); 1 GiB makes 4.
 int64_t default_head_chunk_rows(int64_t vocab_local, bool gpu);
+
+/// What a micro-batch's head and loss keep from its forward to its backward and hold while they
+/// run, in bytes, over `tokens` rows, this rank's `vocab_local` rows of the head, width `h`, in
+/// elements `w` bytes wide.
+struct HeadLossBytes {
+  double kept, transient;
+};
+/// Whole logits (training.lean_logits off): the head's output and the loss's fp32 softmax and
+/// gradient buffer (vocab_parallel_cross_entropy) for every token, kept.
+inline HeadLossBytes whole_logits_bytes(double tokens, double vocab_local, double w) {
+  return {tokens * vocab_local * (w + 4), 0.0};
+}
+/// fused_head_cross_entropy_sum in chunks of `chunk` rows: forward makes the gradients, kept for
+/// backward (the weight's in fp32 and the input's); while it runs, one chunk's output and its
+/// fp32 copy, or in bf16/fp16 the chunk's weight gradient as a matmul of its own beside the
+/// chunk's logit gradient, before it is widened into the fp32 sum (`matmul`: the device's matmul
+/// bytes).
+HeadLossBytes fused_head_bytes(double tokens, double vocab_local, double h, double w, double chunk,
+                               const MatmulBytes& matmul);
 
 }  // namespace tessel::parallel::tp

@@ -14,6 +14,9 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <algorithm>
+#include <functional>
+
 #include "parallel/comm.h"
 
 namespace tessel::parallel::tp {
@@ -50,6 +53,16 @@ inline int64_t vocab_slice_start(int64_t vocab, int64_t tp, int64_t rank) {
   return padded_vocab(vocab, tp) / tp * rank;
 }
 
+/// What a device's matmul [m, k] x [k, n] (the first operand transposed when `a_transposed`)
+/// allocates at its peak, output included, in bytes: a device profile's measure (--dry-run's, of
+/// oneDNN's bf16/fp16 workspaces on a CPU), or null: its [m, n] output alone.
+using MatmulBytes = std::function<double(int64_t m, int64_t k, int64_t n, bool a_transposed)>;
+inline double matmul_bytes(const MatmulBytes& measured, int64_t m, int64_t k, int64_t n,
+                           bool a_transposed, double w) {
+  return measured ? measured(m, k, n, a_transposed)
+                  : w * static_cast<double>(m) * static_cast<double>(n);
+}
+
 /// Input of a column-parallel region: x [b, s, h] replicated (copy_to: all-reduce in backward),
 /// or with SP x [b, s/t, h] all-gathered along the sequence (reduce-scatter in backward).
 torch::Tensor enter(Group& tp, const torch::Tensor& x, bool sequence_parallel);
@@ -69,6 +82,11 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public Placed {
   bool defer_weight_grad = true;
   /// weight and bias split along the output features.
   std::vector<std::pair<std::string, Placement>> placements() const override;
+  /// Sequence parallelism: elements per token and unit of its input's width it keeps for its
+  /// weight's gradient beyond the input's own shard (1/tp of the sequence, which the part before
+  /// keeps): the rest of the all-gathered input. Layers sharing one input (q/k/v, gate/up) keep
+  /// it once.
+  static double gathered_kept_per_in(double tp, bool sp) { return sp ? 1.0 - 1.0 / tp : 0.0; }
 
  private:
   Group* tp_;
@@ -85,6 +103,24 @@ class RowParallelLinearImpl : public torch::nn::Module, public Placed {
   Shard weight_shard() const { return {1, tp_->size(), tp_->rank()}; }
   /// weight split along the input features; bias replicated.
   std::vector<std::pair<std::string, Placement>> placements() const override;
+  /// Bytes its backward holds at once over `tokens` rows, its input `in_local` wide on this rank
+  /// and its output `out` wide, elements `w` bytes wide (measured with the counting allocator, CPU
+  /// fp32, 2026-11-28): `input` the input's gradient (a zero-bubble B; under sequence parallelism
+  /// beside the all-gathered output gradient), `weight` the weight's gradient (a W), `both` an
+  /// ordinary backward, which makes the input's gradient and then the weight's beside it (a
+  /// matmul's workspace is gone once it returns). `matmul`: the device's matmul bytes.
+  struct BackwardBytes {
+    double input, weight, both;
+  };
+  static BackwardBytes backward_bytes(double tokens, double in_local, double out, double w, bool sp,
+                                      const MatmulBytes& matmul) {
+    const auto t = static_cast<int64_t>(tokens), i = static_cast<int64_t>(in_local),
+               o = static_cast<int64_t>(out);
+    const double gathered = sp ? w * tokens * out : 0.0;
+    const double input = matmul_bytes(matmul, t, o, i, false, w);
+    const double weight = matmul_bytes(matmul, o, t, i, true, w);
+    return {input + gathered, weight, std::max(input, w * tokens * in_local + weight) + gathered};
+  }
 
  private:
   Group* tp_;

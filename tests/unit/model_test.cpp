@@ -153,6 +153,48 @@ TEST(Models, ParameterCountFromThePlan) {
   }
 }
 
+// The parts' FLOPs declarations (models/flops.h) are the convention over the built model's own
+// parameters: 6 per element a token passes through (input lookups none, experts top_k of E)
+// plus 12·L·H·Q·T·share; a recomputation reruns one forward, 2 per element, of each block
+// (full) or each MLP half (selective), with attention's 4·H·Q·T·share under full.
+TEST(Models, FlopsAreTheConventionOverTheBuiltModel) {
+  const std::vector<std::string> shapes = {
+      "{arch: gpt2, layers: 3, hidden: 16, heads: 4, vocab_size: 301, max_seq_len: 128}",
+      "{arch: gpt2, layers: 2, hidden: 16, heads: 2, vocab_size: 301, mlp: relu2}",
+      "{arch: llama, layers: 3, hidden: 16, heads: 4, kv_heads: 2, vocab_size: 301}",
+      "{arch: llama, layers: 4, hidden: 16, heads: 4, kv_heads: 1, vocab_size: 301, "
+      "tie_embeddings: true, qk_norm: true, moe: {experts: 4, top_k: 2, ffn_hidden: 8, "
+      "shared_experts: 1, every: 2}}"};
+  const int64_t seq = 48;
+  for (const auto& yaml : shapes)
+    for (double share : {1.0, 0.375}) {
+      const auto m = model(yaml);
+      auto d = build_model(m, 3);
+      double n = 0, blocks = 0, mlp_halves = 0;
+      for (const auto& [name, spec] : d->specs()) {
+        if (name == "pos_embed.weight" || (name == "embed.weight" && !m.tied())) continue;
+        double numel = 1;
+        for (auto e : spec.global_shape) numel *= static_cast<double>(e);
+        if (spec.expert) numel *= static_cast<double>(m.moe.top_k) / m.moe.experts;
+        n += numel;
+        if (name.rfind("layers.", 0) == 0) blocks += numel;
+        if (name.find(".mlp") != std::string::npos) mlp_halves += numel;  // mlp_norm and mlp.*
+      }
+      const double attention = 4.0 * m.layers * m.hidden * seq * share;  // H·Q = hidden
+      const auto f = DecoderImpl::flops(d->options(), seq, share);
+      EXPECT_DOUBLE_EQ(f.train, 6 * n + 3 * attention) << yaml;
+      EXPECT_DOUBLE_EQ(f.forward, 2 * n + attention) << yaml;
+      EXPECT_DOUBLE_EQ(DecoderImpl::rerun_flops(d->options(), plan::Recompute::kFull, seq, share),
+                       2 * blocks + attention)
+          << yaml;
+      EXPECT_DOUBLE_EQ(
+          DecoderImpl::rerun_flops(d->options(), plan::Recompute::kSelective, seq, share),
+          2 * mlp_halves)
+          << yaml;
+      EXPECT_EQ(DecoderImpl::rerun_flops(d->options(), plan::Recompute::kNone, seq, share), 0.0);
+    }
+}
+
 // The plan's parameter list (what --dry-run lays ZeRO's buckets out from) is the built model's:
 // names, sizes, chunks and expert flags in registration order, under tp, ep, qk-norm, shared
 // experts, untied heads and every kind of stage.
