@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -15,6 +16,7 @@
 
 #include "core/device/cpu.h"
 #include "core/device/cuda.h"
+#include "core/observe/crash.h"
 #include "core/observe/interrupt.h"
 #include "core/optim/optim.h"
 #include "core/plan/config.h"
@@ -422,6 +424,9 @@ int main(int argc, char** argv) {
   // Under a launcher, say which rank failed (the launcher also prefixes every line).
   const char* rank = std::getenv("RANK");
   const std::string who = rank ? std::string("tessel-train[rank ") + rank + "]" : "tessel-train";
+  tessel::observe::install_crash_report(who);
+  // Tests: a fatal signal here, as a crash anywhere would meet the report.
+  if (const char* s = std::getenv("TESSEL_TEST_FATAL_SIGNAL")) std::raise(std::atoi(s));
   const std::string cmd = argc > 1 ? argv[1] : "";
   try {
     if (cmd == "score") return run_score(argc - 1, argv + 1);

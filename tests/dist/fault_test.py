@@ -1,4 +1,5 @@
-"""A failed or timed-out collective names its group, operation, sequence number and rank."""
+"""A failed or timed-out collective names its group, operation, sequence number and rank; a crash
+names its rank and signal and leaves its native stack."""
 import os
 import re
 import signal
@@ -55,6 +56,23 @@ class CollectiveFaults(TmpDirTest):
         self.assertLess(time.time() - t0, 30)
         self.check_message(err)
         self.assertRegex(err.lower(), "timed out|timeout")
+
+
+
+class CrashReport(unittest.TestCase):
+    def test_a_fatal_signal_names_the_rank_and_leaves_a_stack(self):
+        binary = os.path.join(BIN, "tessel-train")
+        env = dict(os.environ, RANK="3", TESSEL_TEST_FATAL_SIGNAL=str(int(signal.SIGSEGV)))
+        p = subprocess.run([binary, "plan.yaml"], env=env, capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, -signal.SIGSEGV, p.stderr)  # still dies of the signal (and dumps)
+        self.assertRegex(p.stderr, r"tessel-train\[rank 3\]: fatal signal 11 \(SIGSEGV, a bad memory access\); "
+                                   r"native stack")
+        offsets = re.findall(r"tessel-train\(\+(0x[0-9a-f]+)\)", p.stderr)
+        self.assertGreaterEqual(len(offsets), 2, p.stderr)
+        # The hint works: the binary's own frames are named, main among them.
+        names = subprocess.run(["addr2line", "-Cfpe", binary, *offsets], capture_output=True, text=True).stdout
+        self.assertIn("main at", names)
+        self.assertIn("on_fatal", names)
 
 
 if __name__ == "__main__":
