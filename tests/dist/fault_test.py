@@ -2,9 +2,11 @@
 names its rank and signal and leaves its native stack."""
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import unittest
 
@@ -58,12 +60,18 @@ class CollectiveFaults(TmpDirTest):
         self.assertRegex(err.lower(), "timed out|timeout")
 
 
+def no_core_dump():
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
 
 class CrashReport(unittest.TestCase):
     def test_a_fatal_signal_names_the_rank_and_leaves_a_stack(self):
         binary = os.path.join(BIN, "tessel-train")
         env = dict(os.environ, RANK="3", TESSEL_TEST_FATAL_SIGNAL=str(int(signal.SIGSEGV)))
-        p = subprocess.run([binary, "plan.yaml"], env=env, capture_output=True, text=True, timeout=60)
+        # In a folder of its own and without a core file: nothing lands in the checkout.
+        with tempfile.TemporaryDirectory() as tmp:
+            p = subprocess.run([binary, "plan.yaml"], env=env, capture_output=True, text=True, timeout=60, cwd=tmp,
+                               preexec_fn=no_core_dump)
         self.assertEqual(p.returncode, -signal.SIGSEGV, p.stderr)  # still dies of the signal (and dumps)
         self.assertRegex(p.stderr, r"tessel-train\[rank 3\]: fatal signal 11 \(SIGSEGV, a bad memory access\); "
                                    r"native stack")
