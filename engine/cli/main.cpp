@@ -22,6 +22,7 @@
 #include "core/plan/config.h"
 #include "engine/checkpoint/checkpoint.h"
 #include "engine/cli/cli_checks.h"
+#include "engine/cli/fork_ranks.h"
 #include "engine/data/dataset.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/tokenizer.h"
@@ -416,6 +417,7 @@ int run_samples(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  tessel::cli::fork_ranks_if_asked();       // tests: returns in each forked rank (fork_ranks.h)
   tessel::device::reproducible_cpu_blas();  // before any tensor: oneMKL reads it at its first call
   spdlog::set_pattern("[%H:%M:%S] %v");
   // c10d warns about every rendezvous retry (a rank waiting for rank 0 to come up) with a C++

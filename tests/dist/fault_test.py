@@ -83,5 +83,38 @@ class CrashReport(unittest.TestCase):
         self.assertIn("on_fatal", names)
 
 
+class ForkedRanks(unittest.TestCase):
+    """The tests' rank starter (TESSEL_TEST_FORK_RANKS, engine/cli/fork_ranks.h): every rank's
+    failure named with its status, the first one the parent's exit status, and no rank outliving a
+    killed parent."""
+
+    def env(self, tmp, world):
+        return dict(os.environ, TESSEL_TEST_FORK_RANKS="2", TESSEL_TEST_FORK_LOGS=tmp, WORLD_SIZE=str(world),
+                    LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(free_port()), TESSEL_RESTART_COUNT="0")
+
+    def test_failed_ranks_are_named_and_a_killed_parent_takes_its_ranks(self):
+        binary = os.path.join(BIN, "tessel-train")
+        with tempfile.TemporaryDirectory() as tmp:
+            plan = base_plan(tmp, "gpt2", write_tokens(os.path.join(tmp, "t.bin"), 4000))
+            plan = write_plan(os.path.join(tmp, "plan.yaml"), dict(plan, parallel={"dp": 4}))
+            p = subprocess.run([binary, plan], env=self.env(tmp, 2), capture_output=True, text=True, timeout=120)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertEqual(sorted(re.findall(r"rank (\d) exited 2", p.stderr)), ["0", "1"], p.stderr)
+            for r in (0, 1):
+                with open(os.path.join(tmp, f"rank{r}.log")) as f:
+                    self.assertIn(f"tessel-train[rank {r}]: error: {plan}: world size (2) must equal", f.read())
+            # Two ranks of a world of four wait for the two that never come; the parent killed, they go.
+            p = subprocess.Popen([binary, plan], env=self.env(tmp, 4))
+            time.sleep(1.5)
+            ranks = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+            self.assertEqual(len(ranks), 2)
+            p.kill()
+            p.wait()
+            time.sleep(0.5)
+            self.assertFalse([r for r in ranks if os.path.exists(f"/proc/{r}") and
+                              open(f"/proc/{r}/stat").read().split()[2] != "Z"], "a rank outlived its parent")
+
+
 if __name__ == "__main__":
     unittest.main()
