@@ -109,9 +109,13 @@ void Trainer::check_peak(int64_t step, double tflops) {
   if (peak_.measured && tflops > peak_.tflops && !peak_remeasured_) {
     // The start's measure may have run beside start-up's threads (the data scan) or before the
     // clock rose: measure again once, now that the steps run alone, out of the steps' time.
+    // Up to three tries, the best kept: a try beside another busy process can come out low too.
     peak_remeasured_ = true;
     const auto t0 = std::chrono::steady_clock::now();
-    const auto again = planner::device_peak(c_, device_, dtype_);
+    auto again = planner::device_peak(c_, device_, dtype_);
+    for (int i = 0; i < 2 && again.tflops <= tflops; ++i)
+      if (auto more = planner::device_peak(c_, device_, dtype_); more.tflops > again.tflops)
+        again = more;
     last_log_time_ += std::chrono::steady_clock::now() - t0;
     if (again.tflops > peak_.tflops) {
       spdlog::info(

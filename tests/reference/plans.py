@@ -24,12 +24,36 @@ def run(*args, check=True, timeout=600):
 
 
 def launch_plan(plan, world, check=True):
-    """Writes plan beside its output_dir and trains it: one process, or `world` under tessel-launch."""
+    """Writes plan beside its output_dir and trains it: one process, or `world` ranks forked from
+    one tessel-train (spawn_ranks' way, where the launcher is not what a test is about: its own
+    tests start it; a CUDA plan under tessel-launch). Returns a CompletedProcess whose stdout and stderr both hold every rank's
+    output, each line prefixed "[rank R] " as tessel-launch prefixes it, then the parent's."""
     path = write_plan(plan["run"]["output_dir"] + ".yaml", plan)
     if world == 1:
         return run("tessel-train", path, check=check)
-    return run("tessel-launch", "--nproc-per-node", world, "--master-port", free_port(), "--",
-               os.path.join(BIN, "tessel-train"), path, check=check)
+    if plan.get("training", {}).get("device", "cpu") != "cpu":  # the GPU suite: as users start it
+        return run("tessel-launch", "--nproc-per-node", world, "--master-port", free_port(), "--",
+                   os.path.join(BIN, "tessel-train"), path, check=check)
+    with tempfile.TemporaryDirectory(prefix="tessel-ranks-") as logs:
+        p = subprocess.run([os.path.join(BIN, "tessel-train"), path], capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, **rank_env(world), TESSEL_TEST_FORK_RANKS=str(world),
+                                    TESSEL_TEST_FORK_LOGS=logs))
+        out = ""
+        for r in range(world):
+            log = os.path.join(logs, f"rank{r}.log")
+            if os.path.exists(log):
+                with open(log, errors="replace") as f:
+                    out += "".join(f"[rank {r}] {line}" for line in f)
+    out += p.stdout + p.stderr
+    if check and p.returncode != 0:
+        raise AssertionError(f"{path} on {world} ranks exited {p.returncode}\n{out[-6000:]}")
+    return subprocess.CompletedProcess(p.args, p.returncode, out, out)
+
+
+def rank_env(world):
+    """The worker environment tessel-launch gives a node's ranks but RANK and LOCAL_RANK."""
+    return dict(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(free_port()), TESSEL_RESTART_COUNT="0")
 
 
 def write_plan(path, plan):
@@ -188,9 +212,8 @@ def spawn_ranks(plan, world, timeout=600):
     path = write_plan(plan["run"]["output_dir"] + ".yaml", plan)
     with tempfile.TemporaryDirectory(prefix="tessel-ranks-") as logs:
         # TESSEL_COUNT_HOST_READS: memory.json counts each step's host reads (parity.py checks them)
-        env = dict(os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), TESSEL_RESTART_COUNT="0",
-                   TESSEL_COUNT_HOST_READS="1", TESSEL_TEST_FORK_RANKS=str(world), TESSEL_TEST_FORK_LOGS=logs)
+        env = dict(os.environ, **rank_env(world), TESSEL_COUNT_HOST_READS="1", TESSEL_TEST_FORK_RANKS=str(world),
+                   TESSEL_TEST_FORK_LOGS=logs)
         p = subprocess.Popen([os.path.join(BIN, "tessel-train"), path], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
         try:
