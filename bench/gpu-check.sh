@@ -57,6 +57,7 @@ start=$(date +%s)
 "$bin/tessel-gpu-tests" > "$out/gpu-tests.log" 2>&1; kernels=$?
 (cd "$root" && "$py" tests/gpu/gpu_suite.py) > "$out/gpu-suite.log" 2>&1; suite=$?
 "$py" "$root/bench/gpu_bench.py" "$out/bench" ${TESSEL_GPU_CHECK_COMPILE_BY:+--compile-by "$TESSEL_GPU_CHECK_COMPILE_BY"} > "$out/bench.md" 2> "$out/bench.log"; bench=$?
+"$py" "$root/bench/fp8_bench.py" "$out/bench" > "$out/fp8.md" 2> "$out/fp8.log"; fp8=$?
 took=$(( $(date +%s) - start ))
 
 {
@@ -75,13 +76,28 @@ PY
   echo "| kernels, CUDA RNG replay (tessel-gpu-tests) | $(status $kernels) | gpu-tests.log |"
   echo "| NCCL collectives, training on CUDA (tests/gpu/gpu_suite.py) | $(status $suite) | gpu-suite.log |"
   echo "| Tessel vs PyTorch eager vs torch.compile (bench/gpu_bench.py) | $(status $bench) | bench.md, bench.log |"
+  echo "| float8: Tessel vs torchao + torch.compile (bench/fp8_bench.py) | $(status $fp8) | fp8.md, fp8.log |"
   echo
   cat "$out/bench.md"
+  echo
+  cat "$out/fp8.md"
   echo
   grep -hE "kernel|worst rel|bf16 error|host reads" "$out/gpu-tests.log" "$out/gpu-suite.log" | sed 's/^/    /'
 } > "$report"
 cat "$report"
-for rc in $kernels $suite $bench; do
+# From a checkout, a GPU's report is also kept for committing: bench/gpu-results/DATE-COMMIT-CARD.md.
+if [ -n "$hw" ] && [ -d "$root/.git" ]; then
+  card=$("$py" -c "import torch; print(torch.cuda.get_device_name(0))" 2>/dev/null | tr -c 'A-Za-z0-9\n' '-' | tr -s '-')
+  keep=$root/bench/gpu-results/$(date -u +%Y-%m-%d)-$(git -C "$root" rev-parse --short HEAD)-${card:-gpu}.md
+  mkdir -p "$(dirname "$keep")" && cp "$report" "$keep"
+  for j in gpu_bench fp8_bench; do [ -f "$out/bench/$j.json" ] && cp "$out/bench/$j.json" "${keep%.md}-$j.json"; done
+  # The raw per-step figures of every Tessel run: one line per step, its run's name added.
+  for m in "$out"/bench/*/metrics.jsonl; do
+    [ -f "$m" ] && sed "s/^{/{\"run\":\"$(basename "$(dirname "$m")")\",/" "$m"
+  done > "${keep%.md}-steps.jsonl"
+  echo "gpu-check: report kept in $keep"
+fi
+for rc in $kernels $suite $bench $fp8; do
   [ "$rc" -eq 0 ] || { [ "$rc" -eq 77 ] && [ -z "$hw" ]; } || { echo "gpu-check: a part failed; logs in $out" >&2; exit 1; }
 done
 echo "gpu-check: report in $report"

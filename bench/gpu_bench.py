@@ -71,9 +71,10 @@ class GraphNotCaptured(Exception):
     not reported as the graph's."""
 
 
-def run_tessel(out, name, model, batch, seq, steps, cpu, graph=False):
+def run_tessel(out, name, model, batch, seq, steps, cpu, graph=False, training=None):
     """Trains with tessel-train under tessel-launch (world 1); returns (tokens/s, MFU, GFLOP/token,
-    peak TFLOP/s, the resolved model section). `graph`: with training.cuda_graph."""
+    peak TFLOP/s, the resolved model section). `graph`: with training.cuda_graph; `training`: more
+    training keys (training.fp8)."""
     run_dir = os.path.join(out, re.sub(r"\W+", "_", name) + ("_graph" if graph else ""))
     sets = [f"run.output_dir={run_dir}", f"training.steps={steps}", f"training.global_batch={batch}",
             f"training.micro_batch={batch}", f"training.seq_len={seq}", "training.eval_every=0",
@@ -82,6 +83,7 @@ def run_tessel(out, name, model, batch, seq, steps, cpu, graph=False):
             f"parallel.backend={'gloo' if cpu else 'nccl'}", "training.schedule.warmup_steps=2",
             f"training.cuda_graph={'true' if graph else 'false'}"]
     sets += [f"model.{k}={v}" for k, v in model.items()]
+    sets += [f"training.{k}={v}" for k, v in (training or {}).items()]
     vocab = dict(default_model(), **model)["vocab_size"]
     sets.append(f"data.path=[{token_file(out, vocab, batch * (seq + 1) * (steps + 2) + 10)}]")
     sets += ["data.format=tokens", f"data.token_dtype={'uint16' if int(vocab) <= 65536 else 'uint32'}",
@@ -124,10 +126,13 @@ def model_section(resolved):
     return m
 
 
-def run_pytorch(m, batch, seq, steps, cpu, compile_):
-    """The same decoder in plain PyTorch: (tokens/s median after warm-up, peak bytes allocated)."""
+def run_pytorch(m, batch, seq, steps, cpu, compile_, convert=None):
+    """The same decoder in plain PyTorch: (tokens/s median after warm-up, peak bytes allocated).
+    `convert`: applied to the model first (bench/fp8_bench.py: torchao's float8 layers)."""
     dev = "cpu" if cpu else "cuda"
     model = Decoder(m).to(dev)
+    if convert:
+        convert(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=not cpu)
     fwd = torch.compile(model) if compile_ else model
     g = torch.Generator().manual_seed(0)

@@ -3,6 +3,10 @@
 // recomputation reruns. --dry-run and the run's MFU both add up the same declarations.
 #pragma once
 
+#include <utility>
+
+#include "core/kernels/fp8.h"
+
 namespace tessel::models {
 
 /// PaLM (appendix B): 6 FLOPs per token for each weight a token passes through (2 in forward, 4
@@ -16,14 +20,32 @@ constexpr const char* kFlopsConvention =
 
 /// FLOPs per token of a part: `train` its forward and backward by the convention, `forward` one
 /// forward of it (a third of train: what recomputation reruns, which MFU does not count).
+/// `linear`: the share of train in the blocks' tensor-parallel linear layers' matmuls, which
+/// training.fp8 runs in float8 (core/kernels/fp8.h).
 struct Flops {
-  double train = 0, forward = 0;
+  double train = 0, forward = 0, linear = 0;
   Flops& operator+=(const Flops& o) {
-    train += o.train, forward += o.forward;
+    train += o.train, forward += o.forward, linear += o.linear;
     return *this;
   }
 };
 /// Of `weights` elements every token passes through.
 inline Flops weight_flops(double weights) { return {6 * weights, 2 * weights}; }
+/// Of `weights` elements, `matrices` of them the weights of tensor-parallel linear layers.
+inline Flops weight_flops(double weights, double matrices) {
+  return {6 * weights, 2 * weights, 6 * matrices};
+}
+
+/// training.fp8's amax all-reduces a part issues per micro-batch (kernels::fp8::linear_reduces),
+/// by the group that splits the axis: tp (column layers' output features, row layers' input
+/// features) and cp (every layer's tokens).
+struct Fp8Reduces {
+  kernels::fp8::AxisReduces tp, cp;
+  Fp8Reduces& operator+=(const Fp8Reduces& o) {
+    for (auto [a, b] : {std::pair{&tp, &o.tp}, std::pair{&cp, &o.cp}})
+      a->forward += b->forward, a->backward += b->backward;
+    return *this;
+  }
+};
 
 }  // namespace tessel::models

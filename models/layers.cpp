@@ -185,6 +185,26 @@ void DecoderImpl::set_kernels(plan::Kernels kernels) {
   }
 }
 
+std::pair<int64_t, int64_t> DecoderImpl::set_fp8(plan::Fp8 recipe) {
+  parallel::Group* tokens = o_.cp && o_.cp->size() > 1 ? o_.cp : nullptr;
+  int64_t set = 0, kept = 0;
+  auto column = [&](parallel::tp::ColumnParallelLinear& l) {
+    if (l) l->set_fp8(recipe, tokens), ++set;
+  };
+  for (const auto& m : modules()) {
+    if (auto* a = m->as<AttentionImpl>()) {
+      column(a->q), column(a->k), column(a->v);
+      a->o->set_fp8(recipe, tokens), ++set;
+      kept += a->kv_replicated() ? 2 : 0;
+    }
+    if (auto* p = m->as<MlpImpl>()) {
+      column(p->up), column(p->gate);
+      p->down->set_fp8(recipe, tokens), ++set;
+    }
+  }
+  return {set, kept};
+}
+
 void DecoderImpl::set_lean_logits(bool on, int64_t chunk_tokens) {
   lean_chunk_ = on ? chunk_tokens : -1;
 }

@@ -138,11 +138,17 @@ class AttentionImpl : public torch::nn::Module, public parallel::tp::Placed {
     const auto h = static_cast<double>(m.hidden),
                kv = static_cast<double>(m.kv_heads * m.head_dim());
     auto f = weight_flops(2 * h * h + 2 * h * kv + (o.linear_bias ? 2 * h + 2 * kv : 0.0) +
-                          (m.qk_norm ? 2.0 * static_cast<double>(m.head_dim()) : 0.0));
+                              (m.qk_norm ? 2.0 * static_cast<double>(m.head_dim()) : 0.0),
+                          2 * h * h + 2 * h * kv);
     const auto core = core_flops(o, seq);
     f.train += core.train * share, f.forward += core.forward * share;
     return f;
   }
+  /// training.fp8's amax reductions per micro-batch of `tokens` rows (Fp8Reduces): q, k and v
+  /// split by output features, o by input features (k and v replicated over tp when kv_heads < tp
+  /// stay in the model's dtype: none).
+  static Fp8Reduces fp8_reduces(const DecoderOptions& o, double tokens, double tp,
+                                kernels::fp8::Recipe recipe);
   /// docs: the micro-batch's documents (data.document_mask; every token of the sequence, as the
   /// cp rank's all-to-all sees them), attention kept inside each; null: one causal sequence.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -182,9 +188,14 @@ class MlpImpl : public torch::nn::Module {
   /// FLOPs per token at inner width `ffn` (models/flops.h): its matrices and biases as weights.
   static Flops flops(const DecoderOptions& o, int64_t ffn) {
     const auto h = static_cast<double>(o.model.hidden), f = static_cast<double>(ffn);
-    return weight_flops(weight_matrices(o) * h * f +
-                        (o.linear_bias ? column_matrices(o) * f + h : 0.0));
+    return weight_flops(
+        weight_matrices(o) * h * f + (o.linear_bias ? column_matrices(o) * f + h : 0.0),
+        weight_matrices(o) * h * f);
   }
+  /// training.fp8's amax reductions per micro-batch of `tokens` rows (Fp8Reduces) of an MLP
+  /// `ffn` wide: up (and gate) split by output features, down by input features.
+  static Fp8Reduces fp8_reduces(const DecoderOptions& o, int64_t ffn, double tokens, double tp,
+                                kernels::fp8::Recipe recipe);
   /// Elements its forward keeps per token and unit of this rank's ffn width: its form's
   /// (MlpForm::kept_per_ffn).
   static double kept_per_ffn(const DecoderOptions& o, bool own_kernels) {
@@ -203,11 +214,12 @@ class MlpImpl : public torch::nn::Module {
     double input, weight, backward, forward;
   };
   static Working working_set(const DecoderOptions& o, double tokens, double tp, bool sp, double w,
-                             bool own_kernels, const parallel::tp::MatmulBytes& matmul) {
+                             bool own_kernels, const parallel::tp::MatmulBytes& matmul,
+                             bool fp8 = false) {
     const double f = static_cast<double>(o.model.ffn_hidden) / tp;
     const auto h = static_cast<double>(o.model.hidden);
     const auto down =
-        parallel::tp::RowParallelLinearImpl::backward_bytes(tokens, f, h, w, sp, matmul);
+        parallel::tp::RowParallelLinearImpl::backward_bytes(tokens, f, h, w, sp, matmul, fp8);
     const double activation = w * tokens * f * backward_extra_per_ffn(o, own_kernels);
     return {down.input, down.weight, down.both + activation, w * tokens * h};
   }
@@ -252,6 +264,12 @@ class BlockImpl : public torch::nn::Module {
   /// FLOPs per token of block `layer` (models/flops.h): its norms, its attention, and its MLP or
   /// mixture of experts (MoeImpl::flops). `seq`, `share`: AttentionImpl::flops'.
   static Flops flops(const DecoderOptions& o, int64_t layer, int64_t seq, double share);
+  /// training.fp8's amax reductions of block `layer` per micro-batch (its attention's, its dense
+  /// MLP's or shared experts'); `rerun`: those a recomputation of it reruns under `mode`.
+  static Fp8Reduces fp8_reduces(const DecoderOptions& o, int64_t layer, double tokens, double tp,
+                                kernels::fp8::Recipe recipe);
+  static Fp8Reduces fp8_rerun_reduces(const DecoderOptions& o, int64_t layer, double tokens,
+                                      double tp, kernels::fp8::Recipe recipe, plan::Recompute mode);
   /// The forward work per token a recomputation of block `layer` reruns under `mode`: full, the
   /// whole block; selective, the MLP half (its norm and its MLP or experts); none, nothing.
   static double rerun_flops(const DecoderOptions& o, int64_t layer, plan::Recompute mode,
@@ -337,6 +355,11 @@ class DecoderImpl : public torch::nn::Module {
   /// training.kernels: tessel (Tessel's own CPU kernels where they apply: GELU, SwiGLU, RMSNorm,
   /// RoPE, short-sequence attention) | torch (LibTorch's only).
   void set_kernels(plan::Kernels kernels);
+  /// training.fp8: the blocks' tensor-parallel linear layers (attention's q, k, v and o, the MLP's,
+  /// the shared experts') in float8 (core/kernels/fp8.h), their amaxes completed over tp and cp.
+  /// Returns how many layers of this rank it set, and how many stay in the model's dtype (key and
+  /// value projections replicated over tp when kv_heads < tp).
+  std::pair<int64_t, int64_t> set_fp8(plan::Fp8 recipe);
   /// training.lean_logits: the loss through parallel/tp/head_loss.h in chunks of `chunk_tokens`
   /// (0: 64 MiB of fp32 logits per chunk); `on` false: whole logits, then the loss.
   void set_lean_logits(bool on, int64_t chunk_tokens);

@@ -20,6 +20,7 @@ cd "$(dirname "$0")/.."
 TORCH_VERSION=2.11.0
 TOKENIZERS_VERSION=0.22.2  # the version transformers==4.57.6 pins
 MEGATRON_CORE_VERSION=0.16.1
+TORCHAO_VERSION=0.18.0  # training.fp8's reference (tests/reference/fp8_torchao_test.py)
 PY_TEST_DEPS=(transformers==4.57.6 safetensors matplotlib==3.10.7 tensorboard==2.20.0)
 cache=${TESSEL_CACHE:-$HOME/.cache/tessel}
 mode=${1:-build}   # build | test (test also needs GoogleTest, Slurm, Open MPI and the parity deps)
@@ -143,6 +144,11 @@ fi
 if [ "$mode" = test ] && ! "$env_dir/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '$MEGATRON_CORE_VERSION')" 2>/dev/null; then
   echo "setup: installing megatron-core==$MEGATRON_CORE_VERSION (a test reference for data.order megatron)"
   "$env_dir/bin/pip" install --no-input -q --no-deps "megatron-core==$MEGATRON_CORE_VERSION"
+fi
+# torchao's float8 training, which training.fp8 is checked against; pure Python over torch.
+if [ "$mode" = test ] && ! "$env_dir/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('torchao') != '$TORCHAO_VERSION')" 2>/dev/null; then
+  echo "setup: installing torchao==$TORCHAO_VERSION (a test reference for training.fp8)"
+  "$env_dir/bin/pip" install --no-input -q --no-deps "torchao==$TORCHAO_VERSION"
 fi
 # 4. A CUDA compiler of torch's CUDA version. Tessel compiles no CUDA code, but the CUDA build of
 # LibTorch's CMake config enables the CUDA language and looks for the toolkit; a machine without

@@ -54,6 +54,13 @@ inline const Names& choice_names(Recompute) {
   return n;
 }
 
+// training.fp8
+enum class Fp8 { kOff, kTensorwise, kRowwise };
+inline const Names& choice_names(Fp8) {
+  static const Names n{"off", "tensorwise", "rowwise"};
+  return n;
+}
+
 // training.kernels
 enum class Kernels { kTessel, kTorch };
 inline const Names& choice_names(Kernels) {

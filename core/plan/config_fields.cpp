@@ -268,6 +268,15 @@ void add_training_speed_fields(FieldAdder& add, Config& c) {
       "same functions within float rounding (docs/performance.md). torch: LibTorch's operators "
       "everywhere (SDPA's flash kernel for attention). Elsewhere (CUDA, bf16, fp16) both run "
       "LibTorch's.");
+  add("training.fp8", &c.training.fp8, S("off"),
+      "The transformer blocks' linear layers (attention's projections, the MLP) in float8 with "
+      "dynamic scales, as torchao's float8 training recipes: tensorwise (one scale per tensor; "
+      "inputs and weights e4m3, gradients e5m2) or rowwise (one scale per row, rounded down to a "
+      "power of two; e4m3 throughout). The embedding, the head, norms, the router, the experts "
+      "and the optimizer stay in training.dtype, master weights and moments in fp32. On CUDA "
+      "it needs compute capability 8.9 (Ada, Hopper, Blackwell) and every such layer's "
+      "dimensions, and the tokens of a micro-batch on one rank, multiples of 16; the CPU runs "
+      "both recipes (docs/performance.md). off: every matmul in training.dtype.");
   add("training.lean_logits", &c.training.lean_logits, true,
       "Fuse the output head with the cross-entropy and run them a chunk of tokens at a time, "
       "making the gradients as each chunk's logits are made: a micro-batch's [tokens, vocab/tp] "
@@ -474,6 +483,7 @@ void mark_free_on_resume(std::vector<Field>& f) {
       {"training.micro_batch", "the layout: the same global batch, the same losses"},
       {"training.device", "where the run computes"},
       {"training.dtype", "arithmetic precision: master weights and moments stay fp32"},
+      {"training.fp8", "arithmetic precision of the blocks' matmuls: the state is unchanged"},
       {"training.tf32", "arithmetic precision of fp32 matmuls on CUDA"},
       {"training.deterministic", "speed: deterministic variants of the same kernels"},
       {"training.recompute", "memory against time: the same losses"},

@@ -48,6 +48,7 @@ struct PlanBasis {
   double vocab_local;      // the head's rows on one tp rank
   bool cpu;                // the plan runs on CPUs (else GPUs)
   bool own_kernels;        // Tessel's fused CPU kernels run (activation_model)
+  bool fp8 = false;        // training.fp8: the blocks' linear layers in float8 (their casts)
   double short_attention;  // bytes per token its short-sequence attention holds in a block
   ActivationModel a;
   parallel::pp::Simulation sim;  // the plan's pipeline schedule (gpipe when pp = 1)

@@ -220,7 +220,7 @@ std::vector<parallel::pp::Simulation::Slot> one_stage_turns(const PlanBasis& b) 
 // A block's backward working set: its MLP's declaration (MlpImpl::working_set).
 models::MlpImpl::Working working_set(const PlanBasis& b) {
   return models::MlpImpl::working_set(b.parts, b.tok, b.tp, b.sp, b.w, b.own_kernels,
-                                      device_matmul(b));
+                                      device_matmul(b), b.fp8);
 }
 
 // One micro-batch of one chunk (layers [begin, end), local chunk k of pipeline rank `stage`).

@@ -34,13 +34,14 @@ const std::map<std::string, DeviceProfile>& builtin_profiles() {
   // both ways; A100: 600); NICs: ConnectX-7 400 Gb/s, ConnectX-6 200 Gb/s, one per GPU.
   // H100 PCIe and H100 NVL (datasheets, dense bf16: 756 and 835 TFLOP/s; fp32: 51 and 60;
   // 80 and 94 GB): their NVLink bridges join pairs only, so the rest of a node talks over PCIe
-  // Gen5 x16 (64 GB/s one way).
+  // Gen5 x16 (64 GB/s one way). Dense fp8: 1978.9 (H100/H200 SXM), 1513 (PCIe), 1671 (NVL);
+  // the A100 has no float8 tensor cores.
   static const std::map<std::string, DeviceProfile> p = {
-      {"h100", {"h100", 989.4, 66.9, 450, 50, 8, 80, 0.5}},
-      {"h100-pcie", {"h100-pcie", 756, 51, 64, 50, 8, 80, 0.5}},
-      {"h100-nvl", {"h100-nvl", 835, 60, 64, 50, 8, 94, 0.5}},
-      {"h200", {"h200", 989.4, 66.9, 450, 50, 8, 141, 0.5}},
-      {"a100", {"a100", 312, 19.5, 300, 25, 8, 80, 0.5}},
+      {"h100", {"h100", 989.4, 66.9, 1978.9, 450, 50, 8, 80, 0.5}},
+      {"h100-pcie", {"h100-pcie", 756, 51, 1513, 64, 50, 8, 80, 0.5}},
+      {"h100-nvl", {"h100-nvl", 835, 60, 1671, 64, 50, 8, 94, 0.5}},
+      {"h200", {"h200", 989.4, 66.9, 1978.9, 450, 50, 8, 141, 0.5}},
+      {"a100", {"a100", 312, 19.5, 0, 300, 25, 8, 80, 0.5}},
   };
   return p;
 }
@@ -48,12 +49,17 @@ const std::map<std::string, DeviceProfile>& builtin_profiles() {
 }  // namespace
 
 double matmul_peak_tflops(const DeviceProfile& d, const plan::TrainingConfig& t) {
+  return t.fp8 != plan::Fp8::kOff && !d.cpu ? d.fp8_tflops : dtype_peak_tflops(d, t);
+}
+
+double dtype_peak_tflops(const DeviceProfile& d, const plan::TrainingConfig& t) {
   if (d.cpu) return d.peak_tflops;  // measured in the plan's dtype
   if (t.dtype != plan::Dtype::kFp32) return d.peak_tflops;
   return t.tf32 ? d.peak_tflops / 2 : d.fp32_tflops;
 }
 
 std::string matmul_peak_name(const plan::TrainingConfig& t) {
+  if (t.fp8 != plan::Fp8::kOff) return "dense fp8 (training.fp8)";
   if (t.dtype != plan::Dtype::kFp32) return "dense " + t.dtype.name();
   return t.tf32 ? "dense TF32 (fp32 matmuls on tensor cores: training.tf32)" : "fp32";
 }
@@ -91,6 +97,7 @@ const std::vector<ProfileKey>& profile_keys() {
       {"name", nullptr, ""},
       {"peak_tflops", &DeviceProfile::peak_tflops, ""},
       {"fp32_tflops", &DeviceProfile::fp32_tflops, ""},
+      {"fp8_tflops", &DeviceProfile::fp8_tflops, ""},
       {"intra_node_gbps", &DeviceProfile::intra_node_gbps, ""},
       {"inter_node_gbps", &DeviceProfile::inter_node_gbps, ""},
       {"gpus_per_node", nullptr, "a whole number"},
@@ -279,6 +286,7 @@ PlanBasis plan_basis(const plan::Config& c, const plan::Layout& l, bool cpu) {
   b.vocab_local = std::ceil(static_cast<double>(m.vocab_size) / tp);
   b.cpu = cpu;
   b.own_kernels = cpu && t.kernels == plan::Kernels::kTessel && b.dtype == torch::kFloat32;
+  b.fp8 = t.fp8 != plan::Fp8::kOff;
   b.threads = t.threads > 0 ? t.threads : int64_t{at::get_num_threads()};
   b.lanes = plan::pairs_microbatches(c, l.world(), !cpu, b.threads) ? 2 : 1;
   b.a = activation_model(b.parts, t.recompute, b.own_kernels, b.cpu, w);
@@ -300,7 +308,9 @@ void add_step_flops(PlanEstimate& e, const PlanBasis& b, const plan::TrainingCon
   using models::DecoderImpl;
   e.params_total = models::parameters_on_rank(b.m, 1, {});
   const auto tokens = static_cast<double>(t.global_batch * t.seq_len);
-  e.flops_per_step = DecoderImpl::flops(b.parts, t.seq_len, b.docs.share).train * tokens;
+  const auto flops = DecoderImpl::flops(b.parts, t.seq_len, b.docs.share);
+  e.flops_per_step = flops.train * tokens;
+  e.fp8_flops_per_step = t.fp8 != plan::Fp8::kOff ? flops.linear * tokens : 0.0;
   e.recompute_flops_per_step =
       DecoderImpl::rerun_flops(b.parts, t.recompute, t.seq_len, b.docs.share) * tokens;
   // Attention's own matmuls, of which a document mask keeps a share.
@@ -434,6 +444,11 @@ PlanEstimate estimate(const plan::Config& c, const plan::Layout& l, const Device
   const plan::TrainDevice device = c.training.device;
   const PlanBasis b = plan_basis(
       c, l, device == plan::TrainDevice::kCpu || (device == plan::TrainDevice::kAuto && dev.cpu));
+  if (t.fp8 != plan::Fp8::kOff && !dev.cpu && dev.fp8_tflops <= 0)
+    throw plan::UserError(fmt::format(
+        "{}: training.fp8 {}: the device profile {} has no float8 peak (fp8_tflops; an A100 has "
+        "no float8 tensor cores): set training.fp8 off, or --profile-set fp8_tflops=...",
+        c.source, t.fp8.name(), dev.name));
   PlanEstimate e;
   e.world = l.world();
   add_step_flops(e, b, t);
@@ -445,11 +460,14 @@ PlanEstimate estimate(const plan::Config& c, const plan::Layout& l, const Device
     r.peers = buffers.peers;
     const auto traffic = stage_traffic(c, l, b, r, part);
     // Time on the device profile: this stage's compute, its communication on the group's link.
-    const double peak = matmul_peak_tflops(dev, t) * 1e12 * dev.efficiency;
+    // On a GPU the float8 matmuls at the fp8 peak, the rest at the dtype's.
+    const double peak = dtype_peak_tflops(dev, t) * 1e12 * dev.efficiency;
+    const double fp8 = dev.cpu ? 0.0 : e.fp8_flops_per_step;
     std::map<std::string, double> parts;
     if (dev.cpu) parts = cpu_compute_s(c, b, r, part, dev);
-    double compute =
-        (e.flops_per_step + e.recompute_flops_per_step) / static_cast<double>(e.world) / peak;
+    double compute = ((e.flops_per_step + e.recompute_flops_per_step - fp8) / peak +
+                      (fp8 > 0 ? fp8 / (dev.fp8_tflops * 1e12 * dev.efficiency) : 0.0)) /
+                     static_cast<double>(e.world);
     if (dev.cpu) {
       compute = 0;
       for (const auto& [what, s] : parts) compute += s;

@@ -23,6 +23,7 @@ struct DeviceProfile {
   std::string name;
   double peak_tflops = 0;      // dense, in the plan's dtype (bf16/fp16; fp32 uses fp32_tflops)
   double fp32_tflops = 0;      // without TF32
+  double fp8_tflops = 0;       // dense float8 (training.fp8); 0: none (A100, CPUs)
   double intra_node_gbps = 0;  // GB/s per GPU inside a node (NVLink)
   double inter_node_gbps = 0;  // GB/s per GPU between nodes
   int64_t gpus_per_node = 8;
@@ -42,8 +43,12 @@ struct DeviceProfile {
   double nccl_peer_mib = 384;   // an NCCL communicator's buffers per peer it connects to
                                 // (engine/planner/comm_buffers.cpp says where from)
 };
-/// The one dense peak a plan's matmuls run at, for its step time and its MFU alike: bf16/fp16 on
-/// tensor cores; fp32 as TF32 (half the bf16 peak) when training.tf32, else plain fp32.
+/// The dense peak a plan's matmuls run at in its dtype: bf16/fp16 on tensor cores; fp32 as TF32
+/// (half the bf16 peak) when training.tf32, else plain fp32.
+double dtype_peak_tflops(const DeviceProfile& d, const plan::TrainingConfig& t);
+/// The one peak MFU is measured against, by the step time and the run alike: the dtype's, or
+/// under training.fp8 on a GPU the float8 peak (its blocks' linear layers run at it, the rest of
+/// the step at the dtype's).
 double matmul_peak_tflops(const DeviceProfile& d, const plan::TrainingConfig& t);
 /// Which peak that is, in words ("dense bf16", "dense TF32 (training.tf32)", "fp32").
 std::string matmul_peak_name(const plan::TrainingConfig& t);
@@ -86,6 +91,7 @@ struct PlanEstimate {
   int64_t world = 0, params_total = 0;
   double flops_per_step = 0;  // model FLOPs of the global batch (PaLM convention, as metrics)
   double recompute_flops_per_step = 0;  // the forward work recomputation reruns (not in MFU)
+  double fp8_flops_per_step = 0;  // of flops_per_step, in float8 matmuls (training.fp8)
   // data.document_mask: the share of causal attention work kept (measured on the first training
   // samples; flops_per_step counts that share of the attention term), and the FLOPs it saves.
   double attention_share = 1, attention_flops_saved_per_step = 0;

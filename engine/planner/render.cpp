@@ -270,6 +270,7 @@ std::string to_json(const PlanEstimate& e, const DeviceProfile& d) {
                       {"params_total", e.params_total},
                       {"flops_per_step", e.flops_per_step},
                       {"recompute_flops_per_step", e.recompute_flops_per_step},
+                      {"fp8_flops_per_step", e.fp8_flops_per_step},
                       {"attention_share", e.attention_share},
                       {"attention_flops_saved_per_step", e.attention_flops_saved_per_step},
                       {"device",

@@ -61,6 +61,28 @@ void add_aux_loss_traffic(Traffic& g, const plan::Config& c, const PlanBasis& b,
   g.ops += sums;
 }
 
+// training.fp8's amax all-reduces per step on one rank of the stage: its blocks' declarations
+// (BlockImpl::fp8_reduces), a recomputation's reruns among them.
+models::Fp8Reduces fp8_reduces(const plan::Config& c, const PlanBasis& b,
+                               const models::StagePart& part) {
+  using models::BlockImpl;
+  models::Fp8Reduces f;
+  const auto recipe = parallel::tp::fp8_recipe(c.training.fp8);
+  if (recipe == kernels::fp8::Recipe::kOff) return f;
+  for (const auto& [first, end] : part.chunks)
+    for (int64_t i = first; i < end; ++i) {
+      f += BlockImpl::fp8_reduces(b.parts, i, b.tok, b.tp, recipe);
+      f += BlockImpl::fp8_rerun_reduces(b.parts, i, b.tok, b.tp, recipe, c.training.recompute);
+    }
+  return f;
+}
+
+// Adds `r`, one micro-batch's amax all-reduces over a group, to its traffic for the step.
+void add_fp8_traffic(Traffic& g, const kernels::fp8::AxisReduces& r, double micro_batches) {
+  g.all_reduce += micro_batches * 4 * (r.forward.elements + r.backward.elements);
+  g.ops += micro_batches * (r.forward.calls + r.backward.calls);
+}
+
 // Adds tensor parallelism's bytes per step on one rank of the stage to `g`.
 void add_tp_traffic(Traffic& g, const plan::Config& c, const plan::Layout& l, const PlanBasis& b,
                     const RankEstimate& r, const models::StagePart& part) {
@@ -213,9 +235,14 @@ std::map<std::string, Traffic> stage_traffic(const plan::Config& c, const plan::
   const double mb = static_cast<double>(b.mbs);
   const double own_chunks =
       static_cast<double>(std::max<int64_t>(1, static_cast<int64_t>(part.chunks.size())));
-  if (l.tp > 1) add_tp_traffic(g["tp"], c, l, b, r, part);
+  const auto fp8 = fp8_reduces(c, b, part);
+  if (l.tp > 1) {
+    add_tp_traffic(g["tp"], c, l, b, r, part);
+    add_fp8_traffic(g["tp"], fp8.tp, mb);
+  }
   if (l.cp > 1) {
     add_cp_traffic(g["cp"], c, l, b, r);
+    add_fp8_traffic(g["cp"], fp8.cp, mb);
     add_aux_loss_traffic(g["cp"], c, b, static_cast<double>(moe_layers_in(b.m, part)));
   }
   if (l.pp > 1) {  // activations forward, gradients backward, at every chunk boundary

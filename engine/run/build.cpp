@@ -79,6 +79,14 @@ models::Decoder make_model(const plan::Config& c, const torch::Device& device,
   model->set_recompute(c.training.recompute);
   model->set_kernels(c.training.kernels);
   model->set_lean_logits(c.training.lean_logits, c.training.lean_logits_chunk);
+  if (c.training.fp8 != plan::Fp8::kOff) {
+    const auto [fp8, kept] = model->set_fp8(c.training.fp8);
+    spdlog::info("fp8: {} linear layers of this rank in float8{}", fp8,
+                 kept ? fmt::format("; {} key/value projections replicated over tp (kv_heads < "
+                                    "tp) stay in {}",
+                                    kept, c.training.dtype.name())
+                      : "");
+  }
   model->to(device, dtype);
   torch::NoGradGuard no_grad;
   for (auto& p : model->named_parameters())  // state that is not trained stays fp32
@@ -96,6 +104,44 @@ void configure_device(const plan::Config& c, const torch::Device& on) {
         "deterministic, CUBLAS_WORKSPACE_CONFIG={}, cuDNN's attention last",
         std::getenv("CUBLAS_WORKSPACE_CONFIG"));
   if (!on.is_cuda()) observe::CpuAllocationCounter::get();  // counts the state from its first byte
+}
+
+std::string fp8_matmuls(const plan::Config& c, const torch::Device& device) {
+  const plan::Fp8 recipe = c.training.fp8;
+  if (recipe == plan::Fp8::kOff) return "";
+  const auto m = models::model_shape(c.model);
+  const auto& par = c.parallel;
+  if (device.is_cuda()) {
+    const auto* cuda = device::cuda_module();
+    const int cc = cuda ? cuda->compute_capability(device.has_index() ? device.index() : 0) : 0;
+    if (cc < 89)
+      throw plan::UserError(fmt::format(
+          "{}: training.fp8 {}: float8 matmuls need compute capability 8.9 or newer (Ada, Hopper, "
+          "Blackwell); this GPU has {}.{}: set training.fp8 off",
+          c.source, c.training.fp8.name(), cc / 10, cc % 10));
+    const int64_t kv = m.kv_heads >= par.tp ? m.kv_heads * m.head_dim() / par.tp : 0;
+    const std::pair<const char*, int64_t> dims[] = {
+        {"model.hidden", m.hidden},
+        {"model.hidden / parallel.tp (attention's heads per rank)", m.hidden / par.tp},
+        {"model.kv_heads x head size / parallel.tp", kv},
+        {"model.ffn_hidden / parallel.tp", m.ffn_hidden / par.tp},
+        {"model.moe.shared_experts x model.moe.ffn_hidden / parallel.tp",
+         m.moe.shared * m.moe.ffn_hidden / par.tp},
+        {"training.micro_batch x training.seq_len / parallel.cp (tokens per rank)",
+         c.training.micro_batch * c.training.seq_len / par.cp}};
+    for (const auto& [what, d] : dims)
+      if (d % 16 != 0)
+        throw plan::UserError(fmt::format(
+            "{}: training.fp8 {}: CUDA's float8 matmuls take dimensions that are multiples of "
+            "16; {} is {}",
+            c.source, c.training.fp8.name(), what, d));
+  }
+  return fmt::format(
+      "{}: the blocks' linear layers in float8, {} (inputs and weights e4m3, gradients {}); "
+      "the embedding, head, norms, router and experts in {}",
+      c.training.fp8.name(),
+      recipe == plan::Fp8::kTensorwise ? "one scale per tensor" : "one power-of-two scale per row",
+      recipe == plan::Fp8::kTensorwise ? "e5m2" : "e4m3", c.training.dtype.name());
 }
 
 std::string attention_kernel(const plan::Config& c, const torch::Device& device,

@@ -60,4 +60,9 @@ void load_weights_file(models::Decoder& model, const std::string& path, const st
 std::string attention_kernel(const plan::Config& c, const torch::Device& device,
                              torch::ScalarType dtype);
 
+/// training.fp8 in words for the start-up log ("" when off). Throws UserError where the device
+/// cannot run it: CUDA below compute capability 8.9, or a float8 matmul dimension on a rank (a
+/// layer's local input or output features, a micro-batch's tokens) not a multiple of 16.
+std::string fp8_matmuls(const plan::Config& c, const torch::Device& device);
+
 }  // namespace tessel::run

@@ -32,6 +32,7 @@ Trainer::Trainer(Start start, const parallel::WorldInfo& world)
   // start_run() checked the plan against this node and agreed with every rank.
   configure_device(c_, device_);
   attention_ = attention_kernel(c_, device_, dtype_);
+  fp8_ = fp8_matmuls(c_, device_);
   mesh_ = parallel::Mesh::create(c_, world, device_, std::move(start.store));
   const auto& l = mesh_->layout();
   c_.parallel.dp = l.dp;

@@ -94,6 +94,7 @@ class Trainer {
   std::unique_ptr<parallel::Mesh> mesh_;
   std::string device_why_;  // why this device (the start-up log); before device_, which sets it
   std::string attention_;   // the attention kernel, for the start-up log
+  std::string fp8_;         // training.fp8 in words ("" off), for the start-up log
   torch::Device device_;
   torch::ScalarType dtype_;
   models::Decoder model_{nullptr};

@@ -98,6 +98,7 @@ void Trainer::log_state() const {
       spdlog::info("{} {}: {} | {} samples", data::split_name(s), src.key, src.name, src.samples);
   spdlog::info("device {}: {}", device_.str(), device_why_);
   spdlog::info("attention: {}", attention_);
+  if (!fp8_.empty()) spdlog::info("fp8 {}", fp8_);
   spdlog::info("MFU: {:.3g} GFLOP/token by {}; peak {:.4g} TFLOP/s ({})", flops_per_token_ / 1e9,
                models::kFlopsConvention, peak_.tflops, peak_.source);
 }

@@ -66,6 +66,48 @@ class LinearNoBiasFn : public torch::autograd::Function<LinearNoBiasFn> {
   }
 };
 
+// y = x·wᵀ with its three matmuls in float8; x and w kept as linear's are, with their scales.
+class Fp8LinearFn : public torch::autograd::Function<Fp8LinearFn> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& w, bool deferrable,
+                               const kernels::fp8::Spec* spec) {
+    kernels::fp8::Kept kept;
+    auto y = kernels::fp8::forward(*spec, x.reshape({-1, x.size(-1)}), w, kept);
+    ctx->save_for_backward({x, w, kept.x_scale, kept.w_scale});
+    ctx->saved_data["deferrable"] = deferrable;
+    ctx->saved_data["spec"] = reinterpret_cast<intptr_t>(spec);  // the layer's: outlives backward
+    auto shape = x.sizes().vec();
+    shape.back() = w.size(0);
+    return at::_unsafe_view(y, shape);  // not a view: a tensor-parallel reduction writes into it
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &w = saved[1];
+    const kernels::fp8::Kept kept{saved[2], saved[3]};
+    const auto* spec = reinterpret_cast<const kernels::fp8::Spec*>(
+        static_cast<intptr_t>(ctx->saved_data["spec"].toInt()));
+    const auto& g = grads[0];
+    const auto grad = kernels::fp8::grad_of(*spec, g.reshape({-1, g.size(-1)}));
+    torch::Tensor dx, dw;
+    if (ctx->needs_input_grad(0))
+      dx = kernels::fp8::grad_input(*spec, grad, w, kept).view(x.sizes());
+    if (ctx->needs_input_grad(1)) {
+      auto x2 = x.reshape({-1, x.size(-1)});
+      auto make = [spec, grad, x2, kept, dtype = w.scalar_type()] {
+        return kernels::fp8::grad_weight(*spec, grad, x2, kept).to(dtype);
+      };
+      WeightGrads* store = ctx->saved_data["deferrable"].toBool() ? deferring() : nullptr;
+      if (store && w.is_leaf())
+        store->defer(w, make);
+      else
+        dw = make();
+    }
+    return {dx, dw, torch::Tensor(), torch::Tensor()};
+  }
+};
+
 // W hands a gradient to its parameter as a backward's engine would, without a graph task of its
 // own: the parameter's tensor hooks and its accumulator's pre-hooks on the gradient, the
 // accumulator (which adds it into .grad, stealing it where it can, and runs the post-accumulate
@@ -176,7 +218,11 @@ std::vector<torch::Tensor> backward_input(const torch::autograd::Edge& root,
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
-                     bool deferrable) {
+                     bool deferrable, const kernels::fp8::Spec* fp8) {
+  if (fp8 && fp8->recipe != kernels::fp8::Recipe::kOff) {
+    auto y = Fp8LinearFn::apply(x, w, deferrable, fp8);
+    return b.defined() ? y + b : y;
+  }
   return b.defined() ? LinearFn::apply(x, w, b, deferrable)
                      : LinearNoBiasFn::apply(x, w, deferrable);
 }

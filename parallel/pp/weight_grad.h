@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/kernels/fp8.h"
+
 namespace tessel::parallel::pp {
 
 /// One (micro-batch, chunk)'s weight gradients between its B and its W.
@@ -59,8 +61,10 @@ std::vector<torch::Tensor> backward_input(const torch::autograd::Edge& root,
                                           const std::vector<torch::Tensor>& inputs);
 
 /// y = x·wᵀ + b, as torch's linear, whose weight gradient a zero-bubble B defers to W when
-/// `deferrable` (the head's is not: W would keep the logits' gradient alive).
+/// `deferrable` (the head's is not: W would keep the logits' gradient alive). With `fp8` (its
+/// recipe not off; it outlives the backward) the three matmuls run in float8 (core/kernels/fp8.h)
+/// and b is added after, in x's dtype, as torchao does.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b = {},
-                     bool deferrable = true);
+                     bool deferrable = true, const kernels::fp8::Spec* fp8 = nullptr);
 
 }  // namespace tessel::parallel::pp

@@ -46,13 +46,27 @@ std::vector<std::pair<std::string, Placement>> ColumnParallelLinearImpl::placeme
   return p;
 }
 
+kernels::fp8::Recipe fp8_recipe(plan::Fp8 recipe) {
+  return recipe == plan::Fp8::kTensorwise ? kernels::fp8::Recipe::kTensorwise
+         : recipe == plan::Fp8::kRowwise  ? kernels::fp8::Recipe::kRowwise
+                                          : kernels::fp8::Recipe::kOff;
+}
+
+kernels::fp8::Spec fp8_spec(plan::Fp8 recipe, Group* tokens, Group* in, Group* out) {
+  auto max_over = [](Group* g) -> kernels::fp8::Reduce {
+    if (!g || g->size() == 1) return nullptr;
+    return [g](torch::Tensor& amax) { g->all_reduce(amax, c10d::ReduceOp::MAX).wait(); };
+  };
+  return {fp8_recipe(recipe), max_over(tokens), max_over(in), max_over(out)};
+}
+
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
   return forward_entered(enter(*tp_, x, sp_));
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward_entered(const torch::Tensor& x_full,
                                                         bool add_bias) {
-  return pp::linear(x_full, weight, add_bias ? bias : torch::Tensor(), defer_weight_grad);
+  return pp::linear(x_full, weight, add_bias ? bias : torch::Tensor(), defer_weight_grad, &fp8_);
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(Group& tp, int64_t in, int64_t out, bool with_bias,
@@ -68,7 +82,7 @@ std::vector<std::pair<std::string, Placement>> RowParallelLinearImpl::placements
 }
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
-  auto y = leave_row(*tp_, pp::linear(x, weight), sp_);
+  auto y = leave_row(*tp_, pp::linear(x, weight, {}, true, &fp8_), sp_);
   return bias.defined() ? y + bias : y;
 }
 

@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <functional>
 
+#include "core/kernels/fp8.h"
+#include "core/plan/choices.h"
 #include "parallel/comm.h"
 
 namespace tessel::parallel::tp {
@@ -63,6 +65,13 @@ inline double matmul_bytes(const MatmulBytes& measured, int64_t m, int64_t k, in
                   : w * static_cast<double>(m) * static_cast<double>(n);
 }
 
+/// A linear layer's float8 scaling (training.fp8): its recipe, and each amax completed over the
+/// group that splits its axis. `tokens`: the group splitting a micro-batch's tokens (context
+/// parallelism), null for none; the layer adds its own tensor-parallel axis.
+kernels::fp8::Spec fp8_spec(plan::Fp8 recipe, Group* tokens, Group* in, Group* out);
+/// The plan's recipe as the kernels name it.
+kernels::fp8::Recipe fp8_recipe(plan::Fp8 recipe);
+
 /// Input of a column-parallel region: x [b, s, h] replicated (copy_to: all-reduce in backward),
 /// or with SP x [b, s/t, h] all-gathered along the sequence (reduce-scatter in backward).
 torch::Tensor enter(Group& tp, const torch::Tensor& x, bool sequence_parallel);
@@ -80,6 +89,8 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public Placed {
   Shard weight_shard() const { return {0, tp_->size(), tp_->rank()}; }
   /// Zero-bubble pipelines: its weight gradient may wait for W (parallel/pp/weight_grad.h).
   bool defer_weight_grad = true;
+  /// training.fp8: its matmuls in float8 (its output features split over tp); `tokens` as fp8_spec.
+  void set_fp8(plan::Fp8 recipe, Group* tokens) { fp8_ = fp8_spec(recipe, tokens, nullptr, tp_); }
   /// weight and bias split along the output features.
   std::vector<std::pair<std::string, Placement>> placements() const override;
   /// Sequence parallelism: elements per token and unit of its input's width it keeps for its
@@ -92,6 +103,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public Placed {
   Group* tp_;
   bool sp_;
   int64_t true_out_;
+  kernels::fp8::Spec fp8_;
 };
 TORCH_MODULE(ColumnParallelLinear);
 
@@ -101,6 +113,8 @@ class RowParallelLinearImpl : public torch::nn::Module, public Placed {
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight, bias;  // bias is replicated: added once, after the reduction
   Shard weight_shard() const { return {1, tp_->size(), tp_->rank()}; }
+  /// training.fp8: its matmuls in float8 (its input features split over tp); `tokens` as fp8_spec.
+  void set_fp8(plan::Fp8 recipe, Group* tokens) { fp8_ = fp8_spec(recipe, tokens, tp_, nullptr); }
   /// weight split along the input features; bias replicated.
   std::vector<std::pair<std::string, Placement>> placements() const override;
   /// Bytes its backward holds at once over `tokens` rows, its input `in_local` wide on this rank
@@ -112,19 +126,25 @@ class RowParallelLinearImpl : public torch::nn::Module, public Placed {
   struct BackwardBytes {
     double input, weight, both;
   };
+  /// `fp8` (training.fp8): each matmul also holds the output gradient's cast (its fp8 copy) and
+  /// the cast of its other operand being made (kernels::fp8::cast_bytes).
   static BackwardBytes backward_bytes(double tokens, double in_local, double out, double w, bool sp,
-                                      const MatmulBytes& matmul) {
+                                      const MatmulBytes& matmul, bool fp8 = false) {
     const auto t = static_cast<int64_t>(tokens), i = static_cast<int64_t>(in_local),
                o = static_cast<int64_t>(out);
     const double gathered = sp ? w * tokens * out : 0.0;
-    const double input = matmul_bytes(matmul, t, o, i, false, w);
-    const double weight = matmul_bytes(matmul, o, t, i, true, w);
+    const double g8 = fp8 ? tokens * out : 0.0;
+    const double input = matmul_bytes(matmul, t, o, i, false, w) + g8 +
+                         (fp8 ? kernels::fp8::cast_bytes(out * in_local, w) : 0.0);
+    const double weight = matmul_bytes(matmul, o, t, i, true, w) + g8 +
+                          (fp8 ? kernels::fp8::cast_bytes(tokens * in_local, w) : 0.0);
     return {input + gathered, weight, std::max(input, w * tokens * in_local + weight) + gathered};
   }
 
  private:
   Group* tp_;
   bool sp_;
+  kernels::fp8::Spec fp8_;
 };
 TORCH_MODULE(RowParallelLinear);
 

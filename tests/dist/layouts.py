@@ -35,6 +35,16 @@ DRIFT = {"steps": 20}
 # The cosine decay ends at MIN_LR, not 0: the last step's update reaches the exported weights.
 MIN_LR = 3e-4
 
+# training.fp8 rows: step 1 within FP8_FIRST_STEP (the same weights and scales: its forward
+# differs from one process's only in fp32 summation order), every step within FP8_TOL's 2e-3.
+# fp8 rounds to steps of 2^-3 (e4m3) and 2^-2 (e5m2) of a value: an fp32 difference of a layout's
+# summation order (1e-7 relative) moves a few of a step's elements across a rounding boundary, each
+# by a whole step, and Adam carries that on (measured up to 8.6e-4 over these 8 steps, 2026-11-30;
+# a pipeline, which splits no sum, is bitwise); the weights drift apart likewise (not compared).
+# Each split layer's scales are held exactly by tessel-dist-tests' Fp8Layers (1e-6 of one device).
+FP8_TOL = (2e-3, None)
+FP8_FIRST_STEP = 1e-6
+
 # Each base: the plan's sections over tests/reference/plans.py's base_plan, and its token data.
 BASES = {
     "dp": {"data": {"n": 6000, "vocab": 300, "period": 37},
@@ -85,6 +95,18 @@ BASES = {
     # the same data with no loss on the token after each end of document as well (data.eod_mask_loss,
     # Megatron's --eod-mask-loss: about one target in eight unscored, a different count per
     # micro-batch), evaluated
+    # training.fp8: dimensions multiples of 16 on every rank, as CUDA's float8 matmuls take them
+    # (hidden 64, heads of 16, ffn 128; 32 tokens a micro-batch, 16 per cp rank); fp8_gpt2: GPT-2's
+    # (no grouped-query attention; biases); fp8_moe: four experts in every second layer (the
+    # experts stay fp32)
+    **{name: {"data": {"n": 12000, "vocab": 301, "period": 41},
+              "model": {"vocab_size": 301, "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2,
+                        "ffn_hidden": 128, **model},
+              "training": {"steps": STEPS, "global_batch": 8, "micro_batch": 1, "seq_len": 32,
+                           "optimizer": {"lr": 3e-3}, "schedule": {"warmup_steps": 3, "min_lr": MIN_LR},
+                           "grad_clip": 0.5}}
+       for name, model in (("fp8", {}), ("fp8_gpt2", {"kv_heads": 4}),
+                           ("fp8_moe", {"moe": {"experts": 4, "top_k": 2, "ffn_hidden": 32, "every": 2}}))},
     "eodmask": {"data": {"n": 8000, "vocab": 301, "period": 41, "eod": 300, "val_fraction": 0.1, "mask_loss": True},
                 "model": {"vocab_size": 301, "layers": 4},
                 "training": {"steps": STEPS, "global_batch": 8, "micro_batch": 1, "seq_len": 32,
@@ -261,6 +283,20 @@ LAYOUTS = [
     # planner figures come from its form alone (models/mlp_relu2.cpp)
     Row("relu2_tp2_sp_gpt2", "relu2", "gpt2", 2, {"tp": 2, **SP}),
     Row("relu2_pp2_1f1b_gpt2", "relu2", "gpt2", 2, pipe(2, "1f1b")),
+    # training.fp8 (core/kernels/fp8.h) against one process in fp8: every amax completed over the
+    # ranks that split its tensor, so the scales are the single process's (FP8_TOL)
+    *[Row(f"fp8_{recipe}_{name}_{arch}", base, arch, world, par, {"fp8": recipe}, tol=FP8_TOL)
+      for recipe, name, base, arch, world, par in (
+          ("tensorwise", "tp2_sp", "fp8", "llama", 2, {"tp": 2, **SP}),
+          ("tensorwise", "tp2", "fp8_gpt2", "gpt2", 2, {"tp": 2}),
+          ("tensorwise", "zero1_dp2", "fp8", "llama", 2, {"dp": 2, "zero": 1}),
+          ("tensorwise", "zero3_dp2", "fp8", "llama", 2, {"dp": 2, "zero": 3}),
+          ("tensorwise", "pp2_1f1b", "fp8", "llama", 2, pipe(2, "1f1b")),
+          ("tensorwise", "cp2_ring", "fp8", "llama", 2, {"cp": 2, "context": {"method": "ring"}}),
+          ("tensorwise", "moe_ep2_dp2", "fp8_moe", "llama", 2, {"dp": 2, "ep": 2}),
+          ("rowwise", "tp2_sp", "fp8", "llama", 2, {"tp": 2, **SP}),
+          ("rowwise", "cp2_ring", "fp8", "llama", 2, {"cp": 2, "context": {"method": "ring"}}),
+          ("rowwise", "pp2_zbv", "fp8", "llama", 2, pipe(2, "zbv", 2)))],
     # one process on two threads: four micro-batches run two at a time (training.microbatch_pairs)
     # against the reference's one at a time on one thread
     *[Row(f"microbatch_pairs_{arch}", "dp", arch, 1, {}, {"threads": 2}) for arch in ("gpt2", "llama")],

@@ -14,7 +14,7 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
 from plans import BIN, base_plan, launch_plan, read_metrics, rel, spawn_ranks, write_tokens  # noqa: E402
-from layouts import BASES, BY_ID, Row  # noqa: E402
+from layouts import BASES, BY_ID, FP8_FIRST_STEP, Row  # noqa: E402
 
 CACHE = os.environ.get("TESSEL_PARITY_CACHE", os.path.join(BIN, "..", "parity-cache"))
 
@@ -166,6 +166,9 @@ class Parity(unittest.TestCase):
         if steps >= 20:  # the drift rows (layouts.DRIFT_ROWS)
             self.assertLess(ref["loss"][-1], ref["loss"][0] - 0.3, "the reference's loss must fall")
         loss_tol, weight_tol = row.tol
+        if row.training.get("fp8", "off") != "off":  # step 1: the same weights, the same scales
+            self.assertLess(rel(got["loss"][0], ref["loss"][0]), FP8_FIRST_STEP,
+                            f"{what}: step 1 {got['loss'][0]} vs {ref['loss'][0]}")
         worst = max(rel(a, b) for a, b in zip(got["loss"], ref["loss"], strict=True))
         self.assertLess(worst, loss_tol, f"{what}: losses {got['loss']} vs {ref['loss']}")
         self.assertEqual(len(got["val"]), len(ref["val"]), what)

@@ -53,6 +53,33 @@ class PlanChecks(TmpDirTest):
         self.assertTrue(all(float(u[0]) >= 0 for u in units), units)
         self.assertTrue(all(float(u[2]) == 712.08 for u in units), units)
 
+    def test_fp8_runs_its_linear_layers_at_the_fp8_peak(self):
+        # training.fp8: the blocks' linear layers' FLOPs (their declarations, models/flops.h) at
+        # the card's dense fp8 peak, the rest at bf16's; MFU against the fp8 peak, named; a card
+        # without float8 tensor cores refused.
+        import json
+        root = os.environ.get("TESSEL_ROOT", os.path.join(os.path.dirname(__file__), "../.."))
+        got = {}
+        for fp8 in ("off", "tensorwise"):
+            out = self.path(f"{fp8}.json")
+            p = run("tessel-train", os.path.join(root, "configs", "llama3-8b.yaml"), "--dry-run", "--world-size", 64,
+                    "--device-profile", "h100", "--plan-json", out, "--set", f"training.fp8={fp8}")
+            with open(out) as f:
+                got[fp8] = (json.load(f), p.stdout)
+        h, kv, f, layers, tokens = 4096, 1024, 14336, 32, 256 * 8192  # configs/llama3-8b.yaml
+        plan8, out8 = got["tensorwise"]
+        self.assertEqual(got["off"][0]["fp8_flops_per_step"], 0)
+        # q, k, v, o and the three SwiGLU matrices of every layer, 6 FLOPs per weight and token
+        self.assertAlmostEqual(plan8["fp8_flops_per_step"] / (6 * layers * (2 * h * h + 2 * h * kv + 3 * h * f) * tokens),
+                               1.0, places=12)
+        self.assertEqual(plan8["flops_per_step"], got["off"][0]["flops_per_step"])  # MFU counts the same FLOPs
+        self.assertLess(plan8["step_s"], got["off"][0]["step_s"])
+        self.assertIn("h100 (1979 TFLOP/s dense fp8 (training.fp8) peak", out8)
+        p = run("tessel-train", os.path.join(root, "configs", "llama3-8b.yaml"), "--dry-run", "--world-size", 64,
+                "--device-profile", "a100", "--set", "training.fp8=rowwise", check=False)
+        self.assertEqual(p.returncode, 2, p.stdout)
+        self.assertIn("training.fp8 rowwise: the device profile a100 has no float8 peak (fp8_tflops", p.stderr)
+
     def test_dry_run_prints_the_grid(self):
         plan = self.plan({"training": {"global_batch": 8, "micro_batch": 1}})
         brief = run("tessel-train", plan, "--dry-run", "--world-size", 4).stdout

@@ -15,6 +15,8 @@ on one whose GPUs torch cannot use (an old driver, CUDA_VISIBLE_DEVICES empty).
   - A run resumed from its step-10 checkpoint matches the uninterrupted run bitwise.
   - training.cuda_graph: the captured, replayed step against eager steps, one GPU and dp=2.
   - A mixture of experts on CUDA: bf16, fp32, and three data ranks under ZeRO-1 and ZeRO-2.
+  - training.fp8 on CUDA: tensorwise fp32 against the CPU's within 1e-3, tensorwise and rowwise
+    bf16 within 3e-2; a dimension that is not a multiple of 16 refused.
 """
 import json
 import os
@@ -59,7 +61,7 @@ class Nccl(unittest.TestCase):
 
 
 class DefaultPlan(TmpDirTest):
-    def train(self, name, device, dtype, steps=STEPS):
+    def train(self, name, device, dtype, steps=STEPS, extra=()):
         out = self.path(name)
         # A fixed token stream, not the plan's own data (this repository's sources: they change
         # with every commit, and on some of them the run spikes, which magnifies rounding).
@@ -69,7 +71,7 @@ class DefaultPlan(TmpDirTest):
         sets = [f"run.output_dir={out}", f"training.steps={steps}", f"training.device={device}",
                 f"training.dtype={dtype}", "training.tf32=false", "training.schedule.warmup_steps=5",
                 "training.eval_every=0", "logging.every=1", "data.format=tokens", f"data.path=[{data}]",
-                "checkpoint.every=0", "checkpoint.resume=never"]
+                "checkpoint.every=0", "checkpoint.resume=never", *extra]
         cmd = [os.path.join(BIN, "tessel-train"), "configs/default.yaml"] + [a for s in sets for a in ("--set", s)]
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
         self.assertEqual(p.returncode, 0, f"{cmd}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
@@ -88,6 +90,29 @@ class DefaultPlan(TmpDirTest):
             self.assertLess(worst32, 1e-5, f"{fp32} vs {cpu}")
         with self.subTest("bf16"):
             self.assertLess(worst16, 3e-2, f"{bf16} vs {cpu}")
+
+    def test_fp8_on_cuda(self):
+        # training.fp8 through at::_scaled_mm: tensorwise in fp32 against the CPU's tensorwise run
+        # (the same casts; cuBLASLt sums in another order, and a value crossing an e4m3 rounding
+        # boundary moves by a whole step: 1e-3), and both recipes in bf16 within bf16's 3e-2.
+        cpu = self.train("cpu_fp8", "cpu", "fp32", extra=["training.fp8=tensorwise"])
+        fp32 = self.train("cuda_fp8_fp32", "cuda", "fp32", extra=["training.fp8=tensorwise"])
+        worst = {"fp32 tensorwise": max(rel(a, b) for a, b in zip(fp32, cpu, strict=True))}
+        for recipe in ("tensorwise", "rowwise"):
+            bf16 = self.train(f"cuda_fp8_{recipe}", "cuda", "bf16", extra=[f"training.fp8={recipe}"])
+            worst[f"bf16 {recipe}"] = max(rel(a, b) for a, b in zip(bf16, cpu, strict=True))
+        print(f"\ndefault.yaml fp8 on CUDA against the CPU's fp32 tensorwise run, worst rel: {worst}", file=sys.stderr)
+        self.assertLess(worst["fp32 tensorwise"], 1e-3)
+        self.assertLess(worst["bf16 tensorwise"], 3e-2)
+        self.assertLess(worst["bf16 rowwise"], 3e-2)
+        # A dimension CUDA's float8 matmuls cannot take is refused before anything runs.
+        cmd = [os.path.join(BIN, "tessel-train"), "configs/default.yaml", "--set", "training.device=cuda",
+               "--set", "training.fp8=tensorwise", "--set", "training.micro_batch=1", "--set", "training.seq_len=24",
+               "--set", "training.global_batch=16", "--set", f"run.output_dir={self.path('refused')}"]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn("CUDA's float8 matmuls take dimensions that are multiples of 16; training.micro_batch x "
+                      "training.seq_len / parallel.cp (tokens per rank) is 24", p.stderr)
 
     def test_cpu_run_repeats_bitwise_under_load(self):
         """The CPU side of the GPU host (an Intel Xeon where oneMKL takes its AVX-512 branch, which

@@ -158,6 +158,8 @@ cd '{share}'
             report = f.read()
         self.assertIn("skipped (no GPU)", report)
         self.assertIn("| Tessel vs PyTorch eager vs torch.compile (bench/gpu_bench.py) | passed |", report)
+        self.assertIn("| float8: Tessel vs torchao + torch.compile (bench/fp8_bench.py) | passed |", report)
+        self.assertIn("| tessel tensorwise |", report)
         print(f"\nbundle as uid {'65534' if os.getuid() == 0 else os.getuid()}: {STEPS} steps within {worst:.1e} "
               f"of the build tree's; gpu-check.sh ran its CPU dry path", file=sys.stderr)
 
