@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "engine/cli/cli_checks.h"
+#include "engine/cli/exit.h"
 #include "launcher/launch.h"
 
 namespace {
@@ -64,9 +65,7 @@ void choose_port_and_job(tessel::launcher::Options& o, bool port_given) {
   }
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int launch(int argc, char** argv) {
   tessel::launcher::Options o;
   CLI::App app{
       "tessel-launch: start and supervise the workers of one node (torchrun's environment "
@@ -124,3 +123,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 }
+
+}  // namespace
+
+int main(int argc, char** argv) { tessel::cli::exit_without_teardown(launch(argc, argv)); }

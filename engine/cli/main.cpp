@@ -22,6 +22,7 @@
 #include "core/plan/config.h"
 #include "engine/checkpoint/checkpoint.h"
 #include "engine/cli/cli_checks.h"
+#include "engine/cli/exit.h"
 #include "engine/cli/fork_ranks.h"
 #include "engine/data/dataset.h"
 #include "engine/io/safetensors.h"
@@ -414,21 +415,8 @@ int run_samples(int argc, char** argv) {
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  tessel::cli::fork_ranks_if_asked();       // tests: returns in each forked rank (fork_ranks.h)
-  tessel::device::reproducible_cpu_blas();  // before any tensor: oneMKL reads it at its first call
-  spdlog::set_pattern("[%H:%M:%S] %v");
-  // c10d warns about every rendezvous retry (a rank waiting for rank 0 to come up) with a C++
-  // backtrace; errors stay. TORCH_CPP_LOG_LEVEL=INFO or WARNING brings the warnings back.
-  if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = 2;
-  // Under a launcher, say which rank failed (the launcher also prefixes every line).
-  const char* rank = std::getenv("RANK");
-  const std::string who = rank ? std::string("tessel-train[rank ") + rank + "]" : "tessel-train";
-  tessel::observe::install_crash_report(who);
-  // Tests: a fatal signal here, as a crash anywhere would meet the report.
-  if (const char* s = std::getenv("TESSEL_TEST_FATAL_SIGNAL")) std::raise(std::atoi(s));
+// The command's exit status; every error becomes one message here.
+int run_command(int argc, char** argv, const std::string& who) {
   const std::string cmd = argc > 1 ? argv[1] : "";
   try {
     if (cmd == "score") return run_score(argc - 1, argv + 1);
@@ -449,4 +437,22 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
     return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tessel::cli::fork_ranks_if_asked();       // tests: returns in each forked rank (fork_ranks.h)
+  tessel::device::reproducible_cpu_blas();  // before any tensor: oneMKL reads it at its first call
+  spdlog::set_pattern("[%H:%M:%S] %v");
+  // c10d warns about every rendezvous retry (a rank waiting for rank 0 to come up) with a C++
+  // backtrace; errors stay. TORCH_CPP_LOG_LEVEL=INFO or WARNING brings the warnings back.
+  if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = 2;
+  // Under a launcher, say which rank failed (the launcher also prefixes every line).
+  const char* rank = std::getenv("RANK");
+  const std::string who = rank ? std::string("tessel-train[rank ") + rank + "]" : "tessel-train";
+  tessel::observe::install_crash_report(who);
+  // Tests: a fatal signal here, as a crash anywhere would meet the report.
+  if (const char* s = std::getenv("TESSEL_TEST_FATAL_SIGNAL")) std::raise(std::atoi(s));
+  tessel::cli::exit_without_teardown(run_command(argc, argv, who));
 }
