@@ -99,7 +99,7 @@ struct TrainingConfig {
   bool deterministic;   // deterministic kernels (PyTorch's deterministic algorithms)
   Choice<Recompute> recompute;  // activation checkpointing
   Choice<Kernels> kernels;      // Tessel's own fused kernels where they apply, or LibTorch's
-  Choice<Fp8> fp8;  // the blocks' linear layers in float8 (core/kernels/fp8.h), or not (off)
+  Choice<Fp8> fp8;   // the blocks' linear layers in float8 (core/kernels/fp8.h), or not (off)
   bool lean_logits;  // head fused with the loss, in chunks of tokens (parallel/tp/head_loss.h)
   int64_t
       lean_logits_chunk;  // tokens per chunk; 0: at most 64 MiB (CPU), 1 GiB (GPU) of fp32 logits

@@ -91,7 +91,7 @@ struct PlanEstimate {
   int64_t world = 0, params_total = 0;
   double flops_per_step = 0;  // model FLOPs of the global batch (PaLM convention, as metrics)
   double recompute_flops_per_step = 0;  // the forward work recomputation reruns (not in MFU)
-  double fp8_flops_per_step = 0;  // of flops_per_step, in float8 matmuls (training.fp8)
+  double fp8_flops_per_step = 0;        // of flops_per_step, in float8 matmuls (training.fp8)
   // data.document_mask: the share of causal attention work kept (measured on the first training
   // samples; flops_per_step counts that share of the attention term), and the FLOPs it saves.
   double attention_share = 1, attention_flops_saved_per_step = 0;
