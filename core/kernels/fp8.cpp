@@ -2,8 +2,6 @@
 
 #include <ATen/ATen.h>
 
-#include <limits>
-
 namespace tessel::kernels::fp8 {
 namespace {
 
@@ -98,9 +96,8 @@ torch::Tensor grad_weight(const Spec& s, const Grad& g, const torch::Tensor& x, 
 
 LinearReduces linear_reduces(Recipe recipe, double tokens, double in, double out) {
   if (recipe == Recipe::kOff) return {};
-  if (recipe ==
-      Recipe::kTensorwise)  // one scalar per cast: x (tokens, in), w (out, in); g (tokens, out)
-    return {{{1, 1}, {1, 1}}, {{2, 2}, {}}, {{1, 1}, {1, 1}}};
+  // tensorwise: one scalar per cast, x over (tokens, in), w over (out, in), g over (tokens, out)
+  if (recipe == Recipe::kTensorwise) return {{{1, 1}, {1, 1}}, {{2, 2}, {}}, {{1, 1}, {1, 1}}};
   // rowwise: x per token and w per output feature over in; g per token and w per input feature
   // over out; g per output feature and x per input feature over the tokens.
   return {{{}, {out + in, 2}}, {{tokens + out, 2}, {}}, {{}, {tokens + in, 2}}};
